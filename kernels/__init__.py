@@ -1,0 +1,5 @@
+"""Hot-spot kernels and their dispatch: attention (SDPA or a plain eager reference; Triton
+flash attention where it can run) with a plain-PyTorch fallback for every kernel."""
+from kernels.attention import ATTENTION_IMPLS, attention
+
+__all__ = ["ATTENTION_IMPLS", "attention"]

@@ -1,0 +1,182 @@
+"""One decoder-only transformer for both families in PAPER.md.
+
+GPT: LayerNorm, GELU MLP (4h), learned (or rotary) positions, biases, untied output.
+Llama: RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no biases.
+The fields of ModelArgs pick the parts; there is no `if family` anywhere below.
+
+The model holds no process groups: parallelism is applied from outside (parallel/). It is built
+on the meta device and then materialized with `to_empty` + `init_weights`, which gives the same
+values for the same seed whatever happens between the two.
+"""
+import math
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels import attention
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    n_layers: int
+    dim: int
+    n_heads: int
+    vocab_size: int
+    max_seq_len: int
+    n_kv_heads: int | None = None  # None: as many as query heads (plain multi-head attention)
+    ffn_dim: int | None = None  # None: 4 * dim
+    norm: str = "rmsnorm"  # rmsnorm | layernorm
+    norm_eps: float = 1e-5
+    mlp: str = "swiglu"  # swiglu | gelu (tanh approximation, as GPT-2 and Megatron's fused bias-GeLU)
+    positions: str = "rope"  # rope | learned
+    rope_theta: float = 10000.0
+    bias: bool = False
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention_impl: str = "sdpa"  # filled from the `kernels` config section
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        return self.ffn_dim or 4 * self.dim
+
+
+def build_norm(args: ModelArgs) -> nn.Module:
+    if args.norm == "layernorm":
+        return nn.LayerNorm(args.dim, eps=args.norm_eps, bias=args.bias)
+    return nn.RMSNorm(args.dim, eps=args.norm_eps)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """cos and sin of the rotary angles, shape (2, max_seq_len, head_dim), half-split layout."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.stack([angles.cos(), angles.sin()])
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate x (batch, heads, seq, head_dim) by the first `seq` positions of the cache.
+
+    The half-split ("rotate_half") convention is the one Hugging Face Llama checkpoints use,
+    so weights move between the two without permuting rows.
+    """
+    cos, sin = rope[0, : x.shape[-2]].to(x.dtype), rope[1, : x.shape[-2]].to(x.dtype)
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.impl = args.attention_impl
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.bias)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.bias)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.bias)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.bias)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        # -1 instead of the head count: under tensor parallelism each rank holds a slice of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = attention(q, k, v, impl=self.impl, causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (w2(silu(w1 x) * w3 x)) or GELU (w2(gelu(w1 x))); w3 exists only for SwiGLU."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gated = args.mlp == "swiglu"
+        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=args.bias)
+        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=args.bias)
+        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=args.bias) if self.gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = build_norm(args)
+        self.attention = Attention(args)
+        self.ffn_norm = build_norm(args)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """tokens (batch, seq) -> logits (batch, seq, vocab).
+
+    Layers live in a ModuleDict keyed by their index, and every top-level part may be None, so a
+    pipeline stage can delete what it does not own while parameter names stay global.
+    """
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim) if args.positions == "learned" else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = build_norm(args)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        if args.positions == "rope":
+            self.register_buffer("rope", rope_cache(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+        else:
+            self.rope = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.pos_embeddings is not None:
+            h = h + self.pos_embeddings(torch.arange(h.shape[1], device=h.device))
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter from `seed` in a fixed order, wherever and however it is stored.
+
+        GPT-2 scheme: normal(0, init_std) for weights, the residual-branch output projections
+        scaled by 1/sqrt(2 * n_layers), zero biases, unit norm weights. Each parameter draws from
+        its own stream, seeded by (seed, name), so a pipeline stage that holds only some of the
+        parameters gets the same values for them as the whole model does.
+        """
+        std, out_std = self.args.init_std, self.args.init_std / math.sqrt(2 * self.args.n_layers)
+        with torch.random.fork_rng(devices=[]):
+            for name, param in self.named_parameters():
+                if name.endswith("bias"):
+                    nn.init.zeros_(param)
+                elif "norm" in name:
+                    nn.init.ones_(param)
+                else:
+                    torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                    nn.init.normal_(param, 0.0, out_std if name.endswith(("wo.weight", "w2.weight")) else std)
+        if self.rope is not None:
+            self.rope = rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=self.rope.device)

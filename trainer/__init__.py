@@ -1,0 +1,2 @@
+"""The program a user runs: CLI, config, launch environment, data, optimizer, training loop,
+metrics and checkpoints."""

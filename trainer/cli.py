@@ -1,0 +1,38 @@
+"""The `trillion` command: `trillion <command> [args]`. User errors print one paragraph (no
+traceback) and exit with status 2."""
+import importlib
+import logging
+import os
+import sys
+
+from trainer.errors import ConfigError
+
+# command -> (module with `main(argv) -> int`, one-line summary)
+COMMANDS = {
+    "train": ("trainer.train_cli", "train a model: trillion train [--config FILE] [--section.field=value ...]"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: trillion <command> [args]", "", "commands:"]
+    lines += [f"  {name:10s} {summary}" for name, (_, summary) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"trillion: unknown command {argv[0]!r}.\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    try:
+        return module.main(argv[1:])
+    except ConfigError as error:
+        print(f"trillion {argv[0]}: {error}", file=sys.stderr)
+        return 2

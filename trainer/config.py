@@ -1,0 +1,264 @@
+"""The run's configuration: one small dataclass per component, loaded from TOML and overridden
+from the command line (`--section.field=value`), checked before any work starts.
+
+Every field carries its documentation (`doc(...)`), which `trillion train --help` prints.
+Each component receives only its own section, never the whole Config.
+"""
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainer.errors import ConfigError
+
+
+def doc(default, text: str):
+    """A dataclass field with a default and the help text `--help` shows."""
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class Job:
+    output_dir: str = doc("outputs/default", "Run directory: resolved config, metrics.jsonl, checkpoints/, wandb/.")
+    seed: int = doc(0, "Seed of weight init and data order; the same seed gives the same run whatever the layout.")
+    device: str = doc("auto", "auto (the GPU when there is one, else CPU) | cpu | cuda (NVIDIA and AMD ROCm).")
+
+
+@dataclass
+class Model:
+    name: str = doc("debug", "Preset: debug, debug-gpt, gpt-125m, gpt-1.4b, gpt-22b, gpt-175b, gpt-1t, llama3-1b, llama3-8b, llama3-70b, llama3-405b.")
+    n_layers: int = doc(0, "Override the preset's layer count (0 = keep).")
+    dim: int = doc(0, "Override the preset's hidden size (0 = keep).")
+    n_heads: int = doc(0, "Override the preset's query heads (0 = keep).")
+    n_kv_heads: int = doc(0, "Override the preset's key/value heads (0 = keep).")
+    ffn_dim: int = doc(0, "Override the preset's MLP width (0 = keep).")
+    vocab_size: int = doc(0, "Override the preset's vocabulary size (0 = keep); must hold the tokenizer's ids.")
+
+
+@dataclass
+class Data:
+    path: str = doc("", "Local file or folder (json, jsonl, txt, parquet). Empty with no `name`: the embedded default corpus (this Python's standard-library sources).")
+    name: str = doc("", "Hugging Face hub dataset name (needs a network), e.g. allenai/c4.")
+    config_name: str = doc("", "Hub dataset configuration (the second argument of load_dataset), e.g. en.")
+    split: str = doc("train", "Dataset split.")
+    text_field: str = doc("text", "Column holding the document text.")
+    streaming: bool = doc(False, "Stream the dataset instead of loading it whole (hub datasets, large local ones).")
+
+
+@dataclass
+class Tokenizer:
+    kind: str = doc("byte", "byte (no files: UTF-8 bytes + EOS) | hf (a tokenizer.json) | tiktoken (a BPE ranks file).")
+    path: str = doc("", "tokenizer.json for hf, the .tiktoken ranks file for tiktoken.")
+    eos_token: str = doc("", "End-of-document token text (hf, tiktoken); empty: the tokenizer's own EOS, or <|endoftext|>.")
+
+
+@dataclass
+class Training:
+    steps: int = doc(200, "Optimizer steps of the whole run (the LR schedule follows it).")
+    global_batch_size: int = doc(8, "Sequences per optimizer step, summed over all data-parallel ranks.")
+    micro_batch_size: int = doc(8, "Sequences per forward/backward on one data-parallel rank; micro-batches per step = global / (micro * data-parallel ranks).")
+    seq_len: int = doc(256, "Tokens per sequence (at most the model's max_seq_len).")
+    dtype: str = doc("auto", "auto (bf16 on GPUs, fp32 on CPU) | bf16 | fp16 (dynamic loss scaling, as the paper) | fp32.")
+    max_grad_norm: float = doc(1.0, "Clip the total gradient norm to this (0 = no clipping).")
+    exit_interval: int = doc(0, "Stop cleanly (checkpoint, exit 0) after this many steps of this job (0 = run to `steps`).")
+
+
+@dataclass
+class Optimizer:
+    name: str = doc("adamw", "Optimizer; only adamw for now.")
+    lr: float = doc(3e-3, "Peak learning rate.")
+    beta1: float = doc(0.9, "AdamW beta1.")
+    beta2: float = doc(0.95, "AdamW beta2.")
+    eps: float = doc(1e-8, "AdamW epsilon.")
+    weight_decay: float = doc(0.1, "Decoupled weight decay of matrices (never of norms, biases and embeddings).")
+    implementation: str = doc("auto", "auto (fused on GPUs, foreach otherwise) | fused | foreach | for-loop.")
+
+
+@dataclass
+class LRSchedule:
+    name: str = doc("cosine", "cosine | linear | wsd (warmup-stable-decay) | constant; all after linear warmup.")
+    warmup_steps: int = doc(20, "Steps of linear warmup from 0 to the peak LR.")
+    min_lr_ratio: float = doc(0.1, "Final LR as a fraction of the peak.")
+    decay_ratio: float = doc(0.2, "wsd only: share of the steps spent in the final linear decay.")
+
+
+@dataclass
+class Checkpoint:
+    interval: int = doc(0, "Save every N steps (0 = only the final checkpoint).")
+    keep_latest: int = doc(2, "Keep this many newest checkpoints (0 = keep all).")
+    async_mode: str = doc("disabled", "disabled | async: write in the background while training goes on.")
+    initial_load: str = doc("", "Start from these weights (a checkpoint step directory).")
+    save_final: bool = doc(True, "Save a checkpoint after the last step.")
+
+
+@dataclass
+class Metrics:
+    log_freq: int = doc(10, "Log metrics every N steps (and the first and last).")
+    peak_tflops: float = doc(0.0, "Peak dense TFLOP/s per device for MFU (0 = look the device up; unknown devices get no MFU).")
+
+
+@dataclass
+class Logging:
+    wandb: bool = doc(True, "Write a Weights & Biases run: online when a project or API key is configured, offline otherwise.")
+    wandb_project: str = doc("", "W&B project (or WANDB_PROJECT); setting it, or WANDB_API_KEY, makes the run online.")
+    wandb_entity: str = doc("", "W&B entity (team or user).")
+    wandb_run_name: str = doc("", "W&B run name (default: the output directory's name).")
+    tensorboard: bool = doc(False, "Also write TensorBoard event files under <output_dir>/tensorboard (needs `tensorboard`).")
+    progress_bar: str = doc("auto", "auto (a live bar on a terminal, log lines otherwise) | bar | lines.")
+
+
+@dataclass
+class Parallel:
+    dp_replicate: int = doc(1, "Data-parallel replicas (DDP/HSDP outer dimension).")
+    dp_shard: int = doc(-1, "Sharded data parallelism (FSDP2) degree; -1 = what the world size leaves.")
+    dp_shard_mode: str = doc("zero3", "zero1 | zero2 | zero3: what FSDP keeps sharded between uses.")
+    tp: int = doc(1, "Tensor-parallel degree (keep inside a node).")
+    pp: int = doc(1, "Pipeline-parallel degree.")
+    pp_schedule: str = doc("1F1B", "Pipeline schedule name from torch.distributed.pipelining.")
+    cp: int = doc(1, "Context-parallel degree.")
+    activation_checkpoint: str = doc("none", "none | full | selective.")
+
+
+@dataclass
+class Kernels:
+    attention: str = doc("sdpa", "sdpa (PyTorch scaled_dot_product_attention) | eager (plain reference).")
+    norm: str = doc("torch", "torch (PyTorch's LayerNorm/RMSNorm).")
+
+
+@dataclass
+class Compile:
+    enabled: bool = doc(False, "torch.compile each transformer block.")
+
+
+@dataclass
+class Profiling:
+    enabled: bool = doc(False, "Write torch.profiler traces.")
+
+
+@dataclass
+class Config:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    data: Data = field(default_factory=Data)
+    tokenizer: Tokenizer = field(default_factory=Tokenizer)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    logging: Logging = field(default_factory=Logging)
+    parallel: Parallel = field(default_factory=Parallel)
+    kernels: Kernels = field(default_factory=Kernels)
+    compile: Compile = field(default_factory=Compile)
+    profiling: Profiling = field(default_factory=Profiling)
+
+
+def _coerce(value, kind, where: str):
+    """Turn a TOML value or a CLI string into the field's type, or say what was expected."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    if isinstance(value, str) and kind is not str:
+        text = value.strip()
+        if kind is bool:
+            if text.lower() in ("true", "1", "yes", "on"):
+                return True
+            if text.lower() in ("false", "0", "no", "off"):
+                return False
+        else:
+            try:
+                return kind(text)
+            except ValueError:
+                if kind is int and _is_integral_float(text):  # 2e5 steps
+                    return int(float(text))
+        raise ConfigError(f"{where}={value!r} is not a valid {kind.__name__}. Give e.g. {where}={_example(kind)}.")
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ConfigError(f"{where}={value!r} is not a valid {kind.__name__}. Give e.g. {where}={_example(kind)}.")
+    return value
+
+
+def _is_integral_float(text: str) -> bool:
+    try:
+        return float(text).is_integer()
+    except ValueError:
+        return False
+
+
+def _example(kind) -> str:
+    return {int: "8", float: "0.001", bool: "true", str: '"text"'}[kind]
+
+
+def _set(config: Config, key: str, value) -> None:
+    section_name, _, field_name = key.partition(".")
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    if section_name not in sections or not field_name:
+        raise ConfigError(f"Unknown config key {key!r}. Sections: {', '.join(sections)}; see `trillion train --help`.")
+    section = getattr(config, section_name)
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if field_name not in fields:
+        raise ConfigError(
+            f"Unknown config key {key!r}. Fields of [{section_name}]: {', '.join(fields)}; see `trillion train --help`."
+        )
+    kind = typing.get_type_hints(type(section))[field_name]
+    setattr(section, field_name, _coerce(value, kind, f"--{key}"))
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file, then `--section.field=value` overrides, in that order."""
+    config = Config()
+    if path:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"--config {path}: no such file. Give the path of a TOML file, e.g. experiments/configs/debug.toml.")
+        try:
+            table = tomllib.loads(file.read_text())
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"--config {path} is not valid TOML: {error}.") from None
+        for section_name, section in table.items():
+            if not isinstance(section, dict):
+                raise ConfigError(f"{path}: {section_name!r} must be a [section] table; see `trillion train --help`.")
+            for field_name, value in section.items():
+                _set(config, f"{section_name}.{field_name}", value)
+    for item in overrides:
+        if not item.startswith("--") or "=" not in item:
+            raise ConfigError(f"Cannot read the argument {item!r}: write overrides as --section.field=value, e.g. --training.steps=100.")
+        key, _, value = item[2:].partition("=")
+        _set(config, key, value)
+    return config
+
+
+def to_toml(config: Config) -> str:
+    lines = []
+    for section in dataclasses.fields(config):
+        lines.append(f"[{section.name}]")
+        for name, value in dataclasses.asdict(getattr(config, section.name)).items():
+            if isinstance(value, bool):
+                lines.append(f"{name} = {'true' if value else 'false'}")
+            elif isinstance(value, str):
+                lines.append(f"{name} = {_toml_string(value)}")
+            else:
+                lines.append(f"{name} = {value!r}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def help_text() -> str:
+    lines = ["Configuration (TOML sections, or --section.field=value on the command line):", ""]
+    for section in dataclasses.fields(Config):
+        lines.append(f"[{section.name}]")
+        hints = typing.get_type_hints(section.default_factory)
+        for f in dataclasses.fields(section.default_factory):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  --{section.name}.{f.name}  ({hints[f.name].__name__}, default {default!r})")
+            lines.append(f"      {f.metadata['doc']}")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,184 @@
+"""Documents -> tokens -> packed windows of seq_len + 1 -> this rank's micro-batches.
+
+Layout independence (DESIGN.md): global batch i is windows [i*G, (i+1)*G) of one token stream,
+whatever the parallel layout; data-parallel rank r of D takes the r-th contiguous slice of G/D
+windows. Every rank packs the whole stream, which keeps that guarantee simple and exact; the
+price is tokenizing D times, which is small next to a training step.
+
+The loader's position is (epoch, document index, token offset within that document), a few
+integers that mean the same thing under any layout, so a resumed run sees exactly the batches
+it would have seen.
+"""
+import os
+import random
+import sysconfig
+from pathlib import Path
+
+import torch
+
+from trainer.config import Data as DataConfig
+from trainer.errors import ConfigError
+
+SUFFIX_TO_BUILDER = {".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", ".parquet": "parquet"}
+
+
+def default_corpus_files(seed: int) -> list[Path]:
+    """The Python standard library's own sources: real text on every machine, no download.
+
+    Sorted, then shuffled with the run's seed, so the order is fixed for a given seed and
+    consecutive windows do not all come from one package.
+    """
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in stdlib.rglob("*.py") if "site-packages" not in p.parts and p.is_file())
+    random.Random(seed).shuffle(files)
+    return files
+
+
+class FileDocuments:
+    """Each file is one document."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def iterate(self, start: int):
+        for path in self.files[start:]:
+            yield path.read_text(encoding="utf-8", errors="replace")
+
+
+class HFDocuments:
+    """Documents from a Hugging Face `datasets` dataset (local files or a hub name)."""
+
+    def __init__(self, cfg: DataConfig):
+        import datasets
+
+        datasets.disable_progress_bars()
+        if cfg.path:
+            builder, files = _local_files(cfg.path)
+            kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+            self.dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=cfg.split,
+                                                 streaming=cfg.streaming, **kwargs)
+        else:
+            self.dataset = datasets.load_dataset(cfg.name, cfg.config_name or None, split=cfg.split, streaming=cfg.streaming)
+        self.text_field = cfg.text_field
+        columns = self.dataset.column_names
+        if columns is not None and cfg.text_field not in columns:
+            raise ConfigError(
+                f"data.text_field={cfg.text_field!r} is not a column of the dataset ({', '.join(columns)}). "
+                f"Set --data.text_field to the column holding the text."
+            )
+
+    def iterate(self, start: int):
+        import datasets
+
+        if isinstance(self.dataset, datasets.IterableDataset):
+            rows = self.dataset.skip(start)
+        else:
+            rows = self.dataset.select(range(start, len(self.dataset)))
+        for row in rows:
+            yield row[self.text_field] or ""
+
+
+def _local_files(path: str) -> tuple[str, list[Path]]:
+    root = Path(path)
+    if not root.exists():
+        raise ConfigError(f"data.path={path!r}: no such file or folder. Point it at a json, jsonl, txt or parquet file, "
+                          "or a folder of them (or leave it empty for the embedded default corpus).")
+    files = sorted(p for p in root.rglob("*") if p.suffix in SUFFIX_TO_BUILDER) if root.is_dir() else [root]
+    builders = {SUFFIX_TO_BUILDER.get(f.suffix) for f in files}
+    if not files or None in builders:
+        raise ConfigError(f"data.path={path!r} holds no readable data file. Use files ending in {', '.join(SUFFIX_TO_BUILDER)}.")
+    if len(builders) > 1:
+        raise ConfigError(f"data.path={path!r} mixes file kinds ({', '.join(sorted(builders))}); point it at one kind.")
+    return builders.pop(), files
+
+
+def build_documents(cfg: DataConfig, seed: int):
+    if cfg.path or cfg.name:
+        return HFDocuments(cfg)
+    return FileDocuments(default_corpus_files(seed))
+
+
+class PackedWindows:
+    """An endless stream of token windows of `window` tokens; documents joined with EOS."""
+
+    def __init__(self, documents, tokenizer, window: int):
+        self.documents, self.tokenizer, self.window = documents, tokenizer, window
+        self.epoch, self.doc_index, self.offset = 0, 0, 0
+        self._stream, self._pending = None, []
+
+    def _chunks(self):
+        """Yield (epoch, doc_index, start_offset, tokens) from the saved position on, epoch after epoch."""
+        epoch, first, offset = self.epoch, self.doc_index, self.offset
+        while True:
+            produced = False
+            for index, text in enumerate(self.documents.iterate(first), start=first):
+                tokens = self.tokenizer.encode(text)
+                if tokens:
+                    tokens.append(self.tokenizer.eos_id)
+                    skip = offset if index == first else 0
+                    produced = True
+                    yield epoch, index, skip, tokens[skip:]
+            if not produced and first == 0:
+                raise ConfigError("The dataset holds no text: every document is empty. Check data.path or data.name "
+                                  "and data.text_field.")
+            epoch, first, offset = epoch + 1, 0, 0
+
+    def next_windows(self, count: int) -> torch.Tensor:
+        """The next `count` windows, shape (count, window); advances the position past them."""
+        if self._stream is None:
+            self._stream, self._pending = self._chunks(), []
+        need = count * self.window
+        have = sum(len(chunk[3]) for chunk in self._pending)
+        while have < need:
+            self._pending.append(next(self._stream))
+            have += len(self._pending[-1][3])
+        flat = []
+        while len(flat) < need:
+            epoch, index, start, tokens = self._pending.pop(0)
+            use = min(len(tokens), need - len(flat))
+            flat.extend(tokens[:use])
+            if use < len(tokens):
+                self._pending.insert(0, (epoch, index, start + use, tokens[use:]))
+                self.epoch, self.doc_index, self.offset = epoch, index, start + use
+            else:
+                self.epoch, self.doc_index, self.offset = epoch, index + 1, 0
+        return torch.tensor(flat, dtype=torch.long).view(count, self.window)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "doc_index": self.doc_index, "offset": self.offset}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.doc_index, self.offset = state["epoch"], state["doc_index"], state["offset"]
+        self._stream, self._pending = None, []
+
+
+class DataLoader:
+    """Yields, per optimizer step, this data-parallel rank's micro-batches as (inputs, labels)."""
+
+    def __init__(self, windows: PackedWindows, global_batch_size: int, micro_batch_size: int,
+                 dp_rank: int = 0, dp_size: int = 1):
+        self.windows = windows
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.local = global_batch_size // dp_size
+        self.dp_rank = dp_rank
+
+    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        batch = self.windows.next_windows(self.global_batch_size)
+        mine = batch[self.dp_rank * self.local : (self.dp_rank + 1) * self.local]
+        return [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(self.micro_batch_size)]
+
+    def state_dict(self) -> dict:
+        return self.windows.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.windows.load_state_dict(state)
+
+
+def build_data_loader(cfg: DataConfig, tokenizer, *, seed: int, seq_len: int, global_batch_size: int,
+                      micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> DataLoader:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    windows = PackedWindows(build_documents(cfg, seed), tokenizer, seq_len + 1)
+    return DataLoader(windows, global_batch_size, micro_batch_size, dp_rank, dp_size)

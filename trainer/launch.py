@@ -1,0 +1,54 @@
+"""Where this process stands: rank, world size and device, from the launcher's environment
+(torchrun's RANK / WORLD_SIZE / LOCAL_RANK; a single process when none is set)."""
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, str(default))
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"Environment variable {name}={value!r} must be an integer; check the launcher.") from None
+
+
+def pick_device(requested: str, local_rank: int) -> torch.device:
+    """auto: the GPU of this local rank when there is one (CUDA or ROCm), else the CPU."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"job.device={requested!r} is not known. Use auto, cpu or cuda.")
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError("job.device=cuda but this PyTorch sees no GPU (CUDA or ROCm). Use --job.device=cpu or auto.")
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"Local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()}. "
+                              "Start at most one process per GPU (--nproc-per-node).")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_launch_env(requested_device: str) -> LaunchEnv:
+    """Read the launcher's variables and, for more than one process, join the process group."""
+    rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    device = pick_device(requested_device, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return LaunchEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)

@@ -1,0 +1,62 @@
+"""AdamW with weight decay on matrices only, and the learning-rate schedules."""
+import math
+
+import torch
+from torch import nn
+
+from trainer.config import LRSchedule as LRScheduleConfig
+from trainer.config import Optimizer as OptimizerConfig
+from trainer.errors import ConfigError
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay the weights of linear layers; never norms, biases or embedding tables."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if not param.requires_grad:
+            continue
+        (decay if param.ndim >= 2 and id(param) not in embeddings else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) -> torch.optim.Optimizer:
+    if cfg.name != "adamw":
+        raise ConfigError(f"optimizer.name={cfg.name!r} is not supported. Use adamw.")
+    implementation = cfg.implementation
+    if implementation == "auto":
+        implementation = "fused" if device_type == "cuda" else "foreach"
+    flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
+    if implementation not in flags:
+        raise ConfigError(f"optimizer.implementation={cfg.implementation!r} is not known. Use auto, fused, foreach or for-loop.")
+    return torch.optim.AdamW(
+        parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        **flags[implementation],
+    )
+
+
+def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:
+    """Fraction of the peak LR used for the update of `step` (0-based)."""
+    warmup = min(cfg.warmup_steps, total_steps)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    floor = cfg.min_lr_ratio
+    if cfg.name == "constant":
+        return 1.0
+    if cfg.name == "wsd":
+        decay_steps = max(1, round(cfg.decay_ratio * total_steps))
+        decay_start = max(warmup, total_steps - decay_steps)
+        if step < decay_start:
+            return 1.0
+        progress = (step - decay_start) / max(1, total_steps - decay_start)
+        return 1.0 - (1.0 - floor) * progress
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    if cfg.name == "linear":
+        return 1.0 - (1.0 - floor) * progress
+    if cfg.name == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ConfigError(f"lr_schedule.name={cfg.name!r} is not known. Use cosine, linear, wsd or constant.")
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRScheduleConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))

@@ -1,0 +1,178 @@
+"""`trillion train`: config -> launch env -> data -> model -> optimizer -> steps -> metrics, checkpoints."""
+import contextlib
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from models import ModelArgs, Transformer, get_preset
+from models.flops import count_params, hardware_flops_per_token, model_flops_per_token
+from parallel.activation_checkpoint import apply_activation_checkpointing, recompute_fraction
+from parallel.compile import apply_compile
+from trainer.checkpoint import save_checkpoint
+from trainer.config import Config, to_toml
+from trainer.data import build_data_loader
+from trainer.errors import ConfigError
+from trainer.launch import LaunchEnv, init_launch_env
+from trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
+from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.tokenizer import build_tokenizer
+
+log = logging.getLogger("trillion")
+IGNORE_INDEX = -100
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
+    """The preset with the config's overrides, checked against the tokenizer and sequence length."""
+    cfg = config.model
+    overrides = {k: v for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+                 if (v := getattr(cfg, k)) > 0}
+    args = dataclasses.replace(get_preset(cfg.name), attention_impl=config.kernels.attention, **overrides)
+    if args.dim % args.n_heads:
+        raise ConfigError(f"model.n_heads={args.n_heads} does not divide model.dim={args.dim}; "
+                          f"pick a head count that divides it (e.g. {_divisor_near(args.dim, args.n_heads)}).")
+    if args.n_heads % args.kv_heads:
+        raise ConfigError(f"model.n_kv_heads={args.kv_heads} does not divide model.n_heads={args.n_heads}; "
+                          f"use a divisor of {args.n_heads} (e.g. {_divisor_near(args.n_heads, args.kv_heads)}).")
+    if args.positions == "rope" and args.head_dim % 2:
+        raise ConfigError(f"Rotary positions need an even head size; model.dim / model.n_heads = {args.head_dim}.")
+    if tokenizer_vocab > args.vocab_size:
+        raise ConfigError(f"The tokenizer has {tokenizer_vocab} ids but model {cfg.name!r} only {args.vocab_size}; "
+                          f"set --model.vocab_size={-(-tokenizer_vocab // 64) * 64} or use a matching tokenizer.")
+    if config.training.seq_len > args.max_seq_len:
+        raise ConfigError(f"training.seq_len={config.training.seq_len} exceeds the max_seq_len {args.max_seq_len} of "
+                          f"model {cfg.name!r}; use --training.seq_len={args.max_seq_len} or less.")
+    if config.kernels.attention not in ("sdpa", "eager"):
+        raise ConfigError(f"kernels.attention={config.kernels.attention!r} is not known. Use sdpa or eager.")
+    return args
+
+
+def _divisor_near(n: int, target: int) -> int:
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))
+
+
+def validate_training(config: Config, env: LaunchEnv) -> None:
+    t = config.training
+    for name in ("steps", "global_batch_size", "micro_batch_size", "seq_len"):
+        if getattr(t, name) <= 0:
+            raise ConfigError(f"training.{name}={getattr(t, name)} must be positive.")
+    if t.global_batch_size % t.micro_batch_size:
+        raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not a multiple of "
+                          f"training.micro_batch_size={t.micro_batch_size}; micro-batches per step = global / micro.")
+    if t.dtype not in ("auto", *DTYPES):
+        raise ConfigError(f"training.dtype={t.dtype!r} is not known. Use auto, bf16, fp16 or fp32.")
+    if env.world_size > 1 or any(getattr(config.parallel, k) > 1 for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")):
+        raise ConfigError(f"This build trains in one process (world size here: {env.world_size}); parallel layouts "
+                          "are not available yet. Launch without torchrun and leave the [parallel] degrees at 1.")
+
+
+def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
+    if requested == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[requested]
+
+
+def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm: float):
+    """One optimizer step over all micro-batches; the loss is the mean over every target token of
+    the global batch (not a mean of per-micro-batch means), so accumulation changes nothing."""
+    tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches)
+    if dist.is_initialized():
+        dist.all_reduce(tokens)
+    loss_sum = torch.zeros((), device=micro_batches[0][0].device)
+    for inputs, labels in micro_batches:
+        with autocast:
+            logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
+                               reduction="sum") / tokens
+        scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+
+def train(config: Config) -> dict:
+    """Run the configured training; returns the last logged metrics record."""
+    env = init_launch_env(config.job.device)
+    validate_training(config, env)
+    tokenizer = build_tokenizer(config.tokenizer)
+    model_args = build_model_args(config, tokenizer.vocab_size)
+    t = config.training
+    loader = build_data_loader(config.data, tokenizer, seed=config.job.seed, seq_len=t.seq_len,
+                               global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+    first_batch = loader.next_batch()  # an empty or unreadable dataset fails here, before any model work
+
+    output_dir = Path(config.job.output_dir)
+    if env.is_logging_rank:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.toml").write_text(to_toml(config))
+
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    apply_activation_checkpointing(model, config.parallel.activation_checkpoint)
+    if config.compile.enabled:
+        apply_compile(model)
+    model.to_empty(device=env.device)
+    model.init_weights(config.job.seed)
+    torch.manual_seed(config.job.seed)
+
+    dtype = compute_dtype(t.dtype, env.device)
+    autocast = (torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
+    scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
+    optimizer = build_optimizer(model, config.optimizer, env.device.type)
+    scheduler = build_lr_scheduler(optimizer, config.lr_schedule, t.steps)
+
+    params = count_params(model_args)
+    meter = ThroughputMeter(
+        model_flops_per_token(model_args, t.seq_len),
+        hardware_flops_per_token(model_args, t.seq_len, recompute_fraction(config.parallel.activation_checkpoint, model_args.n_layers)),
+        device_peak_flops(env.device, config.metrics.peak_tflops),
+    )
+    log.info("model %s: %.1fM parameters (%.1fM without embeddings), %s on %s, %d micro-batches per step",
+             config.model.name, params.total / 1e6, params.non_embedding / 1e6, dtype, env.device, len(first_batch))
+    sink = MetricsSink(output_dir, config.logging, {"config": dataclasses.asdict(config)}) if env.is_logging_rank else None
+    progress = Progress(t.steps, 0, config.logging.progress_bar) if env.is_logging_rank else None
+
+    record = {}
+    stop_at = min(t.steps, t.exit_interval) if t.exit_interval > 0 else t.steps
+    batch = first_batch
+    try:
+        for step in range(1, stop_at + 1):
+            data_start = time.perf_counter()
+            batch = batch if step == 1 else loader.next_batch()
+            micro_batches = [(x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)) for x, y in batch]
+            step_start = time.perf_counter()
+            loss, grad_norm = train_step(model, micro_batches, optimizer, scaler, autocast, t.max_grad_norm)
+            lr = scheduler.get_last_lr()[0]
+            scheduler.step()
+            if step % config.metrics.log_freq == 0 or step in (1, stop_at):
+                loss_value, grad_value = loss.item(), grad_norm.item()  # the only host syncs of a step
+            end = time.perf_counter()
+            meter.add(sum(x.numel() for x, _ in batch), end - step_start, step_start - data_start)
+            if step % config.metrics.log_freq == 0 or step in (1, stop_at):
+                record = {"step": step, "loss": loss_value, "grad_norm": grad_value, "lr": lr, **meter.report(),
+                          "memory_gb": peak_memory_gb(env.device)}
+                if sink is not None:
+                    sink.write(record)
+                    progress.update(step, record)
+            elif progress is not None:
+                progress.update(step, None)
+            periodic = config.checkpoint.interval > 0 and step % config.checkpoint.interval == 0
+            if periodic or (step == stop_at and config.checkpoint.save_final):
+                save_checkpoint(output_dir / "checkpoints", step, model, optimizer,
+                                {"step": step, "lr_scheduler": scheduler.state_dict(), "data": loader.state_dict()},
+                                is_rank0=env.is_logging_rank, keep_latest=config.checkpoint.keep_latest)
+    finally:
+        if progress is not None:
+            progress.close()
+        if sink is not None:
+            sink.close()
+    return record
