@@ -45,6 +45,9 @@ def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute_fraction: 
 
     recompute_fraction: share of the blocks whose forward runs twice (1.0 = full checkpointing).
     The forward is a third of the model FLOPs of a block; the output layer is never recomputed.
+    This is the Megatron convention (a whole forward per checkpointed block); PyTorch's
+    non-reentrant checkpoint stops recomputing once the saved tensors backward needs are back,
+    so it skips each block's last matmul and the true figure is slightly lower.
     """
     block_forward = 2 * count_blocks_matmul_params(args) + 4 * args.n_layers * args.dim * seq_len
     return model_flops_per_token(args, seq_len) + recompute_fraction * block_forward

@@ -55,13 +55,20 @@ class HFDocuments:
         import datasets
 
         datasets.disable_progress_bars()
-        if cfg.path:
-            builder, files = _local_files(cfg.path)
-            kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-            self.dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=cfg.split,
-                                                 streaming=cfg.streaming, **kwargs)
-        else:
-            self.dataset = datasets.load_dataset(cfg.name, cfg.config_name or None, split=cfg.split, streaming=cfg.streaming)
+        try:
+            if cfg.path:
+                builder, files = _local_files(cfg.path)
+                kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
+                self.dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=cfg.split,
+                                                     streaming=cfg.streaming, **kwargs)
+            else:
+                self.dataset = datasets.load_dataset(cfg.name, cfg.config_name or None, split=cfg.split,
+                                                     streaming=cfg.streaming)
+        except (datasets.exceptions.DatasetGenerationError, FileNotFoundError, ValueError) as error:
+            source = f"data.path={cfg.path!r}" if cfg.path else f"data.name={cfg.name!r}"
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise ConfigError(f"{source} could not be read as a dataset ({first_line}). Check that its files share "
+                              "one format and one set of columns, and that data.split exists.") from None
         self.text_field = cfg.text_field
         columns = self.dataset.column_names
         if columns is not None and cfg.text_field not in columns:

@@ -48,9 +48,9 @@ def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:
         decay_start = max(warmup, total_steps - decay_steps)
         if step < decay_start:
             return 1.0
-        progress = (step - decay_start) / max(1, total_steps - decay_start)
+        progress = min(1.0, (step - decay_start) / max(1, total_steps - 1 - decay_start))
         return 1.0 - (1.0 - floor) * progress
-    progress = (step - warmup) / max(1, total_steps - warmup)
+    progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))  # the last update uses the floor
     if cfg.name == "linear":
         return 1.0 - (1.0 - floor) * progress
     if cfg.name == "cosine":

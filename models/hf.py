@@ -1,0 +1,66 @@
+"""Hugging Face `transformers` adapters: configs and parameter names for LlamaForCausalLM and
+GPT2LMHeadModel, so weights move both ways without changing a value."""
+import torch
+
+from models.transformer import ModelArgs
+
+
+def hf_config(args: ModelArgs):
+    """The transformers config that describes the same network as `args`."""
+    if args.mlp == "swiglu":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden,
+            num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.kv_heads,
+            max_position_embeddings=args.max_seq_len, rms_norm_eps=args.norm_eps, tie_word_embeddings=args.tie_embeddings,
+            rope_theta=args.rope_theta, attention_bias=args.bias, mlp_bias=args.bias,
+        )
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=args.vocab_size, n_positions=args.max_seq_len, n_embd=args.dim, n_layer=args.n_layers,
+        n_head=args.n_heads, n_inner=args.ffn_hidden, activation_function="gelu_new", layer_norm_epsilon=args.norm_eps,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=args.tie_embeddings,
+    )
+
+
+def to_hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our parameter names and layouts -> the transformers model's."""
+    return (_llama_from_ours if args.mlp == "swiglu" else _gpt2_from_ours)(state, args)
+
+
+def _llama_from_ours(state, args):
+    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+             "output.weight": "lm_head.weight"}
+    per_layer = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+                 "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+                 "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
+                 "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    out = {}
+    for name, tensor in state.items():
+        if name in names:
+            out[names[name]] = tensor
+            continue
+        _, index, rest = name.split(".", 2)
+        module, _, leaf = rest.rpartition(".")
+        out[f"model.layers.{index}.{per_layer[module]}.{leaf}"] = tensor
+    return out
+
+
+def _gpt2_from_ours(state, args):
+    names = {"tok_embeddings.weight": "transformer.wte.weight", "pos_embeddings.weight": "transformer.wpe.weight",
+             "norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias", "output.weight": "lm_head.weight"}
+    out = {names[k]: v for k, v in state.items() if k in names}
+    for i in range(args.n_layers):
+        layer = lambda part: state[f"layers.{i}.{part}"]  # noqa: E731
+        prefix = f"transformer.h.{i}."
+        # GPT-2's Conv1D stores weights as (in, out): ours transposed; q, k, v fused in one c_attn.
+        for ours, theirs in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
+            out[prefix + theirs + ".weight"], out[prefix + theirs + ".bias"] = layer(ours + ".weight"), layer(ours + ".bias")
+        out[prefix + "attn.c_attn.weight"] = torch.cat([layer(f"attention.w{p}.weight") for p in "qkv"]).t()
+        out[prefix + "attn.c_attn.bias"] = torch.cat([layer(f"attention.w{p}.bias") for p in "qkv"])
+        for ours, theirs in (("attention.wo", "attn.c_proj"), ("feed_forward.w1", "mlp.c_fc"), ("feed_forward.w2", "mlp.c_proj")):
+            out[prefix + theirs + ".weight"] = layer(ours + ".weight").t()
+            out[prefix + theirs + ".bias"] = layer(ours + ".bias")
+    return out
