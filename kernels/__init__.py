@@ -2,4 +2,6 @@
 flash attention where it can run) with a plain-PyTorch fallback for every kernel."""
 from kernels.attention import ATTENTION_IMPLS, attention
 
-__all__ = ["ATTENTION_IMPLS", "attention"]
+NORM_IMPLS = ("torch",)
+
+__all__ = ["ATTENTION_IMPLS", "NORM_IMPLS", "attention"]

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels import ATTENTION_IMPLS, NORM_IMPLS
 from models import ModelArgs, Transformer, get_preset
 from models.flops import count_params, hardware_flops_per_token, model_flops_per_token
 from parallel.activation_checkpoint import apply_activation_checkpointing, recompute_fraction
@@ -47,8 +48,10 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
     if config.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len={config.training.seq_len} exceeds the max_seq_len {args.max_seq_len} of "
                           f"model {cfg.name!r}; use --training.seq_len={args.max_seq_len} or less.")
-    if config.kernels.attention not in ("sdpa", "eager"):
-        raise ConfigError(f"kernels.attention={config.kernels.attention!r} is not known. Use sdpa or eager.")
+    if config.kernels.attention not in ATTENTION_IMPLS:
+        raise ConfigError(f"kernels.attention={config.kernels.attention!r} is not known. Use {', '.join(ATTENTION_IMPLS)}.")
+    if config.kernels.norm not in NORM_IMPLS:
+        raise ConfigError(f"kernels.norm={config.kernels.norm!r} is not known. Use {', '.join(NORM_IMPLS)}.")
     return args
 
 
@@ -159,7 +162,7 @@ def train(config: Config) -> dict:
             meter.add(sum(x.numel() for x, _ in batch), end - step_start, step_start - data_start)
             if step % config.metrics.log_freq == 0 or step in (1, stop_at):
                 record = {"step": step, "loss": loss_value, "grad_norm": grad_value, "lr": lr, **meter.report(),
-                          "memory_gb": peak_memory_gb(env.device)}
+                          "memory_gb": peak_memory_gb(env.device), "time": time.time()}
                 if sink is not None:
                     sink.write(record)
                     progress.update(step, record)
