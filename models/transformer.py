@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kernels import attention
 
@@ -161,22 +162,39 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Fill every parameter from `seed` in a fixed order, wherever and however it is stored.
+        """Fill every parameter from `seed`, wherever and however it is stored.
 
         GPT-2 scheme: normal(0, init_std) for weights, the residual-branch output projections
         scaled by 1/sqrt(2 * n_layers), zero biases, unit norm weights. Each parameter draws from
-        its own stream, seeded by (seed, name), so a pipeline stage that holds only some of the
+        its own generator, seeded by (seed, name), so a pipeline stage that holds only some of the
         parameters gets the same values for them as the whole model does.
+
+        A parameter sharded by tensor parallelism or FSDP (a DTensor) gets exactly the values it
+        would have in one process: the full tensor is drawn on this rank's device and each rank
+        keeps its own shard of it. That costs one parameter's full size of temporary memory (the
+        largest, gpt-1t's 102400 x 25600 FFN matrix, is 10 GB in fp32), never the whole model;
+        drawing shard by shard would need a counter-based generator to match one process, which
+        the CPU has not. This is layout-agnostic code: it asks only how the tensor is stored.
         """
         std, out_std = self.args.init_std, self.args.init_std / math.sqrt(2 * self.args.n_layers)
-        with torch.random.fork_rng(devices=[]):
-            for name, param in self.named_parameters():
-                if name.endswith("bias"):
-                    nn.init.zeros_(param)
-                elif "norm" in name:
-                    nn.init.ones_(param)
-                else:
-                    torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-                    nn.init.normal_(param, 0.0, out_std if name.endswith(("wo.weight", "w2.weight")) else std)
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            elif "norm" in name:
+                nn.init.ones_(param)
+            else:
+                generator = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
+                full.normal_(0.0, out_std if name.endswith(("wo.weight", "w2.weight")) else std, generator=generator)
+                _copy_full_into(param, full)
         if self.rope is not None:
             self.rope = rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=self.rope.device)
+
+
+def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:
+    """param <- full, where param may hold only this rank's shard of it (a DTensor)."""
+    if isinstance(param, DTensor):
+        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(shard)
+    else:
+        param.copy_(full)

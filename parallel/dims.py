@@ -1,0 +1,177 @@
+"""ParallelDims: the parallel degrees of a run, checked against the world and the model, and the
+one DeviceMesh with named axes (pp, dp_replicate, dp_shard, cp, tp) built from them.
+
+Ranks are laid out with tp innermost (consecutive ranks, so a tensor-parallel group stays inside a
+node), then cp, dp_shard, dp_replicate, and pp outermost. Only axes of size > 1 are created, so a
+size-1 axis costs no process group; the accessors below hide which ones exist.
+
+Sub-meshes other code needs:
+- `fsdp_mesh`: what FSDP2 shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard alone.
+- `tp_mesh`: the tensor-parallel axis (DTensor plans, loss parallelism).
+- `dp_group` / `dp_rank` / `dp_size`: the flattened dp_replicate x dp_shard coordinate; the data
+  loader's slice of the global batch and the token count of the loss use it.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from trainer.errors import ConfigError
+
+log = logging.getLogger("trillion")
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+GPUS_PER_NODE = 8  # tensor parallelism beyond one node's GPUs crosses the slow network
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in _divisors(n) if d <= limit)
+
+
+@dataclass
+class ParallelDims:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: what the world size leaves
+    cp: int = 1
+    tp: int = 1
+    world_size: int = 1
+    mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in AXES:
+            value = getattr(self, name)
+            if value < 1 and not (name == "dp_shard" and value == -1):
+                raise ConfigError(f"parallel.{name}={value} must be a positive degree"
+                                  f"{' (or -1 to infer it)' if name == 'dp_shard' else ''}; use 1 to turn it off.")
+        others = self.pp * self.dp_replicate * self.cp * self.tp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ConfigError(
+                    f"parallel.pp * dp_replicate * cp * tp = {others} does not divide the world size {self.world_size}, "
+                    f"so parallel.dp_shard=-1 cannot be inferred. Pick degrees whose product divides {self.world_size} "
+                    f"(e.g. --parallel.tp={_largest_divisor_at_most(self.world_size, self.tp)}).")
+            self.dp_shard = self.world_size // others
+        product = others * self.dp_shard
+        if product != self.world_size:
+            raise ConfigError(
+                f"parallel degrees pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
+                f"cp={self.cp} x tp={self.tp} = {product}, but the world size is {self.world_size}. Make the product "
+                f"equal the number of processes, e.g. --parallel.dp_shard=-1 to infer it, or launch {product} processes.")
+
+    # --- what is on -----------------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    # --- checks against the model and the run ----------------------------------------------------
+    def validate(self, model_args, seq_len: int, gpus_per_node: int | None = None) -> None:
+        """Raise ConfigError for a layout this model or this build cannot run; warn on slow ones."""
+        if self.pp > 1:
+            raise ConfigError(f"parallel.pp={self.pp}: pipeline parallelism is not available in this build. "
+                              f"Use --parallel.pp=1 and spread the model with dp_shard and tp instead.")
+        if self.cp > 1:
+            raise ConfigError(f"parallel.cp={self.cp}: context parallelism is not available in this build. "
+                              f"Use --parallel.cp=1.")
+        tp = self.tp
+        if tp == 1:
+            return
+        a = model_args
+        checks = [
+            ("model.n_heads", a.n_heads, "query heads"),
+            ("model.n_kv_heads", a.kv_heads, "key/value heads"),
+            ("model ffn width", a.ffn_hidden, "feed-forward width"),
+            ("model.vocab_size", a.vocab_size, "vocabulary (pad it to a multiple of tp)"),
+            ("training.seq_len", seq_len, "sequence length (sequence parallelism splits it)"),
+        ]
+        if a.positions == "learned":
+            checks.append(("model max_seq_len", a.max_seq_len, "learned position table"))
+        for setting, value, what in checks:
+            if value % tp:
+                valid = [d for d in _divisors(value) if d <= max(tp, 8)]
+                raise ConfigError(
+                    f"parallel.tp={tp} does not divide {setting}={value} (the {what}); tensor parallelism splits it "
+                    f"evenly. Use a tp that divides it (e.g. --parallel.tp={_largest_divisor_at_most(value, tp)}; "
+                    f"valid up to 8: {', '.join(map(str, valid))}).")
+        if a.tie_embeddings:
+            raise ConfigError("parallel.tp > 1 with tied input/output embeddings is not supported: tensor parallelism "
+                              "would untie them. Use --parallel.tp=1 or a model without tie_embeddings.")
+        node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE))
+        if tp > node:
+            log.warning("parallel.tp=%d is larger than the %d devices of a node: tensor-parallel collectives run on "
+                        "every layer and will cross the inter-node network. Prefer tp <= %d and raise dp_shard.",
+                        tp, node, node)
+
+    # --- the mesh ------------------------------------------------------------------------------
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The named mesh of all axes of size > 1 (None in one process); call after init_process_group."""
+        names = [n for n in AXES if getattr(self, n) > 1]
+        if not names:
+            return None
+        self.mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=tuple(names))
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return self.mesh
+
+    def _axis(self, *names: str) -> DeviceMesh | None:
+        present = tuple(n for n in names if getattr(self, n) > 1)
+        if self.mesh is None or not present:
+            return None
+        return self.mesh[present if len(present) > 1 else present[0]]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self._axis("tp")
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        """FSDP2's mesh: 2-D (replicate, shard) gives HSDP; a pure replicate axis gives DDP-like FSDP."""
+        if self.mesh is None or not self.fsdp_enabled:
+            return None
+        if self.dp_replicate > 1:
+            if self.dp_shard > 1:
+                return self.mesh["dp_replicate", "dp_shard"]
+            return self.mesh["dp_replicate"]
+        return self.mesh["dp_shard"]
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        """1-D: all data-parallel ranks, flattened (replicate major, shard minor)."""
+        if self.mesh is None or not self.fsdp_enabled:
+            return None
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            return self.mesh["dp"]
+        return self._axis("dp_replicate", "dp_shard")
+
+    @property
+    def dp_group(self):
+        """The process group that sums token counts and losses over data-parallel ranks (None: one rank)."""
+        mesh = self.dp_mesh
+        return mesh.get_group() if mesh is not None else None
+
+    @property
+    def dp_rank(self) -> int:
+        mesh = self.dp_mesh
+        return mesh.get_local_rank() if mesh is not None else 0
+
+    def all_reduce_dp(self, tensor):
+        """Sum `tensor` in place over the data-parallel ranks (a no-op on one)."""
+        if self.dp_group is not None:
+            dist.all_reduce(tensor, group=self.dp_group)
+        return tensor

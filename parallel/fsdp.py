@@ -1,0 +1,61 @@
+"""FSDP2 (`fully_shard`) per transformer block, then the root, with the paper's ZeRO stages as modes.
+
+Every mode keeps the optimizer state and the fp32 master parameters sharded over dp_shard (they
+are the bulk of the memory: 12-16 bytes per parameter). What differs is what stays gathered
+between uses, traded against communication, per optimizer step of M micro-batches:
+
+| dp_shard_mode | parameters between uses | gradients | communication per step |
+|---|---|---|---|
+| zero3 | resharded after forward and after backward | reduce-scattered every micro-batch | 2 all-gathers + 1 reduce-scatter per micro-batch |
+| zero2 | kept gathered from forward to backward, and across micro-batches until the last | reduce-scattered every micro-batch (sharded gradient accumulates) | 1 all-gather per step + 1 reduce-scatter per micro-batch |
+| zero1 | kept gathered for the whole step | accumulated unsharded, reduce-scattered once on the last micro-batch | 1 all-gather + 1 reduce-scatter per step |
+
+zero3 holds 1/dp_shard of the parameters outside a block's use; zero2 and zero1 hold the full
+parameters (in compute dtype) through the step, and zero1 also the full gradients. With one
+micro-batch per step zero1 and zero2 are the same. `set_micro_batch` applies the per-micro-batch
+part; the trainer calls it before each forward.
+
+dp_replicate > 1 gives HSDP: shards within a dp_shard group, replicas across groups (an extra
+all-reduce of the sharded gradients). Gradients are summed, not averaged, over data-parallel
+ranks: the loss is already normalized by the token count of the global batch.
+
+Mixed precision: parameters are gathered in the compute dtype (bf16 on GPUs) and gradients are
+reduced in fp32; on CPU everything is fp32.
+"""
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from trainer.errors import ConfigError
+
+MODES = ("zero1", "zero2", "zero3")
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ConfigError(f"parallel.dp_shard_mode={mode!r} is not known. Use zero1, zero2 or zero3 "
+                          "(zero3 uses the least memory; zero1 the least communication).")
+
+
+def apply_fsdp(model: nn.Module, fsdp_mesh, mode: str, param_dtype: torch.dtype = torch.float32) -> None:
+    check_mode(mode)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    reshard_after_forward = mode == "zero3"
+    for block in model.layers.values():
+        fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    # The root holds embeddings, final norm and output; its parameters are needed first in backward,
+    # so it is never resharded after forward.
+    fully_shard(model, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)  # sum over ranks; the loss carries the 1/tokens
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+
+def set_micro_batch(model: nn.Module, mode: str, is_last: bool) -> None:
+    """Before each micro-batch's forward: what to keep gathered and whether to reduce gradients."""
+    if not isinstance(model, FSDPModule) or mode == "zero3":
+        return
+    model.set_reshard_after_backward(is_last, recurse=True)
+    if mode == "zero1":
+        model.set_requires_gradient_sync(is_last, recurse=True)

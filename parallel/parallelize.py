@@ -1,0 +1,33 @@
+"""The one place a meta-device model becomes a parallel one, in a fixed order:
+
+    tensor parallelism -> activation checkpointing -> torch.compile -> FSDP2
+
+TP first, because it changes what a parameter is (a DTensor over the tp axis) and inserts the
+collectives the later wrappers must see; AC next, so recomputation replays those collectives;
+compile then traces the parallel blocks; FSDP last, so it shards the TP shards again over dp and
+its hooks wrap everything. Call it before `to_empty` + `init_weights`, which then give the same
+values whatever the layout (see models.transformer.Transformer.init_weights).
+"""
+import torch
+from torch import nn
+
+from parallel.activation_checkpoint import apply_activation_checkpointing
+from parallel.compile import apply_compile
+from parallel.dims import ParallelDims
+from parallel.fsdp import apply_fsdp, check_mode
+from parallel.tensor_parallel import apply_tensor_parallel
+
+
+def parallelize(model: nn.Module, dims: ParallelDims, *, dp_shard_mode: str = "zero3",
+                activation_checkpoint: str = "none", compile: bool = False,
+                param_dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Apply the layout of `dims` (whose mesh is built) to `model`, in place; returns it."""
+    check_mode(dp_shard_mode)
+    if dims.tp_enabled:
+        apply_tensor_parallel(model, dims.tp_mesh)
+    apply_activation_checkpointing(model, activation_checkpoint)
+    if compile:
+        apply_compile(model, tp_enabled=dims.tp_enabled)
+    if dims.fsdp_enabled:
+        apply_fsdp(model, dims.fsdp_mesh, dp_shard_mode, param_dtype)
+    return model

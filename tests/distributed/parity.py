@@ -1,0 +1,136 @@
+"""Parity harness: train a small model for a few steps under a parallel layout and compare every
+loss, gradient norm, gradient (full_tensor) and initial weight with one process, same seed, fp32.
+
+A case is a dict: family (llama | gpt), dp_replicate, dp_shard, tp, mode (zero1/2/3), ac, compile.
+`check_cases` runs on every rank of a gloo group; rank 0 also runs the one-process reference (once
+per family and AC mode... the reference is always AC off and not compiled) and compares.
+"""
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from models import PRESETS, Transformer
+from parallel.dims import ParallelDims
+from parallel.parallelize import parallelize
+from trainer.data import DataLoader
+from parallel.clip import clip_grad_norm_
+from parallel.fsdp import set_micro_batch
+from parallel.tensor_parallel import loss_context
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+
+def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm, dims=None, dp_shard_mode="zero3"):
+    # TEMPORARY mirror of trainer.train.train_step until the trainer integration lands.
+    tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches)
+    dims.all_reduce_dp(tokens)
+    loss_sum = torch.zeros(())
+    for index, (inputs, labels) in enumerate(micro_batches):
+        set_micro_batch(model, dp_shard_mode, is_last=index == len(micro_batches) - 1)
+        with autocast:
+            logits = model(inputs)
+        with loss_context(dims.tp_enabled):
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
+                                   reduction="sum") / tokens
+            scaler.scale(loss).backward()
+        loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+    dims.all_reduce_dp(loss_sum)
+    scaler.unscale_(optimizer)
+    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
+    scaler.step(optimizer)
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, grad_norm
+
+FAMILIES = {
+    "llama": dataclasses.replace(PRESETS["debug"], n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                                 vocab_size=128, max_seq_len=32),
+    "gpt": dataclasses.replace(PRESETS["debug-gpt"], n_layers=2, dim=64, n_heads=4, vocab_size=128, max_seq_len=32),
+}
+SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH, STEPS, SEED, MAX_NORM = 16, 8, 2, 3, 11, 0.5
+
+
+class RandomWindows:
+    """Stands in for the packed corpus: the same token windows for every layout."""
+
+    def __init__(self, vocab_size: int, window: int):
+        self.vocab_size, self.window = vocab_size, window
+        self.generator = torch.Generator().manual_seed(SEED)
+
+    def next_windows(self, count: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab_size, (count, self.window), generator=self.generator)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def train_case(case: dict, world_size: int) -> dict:
+    """Run the case on all ranks of the current group (or alone when world_size is 1)."""
+    args = FAMILIES[case["family"]]
+    dims = ParallelDims(dp_replicate=case.get("dp_replicate", 1), dp_shard=case.get("dp_shard", -1),
+                        tp=case.get("tp", 1), world_size=world_size)
+    dims.validate(args, SEQ_LEN)
+    dims.build_mesh("cpu")
+    mode = case.get("mode", "zero3")
+    with torch.device("meta"):
+        model = Transformer(args)
+    parallelize(model, dims, dp_shard_mode=mode, activation_checkpoint=case.get("ac", "none"),
+                compile=case.get("compile", False))
+    model.to_empty(device="cpu")
+    model.init_weights(SEED)
+    initial = {name: _full(p) for name, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)
+    grads = []
+    optimizer.register_step_pre_hook(
+        lambda *_: grads.append({name: _full(p.grad) for name, p in model.named_parameters()}))
+    loader = DataLoader(RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, MICRO_BATCH,
+                        dims.dp_rank, dims.dp_size)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss, norm = train_step(model, loader.next_batch(), optimizer, scaler, contextlib.nullcontext(), MAX_NORM,
+                                dims=dims, dp_shard_mode=mode)
+        losses.append(loss.item())
+        norms.append(norm.item())
+    return {"losses": losses, "norms": norms, "grads": grads, "initial": initial}
+
+
+def _compare(name: str, actual: dict, expected: dict, exact: bool = False) -> None:
+    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-4, "atol": 2e-6}
+    torch.testing.assert_close(actual["losses"], expected["losses"], **tol, msg=lambda m: f"{name}: losses\n{m}")
+    torch.testing.assert_close(actual["norms"], expected["norms"], **tol, msg=lambda m: f"{name}: grad norms\n{m}")
+    assert actual["initial"].keys() == expected["initial"].keys(), name
+    for key, value in expected["initial"].items():
+        assert torch.equal(actual["initial"][key], value), f"{name}: initial value of {key} differs"
+    assert len(actual["grads"]) == len(expected["grads"]) == STEPS, name
+    for step, (got, want) in enumerate(zip(actual["grads"], expected["grads"])):
+        for key, value in want.items():
+            assert value.abs().sum() > 0, f"{name}: reference gradient of {key} is zero"
+            torch.testing.assert_close(got[key], value, **tol, msg=lambda m: f"{name}: step {step} grad of {key}\n{m}")
+
+
+def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
+    """Entry point for run_ranks: every case against the one-process run (rank 0 compares)."""
+    references, results = {}, {}
+    for case in cases:
+        label = case.get("name") or ", ".join(f"{k}={v}" for k, v in case.items())
+        result = train_case(case, world_size)
+        results[label] = result
+        if rank == 0:
+            family = case["family"]
+            if family not in references:
+                references[family] = _run_alone({"family": family})
+            _compare(label, result, references[family], exact=case.get("exact", False))
+            if "same_as" in case:  # e.g. AC on vs off in the same layout: bit-identical
+                _compare(f"{label} vs {case['same_as']}", result, results[case["same_as"]], exact=True)
+        dist.barrier()
+
+
+def _run_alone(case: dict) -> dict:
+    """The one-process reference, run on this rank outside the process group."""
+    return train_case(case, world_size=1)
