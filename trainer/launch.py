@@ -1,5 +1,6 @@
 """Where this process stands: rank, world size and device, from the launcher's environment
-(torchrun's RANK / WORLD_SIZE / LOCAL_RANK; a single process when none is set)."""
+(torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or srun's SLURM_* variables; a single process when
+neither is set)."""
 import os
 from dataclasses import dataclass
 
@@ -7,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.errors import ConfigError
+from trainer.slurm import torch_env_from_slurm
 
 
 @dataclass(frozen=True)
@@ -36,19 +38,27 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ConfigError("job.device=cuda but this PyTorch sees no GPU (CUDA or ROCm). Use --job.device=cpu or auto.")
-        if local_rank >= torch.cuda.device_count():
-            raise ConfigError(f"Local rank {local_rank} has no GPU: this node shows {torch.cuda.device_count()}. "
-                              "Start at most one process per GPU (--nproc-per-node).")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        visible = torch.cuda.device_count()
+        # One visible device: the launcher (SLURM's GPU binding, or *_VISIBLE_DEVICES) already chose it.
+        index = 0 if visible == 1 else local_rank
+        if index >= visible:
+            raise ConfigError(f"Local rank {local_rank} has no GPU: this node shows {visible}. Start at most one "
+                              "process per GPU (torchrun --nproc-per-node, srun --ntasks-per-node / --gpus-per-task=1).")
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
 def init_launch_env(requested_device: str) -> LaunchEnv:
     """Read the launcher's variables and, for more than one process, join the process group."""
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        os.environ.update(torch_env_from_slurm(dict(os.environ)))
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
     device = pick_device(requested_device, local_rank)
     if world_size > 1 and not dist.is_initialized():
+        if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
+            raise ConfigError(f"WORLD_SIZE={world_size} but no rendezvous address: set MASTER_ADDR and MASTER_PORT, "
+                              "or start the processes with torchrun or srun, which set them.")
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
     return LaunchEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
