@@ -1,0 +1,103 @@
+"""Where Triton can run, which GPU architecture we are on, and one-time logging for fallbacks.
+
+Kept free of `import triton` at module level so that callers can ask "can Triton run here?"
+on machines without Triton installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+# Architectures with their own tuned config sets. "interpreter" means TRITON_INTERPRET=1 on CPU,
+# where only a single fixed config is allowed (the interpreter cannot autotune).
+ARCHS = ("sm80", "sm90", "gfx90a", "gfx942", "interpreter")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels will be run by the CPU interpreter.
+
+    Triton reads TRITON_INTERPRET when a kernel is decorated, so this must already be set
+    when the kernel modules are imported; tests set it in tests/kernels/conftest.py.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def unavailable_reason(device: torch.device | str) -> str | None:
+    """None if our Triton kernels can run on tensors of `device`, else a sentence saying why not."""
+    device = torch.device(device)
+    if not has_triton():
+        return "the triton package is not installed"
+    if interpreting():
+        if device.type != "cpu":
+            return f"TRITON_INTERPRET=1 runs kernels on CPU tensors only, got a {device.type} tensor"
+        return None
+    if device.type != "cuda":  # ROCm GPUs are also "cuda" devices in PyTorch
+        return (
+            f"Triton needs a CUDA or ROCm GPU, got a {device.type} tensor "
+            "(set TRITON_INTERPRET=1 before start-up to run the kernels slowly on CPU)"
+        )
+    if torch.version.hip is None and torch.cuda.get_device_capability(device)[0] < 8:
+        return f"{torch.cuda.get_device_name(device)} is older than Ampere (sm80), which the kernels need"
+    return None
+
+
+def device_arch(device: torch.device | str) -> str:
+    """Name of the config set to use on `device`: one of ARCHS.
+
+    GPUs without a set of their own get the nearest older one, which is always safe
+    because the autotuner skips configs that do not fit a chip's shared memory or registers.
+    """
+    device = torch.device(device)
+    if interpreting():
+        return "interpreter"
+    return _gpu_arch(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _gpu_arch(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    if torch.version.hip is not None:
+        gcn = props.gcnArchName.split(":")[0]
+        if gcn in ("gfx90a", "gfx942"):
+            return gcn
+        chosen = "gfx942" if gcn.startswith("gfx9") and gcn >= "gfx940" else "gfx90a"
+        logger.info("no Triton configs tuned for %s; using the %s set", gcn, chosen)
+        return chosen
+    major, minor = props.major, props.minor
+    if major >= 9:
+        chosen = "sm90"
+    elif major == 8:
+        chosen = "sm80"
+    else:
+        raise RuntimeError(f"{props.name} (sm{major}{minor}) is older than sm80; see unavailable_reason()")
+    if (major, minor) not in ((8, 0), (9, 0)):
+        logger.info("no Triton configs tuned for sm%d%d; using the %s set", major, minor, chosen)
+    return chosen
+
+
+@torch.compiler.assume_constant_result
+def fallback_reason(device_type: str) -> str | None:
+    """unavailable_reason for a device type, as a constant that torch.compile bakes into the
+    graph: dispatch code that asks it traces without a graph break."""
+    return unavailable_reason(device_type)
+
+
+@functools.cache
+def log_once(logger_name: str, message: str) -> None:
+    """Log `message` at warning level the first time it is seen (fallback reasons, mostly)."""
+    logging.getLogger(logger_name).warning(message)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

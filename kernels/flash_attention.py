@@ -1,0 +1,299 @@
+"""FlashAttention-2 in Triton, as PyTorch custom ops with autograd, fake tensors and DTensor rules.
+
+    out = flash_attention(q, k, v, causal=True, softmax_scale=None)
+
+q is (batch, q_heads, q_len, head_dim); k and v are (batch, kv_heads, kv_len, head_dim), with
+q_heads a multiple of kv_heads (grouped-query and multi-query attention read the shared K/V head,
+never a repeated copy). Strides are arbitrary. dtype fp16, bf16 or fp32; head_dim up to 256
+(padded inside the kernel to the next power of two, at least 16, and masked).
+
+Causal masking with q_len != kv_len is aligned to the lower right, as PyTorch's
+`torch.nn.attention.bias.causal_lower_right` and FlashAttention >= 2.1: the last query sees every
+key, query i sees keys j <= i + kv_len - q_len. When q_len > kv_len the first q_len - kv_len
+queries see no key; their output and gradients are zero (as SDPA's math backend gives).
+
+The kernels live in _flash_attention_kernels.py; the config sets per GPU architecture here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+
+import torch
+import triton
+
+from kernels._triton_setup import device_arch, interpreting, next_power_of_2, unavailable_reason
+
+__all__ = ["flash_attention", "reference_attention", "MAX_HEAD_DIM"]
+
+MAX_HEAD_DIM = 256
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------- configs
+# One row per config: (largest BLOCK_D it fits, BLOCK_M, BLOCK_N, num_warps, num_stages, backend
+# options). The autotuner times the rows that fit the head dim once per shape and keeps the best;
+# rows too big for a chip's shared memory are skipped by the autotuner. On AMD CDNA, waves_per_eu
+# caps occupancy to leave registers per wave, matrix_instr_nonkdim picks the 16x16 MFMA.
+def _amd(waves: int) -> dict:
+    return {"waves_per_eu": waves, "matrix_instr_nonkdim": 16}
+
+
+_CONFIGS: dict[str, dict[str, list[tuple]]] = {
+    "sm80": {
+        "fwd": [(64, 128, 128, 8, 3, {}), (64, 128, 64, 4, 3, {}), (128, 128, 64, 8, 3, {}),
+                (128, 128, 32, 4, 3, {}), (128, 64, 64, 4, 3, {}), (256, 64, 64, 4, 2, {}),
+                (256, 64, 32, 4, 2, {}), (256, 128, 32, 8, 2, {})],
+        "dkdv": [(64, 64, 128, 8, 2, {}), (128, 32, 128, 8, 2, {}), (128, 32, 64, 4, 3, {}),
+                 (128, 64, 64, 4, 2, {}), (256, 32, 64, 4, 2, {}), (256, 16, 64, 4, 2, {})],
+        "dq": [(64, 128, 64, 8, 2, {}), (128, 128, 32, 8, 2, {}), (128, 64, 64, 4, 3, {}),
+               (128, 64, 32, 4, 3, {}), (256, 64, 32, 4, 2, {}), (256, 32, 32, 4, 2, {})],
+    },
+    "sm90": {
+        "fwd": [(64, 128, 128, 8, 4, {}), (64, 128, 64, 4, 4, {}), (128, 128, 128, 8, 3, {}),
+                (128, 128, 64, 8, 4, {}), (128, 128, 64, 4, 3, {}), (128, 64, 64, 4, 4, {}),
+                (256, 128, 64, 8, 2, {}), (256, 64, 64, 4, 2, {}), (256, 64, 32, 4, 3, {})],
+        "dkdv": [(64, 64, 128, 8, 3, {}), (128, 32, 128, 8, 3, {}), (128, 64, 128, 8, 2, {}),
+                 (128, 32, 64, 4, 4, {}), (256, 32, 64, 4, 2, {}), (256, 16, 64, 4, 2, {})],
+        "dq": [(64, 128, 64, 8, 3, {}), (128, 128, 64, 8, 2, {}), (128, 128, 32, 8, 3, {}),
+               (128, 64, 64, 4, 3, {}), (256, 64, 32, 4, 2, {}), (256, 32, 32, 4, 2, {})],
+    },
+    "gfx90a": {
+        "fwd": [(128, 128, 64, 4, 1, _amd(2)), (128, 64, 64, 4, 1, _amd(3)), (128, 128, 32, 4, 1, _amd(2)),
+                (256, 64, 32, 4, 1, _amd(2)), (256, 32, 32, 4, 1, _amd(2))],
+        "dkdv": [(128, 32, 64, 4, 1, _amd(2)), (128, 64, 64, 4, 1, _amd(1)), (256, 32, 32, 4, 1, _amd(1)),
+                 (256, 16, 32, 4, 1, _amd(2))],
+        "dq": [(128, 64, 32, 4, 1, _amd(2)), (128, 64, 64, 4, 1, _amd(1)), (256, 32, 32, 4, 1, _amd(1)),
+               (256, 32, 16, 4, 1, _amd(2))],
+    },
+    "gfx942": {
+        "fwd": [(128, 128, 128, 4, 2, _amd(2)), (128, 128, 64, 4, 2, _amd(2)), (128, 128, 64, 8, 2, _amd(1)),
+                (128, 64, 64, 4, 2, _amd(3)), (256, 64, 64, 4, 2, _amd(2)), (256, 64, 32, 4, 1, _amd(2))],
+        "dkdv": [(128, 32, 128, 4, 2, _amd(1)), (128, 64, 64, 4, 2, _amd(2)), (128, 32, 64, 4, 1, _amd(2)),
+                 (256, 32, 64, 4, 1, _amd(1)), (256, 16, 64, 4, 1, _amd(2))],
+        "dq": [(128, 128, 32, 4, 2, _amd(1)), (128, 64, 64, 4, 2, _amd(2)), (128, 64, 32, 4, 1, _amd(2)),
+               (256, 64, 32, 4, 1, _amd(1)), (256, 32, 32, 4, 1, _amd(2))],
+    },
+    # The interpreter runs one fixed config: blocks as large as keep test sequences (up to ~200)
+    # spanning several blocks, since its cost is per block step; BLOCK_M != BLOCK_N on purpose.
+    "interpreter": {"fwd": [(256, 64, 32, 4, 1, {})], "dkdv": [(256, 32, 64, 4, 1, {})],
+                    "dq": [(256, 64, 32, 4, 1, {})]},
+}
+_DELTA_BLOCK_M = 64
+_KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq", "delta": "attn_bwd_delta"}
+
+
+def _kernel(name: str):
+    # Imported on first use, not with this module: Triton decides between compiling and
+    # interpreting when a kernel is defined, and TRITON_INTERPRET may be set after start-up
+    # (by a test's conftest) but before the first call.
+    from kernels import _flash_attention_kernels
+
+    return getattr(_flash_attention_kernels, _KERNEL_NAMES[name])
+
+
+@functools.cache
+def _tuned(kernel: str, arch: str, block_d: int):
+    rows = [r for r in _CONFIGS[arch][kernel] if block_d <= r[0]]
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **extra}, num_warps=w, num_stages=s)
+               for _, bm, bn, w, s, extra in rows]
+    return triton.autotune(configs, key=["HEAD_DIM", "IS_CAUSAL", "q_len", "kv_len"])(_kernel(kernel))
+
+
+def _launch(kernel: str, device: torch.device, block_d: int, grid_rows: int, grid_cols: int, *args, **meta):
+    """Launch `kernel` with the device's tuned configs, or the interpreter's fixed one.
+
+    The grid's first axis tiles `grid_rows` by the chosen config's block (BLOCK_M for the
+    forward and dQ, BLOCK_N for dK/dV)."""
+    tile = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"
+    if interpreting():
+        _, bm, bn, _, _, _ = _CONFIGS["interpreter"][kernel][0]
+        block = {"BLOCK_M": bm, "BLOCK_N": bn}
+        _kernel(kernel)[(triton.cdiv(grid_rows, block[tile]), grid_cols)](*args, **meta, **block)
+        return
+    fn = _tuned(kernel, device_arch(device), block_d)
+    with torch.cuda.device(device):
+        fn[lambda cfg: (triton.cdiv(grid_rows, cfg[tile]), grid_cols)](*args, **meta)
+
+
+# ----------------------------------------------------------------------------- launchers
+def _new_like_layout(batch: int, heads: int, seq: int, head_dim: int, like: torch.Tensor) -> torch.Tensor:
+    # (batch, seq, heads, head_dim) in memory: what models produce from a (batch, seq, dim)
+    # projection and reshape back to, so neither side needs a copy.
+    return like.new_empty((batch, seq, heads, head_dim)).transpose(1, 2)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.stride())
+
+
+def _check_runnable(t: torch.Tensor) -> None:
+    reason = unavailable_reason(t.device)
+    if reason is not None:
+        raise RuntimeError(f"flash_attention cannot run: {reason}")
+
+
+def _forward(q, k, v, causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    out = _new_like_layout(batch, q_heads, q_len, head_dim, q)
+    lse = q.new_empty((batch, q_heads, q_len), dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse
+    _check_runnable(q)
+    block_d = max(16, next_power_of_2(head_dim))
+    _launch("fwd", q.device, block_d, q_len, batch * q_heads,
+            q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
+            q_heads, q_heads // kv_heads, q_len, kv_len, softmax_scale * _LOG2E,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal)
+    return out, lse
+
+
+def _backward(grad_out, q, k, v, out, lse, causal: bool, softmax_scale: float):
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    dq = _new_like_layout(batch, q_heads, q_len, head_dim, q)
+    dk = _new_like_layout(batch, kv_heads, kv_len, head_dim, k)
+    dv = _new_like_layout(batch, kv_heads, kv_len, head_dim, v)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    _check_runnable(q)
+    block_d = max(16, next_power_of_2(head_dim))
+    delta = torch.empty_like(lse)
+    block_m = 32 if interpreting() else _DELTA_BLOCK_M
+    grid = (triton.cdiv(q_len, block_m), batch * q_heads)
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _kernel("delta")[grid](out, grad_out, delta, *_strides(out), *_strides(grad_out), q_heads, q_len,
+                               HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m)
+    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal)
+    qk_scale = softmax_scale * _LOG2E
+    _launch("dkdv", q.device, block_d, kv_len, batch * kv_heads,
+            q, k, v, grad_out, dk, dv, lse, delta,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dk), *_strides(dv),
+            q_heads, kv_heads, q_heads // kv_heads, q_len, kv_len, qk_scale, softmax_scale, **common)
+    _launch("dq", q.device, block_d, q_len, batch * q_heads,
+            q, k, v, grad_out, dq, lse, delta,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dq),
+            q_heads, q_heads // kv_heads, q_len, kv_len, qk_scale, softmax_scale, **common)
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("trillion::flash_attn_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+            softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, causal, softmax_scale)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, causal, softmax_scale):
+    batch, heads, q_len, head_dim = q.shape
+    return (_new_like_layout(batch, heads, q_len, head_dim, q),
+            q.new_empty((batch, heads, q_len), dtype=torch.float32))
+
+
+@torch.library.custom_op("trillion::flash_attn_bwd", mutates_args=())
+def _bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(grad_out, q, k, v, out, lse, causal, softmax_scale)
+
+
+@_bwd_op.register_fake
+def _(grad_out, q, k, v, out, lse, causal, softmax_scale):
+    return (_new_like_layout(*q.shape, q), _new_like_layout(*k.shape, k), _new_like_layout(*v.shape, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale = causal, softmax_scale
+    ctx.mark_non_differentiable(lse)
+
+
+def _autograd_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(grad_out, q, k, v, out, lse, ctx.causal, ctx.softmax_scale)
+    return dq, dk, dv, None, None
+
+
+_fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _register_dtensor_sharding() -> None:
+    """Attention is local per batch element and per head: with heads (tensor parallel) or batch
+    sharded on every input, each rank runs the op on its shard. Multi-query attention under head
+    sharding keeps its single K/V head replicated, and its dK/dV come back as partial sums."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    @register_sharding(torch.ops.trillion.flash_attn_fwd.default)
+    def _fwd_sharding(q, k, v, causal, softmax_scale):
+        rules = [([p, p], [p, p, p, None, None]) for p in (Replicate(), Shard(0), Shard(1))]
+        if k.shape[1] == 1:
+            rules.append(([Shard(1), Shard(1)], [Shard(1), Replicate(), Replicate(), None, None]))
+        return rules
+
+    @register_sharding(torch.ops.trillion.flash_attn_bwd.default)
+    def _bwd_sharding(grad_out, q, k, v, out, lse, causal, softmax_scale):
+        rules = [([p, p, p], [p, p, p, p, p, p, None, None]) for p in (Replicate(), Shard(0), Shard(1))]
+        if k.shape[1] == 1:
+            s, r = Shard(1), Replicate()
+            rules.append(([s, Partial(), Partial()], [s, s, r, r, s, s, None, None]))
+        return rules
+
+
+_register_dtensor_sharding()
+
+
+# ----------------------------------------------------------------------------- public API
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    softmax_scale: float | None = None) -> torch.Tensor:
+    """softmax(q @ k^T * softmax_scale [+ causal mask]) @ v, shapes and alignment as in the module
+    docstring. softmax_scale defaults to 1/sqrt(head_dim)."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"flash_attention takes 4-d (batch, heads, seq, head_dim) tensors, got "
+                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"flash_attention: k and v must share one shape, with q's batch and head_dim; "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"flash_attention: q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        raise ValueError(f"flash_attention needs q, k, v of one dtype among fp16, bf16, fp32; "
+                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not 0 < q.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"flash_attention supports head_dim 1..{MAX_HEAD_DIM}, got {q.shape[3]}")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[3])
+    out, _ = _fwd_op(q, k, v, causal, float(softmax_scale))
+    return out
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                        softmax_scale: float | None = None) -> torch.Tensor:
+    """Plain PyTorch attention with the same semantics (lower-right causal alignment, zero output
+    for queries that see no key), computed in the inputs' dtype. It is the test oracle (in
+    float64) and the "same-precision PyTorch math" that tolerances are measured against."""
+    q_heads, q_len, kv_len = q.shape[1], q.shape[2], k.shape[2]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[3])
+    group = q_heads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * softmax_scale
+    if causal:
+        rows = torch.arange(q_len, device=q.device)[:, None]
+        cols = torch.arange(kv_len, device=q.device)[None, :]
+        visible = cols <= rows + (kv_len - q_len)
+        seen = visible.any(dim=1, keepdim=True)
+        # Rows that see nothing get a harmless uniform softmax, then are zeroed; filling them
+        # with -inf would make NaN values and NaN gradients.
+        scores = scores.masked_fill(~visible & seen, float("-inf"))
+        return (scores.softmax(dim=-1) * seen) @ v
+    return scores.softmax(dim=-1) @ v

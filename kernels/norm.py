@@ -1,0 +1,226 @@
+"""Fused RMSNorm and LayerNorm in Triton: one read of x forward, one of x and dy backward.
+
+    y = rms_norm(x, weight, eps)            x * rsqrt(mean(x^2) + eps) * weight
+    y = layer_norm(x, weight, bias, eps)    (x - mean) * rsqrt(var + eps) * weight + bias
+
+Both normalize the last dimension, compute in fp32 whatever the input dtype, and return x's
+dtype. The modules RMSNorm and LayerNorm are drop-in subclasses of torch.nn's (same parameters,
+same state dict), so switching --kernels.norm changes no checkpoint. Where Triton cannot run, or
+a row is too long to hold in one block, the functions fall back to torch.nn.functional and log
+why once.
+
+Weight and bias gradients are summed per program into an fp32 buffer, then over programs with
+torch: deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch import nn
+
+from kernels._triton_setup import fallback_reason, interpreting, log_once, next_power_of_2
+
+__all__ = ["rms_norm", "layer_norm", "RMSNorm", "LayerNorm", "MAX_FUSED_DIM"]
+
+# A row lives in registers, fp32, in one program: 32768 columns is 64 KiB per row spread over
+# 16 warps, enough for the largest hidden sizes in PAPER.md (25600).
+MAX_FUSED_DIM = 32768
+
+
+def _kernels():
+    # Imported on first use: Triton decides between compiling and interpreting when a kernel is
+    # defined, and TRITON_INTERPRET may be set after start-up but before the first call.
+    from kernels import _norm_kernels
+
+    return _norm_kernels
+
+
+def _num_warps(block_n: int) -> int:
+    return 1 if interpreting() else min(16, max(1, block_n // 512))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as (rows, n) with unit column stride; a copy only when the last dim is strided."""
+    t = t if t.stride(-1) == 1 else t.contiguous()
+    return t.reshape(-1, t.shape[-1])
+
+
+def _device_context(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _forward(x, weight, bias, eps: float, rms: bool):
+    n = x.shape[-1]
+    x2 = _rows(x)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
+    mean = rstd.new_empty(0 if rms else x.shape[:-1])
+    if x2.shape[0] == 0:
+        return y, mean, rstd
+    block_n = next_power_of_2(n)
+    with _device_context(x):
+        _kernels().norm_fwd[(x2.shape[0],)](
+            x2, weight, bias, y, mean, rstd, x2.stride(0), n, n, eps,
+            IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            BLOCK_N=block_n, num_warps=_num_warps(block_n))
+    return y, mean, rstd
+
+
+def _backward(grad_y, x, weight, mean, rstd, has_bias: bool, rms: bool):
+    n = x.shape[-1]
+    x2, dy2 = _rows(x), _rows(grad_y)
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
+    if interpreting():
+        programs = min(rows, 4)
+    elif x.is_cuda:
+        programs = min(rows, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+    else:
+        programs = rows
+    programs = max(programs, 1)
+    dw_part = torch.zeros((programs, n), dtype=torch.float32, device=x.device) if weight is not None else None
+    db_part = torch.zeros((programs, n), dtype=torch.float32, device=x.device) if has_bias else None
+    if rows:
+        block_n = next_power_of_2(n)
+        with _device_context(x):
+            _kernels().norm_bwd[(programs,)](
+                x2, weight, dy2, dx, dw_part, db_part, mean, rstd, x2.stride(0), dy2.stride(0), n,
+                rows, n, triton.cdiv(rows, programs),
+                IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
+                BLOCK_N=block_n, num_warps=_num_warps(block_n))
+    param_dtype = weight.dtype if weight is not None else x.dtype
+    dw = dw_part.sum(0).to(param_dtype) if dw_part is not None else x.new_empty(0)
+    db = db_part.sum(0).to(param_dtype) if db_part is not None else x.new_empty(0)
+    return dx, dw, db
+
+
+# ----------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("trillion::norm_fwd", mutates_args=())
+def _fwd_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+            rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd); mean is empty for RMSNorm."""
+    return _forward(x, weight, bias, eps, rms)
+
+
+@_fwd_op.register_fake
+def _(x, weight, bias, eps, rms):
+    rstd = x.new_empty(x.shape[:-1], dtype=torch.float32)
+    return torch.empty_like(x, memory_format=torch.contiguous_format), rstd.new_empty(0 if rms else x.shape[:-1]), rstd
+
+
+@torch.library.custom_op("trillion::norm_bwd", mutates_args=())
+def _bwd_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
+            rstd: torch.Tensor, has_bias: bool, rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias); the last two are empty when there is no weight or bias."""
+    return _backward(grad_y, x, weight, mean, rstd, has_bias, rms)
+
+
+@_bwd_op.register_fake
+def _(grad_y, x, weight, mean, rstd, has_bias, rms):
+    param_dtype = weight.dtype if weight is not None else x.dtype
+    n = x.shape[-1]
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            x.new_empty(n if weight is not None else 0, dtype=param_dtype),
+            x.new_empty(n if has_bias else 0, dtype=param_dtype))
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, eps, rms = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.has_bias, ctx.rms = bias is not None, rms
+    ctx.mark_non_differentiable(mean, rstd)
+
+
+def _autograd_backward(ctx, grad_y, _grad_mean, _grad_rstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _bwd_op(grad_y, x, weight, mean, rstd, ctx.has_bias, ctx.rms)
+    return dx, dw if weight is not None else None, db if ctx.has_bias else None, None, None
+
+
+_fwd_op.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+def _register_dtensor_sharding() -> None:
+    """Rows are independent: x sharded on any dim but the last (sequence parallelism shards the
+    sequence) gives y, mean and rstd sharded alike, with replicated weight and bias, whose
+    gradients come back as partial sums."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    def param(t, p):
+        return None if t is None else p
+
+    @register_sharding(torch.ops.trillion.norm_fwd.default)
+    def _fwd_sharding(x, weight, bias, eps, rms):
+        r = Replicate()
+        rules = [([r, r, r], [r, param(weight, r), param(bias, r), None, None])]
+        for dim in range(x.ndim - 1):
+            s = Shard(dim)
+            rules.append(([s, r if rms else s, s], [s, param(weight, r), param(bias, r), None, None]))
+        return rules
+
+    @register_sharding(torch.ops.trillion.norm_bwd.default)
+    def _bwd_sharding(grad_y, x, weight, mean, rstd, has_bias, rms):
+        r = Replicate()
+        rules = [([r, r, r], [r, r, param(weight, r), r, r, None, None])]
+        for dim in range(x.ndim - 1):
+            s = Shard(dim)
+            grads = [Partial() if weight is not None else r, Partial() if has_bias else r]
+            rules.append(([s, *grads], [s, s, param(weight, r), r if rms else s, s, None, None]))
+        return rules
+
+
+_register_dtensor_sharding()
+
+
+# ----------------------------------------------------------------------------- public API
+def _use_triton(x: torch.Tensor, what: str) -> bool:
+    reason = fallback_reason(x.device.type)
+    if reason is None and x.shape[-1] > MAX_FUSED_DIM:
+        reason = f"rows of {x.shape[-1]} elements exceed the fused kernel's {MAX_FUSED_DIM}"
+    if reason is not None:
+        log_once(__name__, f"{what}: using torch.nn.functional because {reason}")
+    return reason is None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim; eps=None means torch.finfo(x.dtype).eps, as torch.nn.RMSNorm."""
+    eps = torch.finfo(x.dtype).eps if eps is None else eps
+    if not _use_triton(x, "rms_norm"):
+        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    return _fwd_op(x, weight, None, float(eps), True)[0]
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+               eps: float = 1e-5) -> torch.Tensor:
+    """LayerNorm over the last dim."""
+    if not _use_triton(x, "layer_norm"):
+        return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+    return _fwd_op(x, weight, bias, float(eps), False)[0]
+
+
+class RMSNorm(nn.RMSNorm):
+    """torch.nn.RMSNorm over one (last) dim, computed by the fused kernel."""
+
+    def __init__(self, dim: int, eps: float | None = None, **kwargs):
+        super().__init__(dim, eps=eps, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+class LayerNorm(nn.LayerNorm):
+    """torch.nn.LayerNorm over one (last) dim, computed by the fused kernel."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, **kwargs):
+        super().__init__(dim, eps=eps, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps)

@@ -1,0 +1,112 @@
+"""The kernels as PyTorch ops: torch.compile traces them whole, DTensor runs them shard-local."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kernels.flash_attention import flash_attention
+from kernels.norm import RMSNorm, layer_norm, rms_norm
+
+
+class _TinyBlock(torch.nn.Module):
+    """Pre-norm attention with grouped-query heads, built on the two kernels."""
+
+    def __init__(self, dim=64, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.norm = RMSNorm(dim, eps=1e-5)
+        self.wq = torch.nn.Linear(dim, dim)
+        self.wkv = torch.nn.Linear(dim, 2 * kv_heads * self.head_dim)
+        self.wo = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.norm(x)
+        q = self.wq(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.wkv(h).view(b, s, 2, self.kv_heads, self.head_dim).unbind(2)
+        out = flash_attention(q, k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        return x + self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    block = _TinyBlock()
+    with torch.no_grad():
+        block.norm.weight.normal_()
+    x = torch.randn(2, 40, 64)
+    compiled = torch.compile(block, fullgraph=True)  # fails on any graph break
+    out_c = compiled(x)
+    out_c.square().sum().backward()
+    grads_c = [p.grad.clone() for p in block.parameters()]
+    block.zero_grad()
+    out_e = block(x)
+    out_e.square().sum().backward()
+    torch.testing.assert_close(out_c, out_e, atol=1e-5, rtol=1e-5)
+    for gc, p in zip(grads_c, block.parameters()):
+        torch.testing.assert_close(gc, p.grad, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture
+def fake_mesh_of_two():
+    """A 2-rank mesh in this one process, on the fake process group: collectives do nothing,
+    so only shard-local results can be checked, which is all a local op needs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_head_sharded_attention_runs_on_the_local_shard(fake_mesh_of_two):
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = fake_mesh_of_two
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 24, 16, generator=gen) for h in (2, 1, 1))  # this rank's heads
+
+    def local_grads(k_placement):
+        leaves = [DTensor.from_local(q, mesh, [Shard(1)]).requires_grad_(),
+                  DTensor.from_local(k, mesh, [k_placement]).requires_grad_(),
+                  DTensor.from_local(v, mesh, [k_placement]).requires_grad_()]
+        out = flash_attention(*leaves)
+        out.sum().backward()
+        return out, leaves
+
+    plain = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = flash_attention(*plain)
+    expected.sum().backward()
+    # Tensor parallel GQA: q and kv heads both sharded; MQA: the one kv head replicated.
+    for kv_placement, kv_grad_placement in ((Shard(1), Shard(1)), (Replicate(), Partial())):
+        out, leaves = local_grads(kv_placement)
+        assert out.placements == (Shard(1),)
+        torch.testing.assert_close(out.to_local(), expected)
+        for leaf, ref in zip(leaves, plain):
+            torch.testing.assert_close(leaf.grad.to_local(), ref.grad)
+        assert leaves[1].grad.placements == (kv_grad_placement,)
+
+
+def test_dtensor_sequence_sharded_norms_run_on_the_local_shard(fake_mesh_of_two):
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    mesh = fake_mesh_of_two
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(2, 12, 32, generator=gen), torch.randn(32, generator=gen), torch.randn(32, generator=gen)
+    for fn, params in ((rms_norm, (w,)), (layer_norm, (w, b))):
+        dx = DTensor.from_local(x, mesh, [Shard(1)]).requires_grad_()
+        dparams = [DTensor.from_local(p, mesh, [Replicate()]).requires_grad_() for p in params]
+        y = fn(dx, *dparams, eps=1e-5)
+        y.sum().backward()
+        plain = [t.clone().requires_grad_() for t in (x, *params)]
+        expected = fn(*plain, eps=1e-5)
+        expected.sum().backward()
+        assert y.placements == (Shard(1),) and dx.grad.placements == (Shard(1),)
+        torch.testing.assert_close(y.to_local(), expected)
+        torch.testing.assert_close(dx.grad.to_local(), plain[0].grad)
+        for dp, p in zip(dparams, plain[1:]):
+            assert dp.grad.placements == (Partial(),)
+            torch.testing.assert_close(dp.grad.to_local(), p.grad)
