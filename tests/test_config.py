@@ -43,9 +43,3 @@ def test_help_lists_every_field_with_its_doc():
             assert f"--{section.name}.{field.name} " in text
             assert field.metadata["doc"] in text
 
-
-def test_shipped_configs_load():
-    from pathlib import Path
-
-    for path in sorted(Path(__file__).resolve().parents[1].glob("experiments/configs/*.toml")):
-        load_config(str(path))
