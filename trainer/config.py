@@ -105,6 +105,9 @@ class Logging:
     wandb_project: str = doc("", "W&B project (or WANDB_PROJECT); setting it, or WANDB_API_KEY, makes the run online.")
     wandb_entity: str = doc("", "W&B entity (team or user).")
     wandb_run_name: str = doc("", "W&B run name (default: the output directory's name).")
+    wandb_group: str = doc("", "W&B group (or WANDB_RUN_GROUP), e.g. one scaling study.")
+    wandb_tags: str = doc("", "Comma-separated W&B tags (or WANDB_TAGS).")
+    wandb_init_timeout_s: float = doc(30.0, "Give up reaching the W&B server after this long and write the run offline instead.")
     tensorboard: bool = doc(False, "Also write TensorBoard event files under <output_dir>/tensorboard (needs `tensorboard`).")
     progress_bar: str = doc("auto", "auto (a live bar on a terminal, log lines otherwise) | bar | lines.")
 

@@ -77,7 +77,7 @@ class MetricsSink:
 
     def __init__(self, output_dir: Path, cfg: LoggingConfig, resolved_config: dict, resume: bool = False):
         self.jsonl = open(output_dir / "metrics.jsonl", "a" if resume else "w")
-        self.wandb_run = _start_wandb(output_dir, cfg, resolved_config) if cfg.wandb else None
+        self.wandb_run = _start_wandb(output_dir, cfg, resolved_config, resume) if cfg.wandb else None
         self.tensorboard = _start_tensorboard(output_dir) if cfg.tensorboard else None
 
     def write(self, record: dict) -> None:
@@ -105,8 +105,13 @@ class MetricsSink:
             self.tensorboard.close()
 
 
-def _start_wandb(output_dir: Path, cfg: LoggingConfig, resolved_config: dict):
-    """Online when the user configured W&B (project or API key), offline otherwise; never blocking."""
+def _start_wandb(output_dir: Path, cfg: LoggingConfig, resolved_config: dict, resume: bool):
+    """Online when the user configured W&B (a project or an API key), offline otherwise.
+
+    An unreachable server costs at most `wandb_init_timeout_s`, after which the run is written
+    offline (for `wandb sync` later); training never waits on the network beyond that. The run id
+    is kept in the run directory, so a restarted job continues the same W&B run.
+    """
     try:
         import wandb
     except ImportError:
@@ -114,16 +119,25 @@ def _start_wandb(output_dir: Path, cfg: LoggingConfig, resolved_config: dict):
         return None
     online = bool(cfg.wandb_project or os.environ.get("WANDB_PROJECT") or os.environ.get("WANDB_API_KEY"))
     mode = os.environ.get("WANDB_MODE") or ("online" if online else "offline")
-    try:
-        return wandb.init(
-            project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "trillion",
-            entity=cfg.wandb_entity or None, name=cfg.wandb_run_name or output_dir.name, dir=str(output_dir),
-            config=resolved_config, mode=mode,
-            settings=wandb.Settings(init_timeout=60, silent=True, console="off"),
-        )
-    except Exception as error:
-        log.warning("W&B did not start (%s); training goes on with metrics.jsonl only.", error)
-        return None
+    id_file = output_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
+    options = dict(
+        project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "trillion", entity=cfg.wandb_entity or None,
+        name=cfg.wandb_run_name or output_dir.name, group=cfg.wandb_group or None,
+        tags=[t.strip() for t in cfg.wandb_tags.split(",") if t.strip()] or None, dir=str(output_dir),
+        config=resolved_config, id=run_id, resume="allow" if run_id else None,
+    )
+    for attempt_mode in dict.fromkeys([mode, "offline"]):
+        try:
+            run = wandb.init(mode=attempt_mode, settings=wandb.Settings(
+                init_timeout=cfg.wandb_init_timeout_s, silent=True, console="off"), **options)
+        except Exception as error:
+            log.warning("W&B did not start in %s mode (%s)%s", attempt_mode, str(error).splitlines()[0],
+                        "; writing the run offline instead." if attempt_mode != "offline" else "; metrics.jsonl only.")
+            continue
+        id_file.write_text(run.id)
+        return run
+    return None
 
 
 def _start_tensorboard(output_dir: Path):
