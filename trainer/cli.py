@@ -10,6 +10,7 @@ from trainer.errors import ConfigError
 # command -> (module with `main(argv) -> int`, one-line summary)
 COMMANDS = {
     "train": ("trainer.train_cli", "train a model: trillion train [--config FILE] [--section.field=value ...]"),
+    "plan": ("parallel.plan_cli", "choose a parallel layout: trillion plan --model M --hardware H --gpus N --global-batch B"),
 }
 
 

@@ -1,0 +1,140 @@
+"""`trillion plan`: rank the parallel layouts of a model on a machine, predict their throughput,
+memory, time-to-train, energy and cost, and write the best one as a `trillion train` config.
+
+  trillion plan --model gpt-1t --hardware frontier --gpus 3072 --global-batch 1024 --tokens 20e12
+  trillion plan ... --tp 4 --pp 128 --micro-batch-size 1     (fixed settings: evaluate one layout)
+  trillion plan ... --format json | --plot DIR | --config-out FILE
+  trillion plan --calibrate [--calibrate-out FILE]           (measure this machine into a profile)
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from models.presets import PRESETS, get_preset
+from parallel.hardware import load_profile, profile_names
+from parallel.planner import LAYOUT_FIELDS, Request, metrics, model_summary, search
+from parallel.planner_layout import CHECKPOINT_MODES, SCHEDULES, ZERO_MODES
+from trainer.config import Config, load_config, to_toml
+from trainer.errors import ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # a usage mistake is a user error: one paragraph, exit 2
+        raise ConfigError(f"{message}. See `trillion plan --help`.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="trillion plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
+    p.add_argument("--hardware", help=f"profile name ({', '.join(profile_names())}) or a profile TOML file")
+    p.add_argument("--gpus", type=int, help="number of GPUs (GCDs on Frontier)")
+    p.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per sequence (default: the model's max_seq_len)")
+    p.add_argument("--tokens", type=float, default=0.0, help="training budget in tokens, e.g. 20e12")
+    p.add_argument("--price-per-gpu-hour", type=float, default=None, help="USD (default: the hardware profile's)")
+    p.add_argument("--top", type=int, default=10, help="rows of the table / candidates in the JSON")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--config-out", default=None,
+                   help="where to write the best layout as a `trillion train` config (default: outputs/plan/<model>-<hardware>-<gpus>.toml; '' = do not write)")
+    p.add_argument("--plot", metavar="DIR", default=None, help="write tradeoff.png and scaling.png there")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine's GEMM, memory and gloo bandwidth into a profile")
+    p.add_argument("--calibrate-out", default="outputs/plan/calibrated.toml", help="profile file --calibrate writes")
+    fixed = p.add_argument_group("layout settings (each one given is fixed; the rest are searched)")
+    for name, kind, choices in (("tp", int, None), ("pp", int, None), ("dp_replicate", int, None), ("dp_shard", int, None),
+                                ("dp_shard_mode", str, ZERO_MODES), ("pp_schedule", str, tuple(SCHEDULES)),
+                                ("virtual_stages", int, None), ("micro_batch_size", int, None),
+                                ("activation_checkpoint", str, CHECKPOINT_MODES)):
+        fixed.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
+                           help=f"one of {', '.join(choices)}" if choices else None)
+    return p
+
+
+def request_from(ns: argparse.Namespace) -> Request:
+    missing = [f"--{k.replace('_', '-')}" for k in ("model", "hardware", "gpus", "global_batch") if getattr(ns, k) is None]
+    if missing:
+        raise ConfigError(f"trillion plan needs {', '.join(missing)}, e.g. `trillion plan --model gpt-1t --hardware "
+                          f"frontier --gpus 3072 --global-batch 1024 --tokens 20e12`.")
+    args = get_preset(ns.model)
+    fixed = {k: getattr(ns, k) for k in LAYOUT_FIELDS if getattr(ns, k) is not None}
+    return Request(ns.model, args, load_profile(ns.hardware), ns.gpus, ns.global_batch, ns.seq_len or args.max_seq_len,
+                   ns.tokens, ns.price_per_gpu_hour, fixed)
+
+
+def train_config_toml(request: Request, row: dict) -> str:
+    """The best layout as a config `trillion train --config` loads (checked by loading it back)."""
+    config = Config()
+    config.model.name = request.model
+    config.training.global_batch_size = request.global_batch
+    config.training.micro_batch_size = row["micro_batch_size"]
+    config.training.seq_len = request.seq_len
+    for key in ("dp_replicate", "dp_shard", "dp_shard_mode", "tp", "pp", "pp_schedule", "activation_checkpoint"):
+        setattr(config.parallel, key, row[key])
+    header = [f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} ({request.hardware.device.name})",
+              f"# predicted: {row['step_time_s']:.2f} s/step, {row['tokens_per_s']:,.0f} tokens/s, "
+              f"MFU {row['mfu']:.1%}, {row['memory_gb']:.1f} of {row['memory_capacity_gb']:g} GB per GPU",
+              f"# pipeline chunks per rank (virtual stages): {row['virtual_stages']}", ""]
+    return "\n".join(header) + to_toml(config)
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}"
+
+
+def format_table(request: Request, rows: list[dict], considered: int, fitting: int) -> str:
+    s = model_summary(request)
+    lines = [f"{request.model} ({s['parameters'] / 1e9:.1f}B parameters) on {request.gpus} x {request.hardware.name} "
+             f"({request.hardware.device.name}, {request.hardware.device.memory_gb:g} GB), global batch "
+             f"{request.global_batch} x {request.seq_len} tokens: {considered} layouts considered, {fitting} fit in memory.",
+             "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp = exposed communication. "
+             "Memory GB per GPU: params/grads/optim/activations/buffers.", ""]
+    budget = request.tokens > 0
+    head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'dp (rep x shard)':>18} {'schedule':>22} {'mb':>2} {'m':>5} {'ckpt':>9} "
+            f"{'step s':>7} {'tokens/s':>10} {'TF/GPU':>6} {'MFU%':>5} {'HFU%':>5} {'bub%':>5} {'imb%':>5} {'tp%':>4} "
+            f"{'pp%':>4} {'dp%':>4} {'memory GB (P/G/O/A/B)':>28}")
+    if budget:
+        head += f" {'days':>6} {'GPU-h':>9} {'MWh':>7} {'cost $':>10}"
+    lines += [head, "-" * len(head)]
+    for i, r in enumerate(rows, 1):
+        sh, mem = r["time_shares"], r["memory"]
+        dp = f"{r['dp_replicate']}x{r['dp_shard']} {r['dp_shard_mode']}"
+        sched = r["pp_schedule"] + (f" v{r['virtual_stages']}" if r["virtual_stages"] > 1 else "") if r["pp"] > 1 else "-"
+        breakdown = "/".join(f"{mem[k]:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "buffers"))
+        line = (f"{i:>3} {r['tp']:>2} {r['pp']:>3} {dp:>18} {sched:>22} {r['micro_batch_size']:>2} {r['microbatches']:>5} "
+                f"{r['activation_checkpoint']:>9} {r['step_time_s']:>7.2f} {r['tokens_per_s']:>10,.0f} "
+                f"{r['tflops_per_gpu']:>6.1f} {_pct(r['mfu']):>5} {_pct(r['hfu']):>5} {_pct(sh['bubble']):>5} "
+                f"{_pct(sh['imbalance']):>5} {_pct(sh['tp_exposed']):>4} {_pct(sh['pp_exposed']):>4} {_pct(sh['dp_exposed']):>4} "
+                f"{breakdown + ' = ' + format(r['memory_gb'], '.1f'):>28}")
+        if budget:
+            line += f" {r['time_to_train_days']:>6.1f} {r['gpu_hours']:>9.3g} {r['energy_mwh']:>7.3g} {r['cost_usd']:>10.3g}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ns = build_parser().parse_args(argv)
+    if ns.calibrate:
+        from parallel.planner_calibrate import calibrate
+        print(f"wrote {calibrate(Path(ns.calibrate_out))}")
+        return 0
+    request = request_from(ns)
+    result = search(request)
+    rows = [metrics(request, c) for c in result.ranked[: max(ns.top, 1)]]
+    if ns.format == "json":
+        json.dump({"request": model_summary(request), "considered": result.considered, "fitting": len(result.ranked),
+                   "candidates": rows}, sys.stdout, indent=1)
+        print()
+    else:
+        print(format_table(request, rows, result.considered, len(result.ranked)))
+    out = ns.config_out if ns.config_out is not None else f"outputs/plan/{request.model}-{request.hardware.name}-{request.gpus}.toml"
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(train_config_toml(request, rows[0]))
+        load_config(str(path))  # what we hand to `trillion train` must load
+        print(f"wrote the best layout to {path} (run it with `trillion train --config {path}`)", file=sys.stderr)
+    if ns.plot:
+        from parallel.planner_plot import plot_request
+        for written in plot_request(request, result, Path(ns.plot)):
+            print(f"wrote {written}", file=sys.stderr)
+    return 0

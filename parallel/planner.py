@@ -1,0 +1,254 @@
+"""The planner: every valid parallel layout of a model on a machine, pruned by memory, ranked by
+predicted throughput, with time, energy and cost for a token budget.
+
+planner_layout (layouts, schedules), planner_memory (bytes per GPU) and planner_cost (seconds per
+step) hold the model; this file enumerates, checks requests and turns step times into the figures
+a person plans with. The search tries, for each tensor-parallel degree that divides the heads and
+fits in a node and each pipeline degree up to the layer count: micro-batch sizes 1-8, every
+schedule (interleaved ones at 2 chunks per rank unless --virtual-stages says otherwise),
+activation checkpointing none/selective/full, and dp_shard over 1, one node's worth and all
+data-parallel ranks, with each ZeRO mode.
+"""
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from models.flops import count_params, hardware_flops_per_token, megatron_flops_per_iteration, model_flops_per_token
+from models.transformer import ModelArgs
+from parallel.hardware import HardwareProfile
+from parallel.planner_cost import StepTime, step_time
+from parallel.planner_layout import (
+    CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES, Layout, get_schedule,
+)
+from parallel.planner_memory import MEMORY_HEADROOM, Memory, checkpointed_layers, layout_memory
+from trainer.errors import ConfigError
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+LAYOUT_FIELDS = ("tp", "pp", "dp_replicate", "dp_shard", "dp_shard_mode", "pp_schedule", "virtual_stages",
+                 "micro_batch_size", "activation_checkpoint")
+
+
+@dataclass(frozen=True)
+class Request:
+    model: str
+    args: ModelArgs
+    hardware: HardwareProfile
+    gpus: int
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+    tokens: float = 0.0  # training budget; 0 = no time-to-train figures
+    price_per_gpu_hour: float | None = None  # None: the hardware profile's
+    fixed: dict = field(default_factory=dict)  # LAYOUT_FIELDS the user set
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self.hardware.device.memory_gb * 1e9
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    step: StepTime | None  # None: not timed, because it does not fit
+    memory: Memory
+    fits: bool
+
+
+def evaluate(request: Request, layout: Layout, only_if_fits: bool = False) -> Candidate:
+    """The layout's memory and, unless it does not fit and only_if_fits, its step time."""
+    memory = layout_memory(request.args, layout, request.seq_len)
+    fits = memory.total <= MEMORY_HEADROOM * request.capacity_bytes
+    step = step_time(request.args, request.hardware, layout, request.seq_len) if fits or not only_if_fits else None
+    return Candidate(layout, step, memory, fits)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def tp_degrees(args: ModelArgs, gpus_per_node: int) -> list[int]:
+    """Degrees that split heads, key/value heads, the MLP and the vocabulary evenly, inside a node."""
+    return [t for t in _divisors(gpus_per_node)
+            if args.n_heads % t == 0 and args.kv_heads % t == 0 and args.ffn_hidden % t == 0 and args.vocab_size % t == 0]
+
+
+def _options(request: Request, name: str, default: list) -> list:
+    return [request.fixed[name]] if name in request.fixed else default
+
+
+def _dp_shard_options(dp: int, tp: int, gpus_per_node: int) -> list[int]:
+    """No sharding, one node's worth (HSDP: sharding on the fast links), all ranks (least memory).
+    Degrees in between cost the same network bandwidth per GPU as `dp` and save less memory."""
+    node = gpus_per_node // tp
+    return sorted({1, dp} | ({node} if node > 1 and dp % node == 0 else set()))
+
+
+def layouts(request: Request):
+    """Every layout the search considers, with the user's fixed settings."""
+    args, gpus = request.args, request.gpus
+    for tp in _options(request, "tp", tp_degrees(args, request.hardware.gpus_per_node)):
+        if gpus % tp:
+            continue
+        for pp in _options(request, "pp", [p for p in _divisors(gpus // tp) if p <= args.n_layers]):
+            if (gpus // tp) % pp:
+                continue
+            dp = gpus // (tp * pp)
+            if request.global_batch % dp:
+                continue
+            yield from _layouts_for(request, tp, pp, dp)
+
+
+def _layouts_for(request: Request, tp: int, pp: int, dp: int):
+    args = request.args
+    replicate = request.fixed.get("dp_replicate")
+    shards = [dp // replicate] if replicate and "dp_shard" not in request.fixed else \
+        _options(request, "dp_shard", _dp_shard_options(dp, tp, request.hardware.gpus_per_node))
+    schedules = _options(request, "pp_schedule", list(SCHEDULES) if pp > 1 else ["1F1B"])
+    for dp_shard in shards:
+        if dp % dp_shard or (replicate and replicate * dp_shard != dp):
+            continue
+        modes = _options(request, "dp_shard_mode", list(ZERO_MODES) if dp_shard > 1 else ["zero3"])
+        for name in schedules:
+            schedule = get_schedule(name)
+            any_v = [request.fixed.get("virtual_stages", DEFAULT_VIRTUAL_STAGES)]
+            for v in (schedule.virtual_stages or any_v) if pp > 1 else [1]:
+                if pp * v > args.n_layers or ("virtual_stages" in request.fixed and request.fixed["virtual_stages"] != v):
+                    continue
+                for mb in _options(request, "micro_batch_size", list(MICRO_BATCH_SIZES)):
+                    if (request.global_batch // dp) % mb:
+                        continue
+                    m = request.global_batch // (dp * mb)
+                    if pp > 1 and name != "GPipe" and m < pp:
+                        continue
+                    for ac in _options(request, "activation_checkpoint", list(CHECKPOINT_MODES)):
+                        for mode in modes:
+                            yield Layout(tp, pp, dp // dp_shard, dp_shard, mode, name, v, mb, m, ac)
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Candidate]  # fitting candidates, fastest first
+    considered: int
+    too_big: int  # valid layouts that did not fit in memory
+    smallest_memory: Candidate | None  # among those that did not fit, for the error message
+
+
+def search(request: Request) -> SearchResult:
+    check_request(request)
+    ranked, considered, too_big, smallest = [], 0, 0, None
+    for layout in layouts(request):
+        considered += 1
+        candidate = evaluate(request, layout, only_if_fits=True)
+        if candidate.fits:
+            ranked.append(candidate)
+        else:
+            too_big += 1
+            if smallest is None or candidate.memory.total < smallest.memory.total:
+                smallest = candidate
+    ranked.sort(key=lambda c: (c.step.total, c.memory.total))
+    result = SearchResult(ranked, considered, too_big, smallest)
+    if not ranked:
+        raise ConfigError(_no_layout_message(request, result))
+    return result
+
+
+def check_request(request: Request) -> None:
+    args = request.args
+    for key, value in request.fixed.items():
+        if key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size") and value < 1:
+            raise ConfigError(f"--{key.replace('_', '-')} {value} must be at least 1.")
+    if "dp_shard_mode" in request.fixed and request.fixed["dp_shard_mode"] not in ZERO_MODES:
+        raise ConfigError(f"--dp-shard-mode {request.fixed['dp_shard_mode']!r} is not known. Use {', '.join(ZERO_MODES)}.")
+    if "activation_checkpoint" in request.fixed and request.fixed["activation_checkpoint"] not in CHECKPOINT_MODES:
+        raise ConfigError(f"--activation-checkpoint {request.fixed['activation_checkpoint']!r} is not known. "
+                          f"Use {', '.join(CHECKPOINT_MODES)}.")
+    if "pp_schedule" in request.fixed:
+        get_schedule(request.fixed["pp_schedule"])
+    if request.gpus < 1 or request.global_batch < 1:
+        raise ConfigError(f"--gpus {request.gpus} and --global-batch {request.global_batch} must be at least 1.")
+    if request.seq_len > args.max_seq_len:
+        raise ConfigError(f"--seq-len {request.seq_len} is longer than {request.model}'s max_seq_len {args.max_seq_len}.")
+    tps = tp_degrees(args, request.hardware.gpus_per_node)
+    most = max(tps) * args.n_layers * request.global_batch
+    if request.gpus > most:
+        raise ConfigError(
+            f"{request.model} cannot use {request.gpus} GPUs with --global-batch {request.global_batch}: at most "
+            f"tp {max(tps)} x pp {args.n_layers} (one layer per stage) x dp {request.global_batch} (one sequence per "
+            f"data-parallel rank) = {most}. Use fewer GPUs or a larger global batch.")
+
+
+def _no_layout_message(request: Request, result: SearchResult) -> str:
+    where = f"{request.model} on {request.gpus} x {request.hardware.name}"
+    fixed = ", ".join(f"{k}={v}" for k, v in request.fixed.items())
+    if result.considered == 0:
+        return (f"No valid layout for {where} with --global-batch {request.global_batch}"
+                f"{' and ' + fixed if fixed else ''}: the data-parallel degree gpus / (tp x pp) must divide the global "
+                f"batch, tp must divide the heads ({request.args.n_heads}) and fit in a node, pp at most the layers "
+                f"({request.args.n_layers}), and pipelines other than GPipe need at least pp micro-batches. "
+                f"Try a global batch that is a multiple of {request.gpus // max(tp_degrees(request.args, request.hardware.gpus_per_node))}, or other fixed settings.")
+    best = result.smallest_memory
+    return (f"No layout of {where}{' with ' + fixed if fixed else ''} fits in memory: of {result.considered} valid "
+            f"layouts the smallest needs {best.memory.total / 1e9:.1f} GB per GPU "
+            f"({_describe(best.layout)}), the device has {request.hardware.device.memory_gb:g} GB "
+            f"(the plan keeps {1 - MEMORY_HEADROOM:.0%} free). Use more GPUs, a smaller micro-batch, or release fixed settings.")
+
+
+def _describe(layout: Layout) -> str:
+    return (f"tp {layout.tp}, pp {layout.pp}, dp {layout.dp_replicate}x{layout.dp_shard} {layout.dp_shard_mode}, "
+            f"micro-batch {layout.micro_batch_size}, checkpointing {layout.activation_checkpoint}")
+
+
+def metrics(request: Request, candidate: Candidate) -> dict:
+    """The figures of one candidate, as the table and `--format json` show them."""
+    args, layout, hw = request.args, candidate.layout, request.hardware
+    step = candidate.step.total
+    tokens_per_step = request.global_batch * request.seq_len
+    tokens_per_s = tokens_per_step / step
+    peak = hw.device.peak_tflops_bf16 * 1e12
+    model_flops = model_flops_per_token(args, request.seq_len) * tokens_per_s / request.gpus
+    recompute = checkpointed_layers(layout.activation_checkpoint, args.n_layers) / args.n_layers
+    hardware_flops = hardware_flops_per_token(args, request.seq_len, recompute) * tokens_per_s / request.gpus
+    megatron = megatron_flops_per_iteration(args, request.global_batch, request.seq_len, recompute == 1.0)
+    out = {**layout.as_dict(), "dp": layout.dp,
+           "step_time_s": step, "tokens_per_s": tokens_per_s, "tflops_per_gpu": model_flops / 1e12,
+           "mfu": model_flops / peak, "hfu": hardware_flops / peak,
+           "megatron_share_of_peak": megatron / (step * request.gpus * peak),
+           "time_shares": candidate.step.shares(),
+           "memory_gb": candidate.memory.total / 1e9, "memory": candidate.memory.as_gb(),
+           "memory_capacity_gb": hw.device.memory_gb, "fits": candidate.fits}
+    if request.tokens > 0:
+        out.update(budget(request, step))
+    return out
+
+
+def budget(request: Request, step_seconds: float) -> dict:
+    """Time, GPU-hours, energy and cost of training on request.tokens. Power: every GPU at its
+    board power plus its share of the node's other parts, times the site's PUE."""
+    hw = request.hardware
+    steps = math.ceil(request.tokens / (request.global_batch * request.seq_len))
+    seconds = steps * step_seconds
+    gpu_hours = seconds * request.gpus / 3600
+    watts_per_gpu = (hw.device.power_w + hw.node_overhead_w / hw.gpus_per_node) * hw.pue
+    price = hw.price_per_gpu_hour if request.price_per_gpu_hour is None else request.price_per_gpu_hour
+    return {"steps": steps, "time_to_train_days": seconds / 86400, "gpu_hours": gpu_hours,
+            "energy_mwh": gpu_hours * watts_per_gpu / 1e6, "cost_usd": gpu_hours * price}
+
+
+def model_summary(request: Request) -> dict:
+    params = count_params(request.args)
+    return {"model": request.model, "parameters": params.total, "hardware": request.hardware.name,
+            "device": request.hardware.device.name, "gpus": request.gpus, "global_batch": request.global_batch,
+            "seq_len": request.seq_len, "tokens": request.tokens}
+
+
+def scaling(request: Request, gpu_counts: list[int], weak: bool) -> list[tuple[int, float, dict]]:
+    """(gpus, efficiency, best row) per count: tokens/s per GPU relative to the first count. Weak
+    scaling grows the global batch with the GPUs (from request's at request.gpus); strong keeps it."""
+    points = []
+    for gpus in gpu_counts:
+        batch = request.global_batch * gpus // request.gpus if weak else request.global_batch
+        scaled = dataclasses.replace(request, gpus=gpus, global_batch=batch, tokens=0.0)
+        best = metrics(scaled, search(scaled).ranked[0])
+        points.append((gpus, best["tokens_per_s"] / gpus, best))
+    base = points[0][1]
+    return [(gpus, per_gpu / base, row) for gpus, per_gpu, row in points]

@@ -1,0 +1,183 @@
+"""Step time of a layout on a machine: compute, pipeline bubble and imbalance, and the exposed
+part of TP, PP and DP communication, and the optimizer step.
+
+Compute per layer per micro-batch: each GEMM at the device's measured efficiency for its size,
+flash attention (causal: half of the 4 b s^2 h the FLOP formulas count) at the device's attention
+efficiency, element-wise kernels (norms, residuals, activation functions, layout copies) at the
+device's memory bandwidth, and a launch overhead per kernel. Backward GEMMs split into the input
+gradient (Bi) and the weight gradient (Bw), which is what zero-bubble schedules move around.
+
+Communication (ring collectives, 2(n-1)/n of the bytes per all-reduce, half that for an
+all-gather or reduce-scatter, on the slowest link the group spans; the mesh puts tp innermost,
+then dp_shard, dp_replicate, pp, as the trainer's DeviceMesh does):
+  TP: per layer 2 all-reduce-sized collectives forward, 2 backward, 2 more when recomputing;
+      never overlapped (DTensor TP runs them on the compute stream).
+  PP: one activation per micro-batch per stage boundary; in steady state the sends overlap the
+      next micro-batch, so only the fill and drain (2 (p v - 1) transfers) are exposed.
+  DP: per ZeRO mode (planner_memory's docstring); FSDP2 prefetching hides collectives behind
+      compute up to DP_OVERLAP of it, except the first all-gather and last reduce-scatter of each
+      chunk of each micro-batch; per-step collectives hide behind one micro-batch's backward.
+"""
+from dataclasses import dataclass, fields
+from functools import lru_cache
+
+from models.transformer import ModelArgs
+from parallel.hardware import HardwareProfile
+from parallel.planner_layout import Layout, bubble_slots, get_schedule
+from parallel.planner_memory import ACTIVATION_BYTES, RankParams, checkpointed_layers, pipeline_ranks
+
+DP_OVERLAP = 0.9
+KERNELS_PER_LAYER_FORWARD = 16  # 7 GEMMs, attention, 2 norms, 2 residuals, activation, copy, 2 SP collectives
+CROSS_ENTROPY_BYTES_PER_LOGIT = 14  # bf16 read, fp32 cast, log-softmax read and write
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Seconds of one pass on one GPU; tp is the TP communication inside them."""
+    forward: float = 0.0
+    input_grad: float = 0.0
+    weight_grad: float = 0.0
+    tp_forward: float = 0.0
+    tp_backward: float = 0.0
+
+    def __add__(self, other: "Passes") -> "Passes":
+        return Passes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Passes)))
+
+    def __mul__(self, k: float) -> "Passes":
+        return Passes(*(getattr(self, f.name) * k for f in fields(Passes)))
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute: float
+    bubble: float
+    imbalance: float
+    tp_exposed: float
+    pp_exposed: float
+    dp_exposed: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def shares(self) -> dict:
+        return {f.name: getattr(self, f.name) / self.total for f in fields(self)}
+
+
+def _gemm(hw: HardwareProfile, m: int, k: int, n: int) -> float:
+    flops = 2.0 * m * k * n
+    device = hw.device
+    return flops / (device.peak_tflops_bf16 * 1e12 * device.gemm_share_of_peak(flops)) + device.kernel_overhead_us * 1e-6
+
+
+def _memory_bound(hw: HardwareProfile, nbytes: float) -> float:
+    return nbytes / (hw.device.memory_bandwidth_gbs * 1e9 * hw.device.memory_efficiency)
+
+
+def collective_time(hw: HardwareProfile, nbytes: float, group: int, span: int, kind: str) -> float:
+    """Seconds of a ring collective of `nbytes` (the full, unsharded payload) among `group` GPUs
+    whose ranks span `span` consecutive GPUs. kind: all_reduce | all_gather | reduce_scatter."""
+    if group <= 1:
+        return 0.0
+    bandwidth, latency = hw.collective_link(group if span <= hw.gpus_per_node else span, span > hw.gpus_per_node)
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return factor * ((group - 1) / group * nbytes / bandwidth + (group - 1) * latency)
+
+
+@lru_cache(maxsize=8192)
+def layer_passes(args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int, tp: int) -> Passes:
+    """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs."""
+    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
+    tokens = batch * seq_len
+    gemms = [(h, q // tp), (h, kv // tp), (h, kv // tp), (q // tp, h), (h, f // tp), (f // tp, h)]
+    if args.mlp == "swiglu":
+        gemms.append((h, f // tp))
+    gemm = sum(_gemm(hw, tokens, k, n) for k, n in gemms)
+    attention_flops = 2.0 * tokens * seq_len * q / tp
+    attention = attention_flops / (hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency)
+    elementwise_elems = tokens * (10 * h / tp + (2 * q + (5 if args.mlp == "swiglu" else 2) * f) / tp)
+    elementwise = _memory_bound(hw, elementwise_elems * ACTIVATION_BYTES)
+    launches = KERNELS_PER_LAYER_FORWARD * hw.device.kernel_overhead_us * 1e-6
+    tp_comm = 2 * collective_time(hw, tokens * h * ACTIVATION_BYTES, tp, tp, "all_reduce")
+    return Passes(forward=gemm + attention + elementwise + launches + tp_comm,
+                  input_grad=gemm + 2.5 * attention + 2 * elementwise + launches + tp_comm,
+                  weight_grad=gemm, tp_forward=tp_comm, tp_backward=tp_comm)
+
+
+@lru_cache(maxsize=8192)
+def output_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) -> Passes:
+    """Final norm, output projection (vocabulary-parallel) and cross-entropy."""
+    gemm = _gemm(hw, tokens, args.dim, args.vocab_size // tp)
+    loss = _memory_bound(hw, tokens * args.vocab_size / tp * CROSS_ENTROPY_BYTES_PER_LOGIT)
+    gather = collective_time(hw, tokens * args.dim * ACTIVATION_BYTES, tp, tp, "all_gather")
+    return Passes(forward=gemm + loss + gather, input_grad=gemm + loss + gather, weight_grad=gemm,
+                  tp_forward=gather, tp_backward=gather)
+
+
+@lru_cache(maxsize=65536)
+def rank_passes(args: ModelArgs, hw: HardwareProfile, micro_batch_size: int, seq_len: int, tp: int,
+                activation_checkpoint: str, rank: RankParams) -> tuple[Passes, Passes]:
+    """(passes of one micro-batch through all of the rank's layers, the recomputed forwards)."""
+    layer = layer_passes(args, hw, micro_batch_size, seq_len, tp)
+    total = layer * rank.layers
+    if rank.last:
+        total = total + output_passes(args, hw, micro_batch_size * seq_len, tp)
+    checkpointed = checkpointed_layers(activation_checkpoint, rank.layers)
+    return total, Passes(forward=layer.forward, tp_forward=layer.tp_forward) * checkpointed
+
+
+def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankParams) -> tuple[float, float, float]:
+    """(seconds per micro-batch, per-step seconds hidden by a backward, by a forward) of data parallelism."""
+    d, r, tp = layout.dp_shard, layout.dp_replicate, layout.tp
+    tp_numel, shard_numel = rank.numel(args, tp, d)
+    mode = layout.dp_shard_mode
+    gather = collective_time(hw, 2 * tp_numel, d, tp * d, "all_gather")
+    reduce = collective_time(hw, 4 * tp_numel, d, tp * d, "reduce_scatter")
+    per_microbatch = {"zero3": 2 * gather + reduce, "zero2": reduce, "zero1": 0.0}[mode]
+    replicate = collective_time(hw, 4 * shard_numel, r, tp * d * r, "all_reduce")
+    after_backward = replicate + (reduce if mode == "zero1" else 0.0)
+    before_forward = gather if mode in ("zero1", "zero2") else 0.0
+    return per_microbatch, after_backward, before_forward
+
+
+@lru_cache(maxsize=65536)
+def _pipeline(args: ModelArgs, hw: HardwareProfile, seq_len: int, tp: int, pp: int, v: int, schedule_name: str,
+              micro_batch_size: int, activation_checkpoint: str) -> tuple:
+    """Per-micro-batch compute of the pipeline's ranks: (slowest rank index, its passes, its
+    recompute, seconds of the slowest and of the mean rank, mean TP seconds). Independent of dp."""
+    layout = Layout(tp, pp, 1, 1, "zero3", schedule_name, v, micro_batch_size, 1, activation_checkpoint)
+    timed = [rank_passes(args, hw, micro_batch_size, seq_len, tp, activation_checkpoint, rank)
+             for rank in pipeline_ranks(args, layout)]
+    per_rank = [ps.forward + rc.forward + ps.input_grad + ps.weight_grad for ps, rc in timed]
+    slowest = max(range(pp), key=per_rank.__getitem__)
+    tp_mean = sum(ps.tp_forward + ps.tp_backward + rc.tp_forward for ps, rc in timed) / pp
+    return slowest, timed[slowest][0], timed[slowest][1], per_rank[slowest], sum(per_rank) / pp, tp_mean
+
+
+def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int) -> StepTime:
+    schedule = get_schedule(layout.pp_schedule)
+    p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
+    slowest, passes, recompute, worst, mean, tp_mean = _pipeline(
+        args, hw, seq_len, layout.tp, p, v, layout.pp_schedule, layout.micro_batch_size, layout.activation_checkpoint)
+    chunk = (passes.forward / v, recompute.forward / v, passes.input_grad / v, passes.weight_grad / v)
+    bubble = max(0.0, sum(s * c for s, c in zip(bubble_slots(schedule, p), chunk))) if p > 1 else 0.0
+
+    boundary_bytes = layout.micro_batch_size * seq_len * args.dim / (layout.tp if layout.sequence_parallel else 1) * ACTIVATION_BYTES
+    crosses_nodes = layout.tp * layout.dp >= hw.gpus_per_node
+    bandwidth, latency = hw.collective_link(min(hw.gpus_per_node, 2 * layout.tp * layout.dp), crosses_nodes)
+    pp_exposed = 2 * (p * v - 1) * (boundary_bytes / bandwidth + latency) if p > 1 else 0.0
+
+    rank = pipeline_ranks(args, layout)[slowest]
+    per_mb, after_backward, before_forward = dp_comm(args, hw, layout, rank)
+    unhidden = m * v * per_mb / max(rank.layers, 1)
+    dp_exposed = (max(0.0, m * per_mb - DP_OVERLAP * m * worst) + unhidden
+                  + max(0.0, after_backward - DP_OVERLAP * (passes.input_grad + passes.weight_grad))
+                  + max(0.0, before_forward - DP_OVERLAP * passes.forward))
+
+    tp_numel, shard_numel = rank.numel(args, layout.tp, layout.dp_shard)
+    copy_back = 2 * tp_numel if layout.dp_shard_mode in ("zero1", "zero2") else 0
+    optimizer = _memory_bound(hw, 32 * shard_numel + copy_back)
+
+    return StepTime(compute=m * (mean - tp_mean), bubble=bubble, imbalance=m * (worst - mean),
+                    tp_exposed=m * tp_mean, pp_exposed=pp_exposed, dp_exposed=dp_exposed, optimizer=optimizer)

@@ -1,0 +1,109 @@
+"""A parallel layout as the planner sees it, and what each pipeline schedule costs in bubble and
+in micro-batches held in flight.
+
+The schedules are torch.distributed.pipelining's, by the names `parallel.pp_schedule` takes.
+Per micro-batch and per virtual stage ("chunk") a rank runs a forward F, the recomputed forward R
+(activation checkpointing), the input-gradient pass Bi and the weight-gradient pass Bw.
+Bubbles, in those units (p stages, v chunks per rank, m micro-batches):
+  GPipe, 1F1B, Interleaved1F1B, LoopedBFS: (p-1)(F+R+Bi+Bw), i.e. (p-1)/(v m) of the work;
+  InterleavedZeroBubble (ZB-H1): (p-1)(F+R+Bi-Bw): deferred weight passes fill the drain;
+  ZBVZeroBubble, DualPipeV (ZB-V): (p-1) max(0, F+R+Bi-2Bw): the V layout fills the fill too.
+DualPipeV's own lever, hiding expert all-to-all behind compute, does nothing for dense models.
+"""
+from dataclasses import asdict, dataclass
+
+from trainer.errors import ConfigError
+
+ZERO_MODES = ("zero1", "zero2", "zero3")
+CHECKPOINT_MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    virtual_stages: tuple[int, ...]  # allowed chunks per rank; () = any v >= 2
+    bubble_weights: tuple[float, float, float, float]  # multipliers of (F, R, Bi, Bw) per idle slot
+    in_flight: str  # memory rule, see `in_flight_microbatches`
+    v_shape: bool = False  # chunks placed as a V (rank r holds r and 2p-1-r), else looped (r, r+p, ...)
+
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
+    Schedule("GPipe", (1,), (1, 1, 1, 1), "all"),
+    Schedule("1F1B", (1,), (1, 1, 1, 1), "pipeline"),
+    Schedule("Interleaved1F1B", (), (1, 1, 1, 1), "interleaved"),
+    Schedule("LoopedBFS", (), (1, 1, 1, 1), "all"),
+    Schedule("InterleavedZeroBubble", (), (1, 1, 1, -1), "interleaved"),
+    Schedule("ZBVZeroBubble", (2,), (1, 1, 1, -2), "pipeline", v_shape=True),
+    Schedule("DualPipeV", (2,), (1, 1, 1, -2), "pipeline+1", v_shape=True),
+)}
+DEFAULT_VIRTUAL_STAGES = 2  # what the search tries for schedules that take any v
+
+
+def get_schedule(name: str) -> Schedule:
+    if name not in SCHEDULES:
+        raise ConfigError(f"--pp-schedule {name!r} is not a known schedule. Use one of: {', '.join(SCHEDULES)}.")
+    return SCHEDULES[name]
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int
+    pp: int
+    dp_replicate: int
+    dp_shard: int
+    dp_shard_mode: str
+    pp_schedule: str
+    virtual_stages: int
+    micro_batch_size: int
+    microbatches: int  # per step per pipeline (gradient accumulation when pp == 1)
+    activation_checkpoint: str
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1  # the trainer always pairs TP with sequence parallelism
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int) -> tuple[float, float]:
+    """Micro-batches whose activations the first and the last rank hold at the peak, in units of
+    one micro-batch through all of that rank's layers (Narayanan et al. 2021 for interleaving)."""
+    if p == 1:
+        return 1.0, 1.0
+    rule = schedule.in_flight
+    if rule == "all":
+        return float(m), float(m)
+    if rule == "interleaved":
+        return min(m, p) * (1 + (p - 1) / (p * v)), 1.0 + (p - 1) / (p * v)
+    extra = 1 if rule == "pipeline+1" else 0
+    return float(min(m, p + extra)), 1.0 + extra
+
+
+def bubble_slots(schedule: Schedule, p: int) -> tuple[float, float, float, float]:
+    """Idle time of a step as multiples of one chunk's (F, R, Bi, Bw); clamp the sum at zero."""
+    return tuple((p - 1) * w for w in schedule.bubble_weights)
+
+
+def stage_layers(n_layers: int, p: int, v: int, schedule: Schedule) -> list[list[int]]:
+    """Layer counts of each rank's chunks: layers split as evenly as possible over the p*v virtual
+    stages in order (earlier stages take the remainder)."""
+    stages = p * v
+    counts = [n_layers // stages + (1 if k < n_layers % stages else 0) for k in range(stages)]
+    ranks: list[list[int]] = [[] for _ in range(p)]
+    for k, count in enumerate(counts):
+        ranks[rank_of_virtual_stage(k, p, schedule)].append(count)
+    return ranks
+
+
+def rank_of_virtual_stage(k: int, p: int, schedule: Schedule) -> int:
+    """Looped placement runs virtual stage k on rank k mod p; V placement on k, then 2p-1-k."""
+    return (k if k < p else 2 * p - 1 - k) if schedule.v_shape else k % p

@@ -1,0 +1,208 @@
+"""Memory per GPU of a layout: parameters, gradients, optimizer states, activations, buffers.
+
+States follow FSDP2 with bf16 compute and fp32 master weights, gradients and AdamW moments, all
+sharded over dp_shard (dim 0 of each tensor, as torch.chunk: rank 0 holds the ceiling), after
+tensor parallelism has split them (column-parallel weights on dim 0, row-parallel on dim 1,
+vocabulary- and position-parallel embeddings and output; norms and row-parallel biases
+replicated: parallel/tensor_parallel.py's plan):
+  zero3  parameters 4 (fp32 shard)          gradients 4 (shard)          optimizer 8 (shard)
+  zero2  + 2 bytes: the gathered bf16 copy, kept through all micro-batches of the step
+  zero1  + the bf16 copy, and gradients accumulate unsharded in fp32 until the last micro-batch
+(bytes per parameter), as parallel/fsdp.py does. The root (embeddings, final norm, output) is
+never resharded after forward, so under zero3 its bf16 copy is held through the step too.
+Activations follow Korthikanti et al. 2022 without dropout and with flash
+attention (no s^2 terms): 34 s b h bytes per GPT layer in bf16. With sequence parallelism the
+norm inputs are split over TP ranks, but DTensor saves the all-gathered inputs of the
+column-parallel linears whole, so those stay s b h each.
+"""
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from models.transformer import ModelArgs
+from parallel.planner_layout import Layout, get_schedule, in_flight_microbatches, stage_layers
+
+ACTIVATION_BYTES = 2  # bf16
+FRAMEWORK_BYTES = 1e9  # CUDA/HIP context, BLAS workspaces
+MEMORY_HEADROOM = 0.9  # share of device memory a plan may fill; the rest is allocator fragmentation
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None  # dimension tensor parallelism splits; None = replicated
+
+
+def block_params(args: ModelArgs) -> list[ParamSpec]:
+    """Parameters of one transformer block, named as in models/transformer.py."""
+    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
+    specs = []
+    for norm in ("attention_norm", "ffn_norm"):
+        specs += norm_params(args, norm)
+    linears = [("attention.wq", q, h, 0), ("attention.wk", kv, h, 0), ("attention.wv", kv, h, 0),
+               ("attention.wo", h, q, 1), ("feed_forward.w1", f, h, 0), ("feed_forward.w2", h, f, 1)]
+    if args.mlp == "swiglu":
+        linears.append(("feed_forward.w3", f, h, 0))
+    for name, out_features, in_features, tp_dim in linears:
+        specs.append(ParamSpec(f"{name}.weight", (out_features, in_features), tp_dim))
+        if args.bias:  # a column-parallel bias is split with its rows; a row-parallel one is replicated
+            specs.append(ParamSpec(f"{name}.bias", (out_features,), 0 if tp_dim == 0 else None))
+    return specs
+
+
+def norm_params(args: ModelArgs, name: str) -> list[ParamSpec]:
+    specs = [ParamSpec(f"{name}.weight", (args.dim,), None)]
+    if args.norm == "layernorm" and args.bias:
+        specs.append(ParamSpec(f"{name}.bias", (args.dim,), None))
+    return specs
+
+
+def first_stage_params(args: ModelArgs) -> list[ParamSpec]:
+    specs = [ParamSpec("tok_embeddings.weight", (args.vocab_size, args.dim), 0)]
+    if args.positions == "learned":
+        specs.append(ParamSpec("pos_embeddings.weight", (args.max_seq_len, args.dim), 0))
+    return specs
+
+
+def last_stage_params(args: ModelArgs) -> list[ParamSpec]:
+    output = [] if args.tie_embeddings else [ParamSpec("output.weight", (args.vocab_size, args.dim), 0)]
+    return norm_params(args, "norm") + output
+
+
+def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> tuple[int, int]:
+    """(elements after TP, elements after TP and FSDP) on the rank holding the most: rank 0."""
+    shape = list(spec.shape)
+    if spec.tp_dim is not None:
+        shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)
+    tp_local = math.prod(shape)
+    shape[0] = math.ceil(shape[0] / dp_shard)
+    return tp_local, math.prod(shape)
+
+
+@lru_cache(maxsize=4096)
+def _numel(args: ModelArgs, part: str, tp: int, dp_shard: int) -> tuple[int, int]:
+    specs = {"block": block_params, "first": first_stage_params, "last": last_stage_params}[part](args)
+    pairs = [local_numel(s, tp, dp_shard) for s in specs]
+    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+
+@dataclass(frozen=True)
+class RankParams:
+    layers: int
+    first: bool  # holds the embeddings
+    last: bool  # holds the final norm and the output layer
+
+    def numel(self, args: ModelArgs, tp: int, dp_shard: int) -> tuple[int, int]:
+        """(after TP, after TP and FSDP) parameter elements of this rank."""
+        parts = [("block", self.layers), ("first", int(self.first)), ("last", int(self.last))]
+        totals = [(count * a, count * b) for part, count in parts if count for a, b in [_numel(args, part, tp, dp_shard)]]
+        return sum(t[0] for t in totals), sum(t[1] for t in totals)
+
+
+def pipeline_ranks(args: ModelArgs, layout: Layout) -> list[RankParams]:
+    """What each pipeline rank holds; V schedules put the first and the last stage on rank 0."""
+    return _pipeline_ranks(args.n_layers, layout.pp, layout.virtual_stages, layout.pp_schedule)
+
+
+@lru_cache(maxsize=4096)
+def _pipeline_ranks(n_layers: int, pp: int, v: int, schedule_name: str) -> list[RankParams]:
+    schedule = get_schedule(schedule_name)
+    chunks = stage_layers(n_layers, pp, v, schedule)
+    last_rank = 0 if schedule.v_shape and pp > 1 else pp - 1
+    return [RankParams(sum(c), r == 0, r == last_rank) for r, c in enumerate(chunks)]
+
+
+def layer_activation_bytes(args: ModelArgs, tokens: int, tp: int, sequence_parallel: bool, checkpointed: bool,
+                           dtype_bytes: int = ACTIVATION_BYTES) -> float:
+    """Bytes one layer keeps for backward for `tokens` (= micro-batch size x sequence length).
+
+    Replicated over TP ranks (split by sequence parallelism): the two norm inputs. Always whole:
+    the two norm outputs, which the column-parallel linears save (all-gathered under SP).
+    Split by TP: q, k, v and the attention output (kept by flash attention), the output
+    projection's input, the MLP's hidden activations (GELU: input and output; SwiGLU: w1 and w3
+    outputs, silu output, product). Flash attention adds an fp32 log-sum-exp per head.
+    A checkpointed layer keeps only its input.
+    """
+    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
+    split = tp if sequence_parallel else 1
+    if checkpointed:
+        return tokens * h / split * dtype_bytes
+    replicated = 2 * h / split
+    whole = 2 * h
+    sharded = (q + 2 * kv + q + q + (4 if args.mlp == "swiglu" else 2) * f) / tp
+    logsumexp = 4 * args.n_heads / tp
+    return tokens * ((replicated + whole + sharded) * dtype_bytes + logsumexp)
+
+
+def output_activation_bytes(args: ModelArgs, tokens: int, tp: int, sequence_parallel: bool,
+                            dtype_bytes: int = ACTIVATION_BYTES) -> float:
+    """Final norm input and output, and the fp32 log-softmax the cross-entropy keeps."""
+    split = tp if sequence_parallel else 1
+    return tokens * ((args.dim / split + args.dim) * dtype_bytes + 4 * args.vocab_size / tp)
+
+
+def checkpointed_layers(mode: str, n_layers: int) -> int:
+    """How many of a rank's layers are checkpointed: all (full), every second (selective), none."""
+    return {"none": 0, "selective": (n_layers + 1) // 2, "full": n_layers}[mode]
+
+
+@dataclass(frozen=True)
+class Memory:
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
+
+    def as_gb(self) -> dict:
+        return {k: round(getattr(self, k) / 1e9, 3) for k in ("parameters", "gradients", "optimizer", "activations",
+                                                             "buffers", "total")}
+
+
+def states_bytes(tp_numel: int, shard_numel: int, mode: str) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes by ZeRO mode (see the module docstring)."""
+    parameters = 4 * shard_numel + (2 * tp_numel if mode in ("zero1", "zero2") else 0)
+    gradients = 4 * (tp_numel if mode == "zero1" else shard_numel)
+    return parameters, gradients, 8 * shard_numel
+
+
+def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams, in_flight: float) -> Memory:
+    tp, ms = layout.tp, layout.micro_batch_size
+    tokens = ms * seq_len
+    sp = layout.sequence_parallel
+    tp_numel, shard_numel = rank.numel(args, tp, layout.dp_shard)
+    parameters, gradients, optimizer = states_bytes(tp_numel, shard_numel, layout.dp_shard_mode)
+
+    n_ckpt = checkpointed_layers(layout.activation_checkpoint, rank.layers)
+    full_layer = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False)
+    per_microbatch = (n_ckpt * layer_activation_bytes(args, tokens, tp, sp, checkpointed=True)
+                      + (rank.layers - n_ckpt) * full_layer)
+    activations = in_flight * per_microbatch + (output_activation_bytes(args, tokens, tp, sp) if rank.last else 0)
+
+    layer_tp, _ = _numel(args, "block", tp, layout.dp_shard)
+    root_tp = RankParams(0, rank.first, rank.last).numel(args, tp, layout.dp_shard)[0]
+    # zero3: two gathered blocks (in use, prefetched) and the held root; all modes: an fp32 block's reduce-scatter
+    fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if layout.dp_shard_mode == "zero3" else 0)
+    recompute = full_layer if n_ckpt else 0  # one checkpointed layer's activations, rebuilt in backward
+    pipeline = 2 * layout.virtual_stages * tokens * args.dim / (tp if sp else 1) * ACTIVATION_BYTES if layout.pp > 1 else 0
+    logits_grad = (4 + 2) * tokens * args.vocab_size / tp if rank.last else 0
+    buffers = FRAMEWORK_BYTES + fsdp + recompute + pipeline + logits_grad
+    return Memory(parameters, gradients, optimizer, activations, buffers)
+
+
+def layout_memory(args: ModelArgs, layout: Layout, seq_len: int) -> Memory:
+    """Memory of the fullest GPU: the first pipeline rank (most micro-batches in flight) or the
+    last (the output layer and the logits)."""
+    schedule = get_schedule(layout.pp_schedule)
+    ranks = pipeline_ranks(args, layout)
+    first, last = in_flight_microbatches(schedule, layout.pp, layout.virtual_stages, layout.microbatches)
+    candidates = [rank_memory(args, layout, seq_len, ranks[0], first)]
+    last_rank = next(i for i, r in enumerate(ranks) if r.last)
+    if last_rank != 0:
+        candidates.append(rank_memory(args, layout, seq_len, ranks[last_rank], last))
+    return max(candidates, key=lambda m: m.total)

@@ -1,0 +1,98 @@
+"""The planner end to end: the Frontier table, the search, the CLI's outputs and its errors."""
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from experiments.frontier.report import PAPER_RUNS, paper_prediction
+from models.presets import get_preset
+from parallel.hardware import DEVICES, load_profile, lookup_device, profile_names
+from parallel.planner import Request, evaluate, search
+from parallel.planner_layout import Layout
+from trainer.cli import main as trillion
+from trainer.config import load_config
+
+JSON_KEYS = {"tp", "pp", "dp_replicate", "dp_shard", "dp_shard_mode", "pp_schedule", "micro_batch_size", "microbatches",
+             "activation_checkpoint", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "hfu", "memory_gb"}
+
+
+def test_profiles_ship_and_feed_the_mfu_table():
+    assert {"frontier", "dgx-a100", "dgx-h100", "dgx-h200", "mi300x"} <= set(profile_names())
+    assert lookup_device("AMD Instinct MI250X").peak_tflops_bf16 == 191.5
+    assert lookup_device("NVIDIA GH200 480GB").name == "gh200" and lookup_device("Intel Arc") is None
+    assert load_profile("dgx-h100").device is DEVICES["h100"]
+
+
+def test_user_profile_folder(tmp_path, monkeypatch):
+    shipped = Path(load_profile("frontier").source).read_text()
+    (tmp_path / "mine.toml").write_text(shipped.replace("gpus_per_node = 8", "gpus_per_node = 4"))
+    monkeypatch.setenv("TRILLION_HARDWARE_PATH", str(tmp_path))
+    assert "mine" in profile_names() and load_profile("mine").gpus_per_node == 4
+
+
+@pytest.mark.parametrize("run", PAPER_RUNS, ids=[r[0] for r in PAPER_RUNS])
+def test_frontier_share_of_peak_within_10_percent(run):
+    assert abs(100 * paper_prediction(run)["megatron_share_of_peak"] / run[4] - 1) < 0.10
+
+
+def test_search_beats_the_papers_layout_and_fixed_flags_evaluate_one():
+    model, gpus, batch, layout, _ = PAPER_RUNS[2]
+    request = Request(model, get_preset(model), load_profile("frontier"), gpus, batch, 2048)
+    paper = evaluate(request, layout)
+    assert search(request).ranked[0].step.total < paper.step.total
+    fixed = Request(model, get_preset(model), load_profile("frontier"), gpus, batch, 2048,
+                    fixed={k: getattr(layout, k) for k in ("tp", "pp", "dp_replicate", "dp_shard", "dp_shard_mode",
+                                                            "pp_schedule", "micro_batch_size", "activation_checkpoint")})
+    result = search(fixed)
+    assert result.considered == 1 and result.ranked[0].step.total == paper.step.total
+
+
+def test_schedules_order_bubbles_and_memory():
+    request = Request("gpt-175b", get_preset("gpt-175b"), load_profile("frontier"), 128, 64, 2048)
+    def run(schedule, v):
+        return evaluate(request, Layout(4, 16, 1, 2, "zero1", schedule, v, 1, 32, "full"))
+    one, interleaved, zbv, gpipe = run("1F1B", 1), run("Interleaved1F1B", 2), run("ZBVZeroBubble", 2), run("GPipe", 1)
+    assert zbv.step.bubble < interleaved.step.bubble < one.step.bubble == gpipe.step.bubble
+    assert one.step.bubble / one.step.total == pytest.approx(15 / (32 + 15), rel=0.15)
+    assert gpipe.memory.activations > one.memory.activations  # all 32 micro-batches in flight, not 16
+
+
+def test_thirty_thousand_gpus_in_seconds():
+    start = time.perf_counter()
+    request = Request("gpt-1t", get_preset("gpt-1t"), load_profile("dgx-h100"), 30720, 15360, 2048, 20e12)
+    assert search(request).ranked
+    assert time.perf_counter() - start < 10
+
+
+def test_cli_json_and_train_config(tmp_path, capsys):
+    out = tmp_path / "best.toml"
+    assert trillion(["plan", "--model", "gpt-22b", "--hardware", "frontier", "--gpus", "16", "--global-batch", "640",
+                     "--tokens", "1e12", "--format", "json", "--top", "3", "--config-out", str(out)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    best = report["candidates"][0]
+    assert JSON_KEYS <= set(best) and {"time_to_train_days", "gpu_hours", "energy_mwh", "cost_usd"} <= set(best)
+    config = load_config(str(out))
+    assert (config.parallel.tp, config.parallel.pp, config.parallel.dp_shard, config.training.micro_batch_size) == \
+        (best["tp"], best["pp"], best["dp_shard"], best["micro_batch_size"])
+
+
+def test_cli_table_and_plots(tmp_path, capsys):
+    assert trillion(["plan", "--model", "gpt-1.4b", "--hardware", "dgx-h100", "--gpus", "16", "--global-batch", "64",
+                     "--top", "2", "--config-out", "", "--plot", str(tmp_path)]) == 0
+    assert "tokens/s" in capsys.readouterr().out
+    assert (tmp_path / "tradeoff.png").stat().st_size > 0 and (tmp_path / "scaling.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "gpt-22b", "--hardware", "frontier", "--gpus", "100000", "--global-batch", "64"], "at most"),
+    (["--model", "gpt-22b", "--hardware", "frontier", "--gpus", "16", "--global-batch", "5", "--dp-shard", "2"], "global batch"),
+    (["--model", "gpt-1t", "--hardware", "frontier", "--gpus", "8", "--global-batch", "8"], "fits in memory"),
+    (["--model", "gpt-22b", "--hardware", "tpu-v9", "--gpus", "16", "--global-batch", "64"], "frontier"),
+    (["--model", "gpt-9t", "--hardware", "frontier", "--gpus", "16", "--global-batch", "64"], "gpt-1t"),
+    (["--model", "gpt-22b", "--hardware", "frontier", "--gpus", "16", "--global-batch", "64", "--pp-schedule", "X"], "1F1B"),
+])
+def test_invalid_requests_are_one_paragraph_errors(argv, message, capsys):
+    assert trillion(["plan", *argv, "--config-out", ""]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
