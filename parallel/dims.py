@@ -109,6 +109,9 @@ class ParallelDims:
                     f"parallel.tp={tp} does not divide {setting}={value} (the {what}); tensor parallelism splits it "
                     f"evenly. Use a tp that divides it (e.g. --parallel.tp={_largest_divisor_at_most(value, tp)}; "
                     f"valid up to 8: {', '.join(map(str, valid))}).")
+        if getattr(a, "norm_impl", "torch") != "torch":
+            raise ConfigError(f"kernels.norm={a.norm_impl!r} cannot run on sequence-parallel (DTensor) activations. "
+                              "Use --kernels.norm=torch with parallel.tp > 1.")
         if a.tie_embeddings:
             raise ConfigError("parallel.tp > 1 with tied input/output embeddings is not supported: tensor parallelism "
                               "would untie them. Use --parallel.tp=1 or a model without tie_embeddings.")

@@ -6,14 +6,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import ATTENTION_IMPLS, NORM_IMPLS
 from models import ModelArgs, Transformer, get_preset
 from models.flops import count_params, hardware_flops_per_token, model_flops_per_token
-from parallel.activation_checkpoint import apply_activation_checkpointing, recompute_fraction
-from parallel.compile import apply_compile
+from parallel.activation_checkpoint import recompute_fraction
+from parallel.clip import clip_grad_norm_
+from parallel.dims import ParallelDims
+from parallel.fsdp import check_mode, set_micro_batch
+from parallel.parallelize import parallelize
+from parallel.tensor_parallel import loss_context
 from trainer.checkpoint import save_checkpoint
 from trainer.config import Config, to_toml
 from trainer.data import build_data_loader
@@ -69,9 +72,29 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
                           f"training.micro_batch_size={t.micro_batch_size}; micro-batches per step = global / micro.")
     if t.dtype not in ("auto", *DTYPES):
         raise ConfigError(f"training.dtype={t.dtype!r} is not known. Use auto, bf16, fp16 or fp32.")
-    if env.world_size > 1 or any(getattr(config.parallel, k) > 1 for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")):
-        raise ConfigError(f"This build trains in one process (world size here: {env.world_size}); parallel layouts "
-                          "are not available yet. Launch without torchrun and leave the [parallel] degrees at 1.")
+    check_mode(config.parallel.dp_shard_mode)
+    if env.world_size > 1 and t.dtype == "fp16":
+        raise ConfigError("training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "
+                          "decision is not agreed across ranks. Use --training.dtype=bf16 with parallel layouts.")
+
+
+def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -> ParallelDims:
+    """The layout, checked against the world, the model and the batch, with its mesh built."""
+    p, t = config.parallel, config.training
+    dims = ParallelDims(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
+                        world_size=env.world_size)
+    dims.validate(model_args, t.seq_len)
+    per_rank = t.global_batch_size // dims.dp_size
+    if t.global_batch_size % dims.dp_size or per_rank % min(t.micro_batch_size, per_rank):
+        fix = (f"--training.micro_batch_size={_divisor_near(per_rank, t.micro_batch_size)}" if per_rank and
+               t.global_batch_size % dims.dp_size == 0 else
+               f"--training.global_batch_size={t.micro_batch_size * dims.dp_size}")
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} does not split into micro-batches of "
+            f"training.micro_batch_size={t.micro_batch_size} over {dims.dp_size} data-parallel ranks (dp_replicate x "
+            f"dp_shard); each rank takes global / dp sequences. Use e.g. {fix}.")
+    dims.build_mesh(env.device.type)
+    return dims
 
 
 def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
@@ -80,22 +103,29 @@ def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
     return DTYPES[requested]
 
 
-def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm: float):
+def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm: float,
+               dims: ParallelDims | None = None, dp_shard_mode: str = "zero3"):
     """One optimizer step over all micro-batches; the loss is the mean over every target token of
-    the global batch (not a mean of per-micro-batch means), so accumulation changes nothing."""
-    tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches)
-    if dist.is_initialized():
-        dist.all_reduce(tokens)
+    the global batch (not a mean of per-micro-batch means), so accumulation changes nothing.
+
+    Under a parallel layout (`dims`): token count and reported loss are summed over data-parallel
+    ranks (FSDP sums the gradients), FSDP learns which micro-batch is the last (zero1/zero2), the
+    loss runs vocabulary-parallel under TP, and the clipping norm is the exact global one."""
+    dims = dims or ParallelDims(world_size=1)
+    tokens = dims.all_reduce_dp(sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches))
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
-    for inputs, labels in micro_batches:
+    for index, (inputs, labels) in enumerate(micro_batches):
+        set_micro_batch(model, dp_shard_mode, is_last=index == len(micro_batches) - 1)
         with autocast:
             logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
-                               reduction="sum") / tokens
-        scaler.scale(loss).backward()
-        loss_sum += loss.detach()
+        with loss_context(dims.tp_enabled):
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
+                                   reduction="sum") / tokens
+            scaler.scale(loss).backward()
+        loss_sum += loss.detach().to_local() if dims.tp_enabled else loss.detach()
+    dims.all_reduce_dp(loss_sum)
     scaler.unscale_(optimizer)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm if max_grad_norm > 0 else float("inf"))
+    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -109,8 +139,14 @@ def train(config: Config) -> dict:
     tokenizer = build_tokenizer(config.tokenizer)
     model_args = build_model_args(config, tokenizer.vocab_size)
     t = config.training
+    dims = build_parallel_dims(config, env, model_args)
+    micro_batch_size = min(t.micro_batch_size, t.global_batch_size // dims.dp_size)
+    if micro_batch_size < t.micro_batch_size:
+        log.info("training.micro_batch_size=%d is more than the %d sequences of each of the %d data-parallel ranks; "
+                 "using micro-batches of %d", t.micro_batch_size, micro_batch_size, dims.dp_size, micro_batch_size)
     loader = build_data_loader(config.data, tokenizer, seed=config.job.seed, seq_len=t.seq_len,
-                               global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size)
+                               global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,
+                               dp_rank=dims.dp_rank, dp_size=dims.dp_size)
     first_batch = loader.next_batch()  # an empty or unreadable dataset fails here, before any model work
 
     output_dir = Path(config.job.output_dir)
@@ -118,16 +154,16 @@ def train(config: Config) -> dict:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.toml").write_text(to_toml(config))
 
+    dtype = compute_dtype(t.dtype, env.device)
     with torch.device("meta"):
         model = Transformer(model_args)
-    apply_activation_checkpointing(model, config.parallel.activation_checkpoint)
-    if config.compile.enabled:
-        apply_compile(model)
+    parallelize(model, dims, dp_shard_mode=config.parallel.dp_shard_mode,
+                activation_checkpoint=config.parallel.activation_checkpoint, compile=config.compile.enabled,
+                param_dtype=dtype)
     model.to_empty(device=env.device)
     model.init_weights(config.job.seed)
     torch.manual_seed(config.job.seed)
 
-    dtype = compute_dtype(t.dtype, env.device)
     autocast = (torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     optimizer = build_optimizer(model, config.optimizer, env.device.type)
@@ -153,13 +189,15 @@ def train(config: Config) -> dict:
             batch = batch if step == 1 else loader.next_batch()
             micro_batches = [(x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)) for x, y in batch]
             step_start = time.perf_counter()
-            loss, grad_norm = train_step(model, micro_batches, optimizer, scaler, autocast, t.max_grad_norm)
+            loss, grad_norm = train_step(model, micro_batches, optimizer, scaler, autocast, t.max_grad_norm,
+                                         dims, config.parallel.dp_shard_mode)
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             if step % config.metrics.log_freq == 0 or step in (1, stop_at):
                 loss_value, grad_value = loss.item(), grad_norm.item()  # the only host syncs of a step
             end = time.perf_counter()
-            meter.add(sum(x.numel() for x, _ in batch), end - step_start, step_start - data_start)
+            tokens_per_device = sum(x.numel() for x, _ in batch) * dims.dp_size / env.world_size
+            meter.add(tokens_per_device, end - step_start, step_start - data_start)
             if step % config.metrics.log_freq == 0 or step in (1, stop_at):
                 record = {"step": step, "loss": loss_value, "grad_norm": grad_value, "lr": lr, **meter.report(),
                           "memory_gb": peak_memory_gb(env.device), "time": time.time()}

@@ -3,7 +3,7 @@ loss, gradient norm, gradient (full_tensor) and initial weight with one process,
 
 A case is a dict: family (llama | gpt), dp_replicate, dp_shard, tp, mode (zero1/2/3), ac, compile.
 `check_cases` runs on every rank of a gloo group; rank 0 also runs the one-process reference (once
-per family and AC mode... the reference is always AC off and not compiled) and compares.
+per family, plain: no AC, no compile) and compares.
 """
 import contextlib
 import dataclasses
@@ -16,35 +16,7 @@ from models import PRESETS, Transformer
 from parallel.dims import ParallelDims
 from parallel.parallelize import parallelize
 from trainer.data import DataLoader
-from parallel.clip import clip_grad_norm_
-from parallel.fsdp import set_micro_batch
-from parallel.tensor_parallel import loss_context
-import torch.nn.functional as F
-
-IGNORE_INDEX = -100
-
-
-def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm, dims=None, dp_shard_mode="zero3"):
-    # TEMPORARY mirror of trainer.train.train_step until the trainer integration lands.
-    tokens = sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches)
-    dims.all_reduce_dp(tokens)
-    loss_sum = torch.zeros(())
-    for index, (inputs, labels) in enumerate(micro_batches):
-        set_micro_batch(model, dp_shard_mode, is_last=index == len(micro_batches) - 1)
-        with autocast:
-            logits = model(inputs)
-        with loss_context(dims.tp_enabled):
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
-                                   reduction="sum") / tokens
-            scaler.scale(loss).backward()
-        loss_sum += loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
-    dims.all_reduce_dp(loss_sum)
-    scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
-    scaler.step(optimizer)
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return loss_sum, grad_norm
+from trainer.train import train_step
 
 FAMILIES = {
     "llama": dataclasses.replace(PRESETS["debug"], n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96,
