@@ -30,21 +30,51 @@ def to_hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[st
     return (_llama_from_ours if args.mlp == "swiglu" else _gpt2_from_ours)(state, args)
 
 
+def from_hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """The transformers model's parameter names and layouts -> ours (the inverse of to_hf_state_dict).
+
+    A tied checkpoint stores no lm_head; our output then reads the embedding table. Names this
+    family does not have are returned unchanged, so the caller's key check can name them."""
+    ours = (_llama_to_ours if args.mlp == "swiglu" else _gpt2_to_ours)(dict(state), args)
+    if args.tie_embeddings:
+        ours.setdefault("output.weight", ours["tok_embeddings.weight"])
+    return ours
+
+
+LLAMA_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+               "output.weight": "lm_head.weight"}
+LLAMA_LAYER_NAMES = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
+                     "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
+                     "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+                     "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
+                     "ffn_norm": "post_attention_layernorm"}
+
+
 def _llama_from_ours(state, args):
-    names = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
-    per_layer = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-                 "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-                 "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj", "feed_forward.w2": "mlp.down_proj",
-                 "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    out = {}
+    for name, tensor in state.items():
+        if name in LLAMA_NAMES:
+            out[LLAMA_NAMES[name]] = tensor
+            continue
+        _, index, rest = name.split(".", 2)
+        module, _, leaf = rest.rpartition(".")
+        out[f"model.layers.{index}.{LLAMA_LAYER_NAMES[module]}.{leaf}"] = tensor
+    return out
+
+
+def _llama_to_ours(state, args):
+    names = {theirs: ours for ours, theirs in LLAMA_NAMES.items()}
+    per_layer = {theirs: ours for ours, theirs in LLAMA_LAYER_NAMES.items()}
     out = {}
     for name, tensor in state.items():
         if name in names:
             out[names[name]] = tensor
-            continue
-        _, index, rest = name.split(".", 2)
-        module, _, leaf = rest.rpartition(".")
-        out[f"model.layers.{index}.{per_layer[module]}.{leaf}"] = tensor
+        elif name.startswith("model.layers."):
+            _, _, index, rest = name.split(".", 3)
+            module, _, leaf = rest.rpartition(".")
+            out[f"layers.{index}.{per_layer.get(module, module)}.{leaf}"] = tensor
+        else:
+            out[name] = tensor
     return out
 
 
@@ -63,4 +93,28 @@ def _gpt2_from_ours(state, args):
         for ours, theirs in (("attention.wo", "attn.c_proj"), ("feed_forward.w1", "mlp.c_fc"), ("feed_forward.w2", "mlp.c_proj")):
             out[prefix + theirs + ".weight"] = layer(ours + ".weight").t()
             out[prefix + theirs + ".bias"] = layer(ours + ".bias")
+    return out
+
+
+GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transformers saved with the weights
+
+
+def _gpt2_to_ours(state, args):
+    names = {"transformer.wte.weight": "tok_embeddings.weight", "transformer.wpe.weight": "pos_embeddings.weight",
+             "transformer.ln_f.weight": "norm.weight", "transformer.ln_f.bias": "norm.bias", "lm_head.weight": "output.weight"}
+    out = {names[k]: state.pop(k) for k in list(state) if k in names}
+    q_size, kv_size = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    for i in range(args.n_layers):
+        prefix = f"transformer.h.{i}."
+        take = lambda part: state.pop(prefix + part)  # noqa: E731
+        for ours, theirs in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
+            out[f"layers.{i}.{ours}.weight"], out[f"layers.{i}.{ours}.bias"] = take(theirs + ".weight"), take(theirs + ".bias")
+        # Conv1D keeps (in, out): transpose back, and split the fused q, k, v.
+        for part, weight, bias in zip("qkv", take("attn.c_attn.weight").t().split([q_size, kv_size, kv_size]),
+                                      take("attn.c_attn.bias").split([q_size, kv_size, kv_size])):
+            out[f"layers.{i}.attention.w{part}.weight"], out[f"layers.{i}.attention.w{part}.bias"] = weight, bias
+        for ours, theirs in (("attention.wo", "attn.c_proj"), ("feed_forward.w1", "mlp.c_fc"), ("feed_forward.w2", "mlp.c_proj")):
+            out[f"layers.{i}.{ours}.weight"] = take(theirs + ".weight").t()
+            out[f"layers.{i}.{ours}.bias"] = take(theirs + ".bias")
+    out.update({k: v for k, v in state.items() if not k.endswith(GPT2_BUFFERS)})
     return out

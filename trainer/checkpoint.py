@@ -1,69 +1,416 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP), written atomically.
+"""Checkpoints with torch.distributed.checkpoint (DCP): atomic, resumable, loadable under any layout.
 
-A checkpoint is `checkpoints/step-NNNNNNNN/`: DCP shards of the model, optimizer and training
-state, plus a `COMPLETE` marker written last. It is written into a hidden temporary directory and
-published by a rename, so a crash or an error during a save never damages an earlier checkpoint,
-and a directory without the marker is never taken for a checkpoint.
+A checkpoint is `checkpoints/step-NNNNNNNN/`: DCP shards of the model, optimizer, training state
+(step and token counters, LR schedule, data position) and RNG states, the resolved `config.toml`,
+and a `COMPLETE` marker written last. It is written into a hidden staging directory and published
+by a rename, so a crash or an error during a save never damages an earlier checkpoint, and a
+directory without the marker is never taken for a checkpoint (it is removed on the next start).
+
+Tensors are saved under their parameter names with their global shapes (DTensor shards are
+described, not gathered), so DCP re-slices them on load for any parallel layout; the data position
+is layout-independent (trainer/data.py). Model parts and optimizers are lists, so pipeline stages,
+which keep global parameter names, save into one checkpoint.
 """
+import contextlib
+import errno
 import logging
+import os
 import shutil
+import sys
+import time
 import warnings
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
+
+from trainer.config import Checkpoint as CheckpointConfig
+from trainer.errors import ConfigError
+from trainer.resume_check import check_resume_config, check_shapes, saved_config, trim_metrics
 
 log = logging.getLogger("trillion")
 MARKER = "COMPLETE"
+CONFIG_FILE = "config.toml"
+PARTIAL_PREFIXES = (".staging-", ".replaced-")
+ASYNC_MODES = ("disabled", "async")
+SAVE_FAILURES = (Exception, CheckpointException)  # DCP's exception derives from BaseException
+OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name: any layout
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint could not be written or read; the message says where and what to do."""
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
 
+def is_complete(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """Published checkpoints, oldest first."""
     if not root.is_dir():
         return []
-    return sorted(p for p in root.glob("step-*") if (p / MARKER).is_file())
+    return sorted(p for p in root.glob("step-*") if is_complete(p))
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def remove_partial(root: Path) -> list[str]:
+    """Delete what an interrupted save left behind: staging dirs and step dirs without the marker."""
+    if not root.is_dir():
+        return []
+    partial = [p for p in root.iterdir() if p.is_dir() and (p.name.startswith(PARTIAL_PREFIXES)
+                                                             or (p.name.startswith("step-") and not is_complete(p)))]
+    for path in partial:
+        shutil.rmtree(path, ignore_errors=True)
+    return sorted(p.name for p in partial)
 
 
-def save_checkpoint(root: Path, step: int, model, optimizer, training_state: dict, *, is_rank0: bool,
-                    keep_latest: int) -> Path:
-    """Write step `step` on every rank; rank 0 publishes it and prunes old ones."""
-    final, staging = step_dir(root, step), root / f".staging-step-{step:08d}"
-    if is_rank0:
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-    _barrier()
-    state = {
-        "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer),
-        "training": training_state,
-    }
-    with warnings.catch_warnings():  # a single process is a supported DCP case, not a mistake
+@contextlib.contextmanager
+def _quiet_single_process():
+    # one process without a process group is a supported DCP case, not a mistake worth a warning
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, checkpoint_id=str(staging))
-    _barrier()
-    if is_rank0:
-        (staging / MARKER).write_text(f"step {step}\n")
-        if final.exists():  # a rerun into the same directory: replace only once the new one is whole
-            replaced = root / f".replaced-step-{step:08d}"
+        yield
+
+
+class ModelParts(Stateful):
+    """The model (or this rank's pipeline stages) as one state dict keyed by global parameter names."""
+
+    def __init__(self, parts: list[torch.nn.Module]):
+        self.parts = parts
+
+    def state_dict(self) -> dict:
+        return {k: v for part in self.parts for k, v in get_model_state_dict(part).items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for part in self.parts:  # each stage takes its own names from the merged dict
+            set_model_state_dict(part, state, options=StateDictOptions(strict=len(self.parts) == 1))
+
+
+class Optimizers(Stateful):
+    """One optimizer per model part, flattened to parameter-name keys so any layout can load them."""
+
+    def __init__(self, parts: list[torch.nn.Module], optimizers: list[torch.optim.Optimizer]):
+        self.pairs = list(zip(parts, optimizers, strict=True))
+
+    def state_dict(self) -> dict:
+        return {k: v for part, opt in self.pairs for k, v in get_optimizer_state_dict(part, opt, options=OPTIMIZER_OPTIONS).items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for part, opt in self.pairs:
+            set_optimizer_state_dict(part, opt, state, options=OPTIMIZER_OPTIONS)
+
+
+class TrainingState(Stateful):
+    """Counters, LR schedule and data position: the same on every rank and under every layout."""
+
+    def __init__(self, counters, scheduler, loader):
+        self.counters, self.scheduler, self.loader = counters, scheduler, loader
+
+    def state_dict(self) -> dict:
+        return {"counters": self.counters.state_dict(), "lr_scheduler": self.scheduler.state_dict(),
+                "data": self.loader.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.counters.load_state_dict(state["counters"])
+        self.loader.load_state_dict(state["data"])
+        # The position in the schedule comes from the checkpoint, its shape from this run's config
+        # (so a changed optimizer.lr or training.steps takes effect); unchanged, this is bitwise
+        # what the uninterrupted run computes.
+        schedule = {k: v for k, v in state["lr_scheduler"].items() if k not in ("base_lrs", "_last_lr", "lr_lambdas")}
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **schedule})
+        for group, base, factor in zip(self.scheduler.optimizer.param_groups, self.scheduler.base_lrs,
+                                       self.scheduler.lr_lambdas, strict=True):
+            group["initial_lr"], group["lr"] = base, base * factor(self.scheduler.last_epoch)
+        self.scheduler._last_lr = [group["lr"] for group in self.scheduler.optimizer.param_groups]
+
+
+class RNGStates(Stateful):
+    """CPU and accelerator generator states. Every rank seeds alike, so one copy serves all ranks."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.saved_keys: set[str] | None = None  # on load: what the checkpoint has (a CPU run has no cuda state)
+
+    def state_dict(self) -> dict:
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.type == "cuda":
+            state["cuda"] = torch.cuda.get_rng_state(self.device)
+        return {k: v for k, v in state.items() if self.saved_keys is None or k in self.saved_keys}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "cpu" in state:
+            torch.set_rng_state(state["cpu"])
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
+
+
+def load_model_weights(path: Path, parts: list[torch.nn.Module], model_args, setting: str) -> None:
+    """Weights only, from a checkpoint step directory or a Hugging Face folder (safetensors + config.json)."""
+    model = ModelParts(parts)
+    if (path / ".metadata").is_file():
+        check_shapes(_saved_model_shapes(path), model.state_dict(), f"{setting}={path}")
+        with _quiet_single_process():
+            dcp.load({"model": model}, checkpoint_id=str(path))
+        return
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not files:
+        raise ConfigError(f"{setting}={str(path)!r} is neither a checkpoint step directory (with .metadata) nor a "
+                          f"Hugging Face folder with *.safetensors. Point it at checkpoints/step-NNNNNNNN of a run or at "
+                          f"the folder `trillion export` wrote.")
+    from safetensors.torch import load_file
+
+    from models.hf import from_hf_state_dict
+
+    weights = from_hf_state_dict({k: v for f in files for k, v in load_file(f).items()}, model_args)
+    check_shapes({k: tuple(v.shape) for k, v in weights.items()}, model.state_dict(), f"{setting}={path}")
+    for part in parts:  # full tensors in, each rank keeps its shards
+        set_model_state_dict(part, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _saved_model_shapes(path: Path) -> dict[str, tuple]:
+    metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k.removeprefix("model."): tuple(m.size) for k, m in metadata.items()
+            if k.startswith("model.") and hasattr(m, "size")}
+
+
+class CheckpointManager:
+    """Saves (sync or async), publishes, prunes and resumes one run's checkpoints.
+
+    Collectives of the checkpoint (barriers, agreement, DCP's own planning) run on a dedicated
+    gloo group: it works beside NCCL, and an async save's background thread never interleaves
+    with the training collectives on the default group."""
+
+    def __init__(self, output_dir: Path, cfg: CheckpointConfig, *, model_parts, optimizers, scheduler, loader,
+                 counters, config, model_args, device: torch.device, is_rank0: bool):
+        if cfg.async_mode not in ASYNC_MODES:
+            raise ConfigError(f"checkpoint.async_mode={cfg.async_mode!r} is not known. Use {' or '.join(ASYNC_MODES)}.")
+        if cfg.keep_latest < 0:
+            raise ConfigError(f"checkpoint.keep_latest={cfg.keep_latest} must be 0 (keep all) or more.")
+        self.root, self.output_dir, self.cfg, self.is_rank0 = Path(output_dir) / "checkpoints", Path(output_dir), cfg, is_rank0
+        self.config, self.model_args, self.counters, self.parts = config, model_args, counters, model_parts
+        self.states = {"model": ModelParts(model_parts), "optimizer": Optimizers(model_parts, optimizers),
+                       "training": TrainingState(counters, scheduler, loader), "rng": RNGStates(device)}
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.pending = None  # (future, staging dir, step, start time) of the async save in flight
+        self.save_times: list[tuple[float, float]] = []  # (seconds training was blocked, seconds until published)
+        self.blocked_seconds = self.load_seconds = 0.0
+        self._check_writable()
+
+    # --- agreement across ranks -------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def _agree(self, error: Exception | None, what: str) -> None:
+        """Raise on every rank if `what` failed on any (else the others would wait forever)."""
+        failed = torch.tensor([error is not None], dtype=torch.int32)
+        if self.group is not None:
+            dist.all_reduce(failed, group=self.group)
+        if error is not None:
+            raise error
+        if failed.item():
+            raise CheckpointError(f"Another rank failed to {what}; its log says why.")
+
+    def _check_writable(self) -> None:
+        error = None
+        if self.is_rank0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                probe = self.root / f".write-test-{os.getpid()}"
+                probe.write_text("ok")
+                probe.unlink()
+            except OSError as problem:
+                error = CheckpointError(
+                    f"The checkpoint directory {self.root} is not writable ({problem.strerror or problem}). Point "
+                    f"--job.output_dir at a folder this job may write, or fix its permissions.")
+        self._agree(error, f"write into {self.root}")
+
+    # --- resume -----------------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Load the newest complete checkpoint, else the `checkpoint.initial_load` weights; returns the step reached."""
+        if self.is_rank0 and (removed := remove_partial(self.root)):
+            log.warning("removed %d unfinished checkpoint director%s in %s (a save was interrupted): %s", len(removed),
+                        "y" if len(removed) == 1 else "ies", self.root, ", ".join(removed))
+        self._barrier()
+        checkpoints = complete_checkpoints(self.root)
+        if not checkpoints:
+            if self.cfg.initial_load:
+                start = time.perf_counter()
+                load_model_weights(Path(self.cfg.initial_load), self.parts, self.model_args, "--checkpoint.initial_load")
+                log.info("initial weights from %s (%.2fs)", self.cfg.initial_load, time.perf_counter() - start)
+            return 0
+        latest = checkpoints[-1]
+        check_resume_config(saved_config(latest / CONFIG_FILE), self.config, latest)
+        check_shapes(_saved_model_shapes(latest), self.states["model"].state_dict(), f"checkpoint {latest}")
+        if self.cfg.initial_load:
+            log.info("checkpoint.initial_load is ignored: the run resumes from its own checkpoint %s", latest)
+        metadata = FileSystemReader(str(latest)).read_metadata().state_dict_metadata
+        self.states["rng"].saved_keys = {k.split(".")[1] for k in metadata if k.startswith("rng.")}
+        start = time.perf_counter()
+        with _quiet_single_process():
+            dcp.load(self.states, checkpoint_id=str(latest), process_group=self.group)
+        self.load_seconds = time.perf_counter() - start
+        log.info("resumed from %s: step %d, %d tokens seen (loaded in %.2fs)", latest, self.counters.step,
+                 self.counters.tokens, self.load_seconds)
+        if self.is_rank0 and (dropped := trim_metrics(self.output_dir / "metrics.jsonl", self.counters.step)):
+            log.info("metrics.jsonl: dropped %d records logged after step %d; those steps run again", dropped,
+                     self.counters.step)
+        return self.counters.step
+
+    # --- save -------------------------------------------------------------------------------------
+    def save(self, step: int, *, blocking: bool = False) -> None:
+        """Checkpoint `step` on every rank. Async mode returns once the state is copied to host memory;
+        the write goes on in the background and is published by `poll`, the next save or `close`."""
+        self.wait()
+        staging = self.root / f".staging-step-{step:08d}"
+        start, error = time.perf_counter(), None
+        if self.is_rank0:
+            try:
+                shutil.rmtree(staging, ignore_errors=True)
+                staging.mkdir(parents=True)
+                (staging / CONFIG_FILE).write_text(self._config_toml())
+            except OSError as problem:
+                error = _save_error(problem, step, self.root)
+        self._agree(error, f"prepare checkpoint step {step}")
+        try:
+            with _quiet_single_process():
+                if self.cfg.async_mode == "async" and not blocking:
+                    future = dcp.async_save(self.states, checkpoint_id=str(staging), process_group=self.group)
+                    self.pending = (future, staging, step, start)
+                    self.blocked_seconds = time.perf_counter() - start
+                    return
+                dcp.save(self.states, checkpoint_id=str(staging), process_group=self.group)
+        except SAVE_FAILURES as problem:
+            self._abandon(staging)
+            raise _save_error(problem, step, self.root) from problem
+        # dcp.save returns on a rank only after the coordinator has gathered every rank's write
+        # results and written the metadata, so the checkpoint is whole: publish without a barrier.
+        self._publish(staging, step, start, time.perf_counter() - start)
+
+    def poll(self) -> None:
+        """Publish the async save in flight if its write has finished; never blocks."""
+        if self.pending is not None and self.pending[0].done():
+            self._finish_pending()
+
+    def wait(self) -> None:
+        """Block until the async save in flight (if any) is written and published."""
+        if self.pending is not None:
+            self._finish_pending()
+
+    def close(self) -> None:
+        """End of training: finish the save in flight. While another error is already propagating,
+        a failure here is logged instead of masking that error."""
+        if sys.exc_info()[1] is None:
+            self.wait()
+            return
+        try:
+            self.wait()
+        except SAVE_FAILURES as problem:
+            log.error("the checkpoint save in flight failed too: %s", problem)
+
+    def _finish_pending(self) -> None:
+        future, staging, step, start = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except SAVE_FAILURES as problem:
+            self._abandon(staging)
+            raise _save_error(problem, step, self.root) from problem
+        # A rank's future completes after DCP's final gather of all ranks' write results, so rank 0
+        # seeing its own done means every rank has written.
+        self._publish(staging, step, start, self.blocked_seconds)
+
+    def _publish(self, staging: Path, step: int, start: float, blocked: float) -> None:
+        self.save_times.append((blocked, time.perf_counter() - start))
+        if not self.is_rank0:
+            return
+        final = step_dir(self.root, step)
+        _write_synced(staging / MARKER, f"step {step}\n")
+        if final.exists():  # a rerun of the same step: replace only once the new one is whole
+            replaced = self.root / f".replaced-step-{step:08d}"
             shutil.rmtree(replaced, ignore_errors=True)
             final.rename(replaced)
             staging.rename(final)
             shutil.rmtree(replaced)
         else:
             staging.rename(final)
-        if keep_latest > 0:
-            for old in complete_checkpoints(root)[:-keep_latest]:
+        _sync_dir(self.root)
+        if self.cfg.keep_latest > 0:
+            for old in complete_checkpoints(self.root)[:-self.cfg.keep_latest]:
                 shutil.rmtree(old)
-        log.info("saved checkpoint %s", final)
-    _barrier()
-    return final
+        log.info("saved checkpoint %s (training blocked %.2fs, written in %.2fs)", final, blocked,
+                 time.perf_counter() - start)
+
+    def _abandon(self, staging: Path) -> None:
+        if self.is_rank0:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _config_toml(self) -> str:
+        from trainer.config import to_toml
+
+        return to_toml(self.config)
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _os_error(error: BaseException) -> OSError | None:
+    """The OSError behind a save failure, looking through DCP's per-rank wrapping."""
+    seen = set()
+    stack = [error]
+    while stack:
+        current = stack.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno is not None:
+            return current
+        stack += [current.__cause__, current.__context__]
+        if isinstance(current, CheckpointException):  # {rank: (exception, traceback)}
+            stack += [exception for exception, _ in current.failures.values()]
+    return None
+
+
+def _save_error(error: BaseException, step: int, root: Path) -> CheckpointError:
+    previous = complete_checkpoints(root)
+    kept = f"The last good checkpoint, {previous[-1].name}, is intact." if previous else "No earlier checkpoint exists."
+    os_error = _os_error(error)
+    if os_error is not None and os_error.errno == errno.ENOSPC:
+        return CheckpointError(
+            f"No space left on the device while saving checkpoint step {step} into {root}. {kept} Free space there, "
+            f"keep fewer checkpoints (--checkpoint.keep_latest=1) or point --job.output_dir at a larger filesystem, "
+            f"then run the same command again to resume.")
+    if os_error is not None and os_error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return CheckpointError(
+            f"Cannot write checkpoint step {step} into {root} ({os_error.strerror}). {kept} Fix the permissions or "
+            f"point --job.output_dir at a writable folder, then run the same command again to resume.")
+    cause = os_error or _first_failure(error)
+    return CheckpointError(f"Saving checkpoint step {step} into {root} failed ({type(cause).__name__}: {cause}). "
+                           f"{kept} Run the same command again to resume from it.")
+
+
+def _first_failure(error: BaseException) -> BaseException:
+    if isinstance(error, CheckpointException) and error.failures:
+        return next(iter(error.failures.values()))[0]
+    return error

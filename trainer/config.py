@@ -63,6 +63,8 @@ class Training:
     dtype: str = doc("auto", "auto (bf16 on GPUs, fp32 on CPU) | bf16 | fp16 (dynamic loss scaling, as the paper) | fp32.")
     max_grad_norm: float = doc(1.0, "Clip the total gradient norm to this (0 = no clipping).")
     exit_interval: int = doc(0, "Stop cleanly (checkpoint, exit 0) after this many steps of this job (0 = run to `steps`).")
+    exit_after_minutes: float = doc(0.0, "Stop cleanly (checkpoint, exit 0) once this job has run this long (0 = no limit); leave room for one save before the allocation ends.")
+    max_nonfinite_skips: int = doc(10, "A step with a non-finite loss or gradient norm is skipped (no update); stop with an error after this many in a row (0 = never stop).")
 
 
 @dataclass
@@ -89,7 +91,7 @@ class Checkpoint:
     interval: int = doc(0, "Save every N steps (0 = only the final checkpoint).")
     keep_latest: int = doc(2, "Keep this many newest checkpoints (0 = keep all).")
     async_mode: str = doc("disabled", "disabled | async: write in the background while training goes on.")
-    initial_load: str = doc("", "Start from these weights (a checkpoint step directory).")
+    initial_load: str = doc("", "Start a new run from these weights: a checkpoint step directory or a Hugging Face folder (`trillion export` writes one); ignored when the run resumes.")
     save_final: bool = doc(True, "Save a checkpoint after the last step.")
 
 

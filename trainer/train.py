@@ -17,13 +17,14 @@ from parallel.dims import ParallelDims
 from parallel.fsdp import check_mode, set_micro_batch
 from parallel.parallelize import parallelize
 from parallel.tensor_parallel import loss_context
-from trainer.checkpoint import save_checkpoint
+from trainer.checkpoint import CheckpointManager
 from trainer.config import Config, to_toml
 from trainer.data import build_data_loader
 from trainer.errors import ConfigError
 from trainer.launch import LaunchEnv, init_launch_env
 from trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy
 from trainer.tokenizer import build_tokenizer
 
 log = logging.getLogger("trillion")
@@ -104,7 +105,7 @@ def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 
 def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm: float,
-               dims: ParallelDims | None = None, dp_shard_mode: str = "zero3"):
+               dims: ParallelDims | None = None, dp_shard_mode: str = "zero3", guard: NonFiniteGuard | None = None):
     """One optimizer step over all micro-batches; the loss is the mean over every target token of
     the global batch (not a mean of per-micro-batch means), so accumulation changes nothing.
 
@@ -126,7 +127,8 @@ def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm:
     dims.all_reduce_dp(loss_sum)
     scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
-    scaler.step(optimizer)
+    if guard is None or guard.allows_update(loss_sum, grad_norm, scaler):
+        scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, grad_norm
@@ -168,6 +170,13 @@ def train(config: Config) -> dict:
     scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
     optimizer = build_optimizer(model, config.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, config.lr_schedule, t.steps)
+    counters = RunCounters()
+    checkpointer = CheckpointManager(output_dir, config.checkpoint, model_parts=[model], optimizers=[optimizer],
+                                     scheduler=scheduler, loader=loader, counters=counters, config=config,
+                                     model_args=model_args, device=env.device, is_rank0=env.is_logging_rank)
+    if checkpointer.resume():  # the data position moved on: the batch read up front is not the next one
+        first_batch = loader.next_batch()
+    guard, stop = NonFiniteGuard(t.max_nonfinite_skips, counters), StopPolicy(t, counters.step, env.device)
 
     params = count_params(model_args)
     meter = ThroughputMeter(
@@ -177,41 +186,50 @@ def train(config: Config) -> dict:
     )
     log.info("model %s: %.1fM parameters (%.1fM without embeddings), %s on %s, %d micro-batches per step",
              config.model.name, params.total / 1e6, params.non_embedding / 1e6, dtype, env.device, len(first_batch))
-    sink = MetricsSink(output_dir, config.logging, {"config": dataclasses.asdict(config)}) if env.is_logging_rank else None
-    progress = Progress(t.steps, 0, config.logging.progress_bar) if env.is_logging_rank else None
+    sink = MetricsSink(output_dir, config.logging, {"config": dataclasses.asdict(config)},
+                       resume=counters.step > 0) if env.is_logging_rank else None
+    progress = Progress(t.steps, counters.step, config.logging.progress_bar) if env.is_logging_rank else None
 
-    record = {}
-    stop_at = min(t.steps, t.exit_interval) if t.exit_interval > 0 else t.steps
+    record, first_step = {}, counters.step + 1
     batch = first_batch
     try:
-        for step in range(1, stop_at + 1):
+        for step in range(first_step, t.steps + 1):
             data_start = time.perf_counter()
-            batch = batch if step == 1 else loader.next_batch()
+            batch = batch if step == first_step else loader.next_batch()
             micro_batches = [(x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)) for x, y in batch]
             step_start = time.perf_counter()
             loss, grad_norm = train_step(model, micro_batches, optimizer, scaler, autocast, t.max_grad_norm,
-                                         dims, config.parallel.dp_shard_mode)
+                                         dims, config.parallel.dp_shard_mode, guard)
+            guard.check(step)
+            counters.step, counters.tokens = step, counters.tokens + t.global_batch_size * t.seq_len
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
-            if step % config.metrics.log_freq == 0 or step in (1, stop_at):
-                loss_value, grad_value = loss.item(), grad_norm.item()  # the only host syncs of a step
+            last = stop.should_stop(step)
+            if step % config.metrics.log_freq == 0 or step == first_step or last:
+                loss_value, grad_value = loss.item(), grad_norm.item()  # host syncs beyond the guard's one
             end = time.perf_counter()
             tokens_per_device = sum(x.numel() for x, _ in batch) * dims.dp_size / env.world_size
             meter.add(tokens_per_device, end - step_start, step_start - data_start)
-            if step % config.metrics.log_freq == 0 or step in (1, stop_at):
+            if step % config.metrics.log_freq == 0 or step == first_step or last:
                 record = {"step": step, "loss": loss_value, "grad_norm": grad_value, "lr": lr, **meter.report(),
-                          "memory_gb": peak_memory_gb(env.device), "time": time.time()}
+                          "memory_gb": peak_memory_gb(env.device), "time": time.time(),
+                          "skipped_steps": counters.skipped_steps}
                 if sink is not None:
                     sink.write(record)
                     progress.update(step, record)
             elif progress is not None:
                 progress.update(step, None)
             periodic = config.checkpoint.interval > 0 and step % config.checkpoint.interval == 0
-            if periodic or (step == stop_at and config.checkpoint.save_final):
-                save_checkpoint(output_dir / "checkpoints", step, model, optimizer,
-                                {"step": step, "lr_scheduler": scheduler.state_dict(), "data": loader.state_dict()},
-                                is_rank0=env.is_logging_rank, keep_latest=config.checkpoint.keep_latest)
+            if periodic or (last and (config.checkpoint.save_final or stop.reason)):
+                checkpointer.save(step, blocking=last)
+            else:
+                checkpointer.poll()
+            if last:
+                if stop.reason:
+                    log.info("%s: checkpoint saved, exiting; the same command continues the run", stop.reason)
+                break
     finally:
+        checkpointer.close()
         if progress is not None:
             progress.close()
         if sink is not None:

@@ -1,0 +1,27 @@
+"""Tiny in-process training runs for the checkpoint tests: one layer, 64 wide, 32-token windows."""
+import json
+from pathlib import Path
+
+from trainer.config import load_config
+from trainer.train import train
+
+TINY = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
+        "--training.seq_len=32", "--training.global_batch_size=4", "--training.micro_batch_size=2",
+        "--lr_schedule.warmup_steps=2", "--metrics.log_freq=1", "--logging.wandb=false", "--logging.progress_bar=lines"]
+
+
+def config(out: Path, *extra: str, steps: int = 6):
+    return load_config(None, [*TINY, f"--training.steps={steps}", f"--job.output_dir={out}", *extra])
+
+
+def run(out: Path, *extra: str, steps: int = 6) -> dict:
+    return train(config(out, *extra, steps=steps))
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    """(step, loss) of every record in metrics.jsonl, in file order."""
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def checkpoints(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir())

@@ -1,0 +1,72 @@
+"""A save that fails halfway leaves the last good checkpoint loadable and the run resumable, and
+the user reads one paragraph saying what happened and what to do (no space, unwritable folder)."""
+import errno
+
+import pytest
+from torch.distributed.checkpoint import FileSystemWriter
+
+from runs import checkpoints, config, losses, run
+from trainer.checkpoint import CheckpointError
+from trainer.cli import main
+
+
+def fail_on_save(monkeypatch, method: str, error: Exception, after: int = 1):
+    """Let `after` saves through, then raise `error` from FileSystemWriter.<method> in the next."""
+    original, calls = getattr(FileSystemWriter, method), []
+
+    def failing(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > after:
+            raise error
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileSystemWriter, method, failing)
+
+
+@pytest.mark.parametrize("method, error, message", [
+    # the data files are written, the metadata is not: the middle of a save
+    ("finish", OSError(errno.ENOSPC, "No space left on device"), "No space left on the device while saving checkpoint step 4"),
+    ("write_data", RuntimeError("injected"), "Saving checkpoint step 4"),
+])
+def test_failed_save_keeps_the_last_checkpoint_and_the_run_resumes(straight, tmp_path, monkeypatch, method, error, message):
+    _, expected = straight
+    out = tmp_path / "run"
+    fail_on_save(monkeypatch, method, error)
+    with pytest.raises(CheckpointError, match=message) as failure:
+        run(out, "--checkpoint.interval=2")
+    assert "step-00000002, is intact" in str(failure.value) and "run the same command again" in str(failure.value).lower()
+    assert checkpoints(out) == ["step-00000002"]  # the staging dir of step 4 is gone, step 2 untouched
+
+    monkeypatch.undo()
+    run(out, "--checkpoint.interval=2")
+    assert losses(out) == expected
+
+
+def test_no_space_is_one_paragraph_and_exit_status_2(tmp_path, monkeypatch, capsys):
+    fail_on_save(monkeypatch, "finish", OSError(errno.ENOSPC, "No space left on device"), after=0)
+    args = [arg for arg in config_args(tmp_path / "run")]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert "No space left" in err and "--checkpoint.keep_latest=1" in err and "Traceback" not in err
+
+
+def test_unwritable_directory_fails_before_training(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    original = Path.write_text
+
+    def refuse(self, *args, **kwargs):
+        if self.parent.name == "checkpoints":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", refuse)
+    with pytest.raises(CheckpointError, match=r"checkpoints is not writable \(Permission denied\).*--job.output_dir"):
+        run(tmp_path / "run")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before the first step
+
+
+def config_args(out):
+    from runs import TINY
+
+    return [*TINY, "--training.steps=2", f"--job.output_dir={out}"]

@@ -1,0 +1,103 @@
+"""What keeps a long run alive and restartable: the counters a checkpoint carries, the guard
+that skips updates with a non-finite loss or gradient norm, and the clean early stop
+(`training.exit_interval`, `training.exit_after_minutes`) for time-limited jobs that chain."""
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import Training as TrainingConfig
+from trainer.errors import ConfigError
+
+log = logging.getLogger("trillion")
+
+
+class TrainingDiverged(ConfigError):
+    """Too many non-finite steps in a row: continuing would only burn compute."""
+
+
+@dataclass
+class RunCounters:
+    """Where the run stands; saved in every checkpoint and restored on resume."""
+    step: int = 0
+    tokens: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, int(value))
+
+
+class NonFiniteGuard:
+    """Decides, once the gradients are clipped, whether this step may update the weights.
+
+    Loss and gradient norm are already reduced over all ranks, so every rank takes the same
+    decision without another collective. Under fp16 the GradScaler owns overflowing gradients
+    (it skips and lowers the scale), so only a non-finite loss counts there."""
+
+    def __init__(self, max_consecutive: int, counters: RunCounters):
+        self.max_consecutive, self.counters = max_consecutive, counters
+        self.last_skipped, self.last_reason = False, ""
+
+    def allows_update(self, loss: torch.Tensor, grad_norm: torch.Tensor, scaler) -> bool:
+        watched = loss if scaler.is_enabled() else torch.stack([loss.float(), grad_norm.float()])
+        self.last_skipped = not bool(torch.isfinite(watched).all())  # the one host sync this guard adds
+        if self.last_skipped:
+            self.last_reason = "loss" if not math.isfinite(loss.item()) else "gradient norm"
+            self.counters.skipped_steps += 1
+            self.counters.consecutive_skips += 1
+        else:
+            self.counters.consecutive_skips = 0
+        return not self.last_skipped or scaler.is_enabled()
+
+    def check(self, step: int) -> None:
+        """Log a skipped step; stop the run after too many in a row."""
+        if not self.last_skipped:
+            return
+        run = self.counters.consecutive_skips
+        log.warning("step %d: non-finite %s, update skipped (%d in a row, %d in this run)", step, self.last_reason,
+                    run, self.counters.skipped_steps)
+        if self.max_consecutive > 0 and run >= self.max_consecutive:
+            raise TrainingDiverged(
+                f"Training diverged: {run} steps in a row up to step {step} had a non-finite {self.last_reason} "
+                f"(training.max_nonfinite_skips={self.max_consecutive}). Resume from an earlier checkpoint with a lower "
+                f"--optimizer.lr, a tighter --training.max_grad_norm or --training.dtype=bf16/fp32; raise "
+                f"training.max_nonfinite_skips (0 = never stop) only if the spikes are known to pass.")
+
+
+class StopPolicy:
+    """Where this job stops. The schedule always follows training.steps; an early stop only ends
+    this job (after a checkpoint), so a chain of jobs equals one unbroken run."""
+
+    def __init__(self, cfg: TrainingConfig, first_step: int, device: torch.device):
+        self.steps = cfg.steps
+        self.last_step = min(cfg.steps, first_step + cfg.exit_interval) if cfg.exit_interval > 0 else cfg.steps
+        self.budget_s = cfg.exit_after_minutes * 60
+        self.device, self.start = device, time.monotonic()
+        self.reason = ""
+
+    def should_stop(self, step: int) -> bool:
+        """True after the step that ends this job; `reason` says why when it is an early stop."""
+        if step >= self.steps:
+            return True
+        if step >= self.last_step:
+            self.reason = f"training.exit_interval reached at step {step} of {self.steps}"
+            return True
+        if self.budget_s > 0 and self._time_is_up():
+            self.reason = f"training.exit_after_minutes reached at step {step} of {self.steps}"
+            return True
+        return False
+
+    def _time_is_up(self) -> bool:
+        # Clocks drift between ranks: every rank must stop after the same step, so they agree.
+        up = torch.tensor(float(time.monotonic() - self.start >= self.budget_s), device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(up, op=dist.ReduceOp.MAX)
+        return bool(up.item())

@@ -1,0 +1,93 @@
+"""May this checkpoint continue this run? Checks done before any tensor is read, so a mismatch
+ends with one paragraph naming the setting or the parameters, not a tensor-copy traceback."""
+import dataclasses
+import json
+import logging
+import os
+import tomllib
+from pathlib import Path
+
+from trainer.errors import ConfigError
+
+log = logging.getLogger("trillion")
+
+# Settings whose change would make the resumed run a different run, with the reason.
+BREAKS_RESUME = {
+    "model.": "the network's shape",
+    "training.seq_len": "the window length the data position counts in",
+    "training.global_batch_size": "which windows make up each step",
+    "job.seed": "the order of the default corpus",
+    "data.": "what the saved data position points into",
+    "tokenizer.": "the tokens the saved data position counts",
+}
+
+
+def saved_config(path: Path) -> dict:
+    """The resolved config a checkpoint was saved with, as {"section.field": value} ({} if absent)."""
+    if not path.is_file():
+        return {}
+    table = tomllib.loads(path.read_text())
+    return {f"{section}.{name}": value for section, fields in table.items() for name, value in fields.items()}
+
+
+def _flatten(config) -> dict:
+    return {f"{section}.{name}": value for section, fields in dataclasses.asdict(config).items()
+            for name, value in fields.items()}
+
+
+def check_resume_config(saved: dict, config, checkpoint: Path) -> None:
+    """Raise if a setting that defines the run changed since the checkpoint; log the harmless changes."""
+    current = _flatten(config)
+    changed = [(key, old, current[key]) for key, old in saved.items() if key in current and current[key] != old]
+    breaking = [(key, old, new, why) for key, old, new in changed
+                for prefix, why in BREAKS_RESUME.items() if key == prefix or (prefix.endswith(".") and key.startswith(prefix))]
+    if breaking:
+        details = "; ".join(f"{key} was {old!r} there and is {new!r} now ({why})" for key, old, new, why in breaking)
+        restore = " ".join(f"--{key}={old}" for key, old, _, _ in breaking)
+        raise ConfigError(
+            f"Cannot resume from {checkpoint}: {details}. To continue that run, pass {restore}. To start a different "
+            f"run, use a new --job.output_dir (with --checkpoint.initial_load={checkpoint} to start from its weights).")
+    if changed:
+        log.info("resuming with changed settings: %s", ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changed))
+
+
+def check_shapes(saved: dict[str, tuple], model_state: dict, source: str) -> None:
+    """Every parameter of the model is in `saved` with its global shape, and nothing else is."""
+    ours = {name: tuple(tensor.shape) for name, tensor in model_state.items()}
+    problems = [f"{name} is {tuple(saved[name])} there but {shape} here" for name, shape in ours.items()
+                if name in saved and tuple(saved[name]) != shape]
+    missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
+    if missing:
+        problems.append(f"missing there: {_some(missing)}")
+    if unexpected:
+        problems.append(f"not in this model: {_some(unexpected)}")
+    if problems:
+        raise ConfigError(
+            f"{source} does not fit this model: {'; '.join(problems[:6])}{' ...' if len(problems) > 6 else ''}. Use the "
+            f"model settings it was saved with (its config.toml: [model] and the preset), or start a fresh run in "
+            f"another --job.output_dir.")
+
+
+def _some(names: list[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def trim_metrics(path: Path, step: int) -> int:
+    """Drop the records of steps after `step` (logged before a crash; they will run again); returns how many."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            keep = json.loads(line)["step"] <= step
+        except (json.JSONDecodeError, KeyError, TypeError):
+            keep = False  # a line cut short by the crash
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        partial = path.with_name(path.name + ".tmp")
+        partial.write_text("".join(line + "\n" for line in kept))
+        os.replace(partial, path)
+    return dropped
