@@ -1,7 +1,7 @@
 """Hot-spot kernels and their dispatch: attention (SDPA or a plain eager reference; Triton
 flash attention where it can run) with a plain-PyTorch fallback for every kernel."""
-from kernels.attention import ATTENTION_IMPLS, attention
+from kernels.attention import ATTENTION_IMPLS, attention, flash_attention
 
 NORM_IMPLS = ("torch",)
 
-__all__ = ["ATTENTION_IMPLS", "NORM_IMPLS", "attention"]
+__all__ = ["ATTENTION_IMPLS", "NORM_IMPLS", "attention", "flash_attention"]

@@ -29,6 +29,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+@functools.cache
 def has_triton() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -87,10 +88,14 @@ def _gpu_arch(index: int) -> str:
 
 
 @torch.compiler.assume_constant_result
-def fallback_reason(device_type: str) -> str | None:
-    """unavailable_reason for a device type, as a constant that torch.compile bakes into the
-    graph: dispatch code that asks it traces without a graph break."""
-    return unavailable_reason(device_type)
+def use_triton(what: str, device_type: str, other_reason: str = "") -> bool:
+    """Whether `what` (a kernel choice such as "kernels.attention=triton") can run Triton on this
+    device type; if not, says why once in the log. torch.compile bakes the answer into the graph,
+    so dispatch code that asks traces without a graph break."""
+    reason = other_reason or unavailable_reason(device_type)
+    if reason:
+        log_once("kernels", f"{what} falls back to PyTorch: {reason}")
+    return not reason
 
 
 @functools.cache

@@ -4,7 +4,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-ATTENTION_IMPLS = ("sdpa", "eager")
+from kernels._triton_setup import has_triton, use_triton
+
+ATTENTION_IMPLS = ("sdpa", "eager", "triton")
 
 
 def eager_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None):
@@ -35,7 +37,22 @@ def sdpa_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None 
     )
 
 
-_IMPLS = {"sdpa": sdpa_attention, "eager": eager_attention}
+def triton_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None):
+    """Our Triton FlashAttention-2 (kernels/flash_attention.py); SDPA where Triton cannot run,
+    with the reason logged once."""
+    if not use_triton("kernels.attention=triton", q.device.type):
+        return sdpa_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+if has_triton():
+    from kernels.flash_attention import flash_attention
+else:
+    def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None):
+        raise RuntimeError("flash_attention needs the triton package (pip install triton), which is not installed")
+
+
+_IMPLS = {"sdpa": sdpa_attention, "eager": eager_attention, "triton": triton_attention}
 
 
 def attention(q, k, v, *, impl: str = "sdpa", causal: bool = True, softmax_scale: float | None = None):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 from torch import nn
 
-from kernels._triton_setup import fallback_reason, interpreting, log_once, next_power_of_2
+from kernels._triton_setup import interpreting, next_power_of_2, use_triton
 
 __all__ = ["rms_norm", "layer_norm", "RMSNorm", "LayerNorm", "MAX_FUSED_DIM"]
 
@@ -39,8 +39,13 @@ def _kernels():
     return _norm_kernels
 
 
-def _num_warps(block_n: int) -> int:
-    return 1 if interpreting() else min(16, max(1, block_n // 512))
+def _tile(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps): a whole row per tile, and rows stacked up to a tile of 4096
+    elements on GPUs (16384 in the interpreter, whose cost is per operation, not per element)."""
+    block_n = next_power_of_2(n_cols)
+    tile = 16384 if interpreting() else 4096
+    block_m = max(1, min(tile // block_n, next_power_of_2(n_rows)))
+    return block_m, block_n, min(16, max(1, block_m * block_n // 512))
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -61,12 +66,12 @@ def _forward(x, weight, bias, eps: float, rms: bool):
     mean = rstd.new_empty(0 if rms else x.shape[:-1])
     if x2.shape[0] == 0:
         return y, mean, rstd
-    block_n = next_power_of_2(n)
+    block_m, block_n, warps = _tile(x2.shape[0], n)
     with _device_context(x):
-        _kernels().norm_fwd[(x2.shape[0],)](
-            x2, weight, bias, y, mean, rstd, x2.stride(0), n, n, eps,
+        _kernels().norm_fwd[(triton.cdiv(x2.shape[0], block_m),)](
+            x2, weight, bias, y, mean, rstd, x2.stride(0), n, x2.shape[0], n, eps,
             IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_N=block_n, num_warps=_num_warps(block_n))
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     return y, mean, rstd
 
 
@@ -75,23 +80,22 @@ def _backward(grad_y, x, weight, mean, rstd, has_bias: bool, rms: bool):
     x2, dy2 = _rows(x), _rows(grad_y)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
-    if interpreting():
-        programs = min(rows, 4)
-    elif x.is_cuda:
-        programs = min(rows, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
-    else:
-        programs = rows
-    programs = max(programs, 1)
-    dw_part = torch.zeros((programs, n), dtype=torch.float32, device=x.device) if weight is not None else None
-    db_part = torch.zeros((programs, n), dtype=torch.float32, device=x.device) if has_bias else None
+    block_m, block_n, warps = _tile(rows, n)
+    # Enough programs to fill the GPU, each with a run of whole tiles; fewer partial sums to add.
+    programs = triton.cdiv(rows, block_m)
+    if x.is_cuda:
+        programs = min(programs, 4 * torch.cuda.get_device_properties(x.device).multi_processor_count)
+    rows_per_program = triton.cdiv(triton.cdiv(rows, max(programs, 1)), block_m) * block_m
+    programs = triton.cdiv(rows, rows_per_program) if rows else 0
+    dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else None
+    db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if has_bias else None
     if rows:
-        block_n = next_power_of_2(n)
         with _device_context(x):
             _kernels().norm_bwd[(programs,)](
                 x2, weight, dy2, dx, dw_part, db_part, mean, rstd, x2.stride(0), dy2.stride(0), n,
-                rows, n, triton.cdiv(rows, programs),
+                rows, n, rows_per_program,
                 IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
-                BLOCK_N=block_n, num_warps=_num_warps(block_n))
+                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
     param_dtype = weight.dtype if weight is not None else x.dtype
     dw = dw_part.sum(0).to(param_dtype) if dw_part is not None else x.new_empty(0)
     db = db_part.sum(0).to(param_dtype) if db_part is not None else x.new_empty(0)
@@ -182,18 +186,14 @@ _register_dtensor_sharding()
 
 # ----------------------------------------------------------------------------- public API
 def _use_triton(x: torch.Tensor, what: str) -> bool:
-    reason = fallback_reason(x.device.type)
-    if reason is None and x.shape[-1] > MAX_FUSED_DIM:
-        reason = f"rows of {x.shape[-1]} elements exceed the fused kernel's {MAX_FUSED_DIM}"
-    if reason is not None:
-        log_once(__name__, f"{what}: using torch.nn.functional because {reason}")
-    return reason is None
+    too_long = x.shape[-1] > MAX_FUSED_DIM
+    return use_triton(what, x.device.type, f"rows of {x.shape[-1]} exceed {MAX_FUSED_DIM} elements" if too_long else "")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
     """RMSNorm over the last dim; eps=None means torch.finfo(x.dtype).eps, as torch.nn.RMSNorm."""
     eps = torch.finfo(x.dtype).eps if eps is None else eps
-    if not _use_triton(x, "rms_norm"):
+    if not _use_triton(x, "kernels.norm=triton (rms_norm)"):
         return F.rms_norm(x, x.shape[-1:], weight, eps)
     return _fwd_op(x, weight, None, float(eps), True)[0]
 
@@ -201,7 +201,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | N
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                eps: float = 1e-5) -> torch.Tensor:
     """LayerNorm over the last dim."""
-    if not _use_triton(x, "layer_norm"):
+    if not _use_triton(x, "kernels.norm=triton (layer_norm)"):
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
     return _fwd_op(x, weight, bias, float(eps), False)[0]
 

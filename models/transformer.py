@@ -38,6 +38,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention_impl: str = "sdpa"  # filled from the `kernels` config section
+    norm_impl: str = "torch"  # torch | triton (kernels/norm.py: same parameters, fused kernels)
 
     @property
     def kv_heads(self) -> int:
@@ -53,9 +54,13 @@ class ModelArgs:
 
 
 def build_norm(args: ModelArgs) -> nn.Module:
+    if args.norm_impl == "triton":
+        from kernels.norm import LayerNorm, RMSNorm  # subclasses of the torch modules below
+    else:
+        LayerNorm, RMSNorm = nn.LayerNorm, nn.RMSNorm
     if args.norm == "layernorm":
-        return nn.LayerNorm(args.dim, eps=args.norm_eps, bias=args.bias)
-    return nn.RMSNorm(args.dim, eps=args.norm_eps)
+        return LayerNorm(args.dim, eps=args.norm_eps, bias=args.bias)
+    return RMSNorm(args.dim, eps=args.norm_eps)
 
 
 def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:

@@ -91,13 +91,18 @@ def test_modules_are_drop_in_replacements_for_torch_modules():
 
 
 def test_falls_back_to_torch_with_a_logged_reason(monkeypatch, caplog):
-    monkeypatch.setattr(norm_module, "MAX_FUSED_DIM", 32)
-    norm_module.log_once.cache_clear()
     x, w, b = torch.randn(4, 64), torch.randn(64), torch.randn(64)
-    with caplog.at_level(logging.WARNING, logger="kernels.norm"):
+    monkeypatch.setattr(norm_module, "MAX_FUSED_DIM", 32)
+    with caplog.at_level(logging.WARNING, logger="kernels"):
         y = layer_norm(x, w, b)
-    assert "exceed the fused kernel" in caplog.text
+    assert "rows of 64 exceed 32 elements" in caplog.text
     torch.testing.assert_close(y, F.layer_norm(x, (64,), w, b))
+    monkeypatch.setattr(norm_module, "MAX_FUSED_DIM", 4096)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a CPU tensor, no interpreter: Triton cannot run
+    with caplog.at_level(logging.WARNING, logger="kernels"):
+        y = rms_norm(x, w)
+    assert "Triton needs a CUDA or ROCm GPU" in caplog.text
+    torch.testing.assert_close(y, F.rms_norm(x, (64,), w, torch.finfo(x.dtype).eps))
 
 
 def test_norm_custom_op_passes_opcheck():
