@@ -11,6 +11,7 @@ from trainer.errors import ConfigError
 COMMANDS = {
     "train": ("trainer.train_cli", "train a model: trillion train [--config FILE] [--section.field=value ...]"),
     "plan": ("parallel.plan_cli", "choose a parallel layout: trillion plan --model M --hardware H --gpus N --global-batch B"),
+    "export": ("trainer.export", "a checkpoint as a Hugging Face model: trillion export --checkpoint DIR --format hf OUT"),
 }
 
 

@@ -1,0 +1,60 @@
+"""`trillion export` writes what transformers loads with our logits, for both families, and
+`--checkpoint.initial_load` takes that folder (or a step directory) back, bit for bit."""
+import pytest
+import torch
+
+from runs import run
+from trainer.checkpoint import ModelParts, load_model_weights
+from trainer.cli import main
+from trainer.export import load_checkpoint_model
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = {
+    "llama": [],
+    "gpt": ["--model.name=debug-gpt", "--model.n_kv_heads=0", "--model.ffn_dim=0"],
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_export_loads_in_transformers_with_the_same_logits_and_imports_back(family, tmp_path, capsys):
+    source = tmp_path / "source"
+    run(source, *FAMILIES[family], steps=2)
+    out = tmp_path / "hf"
+    assert main(["export", "--checkpoint", str(source), "--format", "hf", str(out)]) == 0
+    assert "model.safetensors" in capsys.readouterr().out
+
+    ours = load_checkpoint_model(source / "checkpoints" / "step-00000002").eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, atol=2e-5, rtol=1e-4)
+
+    # import: the HF folder and the step directory give exactly the trained weights
+    for path in (out, source / "checkpoints" / "step-00000002"):
+        fresh = load_checkpoint_model(source / "checkpoints" / "step-00000002")
+        with torch.no_grad():
+            for param in fresh.parameters():
+                param.zero_()
+        load_model_weights(path, [fresh], fresh.args, "--checkpoint.initial_load")
+        expected = ModelParts([ours]).state_dict()
+        for name, tensor in ModelParts([fresh]).state_dict().items():
+            assert torch.equal(tensor, expected[name]), (path, name)
+
+
+def test_training_starts_from_exported_weights(tmp_path):
+    source = tmp_path / "source"
+    run(source, steps=2)
+    assert main(["export", "--checkpoint", str(source / "checkpoints"), "--format", "hf", str(tmp_path / "hf")]) == 0
+    started = tmp_path / "started"  # lr 0: the first step leaves the loaded weights as they are
+    run(started, f"--checkpoint.initial_load={tmp_path / 'hf'}", "--optimizer.lr=0", steps=1)
+    trained = ModelParts([load_checkpoint_model(source / "checkpoints" / "step-00000002")]).state_dict()
+    loaded = ModelParts([load_checkpoint_model(started / "checkpoints" / "step-00000001")]).state_dict()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in trained.items())
+
+
+def test_export_errors_name_the_fix(tmp_path, capsys):
+    assert main(["export", "--checkpoint", str(tmp_path), "--format", "hf", str(tmp_path / "out")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+    assert main(["export", "--checkpoint", str(tmp_path), "--format", "gguf", str(tmp_path / "out")]) == 2
+    assert "--format 'gguf'" in capsys.readouterr().err

@@ -1,0 +1,67 @@
+"""A step with a non-finite loss or gradient norm changes nothing and is counted; too many in a
+row stop the run with a message naming the setting. Config changes that would make a resumed run
+a different run are refused; a checkpoint of another model shape names the parameters."""
+import math
+
+import pytest
+import torch
+
+import trainer.train
+from runs import config, run
+from trainer.config import ConfigError
+from trainer.resilience import TrainingDiverged
+
+
+def poison_steps(monkeypatch, bad_steps: set[int]):
+    """The gradient norm of these steps (1-based) comes out NaN, as after an overflow."""
+    original, calls = trainer.train.clip_grad_norm_, []
+
+    def clip(parameters, max_norm, *args):
+        calls.append(1)
+        norm = original(parameters, max_norm, *args)
+        return torch.full_like(norm, math.nan) if len(calls) in bad_steps else norm
+
+    monkeypatch.setattr(trainer.train, "clip_grad_norm_", clip)
+
+
+def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
+    saved = {}
+    original_step = torch.optim.AdamW.step
+
+    def counting_step(self, *args, **kwargs):
+        saved["updates"] = saved.get("updates", 0) + 1
+        return original_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", counting_step)
+    poison_steps(monkeypatch, {2, 3})
+    record = run(tmp_path / "run", steps=5)
+    assert saved["updates"] == 3  # steps 2 and 3 did not update the weights
+    assert record["step"] == 5 and record["skipped_steps"] == 2 and math.isfinite(record["loss"])
+
+
+def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
+    poison_steps(monkeypatch, {2, 3, 4})
+    with pytest.raises(TrainingDiverged, match=r"3 steps in a row up to step 4.*training.max_nonfinite_skips=3"):
+        run(tmp_path / "run", "--training.max_nonfinite_skips=3", steps=6)
+
+
+def test_settings_that_change_the_run_are_refused_on_resume(tmp_path):
+    out = tmp_path / "run"
+    run(out, "--training.exit_interval=1", steps=4)
+    with pytest.raises(ConfigError) as error:
+        run(out, "--training.seq_len=16", "--training.global_batch_size=8", steps=4)
+    message = str(error.value)
+    assert "training.seq_len was 32 there and is 16 now" in message and "training.global_batch_size was 4" in message
+    assert "--training.global_batch_size=4 --training.seq_len=32" in message and "--job.output_dir" in message
+    run(out, "--optimizer.lr=0.001", steps=5)  # allowed: a new peak LR and a longer schedule
+
+
+def test_weights_of_another_shape_name_the_parameters(tmp_path):
+    source = tmp_path / "source"
+    run(source, steps=1)
+    with pytest.raises(ConfigError) as error:
+        run(tmp_path / "new", f"--checkpoint.initial_load={source}/checkpoints/step-00000001", "--model.dim=32",
+            "--model.n_heads=2", "--model.n_kv_heads=1", steps=1)
+    message = str(error.value)
+    assert "tok_embeddings.weight is (320, 64) there but (320, 32) here" in message
+    assert "--checkpoint.initial_load=" in message and "config.toml" in message

@@ -1,0 +1,90 @@
+"""`trillion export --checkpoint DIR --format hf OUT`: a training checkpoint as a Hugging Face
+model folder (model.safetensors + config.json) that `transformers` loads as LlamaForCausalLM or
+GPT2LMHeadModel. `--checkpoint.initial_load=OUT` starts a new run from such a folder."""
+import dataclasses
+import warnings
+from pathlib import Path
+
+import torch
+
+from models import Transformer
+from trainer.checkpoint import CONFIG_FILE, ModelParts, complete_checkpoints, is_complete
+from trainer.config import load_config
+from trainer.errors import ConfigError
+
+USAGE = "usage: trillion export --checkpoint DIR --format hf OUT"
+FORMATS = ("hf",)
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A step directory, or the newest complete one of a run directory or its checkpoints/ folder."""
+    if is_complete(path):
+        return path
+    if path.name.startswith("step-") and path.is_dir():
+        raise ConfigError(f"--checkpoint {path} is not a complete checkpoint (no COMPLETE marker: its save was "
+                          f"interrupted). Use an earlier step directory.")
+    for root in (path / "checkpoints", path):
+        if found := complete_checkpoints(root):
+            return found[-1]
+    raise ConfigError(f"--checkpoint {path}: no complete checkpoint there. Give a step directory "
+                      f"(<output_dir>/checkpoints/step-NNNNNNNN) or a run's output_dir.")
+
+
+def load_checkpoint_model(step: Path) -> Transformer:
+    """The checkpoint's model, whole, on the CPU, built from the config it was saved with."""
+    from trainer.train import build_model_args
+
+    config = load_config(str(step / CONFIG_FILE))
+    args = dataclasses.replace(build_model_args(config, 0), attention_impl="sdpa", norm_impl="torch")
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(config.job.seed)  # fills the non-persistent rope table; the weights come from the checkpoint
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": ModelParts([model])}, checkpoint_id=str(step))
+    return model
+
+
+def export_hf(step: Path, out: Path) -> Path:
+    from safetensors.torch import save_file
+
+    from models.hf import hf_config, to_hf_state_dict
+
+    model = load_checkpoint_model(step)
+    weights = to_hf_state_dict(model.state_dict(), model.args)
+    if model.args.tie_embeddings:  # transformers ties lm_head to the embedding itself; safetensors refuses shared storage
+        weights.pop("lm_head.weight")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    hf_config(model.args).save_pretrained(str(out))
+    return out / "model.safetensors"
+
+
+def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(USAGE + "\n\nWrites OUT/model.safetensors and OUT/config.json from a checkpoint step directory "
+              "(or the newest one of a run directory).")
+        return 0
+    options, positional, args = {}, [], iter(argv)
+    for arg in args:
+        if arg in ("--checkpoint", "--format"):
+            options[arg[2:]] = next(args, "")
+        elif arg.startswith(("--checkpoint=", "--format=")):
+            key, _, value = arg[2:].partition("=")
+            options[key] = value
+        elif arg.startswith("--"):
+            raise ConfigError(f"Unknown option {arg!r}. {USAGE}")
+        else:
+            positional.append(arg)
+    if not options.get("checkpoint") or len(positional) != 1:
+        raise ConfigError(f"Give the checkpoint and one output folder. {USAGE}")
+    if options.get("format", "hf") not in FORMATS:
+        raise ConfigError(f"--format {options['format']!r} is not known. Use {', '.join(FORMATS)}.")
+    step = resolve_checkpoint(Path(options["checkpoint"]))
+    written = export_hf(step, Path(positional[0]))
+    print(f"exported {step} -> {written} ({written.stat().st_size / 1e6:.1f} MB) and {written.parent / 'config.json'}")
+    return 0
