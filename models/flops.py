@@ -6,7 +6,7 @@ pass. The Megatron formula (Narayanan et al. 2021, eq. 3) is what the Frontier p
 """
 from dataclasses import dataclass
 
-from models.transformer import ModelArgs
+from models.args import ModelArgs
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from models.flops import count_params, hardware_flops_per_token, megatron_flops_per_iteration, model_flops_per_token
-from models.transformer import ModelArgs
+from models.args import ModelArgs
 from parallel.hardware import HardwareProfile
 from parallel.planner_cost import StepTime, step_time
 from parallel.planner_layout import (

@@ -21,7 +21,7 @@ then dp_shard, dp_replicate, pp, as the trainer's DeviceMesh does):
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from models.transformer import ModelArgs
+from models.args import ModelArgs
 from parallel.hardware import HardwareProfile
 from parallel.planner_layout import Layout, bubble_slots, get_schedule
 from parallel.planner_memory import ACTIVATION_BYTES, RankParams, checkpointed_layers, pipeline_ranks

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from models.transformer import ModelArgs
+from models.args import ModelArgs
 from parallel.planner_layout import Layout, get_schedule, in_flight_microbatches, stage_layers
 
 ACTIVATION_BYTES = 2  # bf16
