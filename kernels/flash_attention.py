@@ -4,8 +4,11 @@
 
 q is (batch, q_heads, q_len, head_dim); k and v are (batch, kv_heads, kv_len, head_dim), with
 q_heads a multiple of kv_heads (grouped-query and multi-query attention read the shared K/V head,
-never a repeated copy). Strides are arbitrary. dtype fp16, bf16 or fp32; head_dim up to 256
-(padded inside the kernel to the next power of two, at least 16, and masked).
+never a repeated copy). Input strides are arbitrary; the output (and dq, dk, dv) is laid out as
+(batch, seq, heads, head_dim) in memory, viewed as (batch, heads, seq, head_dim), so a model's
+`out.transpose(1, 2).reshape(batch, seq, -1)` is free. dtype fp16, bf16 or fp32 (fp32 with IEEE
+fp32 dot products, not TF32); head_dim up to 256 (padded inside the kernel to the next power of
+two, at least 16, and masked).
 
 Causal masking with q_len != kv_len is aligned to the lower right, as PyTorch's
 `torch.nn.attention.bias.causal_lower_right` and FlashAttention >= 2.1: the last query sees every
@@ -95,12 +98,16 @@ def _kernel(name: str):
     return getattr(_flash_attention_kernels, _KERNEL_NAMES[name])
 
 
+def configs(kernel: str, arch: str, block_d: int) -> list[triton.Config]:
+    """The configs `kernel` ("fwd", "dkdv" or "dq") is tuned over on `arch` for a padded head dim."""
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **extra}, num_warps=w, num_stages=s)
+            for max_d, bm, bn, w, s, extra in _CONFIGS[arch][kernel] if block_d <= max_d]
+
+
 @functools.cache
 def _tuned(kernel: str, arch: str, block_d: int):
-    rows = [r for r in _CONFIGS[arch][kernel] if block_d <= r[0]]
-    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **extra}, num_warps=w, num_stages=s)
-               for _, bm, bn, w, s, extra in rows]
-    return triton.autotune(configs, key=["HEAD_DIM", "IS_CAUSAL", "q_len", "kv_len"])(_kernel(kernel))
+    return triton.autotune(configs(kernel, arch, block_d), key=["HEAD_DIM", "IS_CAUSAL", "q_len", "kv_len"])(
+        _kernel(kernel))
 
 
 def _launch(kernel: str, device: torch.device, block_d: int, grid_rows: int, grid_cols: int, *args, **meta):
@@ -110,9 +117,8 @@ def _launch(kernel: str, device: torch.device, block_d: int, grid_rows: int, gri
     forward and dQ, BLOCK_N for dK/dV)."""
     tile = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"
     if interpreting():
-        _, bm, bn, _, _, _ = _CONFIGS["interpreter"][kernel][0]
-        block = {"BLOCK_M": bm, "BLOCK_N": bn}
-        _kernel(kernel)[(triton.cdiv(grid_rows, block[tile]), grid_cols)](*args, **meta, **block)
+        (config,) = configs(kernel, "interpreter", block_d)
+        _kernel(kernel)[(triton.cdiv(grid_rows, config.kwargs[tile]), grid_cols)](*args, **meta, **config.kwargs)
         return
     fn = _tuned(kernel, device_arch(device), block_d)
     with torch.cuda.device(device):

@@ -175,3 +175,38 @@ def test_custom_op_registration_passes_opcheck():
     q, k, v, _ = _inputs((1, 2, 1, 20, 24, 16, torch.float32))
     args = tuple(t.requires_grad_() for t in (q, k, v)) + (True, 0.25)
     torch.library.opcheck(torch.ops.trillion.flash_attn_fwd.default, args)
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90", "gfx90a", "gfx942"])
+def test_every_architecture_has_configs_for_every_head_dim(arch):
+    from kernels.flash_attention import configs
+
+    for kernel in ("fwd", "dkdv", "dq"):
+        for block_d in (16, 32, 64, 128, 256):
+            chosen = configs(kernel, arch, block_d)
+            assert chosen, (kernel, block_d)
+            if arch.startswith("gfx"):  # AMD CDNA options reach the compiler through the config
+                assert all({"waves_per_eu", "matrix_instr_nonkdim"} <= set(c.kwargs) for c in chosen)
+
+
+@pytest.mark.parametrize(
+    "hip, props, expected",
+    [
+        (None, dict(major=8, minor=0), "sm80"),
+        (None, dict(major=8, minor=9), "sm80"),
+        (None, dict(major=9, minor=0), "sm90"),
+        (None, dict(major=10, minor=0), "sm90"),
+        ("6.2", dict(gcnArchName="gfx90a:sramecc+:xnack-"), "gfx90a"),
+        ("6.2", dict(gcnArchName="gfx942:sramecc+:xnack-"), "gfx942"),
+        ("6.2", dict(gcnArchName="gfx950"), "gfx942"),
+        ("6.2", dict(gcnArchName="gfx908"), "gfx90a"),
+    ],
+)
+def test_config_set_is_chosen_from_the_device(monkeypatch, hip, props, expected):
+    from types import SimpleNamespace
+
+    from kernels import _triton_setup
+
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(name="gpu", **props))
+    assert _triton_setup._gpu_arch.__wrapped__(0) == expected
