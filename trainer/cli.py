@@ -11,6 +11,7 @@ from trainer.errors import ConfigError
 COMMANDS = {
     "train": ("trainer.train_cli", "train a model: trillion train [--config FILE] [--section.field=value ...]"),
     "plan": ("parallel.plan_cli", "choose a parallel layout: trillion plan --model M --hardware H --gpus N --global-batch B"),
+    "tune": ("parallel.tune", "measure the planner's best layouts: trillion tune --config FILE --nproc N --hardware H"),
     "export": ("trainer.export", "a checkpoint as a Hugging Face model: trillion export --checkpoint DIR --format hf OUT"),
 }
 
@@ -23,7 +24,7 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    rank = os.environ.get("RANK", "0")
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
     if not argv or argv[0] in ("-h", "--help"):
