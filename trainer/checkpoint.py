@@ -11,7 +11,6 @@ described, not gathered), so DCP re-slices them on load for any parallel layout;
 is layout-independent (trainer/data.py). Model parts and optimizers are lists, so pipeline stages,
 which keep global parameter names, save into one checkpoint.
 """
-import contextlib
 import errno
 import logging
 import os
@@ -35,6 +34,9 @@ from trainer.errors import ConfigError
 from trainer.resume_check import check_resume_config, check_shapes, saved_config, trim_metrics
 
 log = logging.getLogger("trillion")
+# DCP warns on every save and load in one process, also from the async writer's thread (which a
+# catch_warnings block cannot reach); one process is a supported case, not a mistake.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 MARKER = "COMPLETE"
 CONFIG_FILE = "config.toml"
 PARTIAL_PREFIXES = (".staging-", ".replaced-")
@@ -71,14 +73,6 @@ def remove_partial(root: Path) -> list[str]:
     for path in partial:
         shutil.rmtree(path, ignore_errors=True)
     return sorted(p.name for p in partial)
-
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    # one process without a process group is a supported DCP case, not a mistake worth a warning
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 class ModelParts(Stateful):
@@ -158,8 +152,7 @@ def load_model_weights(path: Path, parts: list[torch.nn.Module], model_args, set
     model = ModelParts(parts)
     if (path / ".metadata").is_file():
         check_shapes(_saved_model_shapes(path), model.state_dict(), f"{setting}={path}")
-        with _quiet_single_process():
-            dcp.load({"model": model}, checkpoint_id=str(path))
+        dcp.load({"model": model}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         return
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
@@ -256,8 +249,7 @@ class CheckpointManager:
         metadata = FileSystemReader(str(latest)).read_metadata().state_dict_metadata
         self.states["rng"].saved_keys = {k.split(".")[1] for k in metadata if k.startswith("rng.")}
         start = time.perf_counter()
-        with _quiet_single_process():
-            dcp.load(self.states, checkpoint_id=str(latest), process_group=self.group)
+        dcp.load(self.states, checkpoint_id=str(latest), process_group=self.group, no_dist=self.group is None)
         self.load_seconds = time.perf_counter() - start
         log.info("resumed from %s: step %d, %d tokens seen (loaded in %.2fs)", latest, self.counters.step,
                  self.counters.tokens, self.load_seconds)
@@ -282,13 +274,13 @@ class CheckpointManager:
                 error = _save_error(problem, step, self.root)
         self._agree(error, f"prepare checkpoint step {step}")
         try:
-            with _quiet_single_process():
-                if self.cfg.async_mode == "async" and not blocking:
-                    future = dcp.async_save(self.states, checkpoint_id=str(staging), process_group=self.group)
-                    self.pending = (future, staging, step, start)
-                    self.blocked_seconds = time.perf_counter() - start
-                    return
-                dcp.save(self.states, checkpoint_id=str(staging), process_group=self.group)
+            if self.cfg.async_mode == "async" and not blocking:
+                future = dcp.async_save(self.states, checkpoint_id=str(staging), process_group=self.group,
+                                        no_dist=self.group is None)
+                self.pending = (future, staging, step, start)
+                self.blocked_seconds = time.perf_counter() - start
+                return
+            dcp.save(self.states, checkpoint_id=str(staging), process_group=self.group, no_dist=self.group is None)
         except SAVE_FAILURES as problem:
             self._abandon(staging)
             raise _save_error(problem, step, self.root) from problem

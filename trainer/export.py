@@ -2,10 +2,10 @@
 model folder (model.safetensors + config.json) that `transformers` loads as LlamaForCausalLM or
 GPT2LMHeadModel. `--checkpoint.initial_load=OUT` starts a new run from such a folder."""
 import dataclasses
-import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 from models import Transformer
 from trainer.checkpoint import CONFIG_FILE, ModelParts, complete_checkpoints, is_complete
@@ -40,11 +40,7 @@ def load_checkpoint_model(step: Path) -> Transformer:
         model = Transformer(args)
     model.to_empty(device="cpu")
     model.init_weights(config.job.seed)  # fills the non-persistent rope table; the weights come from the checkpoint
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": ModelParts([model])}, checkpoint_id=str(step))
+    dcp.load({"model": ModelParts([model])}, checkpoint_id=str(step), no_dist=True)
     return model
 
 

@@ -2,7 +2,6 @@
 as one unbroken run, metrics appended, interrupted saves cleaned up, early exits chained."""
 import json
 import logging
-import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -58,7 +57,5 @@ def read_checkpoint(run_dir, step: int = 6) -> dict:
     folder = run_dir / "checkpoints" / f"step-{step:08d}"
     metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None for k, m in metadata.items()}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder))
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     return state
