@@ -19,7 +19,7 @@ from parallel.tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, dp_shard_mode: str = "zero3",
-                activation_checkpoint: str = "none", compile: bool = False,
+                activation_checkpoint: str = "none", compile: bool = False, compile_backend: str = "inductor",
                 param_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Apply the layout of `dims` (whose mesh is built) to `model`, in place; returns it."""
     check_mode(dp_shard_mode)
@@ -27,7 +27,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_shard_mode: str = "z
         apply_tensor_parallel(model, dims.tp_mesh)
     apply_activation_checkpointing(model, activation_checkpoint)
     if compile:
-        apply_compile(model, tp_enabled=dims.tp_enabled)
+        apply_compile(model, backend=compile_backend)
     if dims.fsdp_enabled:
         apply_fsdp(model, dims.fsdp_mesh, dp_shard_mode, param_dtype)
     return model

@@ -12,6 +12,11 @@ GPT's learned positions need the full sequence to index the position table (posi
 the same way), so there the embeddings are all-reduced, added, and the first block takes its slice
 of the sequence locally (no communication).
 
+The residual stream stays a DTensor (Shard(1)) between and across blocks: the embedding and the
+row-wise wo / w2 return DTensors instead of their local shards. Numerically it is the same; it is
+what lets a block be compiled on its own (see compile.py: with plain tensors at the boundary the
+compiled backward crashed or, under FSDP, gave the embedding a wrong gradient).
+
 Output: column-wise over the vocabulary with the logits left as a DTensor sharded on the vocab
 dimension; the cross-entropy then runs under `loss_parallel()` and never gathers the full logits
 (batch x seq x vocab would be the largest activation of the model).
@@ -36,7 +41,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     top = {}
     if model.tok_embeddings is not None:
         after_embedding = Replicate() if learned_positions else Shard(1)
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=after_embedding)
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=after_embedding,
+                                                use_local_output=learned_positions)
         if learned_positions:
             top["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if model.norm is not None:
@@ -53,11 +59,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         }
         if block.feed_forward.w3 is not None:
             plan["feed_forward.w3"] = ColwiseParallel()
@@ -65,7 +71,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     if learned_positions and model.tok_embeddings is not None and blocks:
         # Replicated embeddings -> this rank's slice of the sequence (a local chunk; backward all-gathers).
         parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
-            input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None), use_local_output=True))
+            input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None)))
 
 
 def loss_context(tp_enabled: bool):

@@ -5,12 +5,15 @@ state leaks from pytest), rendezvous through a FileStore in a temporary folder, 
 `fn(rank, world_size, *args)` on each, and raises with the failing rank's traceback. Each rank
 uses one intra-op thread: the machine has few cores and results must not depend on threading.
 """
+import glob
 import os
 import tempfile
+import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.multiprocessing.spawn import ProcessException
 
 
 def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None:
@@ -20,10 +23,22 @@ def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None
     try:
         fn(rank, world_size, *args)
         dist.barrier()
+    except BaseException:
+        with open(f"{store_path}.rank{rank:03d}.error", "w") as f:
+            f.write(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
 
 
 def run_ranks(fn, world_size: int, *args) -> None:
+    """Raises AssertionError with every failed rank's traceback, the root cause (a rank that did not
+    merely lose its peers) first."""
     with tempfile.TemporaryDirectory() as folder:
-        mp.spawn(_entry, args=(fn, world_size, os.path.join(folder, "store"), args), nprocs=world_size, join=True)
+        store = os.path.join(folder, "store")
+        try:
+            mp.spawn(_entry, args=(fn, world_size, store, args), nprocs=world_size, join=True)
+        except ProcessException as error:
+            reports = [open(path).read() for path in sorted(glob.glob(f"{store}.rank*.error"))]
+            reports.sort(key=lambda text: "Connection closed by peer" in text or "Connection reset" in text)
+            raise AssertionError("\n".join(reports) or str(error)) from None
