@@ -87,15 +87,20 @@ def _gpu_arch(index: int) -> str:
     return chosen
 
 
-@torch.compiler.assume_constant_result
 def use_triton(what: str, device_type: str, other_reason: str = "") -> bool:
     """Whether `what` (a kernel choice such as "kernels.attention=triton") can run Triton on this
-    device type; if not, says why once in the log. torch.compile bakes the answer into the graph,
-    so dispatch code that asks traces without a graph break."""
+    device type; if not, says why once in the log. torch.compile treats the answer as a constant
+    (see below), so dispatch code that asks traces without a graph break."""
     reason = other_reason or unavailable_reason(device_type)
     if reason:
         log_once("kernels", f"{what} falls back to PyTorch: {reason}")
     return not reason
+
+
+# What torch.compiler.assume_constant_result(use_triton) does, without importing torch._dynamo
+# here: that import takes seconds, and model code imports this module. Tested by compiling the
+# fallback path with fullgraph=True (tests/kernels/test_kernel_dispatch.py).
+use_triton._dynamo_marked_constant = True
 
 
 @functools.cache

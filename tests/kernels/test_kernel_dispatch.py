@@ -67,3 +67,12 @@ def test_training_with_triton_kernels_matches_pytorch(preset):
     ours = _train_losses(preset, "triton", "triton")
     assert ours == pytest.approx(expected, rel=1e-5, abs=1e-5)
     assert ours[-1] < ours[0]
+
+
+@pytest.mark.parametrize("interpret", ["1", "0"], ids=["triton", "fallback"])
+def test_dispatch_compiles_without_graph_break(monkeypatch, interpret):
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    torch.compiler.reset()  # the answer is compiled in as a constant, without a guard
+    q = torch.randn(1, 2, 20, 16)
+    compiled = torch.compile(lambda q: attention(q, q, q, impl="triton"), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(q), attention(q, q, q, impl="sdpa"), atol=1e-5, rtol=1e-5)
