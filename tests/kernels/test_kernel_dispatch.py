@@ -76,3 +76,22 @@ def test_dispatch_compiles_without_graph_break(monkeypatch, interpret):
     q = torch.randn(1, 2, 20, 16)
     compiled = torch.compile(lambda q: attention(q, q, q, impl="triton"), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q), attention(q, q, q, impl="sdpa"), atol=1e-5, rtol=1e-5)
+
+
+def test_trainer_with_triton_kernels_matches_sdpa_losses(tmp_path):
+    import json
+
+    from kernels import NORM_IMPLS
+    from trainer.cli import main
+
+    def losses(attention_impl: str, norm_impl: str) -> list[float]:
+        out = tmp_path / attention_impl
+        status = main(["train", f"--job.output_dir={out}", "--model.n_layers=2", "--model.dim=64", "--model.n_heads=4",
+                       "--model.n_kv_heads=2", "--training.steps=3", "--training.seq_len=32",
+                       "--training.global_batch_size=2", "--training.micro_batch_size=2", "--metrics.log_freq=1",
+                       "--checkpoint.interval=0", f"--kernels.attention={attention_impl}", f"--kernels.norm={norm_impl}"])
+        assert status == 0
+        return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    expected = losses("sdpa", "torch")
+    assert losses("triton", "triton" if "triton" in NORM_IMPLS else "torch") == pytest.approx(expected, rel=1e-5)
