@@ -96,19 +96,20 @@ class ParallelDims:
         checks = [
             ("model.n_heads", a.n_heads, "query heads"),
             ("model.n_kv_heads", a.kv_heads, "key/value heads"),
-            ("model ffn width", a.ffn_hidden, "feed-forward width"),
+            ("model.ffn_dim", a.ffn_hidden, "feed-forward width"),
             ("model.vocab_size", a.vocab_size, "vocabulary (pad it to a multiple of tp)"),
             ("training.seq_len", seq_len, "sequence length (sequence parallelism splits it)"),
         ]
         if a.positions == "learned":
             checks.append(("model max_seq_len", a.max_seq_len, "learned position table"))
+        valid = [d for d in range(1, max(tp, GPUS_PER_NODE) + 1) if all(value % d == 0 for _, value, _ in checks)]
         for setting, value, what in checks:
             if value % tp:
-                valid = [d for d in _divisors(value) if d <= max(tp, 8)]
                 raise ConfigError(
                     f"parallel.tp={tp} does not divide {setting}={value} (the {what}); tensor parallelism splits it "
-                    f"evenly. Use a tp that divides it (e.g. --parallel.tp={_largest_divisor_at_most(value, tp)}; "
-                    f"valid up to 8: {', '.join(map(str, valid))}).")
+                    f"evenly. Use a tp that divides all of heads, KV heads, FFN width, vocabulary and sequence "
+                    f"length (e.g. --parallel.tp={max(d for d in valid if d <= tp)} with --parallel.dp_shard=-1; "
+                    f"valid: {', '.join(map(str, valid))}).")
         if getattr(a, "norm_impl", "torch") != "torch":
             raise ConfigError(f"kernels.norm={a.norm_impl!r} cannot run on sequence-parallel (DTensor) activations. "
                               "Use --kernels.norm=torch with parallel.tp > 1.")

@@ -1,6 +1,12 @@
 """Every supported layout reproduces the one-process run: losses, gradient norms, every gradient
 (full_tensor) and the initial weights, over several optimizer steps with gradient accumulation,
-fp32 on gloo, for both model families. Cases share a process group to amortize start-up."""
+fp32 on gloo, for both model families. Cases share a process group to amortize start-up.
+
+Compile cases use the aot_eager backend in the default run (dynamo + AOTAutograd, where DTensor
+composition can break, without inductor's C++ build time on two cores); the slow test runs
+inductor itself."""
+import pytest
+
 from parity import check_cases
 from spawn import run_ranks
 
@@ -24,5 +30,14 @@ def test_four_ranks_hsdp_and_fsdp_x_tp():
     cases += [{"name": "llama-fsdp2xtp2-ac-full", "family": "llama", "dp_shard": 2, "tp": 2, "ac": "full",
                "same_as": "llama-fsdp2xtp2"},
               {"name": "gpt-fsdp2xtp2-zero1-ac-op", "family": "gpt", "dp_shard": 2, "tp": 2, "mode": "zero1",
-               "ac": "selective:op"}]
+               "ac": "selective:op"},
+              # compile per block, TP inside, FSDP outside: within tolerance of eager one-process
+              {"name": "llama-fsdp2xtp2-compile", "family": "llama", "dp_shard": 2, "tp": 2, "compile": "aot_eager"}]
+    run_ranks(check_cases, 4, cases)
+
+
+@pytest.mark.slow
+def test_four_ranks_fsdp_x_tp_compiled_with_inductor():
+    cases = [{"name": f"{f}-fsdp2xtp2-inductor", "family": f, "dp_shard": 2, "tp": 2, "compile": "inductor",
+              "ac": "selective:op" if f == "gpt" else "none"} for f in FAMILIES]
     run_ranks(check_cases, 4, cases)
