@@ -2,6 +2,6 @@
 flash attention where it can run) with a plain-PyTorch fallback for every kernel."""
 from kernels.attention import ATTENTION_IMPLS, attention, flash_attention
 
-NORM_IMPLS = ("torch",)
+NORM_IMPLS = ("torch", "triton")
 
 __all__ = ["ATTENTION_IMPLS", "NORM_IMPLS", "attention", "flash_attention"]

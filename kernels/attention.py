@@ -24,7 +24,8 @@ def eager_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None
         q_len, kv_len = q.shape[-2], k.shape[-2]
         keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
         scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    # A query that sees no key (causal, q_len > kv_len) gets zeros, as SDPA and the Triton kernel give.
+    probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
     return torch.matmul(probs, v)
 
 

@@ -128,8 +128,8 @@ class Parallel:
 
 @dataclass
 class Kernels:
-    attention: str = doc("sdpa", "sdpa (PyTorch scaled_dot_product_attention) | eager (plain reference).")
-    norm: str = doc("torch", "torch (PyTorch's LayerNorm/RMSNorm).")
+    attention: str = doc("auto", "auto (triton on GPUs, sdpa on CPU) | triton (our flash attention; falls back to sdpa, saying why, where Triton cannot run) | sdpa (PyTorch scaled_dot_product_attention) | eager (plain reference).")
+    norm: str = doc("auto", "auto (triton on GPUs, torch on CPU) | triton (fused RMSNorm/LayerNorm kernels) | torch (PyTorch's modules).")
 
 
 @dataclass

@@ -37,7 +37,10 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
     cfg = config.model
     overrides = {k: v for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
                  if (v := getattr(cfg, k)) > 0}
-    args = dataclasses.replace(get_preset(cfg.name), attention_impl=config.kernels.attention, **overrides)
+    on_gpu = config.job.device == "cuda" or (config.job.device == "auto" and torch.cuda.is_available())
+    attention_impl = config.kernels.attention if config.kernels.attention != "auto" else ("triton" if on_gpu else "sdpa")
+    norm_impl = config.kernels.norm if config.kernels.norm != "auto" else ("triton" if on_gpu else "torch")
+    args = dataclasses.replace(get_preset(cfg.name), attention_impl=attention_impl, norm_impl=norm_impl, **overrides)
     if args.dim % args.n_heads:
         raise ConfigError(f"model.n_heads={args.n_heads} does not divide model.dim={args.dim}; "
                           f"pick a head count that divides it (e.g. {_divisor_near(args.dim, args.n_heads)}).")
@@ -52,10 +55,10 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
     if config.training.seq_len > args.max_seq_len:
         raise ConfigError(f"training.seq_len={config.training.seq_len} exceeds the max_seq_len {args.max_seq_len} of "
                           f"model {cfg.name!r}; use --training.seq_len={args.max_seq_len} or less.")
-    if config.kernels.attention not in ATTENTION_IMPLS:
-        raise ConfigError(f"kernels.attention={config.kernels.attention!r} is not known. Use {', '.join(ATTENTION_IMPLS)}.")
-    if config.kernels.norm not in NORM_IMPLS:
-        raise ConfigError(f"kernels.norm={config.kernels.norm!r} is not known. Use {', '.join(NORM_IMPLS)}.")
+    if attention_impl not in ATTENTION_IMPLS:
+        raise ConfigError(f"kernels.attention={attention_impl!r} is not known. Use auto, {', '.join(ATTENTION_IMPLS)}.")
+    if norm_impl not in NORM_IMPLS:
+        raise ConfigError(f"kernels.norm={norm_impl!r} is not known. Use auto, {', '.join(NORM_IMPLS)}.")
     return args
 
 
