@@ -139,7 +139,13 @@ class Compile:
 
 @dataclass
 class Profiling:
-    enabled: bool = doc(False, "Write torch.profiler traces.")
+    enabled: bool = doc(False, "Write torch.profiler traces (Chrome/Perfetto JSON) per rank under <output_dir>/profiles.")
+    wait: int = doc(5, "Profiler schedule: steps to skip before each recording.")
+    warmup: int = doc(2, "Profiler schedule: steps recorded and thrown away (the profiler's own warm-up).")
+    active: int = doc(3, "Profiler schedule: steps recorded into one trace.")
+    repeat: int = doc(1, "Profiler schedule: how many traces (0 = until the end).")
+    memory_snapshot: bool = doc(False, "GPUs: record allocations; write a snapshot at memory_snapshot_step and on out-of-memory.")
+    memory_snapshot_step: int = doc(3, "Step after which the memory snapshot is written.")
 
 
 @dataclass

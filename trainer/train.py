@@ -24,6 +24,7 @@ from trainer.errors import ConfigError
 from trainer.launch import LaunchEnv, init_launch_env
 from trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.profiling import PhaseTimer, StepProfiler
 from trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy
 from trainer.tokenizer import build_tokenizer
 
@@ -108,7 +109,8 @@ def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 
 def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm: float,
-               dims: ParallelDims | None = None, dp_shard_mode: str = "zero3", guard: NonFiniteGuard | None = None):
+               dims: ParallelDims | None = None, dp_shard_mode: str = "zero3", guard: NonFiniteGuard | None = None,
+               timer: PhaseTimer | None = None):
     """One optimizer step over all micro-batches; the loss is the mean over every target token of
     the global batch (not a mean of per-micro-batch means), so accumulation changes nothing.
 
@@ -128,12 +130,16 @@ def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm:
             scaler.scale(loss).backward()
         loss_sum += loss.detach().to_local() if dims.tp_enabled else loss.detach()
     dims.all_reduce_dp(loss_sum)
+    if timer is not None:
+        timer.mark("forward_backward")
     scaler.unscale_(optimizer)
     grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
     if guard is None or guard.allows_update(loss_sum, grad_norm, scaler):
         scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    if timer is not None:
+        timer.mark("optimizer")
     return loss_sum, grad_norm
 
 
@@ -192,17 +198,22 @@ def train(config: Config) -> dict:
     sink = MetricsSink(output_dir, config.logging, {"config": dataclasses.asdict(config)},
                        resume=counters.step > 0) if env.is_logging_rank else None
     progress = Progress(t.steps, counters.step, config.logging.progress_bar) if env.is_logging_rank else None
+    profiler = StepProfiler(config.profiling, output_dir, env.rank, env.device)
 
-    record, first_step = {}, counters.step + 1
+    record, first_step, checkpoint_seconds = {}, counters.step + 1, 0.0
     batch = first_batch
     try:
         for step in range(first_step, t.steps + 1):
             data_start = time.perf_counter()
+            timer = PhaseTimer(env.device, sync=step % config.metrics.log_freq == 0 or step in (first_step, t.steps))
             batch = batch if step == first_step else loader.next_batch()
             micro_batches = [(x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)) for x, y in batch]
+            timer.mark("data")
             step_start = time.perf_counter()
-            loss, grad_norm = train_step(model, micro_batches, optimizer, scaler, autocast, t.max_grad_norm,
-                                         dims, config.parallel.dp_shard_mode, guard)
+            with profiler.snapshot_on_oom():
+                loss, grad_norm = train_step(model, micro_batches, optimizer, scaler, autocast, t.max_grad_norm,
+                                             dims, config.parallel.dp_shard_mode, guard, timer)
+            profiler.step(step)
             guard.check(step)
             counters.step, counters.tokens = step, counters.tokens + t.global_batch_size * t.seq_len
             lr = scheduler.get_last_lr()[0]
@@ -216,22 +227,28 @@ def train(config: Config) -> dict:
             if step % config.metrics.log_freq == 0 or step == first_step or last:
                 record = {"step": step, "loss": loss_value, "grad_norm": grad_value, "lr": lr, **meter.report(),
                           "memory_gb": peak_memory_gb(env.device), "time": time.time(),
-                          "skipped_steps": counters.skipped_steps}
+                          "skipped_steps": counters.skipped_steps,
+                          **{f"time_{phase}_s": seconds for phase, seconds in timer.seconds.items()},
+                          "time_checkpoint_s": checkpoint_seconds}
+                checkpoint_seconds = 0.0
                 if sink is not None:
                     sink.write(record)
                     progress.update(step, record)
             elif progress is not None:
                 progress.update(step, None)
             periodic = config.checkpoint.interval > 0 and step % config.checkpoint.interval == 0
+            save_start = time.perf_counter()
             if periodic or (last and (config.checkpoint.save_final or stop.reason)):
                 checkpointer.save(step, blocking=last)
             else:
                 checkpointer.poll()
+            checkpoint_seconds += time.perf_counter() - save_start
             if last:
                 if stop.reason:
                     log.info("%s: checkpoint saved, exiting; the same command continues the run", stop.reason)
                 break
     finally:
+        profiler.close()
         checkpointer.close()
         if progress is not None:
             progress.close()

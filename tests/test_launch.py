@@ -1,0 +1,55 @@
+"""Multi-process launches as users start them: srun-style (SLURM variables, no torchrun) and torchrun."""
+import json
+import os
+import random
+import subprocess
+import sys
+
+from wandb_records import offline_run
+
+TINY = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
+        "--training.seq_len=32", "--training.global_batch_size=4", "--training.micro_batch_size=2",
+        "--training.steps=4", "--metrics.log_freq=2", "--parallel.dp_shard=2", "--job.device=cpu"]
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    return {**env, "WANDB_MODE": "offline", **extra}
+
+
+def test_srun_style_launch_trains_and_logs_from_one_rank(tmp_path):
+    """Two tasks with only SLURM's variables, as `srun -n 2 python -m trainer train` starts them."""
+    out = tmp_path / "run"
+    job = str(random.randint(1000, 9999))
+    procs = [subprocess.Popen([sys.executable, "-m", "trainer", "train", *TINY, f"--job.output_dir={out}"],
+                              env=clean_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+                                            SLURM_JOB_ID=job, SLURM_STEP_NODELIST="localhost",
+                                            SLURM_STEP_TASKS_PER_NODE="2"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 4]  # written once, by rank 0
+    run = offline_run(out)
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1, "only one rank writes the W&B run"
+    assert [row["loss"] for row in run["history"]] == [r["loss"] for r in records]
+    assert run["config"]["config"]["parallel"]["dp_shard"] == 2
+
+
+def test_torchrun_launch_with_profiling_writes_a_trace_per_rank(tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             "-m", "trainer", "train", *TINY, f"--job.output_dir={out}", "--logging.wandb=false",
+                             "--profiling.enabled=true", "--profiling.wait=1", "--profiling.warmup=1",
+                             "--profiling.active=1"], env=clean_env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    traces = sorted(p.name for p in (out / "profiles").iterdir())
+    assert traces == ["trace-rank0-step3.json", "trace-rank1-step3.json"]
+    for trace in (out / "profiles").iterdir():
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert any(e.get("name", "").startswith("ProfilerStep#") for e in events)
+        assert any(e.get("name") == "aten::mm" or e.get("name") == "aten::addmm" for e in events)
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    for phase in ("data", "forward_backward", "optimizer", "checkpoint"):
+        assert last[f"time_{phase}_s"] >= 0
+    assert last["time_forward_backward_s"] > last["time_data_s"]
