@@ -14,3 +14,19 @@ def test_trainer_overhead_smoke():
     assert lines[1].startswith("trainer") and lines[2].startswith("hand loop")
     assert float(lines[1].split()[1]) > 0 and float(lines[2].split()[2]) > 0
     assert "trainer overhead:" in lines[3]
+
+
+def test_run_all_smoke(tmp_path):
+    """Every part runs and passes its correctness check on CPU; the table is written as .md and .json."""
+    import json
+
+    result = subprocess.run([sys.executable, str(ROOT / "experiments/bench/run_all.py"), "--smoke", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(next(tmp_path.glob("*.json")).read_text())
+    parts = {row["part"] for row in report["rows"]}
+    assert parts == {"ceiling", "kernels", "step"}
+    errors = [row for row in report["rows"] if "error" in row]
+    assert not errors, errors
+    assert all(row["tokens_per_s"] > 0 for row in report["rows"] if row["part"] == "step")
+    assert next(tmp_path.glob("*.md")).read_text().count("\n| ") >= len(report["rows"])

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from experiments.bench.timing import median_seconds  # noqa: E402
 
 FULL = dict(seqs=(1024, 2048, 4096, 8192, 16384), head_dims=(64, 128), tokens=16384, hidden=2048,
             norm_shapes=((16384, 2048), (16384, 8192)), warmup=3, repeats=10)
@@ -47,25 +47,6 @@ def _max_rel_err(got, expected) -> float:
 def _check(max_rel_err: float, dtype) -> None:
     if max_rel_err > TOLERANCE[str(dtype).removeprefix("torch.")]:
         raise AssertionError(f"max relative error {max_rel_err:.3g} against PyTorch")
-
-
-def _median_seconds(fn, device, warmup: int, repeats: int) -> float:
-    import torch
-
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _attention_fn(impl: str):
@@ -127,7 +108,7 @@ def _bench_attention_shape(seq, head_dim, cfg, dtype, device) -> list[dict]:
                 "fwd+bwd": (lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad), 3.5),
             }
             for name, (step, flop_factor) in passes.items():
-                seconds = _median_seconds(step, device, cfg["warmup"], cfg["repeats"])
+                seconds = median_seconds(step, device, warmup=cfg["warmup"], repeats=cfg["repeats"])
                 rows.append({"name": f"attention {name} {impl} {shape}", "ms": seconds * 1e3,
                              "tflops": flops_fwd * flop_factor / seconds / 1e12, "max_err": max_err})
             del saved
@@ -174,7 +155,7 @@ def _bench_norms(cfg, dtype, device) -> list[dict]:
                         ("fwd", lambda: fn(x, w, b), 2 * io),
                         ("fwd+bwd", lambda: torch.autograd.grad(fn(x, w, b), (x, w), grad), 5 * io),
                     ):
-                        seconds = _median_seconds(step, device, cfg["warmup"], cfg["repeats"])
+                        seconds = median_seconds(step, device, warmup=cfg["warmup"], repeats=cfg["repeats"])
                         rows.append({"name": label.format(name), "ms": seconds * 1e3,
                                      "gbps": bytes_moved / seconds / 1e9, "max_err": max_err})
                 except Exception as error:
