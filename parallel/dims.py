@@ -125,11 +125,12 @@ class ParallelDims:
     # --- the mesh ------------------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """The named mesh of all axes of size > 1 (None in one process); call after init_process_group."""
-        names = [n for n in AXES if getattr(self, n) > 1]
+        # dp_shard stays (even of size 1) beside dp_replicate: FSDP2 replicates only on a 2-D mesh.
+        names = [n for n in AXES if getattr(self, n) > 1 or (n == "dp_shard" and self.dp_replicate > 1)]
         if not names:
             return None
         self.mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=tuple(names))
-        if self.dp_replicate > 1 and self.dp_shard > 1:
+        if self.dp_replicate > 1:
             self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return self.mesh
 
@@ -145,13 +146,11 @@ class ParallelDims:
 
     @property
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """FSDP2's mesh: 2-D (replicate, shard) gives HSDP; a pure replicate axis gives DDP-like FSDP."""
+        """FSDP2's mesh: 2-D (replicate, shard) gives HSDP (plain replication when dp_shard is 1)."""
         if self.mesh is None or not self.fsdp_enabled:
             return None
         if self.dp_replicate > 1:
-            if self.dp_shard > 1:
-                return self.mesh["dp_replicate", "dp_shard"]
-            return self.mesh["dp_replicate"]
+            return self.mesh["dp_replicate", "dp_shard"]
         return self.mesh["dp_shard"]
 
     @property
@@ -159,9 +158,9 @@ class ParallelDims:
         """1-D: all data-parallel ranks, flattened (replicate major, shard minor)."""
         if self.mesh is None or not self.fsdp_enabled:
             return None
-        if self.dp_replicate > 1 and self.dp_shard > 1:
+        if self.dp_replicate > 1:
             return self.mesh["dp"]
-        return self._axis("dp_replicate", "dp_shard")
+        return self.mesh["dp_shard"]
 
     @property
     def dp_group(self):

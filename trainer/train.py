@@ -40,7 +40,9 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
                  if (v := getattr(cfg, k)) > 0}
     on_gpu = config.job.device == "cuda" or (config.job.device == "auto" and torch.cuda.is_available())
     attention_impl = config.kernels.attention if config.kernels.attention != "auto" else ("triton" if on_gpu else "sdpa")
-    norm_impl = config.kernels.norm if config.kernels.norm != "auto" else ("triton" if on_gpu else "torch")
+    # auto: PyTorch norms under tensor parallelism (the Triton norm kernels take no DTensor activations)
+    norm_impl = config.kernels.norm if config.kernels.norm != "auto" else (
+        "triton" if on_gpu and config.parallel.tp == 1 else "torch")
     args = dataclasses.replace(get_preset(cfg.name), attention_impl=attention_impl, norm_impl=norm_impl, **overrides)
     if args.dim % args.n_heads:
         raise ConfigError(f"model.n_heads={args.n_heads} does not divide model.dim={args.dim}; "

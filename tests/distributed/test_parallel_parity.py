@@ -31,9 +31,19 @@ def test_four_ranks_hsdp_and_fsdp_x_tp():
                "same_as": "llama-fsdp2xtp2"},
               {"name": "gpt-fsdp2xtp2-zero1-ac-op", "family": "gpt", "dp_shard": 2, "tp": 2, "mode": "zero1",
                "ac": "selective:op"},
+              {"name": "gpt-replicate2xtp2-zero1", "family": "gpt", "dp_replicate": 2, "dp_shard": 1, "tp": 2,
+               "mode": "zero1"},
               # compile per block, TP inside, FSDP outside: within tolerance of eager one-process
               {"name": "llama-fsdp2xtp2-compile", "family": "llama", "dp_shard": 2, "tp": 2, "compile": "aot_eager"}]
     run_ranks(check_cases, 4, cases)
+
+
+@pytest.mark.slow
+def test_eight_ranks_hsdp_x_tp_and_plain_replication():
+    cases = [{"name": f"{f}-hsdp2x2xtp2", "family": f, "dp_replicate": 2, "dp_shard": 2, "tp": 2, "mode": "zero2"}
+             for f in FAMILIES]
+    cases += [{"name": "llama-replicate8", "family": "llama", "dp_replicate": 8, "dp_shard": 1, "mode": "zero3"}]
+    run_ranks(check_cases, 8, cases)
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ CASES = [
     ({"tp": 4}, 4, LLAMA, 250, ["parallel.tp=4", "training.seq_len=250", "sequence parallelism", "--parallel.tp=2"]),
     ({"tp": 16}, 16, _args(GPT, n_heads=16, max_seq_len=1000), 256, ["max_seq_len=1000", "--parallel.tp=8"]),
     ({"tp": 2}, 2, _args(tie_embeddings=True), 256, ["tie", "--parallel.tp=1"]),
+    ({"tp": 2}, 2, _args(norm_impl="triton"), 256, ["kernels.norm='triton'", "--kernels.norm=torch"]),
     ({"dp_shard": 2, "tp": 2}, 8, LLAMA, 256, ["= 4", "world size is 8", "--parallel.dp_shard=-1"]),
     ({"dp_replicate": 2, "dp_shard": 3}, 4, LLAMA, 256, ["= 6", "world size is 4"]),
     ({"tp": 3}, 8, LLAMA, 256, ["does not divide the world size 8", "dp_shard=-1", "--parallel.tp=2"]),
