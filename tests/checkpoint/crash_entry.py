@@ -1,0 +1,21 @@
+"""`trillion train` under torchrun, except that on the first attempt rank 1 kills itself with
+SIGKILL in the middle of step CRASH_AT_STEP, as a failing node would."""
+import os
+import signal
+import sys
+
+import trainer.train
+from trainer.cli import main
+
+if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
+    original, calls = trainer.train.train_step, []
+
+    def dying_train_step(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == int(os.environ["CRASH_AT_STEP"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(*args, **kwargs)
+
+    trainer.train.train_step = dying_train_step
+
+sys.exit(main(["train", *sys.argv[1:]]))

@@ -1,0 +1,110 @@
+"""Multi-process gloo: exact resume under FSDP; torchrun --max-restarts bringing back a killed rank;
+a checkpoint saved at dp_shard 2 x tp 2 (4 ranks)
+loaded at dp_shard 2 (2 ranks) and in one process: model and optimizer equal after load, and
+training continues on the same loss curve."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import trainer.train
+from runs import TINY, losses, run
+from test_resume import read_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
+from spawn import run_ranks  # noqa: E402
+
+FSDP = ["--parallel.dp_shard=2"]
+FSDP_TP = ["--parallel.dp_shard=2", "--parallel.tp=2"]
+
+
+def _as_launched(rank: int, world_size: int) -> None:
+    """What torchrun would have set: train() then joins the group the harness already made."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+
+
+def _exact_resume(rank, world_size, root):
+    _as_launched(rank, world_size)
+    run(root / "straight", *FSDP, steps=4)
+    run(root / "chained", *FSDP, "--training.exit_interval=2", steps=4)
+    run(root / "chained", *FSDP, steps=4)
+
+
+def test_fsdp_resume_is_exact(tmp_path):
+    run_ranks(_exact_resume, 2, tmp_path)
+    assert losses(tmp_path / "chained") == losses(tmp_path / "straight")
+    assert [step for step, _ in losses(tmp_path / "chained")] == [1, 2, 3, 4]
+
+
+def _save_fsdp_tp(rank, world_size, root):
+    _as_launched(rank, world_size)
+    run(root / "4ranks", *FSDP_TP, "--checkpoint.interval=2", "--checkpoint.keep_latest=0", steps=3)
+
+
+def _continue_and_reload(rank, world_size, root, layout):
+    _as_launched(rank, world_size)
+    _continue(root, layout)
+
+
+def _continue(root: Path, layout: list[str]) -> None:
+    """From the 4-rank step-2 checkpoint: train step 3 here; and, in a second run whose step does
+    nothing, save right away, which writes back exactly what was loaded."""
+    run(root / f"continued-{len(layout)}", *layout, steps=3)
+    original, trainer.train.train_step = trainer.train.train_step, lambda *args, **kwargs: (torch.zeros(()), torch.zeros(()))
+    try:
+        run(root / f"reloaded-{len(layout)}", *layout, steps=3)
+    finally:
+        trainer.train.train_step = original
+
+
+def _from_step_2(source: Path, target: Path) -> None:
+    shutil.copytree(source, target)
+    shutil.rmtree(target / "checkpoints" / "step-00000003")
+
+
+@pytest.mark.slow  # four ranks, then two, then one: about two minutes on two cores
+def test_checkpoint_reshards_across_layouts(tmp_path):
+    run_ranks(_save_fsdp_tp, 4, tmp_path)
+    for layout in (FSDP, []):
+        for kind in ("continued", "reloaded"):
+            _from_step_2(tmp_path / "4ranks", tmp_path / f"{kind}-{len(layout)}")
+    run_ranks(_continue_and_reload, 2, tmp_path, FSDP)
+    _continue(tmp_path, [])
+
+    saved = read_checkpoint(tmp_path / "4ranks", step=2)
+    reference = losses(tmp_path / "4ranks")
+    for layout in (FSDP, []):
+        reloaded = read_checkpoint(tmp_path / f"reloaded-{len(layout)}", step=3)
+        for name, value in saved.items():
+            if name.startswith(("model.", "optimizer.")) and not name.endswith(".lr"):  # the LR moved on a step
+                assert torch.equal(reloaded[name], value) if isinstance(value, torch.Tensor) else reloaded[name] == value, (layout, name)
+        continued = losses(tmp_path / f"continued-{len(layout)}")
+        assert continued[:2] == reference[:2] and continued[2][0] == 3
+        torch.testing.assert_close(continued[2][1], reference[2][1], rtol=1e-5, atol=0)
+
+
+def test_torchrun_restarts_a_killed_rank_and_ends_on_the_same_loss(tmp_path):
+    out = tmp_path / "crashed"
+    args = [*TINY, f"--job.output_dir={out}", *FSDP, "--checkpoint.interval=2", "--training.steps=4"]
+    command = ["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.5",
+               str(Path(__file__).with_name("crash_entry.py")), *args]
+    # The restarted workers must not read the dead ones' addresses from torchrun's shared store
+    # (pytorch/pytorch#135712); the README asks the same of every torchrun --max-restarts job.
+    env = {**os.environ, "CRASH_AT_STEP": "3", "PYTHONPATH": str(Path(__file__).parents[2]),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "exitcode: -9" in result.stderr  # rank 1 was killed ...
+    assert "resumed from" in result.stderr and "step-00000002" in result.stderr  # ... and the restart resumed
+
+    run_ranks(_straight, 2, tmp_path)
+    assert losses(out) == losses(tmp_path / "straight")
+
+
+def _straight(rank, world_size, root):
+    _as_launched(rank, world_size)
+    run(root / "straight", *FSDP, "--checkpoint.interval=2", steps=4)
