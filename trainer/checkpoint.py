@@ -194,8 +194,7 @@ class CheckpointManager:
                        "training": TrainingState(counters, scheduler, loader), "rng": RNGStates(device)}
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.pending = None  # (future, staging dir, step, start time) of the async save in flight
-        self.save_times: list[tuple[float, float]] = []  # (seconds training was blocked, seconds until published)
-        self.blocked_seconds = self.load_seconds = 0.0
+        self.blocked_seconds = 0.0  # how long the async save in flight held training up
         self._check_writable()
 
     # --- agreement across ranks -------------------------------------------------------------------
@@ -250,9 +249,8 @@ class CheckpointManager:
         self.states["rng"].saved_keys = {k.split(".")[1] for k in metadata if k.startswith("rng.")}
         start = time.perf_counter()
         dcp.load(self.states, checkpoint_id=str(latest), process_group=self.group, no_dist=self.group is None)
-        self.load_seconds = time.perf_counter() - start
         log.info("resumed from %s: step %d, %d tokens seen (loaded in %.2fs)", latest, self.counters.step,
-                 self.counters.tokens, self.load_seconds)
+                 self.counters.tokens, time.perf_counter() - start)
         if self.is_rank0 and (dropped := trim_metrics(self.output_dir / "metrics.jsonl", self.counters.step)):
             log.info("metrics.jsonl: dropped %d records logged after step %d; those steps run again", dropped,
                      self.counters.step)
@@ -322,7 +320,6 @@ class CheckpointManager:
         self._publish(staging, step, start, self.blocked_seconds)
 
     def _publish(self, staging: Path, step: int, start: float, blocked: float) -> None:
-        self.save_times.append((blocked, time.perf_counter() - start))
         if not self.is_rank0:
             return
         final = step_dir(self.root, step)

@@ -1,6 +1,9 @@
 """checkpoint.async_mode=async: training goes on while a checkpoint is written; the COMPLETE marker
 comes only after the write has finished; the next save and the end of training wait for it."""
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
@@ -49,3 +52,14 @@ def test_async_run_resumes_exactly(straight, tmp_path):
     assert checkpoints(out) == ["step-00000002", "step-00000003"]
     run(out, "--checkpoint.async_mode=async", "--checkpoint.interval=2")
     assert losses(out) == expected
+
+
+def test_checkpoint_benchmark_smoke():
+    """experiments/bench/checkpoint_io.py (the figures in RESULTS.md) runs in its smoke mode."""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, str(root / "experiments/bench/checkpoint_io.py"), "--smoke"],
+                            capture_output=True, text=True, timeout=300, cwd=root)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["none", "sync", "async"]
+    assert "load (resume)" in result.stdout

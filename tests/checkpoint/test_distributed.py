@@ -1,7 +1,7 @@
-"""Multi-process gloo: exact resume under FSDP; torchrun --max-restarts bringing back a killed rank;
-a checkpoint saved at dp_shard 2 x tp 2 (4 ranks)
-loaded at dp_shard 2 (2 ranks) and in one process: model and optimizer equal after load, and
-training continues on the same loss curve."""
+"""Multi-process gloo: exact resume under FSDP (with async saves); torchrun --max-restarts bringing
+back a killed rank; a checkpoint saved at dp_shard 2 x tp 2 (4 ranks) loaded at dp_shard 2 (2 ranks)
+and in one process: model and optimizer equal after load, and training continues on the same loss
+curve."""
 import os
 import shutil
 import subprocess
@@ -30,8 +30,9 @@ def _as_launched(rank: int, world_size: int) -> None:
 def _exact_resume(rank, world_size, root):
     _as_launched(rank, world_size)
     run(root / "straight", *FSDP, steps=4)
-    run(root / "chained", *FSDP, "--training.exit_interval=2", steps=4)
-    run(root / "chained", *FSDP, steps=4)
+    saving = ["--checkpoint.async_mode=async", "--checkpoint.interval=1"]  # async writes beside FSDP's collectives
+    run(root / "chained", *FSDP, *saving, "--training.exit_interval=2", steps=4)
+    run(root / "chained", *FSDP, *saving, steps=4)
 
 
 def test_fsdp_resume_is_exact(tmp_path):
