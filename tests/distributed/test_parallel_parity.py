@@ -51,3 +51,10 @@ def test_four_ranks_fsdp_x_tp_compiled_with_inductor():
     cases = [{"name": f"{f}-fsdp2xtp2-inductor", "family": f, "dp_shard": 2, "tp": 2, "compile": "inductor",
               "ac": "selective:op" if f == "gpt" else "none"} for f in FAMILIES]
     run_ranks(check_cases, 4, cases)
+
+
+@pytest.mark.slow
+def test_two_ranks_compile_with_activation_checkpointing():
+    cases = [{"name": "llama-tp2-ac-op-compile", "family": "llama", "tp": 2, "ac": "selective:op", "compile": "aot_eager"},
+             {"name": "gpt-fsdp2-ac-full-compile", "family": "gpt", "dp_shard": 2, "ac": "full", "compile": "aot_eager"}]
+    run_ranks(check_cases, 2, cases)
