@@ -49,6 +49,17 @@ class CheckpointError(ConfigError):
     """A checkpoint could not be written or read; the message says where and what to do."""
 
 
+def validate_checkpoint_config(cfg: CheckpointConfig) -> None:
+    if cfg.async_mode not in ASYNC_MODES:
+        raise ConfigError(f"checkpoint.async_mode={cfg.async_mode!r} is not known. Use {' or '.join(ASYNC_MODES)}.")
+    for name in ("interval", "keep_latest"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"checkpoint.{name}={getattr(cfg, name)} must be 0 (off / keep all) or more.")
+    if cfg.initial_load and not Path(cfg.initial_load).exists():
+        raise ConfigError(f"checkpoint.initial_load={cfg.initial_load!r}: no such folder. Give a checkpoint step "
+                          f"directory or a Hugging Face folder (`trillion export` writes one).")
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
 
@@ -184,10 +195,7 @@ class CheckpointManager:
 
     def __init__(self, output_dir: Path, cfg: CheckpointConfig, *, model_parts, optimizers, scheduler, loader,
                  counters, config, model_args, device: torch.device, is_rank0: bool):
-        if cfg.async_mode not in ASYNC_MODES:
-            raise ConfigError(f"checkpoint.async_mode={cfg.async_mode!r} is not known. Use {' or '.join(ASYNC_MODES)}.")
-        if cfg.keep_latest < 0:
-            raise ConfigError(f"checkpoint.keep_latest={cfg.keep_latest} must be 0 (keep all) or more.")
+        validate_checkpoint_config(cfg)
         self.root, self.output_dir, self.cfg, self.is_rank0 = Path(output_dir) / "checkpoints", Path(output_dir), cfg, is_rank0
         self.config, self.model_args, self.counters, self.parts = config, model_args, counters, model_parts
         self.states = {"model": ModelParts(model_parts), "optimizer": Optimizers(model_parts, optimizers),

@@ -15,6 +15,12 @@ from trainer.errors import ConfigError
 log = logging.getLogger("trillion")
 
 
+def validate_limits(cfg: TrainingConfig) -> None:
+    for name in ("exit_interval", "exit_after_minutes", "max_nonfinite_skips"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"training.{name}={getattr(cfg, name)} must be 0 (no limit) or more.")
+
+
 class TrainingDiverged(ConfigError):
     """Too many non-finite steps in a row: continuing would only burn compute."""
 
@@ -76,11 +82,11 @@ class StopPolicy:
     """Where this job stops. The schedule always follows training.steps; an early stop only ends
     this job (after a checkpoint), so a chain of jobs equals one unbroken run."""
 
-    def __init__(self, cfg: TrainingConfig, first_step: int, device: torch.device):
+    def __init__(self, cfg: TrainingConfig, first_step: int, device: torch.device, job_start: float):
         self.steps = cfg.steps
         self.last_step = min(cfg.steps, first_step + cfg.exit_interval) if cfg.exit_interval > 0 else cfg.steps
         self.budget_s = cfg.exit_after_minutes * 60
-        self.device, self.start = device, time.monotonic()
+        self.device, self.start = device, job_start
         self.reason = ""
 
     def should_stop(self, step: int) -> bool:

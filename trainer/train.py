@@ -17,7 +17,7 @@ from parallel.dims import ParallelDims
 from parallel.fsdp import check_mode, set_micro_batch
 from parallel.parallelize import parallelize
 from parallel.tensor_parallel import loss_context
-from trainer.checkpoint import CheckpointManager
+from trainer.checkpoint import CheckpointManager, validate_checkpoint_config
 from trainer.config import Config, to_toml
 from trainer.data import build_data_loader
 from trainer.errors import ConfigError
@@ -25,7 +25,7 @@ from trainer.launch import LaunchEnv, init_launch_env
 from trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
 from trainer.optim import build_lr_scheduler, build_optimizer
 from trainer.profiling import PhaseTimer, StepProfiler
-from trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy
+from trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy, validate_limits
 from trainer.tokenizer import build_tokenizer
 
 log = logging.getLogger("trillion")
@@ -80,6 +80,8 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
     if t.dtype not in ("auto", *DTYPES):
         raise ConfigError(f"training.dtype={t.dtype!r} is not known. Use auto, bf16, fp16 or fp32.")
     check_mode(config.parallel.dp_shard_mode)
+    validate_limits(t)
+    validate_checkpoint_config(config.checkpoint)
     if env.world_size > 1 and t.dtype == "fp16":
         raise ConfigError("training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "
                           "decision is not agreed across ranks. Use --training.dtype=bf16 with parallel layouts.")
@@ -147,6 +149,7 @@ def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm:
 
 def train(config: Config) -> dict:
     """Run the configured training; returns the last logged metrics record."""
+    job_start = time.monotonic()  # training.exit_after_minutes counts set-up and loading too
     env = init_launch_env(config.job.device)
     validate_training(config, env)
     tokenizer = build_tokenizer(config.tokenizer)
@@ -187,7 +190,7 @@ def train(config: Config) -> dict:
                                      model_args=model_args, device=env.device, is_rank0=env.is_logging_rank)
     if checkpointer.resume():  # the data position moved on: the batch read up front is not the next one
         first_batch = loader.next_batch()
-    guard, stop = NonFiniteGuard(t.max_nonfinite_skips, counters), StopPolicy(t, counters.step, env.device)
+    guard, stop = NonFiniteGuard(t.max_nonfinite_skips, counters), StopPolicy(t, counters.step, env.device, job_start)
 
     params = count_params(model_args)
     meter = ThroughputMeter(

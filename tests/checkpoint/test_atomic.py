@@ -1,11 +1,12 @@
 """A save that fails halfway leaves the last good checkpoint loadable and the run resumable, and
 the user reads one paragraph saying what happened and what to do (no space, unwritable folder)."""
 import errno
+from pathlib import Path
 
 import pytest
 from torch.distributed.checkpoint import FileSystemWriter
 
-from runs import checkpoints, config, losses, run
+from runs import TINY, checkpoints, losses, run
 from trainer.checkpoint import CheckpointError
 from trainer.cli import main
 
@@ -44,15 +45,12 @@ def test_failed_save_keeps_the_last_checkpoint_and_the_run_resumes(straight, tmp
 
 def test_no_space_is_one_paragraph_and_exit_status_2(tmp_path, monkeypatch, capsys):
     fail_on_save(monkeypatch, "finish", OSError(errno.ENOSPC, "No space left on device"), after=0)
-    args = [arg for arg in config_args(tmp_path / "run")]
-    assert main(["train", *args]) == 2
+    assert main(["train", *TINY, "--training.steps=2", f"--job.output_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err
     assert "No space left" in err and "--checkpoint.keep_latest=1" in err and "Traceback" not in err
 
 
 def test_unwritable_directory_fails_before_training(tmp_path, monkeypatch):
-    from pathlib import Path
-
     original = Path.write_text
 
     def refuse(self, *args, **kwargs):
@@ -65,8 +63,3 @@ def test_unwritable_directory_fails_before_training(tmp_path, monkeypatch):
         run(tmp_path / "run")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before the first step
 
-
-def config_args(out):
-    from runs import TINY
-
-    return [*TINY, "--training.steps=2", f"--job.output_dir={out}"]

@@ -14,6 +14,7 @@ import torch
 import trainer.train
 from runs import TINY, losses, run
 from test_resume import read_checkpoint
+from trainer.cli import main
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from spawn import run_ranks  # noqa: E402
@@ -33,12 +34,18 @@ def _exact_resume(rank, world_size, root):
     saving = ["--checkpoint.async_mode=async", "--checkpoint.interval=1"]  # async writes beside FSDP's collectives
     run(root / "chained", *FSDP, *saving, "--training.exit_interval=2", steps=4)
     run(root / "chained", *FSDP, *saving, steps=4)
+    # lr 0: the step leaves the weights as loaded, each rank keeping its shards of the full tensors
+    run(root / "from-hf", *FSDP, f"--checkpoint.initial_load={root / 'hf'}", "--optimizer.lr=0", steps=1)
 
 
-def test_fsdp_resume_is_exact(tmp_path):
+def test_fsdp_resume_is_exact_and_starts_from_hf_weights(tmp_path):
+    run(tmp_path / "source", steps=1)
+    assert main(["export", "--checkpoint", str(tmp_path / "source"), "--format", "hf", str(tmp_path / "hf")]) == 0
     run_ranks(_exact_resume, 2, tmp_path)
     assert losses(tmp_path / "chained") == losses(tmp_path / "straight")
     assert [step for step, _ in losses(tmp_path / "chained")] == [1, 2, 3, 4]
+    source, started = read_checkpoint(tmp_path / "source", step=1), read_checkpoint(tmp_path / "from-hf", step=1)
+    assert all(torch.equal(started[name], value) for name, value in source.items() if name.startswith("model."))
 
 
 def _save_fsdp_tp(rank, world_size, root):

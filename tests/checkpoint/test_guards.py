@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import trainer.train
-from runs import config, run
+from runs import TINY, run
+from trainer.cli import main
 from trainer.config import ConfigError
 from trainer.resilience import TrainingDiverged
 
@@ -65,3 +66,14 @@ def test_weights_of_another_shape_name_the_parameters(tmp_path):
     message = str(error.value)
     assert "tok_embeddings.weight is (320, 64) there but (320, 32) here" in message
     assert "--checkpoint.initial_load=" in message and "config.toml" in message
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("--checkpoint.async_mode=background", "checkpoint.async_mode='background' is not known. Use disabled or async"),
+    ("--checkpoint.initial_load=/no/such/weights", "checkpoint.initial_load='/no/such/weights': no such folder"),
+    ("--training.exit_after_minutes=-5", "training.exit_after_minutes=-5.0 must be 0"),
+])
+def test_checkpoint_settings_are_checked_before_any_work(tmp_path, setting, message, capsys):
+    assert main(["train", *TINY, f"--job.output_dir={tmp_path}", setting]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "config.toml").exists()  # stopped before the run directory was written
