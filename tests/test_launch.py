@@ -53,3 +53,16 @@ def test_torchrun_launch_with_profiling_writes_a_trace_per_rank(tmp_path):
     for phase in ("data", "forward_backward", "optimizer", "checkpoint"):
         assert last[f"time_{phase}_s"] >= 0
     assert last["time_forward_backward_s"] > last["time_data_s"]
+
+
+def test_a_hung_rank_ends_the_job_with_the_step_and_rank(tmp_path):
+    out = tmp_path / "run"
+    # Its own folder: a script run from tests/ would find tests/kernels/ before the kernels package.
+    entry = os.path.join(os.path.dirname(__file__), "entries", "stall_entry.py")
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                             entry, *TINY, f"--job.output_dir={out}", "--logging.wandb=false",
+                             "--job.collective_timeout_s=5"], env=clean_env(STALL_AT_STEP="2"),
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "Rank 0 of 2: a collective did not complete within job.collective_timeout_s=5 s in step 2" in result.stderr
+    assert (out / "metrics.jsonl").read_text().splitlines()[0].startswith('{"step": 1,')

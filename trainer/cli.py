@@ -5,7 +5,7 @@ import logging
 import os
 import sys
 
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, RunAborted
 
 # command -> (module with `main(argv) -> int`, one-line summary)
 COMMANDS = {
@@ -39,3 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"trillion {argv[0]}: {error}", file=sys.stderr)
         return 2
+    except RunAborted as error:
+        print(f"trillion {argv[0]}: {error}", file=sys.stderr)
+        return 1

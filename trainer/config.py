@@ -24,6 +24,7 @@ class Job:
     output_dir: str = doc("outputs/default", "Run directory: resolved config, metrics.jsonl, checkpoints/, wandb/.")
     seed: int = doc(0, "Seed of weight init and data order; the same seed gives the same run whatever the layout.")
     device: str = doc("auto", "auto (the GPU when there is one, else CPU) | cpu | cuda (NVIDIA and AMD ROCm).")
+    collective_timeout_s: float = doc(600.0, "A collective that waits longer than this ends the job with a message naming the rank and step, instead of hanging.")
 
 
 @dataclass

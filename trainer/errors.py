@@ -1,5 +1,10 @@
-"""The one exception type for user mistakes: the CLI prints its message (no traceback) and exits 2."""
+"""Errors the CLI reports as one paragraph, without a traceback."""
 
 
 class ConfigError(Exception):
-    """Bad user input: the message names the setting and how to fix it."""
+    """Bad user input: the message names the setting and how to fix it (exit status 2)."""
+
+
+class RunAborted(Exception):
+    """The run stopped for a reason outside its settings, such as a collective that never
+    completed; the message says where (exit status 1)."""

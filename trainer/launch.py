@@ -1,6 +1,7 @@
 """Where this process stands: rank, world size and device, from the launcher's environment
 (torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or srun's SLURM_* variables; a single process when
 neither is set)."""
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -49,7 +50,7 @@ def pick_device(requested: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_launch_env(requested_device: str) -> LaunchEnv:
+def init_launch_env(requested_device: str, collective_timeout_s: float = 600.0) -> LaunchEnv:
     """Read the launcher's variables and, for more than one process, join the process group."""
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
         os.environ.update(torch_env_from_slurm(dict(os.environ)))
@@ -60,5 +61,7 @@ def init_launch_env(requested_device: str) -> LaunchEnv:
         if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
             raise ConfigError(f"WORLD_SIZE={world_size} but no rendezvous address: set MASTER_ADDR and MASTER_PORT, "
                               "or start the processes with torchrun or srun, which set them.")
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None,
+                                timeout=datetime.timedelta(seconds=collective_timeout_s))
     return LaunchEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)

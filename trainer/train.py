@@ -20,7 +20,7 @@ from parallel.tensor_parallel import loss_context
 from trainer.checkpoint import CheckpointManager, validate_checkpoint_config
 from trainer.config import Config, to_toml
 from trainer.data import build_data_loader
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, RunAborted
 from trainer.launch import LaunchEnv, init_launch_env
 from trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
 from trainer.optim import build_lr_scheduler, build_optimizer
@@ -150,7 +150,7 @@ def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm:
 def train(config: Config) -> dict:
     """Run the configured training; returns the last logged metrics record."""
     job_start = time.monotonic()  # training.exit_after_minutes counts set-up and loading too
-    env = init_launch_env(config.job.device)
+    env = init_launch_env(config.job.device, config.job.collective_timeout_s)
     validate_training(config, env)
     tokenizer = build_tokenizer(config.tokenizer)
     model_args = build_model_args(config, tokenizer.vocab_size)
@@ -252,6 +252,13 @@ def train(config: Config) -> dict:
                 if stop.reason:
                     log.info("%s: checkpoint saved, exiting; the same command continues the run", stop.reason)
                 break
+    except RuntimeError as error:  # torch.distributed.DistError included
+        if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+            raise
+        raise RunAborted(f"Rank {env.rank} of {env.world_size}: a collective did not complete within "
+                         f"job.collective_timeout_s={config.job.collective_timeout_s:g} s in step {step}; another rank "
+                         "is stuck or has died (its own log says why). The newest complete checkpoint is intact, and "
+                         "the same command resumes from it.") from None
     finally:
         profiler.close()
         checkpointer.close()
