@@ -83,9 +83,10 @@ class ParallelDims:
     # --- checks against the model and the run ----------------------------------------------------
     def validate(self, model_args, seq_len: int, gpus_per_node: int | None = None) -> None:
         """Raise ConfigError for a layout this model or this build cannot run; warn on slow ones."""
-        if self.pp > 1:
-            raise ConfigError(f"parallel.pp={self.pp}: pipeline parallelism is not available in this build. "
-                              f"Use --parallel.pp=1 and spread the model with dp_shard and tp instead.")
+        if self.pp > 1 and self.pp > model_args.n_layers + 2:
+            raise ConfigError(f"parallel.pp={self.pp} is more than the model's {model_args.n_layers} layers + embedding "
+                              f"+ output = {model_args.n_layers + 2} pipeline units; each stage needs at least one. "
+                              f"Use --parallel.pp={model_args.n_layers + 2} or less.")  # schedules: parallel/pipeline.py
         if self.cp > 1:
             raise ConfigError(f"parallel.cp={self.cp}: context parallelism is not available in this build. "
                               f"Use --parallel.cp=1.")

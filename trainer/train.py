@@ -114,16 +114,21 @@ def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
 
 def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm: float,
                dims: ParallelDims | None = None, dp_shard_mode: str = "zero3", guard: NonFiniteGuard | None = None,
-               timer: PhaseTimer | None = None):
+               timer: PhaseTimer | None = None, pipeline=None):
     """One optimizer step over all micro-batches; the loss is the mean over every target token of
     the global batch (not a mean of per-micro-batch means), so accumulation changes nothing.
 
     Under a parallel layout (`dims`): token count and reported loss are summed over data-parallel
     ranks (FSDP sums the gradients), FSDP learns which micro-batch is the last (zero1/zero2), the
-    loss runs vocabulary-parallel under TP, and the clipping norm is the exact global one."""
+    loss runs vocabulary-parallel under TP, and the clipping norm is the exact global one.
+    With a `pipeline` (parallel.pipeline.Pipeline) its schedule runs the micro-batches, `model` is
+    the list of this rank's stage modules and the norm adds up over the pipeline ranks."""
     dims = dims or ParallelDims(world_size=1)
     tokens = dims.all_reduce_dp(sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches))
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
+    if pipeline is not None:
+        loss_sum = pipeline.step(micro_batches, tokens)
+        micro_batches = []
     for index, (inputs, labels) in enumerate(micro_batches):
         set_micro_batch(model, dp_shard_mode, is_last=index == len(micro_batches) - 1)
         with autocast:
@@ -137,7 +142,8 @@ def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm:
     if timer is not None:
         timer.mark("forward_backward")
     scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm)
+    parameters = [p for part in pipeline.parts for p in part.parameters()] if pipeline else model.parameters()
+    grad_norm = clip_grad_norm_(parameters, max_grad_norm, pipeline.pp_group if pipeline else None)
     if guard is None or guard.allows_update(loss_sum, grad_norm, scaler):
         scaler.step(optimizer)
     scaler.update()

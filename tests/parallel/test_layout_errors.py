@@ -36,7 +36,7 @@ CASES = [
     ({"tp": 3}, 8, LLAMA, 256, ["does not divide the world size 8", "dp_shard=-1", "--parallel.tp=2"]),
     ({"tp": 0}, 1, LLAMA, 256, ["parallel.tp=0", "positive"]),
     ({"dp_shard": -2}, 1, LLAMA, 256, ["parallel.dp_shard=-2", "-1 to infer"]),
-    ({"pp": 2}, 2, LLAMA, 256, ["parallel.pp=2", "--parallel.pp=1"]),
+    ({"pp": LLAMA.n_layers + 3}, LLAMA.n_layers + 3, LLAMA, 256, [f"parallel.pp={LLAMA.n_layers + 3}", f"--parallel.pp={LLAMA.n_layers + 2}"]),
     ({"cp": 2}, 2, LLAMA, 256, ["parallel.cp=2", "--parallel.cp=1"]),
 ]
 

@@ -1,0 +1,187 @@
+"""Pipeline parallelism with torch.distributed.pipelining: split the meta model into stages, wrap
+each in a PipelineStage and run a schedule chosen by name.
+
+Splitting deletes what a stage does not own (a Transformer skips parts set to None), so parameter
+names stay global: checkpoints and `init_weights` see the same names whatever the layout. The split
+balances by layer count, counting the embedding and the output projection (with the final norm) as
+one layer each: n_layers + 2 units over pp * virtual stages; a remainder goes to the middle stages.
+
+Looped schedules (Interleaved1F1B, LoopedBFS) hold `virtual` stages per rank, placed r, r + pp, ...
+The loss runs on the last stage, normalized by the token count of the global batch exactly as
+without PP (`scale_grads=False`: the schedule must not divide again). Only schedules proven by a
+parity test run; the rest are refused with the reason.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.errors import ConfigError
+
+log = logging.getLogger("trillion")
+IGNORE_INDEX = -100
+
+SINGLE = ("GPipe", "1F1B")  # one stage per rank
+LOOPED = ("Interleaved1F1B", "LoopedBFS")  # several stages per rank, r, r + pp, ...
+VERIFIED = ("GPipe", "1F1B")  # proven by tests/pipeline parity tests
+REFUSED = {
+    "ZBVZeroBubble": "not verified; known wrong gradients with FSDP (middle stages 0.4-0.7 of the reference "
+                     "gradient norm, none on the last stage)",
+    "InterleavedZeroBubble": "not verified; known wrong gradients with FSDP (middle stages 0.4-0.7 of the reference "
+                             "gradient norm, none on the last stage)",
+    "DualPipeV": "not verified; known wrong gradients with FSDP (middle stages 0.4-0.7 of the reference "
+                 "gradient norm, none on the last stage)",
+    "Interleaved1F1B": "not verified yet in this build (no parity test)",
+    "LoopedBFS": "not verified yet in this build (no parity test)",
+}
+KNOWN = (*SINGLE, *LOOPED, "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def canonical_schedule(name: str) -> str:
+    for known in KNOWN:
+        if known.lower() == name.lower():
+            return known
+    raise ConfigError(f"parallel.pp_schedule={name!r} is not known. Use one of: {', '.join(KNOWN)} "
+                      f"(verified here: {', '.join(VERIFIED)}).")
+
+
+def virtual_stages(schedule: str, requested: int) -> int:
+    """Stages per rank: 1 for single-stage schedules; requested (0 = 2) for looped ones."""
+    if schedule in SINGLE:
+        if requested > 1:
+            raise ConfigError(f"parallel.pp_virtual_stages={requested}: parallel.pp_schedule={schedule} runs one stage "
+                              "per rank. Use --parallel.pp_virtual_stages=1 or a looped schedule (Interleaved1F1B).")
+        return 1
+    return requested if requested >= 1 else 2
+
+
+def validate_pipeline(pp: int, schedule: str, n_layers: int, n_microbatches: int, *, virtual: int = 0,
+                      tie_embeddings: bool = False, tp: int = 1) -> tuple[str, int]:
+    """Raise ConfigError for a pipeline this build cannot run; returns (schedule name, stages per rank)."""
+    if pp < 1:
+        raise ConfigError(f"parallel.pp={pp} must be a positive degree; use 1 to turn pipelining off.")
+    name = canonical_schedule(schedule)
+    if pp == 1:
+        return name, 1
+    if name in REFUSED:
+        raise ConfigError(f"parallel.pp_schedule={name} is refused: {REFUSED[name]}. "
+                          f"Use one of {', '.join(VERIFIED)}.")
+    v = virtual_stages(name, virtual)
+    stages = pp * v
+    if stages > n_layers + 2:
+        raise ConfigError(
+            f"parallel.pp={pp} x {v} stage(s) per rank = {stages} pipeline stages, but the model has only "
+            f"{n_layers} layers + embedding + output = {n_layers + 2} to split; each stage needs at least one. "
+            f"Use --parallel.pp={max(1, (n_layers + 2) // v)} or less.")
+    if name != "GPipe" and n_microbatches < pp:
+        raise ConfigError(
+            f"parallel.pp_schedule={name} needs at least as many micro-batches per step as pipeline ranks, but "
+            f"global / (micro x data-parallel ranks) = {n_microbatches} < parallel.pp={pp}. Raise "
+            f"training.global_batch_size or lower training.micro_batch_size, or use --parallel.pp_schedule=GPipe.")
+    if tie_embeddings:
+        raise ConfigError("parallel.pp > 1 with tied input/output embeddings is not supported: the embedding and "
+                          "the output projection live on different stages. Use a model without tie_embeddings.")
+    if tp > 1:
+        raise ConfigError(f"parallel.pp={pp} with parallel.tp={tp} is not verified in this build (no parity test). "
+                          "Use pipelining with dp_shard / dp_replicate only, or --parallel.pp=1.")
+    return name, v
+
+
+def bubble_fraction(pp: int, n_microbatches: int, virtual: int = 1) -> float:
+    """The idle share of a step for GPipe/1F1B-type schedules: (p-1) / (v m + p - 1)."""
+    return (pp - 1) / (virtual * n_microbatches + pp - 1)
+
+
+def split_units(n_layers: int, num_stages: int) -> list[range]:
+    """Units 0 = embedding, 1..n = layers, n+1 = output; contiguous ranges, balanced by count."""
+    units = n_layers + 2
+    base, extra = divmod(units, num_stages)
+    middle = sorted(range(num_stages), key=lambda s: (abs(s - (num_stages - 1) / 2), s))[:extra]
+    ranges, start = [], 0
+    for stage in range(num_stages):
+        size = base + (stage in middle)
+        ranges.append(range(start, start + size))
+        start += size
+    return ranges
+
+
+def stage_module(model: nn.Module, units: range) -> nn.Module:
+    """A copy of the (meta) model keeping only `units`; parameter names stay global."""
+    stage = copy.deepcopy(model)
+    n_layers = len(model.layers)
+    if 0 not in units:
+        stage.tok_embeddings = None
+        stage.pos_embeddings = None
+    for key in list(stage.layers.keys()):
+        if int(key) + 1 not in units:
+            del stage.layers[key]
+    if n_layers + 1 not in units:
+        stage.norm = None
+        stage.output = None
+    return stage
+
+
+def stage_indices(rank: int, pp: int, virtual: int) -> list[int]:
+    return [rank + v * pp for v in range(virtual)]
+
+
+class Pipeline:
+    """This rank's stages, their schedule and the loss; `step` runs one optimizer step's micro-batches."""
+
+    def __init__(self, model: nn.Module, dims, schedule: str, n_microbatches: int, device: torch.device, *,
+                 virtual: int = 0, parallelize_fn=None):
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        name, v = validate_pipeline(dims.pp, schedule, len(model.layers), n_microbatches, virtual=virtual,
+                                    tie_embeddings=model.args.tie_embeddings, tp=dims.tp)
+        pp_mesh = dims.mesh["pp"]
+        self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp
+        self.name, self.virtual, self.n_microbatches = name, v, n_microbatches
+        ranges = split_units(len(model.layers), dims.pp * v)
+        self.parts, self.stages = [], []
+        for index in stage_indices(self.pp_rank, dims.pp, v):
+            part = stage_module(model, ranges[index])
+            if parallelize_fn is not None:
+                parallelize_fn(part)
+            self.parts.append(part)
+        self._device = device
+        self._make_stage = lambda part, index: PipelineStage(part, index, dims.pp * v, device, group=self.pp_group)
+        self._schedule_cls = get_schedule_class(name)
+        self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)
+        self.tokens = None
+        self.dims = dims
+        self.has_last = dims.pp * v - 1 in stage_indices(self.pp_rank, dims.pp, v)
+        log.info("pipeline: %s, %d stages (%d per rank) over pp=%d, %d micro-batches, bubble (p-1)/(v m+p-1) = %.1f%%",
+                 name, dims.pp * v, v, dims.pp, n_microbatches, 100 * bubble_fraction(dims.pp, n_microbatches, v))
+
+    def build(self) -> None:
+        """After `to_empty` + `init_weights` of every part: the stages and the schedule."""
+        indices = stage_indices(self.pp_rank, self.pp, self.virtual)
+        self.stages = [self._make_stage(part, index) for part, index in zip(self.parts, indices)]
+        stages = self.stages[0] if self._single else self.stages
+        self.schedule = self._schedule_cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
+                               reduction="sum") / self.tokens
+
+    def step(self, micro_batches, tokens: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of all micro-batches; returns the loss summed over them on every pp rank
+        (before the data-parallel sum)."""
+        if len(micro_batches) != self.n_microbatches:
+            raise ValueError(f"pipeline built for {self.n_microbatches} micro-batches, got {len(micro_batches)}")
+        self.tokens = tokens
+        inputs = torch.cat([x for x, _ in micro_batches])
+        labels = torch.cat([y for _, y in micro_batches])
+        losses = []
+        first = self.pp_rank == 0
+        self.schedule.step(*((inputs,) if first else ()), target=labels, losses=losses)
+        loss = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=inputs.device)
+        dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds it: the others add zero
+        return loss

@@ -1,0 +1,74 @@
+"""Pipeline parity harness: the same small models, data and optimizer as tests/distributed/parity.py,
+split into pipeline stages; every rank's stage gradients are gathered by their global names and
+rank 0 compares them (and losses, norms, initial weights) with the one-process run."""
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+import parity  # noqa: E402
+from parity import FAMILIES, GLOBAL_BATCH, MAX_NORM, MICRO_BATCH, SEED, SEQ_LEN, STEPS, RandomWindows, _full  # noqa: E402
+
+from models import Transformer  # noqa: E402
+from parallel.dims import ParallelDims  # noqa: E402
+from parallel.parallelize import parallelize  # noqa: E402
+from parallel.pipeline import Pipeline  # noqa: E402
+from trainer.data import DataLoader  # noqa: E402
+from trainer.train import train_step  # noqa: E402
+
+
+def train_pipeline_case(case: dict, world_size: int) -> dict:
+    args = FAMILIES[case["family"]]
+    dims = ParallelDims(pp=case["pp"], dp_shard=case.get("dp_shard", -1), world_size=world_size)
+    dims.validate(args, SEQ_LEN)
+    dims.build_mesh("cpu")
+    mode = case.get("mode", "zero3")
+    with torch.device("meta"):
+        model = Transformer(args)
+    n_micro = GLOBAL_BATCH // (MICRO_BATCH * dims.dp_size)
+    pipeline = Pipeline(model, dims, case["schedule"], n_micro, torch.device("cpu"),
+                        virtual=case.get("virtual", 0),
+                        parallelize_fn=lambda part: parallelize(part, dims, dp_shard_mode=mode,
+                                                                activation_checkpoint=case.get("ac", "none")))
+    for part in pipeline.parts:
+        part.to_empty(device="cpu")
+        part.init_weights(SEED)
+    pipeline.build()
+    named = [(n, p) for part in pipeline.parts for n, p in part.named_parameters()]
+    initial = {n: _full(p) for n, p in named}
+    optimizer = torch.optim.AdamW([p for _, p in named], lr=3e-3, weight_decay=0.1, foreach=True)
+    grads = []
+    optimizer.register_step_pre_hook(lambda *_: grads.append({n: _full(p.grad) for n, p in named}))
+    loader = DataLoader(RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, MICRO_BATCH,
+                        dims.dp_rank, dims.dp_size)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    losses, norms = [], []
+    for _ in range(STEPS):
+        loss, norm = train_step(pipeline.parts, loader.next_batch(), optimizer, scaler, contextlib.nullcontext(),
+                                MAX_NORM, dims=dims, dp_shard_mode=mode, pipeline=pipeline)
+        losses.append(loss.item())
+        norms.append(norm.item())
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, {"initial": initial, "grads": grads})
+    merged_initial, merged_grads = {}, [{} for _ in range(STEPS)]
+    for result in gathered:
+        merged_initial.update(result["initial"])
+        for step, g in enumerate(result["grads"]):
+            merged_grads[step].update(g)
+    return {"losses": losses, "norms": norms, "grads": merged_grads, "initial": merged_initial}
+
+
+def check_pipeline_cases(rank: int, world_size: int, cases: list[dict]) -> None:
+    references = {}
+    for case in cases:
+        result = train_pipeline_case(case, world_size)
+        if rank == 0:
+            family = case["family"]
+            if family not in references:
+                references[family] = parity.train_case({"family": family}, world_size=1)
+            parity._compare(case["name"], result, references[family])
+            print("PASSED", case["name"], flush=True)
+        dist.barrier()
