@@ -392,19 +392,19 @@ def estimate(config: Config, world_size: int, ranks: str = "first,last", hardwar
                        "tp": dims.tp, "dp_shard_mode": mode, "activation_checkpoint": config.parallel.activation_checkpoint,
                        "micro_batch_size": micro_batch, "microbatches": microbatches, "seq_len": t.seq_len,
                        "compute_dtype": str(dtype).removeprefix("torch.")}, device_name)
-    activations = source = None
+    activations = source = grad_elements = buffers = tp_local = None
     selected = select_ranks(ranks, world_size)
     for index, rank in enumerate(selected):
         with fake_world(rank, world_size):
             rank_dims = _new_dims(dims)
             rank_dims.build_mesh("cpu")
-            tp_model = _build_rank_model(config, model_args, rank_dims, fsdp=False)
-            tp_local = _tp_local_numel(tp_model)
-            if activations is None:  # every rank of a stage runs the same shapes (TP splits evenly)
-                activations, source, grad_elements = _activations(tp_model, model_args, micro_batch, t.seq_len, rank_dims,
-                                                   prediction, measure, result.notes)
-            buffers = buffer_bytes(tp_model, rank_dims, mode, dtype)
-            del tp_model
+            if activations is None:  # the same on every rank of a stage: TP splits evenly (validated)
+                tp_model = _build_rank_model(config, model_args, rank_dims, fsdp=False)
+                tp_local = _tp_local_numel(tp_model)
+                buffers = buffer_bytes(tp_model, rank_dims, mode, dtype)
+                del tp_model
+                activations, source, grad_elements = _activations(config, model_args, micro_batch, rank_dims,
+                                                                  prediction, measure, result.notes)
             model = _build_rank_model(config, model_args, rank_dims, fsdp=True)
             parameters, gradients, optimizer, count = state_bytes(model, mode, microbatches, tp_local)
             if not rank_dims.fsdp_enabled and grad_elements is not None:  # autograd's gradients, as measured
@@ -422,12 +422,11 @@ def estimate(config: Config, world_size: int, ranks: str = "first,last", hardwar
     return result
 
 
-def _activations(tp_model, model_args, micro_batch, seq_len, dims, prediction, measure, notes) -> tuple[int, str]:
+def _activations(config, model_args, micro_batch, dims, prediction, measure, notes) -> tuple[int, str, int | None]:
     if measure:
         try:
-            peak, grad_elements = measure_activations(tp_model, model_args.vocab_size, micro_batch, seq_len,
-                                                      dims.tp_enabled)
-            return peak, "measured", grad_elements
+            peak, grads = measure_stage_activations(config, model_args, micro_batch, dims)
+            return peak, "measured", grads
         except Exception as error:  # a fake/meta run that cannot be trusted is not reported as measured
             notes.append(f"activation run on meta tensors failed ({type(error).__name__}: {str(error)[:200]}); "
                          "the activation figure is the planner's prediction")
@@ -437,6 +436,36 @@ def _activations(tp_model, model_args, micro_batch, seq_len, dims, prediction, m
                           "this layout's activation checkpointing; use --parallel.activation_checkpoint=none, "
                           "selective or full.")
     return int(prediction["activations"]), "predicted", None
+
+
+DIRECT_LAYERS = 8  # deeper models are measured at 2 and 3 checkpointing periods and extrapolated
+
+
+def measure_stage_activations(config: Config, model_args: ModelArgs, micro_batch: int, dims: ParallelDims,
+                              direct_layers: int = DIRECT_LAYERS) -> tuple[int, int]:
+    """(activation peak, weight-gradient elements) of one micro-batch through this rank's layers.
+
+    Blocks are identical, so the peak grows linearly in the number of checkpointing periods (one
+    block, or N blocks for selective:N): a model deeper than `direct_layers` is measured at 2 and 3
+    periods and extrapolated, which keeps the 1T model's 128 layers to a few seconds."""
+    from parallel.activation_checkpoint import _parse
+
+    period = _parse(config.parallel.activation_checkpoint)[1]
+    layers = model_args.n_layers
+    seq = config.training.seq_len
+
+    def run(n: int) -> tuple[int, int]:
+        args = dataclasses.replace(model_args, n_layers=n)
+        model = _build_rank_model(config, args, dims, fsdp=False)
+        return measure_activations(model, args.vocab_size, micro_batch, seq, dims.tp_enabled)
+
+    if layers <= max(direct_layers, 3 * period):
+        peak, grads = run(layers)
+    else:
+        (a, ga), (b, gb) = run(2 * period), run(3 * period)
+        periods = layers / period
+        peak, grads = int(round(a + (periods - 2) * (b - a))), int(round(ga + (periods - 2) * (gb - ga)))
+    return peak, grads
 
 
 # --- when it does not fit ------------------------------------------------------------------------------------

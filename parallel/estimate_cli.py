@@ -1,0 +1,92 @@
+"""`trillion estimate`: a full-scale dry run of a config's layout on one CPU (see parallel/estimate.py).
+
+  trillion estimate --config experiments/configs/debug_2d_cpu.toml --world-size 4 --hardware frontier
+  trillion estimate --config FILE --world-size 3072 --parallel.tp=8 --parallel.dp_shard=384 --hardware frontier
+
+Prints, per simulated rank, parameter, gradient, optimizer, activation-peak and buffer bytes next to
+the device's capacity and the planner's prediction; exits 1 with a message naming the rank, the
+shortfall, what dominates and which setting to change when a rank does not fit.
+"""
+import argparse
+import json
+import re
+import sys
+
+from parallel.estimate import KINDS, Estimate, estimate, shortfall_message
+from trainer.config import load_config
+from trainer.errors import ConfigError
+
+
+def parse(argv: list[str]):
+    p = argparse.ArgumentParser(prog="trillion estimate", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="a config `trillion train` accepts")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="processes of the run (default: the config's `# world_size = N` comment)")
+    p.add_argument("--ranks", default="first,last", help="first,last,max | all | rank numbers (default first,last)")
+    p.add_argument("--hardware", default=None, help="hardware profile whose device capacity to compare (e.g. frontier)")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+    p.add_argument("--no-measure", action="store_true", help="skip the meta activation run; use the planner's figure")
+    ns, overrides = p.parse_known_args(argv)
+    return ns, overrides
+
+
+def world_from_comment(path: str) -> int | None:
+    try:
+        match = re.search(r"^#\s*world_size\s*=\s*(\d+)", open(path).read(), re.M)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
+
+
+def gb(value) -> str:
+    return "-" if value is None else f"{value / 1e9:.2f}"
+
+
+def table(result: Estimate) -> str:
+    lay = result.layout
+    lines = [f"# trillion estimate: {result.config_model} on {result.world_size} ranks "
+             f"(pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']}, "
+             f"{lay['dp_shard_mode']}, activation_checkpoint {lay['activation_checkpoint']}, micro-batch "
+             f"{lay['micro_batch_size']} x {lay['seq_len']} tokens, {lay['microbatches']} per step, {lay['compute_dtype']})",
+             f"# device: {result.device or 'unknown (pass --hardware)'}; simulated {len(result.ranks)} rank(s) "
+             f"in {result.seconds:.1f} s; GB = 1e9 bytes"]
+    header = ["rank", "coords", *KINDS, "total", "usable", "fits"]
+    rows = [header]
+    for r in result.ranks:
+        act = gb(r.activations) + ("" if r.activations_source == "measured" else " (predicted)")
+        rows.append([str(r.rank), ",".join(f"{k}={v}" for k, v in r.coords.items()) or "-", gb(r.parameters),
+                     gb(r.gradients), gb(r.optimizer), act, gb(r.buffers), gb(r.framework), gb(r.total), gb(r.usable),
+                     {True: "yes", False: "NO", None: "?"}[r.fits]])
+    planner = result.ranks[0].planner if result.ranks else None
+    if planner:
+        rows.append(["planner", "(its fullest rank)", *(gb(planner[k]) for k in KINDS[:5]), "(in buffers)",
+                     gb(planner["total"]), gb(result.ranks[0].usable), ""])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines += [f"# note: {n}" for n in result.notes]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    ns, overrides = parse(argv)
+    world = ns.world_size or world_from_comment(ns.config)
+    if world is None:
+        raise ConfigError(f"trillion estimate needs --world-size N (the config {ns.config} has no "
+                          "`# world_size = N` comment), e.g. --world-size 3072.")
+    config = load_config(ns.config, overrides)
+
+    def progress(done, total, rank):
+        if total > 8 and ns.format == "table":
+            print(f"\rsimulated rank {rank} ({done}/{total})", end="" if done < total else "\n", file=sys.stderr)
+
+    result = estimate(config, world, ranks=ns.ranks, hardware=ns.hardware, measure=not ns.no_measure,
+                      progress=progress)
+    message = shortfall_message(result)
+    if ns.format == "json":
+        print(json.dumps({**result.as_dict(), "error": message}, indent=1))
+    else:
+        print(table(result))
+    if message:
+        print(f"trillion estimate: {message}", file=sys.stderr)
+        return 1
+    return 0
