@@ -12,6 +12,7 @@ COMMANDS = {
     "train": ("trainer.train_cli", "train a model: trillion train [--config FILE] [--section.field=value ...]"),
     "plan": ("parallel.plan_cli", "choose a parallel layout: trillion plan --model M --hardware H --gpus N --global-batch B"),
     "tune": ("parallel.tune", "measure the planner's best layouts: trillion tune --config FILE --nproc N --hardware H"),
+    "estimate": ("parallel.estimate_cli", "check a layout's memory per rank at full scale on one CPU: trillion estimate --config FILE --world-size N"),
     "export": ("trainer.export", "a checkpoint as a Hugging Face model: trillion export --checkpoint DIR --format hf OUT"),
 }
 
