@@ -22,11 +22,12 @@ that produced:
   whole model, kept through the step) and one block's unsharded fp32 gradient being
   reduce-scattered, from the TP-local shapes; plus the planner's 1 GB framework allowance.
 
-Pipeline parallelism: each rank's `stage` is its pp coordinate and the model it builds is its
-stage's part; with pp == 1 every rank holds stage 0 of 1. Pipeline parallelism is not in this build
-(ParallelDims.validate refuses pp > 1, and so does the estimate); when the pipeline split lands, it
-slots into `_build_rank_model` (split the meta model to this rank's stage before parallelize) and
-`_activation_peak` (times the schedule's in-flight micro-batches of that stage).
+Pipeline parallelism: each rank's `stage` is its pp coordinate; with pp == 1 every rank holds stage
+0 of 1. The estimate refuses pp > 1 for now. The stage split slots into `_build_rank_model` (cut the
+meta model to this rank's stage with parallel/pipeline.py's split before parallelize, keyed by the
+rank's pp coordinate), `measure_stage_activations` (that stage's layers, times the schedule's
+in-flight micro-batches of the stage) and `buffer_bytes` (the stage's send/receive buffers); the
+activation figure is then per stage rather than shared by all ranks.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -272,7 +274,8 @@ def measure_activations(model: nn.Module, vocab_size: int, micro_batch: int, seq
     tracker = MemTracker()
     tracker.track_external(model)
     try:
-        with tracker, _flash_on_meta():
+        with tracker, _flash_on_meta(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")  # MemTracker on grad=None
             base = _device_total(tracker.get_tracker_snapshot("current"), device)
             logits = model(inputs)
             with loss_context(tp_enabled):
@@ -379,8 +382,13 @@ def estimate(config: Config, world_size: int, ranks: str = "first,last", hardwar
     start = time.perf_counter()
     if world_size < 1:
         raise ConfigError(f"--world-size {world_size} must be a positive number of processes.")
+    if config.parallel.pp > 1:
+        raise ConfigError(f"parallel.pp={config.parallel.pp}: trillion estimate does not simulate pipeline stages yet "
+                          "(no per-stage split or in-flight micro-batches), so it would report wrong figures. Use "
+                          "--parallel.pp=1 and spread the model with dp_shard and tp, or `trillion plan` for a "
+                          "pipeline layout's predicted memory.")
     model_args = model_args_for(config)
-    dims, _ = _layout(config, world_size, model_args)  # raises ConfigError for pp > 1, bad degrees, bad batch
+    dims, _ = _layout(config, world_size, model_args)  # raises ConfigError for bad degrees, model or batch
     t = config.training
     micro_batch = min(t.micro_batch_size, t.global_batch_size // dims.dp_size)
     microbatches = t.global_batch_size // (micro_batch * dims.dp_size)

@@ -1,0 +1,64 @@
+"""`trillion estimate` as a user meets it: the table, JSON, a layout that does not fit, refusals."""
+import json
+
+import pytest
+
+from trainer.cli import main
+
+SMALL = ["--config", "experiments/configs/debug_2d_cpu.toml", "--job.device=cpu", "--model.n_layers=2",
+         "--training.seq_len=64"]
+
+
+def _tiny_device(tmp_path, gb: float) -> str:
+    path = tmp_path / "tiny.toml"
+    path.write_text(f"""device = {{ name = "tiny", peak_tflops = {{ bf16 = 1.0 }}, memory_gb = {gb} }}
+gpus_per_node = 8
+intra_node = [{{ group = 8, bandwidth_gbs = 50 }}]
+node_bandwidth_gbs = 100
+""")
+    return str(path)
+
+
+def test_table_and_json_agree(capsys):
+    assert main(["estimate", *SMALL, "--world-size", "4", "--ranks", "first,last", "--hardware", "frontier"]) == 0
+    table = capsys.readouterr().out
+    assert "dp_shard=1,tp=1" in table and "planner" in table and "yes" in table
+    assert main(["estimate", *SMALL, "--ranks", "all", "--format", "json", "--hardware", "frontier"]) == 0  # world from the comment
+    data = json.loads(capsys.readouterr().out)
+    assert data["world_size"] == 4 and [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3]
+    assert all(r["fits"] and r["activations_source"] == "measured" for r in data["ranks"])
+    assert data["error"] is None
+
+
+def test_layout_that_does_not_fit_names_rank_shortfall_and_fix(tmp_path, capsys):
+    code = main(["estimate", *SMALL, "--world-size", "4", "--hardware", _tiny_device(tmp_path, 0.01)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "rank 0 (dp_shard 0, tp 0) of 4 needs" in err and "short by" in err
+    assert "Activations dominate" in err and "--parallel.activation_checkpoint=full" in err
+
+
+def test_refusals_are_one_paragraph(capsys):
+    assert main(["estimate", *SMALL, "--world-size", "4", "--parallel.pp=2", "--parallel.dp_shard=1"]) == 2
+    assert "parallel.pp=2: trillion estimate does not simulate pipeline stages yet" in capsys.readouterr().err
+    assert main(["estimate", *SMALL, "--world-size", "6"]) == 2
+    assert "world size is 6" in capsys.readouterr().err
+    assert main(["estimate", *SMALL, "--world-size", "4", "--ranks", "first,9"]) == 2
+    assert "--ranks" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_gpt_1t_on_3072_ranks_fits_a_mi250x_gcd_under_zero3(capsys):
+    """dp_shard 384 x tp 8, zero3, full checkpointing: under a minute, and it fits 64 GB."""
+    import time
+    start = time.perf_counter()
+    code = main(["estimate", "--config", "experiments/configs/gpt_1t_frontier.toml", "--world-size", "3072",
+                 "--parallel.pp=1", "--parallel.tp=8", "--parallel.dp_shard=384", "--parallel.dp_shard_mode=zero3",
+                 "--training.global_batch_size=1536", "--hardware", "frontier", "--format", "json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and time.perf_counter() - start < 90
+    first = data["ranks"][0]
+    assert first["parameter_count"] * 3072 > 1e12 and first["total"] < 64e9
+    # the planner's prediction of the model states is the estimate's to 1%
+    for kind in ("parameters", "gradients", "optimizer"):
+        assert first[kind] == pytest.approx(first["planner"][kind], rel=0.01)
