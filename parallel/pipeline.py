@@ -28,7 +28,7 @@ IGNORE_INDEX = -100
 
 SINGLE = ("GPipe", "1F1B")  # one stage per rank
 LOOPED = ("Interleaved1F1B", "LoopedBFS")  # several stages per rank, r, r + pp, ...
-VERIFIED = ("GPipe", "1F1B")  # proven by tests/pipeline parity tests
+VERIFIED = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")  # proven by tests/pipeline parity tests
 REFUSED = {
     "ZBVZeroBubble": "not verified; known wrong gradients with FSDP (middle stages 0.4-0.7 of the reference "
                      "gradient norm, none on the last stage)",
@@ -36,8 +36,6 @@ REFUSED = {
                              "gradient norm, none on the last stage)",
     "DualPipeV": "not verified; known wrong gradients with FSDP (middle stages 0.4-0.7 of the reference "
                  "gradient norm, none on the last stage)",
-    "Interleaved1F1B": "not verified yet in this build (no parity test)",
-    "LoopedBFS": "not verified yet in this build (no parity test)",
 }
 KNOWN = (*SINGLE, *LOOPED, "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
@@ -83,6 +81,12 @@ def validate_pipeline(pp: int, schedule: str, n_layers: int, n_microbatches: int
             f"parallel.pp_schedule={name} needs at least as many micro-batches per step as pipeline ranks, but "
             f"global / (micro x data-parallel ranks) = {n_microbatches} < parallel.pp={pp}. Raise "
             f"training.global_batch_size or lower training.micro_batch_size, or use --parallel.pp_schedule=GPipe.")
+    rounds = max(1, n_microbatches // pp)
+    if name == "Interleaved1F1B" and n_microbatches % rounds:
+        raise ConfigError(
+            f"parallel.pp_schedule=Interleaved1F1B runs micro-batches in rounds of pp={pp}: {n_microbatches} "
+            f"micro-batches per step must be a multiple of the {rounds} rounds. Use a global batch giving "
+            f"{rounds * pp} or {(rounds + 1) * pp} micro-batches.")
     if tie_embeddings:
         raise ConfigError("parallel.pp > 1 with tied input/output embeddings is not supported: the embedding and "
                           "the output projection live on different stages. Use a model without tie_embeddings.")

@@ -1,7 +1,11 @@
 """Pipeline layouts reproduce the one-process run: losses, gradient norms (clipped across stages),
-every parameter's gradient and the initial weights, over several optimizer steps, fp32 on gloo."""
+every parameter's gradient and the initial weights, over several optimizer steps, fp32 on gloo.
+The parity models have 2 layers: 4 units (embedding, 2 layers, output), so pp 2 with 2 virtual
+stages per rank puts one unit on each stage."""
 import sys
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -13,3 +17,26 @@ def test_two_stages_gpipe_and_1f1b():
     cases = [{"name": f"{f}-pp2-{s}", "family": f, "pp": 2, "schedule": s}
              for f in ("llama", "gpt") for s in ("GPipe", "1F1B")]
     run_ranks(check_pipeline_cases, 2, cases)
+
+
+def test_two_ranks_looped_schedules_with_two_virtual_stages():
+    cases = [{"name": "llama-pp2-interleaved1f1b", "family": "llama", "pp": 2, "schedule": "Interleaved1F1B"},
+             {"name": "gpt-pp2-loopedbfs", "family": "gpt", "pp": 2, "schedule": "LoopedBFS"}]
+    run_ranks(check_pipeline_cases, 2, cases)
+
+
+def test_pp2_x_fsdp2_1f1b():
+    run_ranks(check_pipeline_cases, 4, [{"name": "llama-pp2xfsdp2-1f1b", "family": "llama", "pp": 2, "dp_shard": 2,
+                                         "schedule": "1F1B"}])
+
+
+@pytest.mark.slow  # about a minute on two cores
+def test_pp2_x_fsdp2_more_schedules_modes_and_activation_checkpointing():
+    cases = [{"name": "gpt-pp2xfsdp2-1f1b", "family": "gpt", "pp": 2, "dp_shard": 2, "schedule": "1F1B"},
+             {"name": "gpt-pp2xfsdp2-gpipe-zero1", "family": "gpt", "pp": 2, "dp_shard": 2, "schedule": "GPipe",
+              "mode": "zero1"},
+             {"name": "llama-pp2xfsdp2-interleaved1f1b-zero2", "family": "llama", "pp": 2, "dp_shard": 2,
+              "schedule": "Interleaved1F1B", "mode": "zero2"},
+             {"name": "gpt-pp2xfsdp2-interleaved1f1b-ac-full", "family": "gpt", "pp": 2, "dp_shard": 2,
+              "schedule": "Interleaved1F1B", "ac": "full"}]
+    run_ranks(check_pipeline_cases, 4, cases)
