@@ -45,3 +45,19 @@ def test_missing_variables_say_what_to_do():
         torch_env_from_slurm({"SLURM_JOB_ID": "1", "SLURM_NODELIST": "n1"})
     with pytest.raises(ConfigError, match="MASTER_ADDR"):
         torch_env_from_slurm({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+
+
+def test_inconsistent_launch_variables_fail_before_the_rendezvous(monkeypatch):
+    from trainer.launch import init_launch_env
+
+    for name in ("SLURM_PROCID", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match="RANK=5, WORLD_SIZE=4"):
+        init_launch_env("cpu")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="LOCAL_RANK=1"):
+        init_launch_env("cpu")

@@ -56,6 +56,10 @@ def init_launch_env(requested_device: str, collective_timeout_s: float = 600.0) 
         os.environ.update(torch_env_from_slurm(dict(os.environ)))
     rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank = _env_int("LOCAL_RANK", 0)
+    if not 0 <= rank < world_size or not 0 <= local_rank < _env_int("LOCAL_WORLD_SIZE", world_size):
+        raise ConfigError(f"The launcher's variables disagree: RANK={rank}, WORLD_SIZE={world_size}, LOCAL_RANK={local_rank}, "
+                          f"LOCAL_WORLD_SIZE={os.environ.get('LOCAL_WORLD_SIZE', 'unset')}. Start every process with the "
+                          "same task count (torchrun --nproc-per-node, or srun --ntasks / --ntasks-per-node).")
     device = pick_device(requested_device, local_rank)
     if world_size > 1 and not dist.is_initialized():
         if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
