@@ -122,7 +122,8 @@ class Parallel:
     dp_shard_mode: str = doc("zero3", "zero1 | zero2 | zero3: what FSDP keeps sharded between uses.")
     tp: int = doc(1, "Tensor-parallel degree (keep inside a node).")
     pp: int = doc(1, "Pipeline-parallel degree.")
-    pp_schedule: str = doc("1F1B", "Pipeline schedule name from torch.distributed.pipelining.")
+    pp_schedule: str = doc("1F1B", "Pipeline schedule name from torch.distributed.pipelining: GPipe | 1F1B | Interleaved1F1B | LoopedBFS (the zero-bubble ones are refused: not verified).")
+    pp_virtual_stages: int = doc(0, "Pipeline stages per rank for looped schedules (Interleaved1F1B, LoopedBFS); 0 = 2. GPipe and 1F1B take 1.")
     cp: int = doc(1, "Context-parallel degree.")
     activation_checkpoint: str = doc("none", "none | full | selective.")
 

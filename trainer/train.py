@@ -16,6 +16,7 @@ from parallel.clip import clip_grad_norm_
 from parallel.dims import ParallelDims
 from parallel.fsdp import check_mode, set_micro_batch
 from parallel.parallelize import parallelize
+from parallel.pipeline import Pipeline, validate_pipeline
 from parallel.tensor_parallel import loss_context
 from trainer.checkpoint import CheckpointManager, validate_checkpoint_config
 from trainer.config import Config, to_toml
@@ -102,6 +103,14 @@ def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -
             f"training.global_batch_size={t.global_batch_size} does not split into micro-batches of "
             f"training.micro_batch_size={t.micro_batch_size} over {dims.dp_size} data-parallel ranks (dp_replicate x "
             f"dp_shard); each rank takes global / dp sequences. Use e.g. {fix}.")
+    if dims.pp > 1:  # schedule, stage count and micro-batches checked before any work
+        micro = min(t.micro_batch_size, per_rank)
+        _, virtual = validate_pipeline(dims.pp, p.pp_schedule, model_args.n_layers, per_rank // micro,
+                                       virtual=p.pp_virtual_stages, tie_embeddings=model_args.tie_embeddings, tp=dims.tp)
+        if virtual > 1 and (config.checkpoint.interval > 0 or config.checkpoint.save_final):
+            raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} holds {virtual} stages per rank, which this build "
+                              "cannot checkpoint yet (one optimizer per rank spans the stages). Use "
+                              "--checkpoint.interval=0 --checkpoint.save_final=false, or --parallel.pp_schedule=1F1B.")
     dims.build_mesh(env.device.type)
     return dims
 
@@ -179,11 +188,22 @@ def train(config: Config) -> dict:
     dtype = compute_dtype(t.dtype, env.device)
     with torch.device("meta"):
         model = Transformer(model_args)
-    parallelize(model, dims, dp_shard_mode=config.parallel.dp_shard_mode,
-                activation_checkpoint=config.parallel.activation_checkpoint, compile=config.compile.enabled,
-                param_dtype=dtype)
-    model.to_empty(device=env.device)
-    model.init_weights(config.job.seed)
+    apply_layout = lambda part: parallelize(  # noqa: E731
+        part, dims, dp_shard_mode=config.parallel.dp_shard_mode,
+        activation_checkpoint=config.parallel.activation_checkpoint, compile=config.compile.enabled, param_dtype=dtype)
+    pipeline = None
+    if dims.pp > 1:  # this rank's stages, each parallelized; names stay global
+        pipeline = Pipeline(model, dims, config.parallel.pp_schedule, len(first_batch), env.device,
+                            virtual=config.parallel.pp_virtual_stages, parallelize_fn=apply_layout)
+        parts = pipeline.parts
+    else:
+        parts = [apply_layout(model)]
+    for part in parts:
+        part.to_empty(device=env.device)
+        part.init_weights(config.job.seed)
+    if pipeline is not None:
+        pipeline.build()
+        model = torch.nn.ModuleList(parts)  # for the optimizer's parameter groups only
     torch.manual_seed(config.job.seed)
 
     autocast = (torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
@@ -191,7 +211,8 @@ def train(config: Config) -> dict:
     optimizer = build_optimizer(model, config.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, config.lr_schedule, t.steps)
     counters = RunCounters()
-    checkpointer = CheckpointManager(output_dir, config.checkpoint, model_parts=[model], optimizers=[optimizer],
+    checkpointer = CheckpointManager(output_dir, config.checkpoint, model_parts=parts[:1] if pipeline else [model],
+                                     optimizers=[optimizer],
                                      scheduler=scheduler, loader=loader, counters=counters, config=config,
                                      model_args=model_args, device=env.device, is_rank0=env.is_logging_rank)
     if checkpointer.resume():  # the data position moved on: the batch read up front is not the next one
@@ -223,7 +244,7 @@ def train(config: Config) -> dict:
             step_start = time.perf_counter()
             with profiler.snapshot_on_oom():
                 loss, grad_norm = train_step(model, micro_batches, optimizer, scaler, autocast, t.max_grad_norm,
-                                             dims, config.parallel.dp_shard_mode, guard, timer)
+                                             dims, config.parallel.dp_shard_mode, guard, timer, pipeline)
             profiler.step(step)
             guard.check(step)
             counters.step, counters.tokens = step, counters.tokens + t.global_batch_size * t.seq_len
