@@ -31,7 +31,8 @@ def test_restart_continues_the_same_run(tmp_path):
     first_id = (tmp_path / "wandb_run_id").read_text()
     write_steps(tmp_path, Logging(), [3, 4], resume=True)
     assert (tmp_path / "wandb_run_id").read_text() == first_id
-    runs = {p.name.rsplit("-", 1)[1] for p in (tmp_path / "wandb").glob("offline-run-*")}
+    # offline-run-<time>-<id>, with "-1" appended when the two starts fall in the same second
+    runs = {p.name.split("-")[3] for p in (tmp_path / "wandb").glob("offline-run-*")}
     assert runs == {first_id}
     assert [r["_step"] for r in offline_run(tmp_path)["history"]] == [1, 2, 3, 4]
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
