@@ -217,6 +217,10 @@ def train(config: Config) -> dict:
                                      model_args=model_args, device=env.device, is_rank0=env.is_logging_rank)
     if checkpointer.resume():  # the data position moved on: the batch read up front is not the next one
         first_batch = loader.next_batch()
+    if counters.step >= t.steps:
+        log.info("%s already holds a run finished at step %d (training.steps=%d): nothing to train. Raise "
+                 "--training.steps to continue it, or give a new --job.output_dir for a fresh run.",
+                 output_dir, counters.step, t.steps)
     guard, stop = NonFiniteGuard(t.max_nonfinite_skips, counters), StopPolicy(t, counters.step, env.device, job_start)
 
     params = count_params(model_args)
