@@ -158,11 +158,12 @@ class RNGStates(Stateful):
             torch.cuda.set_rng_state(state["cuda"], self.device)
 
 
-def load_model_weights(path: Path, parts: list[torch.nn.Module], model_args, setting: str) -> None:
+def load_model_weights(path: Path, parts: list[torch.nn.Module], model_args, setting: str,
+                       whole_model: bool = True) -> None:
     """Weights only, from a checkpoint step directory or a Hugging Face folder (safetensors + config.json)."""
     model = ModelParts(parts)
     if (path / ".metadata").is_file():
-        check_shapes(_saved_model_shapes(path), model.state_dict(), f"{setting}={path}")
+        check_shapes(_saved_model_shapes(path), model.state_dict(), f"{setting}={path}", whole_model)
         dcp.load({"model": model}, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         return
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
@@ -175,7 +176,7 @@ def load_model_weights(path: Path, parts: list[torch.nn.Module], model_args, set
     from models.hf import from_hf_state_dict
 
     weights = from_hf_state_dict({k: v for f in files for k, v in load_file(f).items()}, model_args)
-    check_shapes({k: tuple(v.shape) for k, v in weights.items()}, model.state_dict(), f"{setting}={path}")
+    check_shapes({k: tuple(v.shape) for k, v in weights.items()}, model.state_dict(), f"{setting}={path}", whole_model)
     for part in parts:  # full tensors in, each rank keeps its shards
         set_model_state_dict(part, weights, options=StateDictOptions(full_state_dict=True, strict=False))
 
@@ -194,8 +195,9 @@ class CheckpointManager:
     with the training collectives on the default group."""
 
     def __init__(self, output_dir: Path, cfg: CheckpointConfig, *, model_parts, optimizers, scheduler, loader,
-                 counters, config, model_args, device: torch.device, is_rank0: bool):
+                 counters, config, model_args, device: torch.device, is_rank0: bool, whole_model: bool = True):
         validate_checkpoint_config(cfg)
+        self.whole_model = whole_model  # False on a pipeline rank: its stages hold a share of the names
         self.root, self.output_dir, self.cfg, self.is_rank0 = Path(output_dir) / "checkpoints", Path(output_dir), cfg, is_rank0
         self.config, self.model_args, self.counters, self.parts = config, model_args, counters, model_parts
         self.states = {"model": ModelParts(model_parts), "optimizer": Optimizers(model_parts, optimizers),
@@ -245,12 +247,14 @@ class CheckpointManager:
         if not checkpoints:
             if self.cfg.initial_load:
                 start = time.perf_counter()
-                load_model_weights(Path(self.cfg.initial_load), self.parts, self.model_args, "--checkpoint.initial_load")
+                load_model_weights(Path(self.cfg.initial_load), self.parts, self.model_args, "--checkpoint.initial_load",
+                                   self.whole_model)
                 log.info("initial weights from %s (%.2fs)", self.cfg.initial_load, time.perf_counter() - start)
             return 0
         latest = checkpoints[-1]
         check_resume_config(saved_config(latest / CONFIG_FILE), self.config, latest)
-        check_shapes(_saved_model_shapes(latest), self.states["model"].state_dict(), f"checkpoint {latest}")
+        check_shapes(_saved_model_shapes(latest), self.states["model"].state_dict(), f"checkpoint {latest}",
+                     self.whole_model)
         if self.cfg.initial_load:
             log.info("checkpoint.initial_load is ignored: the run resumes from its own checkpoint %s", latest)
         metadata = FileSystemReader(str(latest)).read_metadata().state_dict_metadata

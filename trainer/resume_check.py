@@ -51,15 +51,16 @@ def check_resume_config(saved: dict, config, checkpoint: Path) -> None:
         log.info("resuming with changed settings: %s", ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changed))
 
 
-def check_shapes(saved: dict[str, tuple], model_state: dict, source: str) -> None:
-    """Every parameter of the model is in `saved` with its global shape, and nothing else is."""
+def check_shapes(saved: dict[str, tuple], model_state: dict, source: str, whole_model: bool = True) -> None:
+    """Every parameter of the model is in `saved` with its global shape, and nothing else is (a
+    pipeline rank, not the `whole_model`, holds only its stages' share)."""
     ours = {name: tuple(tensor.shape) for name, tensor in model_state.items()}
     problems = [f"{name} is {tuple(saved[name])} there but {shape} here" for name, shape in ours.items()
                 if name in saved and tuple(saved[name]) != shape]
     missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
     if missing:
         problems.append(f"missing there: {_some(missing)}")
-    if unexpected:
+    if unexpected and whole_model:
         problems.append(f"not in this model: {_some(unexpected)}")
     if problems:
         raise ConfigError(

@@ -105,14 +105,26 @@ def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -
             f"dp_shard); each rank takes global / dp sequences. Use e.g. {fix}.")
     if dims.pp > 1:  # schedule, stage count and micro-batches checked before any work
         micro = min(t.micro_batch_size, per_rank)
-        _, virtual = validate_pipeline(dims.pp, p.pp_schedule, model_args.n_layers, per_rank // micro,
-                                       virtual=p.pp_virtual_stages, tie_embeddings=model_args.tie_embeddings, tp=dims.tp)
-        if virtual > 1 and (config.checkpoint.interval > 0 or config.checkpoint.save_final):
-            raise ConfigError(f"parallel.pp_schedule={p.pp_schedule} holds {virtual} stages per rank, which this build "
-                              "cannot checkpoint yet (one optimizer per rank spans the stages). Use "
-                              "--checkpoint.interval=0 --checkpoint.save_final=false, or --parallel.pp_schedule=1F1B.")
+        validate_pipeline(dims.pp, p.pp_schedule, model_args.n_layers, per_rank // micro,
+                                       virtual=p.pp_virtual_stages, tie_embeddings=model_args.tie_embeddings)
     dims.build_mesh(env.device.type)
     return dims
+
+
+def stages_as_one_module(parts: list[torch.nn.Module]) -> torch.nn.Module:
+    """This rank's pipeline stages as one module holding the same parameters under their global
+    names (stages keep them, see parallel/pipeline.py), so the optimizer's parameter groups and the
+    checkpoint's keys are those of the whole model whatever the number of stages per rank. Never
+    called: the schedule runs the stages."""
+    union = torch.nn.Module()
+    union.layers = torch.nn.ModuleDict()
+    for part in parts:
+        for name, child in part.named_children():  # a stage's missing parts are None and skipped
+            if name == "layers":
+                union.layers.update(child)
+            else:
+                union.add_module(name, child)
+    return union
 
 
 def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
@@ -136,7 +148,8 @@ def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm:
     tokens = dims.all_reduce_dp(sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches))
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
     if pipeline is not None:
-        loss_sum = pipeline.step(micro_batches, tokens)
+        with autocast:  # the schedule interleaves forwards and backwards; autocast only changes the forwards
+            loss_sum = pipeline.step(micro_batches, tokens)
         micro_batches = []
     for index, (inputs, labels) in enumerate(micro_batches):
         set_micro_batch(model, dp_shard_mode, is_last=index == len(micro_batches) - 1)
@@ -203,7 +216,7 @@ def train(config: Config) -> dict:
         part.init_weights(config.job.seed)
     if pipeline is not None:
         pipeline.build()
-        model = torch.nn.ModuleList(parts)  # for the optimizer's parameter groups only
+        model = stages_as_one_module(parts)
     torch.manual_seed(config.job.seed)
 
     autocast = (torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
@@ -211,10 +224,11 @@ def train(config: Config) -> dict:
     optimizer = build_optimizer(model, config.optimizer, env.device.type)
     scheduler = build_lr_scheduler(optimizer, config.lr_schedule, t.steps)
     counters = RunCounters()
-    checkpointer = CheckpointManager(output_dir, config.checkpoint, model_parts=parts[:1] if pipeline else [model],
+    checkpointer = CheckpointManager(output_dir, config.checkpoint, model_parts=[model],
                                      optimizers=[optimizer],
                                      scheduler=scheduler, loader=loader, counters=counters, config=config,
-                                     model_args=model_args, device=env.device, is_rank0=env.is_logging_rank)
+                                     model_args=model_args, device=env.device, is_rank0=env.is_logging_rank,
+                                     whole_model=pipeline is None)
     if checkpointer.resume():  # the data position moved on: the batch read up front is not the next one
         first_batch = loader.next_batch()
     if counters.step >= t.steps:
