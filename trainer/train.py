@@ -16,7 +16,7 @@ from parallel.clip import clip_grad_norm_
 from parallel.dims import ParallelDims
 from parallel.fsdp import check_mode, set_micro_batch
 from parallel.parallelize import parallelize
-from parallel.pipeline import Pipeline, validate_pipeline
+from parallel.pipeline import Pipeline, bubble_fraction, validate_pipeline
 from parallel.tensor_parallel import loss_context
 from trainer.checkpoint import CheckpointManager, validate_checkpoint_config
 from trainer.config import Config, to_toml
@@ -25,6 +25,7 @@ from trainer.errors import ConfigError, RunAborted
 from trainer.launch import LaunchEnv, init_launch_env
 from trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
 from trainer.optim import build_lr_scheduler, build_optimizer
+from trainer.pipeline_timeline import PipelineTimeline
 from trainer.profiling import PhaseTimer, StepProfiler
 from trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy, validate_limits
 from trainer.tokenizer import build_tokenizer
@@ -249,6 +250,9 @@ def train(config: Config) -> dict:
                        resume=counters.step > 0) if env.is_logging_rank else None
     progress = Progress(t.steps, counters.step, config.logging.progress_bar) if env.is_logging_rank else None
     profiler = StepProfiler(config.profiling, output_dir, env.rank, env.device)
+    timeline = (PipelineTimeline(pipeline, config.profiling, counters.step + 1, env.device, output_dir / "profiles",
+                                 bubble_fraction(pipeline.pp, pipeline.n_microbatches, pipeline.virtual))
+                if pipeline is not None and config.profiling.enabled else None)
 
     record, first_step, checkpoint_seconds = {}, counters.step + 1, 0.0
     batch = first_batch
@@ -260,7 +264,7 @@ def train(config: Config) -> dict:
             micro_batches = [(x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)) for x, y in batch]
             timer.mark("data")
             step_start = time.perf_counter()
-            with profiler.snapshot_on_oom():
+            with profiler.snapshot_on_oom(), timeline.recording(step) if timeline else contextlib.nullcontext():
                 loss, grad_norm = train_step(model, micro_batches, optimizer, scaler, autocast, t.max_grad_norm,
                                              dims, config.parallel.dp_shard_mode, guard, timer, pipeline)
             profiler.step(step)
