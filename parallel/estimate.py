@@ -12,10 +12,10 @@ that produced:
 - optimizer: AdamW's exp_avg and exp_avg_sq per local (unpadded) shard in the master dtype, plus
   its 4-byte `step` per parameter. Counted from the shapes, never from running the optimizer under
   fake tensors (foreach AdamW inflated that figure);
-- activations: one micro-batch forward + backward of the TP + activation-checkpointed model on meta
-  tensors under `MemTracker` (FSDP does not change activations, so it is left out of that run;
-  each weight gradient is dropped once accumulated, as FSDP's reduce-scatter frees it). The peak
-  above parameters and buffers is the figure. If that run fails, the planner's analytic figure is
+- activations (parallel/estimate_activations.py): one micro-batch forward + backward of the TP +
+  activation-checkpointed model on meta tensors under `MemTracker` (FSDP does not change
+  activations, so it is left out of that run; each weight gradient is dropped once accumulated, as
+  FSDP's reduce-scatter frees it). The peak above parameters and buffers is the figure. If that run fails, the planner's analytic figure is
   used instead and labelled "predicted";
 - buffers: FSDP's gathered parameters in the compute dtype (zero3: two blocks, the one in use and
   the prefetched one, plus the root, which is never resharded after forward; zero1/zero2: the
@@ -35,16 +35,16 @@ import contextlib
 import dataclasses
 import logging
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from models import ModelArgs, Transformer
+from parallel.activation_checkpoint import _parse
 from parallel.dims import AXES, ParallelDims
+from parallel.estimate_activations import local_tensor, measure_stage_activations
 from parallel.parallelize import parallelize
 from trainer.config import Config
 from trainer.errors import ConfigError
@@ -191,15 +191,11 @@ class _TPOnly:
 
 
 # --- bytes from the sharded model ----------------------------------------------------------------------
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (DTensors: their local shards)."""
     seen, total = set(), 0
     for tensor in tensors:
-        local = _local(tensor)
+        local = local_tensor(tensor)
         storage = local.untyped_storage()
         key = (storage.device.type, storage.data_ptr()) if storage.device.type != "meta" else id(storage)
         if local.device.type == "meta":
@@ -211,7 +207,7 @@ def storage_bytes(tensors) -> int:
 
 
 def _padded_local_numel(param) -> int:
-    local = _local(param)
+    local = local_tensor(param)
     return local.untyped_storage().nbytes() // local.element_size()
 
 
@@ -221,18 +217,18 @@ def state_bytes(model: nn.Module, mode: str, microbatches: int, tp_local_numel: 
     parameters = storage_bytes(params)
     reduce_bytes = torch.tensor([], dtype=REDUCE_DTYPE).element_size()
     fsdp = any(hasattr(m, "_get_fsdp_state") for m in model.modules())
-    grad_numel = sum(_padded_local_numel(p) if fsdp else _local(p).numel() for p in params if p.requires_grad)
+    grad_numel = sum(_padded_local_numel(p) if fsdp else local_tensor(p).numel() for p in params if p.requires_grad)
     gradients = grad_numel * (reduce_bytes if fsdp else params[0].element_size())
     if mode == "zero1" and microbatches > 1 and fsdp:
         gradients += tp_local_numel * reduce_bytes  # unsharded accumulation until the last micro-batch
-    local_numel = sum(_local(p).numel() for p in params)
-    optimizer = sum(ADAMW_STATES * _local(p).numel() * p.element_size() + ADAMW_STEP_BYTES
+    local_numel = sum(local_tensor(p).numel() for p in params)
+    optimizer = sum(ADAMW_STATES * local_tensor(p).numel() * p.element_size() + ADAMW_STEP_BYTES
                     for p in params if p.requires_grad)
     return parameters, gradients, optimizer, local_numel
 
 
 def _tp_local_numel(module: nn.Module) -> int:
-    return sum(_local(p).numel() for p in module.parameters())
+    return sum(local_tensor(p).numel() for p in module.parameters())
 
 
 def buffer_bytes(tp_model: nn.Module, dims: ParallelDims, mode: str, param_dtype: torch.dtype) -> int:
@@ -247,72 +243,6 @@ def buffer_bytes(tp_model: nn.Module, dims: ParallelDims, mode: str, param_dtype
     gathered = (min(2, len(blocks)) * block + root) if mode == "zero3" else total
     return gathered * item + block * torch.tensor([], dtype=REDUCE_DTYPE).element_size()
 
-
-# --- activations ---------------------------------------------------------------------------------------
-def measure_activations(model: nn.Module, vocab_size: int, micro_batch: int, seq_len: int, tp_enabled: bool,
-                        device: str = "meta") -> tuple[int, int]:
-    """Peak bytes above parameters and buffers during one micro-batch's forward and backward, tracked
-    by MemTracker. Weight gradients are dropped once accumulated (FSDP reduce-scatters and frees
-    them; the kept shards are counted as gradients), so the figure is activations, their gradients
-    and the temporaries of backward. Also returns the elements of the weight gradients' storages as
-    autograd made them (under TP alone a vocabulary-parallel embedding gets a replicated, whole-table
-    gradient: DTensor's embedding backward does not keep the shard)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    from parallel.tensor_parallel import loss_context
-
-    grad_elements = {}
-
-    def drop(param):
-        local = _local(param.grad)
-        grad_elements[id(param)] = local.untyped_storage().nbytes() // local.element_size()
-        param.grad = None
-
-    handles = [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
-    tokens = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=device)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    tracker = MemTracker()
-    tracker.track_external(model)
-    try:
-        with tracker, _flash_on_meta(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")  # MemTracker on grad=None
-            base = _device_total(tracker.get_tracker_snapshot("current"), device)
-            logits = model(inputs)
-            with loss_context(tp_enabled):
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
-                loss.backward()
-            del logits, loss
-            peak = _device_total(tracker.get_tracker_snapshot("peak"), device)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return int(peak - base), sum(grad_elements.values())
-
-
-@contextlib.contextmanager
-def _flash_on_meta():
-    """On meta tensors SDPA falls back to its math path, which saves the seq x seq score matrix; a GPU
-    (flash / memory-efficient SDPA, our Triton kernel) and the CPU (flash for CPU) save only the output
-    and an fp32 log-sum-exp per query and head. While measuring, SDPA on meta tensors runs the flash op,
-    whose meta kernel has exactly those outputs. A patch of the function rather than a TorchFunctionMode:
-    modes are thread-local and checkpoint recomputation runs on autograd's thread."""
-    plain = F.scaled_dot_product_attention
-
-    def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if q.device.type != "meta" or attn_mask is not None or dropout_p:
-            return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                         enable_gqa=enable_gqa)
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[0]
-
-    F.scaled_dot_product_attention = flash
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = plain
-
-
-def _device_total(snapshot: dict, device: str) -> int:
-    return sum(stats["Total"] for dev, stats in snapshot.items() if torch.device(dev).type == device)
 
 
 # --- the planner's prediction ------------------------------------------------------------------------------
@@ -433,7 +363,11 @@ def estimate(config: Config, world_size: int, ranks: str = "first,last", hardwar
 def _activations(config, model_args, micro_batch, dims, prediction, measure, notes) -> tuple[int, str, int | None]:
     if measure:
         try:
-            peak, grads = measure_stage_activations(config, model_args, micro_batch, dims)
+            period = _parse(config.parallel.activation_checkpoint)[1]
+            build = lambda n: _build_rank_model(config, dataclasses.replace(model_args, n_layers=n), dims,  # noqa: E731
+                                                fsdp=False)
+            peak, grads = measure_stage_activations(build, model_args.n_layers, period, model_args.vocab_size,
+                                                    micro_batch, config.training.seq_len, dims.tp_enabled)
             return peak, "measured", grads
         except Exception as error:  # a fake/meta run that cannot be trusted is not reported as measured
             notes.append(f"activation run on meta tensors failed ({type(error).__name__}: {str(error)[:200]}); "
@@ -446,34 +380,6 @@ def _activations(config, model_args, micro_batch, dims, prediction, measure, not
     return int(prediction["activations"]), "predicted", None
 
 
-DIRECT_LAYERS = 8  # deeper models are measured at 2 and 3 checkpointing periods and extrapolated
-
-
-def measure_stage_activations(config: Config, model_args: ModelArgs, micro_batch: int, dims: ParallelDims,
-                              direct_layers: int = DIRECT_LAYERS) -> tuple[int, int]:
-    """(activation peak, weight-gradient elements) of one micro-batch through this rank's layers.
-
-    Blocks are identical, so the peak grows linearly in the number of checkpointing periods (one
-    block, or N blocks for selective:N): a model deeper than `direct_layers` is measured at 2 and 3
-    periods and extrapolated, which keeps the 1T model's 128 layers to a few seconds."""
-    from parallel.activation_checkpoint import _parse
-
-    period = _parse(config.parallel.activation_checkpoint)[1]
-    layers = model_args.n_layers
-    seq = config.training.seq_len
-
-    def run(n: int) -> tuple[int, int]:
-        args = dataclasses.replace(model_args, n_layers=n)
-        model = _build_rank_model(config, args, dims, fsdp=False)
-        return measure_activations(model, args.vocab_size, micro_batch, seq, dims.tp_enabled)
-
-    if layers <= max(direct_layers, 3 * period):
-        peak, grads = run(layers)
-    else:
-        (a, ga), (b, gb) = run(2 * period), run(3 * period)
-        periods = layers / period
-        peak, grads = int(round(a + (periods - 2) * (b - a))), int(round(ga + (periods - 2) * (gb - ga)))
-    return peak, grads
 
 
 # --- when it does not fit ------------------------------------------------------------------------------------

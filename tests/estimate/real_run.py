@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from models import Transformer
-from parallel.estimate import measure_activations, storage_bytes
+from parallel.estimate import storage_bytes
+from parallel.estimate_activations import measure_activations
 from parallel.parallelize import parallelize
 from parallel.tensor_parallel import apply_tensor_parallel, loss_context
 from parallel.activation_checkpoint import apply_activation_checkpointing
