@@ -9,7 +9,9 @@ replicated: parallel/tensor_parallel.py's plan):
   zero2  + 2 bytes: the gathered bf16 copy, kept through all micro-batches of the step
   zero1  + the bf16 copy, and gradients accumulate unsharded in fp32 until the last micro-batch
 (bytes per parameter), as parallel/fsdp.py does. The root (embeddings, final norm, output) is
-never resharded after forward, so under zero3 its bf16 copy is held through the step too.
+never resharded after forward, so under zero3 its bf16 copy is held through the step too. Under
+the zero-bubble schedules (split input- and weight-gradient passes) the trainer keeps pipeline
+stages unsharded after forward (parallel/pipeline.py says why), so zero3 costs what zero2 does.
 Activations follow Korthikanti et al. 2022 without dropout and with flash
 attention (no s^2 terms): 34 s b h bytes per GPT layer in bf16. With sequence parallelism the
 norm inputs are split over TP ranks, but DTensor saves the all-gathered inputs of the
@@ -176,7 +178,10 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     tokens = ms * seq_len
     sp = layout.sequence_parallel
     tp_numel, shard_numel = rank.numel(args, tp, layout.dp_shard)
-    parameters, gradients, optimizer = states_bytes(tp_numel, shard_numel, layout.dp_shard_mode)
+    mode = layout.dp_shard_mode
+    if mode == "zero3" and layout.pp > 1 and get_schedule(layout.pp_schedule).split_backward:
+        mode = "zero2"
+    parameters, gradients, optimizer = states_bytes(tp_numel, shard_numel, mode)
 
     n_ckpt = checkpointed_layers(layout.activation_checkpoint, rank.layers)
     full_layer = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False)
@@ -187,7 +192,7 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     layer_tp, _ = _numel(args, "block", tp, layout.dp_shard)
     root_tp = RankParams(0, rank.first, rank.last).numel(args, tp, layout.dp_shard)[0]
     # zero3: two gathered blocks (in use, prefetched) and the held root; all modes: an fp32 block's reduce-scatter
-    fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if layout.dp_shard_mode == "zero3" else 0)
+    fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if mode == "zero3" else 0)
     recompute = full_layer if n_ckpt else 0  # one checkpointed layer's activations, rebuilt in backward
     pipeline = 2 * layout.virtual_stages * tokens * args.dim / (tp if sp else 1) * ACTIVATION_BYTES if layout.pp > 1 else 0
     logits_grad = (4 + 2) * tokens * args.vocab_size / tp if rank.last else 0

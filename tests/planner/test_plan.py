@@ -58,6 +58,16 @@ def test_schedules_order_bubbles_and_memory():
     assert gpipe.memory.activations > one.memory.activations  # all 32 micro-batches in flight, not 16
 
 
+def test_zero_bubble_stages_hold_their_gathered_parameters_under_zero3():
+    """The trainer keeps split-backward stages unsharded after forward (parallel/pipeline.py), so
+    their zero3 costs zero2's parameter bytes; a full-backward schedule keeps zero3's saving."""
+    request = Request("gpt-175b", get_preset("gpt-175b"), load_profile("frontier"), 128, 64, 2048)
+    def memory(schedule, v, mode):
+        return evaluate(request, Layout(4, 8, 1, 4, mode, schedule, v, 1, 16, "full")).memory
+    assert memory("ZBVZeroBubble", 2, "zero3").parameters == memory("ZBVZeroBubble", 2, "zero2").parameters
+    assert memory("Interleaved1F1B", 2, "zero3").parameters < memory("Interleaved1F1B", 2, "zero2").parameters
+
+
 def test_thirty_thousand_gpus_in_seconds():
     start = time.perf_counter()
     request = Request("gpt-1t", get_preset("gpt-1t"), load_profile("dgx-h100"), 30720, 15360, 2048, 20e12)
