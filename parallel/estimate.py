@@ -1,33 +1,35 @@
-"""Dry run at full scale: the real model, TP plan and FSDP2 on the meta device under PyTorch's fake
-process group, one simulated rank at a time, and the bytes each rank would hold.
+"""Dry run at full scale: the real model, pipeline split, TP plan and FSDP2 on the meta device under
+PyTorch's fake process group, one simulated rank at a time, and the bytes each rank would hold.
 
 For each requested rank the fake group is (re)initialized with that rank, the config's layout is
-built with the trainer's own `build_parallel_dims` and `parallelize`, and memory is read off what
-that produced:
+built with the trainer's own `build_parallel_dims`, `Pipeline` and `parallelize`, and memory is read
+off what that produced (parallel/estimate_rank.py builds a rank, parallel/estimate_activations.py
+measures one micro-batch):
 
 - parameters: the unique storages of the local shards (FSDP2 allocates each shard padded to the
   ceiling of torch.chunk; an empty shard still allocates the padded rows);
-- gradients: FSDP2 reduce-scatters into padded shards in the reduce dtype (fp32); under zero1 with
-  several micro-batches the unsharded (TP-local) gradients also accumulate in fp32;
+- gradients: FSDP2 reduce-scatters into padded shards in the reduce dtype (fp32); the unsharded
+  (TP-local) fp32 gradients also accumulate through the step under zero1 with several
+  micro-batches and under any pipeline schedule (which turns gradient sync off until the last
+  micro-batch whatever the mode);
 - optimizer: AdamW's exp_avg and exp_avg_sq per local (unpadded) shard in the master dtype, plus
   its 4-byte `step` per parameter. Counted from the shapes, never from running the optimizer under
   fake tensors (foreach AdamW inflated that figure);
-- activations (parallel/estimate_activations.py): one micro-batch forward + backward of the TP +
-  activation-checkpointed model on meta tensors under `MemTracker` (FSDP does not change
-  activations, so it is left out of that run; each weight gradient is dropped once accumulated, as
-  FSDP's reduce-scatter frees it). The peak above parameters and buffers is the figure. If that run fails, the planner's analytic figure is
-  used instead and labelled "predicted";
-- buffers: FSDP's gathered parameters in the compute dtype (zero3: two blocks, the one in use and
-  the prefetched one, plus the root, which is never resharded after forward; zero1/zero2: the
-  whole model, kept through the step) and one block's unsharded fp32 gradient being
-  reduce-scattered, from the TP-local shapes; plus the planner's 1 GB framework allowance.
+- activations: one micro-batch forward + backward of each of the rank's stages, TP-sharded and
+  activation-checkpointed, on meta tensors under `MemTracker` (FSDP does not change activations, so
+  it is left out of that run; each weight gradient is dropped once accumulated, as FSDP's
+  reduce-scatter frees it). Without pipelining the peak is the figure; with it, the schedule's own
+  action list places those bytes in time (micro-batches in flight, the last stage's kept outputs).
+  If the run fails, the planner's analytic figure is used instead and labelled "predicted";
+- buffers: FSDP's gathered parameters in the compute dtype (zero3 without pipelining: two blocks,
+  the one in use and the prefetched one, plus the root, which is never resharded after forward;
+  otherwise the whole of the rank's stages, kept through the step) and one block's unsharded fp32
+  gradient being reduce-scattered, from the TP-local shapes; the pipeline's receive buffers (two
+  hidden states per micro-batch of the step on a middle stage); plus the planner's 1 GB framework
+  allowance. `detail` breaks gradients and buffers down.
 
-Pipeline parallelism: each rank's `stage` is its pp coordinate; with pp == 1 every rank holds stage
-0 of 1. The estimate refuses pp > 1 for now. The stage split slots into `_build_rank_model` (cut the
-meta model to this rank's stage with parallel/pipeline.py's split before parallelize, keyed by the
-rank's pp coordinate), `measure_stage_activations` (that stage's layers, times the schedule's
-in-flight micro-batches of the stage) and `buffer_bytes` (the stage's send/receive buffers); the
-activation figure is then per stage rather than shared by all ranks.
+Ranks that hold the same stages at the same dp_shard coordinate hold the same bytes, so `--ranks
+all` builds each such group once (parallel/estimate_rank.py says why).
 """
 from __future__ import annotations
 
@@ -38,23 +40,20 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from models import ModelArgs, Transformer
-from parallel.activation_checkpoint import _parse
-from parallel.dims import AXES, ParallelDims
-from parallel.estimate_activations import local_tensor, measure_stage_activations
-from parallel.parallelize import parallelize
+from models import ModelArgs
+from parallel.dims import ParallelDims
+from parallel.estimate_rank import (REDUCE_DTYPE, StagePlan, StageSource, coords_of, compute_dtype, fake_world,
+                                    gathered_and_reduce_bytes, hidden_state, in_flight_peak, item_bytes, meshed_dims,
+                                    micro_batch_data, rank_parts, receive_bytes, schedule_order, stage_facts,
+                                    state_bytes, storage_bytes, target_device)
 from trainer.config import Config
 from trainer.errors import ConfigError
 
+__all__ = ["Estimate", "RankEstimate", "estimate", "select_ranks", "shortfall_message", "advice", "storage_bytes",
+           "KINDS", "DEFAULT_RANKS"]
 log = logging.getLogger("trillion")
-
-REDUCE_DTYPE = torch.float32  # parallel/fsdp.py: gradients are reduced (and kept) in fp32
-ADAMW_STATES = 2  # exp_avg, exp_avg_sq
-ADAMW_STEP_BYTES = 4  # the float32 `step` tensor per parameter
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_RANKS = "first,middle,last,max"
 
 
 @dataclass
@@ -62,18 +61,19 @@ class RankEstimate:
     """The bytes one rank holds at its peak, by kind; `activations_source` says how that figure was got."""
     rank: int
     coords: dict  # mesh axis -> this rank's coordinate (axes of size > 1)
-    stage: int  # pipeline stage (0 while pp == 1)
+    stage: int  # pipeline rank, its pp coordinate (0 while pp == 1)
     parameters: int
     gradients: int
     optimizer: int
     activations: int
     activations_source: str  # "measured" (meta run under MemTracker) | "predicted" (planner's formula)
-    buffers: int  # FSDP gathered parameters and reduce-scatter input
+    buffers: int  # FSDP gathered parameters and reduce-scatter input, pipeline receive buffers
     framework: int  # context, workspaces (the planner's allowance, not measured)
     parameter_count: int  # local elements, unpadded
     capacity: float | None = None  # bytes of the device; None: unknown
     usable: float | None = None  # capacity x the planner's headroom
     planner: dict | None = None  # the planner's prediction for this layout (bytes by kind), None if it has none
+    detail: dict = field(default_factory=dict)  # the parts of gradients and buffers, stages, micro-batches in flight
 
     @property
     def total(self) -> int:
@@ -106,36 +106,9 @@ class Estimate:
 
 
 # --- set-up ----------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def fake_world(rank: int, world_size: int):
-    """This process as `rank` of a fake process group of `world_size` (collectives do nothing)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("estimate needs a process without a process group (it simulates its own)")
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def target_device(config: Config) -> str:
-    """The device the run is meant for: cpu only when the config says so."""
-    return "cpu" if config.job.device == "cpu" else "cuda"
-
-
-def compute_dtype(config: Config) -> torch.dtype:
-    if config.training.dtype == "auto":
-        return torch.bfloat16 if target_device(config) == "cuda" else torch.float32
-    if config.training.dtype not in DTYPES:
-        raise ConfigError(f"training.dtype={config.training.dtype!r} is not known. Use auto, bf16, fp16 or fp32.")
-    return DTYPES[config.training.dtype]
-
-
-def _layout(config: Config, world_size: int, model_args: ModelArgs):
-    """ParallelDims checked against world, model and batch, exactly as `trillion train` checks them
-    (its mesh is built later, per simulated rank)."""
+def _layout(config: Config, world_size: int, model_args: ModelArgs) -> ParallelDims:
+    """ParallelDims checked against world, model, batch and pipeline schedule, exactly as `trillion
+    train` checks them (its mesh is built later, per simulated rank)."""
     from trainer.launch import LaunchEnv
     from trainer.train import build_parallel_dims, validate_training
 
@@ -145,7 +118,7 @@ def _layout(config: Config, world_size: int, model_args: ModelArgs):
     with fake_world(0, world_size):
         dims = build_parallel_dims(config, env, model_args)
     dims.mesh = None
-    return dims, env
+    return dims
 
 
 def model_args_for(config: Config) -> ModelArgs:
@@ -154,107 +127,167 @@ def model_args_for(config: Config) -> ModelArgs:
     return build_model_args(config, tokenizer_vocab=0)
 
 
-def _coords(dims: ParallelDims, rank: int) -> dict:
-    """Mesh coordinates of `rank` (tp innermost, pp outermost; see parallel/dims.py)."""
-    coords, rest = {}, rank
-    for name in reversed(AXES):
-        size = getattr(dims, name)
-        coords[name] = rest % size
-        rest //= size
-    return {name: coords[name] for name in AXES if getattr(dims, name) > 1}
+# --- the simulated ranks ----------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet():
+    """The trainer's info lines (a pipeline's split, ...) once per simulated rank would bury the result."""
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
-def _new_dims(dims: ParallelDims) -> ParallelDims:
-    return ParallelDims(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp,
-                        world_size=dims.world_size)
+class _Simulation:
+    """One layout's ranks, each built as `rank` of a fake world; what ranks of the same stage shapes
+    (and dp_shard coordinate, for the sharded states) share is built once."""
+
+    def __init__(self, config: Config, model_args: ModelArgs, dims: ParallelDims, micro_batch: int,
+                 microbatches: int, measure: bool, prediction: dict | None, notes: list[str]):
+        self.config, self.dims, self.micro_batch, self.microbatches = config, dims, micro_batch, microbatches
+        self.measure, self.prediction, self.notes = measure, prediction, notes
+        self.plan = StagePlan(config, model_args.n_layers, dims.pp)
+        self.source = StageSource(model_args, dims.pp)
+        self.states, self.facts = {}, {}  # (stage shapes, dp_shard coordinate) -> States; StageShape -> StageFacts
+        self.hidden = self.order = None  # the residual stream between stages; the schedule's actions (pp > 1)
+
+    def _key(self, rank: int) -> tuple:
+        coords = coords_of(self.dims, rank)
+        return self.plan.rank_shapes(coords.get("pp", 0)), coords.get("dp_shard", 0)
+
+    def _simulate(self, rank: int) -> None:
+        """Build, as `rank` of a fake world, whatever `rank` needs that no earlier rank built."""
+        key = self._key(rank)
+        missing = [shape for shape in dict.fromkeys(key[0]) if shape not in self.facts]
+        pipelined = self.dims.pp > 1
+        if key in self.states and not missing and (self.order is not None or not pipelined):
+            return
+        with fake_world(rank, self.dims.world_size), _quiet():
+            dims = meshed_dims(self.dims)
+            if pipelined and self.hidden is None:
+                self.hidden = hidden_state(self.config, self.source, dims, self.micro_batch)
+            for shape in missing:
+                self.facts[shape] = self._stage_facts(shape, dims)
+            if key not in self.states or self.order is None and pipelined:
+                built = rank_parts(self.config, self.source.whole(), dims, self.microbatches)
+                self.states[key] = state_bytes(built.parts if pipelined else built)
+                if pipelined and self.order is None:
+                    self.order = schedule_order(built)
+
+    def _stage_facts(self, shape, dims):
+        index = self.plan.index_of(shape)
+        inputs, target = micro_batch_data(self.config, shape, self.hidden, self.micro_batch)
+        run = lambda measure: stage_facts(self.config, self.source, dims, self.plan.ranges[index], shape,  # noqa: E731
+                                          inputs, target, measure)
+        if self.measure:
+            try:
+                return run(True)
+            except Exception as error:  # a fake/meta run that cannot be trusted is not reported as measured
+                self.measure = False
+                self.notes.append(f"activation run on meta tensors failed ({type(error).__name__}: "
+                                  f"{str(error)[:200]}); the activation figure is the planner's prediction")
+                log.warning("estimate: %s", self.notes[-1])
+        return run(False)
+
+    def most_parameters_rank(self) -> int:
+        """The first rank of the pipeline rank whose stages hold the most parameters, at dp_shard
+        coordinate 0 (FSDP's ceiling shards)."""
+        per_stage = self.dims.world_size // self.dims.pp
+        candidates = {}
+        for pp_rank in range(self.dims.pp):
+            candidates.setdefault(self.plan.rank_shapes(pp_rank), pp_rank * per_stage)
+        for rank in candidates.values():
+            self._simulate(rank)
+        return max(candidates.values(), key=lambda r: (self.states[self._key(r)].parameters, -r))
+
+    def rank(self, rank: int) -> dict:
+        """The RankEstimate fields of `rank` (all but capacity and the planner's figures)."""
+        self._simulate(rank)
+        p, dims = self.config.parallel, self.dims
+        coords = coords_of(dims, rank)
+        pp_rank, pipelined = coords.get("pp", 0), dims.pp > 1
+        shapes, _ = key = self._key(rank)
+        states, facts = self.states[key], [self.facts[shape] for shape in shapes]
+        memory = {index: self.facts[self.plan.shape(index)].memory for index in self.plan.indices(pp_rank)}
+        numel = sum(f.numel for f in facts)
+        accumulation = numel * item_bytes(REDUCE_DTYPE) if dims.fsdp_enabled and (
+            pipelined or p.dp_shard_mode == "zero1" and self.microbatches > 1) else 0
+        shards = states.gradient_shards
+        if not dims.fsdp_enabled and None not in memory.values():  # autograd's gradients, as measured
+            shards = sum(f.memory.grad_elements for f in facts) * states.gradient_item
+        gathered, reduce = (gathered_and_reduce_bytes(facts, pipelined, p.dp_shard_mode, compute_dtype(self.config))
+                            if dims.fsdp_enabled else (0, 0))
+        receive = receive_bytes(self.plan, pp_rank, self.microbatches, self.hidden) if pipelined else 0
+        if None in memory.values():
+            if self.prediction is None:
+                raise ConfigError("The activation peak could not be measured and the planner has no model of "
+                                  "this layout's activation checkpointing; use --parallel.activation_checkpoint="
+                                  "none, selective or full.")
+            activations, source, in_flight, outputs = int(self.prediction["activations"]), "predicted", None, 0
+        elif pipelined:
+            activations, in_flight, outputs = in_flight_peak(self.order[pp_rank], memory, self.plan.last_index)
+            source = "measured"
+        else:
+            activations, source, in_flight, outputs = memory[0].peak, "measured", 1, 0
+        return dict(rank=rank, coords=coords, stage=pp_rank, parameters=states.parameters,
+                    gradients=shards + accumulation, optimizer=states.optimizer, activations=activations,
+                    activations_source=source, buffers=gathered + reduce + receive, parameter_count=states.count,
+                    detail={"stages": self.plan.indices(pp_rank), "gradient_shards": shards,
+                            "gradient_accumulation": accumulation, "fsdp_gathered": gathered,
+                            "reduce_scatter": reduce, "pipeline_receive": receive, "in_flight": in_flight,
+                            "kept_outputs": outputs})
 
 
-def _build_rank_model(config: Config, model_args: ModelArgs, dims: ParallelDims, fsdp: bool) -> nn.Module:
-    """This rank's model on meta, parallelized by the trainer's own path (its stage's part once pp
-    lands). Without `fsdp`: the same TP plan and activation checkpointing, no FSDP, in the compute
-    dtype (the activation run)."""
-    with torch.device("meta"):
-        model = Transformer(model_args)
-    if not fsdp:
-        model.to(compute_dtype(config))
-    parallelize(model, dims if fsdp else _TPOnly(dims), dp_shard_mode=config.parallel.dp_shard_mode,
-                activation_checkpoint=config.parallel.activation_checkpoint, compile=False,
-                param_dtype=compute_dtype(config))
-    return model
+# --- the dry run ----------------------------------------------------------------------------------------------
+def estimate(config: Config, world_size: int, ranks: str = DEFAULT_RANKS, hardware: str | None = None,
+             measure: bool = True, progress=None) -> Estimate:
+    """Per-rank memory of `config`'s layout at `world_size`, simulating each selected rank in turn."""
+    from parallel.planner_memory import FRAMEWORK_BYTES, MEMORY_HEADROOM
 
-
-class _TPOnly:
-    """The layout parallelize sees for the activation run: the same TP mesh, no FSDP."""
-
-    def __init__(self, dims: ParallelDims):
-        self.tp_enabled, self.tp_mesh, self.fsdp_enabled, self.fsdp_mesh = dims.tp_enabled, dims.tp_mesh, False, None
-
-
-# --- bytes from the sharded model ----------------------------------------------------------------------
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (DTensors: their local shards)."""
-    seen, total = set(), 0
-    for tensor in tensors:
-        local = local_tensor(tensor)
-        storage = local.untyped_storage()
-        key = (storage.device.type, storage.data_ptr()) if storage.device.type != "meta" else id(storage)
-        if local.device.type == "meta":
-            key = ("meta", id(tensor))  # meta storages have no addresses; FSDP2 gives each shard its own
-        if key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
-
-
-def _padded_local_numel(param) -> int:
-    local = local_tensor(param)
-    return local.untyped_storage().nbytes() // local.element_size()
-
-
-def state_bytes(model: nn.Module, mode: str, microbatches: int, tp_local_numel: int) -> tuple[int, int, int, int]:
-    """(parameters, gradients, optimizer, local parameter count) of the sharded `model`."""
-    params = [p for p in model.parameters()]
-    parameters = storage_bytes(params)
-    reduce_bytes = torch.tensor([], dtype=REDUCE_DTYPE).element_size()
-    fsdp = any(hasattr(m, "_get_fsdp_state") for m in model.modules())
-    grad_numel = sum(_padded_local_numel(p) if fsdp else local_tensor(p).numel() for p in params if p.requires_grad)
-    gradients = grad_numel * (reduce_bytes if fsdp else params[0].element_size())
-    if mode == "zero1" and microbatches > 1 and fsdp:
-        gradients += tp_local_numel * reduce_bytes  # unsharded accumulation until the last micro-batch
-    local_numel = sum(local_tensor(p).numel() for p in params)
-    optimizer = sum(ADAMW_STATES * local_tensor(p).numel() * p.element_size() + ADAMW_STEP_BYTES
-                    for p in params if p.requires_grad)
-    return parameters, gradients, optimizer, local_numel
-
-
-def _tp_local_numel(module: nn.Module) -> int:
-    return sum(local_tensor(p).numel() for p in module.parameters())
-
-
-def buffer_bytes(tp_model: nn.Module, dims: ParallelDims, mode: str, param_dtype: torch.dtype) -> int:
-    """FSDP's gathered parameters (compute dtype) and one block's fp32 reduce-scatter input."""
-    if not dims.fsdp_enabled:
-        return 0
-    blocks = list(tp_model.layers.values())
-    block = max((_tp_local_numel(b) for b in blocks), default=0)
-    total = _tp_local_numel(tp_model)
-    root = total - sum(_tp_local_numel(b) for b in blocks)
-    item = torch.tensor([], dtype=param_dtype).element_size()
-    gathered = (min(2, len(blocks)) * block + root) if mode == "zero3" else total
-    return gathered * item + block * torch.tensor([], dtype=REDUCE_DTYPE).element_size()
-
+    start = time.perf_counter()
+    if world_size < 1:
+        raise ConfigError(f"--world-size {world_size} must be a positive number of processes.")
+    model_args = model_args_for(config)
+    dims = _layout(config, world_size, model_args)  # raises ConfigError for bad degrees, model, batch or schedule
+    t = config.training
+    micro_batch = min(t.micro_batch_size, t.global_batch_size // dims.dp_size)
+    microbatches = t.global_batch_size // (micro_batch * dims.dp_size)
+    device_name, capacity = device_capacity(hardware)
+    result = Estimate(config.model.name, world_size, {}, device_name)
+    simulation = _Simulation(config, model_args, dims, micro_batch, microbatches, measure, None, result.notes)
+    plan = simulation.plan
+    simulation.prediction = prediction = planner_prediction(config, model_args, dims, micro_batch, microbatches,
+                                                            plan.virtual)
+    result.layout = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
+                     "tp": dims.tp, "dp_shard_mode": config.parallel.dp_shard_mode,
+                     "activation_checkpoint": config.parallel.activation_checkpoint, "micro_batch_size": micro_batch,
+                     "microbatches": microbatches, "seq_len": t.seq_len, "global_batch_size": t.global_batch_size,
+                     "compute_dtype": str(compute_dtype(config)).removeprefix("torch."),
+                     "pp_schedule": plan.schedule if dims.pp > 1 else None, "pp_virtual_stages": plan.virtual,
+                     "stage_units": [[u.start, u.stop] for u in plan.ranges] if dims.pp > 1 else None}
+    selected = select_ranks(ranks, world_size, dims.pp, simulation.most_parameters_rank)
+    framework = int(FRAMEWORK_BYTES) if target_device(config) == "cuda" else 0
+    for index, rank in enumerate(selected):
+        result.ranks.append(RankEstimate(**simulation.rank(rank), framework=framework, capacity=capacity,
+                                         usable=None if capacity is None else capacity * MEMORY_HEADROOM,
+                                         planner=prediction))
+        if progress is not None:
+            progress(index + 1, len(selected), rank)
+    result.seconds = time.perf_counter() - start
+    return result
 
 
 # --- the planner's prediction ------------------------------------------------------------------------------
 def planner_prediction(config: Config, model_args: ModelArgs, dims: ParallelDims, micro_batch: int,
-                       microbatches: int) -> dict | None:
+                       microbatches: int, virtual: int = 1) -> dict | None:
     """The planner's per-GPU bytes for this layout (its fullest rank), or None where it has no model of it."""
     from parallel.planner_layout import Layout
     from parallel.planner_memory import layout_memory
 
     p = config.parallel
     layout = Layout(tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
-                    dp_shard_mode=p.dp_shard_mode, pp_schedule=p.pp_schedule, virtual_stages=1,
+                    dp_shard_mode=p.dp_shard_mode, pp_schedule=p.pp_schedule, virtual_stages=virtual,
                     micro_batch_size=micro_batch, microbatches=microbatches, activation_checkpoint=p.activation_checkpoint)
     try:
         memory = layout_memory(model_args, layout, config.training.seq_len)
@@ -266,22 +299,22 @@ def planner_prediction(config: Config, model_args: ModelArgs, dims: ParallelDims
 
 
 # --- which ranks -------------------------------------------------------------------------------------------
-def select_ranks(spec: str, world_size: int) -> list[int]:
-    """first, last, max (the rank FSDP gives the ceiling shards: dp_shard coordinate 0, i.e. rank 0
-    while pp == 1), all, or rank numbers, comma-separated."""
+def select_ranks(spec: str, world_size: int, pp: int = 1, most_parameters=lambda: 0) -> list[int]:
+    """first, middle (the first rank of pipeline rank pp // 2), last, max (the rank with the most
+    parameters: `most_parameters()`), all, or rank numbers, comma-separated; duplicates dropped."""
     if spec.strip() == "all":
         return list(range(world_size))
+    named = {"first": lambda: 0, "middle": lambda: pp // 2 * (world_size // pp), "last": lambda: world_size - 1,
+             "max": most_parameters}
     ranks = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
-        if item in ("first", "max"):
-            rank = 0
-        elif item == "last":
-            rank = world_size - 1
+        if item in named:
+            rank = named[item]()
         elif item.isdigit() and int(item) < world_size:
             rank = int(item)
         else:
-            raise ConfigError(f"--ranks {spec!r}: {item!r} is not first, last, max, all or a rank below the world "
-                              f"size {world_size}. E.g. --ranks first,last or --ranks 0,17,{world_size - 1}.")
+            raise ConfigError(f"--ranks {spec!r}: {item!r} is not first, middle, last, max, all or a rank below the "
+                              f"world size {world_size}. E.g. --ranks first,last or --ranks 0,17,{world_size - 1}.")
         if rank not in ranks:
             ranks.append(rank)
     if not ranks:
@@ -303,85 +336,6 @@ def device_capacity(hardware: str | None) -> tuple[str | None, float | None]:
     return None, None
 
 
-# --- the dry run ----------------------------------------------------------------------------------------------
-def estimate(config: Config, world_size: int, ranks: str = "first,last", hardware: str | None = None,
-             measure: bool = True, progress=None) -> Estimate:
-    """Per-rank memory of `config`'s layout at `world_size`, simulating each selected rank in turn."""
-    from parallel.planner_memory import FRAMEWORK_BYTES, MEMORY_HEADROOM
-
-    start = time.perf_counter()
-    if world_size < 1:
-        raise ConfigError(f"--world-size {world_size} must be a positive number of processes.")
-    if config.parallel.pp > 1:
-        raise ConfigError(f"parallel.pp={config.parallel.pp}: trillion estimate does not simulate pipeline stages yet "
-                          "(no per-stage split or in-flight micro-batches), so it would report wrong figures. Use "
-                          "--parallel.pp=1 and spread the model with dp_shard and tp, or `trillion plan` for a "
-                          "pipeline layout's predicted memory.")
-    model_args = model_args_for(config)
-    dims, _ = _layout(config, world_size, model_args)  # raises ConfigError for bad degrees, model or batch
-    t = config.training
-    micro_batch = min(t.micro_batch_size, t.global_batch_size // dims.dp_size)
-    microbatches = t.global_batch_size // (micro_batch * dims.dp_size)
-    mode, dtype = config.parallel.dp_shard_mode, compute_dtype(config)
-    device_name, capacity = device_capacity(hardware)
-    prediction = planner_prediction(config, model_args, dims, micro_batch, microbatches)
-    result = Estimate(config.model.name, world_size,
-                      {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-                       "tp": dims.tp, "dp_shard_mode": mode, "activation_checkpoint": config.parallel.activation_checkpoint,
-                       "micro_batch_size": micro_batch, "microbatches": microbatches, "seq_len": t.seq_len,
-                       "compute_dtype": str(dtype).removeprefix("torch.")}, device_name)
-    activations = source = grad_elements = buffers = tp_local = None
-    selected = select_ranks(ranks, world_size)
-    for index, rank in enumerate(selected):
-        with fake_world(rank, world_size):
-            rank_dims = _new_dims(dims)
-            rank_dims.build_mesh("cpu")
-            if activations is None:  # the same on every rank of a stage: TP splits evenly (validated)
-                tp_model = _build_rank_model(config, model_args, rank_dims, fsdp=False)
-                tp_local = _tp_local_numel(tp_model)
-                buffers = buffer_bytes(tp_model, rank_dims, mode, dtype)
-                del tp_model
-                activations, source, grad_elements = _activations(config, model_args, micro_batch, rank_dims,
-                                                                  prediction, measure, result.notes)
-            model = _build_rank_model(config, model_args, rank_dims, fsdp=True)
-            parameters, gradients, optimizer, count = state_bytes(model, mode, microbatches, tp_local)
-            if not rank_dims.fsdp_enabled and grad_elements is not None:  # autograd's gradients, as measured
-                gradients = grad_elements * next(model.parameters()).element_size()
-            del model
-        result.ranks.append(RankEstimate(
-            rank=rank, coords=_coords(dims, rank), stage=_coords(dims, rank).get("pp", 0), parameters=parameters,
-            gradients=gradients, optimizer=optimizer, activations=activations, activations_source=source,
-            buffers=buffers, framework=int(FRAMEWORK_BYTES) if target_device(config) == "cuda" else 0,
-            parameter_count=count, capacity=capacity,
-            usable=None if capacity is None else capacity * MEMORY_HEADROOM, planner=prediction))
-        if progress is not None:
-            progress(index + 1, len(selected), rank)
-    result.seconds = time.perf_counter() - start
-    return result
-
-
-def _activations(config, model_args, micro_batch, dims, prediction, measure, notes) -> tuple[int, str, int | None]:
-    if measure:
-        try:
-            period = _parse(config.parallel.activation_checkpoint)[1]
-            build = lambda n: _build_rank_model(config, dataclasses.replace(model_args, n_layers=n), dims,  # noqa: E731
-                                                fsdp=False)
-            peak, grads = measure_stage_activations(build, model_args.n_layers, period, model_args.vocab_size,
-                                                    micro_batch, config.training.seq_len, dims.tp_enabled)
-            return peak, "measured", grads
-        except Exception as error:  # a fake/meta run that cannot be trusted is not reported as measured
-            notes.append(f"activation run on meta tensors failed ({type(error).__name__}: {str(error)[:200]}); "
-                         "the activation figure is the planner's prediction")
-            log.warning("estimate: %s", notes[-1])
-    if prediction is None:
-        raise ConfigError("The activation peak could not be measured and the planner has no model of "
-                          "this layout's activation checkpointing; use --parallel.activation_checkpoint=none, "
-                          "selective or full.")
-    return int(prediction["activations"]), "predicted", None
-
-
-
-
 # --- when it does not fit ------------------------------------------------------------------------------------
 KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers", "framework")
 
@@ -390,22 +344,51 @@ def advice(rank: RankEstimate, layout: dict) -> str:
     """What dominates the rank's memory and which setting to change."""
     kind = max(KINDS, key=lambda k: getattr(rank, k))
     share = getattr(rank, kind) / rank.total
+    pipelined, now = layout["pp"] > 1, lambda key: f"now {layout[key]}"  # noqa: E731
+    more_stages = f"--parallel.pp ({now('pp')}: fewer layers per stage), " if pipelined else ""
     if kind in ("parameters", "gradients", "optimizer"):
-        fix = (f"shard the model states over more ranks: raise --parallel.dp_shard (now {layout['dp_shard']}, with "
-               f"dp_replicate {layout['dp_replicate']}) or --parallel.tp (now {layout['tp']}), or launch more GPUs")
-        if layout["dp_shard_mode"] != "zero3":
-            fix += f"; --parallel.dp_shard_mode=zero3 (now {layout['dp_shard_mode']}) frees the gathered copy"
+        fix = (f"shard the model states over more ranks: raise {more_stages}--parallel.dp_shard ({now('dp_shard')}, "
+               f"with dp_replicate {layout['dp_replicate']}) or --parallel.tp ({now('tp')}), or launch more GPUs")
+        if pipelined and kind == "gradients":
+            fix += ("; the pipeline schedule accumulates each stage's unsharded fp32 gradients through the step "
+                    "whatever parallel.dp_shard_mode says")
+        elif layout["dp_shard_mode"] != "zero3" and not pipelined:
+            fix += f"; --parallel.dp_shard_mode=zero3 ({now('dp_shard_mode')}) frees the gathered copy"
+    elif kind == "activations" and 2 * rank.detail.get("kept_outputs", 0) >= rank.activations / 2:
+        fix = (f"the last stage keeps the logits of all {layout['microbatches']} micro-batches until the step ends "
+               f"(the pipeline schedule returns them; {_size(rank.detail['kept_outputs'])}, twice that while "
+               f"it concatenates them): fewer sequences per pipeline, a smaller --training.global_batch_size "
+               f"({now('global_batch_size')}) or a larger --parallel.dp_shard ({now('dp_shard')}); a larger "
+               f"--parallel.tp ({now('tp')}) splits the logits")
     elif kind == "activations":
-        fix = (f"--parallel.activation_checkpoint=full (now {layout['activation_checkpoint']})"
-               if layout["activation_checkpoint"] != "full" else "")
-        fix = "; ".join(x for x in (fix, f"a smaller --training.micro_batch_size (now {layout['micro_batch_size']})",
-                                    f"a larger --parallel.tp (now {layout['tp']})") if x)
+        fixes = [f"--parallel.activation_checkpoint=full ({now('activation_checkpoint')})"
+                 if layout["activation_checkpoint"] != "full" else "",
+                 f"--parallel.pp_schedule=1F1B ({now('pp_schedule')} keeps all {layout['microbatches']} micro-batches "
+                 "in flight)" if layout["pp_schedule"] in ("GPipe", "LoopedBFS") else "",
+                 f"a smaller --training.micro_batch_size ({now('micro_batch_size')})",
+                 f"a larger --parallel.tp ({now('tp')})"]
+        fix = "; ".join(x for x in fixes if x)
     elif kind == "buffers":
-        fix = (f"--parallel.dp_shard_mode=zero3 (now {layout['dp_shard_mode']}) keeps only two blocks gathered"
-               if layout["dp_shard_mode"] != "zero3" else f"a larger --parallel.tp (now {layout['tp']}) shrinks each gathered block")
+        parts = {"pipeline_receive": 0, "fsdp_gathered": 0, **rank.detail}
+        if parts["pipeline_receive"] >= parts["fsdp_gathered"]:
+            fix = (f"the pipeline's receive buffers ({_size(parts['pipeline_receive'])}: an activation and a "
+                   f"gradient per micro-batch of the step, {layout['microbatches']}) shrink with fewer sequences per "
+                   f"pipeline: a smaller --training.global_batch_size ({now('global_batch_size')}) or a larger "
+                   f"--parallel.dp_shard ({now('dp_shard')})")
+        elif pipelined:
+            fix = (f"the pipeline schedule keeps the rank's stages gathered through the step whatever "
+                   f"parallel.dp_shard_mode says: smaller stages, a larger {more_stages}or --parallel.tp ({now('tp')})")
+        elif layout["dp_shard_mode"] != "zero3":
+            fix = f"--parallel.dp_shard_mode=zero3 ({now('dp_shard_mode')}) keeps only two blocks gathered"
+        else:
+            fix = f"a larger --parallel.tp ({now('tp')}) shrinks each gathered block"
     else:
         fix = "a device with more memory"
-    return f"{kind} dominate ({getattr(rank, kind) / 1e9:.1f} GB, {share:.0%}); to fit, {fix}"
+    return f"{kind} dominate ({_size(getattr(rank, kind))}, {share:.0%}); to fit, {fix}"
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 def shortfall_message(result: Estimate) -> str | None:
@@ -415,8 +398,8 @@ def shortfall_message(result: Estimate) -> str | None:
         return None
     worst = max(over, key=lambda r: r.total - r.usable)
     where = ", ".join(f"{k} {v}" for k, v in worst.coords.items()) or "the only rank"
-    return (f"rank {worst.rank} ({where}) of {result.world_size} needs {worst.total / 1e9:.1f} GB but a "
-            f"{result.device} offers {worst.usable / 1e9:.1f} GB usable ({worst.capacity / 1e9:.0f} GB at the planner's "
-            f"headroom): short by {(worst.total - worst.usable) / 1e9:.1f} GB"
+    return (f"rank {worst.rank} ({where}) of {result.world_size} needs {_size(worst.total)} but a "
+            f"{result.device} offers {_size(worst.usable)} usable ({_size(worst.capacity)} at the planner's "
+            f"headroom): short by {_size(worst.total - worst.usable)}"
             + (f" ({len(over)} of the {len(result.ranks)} simulated ranks do not fit)" if len(over) > 1 else "")
             + f". {advice(worst, result.layout)[0].upper()}{advice(worst, result.layout)[1:]}.")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,14 +20,32 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
-def measure_activations(model: nn.Module, vocab_size: int, micro_batch: int, seq_len: int, tp_enabled: bool,
-                        device: str = "meta") -> tuple[int, int]:
-    """Peak bytes above parameters and buffers during one micro-batch's forward and backward, tracked
-    by MemTracker. Weight gradients are dropped once accumulated (FSDP reduce-scatters and frees
-    them; the kept shards are counted as gradients), so the figure is activations, their gradients
-    and the temporaries of backward. Also returns the elements of the weight gradients' storages as
-    autograd made them (under TP alone a vocabulary-parallel embedding gets a replicated, whole-table
-    gradient: DTensor's embedding backward does not keep the shard)."""
+@dataclass(frozen=True)
+class MicroBatchMemory:
+    """One micro-batch through one stage (the whole model without pipelining): bytes above what
+    existed before it (parameters, the stage input, the gradient arriving for its output)."""
+    held: int  # from the end of its forward (loss included on the last stage) until its backward
+    forward_peak: int
+    peak: int  # forward and backward
+    output: int  # the stage output (the logits on the last stage), local shard
+    grad_elements: int  # weight-gradient elements as autograd made them
+
+    def scaled(self, other: "MicroBatchMemory", factor: float) -> "MicroBatchMemory":
+        """self + factor x (other - self), field by field: extrapolation in depth."""
+        return MicroBatchMemory(**{f: int(round(getattr(self, f) + factor * (getattr(other, f) - getattr(self, f))))
+                                   for f in self.__dataclass_fields__})
+
+
+def measure_micro_batch(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, tp_enabled: bool,
+                        last: bool) -> MicroBatchMemory:
+    """Forward and backward of one micro-batch under MemTracker. `inputs`: tokens, or the hidden state a
+    later stage receives; `target`: the labels on the `last` stage (its loss is the trainer's), else
+    the gradient the next stage sends back for the output. Both exist before tracking starts, as the
+    pipeline's receive buffers do. Weight gradients are dropped once accumulated (FSDP reduce-scatters
+    and frees them; the kept shards are counted as gradients), so the figures are activations, their
+    gradients and the temporaries of backward. Under TP alone a vocabulary-parallel embedding gets a
+    replicated, whole-table gradient (DTensor's embedding backward does not keep the shard), which
+    `grad_elements` reports."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from parallel.tensor_parallel import loss_context
@@ -38,25 +57,35 @@ def measure_activations(model: nn.Module, vocab_size: int, micro_batch: int, seq
         grad_elements[id(param)] = local.untyped_storage().nbytes() // local.element_size()
         param.grad = None
 
+    device = local_tensor(inputs).device.type
     handles = [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
-    tokens = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=device)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
     tracker = MemTracker()
     tracker.track_external(model)
     try:
-        with tracker, _flash_on_meta(), warnings.catch_warnings():
+        with tracker, _flash_on_meta(), warnings.catch_warnings(), loss_context(tp_enabled and last):
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")  # MemTracker on grad=None
             base = _device_total(tracker.get_tracker_snapshot("current"), device)
-            logits = model(inputs)
-            with loss_context(tp_enabled):
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
-                loss.backward()
-            del logits, loss
-            peak = _device_total(tracker.get_tracker_snapshot("peak"), device)
+            output = model(inputs)
+            output_bytes = local_tensor(output).untyped_storage().nbytes()
+            if last:
+                output = F.cross_entropy(output.flatten(0, 1).float(), target.flatten(0, 1), reduction="sum")
+            held = _device_total(tracker.get_tracker_snapshot("current"), device) - base
+            forward_peak = _device_total(tracker.get_tracker_snapshot("peak"), device) - base
+            output.backward(None if last else target)
+            del output
+            peak = _device_total(tracker.get_tracker_snapshot("peak"), device) - base
     finally:
         for handle in handles:
             handle.remove()
-    return int(peak - base), sum(grad_elements.values())
+    return MicroBatchMemory(held, forward_peak, peak, output_bytes, sum(grad_elements.values()))
+
+
+def measure_activations(model: nn.Module, vocab_size: int, micro_batch: int, seq_len: int, tp_enabled: bool,
+                        device: str = "meta") -> tuple[int, int]:
+    """(peak, weight-gradient elements) of one micro-batch through the whole model from tokens."""
+    tokens = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=device)
+    run = measure_micro_batch(model, tokens[:, :-1], tokens[:, 1:], tp_enabled, last=True)
+    return run.peak, run.grad_elements
 
 
 @contextlib.contextmanager
@@ -86,23 +115,15 @@ def _device_total(snapshot: dict, device: str) -> int:
 
 
 
-DIRECT_LAYERS = 8  # deeper models are measured at 2 and 3 checkpointing periods and extrapolated
+DIRECT_LAYERS = 8  # deeper stages are measured at 2 and 3 checkpointing periods and extrapolated
 
 
-def measure_stage_activations(build, n_layers: int, period: int, vocab_size: int, micro_batch: int, seq_len: int,
-                              tp_enabled: bool, direct_layers: int = DIRECT_LAYERS) -> tuple[int, int]:
-    """(activation peak, weight-gradient elements) of one micro-batch through a model of `n_layers`
-    blocks, checkpointed every `period` blocks; `build(n)` gives that model with n blocks.
+def measure_in_depth(run, n_layers: int, period: int, direct_layers: int = DIRECT_LAYERS) -> MicroBatchMemory:
+    """`run(n)` measures the stage cut to its first n blocks, checkpointed every `period` blocks.
 
-    Blocks are identical, so the peak grows linearly in the number of checkpointing periods (one
-    block, or N blocks for selective:N): a model deeper than `direct_layers` is measured at 2 and 3
+    Blocks are identical, so every figure grows linearly in the number of checkpointing periods (one
+    block, or N blocks for selective:N): a stage deeper than `direct_layers` is measured at 2 and 3
     periods and extrapolated, which keeps the 1T model's 128 layers to a few seconds."""
-
-    def run(n: int) -> tuple[int, int]:
-        return measure_activations(build(n), vocab_size, micro_batch, seq_len, tp_enabled)
-
     if n_layers <= max(direct_layers, 3 * period):
         return run(n_layers)
-    (a, ga), (b, gb) = run(2 * period), run(3 * period)
-    periods = n_layers / period
-    return int(round(a + (periods - 2) * (b - a))), int(round(ga + (periods - 2) * (gb - ga)))
+    return run(2 * period).scaled(run(3 * period), n_layers / period - 2)

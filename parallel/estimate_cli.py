@@ -12,7 +12,7 @@ import json
 import re
 import sys
 
-from parallel.estimate import KINDS, Estimate, estimate, shortfall_message
+from parallel.estimate import DEFAULT_RANKS, KINDS, Estimate, estimate, shortfall_message
 from trainer.config import load_config
 from trainer.errors import ConfigError
 
@@ -22,7 +22,8 @@ def parse(argv: list[str]):
     p.add_argument("--config", required=True, help="a config `trillion train` accepts")
     p.add_argument("--world-size", type=int, default=None,
                    help="processes of the run (default: the config's `# world_size = N` comment)")
-    p.add_argument("--ranks", default="first,last", help="first,last,max | all | rank numbers (default first,last)")
+    p.add_argument("--ranks", default=DEFAULT_RANKS,
+                   help=f"first, middle, last, max (most parameters), all, or rank numbers (default {DEFAULT_RANKS})")
     p.add_argument("--hardware", default=None, help="hardware profile whose device capacity to compare (e.g. frontier)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--no-measure", action="store_true", help="skip the meta activation run; use the planner's figure")
@@ -44,23 +45,29 @@ def gb(value) -> str:
 
 def table(result: Estimate) -> str:
     lay = result.layout
+    pipelined = lay["pp"] > 1
     lines = [f"# trillion estimate: {result.config_model} on {result.world_size} ranks "
              f"(pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']}, "
              f"{lay['dp_shard_mode']}, activation_checkpoint {lay['activation_checkpoint']}, micro-batch "
              f"{lay['micro_batch_size']} x {lay['seq_len']} tokens, {lay['microbatches']} per step, {lay['compute_dtype']})",
              f"# device: {result.device or 'unknown (pass --hardware)'}; simulated {len(result.ranks)} rank(s) "
              f"in {result.seconds:.1f} s; GB = 1e9 bytes"]
-    header = ["rank", "coords", *KINDS, "total", "usable", "fits"]
+    if pipelined:
+        lines.append(f"# pipeline: {lay['pp_schedule']}, {len(lay['stage_units'])} stages ({lay['pp_virtual_stages']} "
+                     "per rank); buffers hold the schedule's receive buffers (an activation and a gradient per "
+                     "micro-batch) and the stages FSDP keeps gathered through the step")
+    header = ["rank", "coords", *(("stages", "in flight") if pipelined else ()), *KINDS, "total", "usable", "fits"]
     rows = [header]
     for r in result.ranks:
         act = gb(r.activations) + ("" if r.activations_source == "measured" else " (predicted)")
-        rows.append([str(r.rank), ",".join(f"{k}={v}" for k, v in r.coords.items()) or "-", gb(r.parameters),
+        stages = (",".join(map(str, r.detail["stages"])), str(r.detail["in_flight"] or "-")) if pipelined else ()
+        rows.append([str(r.rank), ",".join(f"{k}={v}" for k, v in r.coords.items()) or "-", *stages, gb(r.parameters),
                      gb(r.gradients), gb(r.optimizer), act, gb(r.buffers), gb(r.framework), gb(r.total), gb(r.usable),
                      {True: "yes", False: "NO", None: "?"}[r.fits]])
     planner = result.ranks[0].planner if result.ranks else None
     if planner:
-        rows.append(["planner", "(its fullest rank)", *(gb(planner[k]) for k in KINDS[:5]), "(in buffers)",
-                     gb(planner["total"]), gb(result.ranks[0].usable), ""])
+        rows.append(["planner", "(its fullest rank)", *(("", "") if pipelined else ()), *(gb(planner[k]) for k in KINDS[:5]),
+                     "(in buffers)", gb(planner["total"]), gb(result.ranks[0].usable), ""])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines += [f"# note: {n}" for n in result.notes]

@@ -1,20 +1,33 @@
 """The real side of the estimate's exactness checks: one rank of a gloo run of a layout, built with
-the trainer's own functions, one real optimizer step, then the bytes it actually holds."""
+the trainer's own functions, one real optimizer step, then the bytes it actually holds.
+
+Without pipelining: the model is parallelized as `trillion train` does, one forward/backward and
+an AdamW step; activations are measured on a plain TP + checkpointed copy (FSDP does not change them).
+With pipelining: the rank's stages are built as `trillion train` builds them and one real
+`train_step` runs the schedule. Right before each stage's gradient reduce-scatter the unsharded
+gradients FSDP accumulated and the parameters it still holds gathered are read off its parameters;
+the schedule's receive buffers are read off the stages. Activations are measured by MemTracker
+over a second step of the same schedule on TP-only stages (the first step sets up the schedule).
+"""
+import contextlib
 import json
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from models import Transformer
+from parallel.activation_checkpoint import apply_activation_checkpointing
 from parallel.estimate import storage_bytes
 from parallel.estimate_activations import measure_activations
 from parallel.parallelize import parallelize
+from parallel.pipeline import Pipeline
 from parallel.tensor_parallel import apply_tensor_parallel, loss_context
-from parallel.activation_checkpoint import apply_activation_checkpointing
 from trainer.config import load_config
 from trainer.launch import LaunchEnv
 from trainer.optim import build_optimizer
-from trainer.train import build_model_args, build_parallel_dims
+from trainer.train import build_model_args, build_parallel_dims, stages_as_one_module, train_step
 
 
 def measure_rank(rank: int, world_size: int, overrides: list, out_path: str) -> None:
@@ -25,9 +38,17 @@ def measure_rank(rank: int, world_size: int, overrides: list, out_path: str) -> 
     t = config.training
     micro = min(t.micro_batch_size, t.global_batch_size // dims.dp_size)
     torch.manual_seed(rank)
-    tokens = torch.randint(0, args.vocab_size, (micro, t.seq_len + 1))
+    count = t.global_batch_size // (micro * dims.dp_size)
+    tokens = torch.randint(0, args.vocab_size, (count, micro, t.seq_len + 1))
+    micro_batches = [(x[:, :-1], x[:, 1:]) for x in tokens]
+    record = (_pipeline_rank if dims.pp > 1 else _plain_rank)(config, args, dims, micro_batches)
+    with open(f"{out_path}.{rank}", "w") as f:
+        json.dump(record, f)
 
-    # 1. the real layout (TP + AC + FSDP2) and a real AdamW step: parameters, gradients, optimizer state
+
+def _plain_rank(config, args, dims, micro_batches) -> dict:
+    """1. the real layout (TP + AC + FSDP2) and a real AdamW step: parameters, gradients, optimizer state"""
+    (inputs, labels), = micro_batches
     with torch.device("meta"):
         model = Transformer(args)
     parallelize(model, dims, dp_shard_mode=config.parallel.dp_shard_mode,
@@ -35,21 +56,123 @@ def measure_rank(rank: int, world_size: int, overrides: list, out_path: str) -> 
     model.to_empty(device="cpu")
     model.init_weights(0)
     optimizer = build_optimizer(model, config.optimizer, "cpu")
-    logits = model(tokens[:, :-1])
+    logits = model(inputs)
     with loss_context(dims.tp_enabled):
-        F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1), reduction="sum").backward()
+        F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum").backward()
     optimizer.step()
     params = list(model.parameters())
-    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     record = {"parameters": storage_bytes(params), "gradients": storage_bytes([p.grad for p in params]),
-              "optimizer": storage_bytes(states)}
+              "optimizer": _optimizer_bytes(optimizer)}
 
     # 2. activations on real tensors: the same TP plan and checkpointing (FSDP does not change them)
-    plain = Transformer(args)
+    plain = _tp_only(Transformer(args), config, dims)
     plain.init_weights(0)
+    t = config.training
+    record["activations"], _ = measure_activations(plain, args.vocab_size, inputs.shape[0], t.seq_len,
+                                                   dims.tp_enabled, "cpu")
+    return record
+
+
+def _tp_only(model: nn.Module, config, dims) -> nn.Module:
     if dims.tp_enabled:
-        apply_tensor_parallel(plain, dims.tp_mesh)
-    apply_activation_checkpointing(plain, config.parallel.activation_checkpoint)
-    record["activations"], _ = measure_activations(plain, args.vocab_size, micro, t.seq_len, dims.tp_enabled, "cpu")
-    with open(f"{out_path}.{rank}", "w") as f:
-        json.dump(record, f)
+        apply_tensor_parallel(model, dims.tp_mesh)
+    apply_activation_checkpointing(model, config.parallel.activation_checkpoint)
+    return model
+
+
+def _optimizer_bytes(optimizer) -> int:
+    return storage_bytes([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
+
+
+def _build_pipeline(config, args, dims, n_microbatches: int, layout) -> Pipeline:
+    """This rank's stages as trainer/train.py builds them, materialized and wrapped in the schedule."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    pipeline = Pipeline(model, dims, config.parallel.pp_schedule, n_microbatches, torch.device("cpu"),
+                        virtual=config.parallel.pp_virtual_stages, parallelize_fn=layout)
+    for part in pipeline.parts:
+        part.to_empty(device="cpu")
+        part.init_weights(config.job.seed)
+    pipeline.build()
+    return pipeline
+
+
+def _pipeline_rank(config, args, dims, micro_batches) -> dict:
+    p = config.parallel
+    trainer_layout = lambda part: parallelize(part, dims, dp_shard_mode=p.dp_shard_mode,  # noqa: E731
+                                              activation_checkpoint=p.activation_checkpoint)
+    pipeline = _build_pipeline(config, args, dims, len(micro_batches), trainer_layout)
+    model = stages_as_one_module(pipeline.parts)
+    optimizer = build_optimizer(model, config.optimizer, "cpu")
+    held = {"gradient_accumulation": 0, "fsdp_gathered": 0}
+    for stage in pipeline.stages:
+        stage.perform_reduce_grad = _recording_before(stage.perform_reduce_grad, stage.submod, held)
+    record = {}
+    optimizer.register_step_pre_hook(lambda *_: record.update(gradients=storage_bytes(
+        [q.grad for q in model.parameters() if q.grad is not None])))
+    train_step(model, micro_batches, optimizer, torch.amp.GradScaler("cpu", enabled=False), contextlib.nullcontext(),
+               config.training.max_grad_norm, dims, p.dp_shard_mode, pipeline=pipeline)
+    record.update(parameters=storage_bytes(model.parameters()), optimizer=_optimizer_bytes(optimizer),
+                  pipeline_receive=storage_bytes(_receive_buffers(pipeline)), **held)
+    record["gradients"] += held["gradient_accumulation"]
+
+    # activations: the same schedule over TP-only stages, measured in its second step
+    tp_pipeline = _build_pipeline(config, args, dims, len(micro_batches), lambda part: _tp_only(part, config, dims))
+    record["activations"] = _schedule_peak(tp_pipeline, micro_batches)
+    return record
+
+
+def _recording_before(reduce, module: nn.Module, held: dict):
+    """`reduce` (a stage's perform_reduce_grad) after adding up what FSDP holds unsharded right before it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def record(*args, **kwargs):
+        fsdp_params = [fp for m in module.modules() if isinstance(m, FSDPModule)
+                       for group in m._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params]
+        held["gradient_accumulation"] += storage_bytes(
+            [fp.unsharded_accumulated_grad if fp.unsharded_accumulated_grad is not None else fp.unsharded_param.grad
+             for fp in fsdp_params if fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None])
+        held["fsdp_gathered"] += storage_bytes([fp.unsharded_param for fp in fsdp_params])
+        return reduce(*args, **kwargs)
+
+    return record
+
+
+def _receive_buffers(pipeline: Pipeline) -> list[torch.Tensor]:
+    infos = [info for stage in pipeline.stages
+             for recv in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()) for info in recv]
+    return [info.buffer for info in infos if info.buffer is not None]
+
+
+def _schedule_peak(pipeline: Pipeline, micro_batches) -> int:
+    """MemTracker's peak above what exists before a step (parameters, the receive buffers the first
+    step allocated: told to the tracker, which would otherwise count them anew when a receive writes
+    into them) during a second step; weight gradients are dropped as they accumulate, as in
+    parallel/estimate_activations.py."""
+    tokens = torch.tensor(sum(y.numel() for _, y in micro_batches))
+    pipeline.step(micro_batches, tokens)
+    params = [q for part in pipeline.parts for q in part.parameters()]
+    for q in params:
+        q.grad = None
+        q.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
+    tracker = _StepTracker()
+    tracker.track_external(*pipeline.parts, *_receive_buffers(pipeline))
+    with tracker:
+        base = _total(tracker.get_tracker_snapshot("current"))
+        pipeline.step(micro_batches, tokens)
+        peak = _total(tracker.get_tracker_snapshot("peak"))
+    return peak - base
+
+
+class _StepTracker(MemTracker):
+    """MemTracker's storage accounting without its per-module statistics, which refuse a module
+    called more than once (every stage runs once per micro-batch)."""
+
+    def _pre_fw_hook(self, *args):
+        pass
+
+    _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
+
+
+def _total(snapshot: dict) -> int:
+    return sum(stats["Total"] for dev, stats in snapshot.items() if torch.device(dev).type == "cpu")

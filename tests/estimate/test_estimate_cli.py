@@ -38,9 +38,31 @@ def test_layout_that_does_not_fit_names_rank_shortfall_and_fix(tmp_path, capsys)
     assert "Activations dominate" in err and "--parallel.activation_checkpoint=full" in err
 
 
+PIPELINE = [*SMALL, "--world-size", "4", "--parallel.pp=2", "--parallel.tp=1", "--parallel.dp_shard=2",
+            "--training.global_batch_size=256", "--training.micro_batch_size=1"]  # 128 micro-batches per pipeline
+
+
+def test_pipeline_stages_that_do_not_fit_name_the_stage_and_what_to_change(tmp_path, capsys):
+    device = _tiny_device(tmp_path, 0.02)
+    assert main(["estimate", *PIPELINE, "--hardware", device, "--format", "json"]) == 1
+    out = capsys.readouterr()
+    data = json.loads(out.out)
+    assert [(r["rank"], r["stage"]) for r in data["ranks"]] == [(0, 0), (2, 1), (3, 1)]  # first, middle = max, last
+    last = data["ranks"][-1]
+    assert last["detail"]["kept_outputs"] == 128 * 64 * 320 * 4  # every micro-batch's fp32 logits, until the step ends
+    assert "rank 2 (pp 1, dp_shard 0) of 4 needs" in out.err and "the last stage keeps the logits of all 128" in out.err
+    assert main(["estimate", *PIPELINE, "--hardware", device, "--ranks", "first"]) == 1
+    err = capsys.readouterr().err
+    assert "rank 0 (pp 0, dp_shard 0)" in err and "Buffers dominate" in err
+    hidden = 64 * 256 * 4  # one micro-batch's fp32 hidden state (debug: dim 256)
+    assert f"the pipeline's receive buffers ({128 * hidden / 1e6:.1f} MB" in err  # a gradient per micro-batch in
+    assert "--training.global_batch_size (now 256)" in err
+
+
 def test_refusals_are_one_paragraph(capsys):
-    assert main(["estimate", *SMALL, "--world-size", "4", "--parallel.pp=2", "--parallel.dp_shard=1"]) == 2
-    assert "parallel.pp=2: trillion estimate does not simulate pipeline stages yet" in capsys.readouterr().err
+    assert main(["estimate", *SMALL, "--world-size", "4", "--parallel.pp=2", "--parallel.tp=1",
+                 "--parallel.pp_schedule=ZBVZeroBubble"]) == 2
+    assert "parallel.pp_schedule=ZBVZeroBubble is refused" in capsys.readouterr().err
     assert main(["estimate", *SMALL, "--world-size", "6"]) == 2
     assert "world size is 6" in capsys.readouterr().err
     assert main(["estimate", *SMALL, "--world-size", "4", "--ranks", "first,9"]) == 2
