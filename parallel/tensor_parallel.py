@@ -7,15 +7,16 @@ stream and the norms are sequence-parallel: each rank holds seq_len / tp positio
 and biases replicated), which divides the activation memory outside the matmuls by tp.
 
 Embedding: vocabulary-parallel (row-wise: each rank owns vocab / tp rows and the partial results
-are reduced). Llama (rotary positions) reduce-scatters straight into the sequence-parallel layout.
-GPT's learned positions need the full sequence to index the position table (position-parallel
-the same way), so there the embeddings are all-reduced, added, and the first block takes its slice
-of the sequence locally (no communication).
+are reduce-scattered straight into the sequence-parallel layout). GPT's learned position table is
+row-parallel the same way; its output (seq, dim) is reduce-scattered on the sequence (dim 0), so
+tokens + positions add shard by shard.
 
-The residual stream stays a DTensor (Shard(1)) between and across blocks: the embedding and the
-row-wise wo / w2 return DTensors instead of their local shards. Numerically it is the same; it is
-what lets a block be compiled on its own (see compile.py: with plain tensors at the boundary the
-compiled backward crashed or, under FSDP, gave the embedding a wrong gradient).
+The residual stream is a DTensor (Shard(1)) from the embedding to the final norm, between and
+across blocks: the embeddings and the row-wise wo / w2 return DTensors instead of their local
+shards. Numerically it is the same; it is what lets a block be compiled on its own (see
+compile.py: with plain tensors at the boundary the compiled backward crashed or, under FSDP, gave
+the embedding a wrong gradient), and what a pipeline stage sends: PipelineStage passes the local
+shard and the next stage rebuilds the same DTensor, whichever part of the model a stage begins with.
 
 Output: column-wise over the vocabulary with the logits left as a DTensor sharded on the vocab
 dimension; the cross-entropy then runs under `loss_parallel()` and never gathers the full logits
@@ -37,22 +38,20 @@ from torch.distributed.tensor.parallel import (
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     """Shard `model` (built from models.transformer) over the 1-D `tp_mesh`, in place."""
-    learned_positions = getattr(model, "pos_embeddings", None) is not None
     top = {}
     if model.tok_embeddings is not None:
-        after_embedding = Replicate() if learned_positions else Shard(1)
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=after_embedding,
-                                                use_local_output=learned_positions)
-        if learned_positions:
-            top["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                use_local_output=False)
+    if model.pos_embeddings is not None:
+        top["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0),
+                                                use_local_output=False)
     if model.norm is not None:
         top["norm"] = SequenceParallel()
     if model.output is not None:
         top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, tp_mesh, top)
 
-    blocks = list(model.layers.values())
-    for index, block in enumerate(blocks):
+    for block in model.layers.values():
         plan = {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
@@ -68,10 +67,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
         if block.feed_forward.w3 is not None:
             plan["feed_forward.w3"] = ColwiseParallel()
         parallelize_module(block, tp_mesh, plan)
-    if learned_positions and model.tok_embeddings is not None and blocks:
-        # Replicated embeddings -> this rank's slice of the sequence (a local chunk; backward all-gathers).
-        parallelize_module(blocks[0], tp_mesh, PrepareModuleInput(
-            input_layouts=(Replicate(), None), desired_input_layouts=(Shard(1), None)))
 
 
 def loss_context(tp_enabled: bool):
