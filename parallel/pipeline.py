@@ -8,8 +8,12 @@ one layer each: n_layers + 2 units over pp * virtual stages; a remainder goes to
 
 Looped schedules (Interleaved1F1B, LoopedBFS) hold `virtual` stages per rank, placed r, r + pp, ...
 The loss runs on the last stage, normalized by the token count of the global batch exactly as
-without PP (`scale_grads=False`: the schedule must not divide again). Only schedules proven by a
-parity test run; the rest are refused with the reason.
+without PP (`scale_grads=False`: the schedule must not divide again), under loss parallelism with TP.
+Only schedules proven by a parity test run; the rest are refused with the reason.
+
+With TP the residual stream between stages is a sequence-sharded DTensor (tensor_parallel.py):
+PipelineStage sends each rank's local shard with the DTensor's metadata, and the receiving stage
+rebuilds it on its own tp mesh (`_mesh`); gradients travel back the same way.
 """
 from __future__ import annotations
 
@@ -20,7 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from parallel.tensor_parallel import loss_context
 from trainer.errors import ConfigError
 
 log = logging.getLogger("trillion")
@@ -59,7 +65,7 @@ def virtual_stages(schedule: str, requested: int) -> int:
 
 
 def validate_pipeline(pp: int, schedule: str, n_layers: int, n_microbatches: int, *, virtual: int = 0,
-                      tie_embeddings: bool = False, tp: int = 1) -> tuple[str, int]:
+                      tie_embeddings: bool = False) -> tuple[str, int]:
     """Raise ConfigError for a pipeline this build cannot run; returns (schedule name, stages per rank)."""
     if pp < 1:
         raise ConfigError(f"parallel.pp={pp} must be a positive degree; use 1 to turn pipelining off.")
@@ -90,9 +96,6 @@ def validate_pipeline(pp: int, schedule: str, n_layers: int, n_microbatches: int
     if tie_embeddings:
         raise ConfigError("parallel.pp > 1 with tied input/output embeddings is not supported: the embedding and "
                           "the output projection live on different stages. Use a model without tie_embeddings.")
-    if tp > 1:
-        raise ConfigError(f"parallel.pp={pp} with parallel.tp={tp} is not verified in this build (no parity test). "
-                          "Use pipelining with dp_shard / dp_replicate only, or --parallel.pp=1.")
     return name, v
 
 
@@ -115,18 +118,18 @@ def split_units(n_layers: int, num_stages: int) -> list[range]:
 
 
 def stage_module(model: nn.Module, units: range) -> nn.Module:
-    """A copy of the (meta) model keeping only `units`; parameter names stay global."""
-    stage = copy.deepcopy(model)
+    """A copy of the (meta) model keeping only `units`; parameter names stay global. What the stage
+    drops is never copied (deepcopy's memo maps it to None), so a stage of a 128-layer model costs
+    its own layers, not the whole model."""
     n_layers = len(model.layers)
+    dropped = [block for key, block in model.layers.items() if int(key) + 1 not in units]
     if 0 not in units:
-        stage.tok_embeddings = None
-        stage.pos_embeddings = None
-    for key in list(stage.layers.keys()):
-        if int(key) + 1 not in units:
-            del stage.layers[key]
+        dropped += [model.tok_embeddings, model.pos_embeddings]
     if n_layers + 1 not in units:
-        stage.norm = None
-        stage.output = None
+        dropped += [model.norm, model.output]
+    stage = copy.deepcopy(model, memo={id(part): None for part in dropped if part is not None})
+    for key in [key for key, block in stage.layers.items() if block is None]:
+        del stage.layers[key]
     return stage
 
 
@@ -143,7 +146,7 @@ class Pipeline:
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
         name, v = validate_pipeline(dims.pp, schedule, len(model.layers), n_microbatches, virtual=virtual,
-                                    tie_embeddings=model.args.tie_embeddings, tp=dims.tp)
+                                    tie_embeddings=model.args.tie_embeddings)
         pp_mesh = dims.mesh["pp"]
         self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp
         self.name, self.virtual, self.n_microbatches = name, v, n_microbatches
@@ -154,13 +157,12 @@ class Pipeline:
             if parallelize_fn is not None:
                 parallelize_fn(part)
             self.parts.append(part)
-        self._device = device
-        self._make_stage = lambda part, index: PipelineStage(part, index, dims.pp * v, device, group=self.pp_group)
+        self._make_stage = lambda part, index: PipelineStage(part, index, dims.pp * v, device, group=self.pp_group,
+                                                             get_mesh=self._mesh)
         self._schedule_cls = get_schedule_class(name)
         self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)
         self.tokens = None
         self.dims = dims
-        self.has_last = dims.pp * v - 1 in stage_indices(self.pp_rank, dims.pp, v)
         log.info("pipeline: %s, %d stages (%d per rank) over pp=%d, %d micro-batches, bubble (p-1)/(v m+p-1) = %.1f%%",
                  name, dims.pp * v, v, dims.pp, n_microbatches, 100 * bubble_fraction(dims.pp, n_microbatches, v))
 
@@ -170,6 +172,10 @@ class Pipeline:
         self.stages = [self._make_stage(part, index) for part, index in zip(self.parts, indices)]
         stages = self.stages[0] if self._single else self.stages
         self.schedule = self._schedule_cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
+
+    def _mesh(self, names: tuple[str, ...], _layout):
+        """The mesh a received DTensor activation lives on (the tp axis), for PipelineStage to rebuild it."""
+        return self.dims.mesh[names]
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
@@ -185,7 +191,9 @@ class Pipeline:
         labels = torch.cat([y for _, y in micro_batches])
         losses = []
         first = self.pp_rank == 0
-        self.schedule.step(*((inputs,) if first else ()), target=labels, losses=losses)
+        with loss_context(self.dims.tp_enabled):  # the last stage's loss forward and backward
+            self.schedule.step(*((inputs,) if first else ()), target=labels, losses=losses)
+        losses = [l.to_local() if isinstance(l, DTensor) else l for l in losses]
         loss = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=inputs.device)
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds it: the others add zero
         return loss

@@ -1,7 +1,8 @@
 """Pipeline layouts reproduce the one-process run: losses, gradient norms (clipped across stages),
 every parameter's gradient and the initial weights, over several optimizer steps, fp32 on gloo.
 The parity models have 2 layers: 4 units (embedding, 2 layers, output), so pp 2 with 2 virtual
-stages per rank puts one unit on each stage."""
+stages per rank puts one unit on each stage: under tensor parallelism the embedding-only stage
+hands the next one the sequence-sharded residual stream."""
 import sys
 from pathlib import Path
 
@@ -40,3 +41,30 @@ def test_pp2_x_fsdp2_more_schedules_modes_and_activation_checkpointing():
              {"name": "gpt-pp2xfsdp2-interleaved1f1b-ac-full", "family": "gpt", "pp": 2, "dp_shard": 2,
               "schedule": "Interleaved1F1B", "ac": "full"}]
     run_ranks(check_pipeline_cases, 4, cases)
+
+
+def _case(family: str, schedule: str, **layout) -> dict:
+    """A pp 2 case; `layout` adds dp_shard, tp, ac, ... and names it."""
+    name = "-".join([family, "pp2", schedule.lower(), *(f"{key}={value}" for key, value in layout.items())])
+    return {"name": name, "family": family, "pp": 2, "schedule": schedule, **layout}
+
+
+def test_3d_pp2_x_fsdp2_x_tp2():
+    """The paper's layout in miniature on 8 ranks, one case per family and schedule kind."""
+    run_ranks(check_pipeline_cases, 8, [_case("llama", "1F1B", dp_shard=2, tp=2),
+                                        _case("gpt", "Interleaved1F1B", dp_shard=2, tp=2)])
+
+
+@pytest.mark.slow  # about 1.5 minutes on two cores
+def test_3d_other_pairs_and_activation_checkpointing_inside_stages():
+    run_ranks(check_pipeline_cases, 8, [_case("gpt", "1F1B", dp_shard=2, tp=2),
+                                        _case("llama", "Interleaved1F1B", dp_shard=2, tp=2),
+                                        _case("llama", "1F1B", dp_shard=2, tp=2, ac="selective:op"),
+                                        _case("gpt", "Interleaved1F1B", dp_shard=2, tp=2, ac="full")])
+
+
+@pytest.mark.slow  # about a minute on two cores
+def test_pp2_x_tp2():
+    run_ranks(check_pipeline_cases, 4, [_case("llama", "1F1B", tp=2), _case("gpt", "GPipe", tp=2),
+                                        _case("gpt", "LoopedBFS", tp=2, ac="selective:op"),
+                                        _case("llama", "Interleaved1F1B", tp=2, ac="full")])

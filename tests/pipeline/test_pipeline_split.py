@@ -55,7 +55,6 @@ REFUSED = [
     (2, "DualPipeV", 8, {}, ["not verified; known wrong gradients with FSDP"]),
     (2, "1F1B", 8, {"virtual": 2}, ["pp_virtual_stages=2", "one stage per rank"]),
     (2, "1F1B", 8, {"tie_embeddings": True}, ["tied", "tie_embeddings"]),
-    (2, "1F1B", 8, {"tp": 2}, ["parallel.tp=2", "not verified"]),
     (0, "1F1B", 8, {}, ["parallel.pp=0", "positive"]),
 ]
 
