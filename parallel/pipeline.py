@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -64,13 +65,54 @@ def virtual_stages(schedule: str, requested: int) -> int:
     return requested if requested >= 1 else 2
 
 
+@dataclass(frozen=True)
+class StageLayers:
+    """Explicit stage sizes in transformer layers: parallel.pp_layers_per_stage (0 = automatic),
+    pp_first_stage_layers and pp_last_stage_layers (-1 = pp_layers_per_stage - 1, since the
+    embedding and the output count as a layer each; automatic when that is 0 too)."""
+    per_stage: int = 0
+    first: int = -1
+    last: int = -1
+
+    @classmethod
+    def from_config(cls, parallel) -> StageLayers:
+        """From the `parallel` config section."""
+        return cls(parallel.pp_layers_per_stage, parallel.pp_first_stage_layers, parallel.pp_last_stage_layers)
+
+    def fixed_units(self, num_stages: int) -> dict[int, int]:
+        """Units of the stages these settings size (first/last count their embedding/output)."""
+        for name, value, least in (("pp_layers_per_stage", self.per_stage, 0), ("pp_first_stage_layers", self.first, -1),
+                                   ("pp_last_stage_layers", self.last, -1)):
+            if value < least:
+                raise ConfigError(f"parallel.{name}={value} must be {least} or more ({'0' if least == 0 else '-1'} = "
+                                  "automatic); it counts transformer layers.")
+        first = self.first if self.first >= 0 else self.per_stage - 1
+        last = self.last if self.last >= 0 else self.per_stage - 1
+        sizes = {stage: self.per_stage for stage in range(1, num_stages - 1)} if self.per_stage else {}
+        if first >= 0:
+            sizes[0] = first + 1
+        if last >= 0:
+            sizes[num_stages - 1] = last + 1
+        return sizes
+
+    def describe(self) -> str:
+        return (f"parallel.pp_layers_per_stage={self.per_stage}, pp_first_stage_layers={self.first}, "
+                f"pp_last_stage_layers={self.last}")
+
+
+AUTOMATIC = StageLayers()
+
+
 def validate_pipeline(pp: int, schedule: str, n_layers: int, n_microbatches: int, *, virtual: int = 0,
-                      tie_embeddings: bool = False) -> tuple[str, int]:
+                      tie_embeddings: bool = False, layers: StageLayers = AUTOMATIC) -> tuple[str, int]:
     """Raise ConfigError for a pipeline this build cannot run; returns (schedule name, stages per rank)."""
     if pp < 1:
         raise ConfigError(f"parallel.pp={pp} must be a positive degree; use 1 to turn pipelining off.")
     name = canonical_schedule(schedule)
     if pp == 1:
+        if layers != AUTOMATIC:
+            raise ConfigError(f"{layers.describe()} size pipeline stages, but parallel.pp=1 runs none. Set "
+                              "--parallel.pp to 2 or more, or leave those settings at their defaults (0, -1, -1).")
         return name, 1
     if name in REFUSED:
         raise ConfigError(f"parallel.pp_schedule={name} is refused: {REFUSED[name]}. "
@@ -82,6 +124,7 @@ def validate_pipeline(pp: int, schedule: str, n_layers: int, n_microbatches: int
             f"parallel.pp={pp} x {v} stage(s) per rank = {stages} pipeline stages, but the model has only "
             f"{n_layers} layers + embedding + output = {n_layers + 2} to split; each stage needs at least one. "
             f"Use --parallel.pp={max(1, (n_layers + 2) // v)} or less.")
+    split_units(n_layers, stages, layers)  # explicit stage sizes add up, no stage left empty
     if name != "GPipe" and n_microbatches < pp:
         raise ConfigError(
             f"parallel.pp_schedule={name} needs at least as many micro-batches per step as pipeline ranks, but "
@@ -104,17 +147,47 @@ def bubble_fraction(pp: int, n_microbatches: int, virtual: int = 1) -> float:
     return (pp - 1) / (virtual * n_microbatches + pp - 1)
 
 
-def split_units(n_layers: int, num_stages: int) -> list[range]:
-    """Units 0 = embedding, 1..n = layers, n+1 = output; contiguous ranges, balanced by count."""
+def split_units(n_layers: int, num_stages: int, layers: StageLayers = AUTOMATIC) -> list[range]:
+    """Units 0 = embedding, 1..n = layers, n+1 = output; one contiguous range per stage. Stages that
+    `layers` sizes get that many; the others share the rest evenly, a remainder going to the middle."""
     units = n_layers + 2
-    base, extra = divmod(units, num_stages)
-    middle = sorted(range(num_stages), key=lambda s: (abs(s - (num_stages - 1) / 2), s))[:extra]
+    sizes = layers.fixed_units(num_stages)
+    free = [stage for stage in range(num_stages) if stage not in sizes]
+    left = units - sum(sizes.values())
+    if not free and left:
+        per_stage = layers.per_stage
+        if n_layers < (num_stages - 2) * per_stage:  # the middle stages alone hold too many
+            per_stage = n_layers // (num_stages - 2)
+        ends = n_layers - (num_stages - 2) * per_stage  # what first + last must hold at this per_stage
+        fix = (f"--parallel.pp_layers_per_stage={per_stage} --parallel.pp_first_stage_layers={ends // 2} "
+               f"--parallel.pp_last_stage_layers={ends - ends // 2}")
+        raise ConfigError(
+            f"{layers.describe()} put {units - 2 - left} transformer layers on the {num_stages} pipeline stages, "
+            f"but the model has {n_layers} (model.n_layers): first + (stages - 2) x per stage + last must equal "
+            f"{n_layers}. Use e.g. {fix}, or --parallel.pp_layers_per_stage=0 to split automatically.")
+    if free and left < len(free):
+        raise ConfigError(
+            f"{layers.describe()} give {units - left} of the model's {units} pipeline units ({n_layers} layers + "
+            f"embedding + output) to the stages they size, leaving {max(left, 0)} for the other {len(free)} "
+            f"stage(s); each stage needs at least one. Give the first / last stage fewer layers, or use "
+            f"--parallel.pp_first_stage_layers=-1 --parallel.pp_last_stage_layers=-1 to split automatically.")
+    base, extra = divmod(left, len(free)) if free else (0, 0)
+    middle = sorted(free, key=lambda s: (abs(s - (num_stages - 1) / 2), s))[:extra]
+    for stage in free:
+        sizes[stage] = base + (stage in middle)
     ranges, start = [], 0
     for stage in range(num_stages):
-        size = base + (stage in middle)
-        ranges.append(range(start, start + size))
-        start += size
+        ranges.append(range(start, start + sizes[stage]))
+        start += sizes[stage]
     return ranges
+
+
+def describe_split(ranges: list[range], n_layers: int) -> str:
+    """E.g. "E+2 | 3 | 3 | 2+O": each stage's transformer layers, E and O marking embedding and output."""
+    def one(units: range) -> str:
+        layers = len([u for u in units if 0 < u <= n_layers])
+        return "+".join([*("E" for u in units if u == 0), str(layers), *("O" for u in units if u == n_layers + 1)])
+    return " | ".join(one(units) for units in ranges)
 
 
 def stage_module(model: nn.Module, units: range) -> nn.Module:
@@ -141,16 +214,16 @@ class Pipeline:
     """This rank's stages, their schedule and the loss; `step` runs one optimizer step's micro-batches."""
 
     def __init__(self, model: nn.Module, dims, schedule: str, n_microbatches: int, device: torch.device, *,
-                 virtual: int = 0, parallelize_fn=None):
+                 virtual: int = 0, parallelize_fn=None, layers: StageLayers = AUTOMATIC):
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
         name, v = validate_pipeline(dims.pp, schedule, len(model.layers), n_microbatches, virtual=virtual,
-                                    tie_embeddings=model.args.tie_embeddings)
+                                    tie_embeddings=model.args.tie_embeddings, layers=layers)
         pp_mesh = dims.mesh["pp"]
         self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp
         self.name, self.virtual, self.n_microbatches = name, v, n_microbatches
-        ranges = split_units(len(model.layers), dims.pp * v)
+        ranges = split_units(len(model.layers), dims.pp * v, layers)
         self.parts, self.stages = [], []
         for index in stage_indices(self.pp_rank, dims.pp, v):
             part = stage_module(model, ranges[index])
@@ -163,8 +236,9 @@ class Pipeline:
         self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)
         self.tokens = None
         self.dims = dims
-        log.info("pipeline: %s, %d stages (%d per rank) over pp=%d, %d micro-batches, bubble (p-1)/(v m+p-1) = %.1f%%",
-                 name, dims.pp * v, v, dims.pp, n_microbatches, 100 * bubble_fraction(dims.pp, n_microbatches, v))
+        log.info("pipeline: %s, %d stages (%d per rank) over pp=%d, %d micro-batches, bubble (p-1)/(v m+p-1) = %.1f%%; "
+                 "layers per stage: %s", name, dims.pp * v, v, dims.pp, n_microbatches,
+                 100 * bubble_fraction(dims.pp, n_microbatches, v), describe_split(ranges, len(model.layers)))
 
     def build(self) -> None:
         """After `to_empty` + `init_weights` of every part: the stages and the schedule."""

@@ -124,6 +124,9 @@ class Parallel:
     pp: int = doc(1, "Pipeline-parallel degree.")
     pp_schedule: str = doc("1F1B", "Pipeline schedule name from torch.distributed.pipelining: GPipe | 1F1B | Interleaved1F1B | LoopedBFS (the zero-bubble ones are refused: not verified).")
     pp_virtual_stages: int = doc(0, "Pipeline stages per rank for looped schedules (Interleaved1F1B, LoopedBFS); 0 = 2. GPipe and 1F1B take 1.")
+    pp_layers_per_stage: int = doc(0, "Transformer layers on each pipeline stage (0 = split automatically, balanced, counting the embedding and the output as one layer each). First + (stages - 2) x this + last must equal model.n_layers; stages = pp x virtual stages.")
+    pp_first_stage_layers: int = doc(-1, "Transformer layers on the first pipeline stage, beside the embedding (-1 = pp_layers_per_stage - 1, as the embedding counts as a layer; automatic when that is 0 too). 0 = the embedding alone.")
+    pp_last_stage_layers: int = doc(-1, "Transformer layers on the last pipeline stage, beside the final norm and output (-1 = pp_layers_per_stage - 1; automatic when that is 0 too). 0 = the output alone.")
     cp: int = doc(1, "Context-parallel degree.")
     activation_checkpoint: str = doc("none", "none | full | selective.")
 

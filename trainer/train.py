@@ -16,7 +16,7 @@ from parallel.clip import clip_grad_norm_
 from parallel.dims import ParallelDims
 from parallel.fsdp import check_mode, set_micro_batch
 from parallel.parallelize import parallelize
-from parallel.pipeline import Pipeline, bubble_fraction, validate_pipeline
+from parallel.pipeline import Pipeline, StageLayers, bubble_fraction, validate_pipeline
 from parallel.tensor_parallel import loss_context
 from trainer.checkpoint import CheckpointManager, validate_checkpoint_config
 from trainer.config import Config, to_toml
@@ -104,10 +104,10 @@ def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -
             f"training.global_batch_size={t.global_batch_size} does not split into micro-batches of "
             f"training.micro_batch_size={t.micro_batch_size} over {dims.dp_size} data-parallel ranks (dp_replicate x "
             f"dp_shard); each rank takes global / dp sequences. Use e.g. {fix}.")
-    if dims.pp > 1:  # schedule, stage count and micro-batches checked before any work
-        micro = min(t.micro_batch_size, per_rank)
-        validate_pipeline(dims.pp, p.pp_schedule, model_args.n_layers, per_rank // micro,
-                                       virtual=p.pp_virtual_stages, tie_embeddings=model_args.tie_embeddings)
+    # schedule, stage sizes and micro-batches checked before any work (stage sizes without a pipeline refused)
+    validate_pipeline(dims.pp, p.pp_schedule, model_args.n_layers, per_rank // min(t.micro_batch_size, per_rank),
+                      virtual=p.pp_virtual_stages, tie_embeddings=model_args.tie_embeddings,
+                      layers=StageLayers.from_config(p))
     dims.build_mesh(env.device.type)
     return dims
 
@@ -208,7 +208,8 @@ def train(config: Config) -> dict:
     pipeline = None
     if dims.pp > 1:  # this rank's stages, each parallelized; names stay global
         pipeline = Pipeline(model, dims, config.parallel.pp_schedule, len(first_batch), env.device,
-                            virtual=config.parallel.pp_virtual_stages, parallelize_fn=apply_layout)
+                            virtual=config.parallel.pp_virtual_stages, parallelize_fn=apply_layout,
+                            layers=StageLayers.from_config(config.parallel))
         parts = pipeline.parts
     else:
         parts = [apply_layout(model)]

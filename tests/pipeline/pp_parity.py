@@ -15,7 +15,7 @@ from parity import FAMILIES, GLOBAL_BATCH, MAX_NORM, MICRO_BATCH, SEED, SEQ_LEN,
 from models import Transformer  # noqa: E402
 from parallel.dims import ParallelDims  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
-from parallel.pipeline import Pipeline  # noqa: E402
+from parallel.pipeline import Pipeline, StageLayers  # noqa: E402
 from trainer.data import DataLoader  # noqa: E402
 from trainer.train import train_step  # noqa: E402
 
@@ -29,8 +29,10 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
     with torch.device("meta"):
         model = Transformer(args)
     n_micro = GLOBAL_BATCH // (MICRO_BATCH * dims.dp_size)
+    layers = StageLayers(case.get("layers_per_stage", 0), case.get("first_stage_layers", -1),
+                         case.get("last_stage_layers", -1))
     pipeline = Pipeline(model, dims, case["schedule"], n_micro, torch.device("cpu"),
-                        virtual=case.get("virtual", 0),
+                        virtual=case.get("virtual", 0), layers=layers,
                         parallelize_fn=lambda part: parallelize(part, dims, dp_shard_mode=mode,
                                                                 activation_checkpoint=case.get("ac", "none")))
     for part in pipeline.parts:

@@ -18,7 +18,7 @@ from models import PRESETS, Transformer
 from models.flops import count_params
 from parallel.dims import ParallelDims
 from parallel.parallelize import parallelize
-from parallel.pipeline import Pipeline, split_units, stage_module
+from parallel.pipeline import Pipeline, StageLayers, split_units, stage_module
 
 GPT_1T = PRESETS["gpt-1t"]  # 128 layers, hidden 25600, 200 heads
 SEQ_LEN = 2048
@@ -76,3 +76,16 @@ def test_gpt_1t_layout_builds_for_first_middle_and_last_stage(model, tp, pp, dp)
         assert stage_counts[0] == count_params(GPT_1T).embedding
     print(f"\ngpt-1t, tp {tp} x pp {pp} x dp {dp} = {world} ranks:\n" + "\n".join(rows))
 
+
+def test_explicit_stage_sizes_reach_the_stages(model):
+    """pp 128 with one layer on every stage, the first and last beside the embedding and the output."""
+    tp, pp, dp = 4, 128, 2
+    for pp_rank, layers in ((0, ["0"]), (1, ["1"]), (pp - 1, ["127"])):
+        with fake_rank(pp_rank * dp * tp, tp * pp * dp):
+            dims = ParallelDims(pp=pp, dp_shard=dp, tp=tp, world_size=tp * pp * dp)
+            dims.build_mesh("cpu")
+            pipeline = Pipeline(model, dims, "1F1B", pp, torch.device("cpu"),
+                                layers=StageLayers(per_stage=1, first=1, last=1))
+        [part] = pipeline.parts
+        assert list(part.layers.keys()) == layers
+        assert (part.tok_embeddings is not None, part.output is not None) == (pp_rank == 0, pp_rank == pp - 1)

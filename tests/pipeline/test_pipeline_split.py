@@ -1,13 +1,18 @@
 """Stage splitting (names stay global, balanced by layer count with embedding and output counted as
-layers), the bubble fraction, and every refused pipeline configuration with its reason and fix."""
+layers, or sized explicitly), the bubble fraction, and every refused pipeline configuration with its
+reason and fix, from validate_pipeline and from the trainer's config check."""
 import dataclasses
 
 import pytest
 import torch
 
 from models import PRESETS, Transformer
-from parallel.pipeline import bubble_fraction, split_units, stage_indices, stage_module, validate_pipeline
+from parallel.pipeline import (StageLayers, bubble_fraction, describe_split, split_units, stage_indices, stage_module,
+                               validate_pipeline)
+from trainer.config import load_config
 from trainer.errors import ConfigError
+from trainer.launch import LaunchEnv
+from trainer.train import build_parallel_dims
 
 LLAMA = PRESETS["debug"]  # 4 layers
 
@@ -73,3 +78,70 @@ def test_accepted_pipelines():
     assert validate_pipeline(2, "Interleaved1F1B", 4, 4) == ("Interleaved1F1B", 2)
     assert validate_pipeline(3, "LoopedBFS", 4, 3, virtual=2) == ("LoopedBFS", 2)
     assert validate_pipeline(1, "ZBVZeroBubble", 4, 1)[0] == "ZBVZeroBubble"  # pp 1: no pipeline, nothing refused
+
+
+def _sizes(n_layers: int, stages: int, layers: StageLayers) -> str:
+    return describe_split(split_units(n_layers, stages, layers), n_layers)
+
+
+def test_explicit_stage_sizes():
+    assert _sizes(10, 4, StageLayers(3)) == "E+2 | 3 | 3 | 2+O"  # first/last: one layer less by default
+    assert _sizes(8, 4, StageLayers(3, first=1, last=1)) == "E+1 | 3 | 3 | 1+O"
+    assert _sizes(8, 4, StageLayers(4, first=0, last=0)) == "E+0 | 4 | 4 | 0+O"
+    assert _sizes(8, 2, StageLayers(first=5, last=3)) == "E+5 | 3+O"
+    # only the first/last stage sized: the other stages share the rest evenly, the remainder in the middle
+    assert _sizes(8, 4, StageLayers(first=0)) == "E+0 | 3 | 3 | 2+O"
+    assert _sizes(9, 5, StageLayers(first=0, last=0)) == "E+0 | 3 | 3 | 3 | 0+O"
+    assert _sizes(61, 16, StageLayers()) == describe_split(split_units(61, 16), 61)  # defaults: automatic
+    ranges = split_units(126, 32, StageLayers(4, first=3, last=3))  # llama3-405b-like: 3 + 30 x 4 + 3
+    assert [len(r) for r in ranges] == [4] * 32 and ranges[-1].stop == 128
+
+
+# (n_layers, stages, StageLayers, words the message must contain)
+BAD_SIZES = [
+    (8, 4, StageLayers(3), ["pp_layers_per_stage=3", "10 transformer layers", "8 (model.n_layers)",
+                            "--parallel.pp_layers_per_stage=3 --parallel.pp_first_stage_layers=1 "
+                            "--parallel.pp_last_stage_layers=1"]),
+    (8, 4, StageLayers(5, first=0, last=0), ["10 transformer layers", "--parallel.pp_layers_per_stage=4 "
+                                             "--parallel.pp_first_stage_layers=0 --parallel.pp_last_stage_layers=0"]),
+    (8, 2, StageLayers(first=5, last=5), ["pp_first_stage_layers=5", "must equal 8",
+                                          "--parallel.pp_first_stage_layers=4 --parallel.pp_last_stage_layers=4"]),
+    (8, 4, StageLayers(first=8), ["leaving 1 for the other 3 stage(s)", "at least one",
+                                  "--parallel.pp_first_stage_layers=-1"]),
+    (8, 4, StageLayers(first=5, last=5), ["leaving 0 for the other 2 stage(s)"]),
+    (8, 4, StageLayers(-1), ["parallel.pp_layers_per_stage=-1 must be 0 or more"]),
+    (8, 4, StageLayers(last=-2), ["parallel.pp_last_stage_layers=-2 must be -1 or more"]),
+]
+
+
+@pytest.mark.parametrize("n_layers, stages, layers, words", BAD_SIZES, ids=[str(i) for i in range(len(BAD_SIZES))])
+def test_stage_sizes_that_do_not_fit_are_refused(n_layers, stages, layers, words):
+    with pytest.raises(ConfigError) as error:
+        split_units(n_layers, stages, layers)
+    for word in words:
+        assert word in str(error.value), f"{word!r} not in: {error.value}"
+
+
+# --section.field=value overrides, world size, words: the trainer refuses these before any work
+TRAINER_REFUSED = [
+    (["--parallel.pp=7"], 7, ["parallel.pp=7", "4 layers", "--parallel.pp=6"]),
+    (["--parallel.pp=4", "--training.global_batch_size=4", "--training.micro_batch_size=2"], 4,
+     ["parallel.pp_schedule=1F1B", "2 < parallel.pp=4", "--parallel.pp_schedule=GPipe"]),
+    (["--parallel.pp=2", "--parallel.dp_shard=2", "--training.global_batch_size=6", "--training.micro_batch_size=2"],
+     4, ["training.global_batch_size=6", "2 data-parallel ranks", "--training.micro_batch_size=1"]),
+    (["--parallel.pp=2", "--parallel.pp_layers_per_stage=2", "--training.micro_batch_size=4"], 2,
+     ["parallel.pp_layers_per_stage=2", "must equal 4"]),
+    (["--parallel.pp=2", "--parallel.pp_schedule=Interleaved1F1B", "--parallel.pp_first_stage_layers=4",
+      "--training.micro_batch_size=4"], 2, ["pp_first_stage_layers=4", "leaving 1 for the other 3 stage(s)"]),
+    (["--parallel.pp_last_stage_layers=1"], 1, ["pp_last_stage_layers=1", "parallel.pp=1 runs none"]),
+]
+
+
+@pytest.mark.parametrize("overrides, world, words", TRAINER_REFUSED, ids=[str(i) for i in range(len(TRAINER_REFUSED))])
+def test_trainer_refuses_bad_pipelines_before_any_work(overrides, world, words):
+    config = load_config(None, overrides)
+    env = LaunchEnv(rank=0, world_size=world, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ConfigError) as error:
+        build_parallel_dims(config, env, LLAMA)
+    for word in words:
+        assert word in str(error.value), f"{word!r} not in: {error.value}"
