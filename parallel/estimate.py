@@ -8,10 +8,11 @@ measures one micro-batch):
 
 - parameters: the unique storages of the local shards (FSDP2 allocates each shard padded to the
   ceiling of torch.chunk; an empty shard still allocates the padded rows);
-- gradients: FSDP2 reduce-scatters into padded shards in the reduce dtype (fp32); the unsharded
-  (TP-local) fp32 gradients also accumulate through the step under zero1 with several
-  micro-batches and under any pipeline schedule (which turns gradient sync off until the last
-  micro-batch whatever the mode);
+- gradients: FSDP2 reduce-scatters into padded shards in the reduce dtype (fp32). Under zero1
+  with several micro-batches and under any pipeline schedule (which turns gradient sync off until
+  the last micro-batch whatever the mode) the unsharded (TP-local) fp32 gradients accumulate through
+  the step instead; they are reduce-scattered and freed group by group at its end, so the larger of
+  the two is the peak (the reduce-scatter's own buffer is counted in buffers);
 - optimizer: AdamW's exp_avg and exp_avg_sq per local (unpadded) shard in the master dtype, plus
   its 4-byte `step` per parameter. Counted from the shapes, never from running the optimizer under
   fake tensors (foreach AdamW inflated that figure);
@@ -33,7 +34,6 @@ all` builds each such group once (parallel/estimate_rank.py says why).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -43,9 +43,10 @@ import torch
 
 from models import ModelArgs
 from parallel.dims import ParallelDims
+from parallel.estimate_activations import local_tensor
 from parallel.estimate_rank import (REDUCE_DTYPE, StagePlan, StageSource, coords_of, compute_dtype, fake_world,
                                     gathered_and_reduce_bytes, hidden_state, in_flight_peak, item_bytes, meshed_dims,
-                                    micro_batch_data, rank_parts, receive_bytes, schedule_order, stage_facts,
+                                    micro_batch_data, quiet, rank_parts, receive_bytes, schedule_order, stage_facts,
                                     state_bytes, storage_bytes, target_device)
 from trainer.config import Config
 from trainer.errors import ConfigError
@@ -106,7 +107,7 @@ class Estimate:
 
 
 # --- set-up ----------------------------------------------------------------------------------------
-def _layout(config: Config, world_size: int, model_args: ModelArgs) -> ParallelDims:
+def layout_dims(config: Config, world_size: int, model_args: ModelArgs) -> ParallelDims:
     """ParallelDims checked against world, model, batch and pipeline schedule, exactly as `trillion
     train` checks them (its mesh is built later, per simulated rank)."""
     from trainer.launch import LaunchEnv
@@ -128,17 +129,6 @@ def model_args_for(config: Config) -> ModelArgs:
 
 
 # --- the simulated ranks ----------------------------------------------------------------------------
-@contextlib.contextmanager
-def _quiet():
-    """The trainer's info lines (a pipeline's split, ...) once per simulated rank would bury the result."""
-    level = log.level
-    log.setLevel(max(level, logging.WARNING))
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
 class _Simulation:
     """One layout's ranks, each built as `rank` of a fake world; what ranks of the same stage shapes
     (and dp_shard coordinate, for the sharded states) share is built once."""
@@ -150,7 +140,8 @@ class _Simulation:
         self.plan = StagePlan(config, model_args.n_layers, dims.pp)
         self.source = StageSource(model_args, dims.pp)
         self.states, self.facts = {}, {}  # (stage shapes, dp_shard coordinate) -> States; StageShape -> StageFacts
-        self.hidden = self.order = None  # the residual stream between stages; the schedule's actions (pp > 1)
+        self.hidden_bytes = self.order = None  # one micro-batch's residual stream between stages (local bytes),
+        # the schedule's actions (pp > 1)
 
     def _key(self, rank: int) -> tuple:
         coords = coords_of(self.dims, rank)
@@ -163,21 +154,25 @@ class _Simulation:
         pipelined = self.dims.pp > 1
         if key in self.states and not missing and (self.order is not None or not pipelined):
             return
-        with fake_world(rank, self.dims.world_size), _quiet():
+        with fake_world(rank, self.dims.world_size), quiet():
             dims = meshed_dims(self.dims)
-            if pipelined and self.hidden is None:
-                self.hidden = hidden_state(self.config, self.source, dims, self.micro_batch)
+            # a DTensor under TP, on this world's mesh: made again in every world that needs it
+            hidden = hidden_state(self.config, self.source, dims, self.micro_batch) if pipelined else None
+            if hidden is not None:
+                self.hidden_bytes = local_tensor(hidden).untyped_storage().nbytes()
             for shape in missing:
-                self.facts[shape] = self._stage_facts(shape, dims)
+                self.facts[shape] = self._stage_facts(shape, dims, hidden)
             if key not in self.states or self.order is None and pipelined:
                 built = rank_parts(self.config, self.source.whole(), dims, self.microbatches)
-                self.states[key] = state_bytes(built.parts if pipelined else built)
+                parts = built.parts if pipelined else built
+                assert [len(part.layers) for part in parts] == [shape.layers for shape in key[0]], "split diverged"
+                self.states[key] = state_bytes(parts)
                 if pipelined and self.order is None:
                     self.order = schedule_order(built)
 
-    def _stage_facts(self, shape, dims):
+    def _stage_facts(self, shape, dims, hidden):
         index = self.plan.index_of(shape)
-        inputs, target = micro_batch_data(self.config, shape, self.hidden, self.micro_batch)
+        inputs, target = micro_batch_data(self.config, shape, hidden, self.micro_batch)
         run = lambda measure: stage_facts(self.config, self.source, dims, self.plan.ranges[index], shape,  # noqa: E731
                                           inputs, target, measure)
         if self.measure:
@@ -210,16 +205,18 @@ class _Simulation:
         shapes, _ = key = self._key(rank)
         states, facts = self.states[key], [self.facts[shape] for shape in shapes]
         memory = {index: self.facts[self.plan.shape(index)].memory for index in self.plan.indices(pp_rank)}
-        numel = sum(f.numel for f in facts)
-        accumulation = numel * item_bytes(REDUCE_DTYPE) if dims.fsdp_enabled and (
+        measured = None not in memory.values()
+        # autograd's gradients, as measured: under TP a vocabulary-parallel embedding's is the whole table
+        grad_elements = sum(f.memory.grad_elements for f in facts) if measured else sum(f.numel for f in facts)
+        accumulation = grad_elements * item_bytes(REDUCE_DTYPE) if dims.fsdp_enabled and (
             pipelined or p.dp_shard_mode == "zero1" and self.microbatches > 1) else 0
         shards = states.gradient_shards
-        if not dims.fsdp_enabled and None not in memory.values():  # autograd's gradients, as measured
-            shards = sum(f.memory.grad_elements for f in facts) * states.gradient_item
+        if not dims.fsdp_enabled and measured:
+            shards = grad_elements * states.gradient_item
         gathered, reduce = (gathered_and_reduce_bytes(facts, pipelined, p.dp_shard_mode, compute_dtype(self.config))
                             if dims.fsdp_enabled else (0, 0))
-        receive = receive_bytes(self.plan, pp_rank, self.microbatches, self.hidden) if pipelined else 0
-        if None in memory.values():
+        receive = receive_bytes(self.plan, pp_rank, self.microbatches, self.hidden_bytes) if pipelined else 0
+        if not measured:
             if self.prediction is None:
                 raise ConfigError("The activation peak could not be measured and the planner has no model of "
                                   "this layout's activation checkpointing; use --parallel.activation_checkpoint="
@@ -231,7 +228,7 @@ class _Simulation:
         else:
             activations, source, in_flight, outputs = memory[0].peak, "measured", 1, 0
         return dict(rank=rank, coords=coords, stage=pp_rank, parameters=states.parameters,
-                    gradients=shards + accumulation, optimizer=states.optimizer, activations=activations,
+                    gradients=max(shards, accumulation), optimizer=states.optimizer, activations=activations,
                     activations_source=source, buffers=gathered + reduce + receive, parameter_count=states.count,
                     detail={"stages": self.plan.indices(pp_rank), "gradient_shards": shards,
                             "gradient_accumulation": accumulation, "fsdp_gathered": gathered,
@@ -249,7 +246,7 @@ def estimate(config: Config, world_size: int, ranks: str = DEFAULT_RANKS, hardwa
     if world_size < 1:
         raise ConfigError(f"--world-size {world_size} must be a positive number of processes.")
     model_args = model_args_for(config)
-    dims = _layout(config, world_size, model_args)  # raises ConfigError for bad degrees, model, batch or schedule
+    dims = layout_dims(config, world_size, model_args)  # raises ConfigError for bad degrees, model, batch or schedule
     t = config.training
     micro_batch = min(t.micro_batch_size, t.global_batch_size // dims.dp_size)
     microbatches = t.global_batch_size // (micro_batch * dims.dp_size)

@@ -13,6 +13,7 @@ import re
 import sys
 
 from parallel.estimate import DEFAULT_RANKS, KINDS, Estimate, estimate, shortfall_message
+from parallel.estimate_steps import run_steps, summary
 from trainer.config import load_config
 from trainer.errors import ConfigError
 
@@ -27,6 +28,9 @@ def parse(argv: list[str]):
     p.add_argument("--hardware", default=None, help="hardware profile whose device capacity to compare (e.g. frontier)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--no-measure", action="store_true", help="skip the meta activation run; use the planner's figure")
+    p.add_argument("--steps", type=int, default=0,
+                   help="also run N training steps of a tiny model of the same layout on the fake backend, as the "
+                        "first and the last simulated rank (see parallel/estimate_steps.py)")
     ns, overrides = p.parse_known_args(argv)
     return ns, overrides
 
@@ -89,10 +93,18 @@ def main(argv: list[str]) -> int:
     result = estimate(config, world, ranks=ns.ranks, hardware=ns.hardware, measure=not ns.no_measure,
                       progress=progress)
     message = shortfall_message(result)
+    runs, model = [], ""
+    if ns.steps > 0:
+        ranks = sorted(r.rank for r in result.ranks)
+        runs, model = run_steps(config, world, ns.steps, sorted({ranks[0], ranks[-1]}))
+    failed = next((run for run in runs if run.failed), None)
+    if failed:
+        message = " ".join(x for x in (message, f"With --steps, the training loop failed as rank {failed.rank}: "
+                                                f"{failed.failed}") if x)
     if ns.format == "json":
-        print(json.dumps({**result.as_dict(), "error": message}, indent=1))
+        print(json.dumps({**result.as_dict(), "error": message, "steps": [run.as_dict() for run in runs]}, indent=1))
     else:
-        print(table(result))
+        print("\n".join([table(result), *(f"# {line}" for line in summary(runs, model) if runs)]))
     if message:
         print(f"trillion estimate: {message}", file=sys.stderr)
         return 1

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -39,7 +40,8 @@ from parallel.activation_checkpoint import _parse
 from parallel.dims import AXES, ParallelDims
 from parallel.estimate_activations import MicroBatchMemory, local_tensor, measure_in_depth, measure_micro_batch
 from parallel.parallelize import parallelize
-from parallel.pipeline import Pipeline, canonical_schedule, split_units, stage_indices, stage_module, virtual_stages
+from parallel.pipeline import (Pipeline, StageLayers, canonical_schedule, split_units, stage_indices, stage_module,
+                               virtual_stages)
 from trainer.config import Config
 from trainer.errors import ConfigError
 
@@ -52,7 +54,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # --- set-up --------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int):
-    """This process as `rank` of a fake process group of `world_size` (collectives do nothing)."""
+    """This process as `rank` of a fake process group of `world_size` (collectives do nothing).
+
+    On the way out DTensor's caches are cleared: they key on meshes, and a DeviceMesh compares equal
+    whatever rank built it, so a later simulated rank would get specs holding an earlier rank's mesh
+    (and coordinates): uneven shards then come out of distribute_tensor at the wrong size."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
@@ -62,6 +70,22 @@ def fake_world(rank: int, world_size: int):
         yield
     finally:
         dist.destroy_process_group()
+        _clear_sharding_prop_cache()
+        _gen_transform_infos.cache_clear()
+        clear_redistribute_planner_cache()
+
+
+@contextlib.contextmanager
+def quiet():
+    """The trainer's info lines (a pipeline's split, a step's loss, ...) once per simulated rank would
+    bury the result."""
+    log = logging.getLogger("trillion")
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def target_device(config: Config) -> str:
@@ -132,7 +156,8 @@ class StagePlan:
         self.pp, self.n_layers = pp, n_layers
         self.schedule = canonical_schedule(config.parallel.pp_schedule)
         self.virtual = virtual_stages(self.schedule, config.parallel.pp_virtual_stages) if pp > 1 else 1
-        self.ranges = split_units(n_layers, pp * self.virtual)
+        self.layers = StageLayers.from_config(config.parallel)
+        self.ranges = split_units(n_layers, pp * self.virtual, self.layers)
 
     @property
     def last_index(self) -> int:
@@ -159,7 +184,8 @@ def rank_parts(config: Config, model: nn.Module, dims: ParallelDims, microbatche
     if dims.pp == 1:
         return [layout(model)]
     return Pipeline(model, dims, config.parallel.pp_schedule, microbatches, torch.device("cpu"),
-                    virtual=config.parallel.pp_virtual_stages, parallelize_fn=layout)
+                    virtual=config.parallel.pp_virtual_stages, parallelize_fn=layout,
+                    layers=StageLayers.from_config(config.parallel))
 
 
 class StageSource:
@@ -325,8 +351,7 @@ def in_flight_peak(actions: list, memory: dict[int, MicroBatchMemory], last_inde
     return max(peak, 2 * kept), most, kept
 
 
-def receive_bytes(plan: StagePlan, pp_rank: int, microbatches: int, hidden: torch.Tensor) -> int:
+def receive_bytes(plan: StagePlan, pp_rank: int, microbatches: int, hidden_bytes: int) -> int:
     """The schedule's receive buffers: per micro-batch, the activation in (all but the first stage)
-    and the gradient in (all but the last)."""
-    one = local_tensor(hidden).untyped_storage().nbytes()
-    return sum(microbatches * one * ((index > 0) + (index < plan.last_index)) for index in plan.indices(pp_rank))
+    and the gradient in (all but the last), each the local shard of one micro-batch's hidden state."""
+    return sum(microbatches * hidden_bytes * ((index > 0) + (index < plan.last_index)) for index in plan.indices(pp_rank))

@@ -61,7 +61,7 @@ def _plain_rank(config, args, dims, micro_batches) -> dict:
         F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum").backward()
     optimizer.step()
     params = list(model.parameters())
-    record = {"parameters": storage_bytes(params), "gradients": storage_bytes([p.grad for p in params]),
+    record = {"parameters": storage_bytes(params), "gradient_shards": storage_bytes([p.grad for p in params]),
               "optimizer": _optimizer_bytes(optimizer)}
 
     # 2. activations on real tensors: the same TP plan and checkpointing (FSDP does not change them)
@@ -108,13 +108,12 @@ def _pipeline_rank(config, args, dims, micro_batches) -> dict:
     for stage in pipeline.stages:
         stage.perform_reduce_grad = _recording_before(stage.perform_reduce_grad, stage.submod, held)
     record = {}
-    optimizer.register_step_pre_hook(lambda *_: record.update(gradients=storage_bytes(
+    optimizer.register_step_pre_hook(lambda *_: record.update(gradient_shards=storage_bytes(
         [q.grad for q in model.parameters() if q.grad is not None])))
     train_step(model, micro_batches, optimizer, torch.amp.GradScaler("cpu", enabled=False), contextlib.nullcontext(),
                config.training.max_grad_norm, dims, p.dp_shard_mode, pipeline=pipeline)
     record.update(parameters=storage_bytes(model.parameters()), optimizer=_optimizer_bytes(optimizer),
                   pipeline_receive=storage_bytes(_receive_buffers(pipeline)), **held)
-    record["gradients"] += held["gradient_accumulation"]
 
     # activations: the same schedule over TP-only stages, measured in its second step
     tp_pipeline = _build_pipeline(config, args, dims, len(micro_batches), lambda part: _tp_only(part, config, dims))

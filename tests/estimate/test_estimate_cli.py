@@ -84,3 +84,19 @@ def test_gpt_1t_on_3072_ranks_fits_a_mi250x_gcd_under_zero3(capsys):
     # the planner's prediction of the model states is the estimate's to 1%
     for kind in ("parameters", "gradients", "optimizer"):
         assert first[kind] == pytest.approx(first["planner"][kind], rel=0.01)
+
+
+def test_steps_run_the_training_loop_as_the_first_and_last_rank(capsys):
+    """dp_shard 2 x tp 2 with a vocabulary split unevenly over dp_shard (129 rows per tp rank): the last
+    rank, simulated after the first in the same process, shards it its own way."""
+    assert main(["estimate", "--config", "experiments/configs/debug_2d_cpu.toml", "--job.device=cpu",
+                 "--steps", "2", "--format", "json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["steps"]
+    assert [(r["rank"], r["steps"], r["stopped"], r["failed"]) for r in runs] == [(0, 2, None, None), (3, 2, None, None)]
+
+
+def test_steps_with_a_pipeline_stop_at_the_schedule_and_say_why(capsys):
+    assert main(["estimate", *PIPELINE, "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "as rank 0: stopped before its first step: the pipeline schedule cannot step on the fake backend" in out
+    assert "as rank 3: stopped before its first step" in out
