@@ -25,7 +25,6 @@ class Schedule:
     bubble_weights: tuple[float, float, float, float]  # multipliers of (F, R, Bi, Bw) per idle slot
     in_flight: str  # memory rule, see `in_flight_microbatches`
     v_shape: bool = False  # chunks placed as a V (rank r holds r and 2p-1-r), else looped (r, r+p, ...)
-    split_backward: bool = False  # separate input- and weight-gradient passes: the trainer keeps stages unsharded
 
 
 SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
@@ -33,9 +32,9 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
     Schedule("1F1B", (1,), (1, 1, 1, 1), "pipeline"),
     Schedule("Interleaved1F1B", (), (1, 1, 1, 1), "interleaved"),
     Schedule("LoopedBFS", (), (1, 1, 1, 1), "all"),
-    Schedule("InterleavedZeroBubble", (), (1, 1, 1, -1), "interleaved", split_backward=True),
-    Schedule("ZBVZeroBubble", (2,), (1, 1, 1, -2), "pipeline", v_shape=True, split_backward=True),
-    Schedule("DualPipeV", (2,), (1, 1, 1, -2), "pipeline+1", v_shape=True, split_backward=True),
+    Schedule("InterleavedZeroBubble", (), (1, 1, 1, -1), "interleaved"),
+    Schedule("ZBVZeroBubble", (2,), (1, 1, 1, -2), "pipeline", v_shape=True),
+    Schedule("DualPipeV", (2,), (1, 1, 1, -2), "pipeline+1", v_shape=True),
 )}
 DEFAULT_VIRTUAL_STAGES = 2  # what the search tries for schedules that take any v
 

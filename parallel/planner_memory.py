@@ -9,9 +9,10 @@ replicated: parallel/tensor_parallel.py's plan):
   zero2  + 2 bytes: the gathered bf16 copy, kept through all micro-batches of the step
   zero1  + the bf16 copy, and gradients accumulate unsharded in fp32 until the last micro-batch
 (bytes per parameter), as parallel/fsdp.py does. The root (embeddings, final norm, output) is
-never resharded after forward, so under zero3 its bf16 copy is held through the step too. Under
-the zero-bubble schedules (split input- and weight-gradient passes) the trainer keeps pipeline
-stages unsharded after forward (parallel/pipeline.py says why), so zero3 costs what zero2 does.
+never resharded after forward, so under zero3 its bf16 copy is held through the step too. A
+pipeline schedule turns gradient sync off until the last micro-batch and keeps its stages
+gathered from their first backward on, whatever the mode, so with pp > 1 every mode costs zero1's
+bytes (measured in gloo runs by `trillion estimate`, parallel/estimate.py).
 Activations follow Korthikanti et al. 2022 without dropout and with flash
 attention (no s^2 terms): 34 s b h bytes per GPT layer in bf16. With sequence parallelism the
 norm inputs are split over TP ranks, but DTensor saves the all-gathered inputs of the
@@ -178,9 +179,7 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     tokens = ms * seq_len
     sp = layout.sequence_parallel
     tp_numel, shard_numel = rank.numel(args, tp, layout.dp_shard)
-    mode = layout.dp_shard_mode
-    if mode == "zero3" and layout.pp > 1 and get_schedule(layout.pp_schedule).split_backward:
-        mode = "zero2"
+    mode = "zero1" if layout.pp > 1 else layout.dp_shard_mode
     parameters, gradients, optimizer = states_bytes(tp_numel, shard_numel, mode)
 
     n_ckpt = checkpointed_layers(layout.activation_checkpoint, rank.layers)
