@@ -230,7 +230,8 @@ class _Simulation:
         return dict(rank=rank, coords=coords, stage=pp_rank, parameters=states.parameters,
                     gradients=max(shards, accumulation), optimizer=states.optimizer, activations=activations,
                     activations_source=source, buffers=gathered + reduce + receive, parameter_count=states.count,
-                    detail={"stages": self.plan.indices(pp_rank), "gradient_shards": shards,
+                    detail={"stages": self.plan.indices(pp_rank), "tp_local_parameters": sum(f.numel for f in facts),
+                            "gradient_shards": shards,
                             "gradient_accumulation": accumulation, "fsdp_gathered": gathered,
                             "reduce_scatter": reduce, "pipeline_receive": receive, "in_flight": in_flight,
                             "kept_outputs": outputs})

@@ -1,11 +1,14 @@
 """`trillion estimate`: a full-scale dry run of a config's layout on one CPU (see parallel/estimate.py).
 
   trillion estimate --config experiments/configs/debug_2d_cpu.toml --world-size 4 --hardware frontier
-  trillion estimate --config FILE --world-size 3072 --parallel.tp=8 --parallel.dp_shard=384 --hardware frontier
+  trillion estimate --config experiments/configs/gpt_1t_frontier.toml --hardware frontier --ranks all
+  trillion estimate --config FILE --world-size 3072 --parallel.tp=8 --parallel.dp_shard=384 --steps 2
 
-Prints, per simulated rank, parameter, gradient, optimizer, activation-peak and buffer bytes next to
-the device's capacity and the planner's prediction; exits 1 with a message naming the rank, the
-shortfall, what dominates and which setting to change when a rank does not fit.
+Prints, per simulated rank (first, middle and last pipeline stage and the rank with the most
+parameters by default), parameter, gradient, optimizer, activation-peak and buffer bytes next to the
+device's capacity and the planner's prediction; exits 1 with a message naming the rank, the
+shortfall, what dominates and which setting to change when a rank does not fit. `--steps N` also
+runs the training loop for N steps of a tiny model of the layout (parallel/estimate_steps.py).
 """
 import argparse
 import json

@@ -100,3 +100,23 @@ def test_steps_with_a_pipeline_stop_at_the_schedule_and_say_why(capsys):
     out = capsys.readouterr().out
     assert "as rank 0: stopped before its first step: the pipeline schedule cannot step on the fake backend" in out
     assert "as rank 3: stopped before its first step" in out
+
+
+@pytest.mark.slow
+def test_paper_1t_layout_every_rank_in_under_a_minute(capsys):
+    """The paper's gpt-1t layout (tp 4 x pp 128 x dp_shard 2) at its 1024 ranks: all simulated, and
+    together they hold the model exactly once (norms replicated over tp aside)."""
+    import time
+
+    from models.flops import count_params
+    from models.presets import get_preset
+
+    start = time.perf_counter()
+    main(["estimate", "--config", "experiments/configs/gpt_1t_frontier.toml", "--hardware", "frontier",
+          "--ranks", "all", "--format", "json"])
+    data = json.loads(capsys.readouterr().out)
+    assert time.perf_counter() - start < 60
+    assert [r["rank"] for r in data["ranks"]] == list(range(1024))
+    assert {r["stage"] for r in data["ranks"]} == set(range(128))
+    held = sum(r["parameter_count"] for r in data["ranks"])
+    assert held == pytest.approx(count_params(get_preset("gpt-1t")).total, rel=1e-3)
