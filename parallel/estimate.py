@@ -140,8 +140,8 @@ class _Simulation:
         self.plan = StagePlan(config, model_args.n_layers, dims.pp)
         self.source = StageSource(model_args, dims.pp)
         self.states, self.facts = {}, {}  # (stage shapes, dp_shard coordinate) -> States; StageShape -> StageFacts
-        self.hidden_bytes = self.order = None  # one micro-batch's residual stream between stages (local bytes),
-        # the schedule's actions (pp > 1)
+        self.hidden_bytes = None  # pp > 1: one micro-batch's residual stream between stages, local bytes
+        self.order = None  # pp > 1: every pipeline rank's actions, from the schedule
 
     def _key(self, rank: int) -> tuple:
         coords = coords_of(self.dims, rank)
@@ -156,9 +156,9 @@ class _Simulation:
             return
         with fake_world(rank, self.dims.world_size), quiet():
             dims = meshed_dims(self.dims)
-            # a DTensor under TP, on this world's mesh: made again in every world that needs it
-            hidden = hidden_state(self.config, self.source, dims, self.micro_batch) if pipelined else None
-            if hidden is not None:
+            hidden = None  # a DTensor under TP, on this world's mesh: made again in every world that needs it
+            if pipelined and (missing or self.hidden_bytes is None):
+                hidden = hidden_state(self.config, self.source, dims, self.micro_batch)
                 self.hidden_bytes = local_tensor(hidden).untyped_storage().nbytes()
             for shape in missing:
                 self.facts[shape] = self._stage_facts(shape, dims, hidden)
@@ -199,42 +199,46 @@ class _Simulation:
     def rank(self, rank: int) -> dict:
         """The RankEstimate fields of `rank` (all but capacity and the planner's figures)."""
         self._simulate(rank)
-        p, dims = self.config.parallel, self.dims
-        coords = coords_of(dims, rank)
-        pp_rank, pipelined = coords.get("pp", 0), dims.pp > 1
+        coords = coords_of(self.dims, rank)
+        pp_rank, pipelined = coords.get("pp", 0), self.dims.pp > 1
         shapes, _ = key = self._key(rank)
         states, facts = self.states[key], [self.facts[shape] for shape in shapes]
         memory = {index: self.facts[self.plan.shape(index)].memory for index in self.plan.indices(pp_rank)}
-        measured = None not in memory.values()
-        # autograd's gradients, as measured: under TP a vocabulary-parallel embedding's is the whole table
-        grad_elements = sum(f.memory.grad_elements for f in facts) if measured else sum(f.numel for f in facts)
-        accumulation = grad_elements * item_bytes(REDUCE_DTYPE) if dims.fsdp_enabled and (
-            pipelined or p.dp_shard_mode == "zero1" and self.microbatches > 1) else 0
-        shards = states.gradient_shards
-        if not dims.fsdp_enabled and measured:
-            shards = grad_elements * states.gradient_item
-        gathered, reduce = (gathered_and_reduce_bytes(facts, pipelined, p.dp_shard_mode, compute_dtype(self.config))
-                            if dims.fsdp_enabled else (0, 0))
+        shards, accumulation = self._gradients(states, facts)
+        activations, source, in_flight, outputs = self._activations(pp_rank, memory)
+        gathered, reduce = (gathered_and_reduce_bytes(facts, pipelined, self.config.parallel.dp_shard_mode,
+                                                      compute_dtype(self.config)) if self.dims.fsdp_enabled else (0, 0))
         receive = receive_bytes(self.plan, pp_rank, self.microbatches, self.hidden_bytes) if pipelined else 0
-        if not measured:
-            if self.prediction is None:
-                raise ConfigError("The activation peak could not be measured and the planner has no model of "
-                                  "this layout's activation checkpointing; use --parallel.activation_checkpoint="
-                                  "none, selective or full.")
-            activations, source, in_flight, outputs = int(self.prediction["activations"]), "predicted", None, 0
-        elif pipelined:
-            activations, in_flight, outputs = in_flight_peak(self.order[pp_rank], memory, self.plan.last_index)
-            source = "measured"
-        else:
-            activations, source, in_flight, outputs = memory[0].peak, "measured", 1, 0
         return dict(rank=rank, coords=coords, stage=pp_rank, parameters=states.parameters,
                     gradients=max(shards, accumulation), optimizer=states.optimizer, activations=activations,
                     activations_source=source, buffers=gathered + reduce + receive, parameter_count=states.count,
                     detail={"stages": self.plan.indices(pp_rank), "tp_local_parameters": sum(f.numel for f in facts),
-                            "gradient_shards": shards,
-                            "gradient_accumulation": accumulation, "fsdp_gathered": gathered,
-                            "reduce_scatter": reduce, "pipeline_receive": receive, "in_flight": in_flight,
-                            "kept_outputs": outputs})
+                            "gradient_shards": shards, "gradient_accumulation": accumulation,
+                            "fsdp_gathered": gathered, "reduce_scatter": reduce, "pipeline_receive": receive,
+                            "in_flight": in_flight, "kept_outputs": outputs})
+
+    def _gradients(self, states, facts) -> tuple[int, int]:
+        """(the gradients the optimizer steps on, the unsharded fp32 ones accumulated through the step)."""
+        measured = all(f.memory is not None for f in facts)
+        # autograd's gradients, as measured: under TP a vocabulary-parallel embedding's is the whole table
+        elements = sum(f.memory.grad_elements for f in facts) if measured else sum(f.numel for f in facts)
+        if not self.dims.fsdp_enabled:
+            return (elements * states.gradient_item if measured else states.gradient_shards), 0
+        accumulates = self.dims.pp > 1 or self.config.parallel.dp_shard_mode == "zero1" and self.microbatches > 1
+        return states.gradient_shards, elements * item_bytes(REDUCE_DTYPE) if accumulates else 0
+
+    def _activations(self, pp_rank: int, memory: dict) -> tuple[int, str, int | None, int]:
+        """(peak, "measured" or "predicted", micro-batch chunks in flight, the last stage's kept outputs)."""
+        if None in memory.values():
+            if self.prediction is None:
+                raise ConfigError("The activation peak could not be measured and the planner has no model of "
+                                  "this layout's activation checkpointing; use --parallel.activation_checkpoint="
+                                  "none, selective or full.")
+            return int(self.prediction["activations"]), "predicted", None, 0
+        if self.dims.pp == 1:
+            return memory[0].peak, "measured", 1, 0
+        peak, in_flight, outputs = in_flight_peak(self.order[pp_rank], memory, self.plan.last_index)
+        return peak, "measured", in_flight, outputs
 
 
 # --- the dry run ----------------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ tests/estimate measure it:
   trainer uses) says when each micro-batch's forward and backward run on each rank. Walking it
   with one micro-batch's measured bytes per stage gives the rank's activation peak: pp - s
   micro-batches on stage s under 1F1B, all m under GPipe and LoopedBFS, and under Interleaved1F1B
-  the warm-up PyTorch's list holds ((v-1) pp + 2 (pp-1-r) + 1 chunks on rank r).
+  the warm-up PyTorch's list holds ((v-1) pp + 2 (pp-1-r) + 1 chunks on rank r when m is a
+  multiple of pp).
 """
 from __future__ import annotations
 
