@@ -6,10 +6,20 @@ names stay global: checkpoints and `init_weights` see the same names whatever th
 balances by layer count, counting the embedding and the output projection (with the final norm) as
 one layer each: n_layers + 2 units over pp * virtual stages; a remainder goes to the middle stages.
 
-Looped schedules (Interleaved1F1B, LoopedBFS) hold `virtual` stages per rank, placed r, r + pp, ...
-The loss runs on the last stage, normalized by the token count of the global batch exactly as
-without PP (`scale_grads=False`: the schedule must not divide again), under loss parallelism with TP.
-Only schedules proven by a parity test run; the rest are refused with the reason.
+Looped schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) hold `virtual` stages per
+rank, placed r, r + pp, ...; the V-shaped ones (ZBVZeroBubble, DualPipeV) hold exactly two, placed r
+and 2 pp - 1 - r (the schedule's own stage-to-rank map). The loss runs on the last stage, normalized
+by the token count of the global batch exactly as without PP (`scale_grads=False`: the schedule
+must not divide again), under loss parallelism with TP. Every schedule is proven by a parity test.
+
+The zero-bubble schedules split each backward into an input-gradient pass (dI) and a later
+weight-gradient pass (dW). PipelineStage finds the weights' autograd nodes from `submod.parameters()`
+at the dI pass (torch/distributed/pipelining/stage.py backward_maybe_with_nosync ->
+_backward.py stage_backward_input), before FSDP's pre-backward hook has unsharded the module: a
+block resharded after forward then lists its sharded DTensor parameters, which are not in the
+graph, and that micro-batch's weight gradients were silently dropped (0.4-0.8 of the reference
+gradient). So under these schedules no FSDP module of a stage reshards after forward; that costs
+no memory at the peak, since PipelineStage keeps stages gathered from their first backward anyway.
 
 With TP the residual stream between stages is a sequence-sharded DTensor (tensor_parallel.py):
 PipelineStage sends each rank's local shard with the DTensor's metadata, and the receiving stage
@@ -34,29 +44,27 @@ log = logging.getLogger("trillion")
 IGNORE_INDEX = -100
 
 SINGLE = ("GPipe", "1F1B")  # one stage per rank
-LOOPED = ("Interleaved1F1B", "LoopedBFS")  # several stages per rank, r, r + pp, ...
-VERIFIED = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS")  # proven by tests/pipeline parity tests
-REFUSED = {
-    "ZBVZeroBubble": "not verified; known wrong gradients with FSDP (middle stages 0.4-0.7 of the reference "
-                     "gradient norm, none on the last stage)",
-    "InterleavedZeroBubble": "not verified; known wrong gradients with FSDP (middle stages 0.4-0.7 of the reference "
-                             "gradient norm, none on the last stage)",
-    "DualPipeV": "not verified; known wrong gradients with FSDP (middle stages 0.4-0.7 of the reference "
-                 "gradient norm, none on the last stage)",
-}
-KNOWN = (*SINGLE, *LOOPED, "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")  # several stages per rank, r, r + pp, ...
+V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank, r and 2 pp - 1 - r
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")  # separate dI and dW passes
+KNOWN = (*SINGLE, *LOOPED, *V_SHAPED)  # each proven by a tests/pipeline parity test
 
 
 def canonical_schedule(name: str) -> str:
     for known in KNOWN:
         if known.lower() == name.lower():
             return known
-    raise ConfigError(f"parallel.pp_schedule={name!r} is not known. Use one of: {', '.join(KNOWN)} "
-                      f"(verified here: {', '.join(VERIFIED)}).")
+    raise ConfigError(f"parallel.pp_schedule={name!r} is not known. Use one of: {', '.join(KNOWN)}.")
 
 
 def virtual_stages(schedule: str, requested: int) -> int:
-    """Stages per rank: 1 for single-stage schedules; requested (0 = 2) for looped ones."""
+    """Stages per rank: 1 for single-stage schedules, 2 for V-shaped ones; requested (0 = 2) for looped ones."""
+    if schedule in V_SHAPED:
+        if requested not in (0, 2):
+            raise ConfigError(f"parallel.pp_virtual_stages={requested}: parallel.pp_schedule={schedule} runs exactly "
+                              "two stages per rank (a V). Use --parallel.pp_virtual_stages=2 (or 0), or a looped "
+                              "schedule (Interleaved1F1B, InterleavedZeroBubble) for other counts.")
+        return 2
     if schedule in SINGLE:
         if requested > 1:
             raise ConfigError(f"parallel.pp_virtual_stages={requested}: parallel.pp_schedule={schedule} runs one stage "
@@ -104,7 +112,8 @@ AUTOMATIC = StageLayers()
 
 
 def validate_pipeline(pp: int, schedule: str, n_layers: int, n_microbatches: int, *, virtual: int = 0,
-                      tie_embeddings: bool = False, layers: StageLayers = AUTOMATIC) -> tuple[str, int]:
+                      tie_embeddings: bool = False, layers: StageLayers = AUTOMATIC,
+                      compile: bool = False) -> tuple[str, int]:
     """Raise ConfigError for a pipeline this build cannot run; returns (schedule name, stages per rank)."""
     if pp < 1:
         raise ConfigError(f"parallel.pp={pp} must be a positive degree; use 1 to turn pipelining off.")
@@ -114,9 +123,6 @@ def validate_pipeline(pp: int, schedule: str, n_layers: int, n_microbatches: int
             raise ConfigError(f"{layers.describe()} size pipeline stages, but parallel.pp=1 runs none. Set "
                               "--parallel.pp to 2 or more, or leave those settings at their defaults (0, -1, -1).")
         return name, 1
-    if name in REFUSED:
-        raise ConfigError(f"parallel.pp_schedule={name} is refused: {REFUSED[name]}. "
-                          f"Use one of {', '.join(VERIFIED)}.")
     v = virtual_stages(name, virtual)
     stages = pp * v
     if stages > n_layers + 2:
@@ -130,15 +136,24 @@ def validate_pipeline(pp: int, schedule: str, n_layers: int, n_microbatches: int
             f"parallel.pp_schedule={name} needs at least as many micro-batches per step as pipeline ranks, but "
             f"global / (micro x data-parallel ranks) = {n_microbatches} < parallel.pp={pp}. Raise "
             f"training.global_batch_size or lower training.micro_batch_size, or use --parallel.pp_schedule=GPipe.")
-    rounds = max(1, n_microbatches // pp)
-    if name == "Interleaved1F1B" and n_microbatches % rounds:
+    if name == "DualPipeV" and n_microbatches < stages:
         raise ConfigError(
-            f"parallel.pp_schedule=Interleaved1F1B runs micro-batches in rounds of pp={pp}: {n_microbatches} "
+            f"parallel.pp_schedule=DualPipeV needs at least as many micro-batches per step as pipeline stages "
+            f"(2 x parallel.pp = {stages}), but global / (micro x data-parallel ranks) = {n_microbatches}. Raise "
+            f"training.global_batch_size or lower training.micro_batch_size, or use --parallel.pp_schedule=ZBVZeroBubble.")
+    rounds = max(1, n_microbatches // pp)
+    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and n_microbatches % rounds:
+        raise ConfigError(
+            f"parallel.pp_schedule={name} runs micro-batches in rounds of pp={pp}: {n_microbatches} "
             f"micro-batches per step must be a multiple of the {rounds} rounds. Use a global batch giving "
             f"{rounds * pp} or {(rounds + 1) * pp} micro-batches.")
     if tie_embeddings:
         raise ConfigError("parallel.pp > 1 with tied input/output embeddings is not supported: the embedding and "
                           "the output projection live on different stages. Use a model without tie_embeddings.")
+    if compile and name in SPLIT_BACKWARD:
+        raise ConfigError(f"parallel.pp_schedule={name} splits each backward into input- and weight-gradient passes, "
+                          "which torch.distributed.pipelining does not support for compiled stages. Use "
+                          "--compile.enabled=false, or a schedule with a full backward (1F1B, Interleaved1F1B).")
     return name, v
 
 
@@ -206,8 +221,20 @@ def stage_module(model: nn.Module, units: range) -> nn.Module:
     return stage
 
 
-def stage_indices(rank: int, pp: int, virtual: int) -> list[int]:
+def stage_indices(rank: int, pp: int, virtual: int, schedule: str = "") -> list[int]:
+    """This rank's stage indices: r, r + pp, ... (looped), or r, 2 pp - 1 - r for a V-shaped schedule."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * pp - 1 - rank]
     return [rank + v * pp for v in range(virtual)]
+
+
+def keep_unsharded_after_forward(part: nn.Module) -> None:
+    """For split-backward schedules: the dI pass must see the unsharded parameters the forward used
+    (see the module docstring)."""
+    from torch.distributed.fsdp import FSDPModule
+    for module in part.modules():
+        if isinstance(module, FSDPModule):
+            module.set_reshard_after_forward(False, recurse=False)
 
 
 class Pipeline:
@@ -225,10 +252,12 @@ class Pipeline:
         self.name, self.virtual, self.n_microbatches = name, v, n_microbatches
         ranges = split_units(len(model.layers), dims.pp * v, layers)
         self.parts, self.stages = [], []
-        for index in stage_indices(self.pp_rank, dims.pp, v):
+        for index in stage_indices(self.pp_rank, dims.pp, v, name):
             part = stage_module(model, ranges[index])
             if parallelize_fn is not None:
                 parallelize_fn(part)
+            if name in SPLIT_BACKWARD:
+                keep_unsharded_after_forward(part)
             self.parts.append(part)
         self._make_stage = lambda part, index: PipelineStage(part, index, dims.pp * v, device, group=self.pp_group,
                                                              get_mesh=self._mesh)
@@ -242,7 +271,7 @@ class Pipeline:
 
     def build(self) -> None:
         """After `to_empty` + `init_weights` of every part: the stages and the schedule."""
-        indices = stage_indices(self.pp_rank, self.pp, self.virtual)
+        indices = stage_indices(self.pp_rank, self.pp, self.virtual, self.name)
         self.stages = [self._make_stage(part, index) for part, index in zip(self.parts, indices)]
         stages = self.stages[0] if self._single else self.stages
         self.schedule = self._schedule_cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)

@@ -107,7 +107,7 @@ def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -
     # schedule, stage sizes and micro-batches checked before any work (stage sizes without a pipeline refused)
     validate_pipeline(dims.pp, p.pp_schedule, model_args.n_layers, per_rank // min(t.micro_batch_size, per_rank),
                       virtual=p.pp_virtual_stages, tie_embeddings=model_args.tie_embeddings,
-                      layers=StageLayers.from_config(p))
+                      layers=StageLayers.from_config(p), compile=config.compile.enabled)
     dims.build_mesh(env.device.type)
     return dims
 

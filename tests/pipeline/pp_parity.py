@@ -28,7 +28,8 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
     mode = case.get("mode", "zero3")
     with torch.device("meta"):
         model = Transformer(args)
-    n_micro = GLOBAL_BATCH // (MICRO_BATCH * dims.dp_size)
+    micro = case.get("micro", MICRO_BATCH)
+    n_micro = GLOBAL_BATCH // (micro * dims.dp_size)
     layers = StageLayers(case.get("layers_per_stage", 0), case.get("first_stage_layers", -1),
                          case.get("last_stage_layers", -1))
     pipeline = Pipeline(model, dims, case["schedule"], n_micro, torch.device("cpu"),
@@ -44,7 +45,7 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
     optimizer = torch.optim.AdamW([p for _, p in named], lr=3e-3, weight_decay=0.1, foreach=True)
     grads = []
     optimizer.register_step_pre_hook(lambda *_: grads.append({n: _full(p.grad) for n, p in named}))
-    loader = DataLoader(RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, MICRO_BATCH,
+    loader = DataLoader(RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, micro,
                         dims.dp_rank, dims.dp_size)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     losses, norms = [], []

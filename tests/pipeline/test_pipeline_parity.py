@@ -2,7 +2,12 @@
 every parameter's gradient and the initial weights, over several optimizer steps, fp32 on gloo.
 The parity models have 2 layers: 4 units (embedding, 2 layers, output), so pp 2 with 2 virtual
 stages per rank puts one unit on each stage: under tensor parallelism the embedding-only stage
-hands the next one the sequence-sharded residual stream."""
+hands the next one the sequence-sharded residual stream.
+
+The zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV) split each backward into
+input- and weight-gradient passes; under FSDP zero3 they once dropped the weight gradients of every
+micro-batch whose input pass ran while a block was resharded (parallel/pipeline.py explains why):
+the pp 2 x FSDP 2 zero3 cases are the regression tests."""
 import sys
 from pathlib import Path
 
@@ -24,6 +29,29 @@ def test_two_ranks_looped_schedules_with_two_virtual_stages():
     cases = [{"name": "llama-pp2-interleaved1f1b", "family": "llama", "pp": 2, "schedule": "Interleaved1F1B"},
              {"name": "gpt-pp2-loopedbfs", "family": "gpt", "pp": 2, "schedule": "LoopedBFS"}]
     run_ranks(check_pipeline_cases, 2, cases)
+
+
+def test_two_ranks_zero_bubble_schedules():
+    cases = [_case("llama", "ZBVZeroBubble"), _case("gpt", "InterleavedZeroBubble"), _case("gpt", "DualPipeV")]
+    run_ranks(check_pipeline_cases, 2, cases)
+
+
+def test_pp2_x_fsdp2_zbv_zero3():
+    run_ranks(check_pipeline_cases, 4, [_case("llama", "ZBVZeroBubble", dp_shard=2)])
+
+
+@pytest.mark.slow  # about a minute on two cores
+def test_pp2_x_fsdp2_zero_bubble_schedules():
+    cases = [_case("gpt", "InterleavedZeroBubble", dp_shard=2),
+             _case("llama", "DualPipeV", dp_shard=2, micro=1),  # 4 micro-batches: DualPipeV needs one per stage
+             _case("gpt", "ZBVZeroBubble", dp_shard=2, mode="zero2")]
+    run_ranks(check_pipeline_cases, 4, cases)
+
+
+@pytest.mark.slow  # about a minute on two cores
+def test_pp2_x_tp2_zero_bubble_schedules():
+    cases = [_case("llama", "ZBVZeroBubble", tp=2), _case("gpt", "InterleavedZeroBubble", tp=2)]
+    run_ranks(check_pipeline_cases, 4, cases)
 
 
 def test_pp2_x_fsdp2_1f1b():

@@ -25,6 +25,8 @@ def test_split_counts_embedding_and_output_as_layers():
     ranges = split_units(61, 16)
     assert ranges[0].start == 0 and ranges[-1].stop == 63 and max(map(len, ranges)) - min(map(len, ranges)) <= 1
     assert stage_indices(1, 4, 2) == [1, 5]
+    assert stage_indices(1, 4, 2, "InterleavedZeroBubble") == [1, 5]
+    assert stage_indices(1, 4, 2, "ZBVZeroBubble") == stage_indices(1, 4, 2, "DualPipeV") == [1, 6]  # a V
 
 
 def test_stages_keep_global_names_and_together_hold_the_model():
@@ -55,9 +57,10 @@ REFUSED = [
     (4, "Interleaved1F1B", 3, {"virtual": 1}, ["Interleaved1F1B", "3 < parallel.pp=4"]),
     (4, "Interleaved1F1B", 9, {"virtual": 1}, ["multiple of the 2 rounds", "8 or 12"]),
     (2, "NoSuchSchedule", 8, {}, ["'NoSuchSchedule' is not known", "GPipe"]),
-    (2, "ZBVZeroBubble", 8, {}, ["refused", "not verified; known wrong gradients with FSDP", "1F1B"]),
-    (2, "InterleavedZeroBubble", 8, {}, ["not verified; known wrong gradients with FSDP"]),
-    (2, "DualPipeV", 8, {}, ["not verified; known wrong gradients with FSDP"]),
+    (2, "ZBVZeroBubble", 8, {"virtual": 3}, ["pp_virtual_stages=3", "exactly two stages per rank"]),
+    (2, "DualPipeV", 3, {}, ["DualPipeV", "(2 x parallel.pp = 4)", "= 3", "ZBVZeroBubble"]),
+    (4, "InterleavedZeroBubble", 9, {"virtual": 1}, ["InterleavedZeroBubble", "multiple of the 2 rounds"]),
+    (2, "ZBVZeroBubble", 8, {"compile": True}, ["ZBVZeroBubble", "compiled", "--compile.enabled=false"]),
     (2, "1F1B", 8, {"virtual": 2}, ["pp_virtual_stages=2", "one stage per rank"]),
     (2, "1F1B", 8, {"tie_embeddings": True}, ["tied", "tie_embeddings"]),
     (0, "1F1B", 8, {}, ["parallel.pp=0", "positive"]),
@@ -78,6 +81,10 @@ def test_accepted_pipelines():
     assert validate_pipeline(2, "Interleaved1F1B", 4, 4) == ("Interleaved1F1B", 2)
     assert validate_pipeline(3, "LoopedBFS", 4, 3, virtual=2) == ("LoopedBFS", 2)
     assert validate_pipeline(1, "ZBVZeroBubble", 4, 1)[0] == "ZBVZeroBubble"  # pp 1: no pipeline, nothing refused
+    assert validate_pipeline(2, "zbvzerobubble", 4, 2) == ("ZBVZeroBubble", 2)
+    assert validate_pipeline(2, "DualPipeV", 4, 4) == ("DualPipeV", 2)
+    assert validate_pipeline(2, "InterleavedZeroBubble", 4, 4, virtual=3) == ("InterleavedZeroBubble", 3)
+    assert validate_pipeline(2, "1F1B", 4, 2, compile=True) == ("1F1B", 1)
 
 
 def _sizes(n_layers: int, stages: int, layers: StageLayers) -> str:
