@@ -329,27 +329,37 @@ def schedule_order(pipeline: Pipeline) -> dict[int, list]:
 
 def in_flight_peak(actions: list, memory: dict[int, MicroBatchMemory], last_index: int) -> tuple[int, int, int]:
     """(activation peak, most micro-batch chunks held at once, the last stage's outputs kept at the
-    end of the step) of a rank following `actions`: each
-    forward keeps its stage's `held` bytes until a backward of that stage frees them; a forward or
-    backward peaks at its own measured peak above what the others hold. The last stage's outputs
-    stay referenced until the step ends, where they are concatenated (twice their bytes).
+    end of the step) of a rank following `actions`: a forward keeps its stage's `held` bytes until
+    that stage's full backward (B) or, under the zero-bubble schedules, its weight pass (W: the
+    input-gradient pass I leaves the weights' inputs saved); a forward or backward peaks at its own
+    measured peak above what the others hold. The last stage's outputs stay referenced until the step
+    ends, where they are concatenated (twice their bytes).
     Chunks of one stage are alike, so a backward frees "one of its stage's" rather than a numbered
     one: the single-stage schedules' lists (1F1B, GPipe) are built for display and number the last
     rank's micro-batches from 1, though their order of forwards and backwards is the runtime's."""
-    live, kept, peak = dict.fromkeys(memory, 0), 0, 0
-    most = 0
+    live, kept, peak, most = dict.fromkeys(memory, 0), 0, 0, 0
     held = lambda: sum(count * memory[stage].held for stage, count in live.items())  # noqa: E731
-    for action in actions:
-        kind = action.computation_type.value if action is not None else None
+    for action in _compute_actions(actions):
+        kind, stage = action.computation_type.value, action.stage_index
         if kind == "F":
-            peak = max(peak, kept + held() + memory[action.stage_index].forward_peak)
-            live[action.stage_index] += 1
+            peak = max(peak, kept + held() + memory[stage].forward_peak)
+            live[stage] += 1
             most = max(most, sum(live.values()))
-        elif kind in ("B", "I"):  # a full backward, or the input-gradient half that frees the activations
-            live[action.stage_index] -= 1
-            peak = max(peak, kept + held() + memory[action.stage_index].peak)
-            kept += memory[action.stage_index].output if action.stage_index == last_index else 0
+        elif kind in ("B", "I"):
+            peak = max(peak, kept + held() - memory[stage].held + memory[stage].peak)
+            kept += memory[stage].output if stage == last_index else 0
+        if kind in ("B", "W"):
+            live[stage] -= 1
     return max(peak, 2 * kept), most, kept
+
+
+def _compute_actions(actions: list):
+    """The forwards and backwards of a rank's list in order, overlapped pairs (DualPipeV) unpacked."""
+    for action in actions:
+        if action is not None and action.sub_actions:
+            yield from _compute_actions(list(action.sub_actions))
+        elif action is not None:
+            yield action
 
 
 def receive_bytes(plan: StagePlan, pp_rank: int, microbatches: int, hidden_bytes: int) -> int:
