@@ -295,7 +295,8 @@ class Pipeline:
         losses = []
         first = self.pp_rank == 0
         with loss_context(self.dims.tp_enabled):  # the last stage's loss forward and backward
-            self.schedule.step(*((inputs,) if first else ()), target=labels, losses=losses)
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's logits
+            self.schedule.step(*((inputs,) if first else ()), target=labels, losses=losses, return_outputs=False)
         losses = [l.to_local() if isinstance(l, DTensor) else l for l in losses]
         loss = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=inputs.device)
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds it: the others add zero

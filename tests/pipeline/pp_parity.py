@@ -54,6 +54,7 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
                                 MAX_NORM, dims=dims, dp_shard_mode=mode, pipeline=pipeline)
         losses.append(loss.item())
         norms.append(norm.item())
+    assert not any(stage.output_chunks for stage in pipeline.stages), "the last stage kept micro-batch logits"
     gathered = [None] * world_size
     dist.all_gather_object(gathered, {"initial": initial, "grads": grads})
     merged_initial, merged_grads = {}, [{} for _ in range(STEPS)]
