@@ -24,6 +24,9 @@ no memory at the peak, since PipelineStage keeps stages gathered from their firs
 With TP the residual stream between stages is a sequence-sharded DTensor (tensor_parallel.py):
 PipelineStage sends each rank's local shard with the DTensor's metadata, and the receiving stage
 rebuilds it on its own tp mesh (`_mesh`); gradients travel back the same way.
+
+Stages are InFlightReceiveStage (pipeline_stage.py): torch's PipelineStage keeps a receive buffer for
+every micro-batch of the step (2 m hidden states per stage); ours holds them only while in flight.
 """
 from __future__ import annotations
 
@@ -242,8 +245,9 @@ class Pipeline:
 
     def __init__(self, model: nn.Module, dims, schedule: str, n_microbatches: int, device: torch.device, *,
                  virtual: int = 0, parallelize_fn=None, layers: StageLayers = AUTOMATIC):
-        from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+        from parallel.pipeline_stage import InFlightReceiveStage
 
         name, v = validate_pipeline(dims.pp, schedule, len(model.layers), n_microbatches, virtual=virtual,
                                     tie_embeddings=model.args.tie_embeddings, layers=layers)
@@ -259,8 +263,8 @@ class Pipeline:
             if name in SPLIT_BACKWARD:
                 keep_unsharded_after_forward(part)
             self.parts.append(part)
-        self._make_stage = lambda part, index: PipelineStage(part, index, dims.pp * v, device, group=self.pp_group,
-                                                             get_mesh=self._mesh)
+        self._make_stage = lambda part, index: InFlightReceiveStage(part, index, dims.pp * v, device,
+                                                                    group=self.pp_group, get_mesh=self._mesh)
         self._schedule_cls = get_schedule_class(name)
         self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)
         self.tokens = None
