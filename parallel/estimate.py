@@ -20,7 +20,7 @@ measures one micro-batch):
   activation-checkpointed, on meta tensors under `MemTracker` (FSDP does not change activations, so
   it is left out of that run; each weight gradient is dropped once accumulated, as FSDP's
   reduce-scatter frees it). Without pipelining the peak is the figure; with it, the schedule's own
-  action list places those bytes in time (micro-batches in flight, the last stage's kept outputs).
+  action list places those bytes in time (micro-batches in flight).
   If the run fails, the planner's analytic figure is used instead and labelled "predicted";
 - buffers: FSDP's gathered parameters in the compute dtype (zero3 without pipelining: two blocks,
   the one in use and the prefetched one, plus the root, which is never resharded after forward;
@@ -46,8 +46,8 @@ from parallel.dims import ParallelDims
 from parallel.estimate_activations import local_tensor
 from parallel.estimate_rank import (REDUCE_DTYPE, StagePlan, StageSource, coords_of, compute_dtype, fake_world,
                                     gathered_and_reduce_bytes, hidden_state, in_flight_peak, item_bytes, meshed_dims,
-                                    micro_batch_data, quiet, rank_parts, receive_bytes, schedule_order, stage_facts,
-                                    state_bytes, storage_bytes, target_device)
+                                    micro_batch_data, quiet, rank_parts, receive_bytes, schedule_of, stage_facts,
+                                    state_bytes, storage_bytes, target_device, with_receives)
 from trainer.config import Config
 from trainer.errors import ConfigError
 
@@ -141,7 +141,7 @@ class _Simulation:
         self.source = StageSource(model_args, dims.pp)
         self.states, self.facts = {}, {}  # (stage shapes, dp_shard coordinate) -> States; StageShape -> StageFacts
         self.hidden_bytes = None  # pp > 1: one micro-batch's residual stream between stages, local bytes
-        self.order = None  # pp > 1: every pipeline rank's actions, from the schedule
+        self.schedule = None  # pp > 1: every pipeline rank's actions and how it holds receive buffers
 
     def _key(self, rank: int) -> tuple:
         coords = coords_of(self.dims, rank)
@@ -152,7 +152,7 @@ class _Simulation:
         key = self._key(rank)
         missing = [shape for shape in dict.fromkeys(key[0]) if shape not in self.facts]
         pipelined = self.dims.pp > 1
-        if key in self.states and not missing and (self.order is not None or not pipelined):
+        if key in self.states and not missing and (self.schedule is not None or not pipelined):
             return
         with fake_world(rank, self.dims.world_size), quiet():
             dims = meshed_dims(self.dims)
@@ -162,13 +162,13 @@ class _Simulation:
                 self.hidden_bytes = local_tensor(hidden).untyped_storage().nbytes()
             for shape in missing:
                 self.facts[shape] = self._stage_facts(shape, dims, hidden)
-            if key not in self.states or self.order is None and pipelined:
+            if key not in self.states or self.schedule is None and pipelined:
                 built = rank_parts(self.config, self.source.whole(), dims, self.microbatches)
                 parts = built.parts if pipelined else built
                 assert [len(part.layers) for part in parts] == [shape.layers for shape in key[0]], "split diverged"
                 self.states[key] = state_bytes(parts)
-                if pipelined and self.order is None:
-                    self.order = schedule_order(built)
+                if pipelined and self.schedule is None:
+                    self.schedule = schedule_of(built)
 
     def _stage_facts(self, shape, dims, hidden):
         index = self.plan.index_of(shape)
@@ -205,17 +205,18 @@ class _Simulation:
         states, facts = self.states[key], [self.facts[shape] for shape in shapes]
         memory = {index: self.facts[self.plan.shape(index)].memory for index in self.plan.indices(pp_rank)}
         shards, accumulation = self._gradients(states, facts)
-        activations, source, in_flight, outputs = self._activations(pp_rank, memory)
+        activations, source, in_flight = self._activations(pp_rank, memory)
         gathered, reduce = (gathered_and_reduce_bytes(facts, pipelined, self.config.parallel.dp_shard_mode,
                                                       compute_dtype(self.config)) if self.dims.fsdp_enabled else (0, 0))
-        receive = receive_bytes(self.plan, pp_rank, self.microbatches, self.hidden_bytes) if pipelined else 0
+        receive = (receive_bytes(self.plan, pp_rank, self.microbatches, self.hidden_bytes)
+                   if pipelined and not self.schedule.receives_in_flight else 0)
         return dict(rank=rank, coords=coords, stage=pp_rank, parameters=states.parameters,
                     gradients=max(shards, accumulation), optimizer=states.optimizer, activations=activations,
                     activations_source=source, buffers=gathered + reduce + receive, parameter_count=states.count,
                     detail={"stages": self.plan.indices(pp_rank), "tp_local_parameters": sum(f.numel for f in facts),
                             "gradient_shards": shards, "gradient_accumulation": accumulation,
                             "fsdp_gathered": gathered, "reduce_scatter": reduce, "pipeline_receive": receive,
-                            "in_flight": in_flight, "kept_outputs": outputs})
+                            "in_flight": in_flight})
 
     def _gradients(self, states, facts) -> tuple[int, int]:
         """(the gradients the optimizer steps on, the unsharded fp32 ones accumulated through the step)."""
@@ -227,18 +228,20 @@ class _Simulation:
         accumulates = self.dims.pp > 1 or self.config.parallel.dp_shard_mode == "zero1" and self.microbatches > 1
         return states.gradient_shards, elements * item_bytes(REDUCE_DTYPE) if accumulates else 0
 
-    def _activations(self, pp_rank: int, memory: dict) -> tuple[int, str, int | None, int]:
-        """(peak, "measured" or "predicted", micro-batch chunks in flight, the last stage's kept outputs)."""
+    def _activations(self, pp_rank: int, memory: dict) -> tuple[int, str, int | None]:
+        """(peak, "measured" or "predicted", micro-batch chunks in flight)."""
         if None in memory.values():
             if self.prediction is None:
                 raise ConfigError("The activation peak could not be measured and the planner has no model of "
                                   "this layout's activation checkpointing; use --parallel.activation_checkpoint="
                                   "none, selective or full.")
-            return int(self.prediction["activations"]), "predicted", None, 0
+            return int(self.prediction["activations"]), "predicted", None
         if self.dims.pp == 1:
-            return memory[0].peak, "measured", 1, 0
-        peak, in_flight, outputs = in_flight_peak(self.order[pp_rank], memory, self.plan.last_index)
-        return peak, "measured", in_flight, outputs
+            return memory[0].peak, "measured", 1
+        if self.schedule.receives_in_flight:
+            memory = with_receives(memory, self.plan.last_index, self.hidden_bytes)
+        peak, in_flight = in_flight_peak(self.schedule.order[pp_rank], memory)
+        return peak, "measured", in_flight
 
 
 # --- the dry run ----------------------------------------------------------------------------------------------
@@ -356,12 +359,6 @@ def advice(rank: RankEstimate, layout: dict) -> str:
                     "whatever parallel.dp_shard_mode says")
         elif layout["dp_shard_mode"] != "zero3" and not pipelined:
             fix += f"; --parallel.dp_shard_mode=zero3 ({now('dp_shard_mode')}) frees the gathered copy"
-    elif kind == "activations" and 2 * rank.detail.get("kept_outputs", 0) >= rank.activations / 2:
-        fix = (f"the last stage keeps the logits of all {layout['microbatches']} micro-batches until the step ends "
-               f"(the pipeline schedule returns them; {_size(rank.detail['kept_outputs'])}, twice that while "
-               f"it concatenates them): fewer sequences per pipeline, a smaller --training.global_batch_size "
-               f"({now('global_batch_size')}) or a larger --parallel.dp_shard ({now('dp_shard')}); a larger "
-               f"--parallel.tp ({now('tp')}) splits the logits")
     elif kind == "activations":
         fixes = [f"--parallel.activation_checkpoint=full ({now('activation_checkpoint')})"
                  if layout["activation_checkpoint"] != "full" else "",
@@ -372,7 +369,7 @@ def advice(rank: RankEstimate, layout: dict) -> str:
         fix = "; ".join(x for x in fixes if x)
     elif kind == "buffers":
         parts = {"pipeline_receive": 0, "fsdp_gathered": 0, **rank.detail}
-        if parts["pipeline_receive"] >= parts["fsdp_gathered"]:
+        if parts["pipeline_receive"] > 0 and parts["pipeline_receive"] >= parts["fsdp_gathered"]:
             fix = (f"the pipeline's receive buffers ({_size(parts['pipeline_receive'])}: an activation and a "
                    f"gradient per micro-batch of the step, {layout['microbatches']}) shrink with fewer sequences per "
                    f"pipeline: a smaller --training.global_batch_size ({now('global_batch_size')}) or a larger "

@@ -27,7 +27,6 @@ class MicroBatchMemory:
     held: int  # from the end of its forward (loss included on the last stage) until its backward
     forward_peak: int
     peak: int  # forward and backward
-    output: int  # the stage output (the logits on the last stage), local shard
     grad_elements: int  # weight-gradient elements as autograd made them
 
     def scaled(self, other: "MicroBatchMemory", factor: float) -> "MicroBatchMemory":
@@ -66,7 +65,6 @@ def measure_micro_batch(model: nn.Module, inputs: torch.Tensor, target: torch.Te
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")  # MemTracker on grad=None
             base = _device_total(tracker.get_tracker_snapshot("current"), device)
             output = model(inputs)
-            output_bytes = local_tensor(output).untyped_storage().nbytes()
             if last:
                 output = F.cross_entropy(output.flatten(0, 1).float(), target.flatten(0, 1), reduction="sum")
             held = _device_total(tracker.get_tracker_snapshot("current"), device) - base
@@ -77,7 +75,7 @@ def measure_micro_batch(model: nn.Module, inputs: torch.Tensor, target: torch.Te
     finally:
         for handle in handles:
             handle.remove()
-    return MicroBatchMemory(held, forward_peak, peak, output_bytes, sum(grad_elements.values()))
+    return MicroBatchMemory(held, forward_peak, peak, sum(grad_elements.values()))
 
 
 def measure_activations(model: nn.Module, vocab_size: int, micro_batch: int, seq_len: int, tp_enabled: bool,

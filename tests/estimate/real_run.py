@@ -47,8 +47,9 @@ def measure_rank(rank: int, world_size: int, overrides: list, out_path: str) -> 
 
 
 def _plain_rank(config, args, dims, micro_batches) -> dict:
-    """1. the real layout (TP + AC + FSDP2) and a real AdamW step: parameters, gradients, optimizer state"""
-    (inputs, labels), = micro_batches
+    """1. the real layout (TP + AC + FSDP2), one micro-batch and a real AdamW step: parameters, gradients,
+    optimizer state"""
+    inputs, labels = micro_batches[0]
     with torch.device("meta"):
         model = Transformer(args)
     parallelize(model, dims, dp_shard_mode=config.parallel.dp_shard_mode,

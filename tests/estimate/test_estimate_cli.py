@@ -48,15 +48,14 @@ def test_pipeline_stages_that_do_not_fit_name_the_stage_and_what_to_change(tmp_p
     out = capsys.readouterr()
     data = json.loads(out.out)
     assert [(r["rank"], r["stage"]) for r in data["ranks"]] == [(0, 0), (2, 1), (3, 1)]  # first, middle = max, last
-    last = data["ranks"][-1]
-    assert last["detail"]["kept_outputs"] == 128 * 64 * 320 * 4  # every micro-batch's fp32 logits, until the step ends
-    assert "rank 2 (pp 1, dp_shard 0) of 4 needs" in out.err and "the last stage keeps the logits of all 128" in out.err
-    assert main(["estimate", *PIPELINE, "--hardware", device, "--ranks", "first"]) == 1
-    err = capsys.readouterr().err
-    assert "rank 0 (pp 0, dp_shard 0)" in err and "Buffers dominate" in err
     hidden = 64 * 256 * 4  # one micro-batch's fp32 hidden state (debug: dim 256)
-    assert f"the pipeline's receive buffers ({128 * hidden / 1e6:.1f} MB" in err  # a gradient per micro-batch in
-    assert "--training.global_batch_size (now 256)" in err
+    assert [r["detail"]["pipeline_receive"] for r in data["ranks"]] == [128 * hidden] * 3  # a gradient in, or an activation
+    assert "rank 0 (pp 0, dp_shard 0) of 4 needs" in out.err and "Buffers dominate" in out.err
+    assert f"the pipeline's receive buffers ({128 * hidden / 1e6:.1f} MB" in out.err
+    assert "--training.global_batch_size (now 256)" in out.err
+    assert main(["estimate", *PIPELINE, "--hardware", device, "--parallel.pp_schedule=GPipe"]) == 1
+    err = capsys.readouterr().err
+    assert "Activations dominate" in err and "--parallel.pp_schedule=1F1B (now GPipe keeps all 128 micro-batches" in err
 
 
 def test_refusals_are_one_paragraph(capsys):
