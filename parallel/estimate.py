@@ -279,6 +279,8 @@ def estimate(config: Config, world_size: int, ranks: str = DEFAULT_RANKS, hardwa
                                          planner=prediction))
         if progress is not None:
             progress(index + 1, len(selected), rank)
+    if simulation.schedule is not None:
+        result.layout["pp_receive_buffers"] = "in flight" if simulation.schedule.receives_in_flight else "step"
     result.seconds = time.perf_counter() - start
     return result
 

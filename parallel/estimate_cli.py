@@ -60,9 +60,11 @@ def table(result: Estimate) -> str:
              f"# device: {result.device or 'unknown (pass --hardware)'}; simulated {len(result.ranks)} rank(s) "
              f"in {result.seconds:.1f} s; GB = 1e9 bytes"]
     if pipelined:
+        receives = ("receive buffers live while their micro-batch is in flight (counted in activations)"
+                    if lay["pp_receive_buffers"] == "in flight" else "buffers hold the schedule's receive buffers "
+                    "(an activation and a gradient for every micro-batch of the step)")
         lines.append(f"# pipeline: {lay['pp_schedule']}, {len(lay['stage_units'])} stages ({lay['pp_virtual_stages']} "
-                     "per rank); buffers hold the schedule's receive buffers (an activation and a gradient per "
-                     "micro-batch) and the stages FSDP keeps gathered through the step")
+                     f"per rank); {receives}; buffers hold the stages FSDP keeps gathered through the step")
     header = ["rank", "coords", *(("stages", "in flight") if pipelined else ()), *KINDS, "total", "usable", "fits"]
     rows = [header]
     for r in result.ranks:

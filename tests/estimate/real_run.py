@@ -6,16 +6,20 @@ an AdamW step; activations are measured on a plain TP + checkpointed copy (FSDP 
 With pipelining: the rank's stages are built as `trillion train` builds them and one real
 `train_step` runs the schedule. Right before each stage's gradient reduce-scatter the unsharded
 gradients FSDP accumulated and the parameters it still holds gathered are read off its parameters;
-the schedule's receive buffers are read off the stages. Activations are measured by MemTracker
-over a second step of the same schedule on TP-only stages (the first step sets up the schedule).
+the schedule's receive buffers are read off the stages. Activations are the peak of the storages
+created during a second step of the same schedule on TP-only stages (the first sets it up).
 """
 import contextlib
 import json
+import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from models import Transformer
 from parallel.activation_checkpoint import apply_activation_checkpointing
@@ -145,34 +149,48 @@ def _receive_buffers(pipeline: Pipeline) -> list[torch.Tensor]:
 
 
 def _schedule_peak(pipeline: Pipeline, micro_batches) -> int:
-    """MemTracker's peak above what exists before a step (parameters, the receive buffers the first
-    step allocated: told to the tracker, which would otherwise count them anew when a receive writes
-    into them) during a second step; weight gradients are dropped as they accumulate, as in
-    parallel/estimate_activations.py."""
+    """The peak bytes of storages created during a second step of the schedule above what exists
+    before it (parameters, any receive buffers the first step kept); weight gradients are dropped as
+    they accumulate, as in parallel/estimate_activations.py."""
     tokens = torch.tensor(sum(y.numel() for _, y in micro_batches))
     pipeline.step(micro_batches, tokens)
     params = [q for part in pipeline.parts for q in part.parameters()]
     for q in params:
         q.grad = None
         q.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
-    tracker = _StepTracker()
-    tracker.track_external(*pipeline.parts, *_receive_buffers(pipeline))
-    with tracker:
-        base = _total(tracker.get_tracker_snapshot("current"))
+    with _LiveBytes([*params, *(b for part in pipeline.parts for b in part.buffers()), *_receive_buffers(pipeline)]) as live:
         pipeline.step(micro_batches, tokens)
-        peak = _total(tracker.get_tracker_snapshot("peak"))
-    return peak - base
+    return live.peak
 
 
-class _StepTracker(MemTracker):
-    """MemTracker's storage accounting without its per-module statistics, which refuse a module
-    called more than once (every stage runs once per micro-batch)."""
+class _LiveBytes(TorchDispatchMode):
+    """Bytes of the storages ops create under it while they live, and their peak: MemTracker's
+    accounting without its module tracking, whose backward hooks on every module's inputs keep each
+    micro-batch's received activation alive through the step (and break split-backward schedules)."""
 
-    def _pre_fw_hook(self, *args):
-        pass
+    def __init__(self, existing):
+        super().__init__()
+        self.current = self.peak = 0
+        self._seen = WeakIdKeyDictionary()  # storage -> its bytes while counted
+        for tensor in existing:
+            for storage in get_untyped_storages(tensor):
+                self._seen[storage] = 0  # there before: a receive writing into it allocates nothing
 
-    _post_fw_hook = _pre_bw_hook = _post_bw_hook = _pre_fw_hook
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                for storage in get_untyped_storages(tensor):
+                    self._count(storage)
+        return out
 
+    def _count(self, storage) -> None:
+        if storage in self._seen or not storage.nbytes():
+            return
+        self._seen[storage] = storage.nbytes()
+        self.current += storage.nbytes()
+        self.peak = max(self.peak, self.current)
+        weakref.finalize(storage, self._free, storage.nbytes())
 
-def _total(snapshot: dict) -> int:
-    return sum(stats["Total"] for dev, stats in snapshot.items() if torch.device(dev).type == "cpu")
+    def _free(self, nbytes: int) -> None:
+        self.current -= nbytes
