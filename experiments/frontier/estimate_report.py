@@ -51,15 +51,9 @@ def parts(rank: dict) -> dict:
     d = rank["detail"]
     return {"model states (fp32 weights, gradients, AdamW)": rank["parameters"] + rank["gradients"] + rank["optimizer"],
             "pipeline receive buffers": d["pipeline_receive"],
-            "last stage's kept logits, twice while concatenated": 2 * d["kept_outputs"],
-            "activations of micro-batches in flight": rank["activations"] - 2 * d["kept_outputs"],
+            "activations of micro-batches in flight": rank["activations"],
             "stages kept gathered (compute dtype)": d["fsdp_gathered"],
             "reduce-scatter input (one block, fp32)": d["reduce_scatter"], "framework allowance": rank["framework"]}
-
-
-def outside_settings(rank: dict) -> int:
-    """What no setting of the trainer removes: the schedule's receive buffers and the kept logits."""
-    return rank["detail"]["pipeline_receive"] + 2 * rank["detail"]["kept_outputs"]
 
 
 def stage_layers(layout: dict, rank: dict) -> str:
@@ -89,11 +83,10 @@ def summary_row(config: str, result: dict, seconds: float) -> str:
     states = "model states (fp32 weights, gradients, AdamW)"
     other, size = max(((k, v) for k, v in parts(fullest).items() if k != states), key=lambda item: item[1])
     margin = GCD - fullest["total"]
-    without = max(r["total"] - outside_settings(r) for r in ranks)
     return (f"| {result['model']} | {result['world_size']} | {seconds:.0f} s | {sum(bool(r['fits']) for r in ranks)} / "
             f"{len(ranks)} | {fullest['rank']} (stage {fullest['stage']}) | {fullest['total'] / GB:.1f} | "
             f"{'+' if margin >= 0 else '-'}{abs(margin) / GB:.1f} | {parts(fullest)[states] / GB:.1f} | "
-            f"{other}: {size / GB:.1f} | {without / GB:.1f} | {ranks[0]['planner']['total'] / GB:.1f} | "
+            f"{other}: {size / GB:.1f} | {ranks[0]['planner']['total'] / GB:.1f} | "
             f"{max(paper_scheme(r, lay, CONFIGS[config]) for r in ranks) / GB:.1f} |")
 
 
@@ -114,17 +107,13 @@ def section(config: str, result: dict, seconds: float, command: str) -> list[str
         f"{name} {size / GB:.1f} GB" for name, size in parts(fullest).items() if size) + ".", "",
         f"The planner predicts {planner['total'] / GB:.1f} GB for its fullest rank (" + ", ".join(
             f"{kind} {planner[kind] / GB:.1f}" for kind in ("parameters", "gradients", "optimizer", "activations",
-                                                             "buffers")) + "); the estimate's fullest rank without "
-        f"the receive buffers and kept logits, which the planner does not model, holds "
-        f"{max(r['total'] - outside_settings(r) for r in ranks) / GB:.1f} GB.", ""]
+                                                             "buffers")) + ").", ""]
     for what, overrides in VARIANTS.get(config, []):
-        variant, seconds, command = estimate(config, "first,middle,last,max", tuple(overrides))
+        variant, seconds, command = estimate(config, "all", tuple(overrides))
         worst = max(variant["ranks"], key=lambda r: r["total"])
-        lines += [f"Variant, {what}: `{command}` ({seconds:.0f} s): fullest rank {worst['rank']} (stage "
-                  f"{worst['stage']}, {stage_layers(variant['layout'], worst)}) {worst['total'] / GB:.1f} GB, of which "
-                  f"receive buffers and kept logits {outside_settings(worst) / GB:.1f} GB; without them every "
-                  f"simulated rank holds at most "
-                  f"{max(r['total'] - outside_settings(r) for r in variant['ranks']) / GB:.1f} GB.", ""]
+        lines += [f"Variant, {what}: `{command}` ({seconds:.0f} s): {sum(bool(r['fits']) for r in variant['ranks'])} "
+                  f"of the {len(variant['ranks'])} simulated ranks fit; fullest rank {worst['rank']} (stage "
+                  f"{worst['stage']}, {stage_layers(variant['layout'], worst)}) {worst['total'] / GB:.1f} GB.", ""]
     return lines
 
 
@@ -143,11 +132,8 @@ ZeRO-1 for 175B and 1T, plain replicas for 22B) keeps for the same rank's parame
 fp16 weights and gradients plus 12 bytes of fp32 master weights and Adam moments, sharded over the
 data-parallel ranks by ZeRO-1; activations and buffers excluded.
 
-"Without" drops what no setting of the trainer removes (the schedule's receive buffers and the last
-stage's kept logits, findings 1 and 2 below) from every rank and takes the fullest.
-
-| model | GCDs | wall time | ranks that fit | fullest rank | its GB | margin to 64 GB | its model states GB | its largest other part GB | without, fullest GB | planner GB | paper's scheme GB (states, fullest) |
-|---|---|---|---|---|---|---|---|---|---|---|---|
+| model | GCDs | wall time | ranks that fit | fullest rank | its GB | margin to 64 GB | its model states GB | its largest other part GB | planner GB | paper's scheme GB (states, fullest) |
+|---|---|---|---|---|---|---|---|---|---|---|
 """
 
 FINDINGS = """
@@ -157,34 +143,31 @@ FINDINGS = """
   column above), which is consistent with PAPER.md: they ran on Frontier with full
   checkpointing and micro-batches of one sequence. PAPER.md gives no per-GCD memory figure beyond
   the 64 GB capacity, so this is the only direct comparison it supports.
-- **Trillion, as the code stands, does not fit them**, for four reasons the tables separate:
-  1. *Pipeline receive buffers.* torch.distributed.pipelining (2.13) allocates, when a schedule
-     first runs, one receive buffer per micro-batch of the step for the activation coming in and one
-     for the gradient coming back, and keeps them: 2 m hidden states on a middle stage, with m the
-     micro-batches per pipeline. Megatron receives into buffers per transfer.
-     The lever today: fewer sequences per pipeline (a smaller global batch or more data-parallel
-     ranks); the fix belongs in torch or in a schedule that reuses buffers.
-  2. *The last stage keeps every micro-batch's logits.* parallel/pipeline.py calls
-     `schedule.step(...)` with `return_outputs` left at True, so the last stage holds all m
-     micro-batches' logits (sequence x vocabulary / tp values each) until the next step, and twice that
-     while the schedule concatenates them. Passing `return_outputs=False` there (the losses come
-     back through `losses`) removes it; that file is not the estimate's to change.
-  3. *FSDP under a pipeline schedule ignores parallel.dp_shard_mode.* The schedule runs every
+- **Trillion as the code stands** (the summary's "ranks that fit") holds more per GCD than the
+  paper's scheme, for reasons the tables separate:
+  1. *FSDP under a pipeline schedule ignores parallel.dp_shard_mode.* The schedule runs every
      backward with gradient sync and resharding off and reduce-scatters once after the last
      micro-batch, so each stage stays gathered in the compute dtype and its gradients accumulate
      unsharded in fp32 through the step (zero1's memory even under zero3), and under TP the
      vocabulary-parallel embedding's gradient is the whole table.
-  4. *fp32 gradients.* Per parameter Trillion holds the fp32 weights and AdamW moments sharded
+  2. *fp32 gradients.* Per parameter Trillion holds the fp32 weights and AdamW moments sharded
      over dp_shard (12 / dp bytes, like ZeRO-1's master copy and moments), the gathered weights in
      the compute dtype (2) and fp32 gradients (4): 2 bytes more than the paper's 2 + 2 + 12 / dp.
      The reduce-scatter also stages one whole block's gradient in fp32.
-- **Against the planner** (parallel/planner_memory.py, the same model `trillion plan` uses): it
-  predicts that all three fit. It models neither the receive buffers, nor the kept logits, nor
-  the schedule's override of the ZeRO mode (each section compares the two without the first
-  two). Its split differs too: it spreads the layers alone over the stages, while the trainer
-  counts the embedding and the output as a layer each, so gpt-1t's 128 layers on 128 stages leave
-  the first and last stage without a block and two middle stages with two (the 1T variant sizes
-  the stages explicitly).
+  3. *Micro-batches in flight.* Under 1F1B stage s holds pp - s micro-batches; each micro-batch's
+     receive buffers (an activation in, a gradient back) count with it.
+
+  Two larger ones were found by this estimate and are gone from the code: the last stage kept
+  every micro-batch's logits until the next step, twice that while the schedule concatenated them
+  (parallel/pipeline.py now steps with `return_outputs=False`), and torch's PipelineStage kept a
+  receive buffer for every micro-batch of the step in both directions, 2 m hidden states per stage
+  (parallel/pipeline_stage.py's InFlightReceiveStage now holds them only while in flight).
+- **Against the planner** (parallel/planner_memory.py, the same model `trillion plan` uses): its
+  prediction for its fullest rank is in the summary and in each section; it charges pipelines
+  zero1's bytes whatever the mode, as the estimate measured. Its split differs: it spreads the
+  layers alone over the stages, while the trainer counts the embedding and the output as a layer
+  each, so gpt-1t's 128 layers on 128 stages leave the first and last stage without a block and
+  two middle stages with two (the 1T variant sizes the stages explicitly).
 """
 
 
@@ -198,7 +181,7 @@ def main() -> None:
         rows.append(summary_row(config, result, seconds))
         sections += section(config, result, seconds, command)
         print(f"{config}: {seconds:.1f} s", file=sys.stderr)
-    out.write_text(INTRO + "\n".join(rows) + "\n" + FINDINGS + "\n" + "\n".join(sections))
+    out.write_text(INTRO + "\n".join(rows) + "\n" + FINDINGS + "\n" + "\n".join(sections).rstrip() + "\n")
 
 
 if __name__ == "__main__":
