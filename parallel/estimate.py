@@ -48,6 +48,7 @@ from parallel.estimate_rank import (REDUCE_DTYPE, StagePlan, StageSource, coords
                                     gathered_and_reduce_bytes, hidden_state, in_flight_peak, item_bytes, meshed_dims,
                                     micro_batch_data, quiet, rank_parts, receive_bytes, schedule_of, stage_facts,
                                     state_bytes, storage_bytes, target_device, with_receives)
+from parallel.estimate_advice import KINDS, advice, shortfall_message
 from trainer.config import Config
 from trainer.errors import ConfigError
 
@@ -341,66 +342,3 @@ def device_capacity(hardware: str | None) -> tuple[str | None, float | None]:
         if spec is not None:
             return spec.name, spec.memory_gb * 1e9
     return None, None
-
-
-# --- when it does not fit ------------------------------------------------------------------------------------
-KINDS = ("parameters", "gradients", "optimizer", "activations", "buffers", "framework")
-
-
-def advice(rank: RankEstimate, layout: dict) -> str:
-    """What dominates the rank's memory and which setting to change."""
-    kind = max(KINDS, key=lambda k: getattr(rank, k))
-    share = getattr(rank, kind) / rank.total
-    pipelined, now = layout["pp"] > 1, lambda key: f"now {layout[key]}"  # noqa: E731
-    more_stages = f"--parallel.pp ({now('pp')}: fewer layers per stage), " if pipelined else ""
-    if kind in ("parameters", "gradients", "optimizer"):
-        fix = (f"shard the model states over more ranks: raise {more_stages}--parallel.dp_shard ({now('dp_shard')}, "
-               f"with dp_replicate {layout['dp_replicate']}) or --parallel.tp ({now('tp')}), or launch more GPUs")
-        if pipelined and kind == "gradients":
-            fix += ("; the pipeline schedule accumulates each stage's unsharded fp32 gradients through the step "
-                    "whatever parallel.dp_shard_mode says")
-        elif layout["dp_shard_mode"] != "zero3" and not pipelined:
-            fix += f"; --parallel.dp_shard_mode=zero3 ({now('dp_shard_mode')}) frees the gathered copy"
-    elif kind == "activations":
-        fixes = [f"--parallel.activation_checkpoint=full ({now('activation_checkpoint')})"
-                 if layout["activation_checkpoint"] != "full" else "",
-                 f"--parallel.pp_schedule=1F1B ({now('pp_schedule')} keeps all {layout['microbatches']} micro-batches "
-                 "in flight)" if layout["pp_schedule"] in ("GPipe", "LoopedBFS") else "",
-                 f"a smaller --training.micro_batch_size ({now('micro_batch_size')})",
-                 f"a larger --parallel.tp ({now('tp')})"]
-        fix = "; ".join(x for x in fixes if x)
-    elif kind == "buffers":
-        parts = {"pipeline_receive": 0, "fsdp_gathered": 0, **rank.detail}
-        if parts["pipeline_receive"] > 0 and parts["pipeline_receive"] >= parts["fsdp_gathered"]:
-            fix = (f"the pipeline's receive buffers ({_size(parts['pipeline_receive'])}: an activation and a "
-                   f"gradient per micro-batch of the step, {layout['microbatches']}) shrink with fewer sequences per "
-                   f"pipeline: a smaller --training.global_batch_size ({now('global_batch_size')}) or a larger "
-                   f"--parallel.dp_shard ({now('dp_shard')})")
-        elif pipelined:
-            fix = (f"the pipeline schedule keeps the rank's stages gathered through the step whatever "
-                   f"parallel.dp_shard_mode says: smaller stages, a larger {more_stages}or --parallel.tp ({now('tp')})")
-        elif layout["dp_shard_mode"] != "zero3":
-            fix = f"--parallel.dp_shard_mode=zero3 ({now('dp_shard_mode')}) keeps only two blocks gathered"
-        else:
-            fix = f"a larger --parallel.tp ({now('tp')}) shrinks each gathered block"
-    else:
-        fix = "a device with more memory"
-    return f"{kind} dominate ({_size(getattr(rank, kind))}, {share:.0%}); to fit, {fix}"
-
-
-def _size(n: float) -> str:
-    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
-
-
-def shortfall_message(result: Estimate) -> str | None:
-    """One paragraph about the worst rank that does not fit, or None when all fit (or capacity is unknown)."""
-    over = [r for r in result.ranks if r.fits is False]
-    if not over:
-        return None
-    worst = max(over, key=lambda r: r.total - r.usable)
-    where = ", ".join(f"{k} {v}" for k, v in worst.coords.items()) or "the only rank"
-    return (f"rank {worst.rank} ({where}) of {result.world_size} needs {_size(worst.total)} but a "
-            f"{result.device} offers {_size(worst.usable)} usable ({_size(worst.capacity)} at the planner's "
-            f"headroom): short by {_size(worst.total - worst.usable)}"
-            + (f" ({len(over)} of the {len(result.ranks)} simulated ranks do not fit)" if len(over) > 1 else "")
-            + f". {advice(worst, result.layout)[0].upper()}{advice(worst, result.layout)[1:]}.")

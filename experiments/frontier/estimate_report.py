@@ -19,7 +19,9 @@ CONFIGS = {"gpt_22b_frontier": 0, "gpt_175b_frontier": 1, "gpt_1t_frontier": 1} 
 GB, GCD = 1e9, 64e9
 
 
-VARIANTS = {  # config -> (what, overrides): the same degrees and batch, settings the trainer takes today
+VARIANTS = {  # config -> (what, overrides): the same GCDs and batch, settings the trainer takes today
+    "gpt_22b_frontier": [("the two data-parallel ranks sharding the states (dp_shard 2) instead of replicating them",
+                          ["--parallel.dp_replicate=1", "--parallel.dp_shard=2"])],
     "gpt_1t_frontier": [("one layer on every stage", ["--parallel.pp_layers_per_stage=1",
                                                       "--parallel.pp_first_stage_layers=1",
                                                       "--parallel.pp_last_stage_layers=1"])],

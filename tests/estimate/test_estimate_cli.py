@@ -58,6 +58,21 @@ def test_pipeline_stages_that_do_not_fit_name_the_stage_and_what_to_change(tmp_p
     assert "Activations dominate" in err and "--parallel.pp_schedule=1F1B (now GPipe keeps all 128 micro-batches" in err
 
 
+def test_a_stage_with_more_than_its_share_of_layers_gets_stage_sizes_that_even_them_out(tmp_path, capsys):
+    """debug's 4 layers on 4 stages: the automatic split (embedding and output count as a layer each)
+    gives E | 2 | 2 | O; the advice sizes them E+1 | 1 | 1 | 1+O, which the trainer accepts."""
+    layout = [*SMALL[:2], "--job.device=cpu", "--training.seq_len=64", "--world-size", "4", "--parallel.pp=4",
+              "--parallel.tp=1", "--parallel.dp_shard=1", "--training.global_batch_size=8",
+              "--training.micro_batch_size=1", "--hardware", _tiny_device(tmp_path, 0.02)]
+    assert main(["estimate", *layout]) == 1
+    err = capsys.readouterr().err
+    even = "--parallel.pp_layers_per_stage=1 --parallel.pp_first_stage_layers=1 --parallel.pp_last_stage_layers=1"
+    assert "rank 1 (pp 1) of 4" in err and f"this rank's stage holds 2 layers where an even split gives 1: {even}" in err
+    assert main(["estimate", *layout, *even.split(), "--ranks", "all", "--format", "json"]) in (0, 1)
+    data = json.loads(capsys.readouterr().out)
+    assert [units for units in data["layout"]["stage_units"]] == [[0, 2], [2, 3], [3, 4], [4, 6]]
+
+
 def test_refusals_are_one_paragraph(capsys):
     assert main(["estimate", *PIPELINE, "--parallel.pp_schedule=2F2B"]) == 2  # the pipeline's own check
     assert "parallel.pp_schedule='2F2B' is not known" in capsys.readouterr().err
