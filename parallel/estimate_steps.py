@@ -6,10 +6,10 @@ set for the simulated rank, whose fake process group is already up), the embedde
 byte tokenizer (a cluster's data and tokenizer files are not here), the model on meta, parallelize
 (TP plan, activation checkpointing, FSDP2) or the pipeline split, to_empty + init_weights, AdamW and
 the LR schedule, train_step with its data-parallel token count, clipping and optimizer step, and the
-metrics. The model keeps the preset's layers and heads (so the same stages, TP splits and FSDP
-groups exist) with two dimensions per head, a vocabulary just large enough for the byte tokenizer
-and divisible by tp, and sequences of 4 tp tokens; each pipeline takes max(2, pp) micro-batches of
-one sequence. Off for the run: compile, checkpoints, W&B. fp16 becomes bf16 (the trainer refuses
+metrics. The model keeps the preset's heads (so the same TP splits and FSDP groups exist) and, with
+pipelining, its layers (the same stages); without, two activation-checkpointing periods of blocks.
+It has two dimensions per head, a vocabulary just large enough for the byte tokenizer and divisible
+by tp, and sequences of 4 tp tokens; each pipeline takes max(2, pp) micro-batches of one sequence. Off for the run: compile, checkpoints, W&B. fp16 becomes bf16 (the trainer refuses
 fp16 across ranks). Collectives on the fake backend complete without moving data, so losses and
 norms are meaningless; what is shown is that every call of the loop runs with this mesh, these
 shard shapes and this checkpointing.
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from parallel.activation_checkpoint import _parse
 from parallel.estimate_rank import compute_dtype, fake_world, quiet
 from parallel.pipeline import Pipeline
 from trainer.config import Config
@@ -68,10 +69,15 @@ def tiny_config(config: Config, dims, steps: int, output_dir: str) -> Config:
     args = build_model_args(config, tokenizer_vocab=0)
     dim = 2 * args.n_heads
     microbatches = max(2, dims.pp)
+    # without stages to split, two checkpointing periods of blocks show the loop as well as 128 would, in
+    # seconds rather than minutes (DTensor's sharding propagation of the foreach optimizer grows with them)
+    period = _parse(config.parallel.activation_checkpoint)[1]
+    layers = args.n_layers if dims.pp > 1 else min(args.n_layers, 2 * period)
     r = dataclasses.replace
     return r(config,
              job=r(config.job, output_dir=output_dir, device="cpu"),
-             model=r(config.model, dim=dim, ffn_dim=4 * dim, vocab_size=math.ceil(ByteTokenizer.vocab_size / dims.tp) * dims.tp),
+             model=r(config.model, n_layers=layers, dim=dim, ffn_dim=4 * dim,
+                     vocab_size=math.ceil(ByteTokenizer.vocab_size / dims.tp) * dims.tp),
              data=r(config.data, path="", name=""),
              tokenizer=r(config.tokenizer, kind="byte", path=""),
              training=r(config.training, steps=steps, seq_len=4 * dims.tp, micro_batch_size=1, exit_interval=0,
