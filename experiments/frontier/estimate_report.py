@@ -19,12 +19,12 @@ CONFIGS = {"gpt_22b_frontier": 0, "gpt_175b_frontier": 1, "gpt_1t_frontier": 1} 
 GB, GCD = 1e9, 64e9
 
 
-VARIANTS = {  # config -> (what, overrides): the same GCDs and batch, settings the trainer takes today
-    "gpt_22b_frontier": [("the two data-parallel ranks sharding the states (dp_shard 2) instead of replicating them",
-                          ["--parallel.dp_replicate=1", "--parallel.dp_shard=2"])],
-    "gpt_1t_frontier": [("one layer on every stage", ["--parallel.pp_layers_per_stage=1",
-                                                      "--parallel.pp_first_stage_layers=1",
-                                                      "--parallel.pp_last_stage_layers=1"])],
+VARIANTS = {  # config -> (what, overrides): where a shipped config departs from the paper's layout, the paper's
+    "gpt_22b_frontier": [("the paper's plain replicas (dp_replicate 2), which the shipped config shards instead",
+                          ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--parallel.dp_shard_mode=zero3"])],
+    "gpt_1t_frontier": [("the automatic stage split, which the shipped config replaces by one layer per stage",
+                         ["--parallel.pp_layers_per_stage=0", "--parallel.pp_first_stage_layers=-1",
+                          "--parallel.pp_last_stage_layers=-1"])],
 }
 
 
@@ -169,7 +169,10 @@ FINDINGS = """
   zero1's bytes whatever the mode, as the estimate measured. Its split differs: it spreads the
   layers alone over the stages, while the trainer counts the embedding and the output as a layer
   each, so gpt-1t's 128 layers on 128 stages leave the first and last stage without a block and
-  two middle stages with two (the 1T variant sizes the stages explicitly).
+  two middle stages with two. That split is why the shipped 1T config sizes its stages explicitly
+  (one layer each), and the shipped 22B config shards its states over the two data-parallel ranks
+  where the paper kept replicas: each section's variant shows the paper's literal layout, which
+  does not fit.
 """
 
 
