@@ -144,7 +144,7 @@ def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm:
     ranks (FSDP sums the gradients), FSDP learns which micro-batch is the last (zero1/zero2), the
     loss runs vocabulary-parallel under TP, and the clipping norm is the exact global one.
     With a `pipeline` (parallel.pipeline.Pipeline) its schedule runs the micro-batches, `model` is
-    the list of this rank's stage modules and the norm adds up over the pipeline ranks."""
+    this rank's stages as one module (`stages_as_one_module`) and the norm adds up over the pipeline ranks."""
     dims = dims or ParallelDims(world_size=1)
     tokens = dims.all_reduce_dp(sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches))
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
@@ -165,8 +165,7 @@ def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm:
     if timer is not None:
         timer.mark("forward_backward")
     scaler.unscale_(optimizer)
-    parameters = [p for part in pipeline.parts for p in part.parameters()] if pipeline else model.parameters()
-    grad_norm = clip_grad_norm_(parameters, max_grad_norm, pipeline.pp_group if pipeline else None)
+    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm, pipeline.pp_group if pipeline else None)
     if guard is None or guard.allows_update(loss_sum, grad_norm, scaler):
         scaler.step(optimizer)
     scaler.update()

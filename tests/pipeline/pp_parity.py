@@ -17,7 +17,7 @@ from parallel.dims import ParallelDims  # noqa: E402
 from parallel.parallelize import parallelize  # noqa: E402
 from parallel.pipeline import Pipeline, StageLayers  # noqa: E402
 from trainer.data import DataLoader  # noqa: E402
-from trainer.train import train_step  # noqa: E402
+from trainer.train import stages_as_one_module, train_step  # noqa: E402
 
 
 def train_pipeline_case(case: dict, world_size: int) -> dict:
@@ -49,8 +49,9 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
                         dims.dp_rank, dims.dp_size)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     losses, norms = [], []
+    model = stages_as_one_module(pipeline.parts)
     for _ in range(STEPS):
-        loss, norm = train_step(pipeline.parts, loader.next_batch(), optimizer, scaler, contextlib.nullcontext(),
+        loss, norm = train_step(model, loader.next_batch(), optimizer, scaler, contextlib.nullcontext(),
                                 MAX_NORM, dims=dims, dp_shard_mode=mode, pipeline=pipeline)
         losses.append(loss.item())
         norms.append(norm.item())
