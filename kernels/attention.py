@@ -4,7 +4,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels._triton_setup import has_triton, use_triton
+from trillion.kernels._triton_setup import has_triton, use_triton
 
 ATTENTION_IMPLS = ("sdpa", "eager", "triton")
 
@@ -47,7 +47,7 @@ def triton_attention(q, k, v, *, causal: bool = True, softmax_scale: float | Non
 
 
 if has_triton():
-    from kernels.flash_attention import flash_attention
+    from trillion.kernels.flash_attention import flash_attention
 else:
     def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None):
         raise RuntimeError("flash_attention needs the triton package (pip install triton), which is not installed")

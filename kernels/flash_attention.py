@@ -27,7 +27,7 @@ import math
 import torch
 import triton
 
-from kernels._triton_setup import device_arch, interpreting, next_power_of_2, unavailable_reason
+from trillion.kernels._triton_setup import device_arch, interpreting, next_power_of_2, unavailable_reason
 
 __all__ = ["flash_attention", "reference_attention", "MAX_HEAD_DIM"]
 
@@ -93,7 +93,7 @@ def _kernel(name: str):
     # Imported on first use, not with this module: Triton decides between compiling and
     # interpreting when a kernel is defined, and TRITON_INTERPRET may be set after start-up
     # (by a test's conftest) but before the first call.
-    from kernels import _flash_attention_kernels
+    from trillion.kernels import _flash_attention_kernels
 
     return getattr(_flash_attention_kernels, _KERNEL_NAMES[name])
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import triton
 from torch import nn
 
-from kernels._triton_setup import interpreting, next_power_of_2, use_triton
+from trillion.kernels._triton_setup import interpreting, next_power_of_2, use_triton
 
 __all__ = ["rms_norm", "layer_norm", "RMSNorm", "LayerNorm", "MAX_FUSED_DIM"]
 
@@ -34,7 +34,7 @@ MAX_FUSED_DIM = 32768
 def _kernels():
     # Imported on first use: Triton decides between compiling and interpreting when a kernel is
     # defined, and TRITON_INTERPRET may be set after start-up but before the first call.
-    from kernels import _norm_kernels
+    from trillion.kernels import _norm_kernels
 
     return _norm_kernels
 

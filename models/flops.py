@@ -6,7 +6,7 @@ pass. The Megatron formula (Narayanan et al. 2021, eq. 3) is what the Frontier p
 """
 from dataclasses import dataclass
 
-from models.args import ModelArgs
+from trillion.models.args import ModelArgs
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 GPT2LMHeadModel, so weights move both ways without changing a value."""
 import torch
 
-from models.args import ModelArgs
+from trillion.models.args import ModelArgs
 
 
 def hf_config(args: ModelArgs):

@@ -1,8 +1,8 @@
 """Model presets by name. GPT shapes are the Frontier study's (PAPER.md: GPT-2 BPE vocabulary
 padded to 50,688, LayerNorm, GELU 4h, learned positions, untied output); Llama shapes are
 Meta's published Llama 3 configurations."""
-from models.args import ModelArgs
-from trainer.errors import ConfigError
+from trillion.models.args import ModelArgs
+from trillion.errors import ConfigError
 
 GPT_VOCAB = 50688
 LLAMA3_VOCAB = 128256

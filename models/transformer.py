@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from kernels import attention
-from models.args import ModelArgs
+from trillion.kernels import attention
+from trillion.models.args import ModelArgs
 
 
 def build_norm(args: ModelArgs) -> nn.Module:
     if args.norm_impl == "triton":
-        from kernels.norm import LayerNorm, RMSNorm  # subclasses of the torch modules below
+        from trillion.kernels.norm import LayerNorm, RMSNorm  # subclasses of the torch modules below
     else:
         LayerNorm, RMSNorm = nn.LayerNorm, nn.RMSNorm
     if args.norm == "layernorm":

@@ -1,2 +1,2 @@
-"""How a model is spread over devices: the device mesh and parallelisms, and the tools that
-reason about layouts before any GPU is used (device and hardware tables)."""
+"""How a model is spread over devices: ParallelDims and the named mesh, TP, FSDP, pipelining,
+activation checkpointing and compile; the analytic planner in its own subpackage (planner/)."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from trainer.errors import ConfigError
+from trillion.errors import ConfigError
 
 MODES = ("none", "full", "selective", "selective:N", "selective:op")
 SELECTIVE_EVERY = 2

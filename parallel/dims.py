@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainer.errors import ConfigError
+from trillion.errors import ConfigError
 
 log = logging.getLogger("trillion")
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from trainer.errors import ConfigError
+from trillion.errors import ConfigError
 
 MODES = ("zero1", "zero2", "zero3")
 

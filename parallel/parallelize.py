@@ -11,11 +11,11 @@ values whatever the layout (see models.transformer.Transformer.init_weights).
 import torch
 from torch import nn
 
-from parallel.activation_checkpoint import apply_activation_checkpointing
-from parallel.compile import apply_compile
-from parallel.dims import ParallelDims
-from parallel.fsdp import apply_fsdp, check_mode
-from parallel.tensor_parallel import apply_tensor_parallel
+from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
+from trillion.parallel.compile import apply_compile
+from trillion.parallel.dims import ParallelDims
+from trillion.parallel.fsdp import apply_fsdp, check_mode
+from trillion.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, dp_shard_mode: str = "zero3",

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from parallel.tensor_parallel import loss_context
-from trainer.errors import ConfigError
+from trillion.parallel.tensor_parallel import loss_context
+from trillion.errors import ConfigError
 
 log = logging.getLogger("trillion")
 IGNORE_INDEX = -100
@@ -247,7 +247,7 @@ class Pipeline:
                  virtual: int = 0, parallelize_fn=None, layers: StageLayers = AUTOMATIC):
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
-        from parallel.pipeline_stage import InFlightReceiveStage
+        from trillion.parallel.pipeline_stage import InFlightReceiveStage
 
         name, v = validate_pipeline(dims.pp, schedule, len(model.layers), n_microbatches, virtual=virtual,
                                     tie_embeddings=model.args.tie_embeddings, layers=layers)

@@ -3,8 +3,8 @@ import dataclasses
 
 import pytest
 
-from trainer.config import Config, help_text, load_config, to_toml
-from trainer.errors import ConfigError
+from trillion.trainer.config import Config, help_text, load_config, to_toml
+from trillion.errors import ConfigError
 
 
 def test_toml_then_overrides(tmp_path):

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from trainer.config import Data, Tokenizer
-from trainer.data import build_data_loader
-from trainer.tokenizer import ByteTokenizer, build_tokenizer
+from trillion.trainer.config import Data, Tokenizer
+from trillion.trainer.data import build_data_loader
+from trillion.trainer.tokenizer import ByteTokenizer, build_tokenizer
 
 DOCS = [f"document {i}: " + " ".join(["word"] * (i % 7 + 1)) for i in range(40)]
 
@@ -119,7 +119,7 @@ def Tokenizer_config(kind, path):
 
 
 def test_files_that_disagree_on_columns_are_a_clear_error(tmp_path, jsonl):
-    from trainer.errors import ConfigError
+    from trillion.errors import ConfigError
 
     folder = tmp_path / "mixed"
     folder.mkdir()

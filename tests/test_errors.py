@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from trainer.cli import main
+from trillion.trainer.cli import main
 
 
 def run_cli(args, capsys):

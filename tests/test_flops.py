@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from models import PRESETS, Transformer
-from models.flops import count_params, hardware_flops_per_token, megatron_flops_per_iteration, model_flops_per_token
-from parallel.activation_checkpoint import apply_activation_checkpointing
+from trillion.models import PRESETS, Transformer
+from trillion.models.flops import count_params, hardware_flops_per_token, megatron_flops_per_iteration, model_flops_per_token
+from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

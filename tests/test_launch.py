@@ -18,7 +18,7 @@ def clean_env(**extra):
 
 
 def test_srun_style_launch_trains_and_logs_from_one_rank(tmp_path):
-    """Two tasks with only SLURM's variables, as `srun -n 2 python -m trainer train` starts them."""
+    """Two tasks with only SLURM's variables, as `srun -n 2 python -m trillion train` starts them."""
     out = tmp_path / "run"
     job = str(random.randint(1000, 9999))
     procs = [subprocess.Popen([sys.executable, "-m", "trainer", "train", *TINY, f"--job.output_dir={out}"],

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models import PRESETS, Transformer
-from models.hf import hf_config, to_hf_state_dict
+from trillion.models import PRESETS, Transformer
+from trillion.models.hf import hf_config, to_hf_state_dict
 
 transformers = pytest.importorskip("transformers")
 

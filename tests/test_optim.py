@@ -5,10 +5,10 @@ import dataclasses
 import pytest
 import torch
 
-from models import PRESETS, Transformer
-from trainer.config import LRSchedule, Optimizer
-from trainer.optim import build_lr_scheduler, build_optimizer, lr_multiplier
-from trainer.train import train_step
+from trillion.models import PRESETS, Transformer
+from trillion.trainer.config import LRSchedule, Optimizer
+from trillion.trainer.optim import build_lr_scheduler, build_optimizer, lr_multiplier
+from trillion.trainer.train import train_step
 
 
 def tiny_model(seed=0):

@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from parallel.estimate import layout_dims
-from trainer.config import load_config
-from trainer.launch import LaunchEnv
-from trainer.train import build_model_args, validate_training
+from trillion.trainer.tools.estimate import layout_dims
+from trillion.trainer.config import load_config
+from trillion.trainer.launch import LaunchEnv
+from trillion.trainer.train import build_model_args, validate_training
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "experiments/configs").glob("*.toml"))
 

@@ -1,8 +1,8 @@
 """SLURM host lists and the torch.distributed environment derived from srun's variables."""
 import pytest
 
-from trainer.errors import ConfigError
-from trainer.slurm import expand_hostlist, torch_env_from_slurm
+from trillion.errors import ConfigError
+from trillion.trainer.slurm import expand_hostlist, torch_env_from_slurm
 
 
 @pytest.mark.parametrize("hostlist, expected", [
@@ -48,7 +48,7 @@ def test_missing_variables_say_what_to_do():
 
 
 def test_inconsistent_launch_variables_fail_before_the_rendezvous(monkeypatch):
-    from trainer.launch import init_launch_env
+    from trillion.trainer.launch import init_launch_env
 
     for name in ("SLURM_PROCID", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)

@@ -3,7 +3,7 @@ import json
 import subprocess
 import sys
 
-from trainer.config import load_config
+from trillion.trainer.config import load_config
 
 
 def test_train_writes_a_run_directory_and_learns(tmp_path):

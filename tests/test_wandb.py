@@ -2,8 +2,8 @@
 from pathlib import Path
 
 from wandb_records import offline_run
-from trainer.config import Logging
-from trainer.metrics import MetricsSink
+from trillion.trainer.config import Logging
+from trillion.trainer.metrics import MetricsSink
 
 
 def write_steps(output_dir: Path, cfg: Logging, steps, resume=False):

@@ -29,9 +29,9 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
-from trainer.config import Checkpoint as CheckpointConfig
-from trainer.errors import ConfigError
-from trainer.resume_check import check_resume_config, check_shapes, saved_config, trim_metrics
+from trillion.trainer.config import Checkpoint as CheckpointConfig
+from trillion.errors import ConfigError, RunAborted
+from trillion.trainer.resume_check import check_resume_config, check_shapes, saved_config, trim_metrics
 
 log = logging.getLogger("trillion")
 # DCP warns on every save and load in one process, also from the async writer's thread (which a
@@ -45,7 +45,7 @@ SAVE_FAILURES = (Exception, CheckpointException)  # DCP's exception derives from
 OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name: any layout
 
 
-class CheckpointError(ConfigError):
+class CheckpointError(RunAborted):
     """A checkpoint could not be written or read; the message says where and what to do."""
 
 
@@ -173,7 +173,7 @@ def load_model_weights(path: Path, parts: list[torch.nn.Module], model_args, set
                           f"the folder `trillion export` wrote.")
     from safetensors.torch import load_file
 
-    from models.hf import from_hf_state_dict
+    from trillion.models.hf import from_hf_state_dict
 
     weights = from_hf_state_dict({k: v for f in files for k, v in load_file(f).items()}, model_args)
     check_shapes({k: tuple(v.shape) for k, v in weights.items()}, model.state_dict(), f"{setting}={path}", whole_model)
@@ -356,7 +356,7 @@ class CheckpointManager:
             shutil.rmtree(staging, ignore_errors=True)
 
     def _config_toml(self) -> str:
-        from trainer.config import to_toml
+        from trillion.trainer.config import to_toml
 
         return to_toml(self.config)
 

@@ -5,15 +5,15 @@ import logging
 import os
 import sys
 
-from trainer.errors import ConfigError, RunAborted
+from trillion.errors import ConfigError, RunAborted
 
 # command -> (module with `main(argv) -> int`, one-line summary)
 COMMANDS = {
-    "train": ("trainer.train_cli", "train a model: trillion train [--config FILE] [--section.field=value ...]"),
-    "plan": ("parallel.plan_cli", "choose a parallel layout: trillion plan --model M --hardware H --gpus N --global-batch B"),
-    "tune": ("parallel.tune", "measure the planner's best layouts: trillion tune --config FILE --nproc N --hardware H"),
-    "estimate": ("parallel.estimate_cli", "check a layout's memory per rank at full scale on one CPU: trillion estimate --config FILE --world-size N"),
-    "export": ("trainer.export", "a checkpoint as a Hugging Face model: trillion export --checkpoint DIR --format hf OUT"),
+    "train": ("trillion.trainer.train_cli", "train a model: trillion train [--config FILE] [--section.field=value ...]"),
+    "plan": ("trillion.trainer.tools.plan_cli", "choose a parallel layout: trillion plan --model M --hardware H --gpus N --global-batch B"),
+    "tune": ("trillion.trainer.tools.tune", "measure the planner's best layouts: trillion tune --config FILE --nproc N --hardware H"),
+    "estimate": ("trillion.trainer.tools.estimate_cli", "check a layout's memory per rank at full scale on one CPU: trillion estimate --config FILE --world-size N"),
+    "export": ("trillion.trainer.export", "a checkpoint as a Hugging Face model: trillion export --checkpoint DIR --format hf OUT"),
 }
 
 

@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.errors import ConfigError
+from trillion.errors import ConfigError
 
 
 def doc(default, text: str):

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import Data as DataConfig
-from trainer.errors import ConfigError
+from trillion.trainer.config import Data as DataConfig
+from trillion.errors import ConfigError
 
 SUFFIX_TO_BUILDER = {".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", ".parquet": "parquet"}
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from models import Transformer
-from trainer.checkpoint import CONFIG_FILE, ModelParts, complete_checkpoints, is_complete
-from trainer.config import load_config
-from trainer.errors import ConfigError
+from trillion.models import Transformer
+from trillion.trainer.checkpoint import CONFIG_FILE, ModelParts, complete_checkpoints, is_complete
+from trillion.trainer.config import load_config
+from trillion.errors import ConfigError
 
 USAGE = "usage: trillion export --checkpoint DIR --format hf OUT"
 FORMATS = ("hf",)
@@ -32,7 +32,7 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def load_checkpoint_model(step: Path) -> Transformer:
     """The checkpoint's model, whole, on the CPU, built from the config it was saved with."""
-    from trainer.train import build_model_args
+    from trillion.trainer.train import build_model_args
 
     config = load_config(str(step / CONFIG_FILE))
     args = dataclasses.replace(build_model_args(config, 0), attention_impl="sdpa", norm_impl="torch")
@@ -47,7 +47,7 @@ def load_checkpoint_model(step: Path) -> Transformer:
 def export_hf(step: Path, out: Path) -> Path:
     from safetensors.torch import save_file
 
-    from models.hf import hf_config, to_hf_state_dict
+    from trillion.models.hf import hf_config, to_hf_state_dict
 
     model = load_checkpoint_model(step)
     weights = to_hf_state_dict(model.state_dict(), model.args)

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.errors import ConfigError
-from trainer.slurm import torch_env_from_slurm
+from trillion.errors import ConfigError
+from trillion.trainer.slurm import torch_env_from_slurm
 
 
 @dataclass(frozen=True)

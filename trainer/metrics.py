@@ -10,9 +10,9 @@ from pathlib import Path
 
 import torch
 
-from parallel.hardware import lookup_device
-from trainer.config import Logging as LoggingConfig
-from trainer.errors import ConfigError
+from trillion.devices import lookup_device
+from trillion.trainer.config import Logging as LoggingConfig
+from trillion.errors import ConfigError
 
 log = logging.getLogger("trillion")
 

@@ -4,9 +4,9 @@ import math
 import torch
 from torch import nn
 
-from trainer.config import LRSchedule as LRScheduleConfig
-from trainer.config import Optimizer as OptimizerConfig
-from trainer.errors import ConfigError
+from trillion.trainer.config import LRSchedule as LRScheduleConfig
+from trillion.trainer.config import Optimizer as OptimizerConfig
+from trillion.errors import ConfigError
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trainer.config import Profiling as ProfilingConfig
+from trillion.trainer.config import Profiling as ProfilingConfig
 
 log = logging.getLogger("trillion")
 ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")  # PipelineStage's, per micro-batch

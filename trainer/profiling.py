@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from trainer.config import Profiling as ProfilingConfig
+from trillion.trainer.config import Profiling as ProfilingConfig
 
 log = logging.getLogger("trillion")
 

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.config import Training as TrainingConfig
-from trainer.errors import ConfigError
+from trillion.trainer.config import Training as TrainingConfig
+from trillion.errors import ConfigError, RunAborted
 
 log = logging.getLogger("trillion")
 
@@ -21,7 +21,7 @@ def validate_limits(cfg: TrainingConfig) -> None:
             raise ConfigError(f"training.{name}={getattr(cfg, name)} must be 0 (no limit) or more.")
 
 
-class TrainingDiverged(ConfigError):
+class TrainingDiverged(RunAborted):
     """Too many non-finite steps in a row: continuing would only burn compute."""
 
 

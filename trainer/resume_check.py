@@ -7,7 +7,7 @@ import os
 import tomllib
 from pathlib import Path
 
-from trainer.errors import ConfigError
+from trillion.errors import ConfigError
 
 log = logging.getLogger("trillion")
 

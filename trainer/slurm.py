@@ -1,12 +1,12 @@
 """SLURM's view of a job step, turned into what torch.distributed needs.
 
-`srun python -m trainer train ...` starts one task per GPU with SLURM_PROCID, SLURM_LOCALID,
+`srun python -m trillion train ...` starts one task per GPU with SLURM_PROCID, SLURM_LOCALID,
 SLURM_NTASKS and SLURM_STEP_NODELIST (or SLURM_NODELIST) set, but none of torchrun's RANK,
 WORLD_SIZE or MASTER_ADDR; the rendezvous host is the first node of the step.
 """
 import re
 
-from trainer.errors import ConfigError
+from trillion.errors import ConfigError
 
 DEFAULT_PORT_BASE = 29500
 

@@ -2,8 +2,8 @@
 import base64
 from pathlib import Path
 
-from trainer.config import Tokenizer as TokenizerConfig
-from trainer.errors import ConfigError
+from trillion.trainer.config import Tokenizer as TokenizerConfig
+from trillion.errors import ConfigError
 
 # The pre-tokenization pattern of Llama 3 / cl100k, used for tiktoken ranks files.
 TIKTOKEN_PATTERN = (

@@ -8,27 +8,27 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import ATTENTION_IMPLS, NORM_IMPLS
-from models import ModelArgs, Transformer, get_preset
-from models.flops import count_params, hardware_flops_per_token, model_flops_per_token
-from parallel.activation_checkpoint import recompute_fraction
-from parallel.clip import clip_grad_norm_
-from parallel.dims import ParallelDims
-from parallel.fsdp import check_mode, set_micro_batch
-from parallel.parallelize import parallelize
-from parallel.pipeline import Pipeline, StageLayers, bubble_fraction, validate_pipeline
-from parallel.tensor_parallel import loss_context
-from trainer.checkpoint import CheckpointManager, validate_checkpoint_config
-from trainer.config import Config, to_toml
-from trainer.data import build_data_loader
-from trainer.errors import ConfigError, RunAborted
-from trainer.launch import LaunchEnv, init_launch_env
-from trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
-from trainer.optim import build_lr_scheduler, build_optimizer
-from trainer.pipeline_timeline import PipelineTimeline
-from trainer.profiling import PhaseTimer, StepProfiler
-from trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy, validate_limits
-from trainer.tokenizer import build_tokenizer
+from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
+from trillion.models import ModelArgs, Transformer, get_preset
+from trillion.models.flops import count_params, hardware_flops_per_token, model_flops_per_token
+from trillion.parallel.activation_checkpoint import recompute_fraction
+from trillion.parallel.clip import clip_grad_norm_
+from trillion.parallel.dims import ParallelDims
+from trillion.parallel.fsdp import check_mode, set_micro_batch
+from trillion.parallel.parallelize import parallelize
+from trillion.parallel.pipeline import Pipeline, StageLayers, bubble_fraction, validate_pipeline
+from trillion.parallel.tensor_parallel import loss_context
+from trillion.trainer.checkpoint import CheckpointManager, validate_checkpoint_config
+from trillion.trainer.config import Config, to_toml
+from trillion.trainer.data import build_data_loader
+from trillion.errors import ConfigError, RunAborted
+from trillion.trainer.launch import LaunchEnv, init_launch_env
+from trillion.trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
+from trillion.trainer.optim import build_lr_scheduler, build_optimizer
+from trillion.trainer.pipeline_timeline import PipelineTimeline
+from trillion.trainer.profiling import PhaseTimer, StepProfiler
+from trillion.trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy, validate_limits
+from trillion.trainer.tokenizer import build_tokenizer
 
 log = logging.getLogger("trillion")
 IGNORE_INDEX = -100

@@ -1,6 +1,6 @@
 """`trillion train [--config FILE] [--section.field=value ...]`."""
-from trainer.config import help_text, load_config
-from trainer.train import train
+from trillion.trainer.config import help_text, load_config
+from trillion.trainer.train import train
 
 USAGE = "usage: trillion train [--config FILE] [--section.field=value ...]\n\n"
 

@@ -3,11 +3,11 @@
     python experiments/bench/attention.py            # on a GPU: bf16, causal, seq 1k-16k, head dims 64/128
     python experiments/bench/attention.py --smoke    # CPU, tiny sizes, Triton interpreter, seconds
 
-Attention: forward, backward and forward+backward TFLOP/s of kernels.flash_attention, SDPA
-restricted to its flash backend, and the eager reference (kernels.attention.eager_attention),
+Attention: forward, backward and forward+backward TFLOP/s of trillion.kernels.flash_attention, SDPA
+restricted to its flash backend, and the eager reference (trillion.kernels.attention.eager_attention),
 with batch = 16k tokens / seq and heads = 2048 / head_dim so every shape fills the GPU alike.
 FLOPs count the causal half: forward 2 matmuls, backward 5 (2.5x forward), as FlashAttention's
-benchmarks do. Norms: GB/s (bytes read and written once) of kernels.norm's RMSNorm and LayerNorm
+benchmarks do. Norms: GB/s (bytes read and written once) of trillion.kernels.norm's RMSNorm and LayerNorm
 against torch.nn.functional.
 
 Every case is first checked against SDPA's (or torch's) result, then timed: median of repeated
@@ -53,8 +53,8 @@ def _attention_fn(impl: str):
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from kernels import flash_attention
-    from kernels.attention import eager_attention
+    from trillion.kernels import flash_attention
+    from trillion.kernels.attention import eager_attention
 
     if impl == "triton":
         return lambda q, k, v: flash_attention(q, k, v, causal=True)
@@ -123,7 +123,7 @@ def _bench_norms(cfg, dtype, device) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from kernels.norm import layer_norm, rms_norm
+    from trillion.kernels.norm import layer_norm, rms_norm
 
     cases = {
         "rms_norm": (lambda x, w, b: rms_norm(x, w, 1e-5), lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, 1e-5)),

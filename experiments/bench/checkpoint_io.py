@@ -19,8 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainer.config import load_config
-from trainer.train import train
+from trillion.trainer.config import load_config
+from trillion.trainer.train import train
 
 DEBUG_CONFIG = str(Path(__file__).parents[1] / "configs" / "debug.toml")
 SMOKE = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",

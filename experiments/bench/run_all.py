@@ -96,14 +96,14 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
     """The trainer's own step (train_step, AdamW, its AC and compile) on fresh random tokens."""
     import torch
 
-    from models import Transformer
-    from models.flops import hardware_flops_per_token, model_flops_per_token
-    from parallel.activation_checkpoint import apply_activation_checkpointing, recompute_fraction
-    from parallel.compile import apply_compile
-    from parallel.hardware import lookup_device
-    from trainer.config import load_config
-    from trainer.optim import build_optimizer
-    from trainer.train import build_model_args, train_step
+    from trillion.models import Transformer
+    from trillion.models.flops import hardware_flops_per_token, model_flops_per_token
+    from trillion.parallel.activation_checkpoint import apply_activation_checkpointing, recompute_fraction
+    from trillion.parallel.compile import apply_compile
+    from trillion.devices import lookup_device
+    from trillion.trainer.config import load_config
+    from trillion.trainer.optim import build_optimizer
+    from trillion.trainer.train import build_model_args, train_step
 
     shrink = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=4", "--model.ffn_dim=128",
               "--model.vocab_size=512"]

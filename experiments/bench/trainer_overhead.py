@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from models import Transformer
-from trainer.config import load_config
-from trainer.optim import build_optimizer
-from trainer.tokenizer import build_tokenizer
-from trainer.train import build_model_args, train
+from trillion.models import Transformer
+from trillion.trainer.config import load_config
+from trillion.trainer.optim import build_optimizer
+from trillion.trainer.tokenizer import build_tokenizer
+from trillion.trainer.train import build_model_args, train
 
 
 def trainer_seconds_per_step(overrides: list[str], steps: int) -> float:

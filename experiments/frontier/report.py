@@ -9,10 +9,10 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from models.presets import get_preset
-from parallel.hardware import load_profile
-from parallel.planner import Request, evaluate, metrics, scaling, search
-from parallel.planner_layout import Layout
+from trillion.models.presets import get_preset
+from trillion.parallel.planner.hardware import load_profile
+from trillion.parallel.planner.search import Request, evaluate, metrics, scaling, search
+from trillion.parallel.planner.layout import Layout
 
 SEQ_LEN = 2048
 # The paper's layouts (PAPER.md, "Parallel configurations"), in Trillion's terms: ZeRO-0 data
@@ -108,7 +108,7 @@ def section_search(lines: list[str]) -> None:
 
 
 def section_scaling(lines: list[str], out: Path) -> None:
-    from parallel.planner_plot import plot_scaling
+    from trillion.parallel.planner.plot import plot_scaling
     lines += ["## 3. Weak and strong scaling (paper's TP/PP, data parallelism grown)", "",
               "Weak: the global batch grows with the GCDs (the paper's batch at the smallest count). Strong: the "
               "global batch of the largest weak-scaling run, held fixed. The paper reports only the end points.", "",

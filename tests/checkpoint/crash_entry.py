@@ -4,11 +4,11 @@ import os
 import signal
 import sys
 
-import trainer.train
-from trainer.cli import main
+import trillion.trainer.train
+from trillion.trainer.cli import main
 
 if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
-    original, calls = trainer.train.train_step, []
+    original, calls = trillion.trainer.train.train_step, []
 
     def dying_train_step(*args, **kwargs):
         calls.append(1)
@@ -16,6 +16,6 @@ if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK"
             os.kill(os.getpid(), signal.SIGKILL)
         return original(*args, **kwargs)
 
-    trainer.train.train_step = dying_train_step
+    trillion.trainer.train.train_step = dying_train_step
 
 sys.exit(main(["train", *sys.argv[1:]]))

@@ -2,8 +2,8 @@
 import json
 from pathlib import Path
 
-from trainer.config import load_config
-from trainer.train import train
+from trillion.trainer.config import load_config
+from trillion.trainer.train import train
 
 TINY = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
         "--training.seq_len=32", "--training.global_batch_size=4", "--training.micro_batch_size=2",

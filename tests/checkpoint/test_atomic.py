@@ -7,8 +7,8 @@ import pytest
 from torch.distributed.checkpoint import FileSystemWriter
 
 from runs import TINY, checkpoints, losses, run
-from trainer.checkpoint import CheckpointError
-from trainer.cli import main
+from trillion.trainer.checkpoint import CheckpointError
+from trillion.trainer.cli import main
 
 
 def fail_on_save(monkeypatch, method: str, error: Exception, after: int = 1):
@@ -43,9 +43,9 @@ def test_failed_save_keeps_the_last_checkpoint_and_the_run_resumes(straight, tmp
     assert losses(out) == expected
 
 
-def test_no_space_is_one_paragraph_and_exit_status_2(tmp_path, monkeypatch, capsys):
+def test_no_space_is_one_paragraph_and_exit_status_1(tmp_path, monkeypatch, capsys):
     fail_on_save(monkeypatch, "finish", OSError(errno.ENOSPC, "No space left on device"), after=0)
-    assert main(["train", *TINY, "--training.steps=2", f"--job.output_dir={tmp_path / 'run'}"]) == 2
+    assert main(["train", *TINY, "--training.steps=2", f"--job.output_dir={tmp_path / 'run'}"]) == 1  # a runtime failure
     err = capsys.readouterr().err
     assert "No space left" in err and "--checkpoint.keep_latest=1" in err and "Traceback" not in err
 

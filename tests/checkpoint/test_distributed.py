@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import trainer.train
+import trillion.trainer.train
 from runs import TINY, losses, run
 from test_resume import read_checkpoint
-from trainer.cli import main
+from trillion.trainer.cli import main
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from spawn import run_ranks  # noqa: E402
@@ -62,11 +62,11 @@ def _continue(root: Path, layout: list[str]) -> None:
     """From the 4-rank step-2 checkpoint: train step 3 here; and, in a second run whose step does
     nothing, save right away, which writes back exactly what was loaded."""
     run(root / f"continued-{len(layout)}", *layout, steps=3)
-    original, trainer.train.train_step = trainer.train.train_step, lambda *args, **kwargs: (torch.zeros(()), torch.zeros(()))
+    original, trillion.trainer.train.train_step = trillion.trainer.train.train_step, lambda *args, **kwargs: (torch.zeros(()), torch.zeros(()))
     try:
         run(root / f"reloaded-{len(layout)}", *layout, steps=3)
     finally:
-        trainer.train.train_step = original
+        trillion.trainer.train.train_step = original
 
 
 def _from_step_2(source: Path, target: Path) -> None:

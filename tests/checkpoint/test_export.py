@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from runs import run
-from trainer.checkpoint import ModelParts, load_model_weights
-from trainer.cli import main
-from trainer.export import load_checkpoint_model
+from trillion.trainer.checkpoint import ModelParts, load_model_weights
+from trillion.trainer.cli import main
+from trillion.trainer.export import load_checkpoint_model
 
 transformers = pytest.importorskip("transformers")
 

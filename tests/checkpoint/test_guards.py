@@ -6,23 +6,23 @@ import math
 import pytest
 import torch
 
-import trainer.train
+import trillion.trainer.train
 from runs import TINY, run
-from trainer.cli import main
-from trainer.config import ConfigError
-from trainer.resilience import TrainingDiverged
+from trillion.trainer.cli import main
+from trillion.trainer.config import ConfigError
+from trillion.trainer.resilience import TrainingDiverged
 
 
 def poison_steps(monkeypatch, bad_steps: set[int]):
     """The gradient norm of these steps (1-based) comes out NaN, as after an overflow."""
-    original, calls = trainer.train.clip_grad_norm_, []
+    original, calls = trillion.trainer.train.clip_grad_norm_, []
 
     def clip(parameters, max_norm, *args):
         calls.append(1)
         norm = original(parameters, max_norm, *args)
         return torch.full_like(norm, math.nan) if len(calls) in bad_steps else norm
 
-    monkeypatch.setattr(trainer.train, "clip_grad_norm_", clip)
+    monkeypatch.setattr(trillion.trainer.train, "clip_grad_norm_", clip)
 
 
 def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch):

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from models import PRESETS, Transformer
-from parallel.dims import ParallelDims
-from parallel.parallelize import parallelize
-from trainer.data import DataLoader
-from trainer.train import train_step
+from trillion.models import PRESETS, Transformer
+from trillion.parallel.dims import ParallelDims
+from trillion.parallel.parallelize import parallelize
+from trillion.trainer.data import DataLoader
+from trillion.trainer.train import train_step
 
 FAMILIES = {
     "llama": dataclasses.replace(PRESETS["debug"], n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96,

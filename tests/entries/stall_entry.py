@@ -4,11 +4,11 @@ import os
 import sys
 import time
 
-import trainer.train
-from trainer.cli import main
+import trillion.trainer.train
+from trillion.trainer.cli import main
 
 if os.environ.get("RANK") == "1":
-    original, calls = trainer.train.train_step, []
+    original, calls = trillion.trainer.train.train_step, []
 
     def stalling_train_step(*args, **kwargs):
         calls.append(1)
@@ -16,6 +16,6 @@ if os.environ.get("RANK") == "1":
             time.sleep(120)
         return original(*args, **kwargs)
 
-    trainer.train.train_step = stalling_train_step
+    trillion.trainer.train.train_step = stalling_train_step
 
 sys.exit(main(["train", *sys.argv[1:]]))

@@ -21,17 +21,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from models import Transformer
-from parallel.activation_checkpoint import apply_activation_checkpointing
-from parallel.estimate import storage_bytes
-from parallel.estimate_activations import measure_activations
-from parallel.parallelize import parallelize
-from parallel.pipeline import Pipeline
-from parallel.tensor_parallel import apply_tensor_parallel, loss_context
-from trainer.config import load_config
-from trainer.launch import LaunchEnv
-from trainer.optim import build_optimizer
-from trainer.train import build_model_args, build_parallel_dims, stages_as_one_module, train_step
+from trillion.models import Transformer
+from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
+from trillion.trainer.tools.estimate import storage_bytes
+from trillion.trainer.tools.estimate_activations import measure_activations
+from trillion.parallel.parallelize import parallelize
+from trillion.parallel.pipeline import Pipeline
+from trillion.parallel.tensor_parallel import apply_tensor_parallel, loss_context
+from trillion.trainer.config import load_config
+from trillion.trainer.launch import LaunchEnv
+from trillion.trainer.optim import build_optimizer
+from trillion.trainer.train import build_model_args, build_parallel_dims, stages_as_one_module, train_step
 
 
 def measure_rank(rank: int, world_size: int, overrides: list, out_path: str) -> None:

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from trainer.cli import main
+from trillion.trainer.cli import main
 
 SMALL = ["--config", "experiments/configs/debug_2d_cpu.toml", "--job.device=cpu", "--model.n_layers=2",
          "--training.seq_len=64"]
@@ -125,8 +125,8 @@ def test_paper_1t_layout_every_rank_in_under_a_minute(capsys):
     together they hold the model exactly once (norms replicated over tp aside)."""
     import time
 
-    from models.flops import count_params
-    from models.presets import get_preset
+    from trillion.models.flops import count_params
+    from trillion.models.presets import get_preset
 
     start = time.perf_counter()
     main(["estimate", "--config", "experiments/configs/gpt_1t_frontier.toml", "--hardware", "frontier",

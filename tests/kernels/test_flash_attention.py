@@ -9,7 +9,7 @@ result to fp16 alone costs half of one.
 import pytest
 import torch
 
-from kernels.flash_attention import flash_attention, reference_attention
+from trillion.kernels.flash_attention import flash_attention, reference_attention
 
 
 def _fixed_bound(truth: torch.Tensor, dtype: torch.dtype) -> float:
@@ -179,7 +179,7 @@ def test_custom_op_registration_passes_opcheck():
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90", "gfx90a", "gfx942"])
 def test_every_architecture_has_configs_for_every_head_dim(arch):
-    from kernels.flash_attention import configs
+    from trillion.kernels.flash_attention import configs
 
     for kernel in ("fwd", "dkdv", "dq"):
         for block_d in (16, 32, 64, 128, 256):
@@ -205,7 +205,7 @@ def test_every_architecture_has_configs_for_every_head_dim(arch):
 def test_config_set_is_chosen_from_the_device(monkeypatch, hip, props, expected):
     from types import SimpleNamespace
 
-    from kernels import _triton_setup
+    from trillion.kernels import _triton_setup
 
     monkeypatch.setattr(torch.version, "hip", hip)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(name="gpu", **props))

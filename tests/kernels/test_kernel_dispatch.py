@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import attention, flash_attention
-from kernels import norm as norm_module
-from models.presets import get_preset
-from models.transformer import Transformer
+from trillion.kernels import attention, flash_attention
+from trillion.kernels import norm as norm_module
+from trillion.models.presets import get_preset
+from trillion.models.transformer import Transformer
 
 
 def test_triton_impl_runs_our_kernel_and_matches_sdpa():
@@ -81,8 +81,8 @@ def test_dispatch_compiles_without_graph_break(monkeypatch, interpret):
 def test_trainer_with_triton_kernels_matches_sdpa_losses(tmp_path):
     import json
 
-    from kernels import NORM_IMPLS
-    from trainer.cli import main
+    from trillion.kernels import NORM_IMPLS
+    from trillion.trainer.cli import main
 
     def losses(attention_impl: str, norm_impl: str) -> list[float]:
         out = tmp_path / attention_impl

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kernels.flash_attention import flash_attention
-from kernels.norm import RMSNorm, layer_norm, rms_norm
+from trillion.kernels.flash_attention import flash_attention
+from trillion.kernels.norm import RMSNorm, layer_norm, rms_norm
 
 
 class _TinyBlock(torch.nn.Module):

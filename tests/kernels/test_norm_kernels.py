@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import norm as norm_module
-from kernels.norm import LayerNorm, RMSNorm, layer_norm, rms_norm
+from trillion.kernels import norm as norm_module
+from trillion.kernels.norm import LayerNorm, RMSNorm, layer_norm, rms_norm
 
 # (kind, weight, bias): the affine variants each module can have.
 VARIANTS = [("rms", True, False), ("rms", False, False), ("layer", True, True), ("layer", True, False),

@@ -5,14 +5,14 @@ import logging
 import pytest
 import torch
 
-from models import PRESETS
-from parallel.activation_checkpoint import apply_activation_checkpointing, recompute_fraction
-from parallel.dims import ParallelDims
-from parallel.fsdp import check_mode
-from trainer.config import Config
-from trainer.errors import ConfigError
-from trainer.launch import LaunchEnv
-from trainer.train import build_parallel_dims, validate_training
+from trillion.models import PRESETS
+from trillion.parallel.activation_checkpoint import apply_activation_checkpointing, recompute_fraction
+from trillion.parallel.dims import ParallelDims
+from trillion.parallel.fsdp import check_mode
+from trillion.trainer.config import Config
+from trillion.errors import ConfigError
+from trillion.trainer.launch import LaunchEnv
+from trillion.trainer.train import build_parallel_dims, validate_training
 
 LLAMA, GPT = PRESETS["debug"], PRESETS["debug-gpt"]  # 8 heads, 4 KV heads (Llama), ffn 704 / 1024, vocab 320
 
@@ -113,7 +113,7 @@ def test_activation_checkpoint_modes():
 
 @pytest.mark.parametrize("mode", ["full", "selective:op"])
 def test_checkpointed_blocks_give_identical_gradients_in_one_process(mode):
-    from models import Transformer
+    from trillion.models import Transformer
 
     args = _args(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=32)
     tokens = torch.randint(0, args.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from models import PRESETS, Transformer
-from parallel.dims import ParallelDims
-from parallel.parallelize import parallelize
+from trillion.models import PRESETS, Transformer
+from trillion.parallel.dims import ParallelDims
+from trillion.parallel.parallelize import parallelize
 
 WORLD, DP_SHARD, TP = 3072, 384, 8
 

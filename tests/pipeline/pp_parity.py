@@ -12,12 +12,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 import parity  # noqa: E402
 from parity import FAMILIES, GLOBAL_BATCH, MAX_NORM, MICRO_BATCH, SEED, SEQ_LEN, STEPS, RandomWindows, _full  # noqa: E402
 
-from models import Transformer  # noqa: E402
-from parallel.dims import ParallelDims  # noqa: E402
-from parallel.parallelize import parallelize  # noqa: E402
-from parallel.pipeline import Pipeline, StageLayers  # noqa: E402
-from trainer.data import DataLoader  # noqa: E402
-from trainer.train import stages_as_one_module, train_step  # noqa: E402
+from trillion.models import Transformer  # noqa: E402
+from trillion.parallel.dims import ParallelDims  # noqa: E402
+from trillion.parallel.parallelize import parallelize  # noqa: E402
+from trillion.parallel.pipeline import Pipeline, StageLayers  # noqa: E402
+from trillion.trainer.data import DataLoader  # noqa: E402
+from trillion.trainer.train import stages_as_one_module, train_step  # noqa: E402
 
 
 def train_pipeline_case(case: dict, world_size: int) -> dict:

@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 from parity import FAMILIES, SEED, SEQ_LEN, RandomWindows  # noqa: E402
 from spawn import run_ranks  # noqa: E402
 
-import parallel.pipeline_stage  # noqa: E402
-from models import Transformer  # noqa: E402
-from parallel.dims import ParallelDims  # noqa: E402
-from parallel.pipeline import Pipeline  # noqa: E402
+import trillion.parallel.pipeline_stage  # noqa: E402
+from trillion.models import Transformer  # noqa: E402
+from trillion.parallel.dims import ParallelDims  # noqa: E402
+from trillion.parallel.pipeline import Pipeline  # noqa: E402
 
 PP, MICRO_BATCHES = 2, 8
 SCHEDULES = {"1F1B": 1, "ZBVZeroBubble": 2}  # stages per rank
@@ -73,10 +73,10 @@ def count_receive_buffers(rank: int, world_size: int, micro_batches: int, out: s
     dims.build_mesh("cpu")
     windows = RandomWindows(args.vocab_size, SEQ_LEN + 1).next_windows(micro_batches)
     batch = [(w[None, :-1], w[None, 1:]) for w in windows]
-    ours, counts = parallel.pipeline_stage.InFlightReceiveStage, {}
+    ours, counts = trillion.parallel.pipeline_stage.InFlightReceiveStage, {}
     for schedule in SCHEDULES:
         for stage_class in (PipelineStage, ours):
-            parallel.pipeline_stage.InFlightReceiveStage = stage_class  # what Pipeline builds its stages with
+            trillion.parallel.pipeline_stage.InFlightReceiveStage = stage_class  # what Pipeline builds its stages with
             with torch.device("meta"):
                 model = Transformer(args)
             pipeline = Pipeline(model, dims, schedule, micro_batches, torch.device("cpu"))
@@ -88,7 +88,7 @@ def count_receive_buffers(rank: int, world_size: int, micro_batches: int, out: s
             for _ in range(2):  # the first step also infers the shapes
                 pipeline.step(batch, torch.tensor(micro_batches * SEQ_LEN))
             counts[f"{schedule} {stage_class.__name__}"] = (buffers.held(), buffers.peak, buffers.peak_bytes)
-    parallel.pipeline_stage.InFlightReceiveStage = ours
+    trillion.parallel.pipeline_stage.InFlightReceiveStage = ours
     Path(f"{out}.{rank}").write_text(json.dumps(counts))
 
 

@@ -14,11 +14,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from models import PRESETS, Transformer
-from models.flops import count_params
-from parallel.dims import ParallelDims
-from parallel.parallelize import parallelize
-from parallel.pipeline import Pipeline, StageLayers, split_units, stage_module
+from trillion.models import PRESETS, Transformer
+from trillion.models.flops import count_params
+from trillion.parallel.dims import ParallelDims
+from trillion.parallel.parallelize import parallelize
+from trillion.parallel.pipeline import Pipeline, StageLayers, split_units, stage_module
 
 GPT_1T = PRESETS["gpt-1t"]  # 128 layers, hidden 25600, 200 heads
 SEQ_LEN = 2048

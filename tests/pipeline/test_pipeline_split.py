@@ -6,13 +6,13 @@ import dataclasses
 import pytest
 import torch
 
-from models import PRESETS, Transformer
-from parallel.pipeline import (StageLayers, bubble_fraction, describe_split, split_units, stage_indices, stage_module,
+from trillion.models import PRESETS, Transformer
+from trillion.parallel.pipeline import (StageLayers, bubble_fraction, describe_split, split_units, stage_indices, stage_module,
                                validate_pipeline)
-from trainer.config import load_config
-from trainer.errors import ConfigError
-from trainer.launch import LaunchEnv
-from trainer.train import build_parallel_dims
+from trillion.trainer.config import load_config
+from trillion.errors import ConfigError
+from trillion.trainer.launch import LaunchEnv
+from trillion.trainer.train import build_parallel_dims
 
 LLAMA = PRESETS["debug"]  # 4 layers
 

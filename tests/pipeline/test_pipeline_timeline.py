@@ -5,8 +5,8 @@ import os
 import sys
 from pathlib import Path
 
-from trainer.config import Profiling
-from trainer.pipeline_timeline import is_profiled_step
+from trillion.trainer.config import Profiling
+from trillion.trainer.pipeline_timeline import is_profiled_step
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))

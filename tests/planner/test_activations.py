@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from models.presets import get_preset
-from models.transformer import Transformer
-from parallel.planner_memory import layer_activation_bytes, output_activation_bytes
+from trillion.models.presets import get_preset
+from trillion.models.transformer import Transformer
+from trillion.parallel.planner.memory import layer_activation_bytes, output_activation_bytes
 
 
 def saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:

@@ -8,12 +8,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from models.presets import get_preset
-from models.transformer import Transformer
-from parallel.fsdp import apply_fsdp
-from parallel.planner_layout import Layout
-from parallel.planner_memory import RankParams, pipeline_ranks, states_bytes
-from parallel.tensor_parallel import apply_tensor_parallel
+from trillion.models.presets import get_preset
+from trillion.models.transformer import Transformer
+from trillion.parallel.fsdp import apply_fsdp
+from trillion.parallel.planner.layout import Layout
+from trillion.parallel.planner.memory import RankParams, pipeline_ranks, states_bytes
+from trillion.parallel.tensor_parallel import apply_tensor_parallel
 
 
 @pytest.fixture

@@ -6,12 +6,13 @@ from pathlib import Path
 import pytest
 
 from experiments.frontier.report import PAPER_RUNS, paper_prediction
-from models.presets import get_preset
-from parallel.hardware import DEVICES, load_profile, lookup_device, profile_names
-from parallel.planner import Request, evaluate, search
-from parallel.planner_layout import Layout
-from trainer.cli import main as trillion
-from trainer.config import load_config
+from trillion.models.presets import get_preset
+from trillion.devices import DEVICES, lookup_device
+from trillion.parallel.planner.hardware import load_profile, profile_names
+from trillion.parallel.planner.search import Request, evaluate, search
+from trillion.parallel.planner.layout import Layout
+from trillion.trainer.cli import main as trillion
+from trillion.trainer.config import load_config
 
 JSON_KEYS = {"tp", "pp", "dp_replicate", "dp_shard", "dp_shard_mode", "pp_schedule", "micro_batch_size", "microbatches",
              "activation_checkpoint", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "hfu", "memory_gb"}

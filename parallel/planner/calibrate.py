@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parallel.hardware import lookup_device
+from trillion.devices import lookup_device
 
 GEMM_SIZES = (128, 256, 512, 1024, 2048)
 ALL_REDUCE_BYTES = 64 * 2**20

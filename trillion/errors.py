@@ -6,5 +6,5 @@ class ConfigError(Exception):
 
 
 class RunAborted(Exception):
-    """The run stopped for a reason outside its settings, such as a collective that never
-    completed; the message says where (exit status 1)."""
+    """A runtime failure, not a mistake in the settings: checkpoint I/O, divergence, a collective
+    that never completed, a lost rank. The message says where and what to do (exit status 1)."""

@@ -34,11 +34,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from parallel.activation_checkpoint import _parse
-from parallel.estimate_rank import compute_dtype, fake_world, quiet
-from parallel.pipeline import Pipeline
-from trainer.config import Config
-from trainer.tokenizer import ByteTokenizer
+from trillion.parallel.activation_checkpoint import _parse
+from trillion.trainer.tools.estimate_rank import compute_dtype, fake_world, quiet
+from trillion.parallel.pipeline import Pipeline
+from trillion.trainer.config import Config
+from trillion.trainer.tokenizer import ByteTokenizer
 
 SCHEDULE_ON_FAKE = ("the pipeline schedule cannot step on the fake backend: torch.distributed.pipelining exchanges a "
                     "vote and the stages' tensor metadata by point-to-point receives before the first micro-batch, "
@@ -64,7 +64,7 @@ class StepsRun:
 
 def tiny_config(config: Config, dims, steps: int, output_dir: str) -> Config:
     """The config with a tiny model and batch for `steps` steps in the same layout (see the module doc)."""
-    from trainer.train import build_model_args
+    from trillion.trainer.train import build_model_args
 
     args = build_model_args(config, tokenizer_vocab=0)
     dim = 2 * args.n_heads
@@ -93,8 +93,8 @@ def tiny_config(config: Config, dims, steps: int, output_dir: str) -> Config:
 def run_steps(config: Config, world_size: int, steps: int, ranks: list[int]) -> tuple[list[StepsRun], str]:
     """`train` for `steps` steps of the tiny model as each of `ranks` of a fake world of the layout;
     also says what the tiny model and batch were."""
-    from parallel.estimate import layout_dims, model_args_for
-    from trainer.train import train
+    from trillion.trainer.tools.estimate import layout_dims, model_args_for
+    from trillion.trainer.train import train
 
     dims = layout_dims(config, world_size, model_args_for(config))
     runs = []

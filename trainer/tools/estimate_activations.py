@@ -47,7 +47,7 @@ def measure_micro_batch(model: nn.Module, inputs: torch.Tensor, target: torch.Te
     `grad_elements` reports."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from parallel.tensor_parallel import loss_context
+    from trillion.parallel.tensor_parallel import loss_context
 
     grad_elements = {}
 

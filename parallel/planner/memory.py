@@ -22,8 +22,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from models.args import ModelArgs
-from parallel.planner_layout import Layout, get_schedule, in_flight_microbatches, stage_layers
+from trillion.models.args import ModelArgs
+from trillion.parallel.planner.layout import Layout, get_schedule, in_flight_microbatches, stage_layers
 
 ACTIVATION_BYTES = 2  # bf16
 FRAMEWORK_BYTES = 1e9  # CUDA/HIP context, BLAS workspaces

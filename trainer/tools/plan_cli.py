@@ -11,12 +11,12 @@ import json
 import sys
 from pathlib import Path
 
-from models.presets import PRESETS, get_preset
-from parallel.hardware import load_profile, profile_names
-from parallel.planner import LAYOUT_FIELDS, Request, metrics, model_summary, search
-from parallel.planner_layout import CHECKPOINT_MODES, SCHEDULES, ZERO_MODES
-from trainer.config import Config, load_config, to_toml
-from trainer.errors import ConfigError
+from trillion.models.presets import PRESETS, get_preset
+from trillion.parallel.planner.hardware import load_profile, profile_names
+from trillion.parallel.planner.search import LAYOUT_FIELDS, Request, metrics, model_summary, search
+from trillion.parallel.planner.layout import CHECKPOINT_MODES, SCHEDULES, ZERO_MODES
+from trillion.trainer.config import Config, load_config, to_toml
+from trillion.errors import ConfigError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -114,7 +114,7 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
 def main(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     if ns.calibrate:
-        from parallel.planner_calibrate import calibrate
+        from trillion.parallel.planner.calibrate import calibrate
         print(f"wrote {calibrate(Path(ns.calibrate_out))}")
         return 0
     request = request_from(ns)
@@ -134,7 +134,7 @@ def main(argv: list[str]) -> int:
         load_config(str(path))  # what we hand to `trillion train` must load
         print(f"wrote the best layout to {path} (run it with `trillion train --config {path}`)", file=sys.stderr)
     if ns.plot:
-        from parallel.planner_plot import plot_request
+        from trillion.parallel.planner.plot import plot_request
         for written in plot_request(request, result, Path(ns.plot)):
             print(f"wrote {written}", file=sys.stderr)
     return 0

@@ -41,16 +41,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models import ModelArgs
-from parallel.dims import ParallelDims
-from parallel.estimate_activations import local_tensor
-from parallel.estimate_rank import (REDUCE_DTYPE, StagePlan, StageSource, coords_of, compute_dtype, fake_world,
+from trillion.models import ModelArgs
+from trillion.parallel.dims import ParallelDims
+from trillion.trainer.tools.estimate_activations import local_tensor
+from trillion.trainer.tools.estimate_rank import (REDUCE_DTYPE, StagePlan, StageSource, coords_of, compute_dtype, fake_world,
                                     gathered_and_reduce_bytes, hidden_state, in_flight_peak, item_bytes, meshed_dims,
                                     micro_batch_data, quiet, rank_parts, receive_bytes, schedule_of, stage_facts,
                                     state_bytes, storage_bytes, target_device, with_receives)
-from parallel.estimate_advice import KINDS, advice, shortfall_message
-from trainer.config import Config
-from trainer.errors import ConfigError
+from trillion.trainer.tools.estimate_advice import KINDS, advice, shortfall_message
+from trillion.trainer.config import Config
+from trillion.errors import ConfigError
 
 __all__ = ["Estimate", "RankEstimate", "estimate", "select_ranks", "shortfall_message", "advice", "storage_bytes",
            "KINDS", "DEFAULT_RANKS"]
@@ -111,8 +111,8 @@ class Estimate:
 def layout_dims(config: Config, world_size: int, model_args: ModelArgs) -> ParallelDims:
     """ParallelDims checked against world, model, batch and pipeline schedule, exactly as `trillion
     train` checks them (its mesh is built later, per simulated rank)."""
-    from trainer.launch import LaunchEnv
-    from trainer.train import build_parallel_dims, validate_training
+    from trillion.trainer.launch import LaunchEnv
+    from trillion.trainer.train import build_parallel_dims, validate_training
 
     env = LaunchEnv(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"))
     validate_training(dataclasses.replace(config, training=dataclasses.replace(
@@ -124,7 +124,7 @@ def layout_dims(config: Config, world_size: int, model_args: ModelArgs) -> Paral
 
 
 def model_args_for(config: Config) -> ModelArgs:
-    from trainer.train import build_model_args
+    from trillion.trainer.train import build_model_args
     # The tokenizer is not built (it may need files that live on the cluster): the preset's vocabulary stands.
     return build_model_args(config, tokenizer_vocab=0)
 
@@ -249,7 +249,7 @@ class _Simulation:
 def estimate(config: Config, world_size: int, ranks: str = DEFAULT_RANKS, hardware: str | None = None,
              measure: bool = True, progress=None) -> Estimate:
     """Per-rank memory of `config`'s layout at `world_size`, simulating each selected rank in turn."""
-    from parallel.planner_memory import FRAMEWORK_BYTES, MEMORY_HEADROOM
+    from trillion.parallel.planner.memory import FRAMEWORK_BYTES, MEMORY_HEADROOM
 
     start = time.perf_counter()
     if world_size < 1:
@@ -290,8 +290,8 @@ def estimate(config: Config, world_size: int, ranks: str = DEFAULT_RANKS, hardwa
 def planner_prediction(config: Config, model_args: ModelArgs, dims: ParallelDims, micro_batch: int,
                        microbatches: int, virtual: int = 1) -> dict | None:
     """The planner's per-GPU bytes for this layout (its fullest rank), or None where it has no model of it."""
-    from parallel.planner_layout import Layout
-    from parallel.planner_memory import layout_memory
+    from trillion.parallel.planner.layout import Layout
+    from trillion.parallel.planner.memory import layout_memory
 
     p = config.parallel
     layout = Layout(tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
@@ -332,7 +332,8 @@ def select_ranks(spec: str, world_size: int, pp: int = 1, most_parameters=lambda
 
 def device_capacity(hardware: str | None) -> tuple[str | None, float | None]:
     """(device name, bytes) of --hardware's profile, else of this machine's GPU, else unknown."""
-    from parallel.hardware import load_profile, lookup_device
+    from trillion.devices import lookup_device
+    from trillion.parallel.planner.hardware import load_profile
 
     if hardware:
         spec = load_profile(hardware).device

@@ -21,10 +21,10 @@ then dp_shard, dp_replicate, pp, as the trainer's DeviceMesh does):
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
-from models.args import ModelArgs
-from parallel.hardware import HardwareProfile
-from parallel.planner_layout import Layout, bubble_slots, get_schedule
-from parallel.planner_memory import ACTIVATION_BYTES, RankParams, checkpointed_layers, pipeline_ranks
+from trillion.models.args import ModelArgs
+from trillion.parallel.planner.hardware import HardwareProfile
+from trillion.parallel.planner.layout import Layout, bubble_slots, get_schedule
+from trillion.parallel.planner.memory import ACTIVATION_BYTES, RankParams, checkpointed_layers, pipeline_ranks
 
 DP_OVERLAP = 0.9
 KERNELS_PER_LAYER_FORWARD = 16  # 7 GEMMs, attention, 2 norms, 2 residuals, activation, copy, 2 SP collectives

@@ -3,8 +3,8 @@ scaling curves. matplotlib is an optional dependency (`pip install trillion[plot
 only when a plot is asked for."""
 from pathlib import Path
 
-from parallel.planner import Request, SearchResult, metrics, scaling
-from trainer.errors import ConfigError
+from trillion.parallel.planner.search import Request, SearchResult, metrics, scaling
+from trillion.errors import ConfigError
 
 
 def _pyplot():

@@ -13,15 +13,15 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from models.flops import count_params, hardware_flops_per_token, megatron_flops_per_iteration, model_flops_per_token
-from models.args import ModelArgs
-from parallel.hardware import HardwareProfile
-from parallel.planner_cost import StepTime, step_time
-from parallel.planner_layout import (
+from trillion.models.flops import count_params, hardware_flops_per_token, megatron_flops_per_iteration, model_flops_per_token
+from trillion.models.args import ModelArgs
+from trillion.parallel.planner.hardware import HardwareProfile
+from trillion.parallel.planner.cost import StepTime, step_time
+from trillion.parallel.planner.layout import (
     CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES, Layout, get_schedule,
 )
-from parallel.planner_memory import MEMORY_HEADROOM, Memory, checkpointed_layers, layout_memory
-from trainer.errors import ConfigError
+from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, checkpointed_layers, layout_memory
+from trillion.errors import ConfigError
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 LAYOUT_FIELDS = ("tp", "pp", "dp_replicate", "dp_shard", "dp_shard_mode", "pp_schedule", "virtual_stages",

@@ -12,7 +12,7 @@ DualPipeV's own lever, hiding expert all-to-all behind compute, does nothing for
 """
 from dataclasses import asdict, dataclass
 
-from trainer.errors import ConfigError
+from trillion.errors import ConfigError
 
 ZERO_MODES = ("zero1", "zero2", "zero3")
 CHECKPOINT_MODES = ("none", "selective", "full")

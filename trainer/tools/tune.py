@@ -17,15 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from parallel.dims import ParallelDims
-from parallel.hardware import load_profile, profile_names
-from parallel.planner import Request, search
-from parallel.planner_layout import Layout
-from trainer.config import load_config, to_toml
-from trainer.errors import ConfigError
-from trainer.metrics import MetricsSink
-from trainer.tokenizer import build_tokenizer
-from trainer.train import build_model_args
+from trillion.parallel.dims import ParallelDims
+from trillion.parallel.planner.hardware import load_profile, profile_names
+from trillion.parallel.planner.search import Request, search
+from trillion.parallel.planner.layout import Layout
+from trillion.trainer.config import load_config, to_toml
+from trillion.errors import ConfigError
+from trillion.trainer.metrics import MetricsSink
+from trillion.trainer.tokenizer import build_tokenizer
+from trillion.trainer.train import build_model_args
 
 
 class _Parser(argparse.ArgumentParser):

@@ -36,15 +36,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models import ModelArgs, Transformer
-from parallel.activation_checkpoint import _parse
-from parallel.dims import AXES, ParallelDims
-from parallel.estimate_activations import MicroBatchMemory, local_tensor, measure_in_depth, measure_micro_batch
-from parallel.parallelize import parallelize
-from parallel.pipeline import (Pipeline, StageLayers, canonical_schedule, split_units, stage_indices, stage_module,
+from trillion.models import ModelArgs, Transformer
+from trillion.parallel.activation_checkpoint import _parse
+from trillion.parallel.dims import AXES, ParallelDims
+from trillion.trainer.tools.estimate_activations import MicroBatchMemory, local_tensor, measure_in_depth, measure_micro_batch
+from trillion.parallel.parallelize import parallelize
+from trillion.parallel.pipeline import (Pipeline, StageLayers, canonical_schedule, split_units, stage_indices, stage_module,
                                virtual_stages)
-from trainer.config import Config
-from trainer.errors import ConfigError
+from trillion.trainer.config import Config
+from trillion.errors import ConfigError
 
 REDUCE_DTYPE = torch.float32  # parallel/fsdp.py: gradients are reduced (and kept) in fp32
 ADAMW_STATES = 2  # exp_avg, exp_avg_sq

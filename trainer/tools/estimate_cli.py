@@ -15,10 +15,10 @@ import json
 import re
 import sys
 
-from parallel.estimate import DEFAULT_RANKS, KINDS, Estimate, estimate, shortfall_message
-from parallel.estimate_steps import run_steps, summary
-from trainer.config import load_config
-from trainer.errors import ConfigError
+from trillion.trainer.tools.estimate import DEFAULT_RANKS, KINDS, Estimate, estimate, shortfall_message
+from trillion.trainer.tools.estimate_steps import run_steps, summary
+from trillion.trainer.config import load_config
+from trillion.errors import ConfigError
 
 
 def parse(argv: list[str]):

@@ -1,0 +1,93 @@
+"""Machines built from accelerators, as data (PAPER.md "Hardware figures"): a device from
+trillion/devices.toml, GPUs per node, the links inside a node and between nodes, power overheads,
+price, in hardware_profiles/<name>.toml. Users add machines by putting TOML files in a folder
+named by TRILLION_HARDWARE_PATH (colon-separated) or by passing a file's path; `trillion plan
+--calibrate` writes one for the machine it runs on.
+"""
+from dataclasses import dataclass
+from pathlib import Path
+
+from trillion.devices import DEVICES, DEVICES_FILE, DeviceSpec, device_from_table, read_toml, search_dirs
+from trillion.errors import ConfigError
+
+PROFILE_DIR = Path(__file__).with_name("hardware_profiles")
+
+
+@dataclass(frozen=True)
+class Link:
+    group: int  # collectives among at most this many GPUs of one node
+    bandwidth_gbs: float  # per GPU per direction
+
+
+@dataclass(frozen=True, eq=False)
+class HardwareProfile:
+    name: str
+    description: str
+    device: DeviceSpec
+    gpus_per_node: int
+    intra_node: tuple[Link, ...]
+    node_bandwidth_gbs: float  # network bandwidth of one node per direction, shared by its GPUs
+    link_latency_us: float
+    network_latency_us: float
+    collective_efficiency: float  # achieved share of link bandwidth for large collectives
+    node_overhead_w: float
+    pue: float
+    price_per_gpu_hour: float
+    source: str = ""  # the file it came from
+
+    def collective_link(self, group: int, span_nodes: bool) -> tuple[float, float]:
+        """(bytes/s, latency s) per GPU for a collective among `group` GPUs.
+
+        A group that spans nodes is limited by each GPU's share of its node's network; one inside a
+        node by the slowest link of the smallest listed group that holds it.
+        """
+        if span_nodes:
+            return (self.node_bandwidth_gbs / self.gpus_per_node * 1e9 * self.collective_efficiency,
+                    self.network_latency_us * 1e-6)
+        link = next((l for l in sorted(self.intra_node, key=lambda l: l.group) if l.group >= group), None)
+        if link is None:
+            raise ConfigError(f"Hardware profile {self.name!r}: no intra_node link holds a group of {group} GPUs "
+                              f"({self.gpus_per_node} per node).")
+        return link.bandwidth_gbs * 1e9 * self.collective_efficiency, self.link_latency_us * 1e-6
+
+
+def _search_dirs() -> list[Path]:
+    return search_dirs() + [PROFILE_DIR]
+
+
+def profile_names() -> list[str]:
+    names = {p.stem for d in _search_dirs() if d.is_dir() for p in d.glob("*.toml") if p.name != DEVICES_FILE.name}
+    return sorted(names)
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A machine by name (searched in TRILLION_HARDWARE_PATH, then the shipped profiles) or by file path."""
+    path = Path(name_or_path)
+    if not (name_or_path.endswith(".toml") and path.is_file()):
+        path = next((d / f"{name_or_path}.toml" for d in _search_dirs() if (d / f"{name_or_path}.toml").is_file()), None)
+        if path is None or name_or_path == DEVICES_FILE.stem:
+            raise ConfigError(f"--hardware {name_or_path!r} is not a known hardware profile. Use one of: "
+                              f"{', '.join(profile_names())}, or the path of a profile TOML file.")
+    table = read_toml(path)
+    device = table.get("device")
+    if isinstance(device, dict):  # a calibrated profile carries its own measured device
+        spec = device_from_table(device, str(path))
+    elif device in DEVICES:
+        spec = DEVICES[device]
+    else:
+        raise ConfigError(f"{path}: device {device!r} is not in {DEVICES_FILE}. Known devices: {', '.join(DEVICES)}.")
+    try:
+        return HardwareProfile(
+            name=path.stem, description=table.get("description", ""), device=spec,
+            gpus_per_node=int(table["gpus_per_node"]),
+            intra_node=tuple(Link(int(l["group"]), float(l["bandwidth_gbs"])) for l in table["intra_node"]),
+            node_bandwidth_gbs=float(table["node_bandwidth_gbs"]),
+            link_latency_us=float(table.get("link_latency_us", 5.0)),
+            network_latency_us=float(table.get("network_latency_us", 10.0)),
+            collective_efficiency=float(table.get("collective_efficiency", 0.8)),
+            node_overhead_w=float(table.get("node_overhead_w", 0.0)), pue=float(table.get("pue", 1.0)),
+            price_per_gpu_hour=float(table.get("price_per_gpu_hour", 0.0)), source=str(path),
+        )
+    except KeyError as missing:
+        raise ConfigError(f"{path}: a hardware profile needs {missing.args[0]!r} "
+                          f"(see {PROFILE_DIR / 'frontier.toml'} for an example).") from None

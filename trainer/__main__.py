@@ -1,5 +1,0 @@
-import sys
-
-from trainer.cli import main
-
-sys.exit(main())

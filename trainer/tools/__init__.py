@@ -1,0 +1,2 @@
+"""Tools that run the trainer's own code: the full-scale dry run (`trillion estimate`), the planner's
+command line (`trillion plan`) and short measured trials of its best layouts (`trillion tune`)."""

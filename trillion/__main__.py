@@ -1,0 +1,5 @@
+import sys
+
+from trillion.trainer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,103 @@
+"""Accelerators as data: peak dense FLOP/s per dtype, memory, bandwidth, power and kernel
+efficiencies, read from devices.toml beside this file (and devices.toml in any folder of
+TRILLION_HARDWARE_PATH, which overrides). It sits at the bottom of the package because the
+metrics (MFU), the planner and the dry run all look devices up here.
+
+An unknown device gets no peak at all, never another device's (a bug class in peer trainers
+that produced MFU above 100%).
+"""
+import bisect
+import math
+import os
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from trillion.errors import ConfigError
+
+DEVICES_FILE = Path(__file__).with_name("devices.toml")
+
+
+@dataclass(frozen=True, eq=False)  # hashed by identity: the planner caches per profile object
+class DeviceSpec:
+    name: str
+    peak_tflops: dict  # dtype -> dense TFLOP/s
+    memory_gb: float
+    name_patterns: tuple[str, ...] = ()  # lower-case substrings of torch.cuda.get_device_name()
+    memory_bandwidth_gbs: float = 0.0
+    power_w: float = 0.0
+    gemm_efficiency: tuple[tuple[float, float], ...] = ()  # (flops of one GEMM, share of peak), ascending
+    attention_efficiency: float = 0.0
+    memory_efficiency: float = 0.0
+    kernel_overhead_us: float = 0.0
+
+    @property
+    def peak_tflops_bf16(self) -> float:
+        return self.peak_tflops["bf16"]
+
+    def gemm_share_of_peak(self, flops: float) -> float:
+        """Achieved share of peak for one GEMM of `flops`, interpolated in log(flops), clamped at the ends."""
+        if not self.gemm_efficiency:
+            raise ConfigError(f"Device {self.name!r} has no gemm_efficiency curve, so it cannot be planned for. "
+                              f"Add one to its profile or measure it with `trillion plan --calibrate`.")
+        sizes = [math.log(s) for s, _ in self.gemm_efficiency]
+        x = math.log(max(flops, 1.0))
+        i = bisect.bisect_left(sizes, x)
+        if i == 0:
+            return self.gemm_efficiency[0][1]
+        if i == len(sizes):
+            return self.gemm_efficiency[-1][1]
+        (x0, (_, e0)), (x1, (_, e1)) = (sizes[i - 1], self.gemm_efficiency[i - 1]), (sizes[i], self.gemm_efficiency[i])
+        return e0 + (e1 - e0) * (x - x0) / (x1 - x0)
+
+
+def search_dirs() -> list[Path]:
+    """Folders named by TRILLION_HARDWARE_PATH (colon-separated), where users add devices and machines."""
+    return [Path(p) for p in os.environ.get("TRILLION_HARDWARE_PATH", "").split(os.pathsep) if p]
+
+
+def read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ConfigError(f"Cannot read hardware file {path}: {error}.") from None
+
+
+def device_from_table(table: dict, where: str) -> DeviceSpec:
+    try:
+        return DeviceSpec(
+            name=table["name"], peak_tflops=dict(table["peak_tflops"]), memory_gb=float(table["memory_gb"]),
+            name_patterns=tuple(table.get("name_patterns", ())),
+            memory_bandwidth_gbs=float(table.get("memory_bandwidth_gbs", 0.0)), power_w=float(table.get("power_w", 0.0)),
+            gemm_efficiency=tuple(sorted((float(s), float(e)) for s, e in table.get("gemm_efficiency", ()))),
+            attention_efficiency=float(table.get("attention_efficiency", 0.0)),
+            memory_efficiency=float(table.get("memory_efficiency", 0.0)),
+            kernel_overhead_us=float(table.get("kernel_overhead_us", 0.0)),
+        )
+    except KeyError as missing:
+        raise ConfigError(f"{where}: a device needs {missing.args[0]!r} (see {DEVICES_FILE}).") from None
+
+
+@cache
+def _devices() -> dict[str, DeviceSpec]:
+    devices = {}
+    for path in [DEVICES_FILE] + [d / DEVICES_FILE.name for d in reversed(search_dirs())]:  # user files override
+        if path.is_file():
+            for table in read_toml(path).get("device", []):
+                devices[table["name"]] = device_from_table(table, str(path))
+    return devices
+
+
+DEVICES: dict[str, DeviceSpec] = _devices()
+
+
+def lookup_device(device_name: str) -> DeviceSpec | None:
+    """The spec whose name pattern occurs in the driver's device name, or None."""
+    lowered = device_name.lower()
+    matches = [s for s in DEVICES.values() if any(p in lowered for p in s.name_patterns)]
+    # "GH200" also contains "h200": the longest matching pattern is the specific one.
+    matches.sort(key=lambda s: -max(len(p) for p in s.name_patterns if p in lowered))
+    return matches[0] if matches else None
+
+
