@@ -21,7 +21,7 @@ def jsonl(tmp_path):
 
 def loader(path, *, seq_len=16, global_batch=4, micro=2, rank=0, size=1, tokenizer=None):
     return build_data_loader(Data(path=str(path)), tokenizer or ByteTokenizer(), seed=0, seq_len=seq_len,
-                             global_batch_size=global_batch, micro_batch_size=micro, dp_rank=rank, dp_size=size)
+                             global_batch_size=global_batch, micro_batch_size=micro, held_out=0.0, dp_rank=rank, dp_size=size)
 
 
 def stream_of(docs):
@@ -87,7 +87,7 @@ def test_folder_of_files(tmp_path, jsonl):
 
 def test_default_corpus_is_python_source():
     tok = ByteTokenizer()
-    batch = build_data_loader(Data(), tok, seed=0, seq_len=512, global_batch_size=2, micro_batch_size=2).next_batch()
+    batch = build_data_loader(Data(), tok, seed=0, seq_len=512, global_batch_size=2, micro_batch_size=2, held_out=0.0).next_batch()
     text = tok.decode(batch[0][0][0].tolist())
     assert any(keyword in text for keyword in ("def ", "import ", "class ", "return"))
 

@@ -8,7 +8,7 @@ from trillion.trainer.config import load_config
 
 def test_train_writes_a_run_directory_and_learns(tmp_path):
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "trainer", "train", f"--job.output_dir={out}", "--training.steps=24",
+    args = [sys.executable, "-m", "trillion", "train", f"--job.output_dir={out}", "--training.steps=24",
             "--training.seq_len=128", "--metrics.log_freq=4", "--lr_schedule.warmup_steps=4", "--checkpoint.interval=10",
             "--checkpoint.keep_latest=1"]
     result = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "WANDB_MODE": "offline"})

@@ -154,6 +154,17 @@ class Profiling:
 
 
 @dataclass
+class Eval:
+    interval: int = doc(50, "Evaluate the held-out loss every N steps, before the first step and after the last (0 = off).")
+    steps: int = doc(16, "Batches per evaluation: the same first eval.steps x eval.batch_size windows of the held-out set every time.")
+    batch_size: int = doc(0, "Sequences per evaluation batch, summed over data-parallel ranks (0 = training.global_batch_size).")
+    held_out: float = doc(0.01, "Share of the training documents held out for evaluation (and never trained on), chosen by a hash of each document's text: the same documents whatever the seed, order or ranks. Unused with eval.path or eval.name.")
+    path: str = doc("", "A separate evaluation set: local file or folder (json, jsonl, txt, parquet), read with data.text_field. Then no training document is held out.")
+    name: str = doc("", "A separate evaluation set on the Hugging Face hub (needs a network), with data.config_name.")
+    split: str = doc("", "Split of eval.path or eval.name (empty: train for local files, validation for hub datasets).")
+
+
+@dataclass
 class Config:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -169,6 +180,7 @@ class Config:
     kernels: Kernels = field(default_factory=Kernels)
     compile: Compile = field(default_factory=Compile)
     profiling: Profiling = field(default_factory=Profiling)
+    eval: Eval = field(default_factory=Eval)
 
 
 def _coerce(value, kind, where: str):

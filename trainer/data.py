@@ -8,7 +8,12 @@ price is tokenizing D times, which is small next to a training step.
 The loader's position is (epoch, document index, token offset within that document), a few
 integers that mean the same thing under any layout, so a resumed run sees exactly the batches
 it would have seen.
+
+Held-out split: a document is held out for evaluation when a hash of its text falls in the
+`eval.held_out` share (`is_held_out`). That depends on nothing but the text, so the same documents
+are withheld whatever the seed, the order or the number of ranks, and training skips exactly them.
 """
+import hashlib
 import os
 import random
 import sysconfig
@@ -17,6 +22,7 @@ from pathlib import Path
 import torch
 
 from trillion.trainer.config import Data as DataConfig
+from trillion.trainer.config import Eval as EvalConfig
 from trillion.errors import ConfigError
 
 SUFFIX_TO_BUILDER = {".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", ".parquet": "parquet"}
@@ -102,6 +108,21 @@ def _local_files(path: str) -> tuple[str, list[Path]]:
     return builders.pop(), files
 
 
+def held_out_fraction(cfg: EvalConfig) -> float:
+    """The share of training documents held out: none when evaluation reads a separate set."""
+    return 0.0 if cfg.path or cfg.name else cfg.held_out
+
+
+def is_held_out(text: str, fraction: float) -> bool:
+    """Whether this document (its text exactly as the loader reads it) belongs to the held-out split:
+    the first 8 bytes of its BLAKE2b digest, read as a fraction of 2**64, fall below `fraction`.
+    A pure function of the text, so identical documents always land on the same side."""
+    if fraction <= 0.0:
+        return False
+    digest = hashlib.blake2b(text.encode("utf-8", errors="surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < fraction * 2.0**64
+
+
 def build_documents(cfg: DataConfig, seed: int):
     if cfg.path or cfg.name:
         return HFDocuments(cfg)
@@ -109,10 +130,11 @@ def build_documents(cfg: DataConfig, seed: int):
 
 
 class PackedWindows:
-    """An endless stream of token windows of `window` tokens; documents joined with EOS."""
+    """An endless stream of token windows of `window` tokens; documents joined with EOS. Only the
+    documents `keep(text)` accepts enter it; the position still counts every document."""
 
-    def __init__(self, documents, tokenizer, window: int):
-        self.documents, self.tokenizer, self.window = documents, tokenizer, window
+    def __init__(self, documents, tokenizer, window: int, keep=lambda text: True):
+        self.documents, self.tokenizer, self.window, self.keep = documents, tokenizer, window, keep
         self.epoch, self.doc_index, self.offset = 0, 0, 0
         self._stream, self._pending = None, []
 
@@ -122,6 +144,8 @@ class PackedWindows:
         while True:
             produced = False
             for index, text in enumerate(self.documents.iterate(first), start=first):
+                if not self.keep(text):
+                    continue
                 tokens = self.tokenizer.encode(text)
                 if tokens:
                     tokens.append(self.tokenizer.eos_id)
@@ -129,8 +153,8 @@ class PackedWindows:
                     produced = True
                     yield epoch, index, skip, tokens[skip:]
             if not produced and first == 0:
-                raise ConfigError("The dataset holds no text: every document is empty. Check data.path or data.name "
-                                  "and data.text_field.")
+                raise ConfigError("The dataset holds no text: every document is empty (or held out for evaluation, "
+                                  "see eval.held_out). Check data.path or data.name and data.text_field.")
             epoch, first, offset = epoch + 1, 0, 0
 
     def next_windows(self, count: int) -> torch.Tensor:
@@ -185,7 +209,9 @@ class DataLoader:
 
 
 def build_data_loader(cfg: DataConfig, tokenizer, *, seed: int, seq_len: int, global_batch_size: int,
-                      micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> DataLoader:
+                      micro_batch_size: int, held_out: float, dp_rank: int = 0, dp_size: int = 1) -> DataLoader:
+    """The training stream; `held_out` (held_out_fraction of the eval section) is the share it skips."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    windows = PackedWindows(build_documents(cfg, seed), tokenizer, seq_len + 1)
+    windows = PackedWindows(build_documents(cfg, seed), tokenizer, seq_len + 1,
+                            keep=lambda text: not is_held_out(text, held_out))
     return DataLoader(windows, global_batch_size, micro_batch_size, dp_rank, dp_size)

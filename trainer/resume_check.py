@@ -19,6 +19,9 @@ BREAKS_RESUME = {
     "job.seed": "the order of the default corpus",
     "data.": "what the saved data position points into",
     "tokenizer.": "the tokens the saved data position counts",
+    "eval.held_out": "which documents training skips",
+    "eval.path": "whether training documents are held out",
+    "eval.name": "whether training documents are held out",
 }
 
 

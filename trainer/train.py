@@ -20,8 +20,9 @@ from trillion.parallel.pipeline import Pipeline, StageLayers, bubble_fraction, v
 from trillion.parallel.tensor_parallel import loss_context
 from trillion.trainer.checkpoint import CheckpointManager, validate_checkpoint_config
 from trillion.trainer.config import Config, to_toml
-from trillion.trainer.data import build_data_loader
+from trillion.trainer.data import build_data_loader, held_out_fraction
 from trillion.errors import ConfigError, RunAborted
+from trillion.trainer.evaluate import validate_eval
 from trillion.trainer.launch import LaunchEnv, init_launch_env
 from trillion.trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
@@ -84,6 +85,7 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
     check_mode(config.parallel.dp_shard_mode)
     validate_limits(t)
     validate_checkpoint_config(config.checkpoint)
+    validate_eval(config.eval)
     if env.world_size > 1 and t.dtype == "fp16":
         raise ConfigError("training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "
                           "decision is not agreed across ranks. Use --training.dtype=bf16 with parallel layouts.")
@@ -190,7 +192,7 @@ def train(config: Config) -> dict:
                  "using micro-batches of %d", t.micro_batch_size, micro_batch_size, dims.dp_size, micro_batch_size)
     loader = build_data_loader(config.data, tokenizer, seed=config.job.seed, seq_len=t.seq_len,
                                global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,
-                               dp_rank=dims.dp_rank, dp_size=dims.dp_size)
+                               held_out=held_out_fraction(config.eval), dp_rank=dims.dp_rank, dp_size=dims.dp_size)
     first_batch = loader.next_batch()  # an empty or unreadable dataset fails here, before any model work
 
     output_dir = Path(config.job.output_dir)

@@ -1,0 +1,71 @@
+"""The held-out split: chosen by a hash of each document's text, withheld from training exactly."""
+import json
+import random
+
+import pytest
+import torch
+
+from trillion.trainer.config import Data, Eval
+from trillion.trainer.data import build_data_loader, default_corpus_files, held_out_fraction, is_held_out
+from trillion.trainer.tokenizer import ByteTokenizer
+
+# Each document carries a unique marker; a few are repeated verbatim (duplicates go to one side).
+DOCS = [f"<doc {i:03d}> " + "lorem ipsum " * (i % 5 + 1) for i in range(120)] + ["same text"] * 3
+
+
+def stream_of(docs):
+    tok = ByteTokenizer()
+    return [t for d in docs for t in tok.encode(d) + [tok.eos_id]]
+
+
+def test_the_hash_is_pinned():
+    """Prepared token stores (trillion prepare-data) exclude the same documents by this function:
+    changing it would silently move documents between the splits of existing stores."""
+    assert [is_held_out(f"document {i}", 0.5) for i in range(8)] == [True, True, True, False, False, False, True, True]
+    assert not is_held_out("anything", 0.0) and is_held_out("anything", 1.0)
+
+
+def test_share_held_out_matches_the_fraction():
+    rng = random.Random(1)
+    texts = ["".join(rng.choices("abcdefgh ", k=40)) for _ in range(20000)]
+    assert sum(is_held_out(t, 0.1) for t in texts) / len(texts) == pytest.approx(0.1, abs=0.01)
+
+
+def test_separate_eval_set_holds_nothing_back():
+    assert held_out_fraction(Eval(held_out=0.05)) == 0.05
+    assert held_out_fraction(Eval(held_out=0.05, path="val.jsonl")) == 0.0
+    assert held_out_fraction(Eval(held_out=0.05, name="org/dataset")) == 0.0
+
+
+@pytest.mark.parametrize("dp_size", [1, 2])
+def test_no_held_out_document_reaches_a_training_batch(tmp_path, dp_size):
+    """A whole epoch of training batches, gathered over the data-parallel ranks, is exactly the
+    kept documents in order: every held-out document is missing, every other one is there."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    fraction = 0.3
+    held = [d for d in DOCS if is_held_out(d, fraction)]
+    kept = [d for d in DOCS if not is_held_out(d, fraction)]
+    assert 20 < len(held) < 60 and kept  # both sides populated, so the test can fail either way
+    loaders = [build_data_loader(Data(path=str(path)), ByteTokenizer(), seed=0, seq_len=31, global_batch_size=4,
+                                 micro_batch_size=2, held_out=fraction, dp_rank=r, dp_size=dp_size)
+               for r in range(dp_size)]
+    expected = stream_of(kept)
+    tokens = []
+    while len(tokens) < len(expected):
+        windows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for loader in loaders for x, y in loader.next_batch()])
+        tokens += windows.flatten().tolist()
+    assert tokens[: len(expected)] == expected
+    text = ByteTokenizer().decode(tokens[: len(expected)])
+    assert not [d for d in held if d.split(">")[0] + ">" in text]
+
+
+def test_default_corpus_split_is_seed_independent():
+    """Same held-out files whatever the seed (the seed only orders the corpus), about 1% of them."""
+    def held(seed):
+        return {str(p) for p in default_corpus_files(seed)
+                if is_held_out(p.read_text(encoding="utf-8", errors="replace"), Eval().held_out)}
+
+    first, second = held(0), held(1)
+    assert first == second
+    assert 0.003 < len(first) / len(default_corpus_files(0)) < 0.03
