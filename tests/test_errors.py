@@ -61,7 +61,7 @@ def test_wrong_text_field(empty_jsonl, capsys, tmp_path):
 
 
 def test_error_is_one_paragraph_without_traceback(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "trainer", "train", "--model.name=nope"],
+    result = subprocess.run([sys.executable, "-m", "trillion", "train", "--model.name=nope"],
                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr

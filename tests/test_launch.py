@@ -21,7 +21,7 @@ def test_srun_style_launch_trains_and_logs_from_one_rank(tmp_path):
     """Two tasks with only SLURM's variables, as `srun -n 2 python -m trillion train` starts them."""
     out = tmp_path / "run"
     job = str(random.randint(1000, 9999))
-    procs = [subprocess.Popen([sys.executable, "-m", "trainer", "train", *TINY, f"--job.output_dir={out}"],
+    procs = [subprocess.Popen([sys.executable, "-m", "trillion", "train", *TINY, f"--job.output_dir={out}"],
                               env=clean_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
                                             SLURM_JOB_ID=job, SLURM_STEP_NODELIST="localhost",
                                             SLURM_STEP_TASKS_PER_NODE="2"),
@@ -39,7 +39,7 @@ def test_srun_style_launch_trains_and_logs_from_one_rank(tmp_path):
 def test_torchrun_launch_with_profiling_writes_a_trace_per_rank(tmp_path):
     out = tmp_path / "run"
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "-m", "trainer", "train", *TINY, f"--job.output_dir={out}", "--logging.wandb=false",
+                             "-m", "trillion", "train", *TINY, f"--job.output_dir={out}", "--logging.wandb=false",
                              "--profiling.enabled=true", "--profiling.wait=1", "--profiling.warmup=1",
                              "--profiling.active=1"], env=clean_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr

@@ -10,15 +10,9 @@ import torch
 import torch.distributed as dist
 
 from trillion.trainer.config import Training as TrainingConfig
-from trillion.errors import ConfigError, RunAborted
+from trillion.errors import RunAborted
 
 log = logging.getLogger("trillion")
-
-
-def validate_limits(cfg: TrainingConfig) -> None:
-    for name in ("exit_interval", "exit_after_minutes", "max_nonfinite_skips"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"training.{name}={getattr(cfg, name)} must be 0 (no limit) or more.")
 
 
 class TrainingDiverged(RunAborted):

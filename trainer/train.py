@@ -14,12 +14,12 @@ from trillion.models.flops import count_params, hardware_flops_per_token, model_
 from trillion.parallel.activation_checkpoint import recompute_fraction
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.dims import ParallelDims
-from trillion.parallel.fsdp import check_mode, set_micro_batch
+from trillion.parallel.fsdp import set_micro_batch
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, bubble_fraction, validate_pipeline
 from trillion.parallel.tensor_parallel import loss_context
-from trillion.trainer.checkpoint import CheckpointManager, validate_checkpoint_config
-from trillion.trainer.config import Config, to_toml
+from trillion.trainer.checkpoint import CheckpointManager
+from trillion.trainer.config import Config, divisor_near, to_toml, validate_config
 from trillion.trainer.data import build_data_loader, held_out_fraction
 from trillion.errors import ConfigError, RunAborted
 from trillion.trainer.evaluate import validate_eval
@@ -28,7 +28,7 @@ from trillion.trainer.metrics import MetricsSink, Progress, ThroughputMeter, dev
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
 from trillion.trainer.pipeline_timeline import PipelineTimeline
 from trillion.trainer.profiling import PhaseTimer, StepProfiler
-from trillion.trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy, validate_limits
+from trillion.trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy
 from trillion.trainer.tokenizer import build_tokenizer
 
 log = logging.getLogger("trillion")
@@ -49,10 +49,10 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
     args = dataclasses.replace(get_preset(cfg.name), attention_impl=attention_impl, norm_impl=norm_impl, **overrides)
     if args.dim % args.n_heads:
         raise ConfigError(f"model.n_heads={args.n_heads} does not divide model.dim={args.dim}; "
-                          f"pick a head count that divides it (e.g. {_divisor_near(args.dim, args.n_heads)}).")
+                          f"pick a head count that divides it (e.g. {divisor_near(args.dim, args.n_heads)}).")
     if args.n_heads % args.kv_heads:
         raise ConfigError(f"model.n_kv_heads={args.kv_heads} does not divide model.n_heads={args.n_heads}; "
-                          f"use a divisor of {args.n_heads} (e.g. {_divisor_near(args.n_heads, args.kv_heads)}).")
+                          f"use a divisor of {args.n_heads} (e.g. {divisor_near(args.n_heads, args.kv_heads)}).")
     if args.positions == "rope" and args.head_dim % 2:
         raise ConfigError(f"Rotary positions need an even head size; model.dim / model.n_heads = {args.head_dim}.")
     if tokenizer_vocab > args.vocab_size:
@@ -68,25 +68,10 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
     return args
 
 
-def _divisor_near(n: int, target: int) -> int:
-    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: abs(d - target))
-
-
 def validate_training(config: Config, env: LaunchEnv) -> None:
-    t = config.training
-    for name in ("steps", "global_batch_size", "micro_batch_size", "seq_len"):
-        if getattr(t, name) <= 0:
-            raise ConfigError(f"training.{name}={getattr(t, name)} must be positive.")
-    if t.global_batch_size % t.micro_batch_size:
-        raise ConfigError(f"training.global_batch_size={t.global_batch_size} is not a multiple of "
-                          f"training.micro_batch_size={t.micro_batch_size}; micro-batches per step = global / micro.")
-    if t.dtype not in ("auto", *DTYPES):
-        raise ConfigError(f"training.dtype={t.dtype!r} is not known. Use auto, bf16, fp16 or fp32.")
-    check_mode(config.parallel.dp_shard_mode)
-    validate_limits(t)
-    validate_checkpoint_config(config.checkpoint)
+    validate_config(config)  # a Config built in code has not been through load_config
     validate_eval(config.eval)
-    if env.world_size > 1 and t.dtype == "fp16":
+    if env.world_size > 1 and config.training.dtype == "fp16":
         raise ConfigError("training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "
                           "decision is not agreed across ranks. Use --training.dtype=bf16 with parallel layouts.")
 
@@ -99,7 +84,7 @@ def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -
     dims.validate(model_args, t.seq_len)
     per_rank = t.global_batch_size // dims.dp_size
     if t.global_batch_size % dims.dp_size or per_rank % min(t.micro_batch_size, per_rank):
-        fix = (f"--training.micro_batch_size={_divisor_near(per_rank, t.micro_batch_size)}" if per_rank and
+        fix = (f"--training.micro_batch_size={divisor_near(per_rank, t.micro_batch_size)}" if per_rank and
                t.global_batch_size % dims.dp_size == 0 else
                f"--training.global_batch_size={t.micro_batch_size * dims.dp_size}")
         raise ConfigError(

@@ -33,7 +33,7 @@ def estimate(config: str, ranks: str = "all", overrides: tuple = ()) -> tuple[di
     args = ["estimate", "--config", f"experiments/configs/{config}.toml", "--hardware", "frontier", "--ranks", ranks,
             *overrides]
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "trainer", *args, "--format", "json"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "trillion", *args, "--format", "json"], cwd=ROOT, capture_output=True,
                          text=True)
     seconds = time.perf_counter() - start
     if out.returncode not in (0, 1):  # 1: a rank does not fit, which is a result

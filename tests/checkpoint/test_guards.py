@@ -69,9 +69,9 @@ def test_weights_of_another_shape_name_the_parameters(tmp_path):
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("--checkpoint.async_mode=background", "checkpoint.async_mode='background' is not known. Use disabled or async"),
-    ("--checkpoint.initial_load=/no/such/weights", "checkpoint.initial_load='/no/such/weights': no such folder"),
-    ("--training.exit_after_minutes=-5", "training.exit_after_minutes=-5.0 must be 0"),
+    ("--checkpoint.async_mode=background", "checkpoint.async_mode='background' is not known. Use one of: disabled, async"),
+    ("--checkpoint.initial_load=/no/such/weights", "checkpoint.initial_load='/no/such/weights' no such file or folder"),
+    ("--training.exit_after_minutes=-5", "training.exit_after_minutes=-5.0 is out of range: it must be at least 0"),
 ])
 def test_checkpoint_settings_are_checked_before_any_work(tmp_path, setting, message, capsys):
     assert main(["train", *TINY, f"--job.output_dir={tmp_path}", setting]) == 2

@@ -16,7 +16,7 @@ SMALL = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n
 
 def _run(out, launcher: list[str], extra: list[str]) -> list[dict]:
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([*launcher, "-m", "trainer", "train", f"--job.output_dir={out}", *SMALL, *extra],
+    result = subprocess.run([*launcher, "-m", "trillion", "train", f"--job.output_dir={out}", *SMALL, *extra],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
