@@ -1,6 +1,7 @@
 """The package's layers point one way: trillion.errors / trillion.devices <- kernels <- models <-
 parallel <- trainer. Read from the source (AST), so a lazy import inside a function counts too."""
 import ast
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -62,8 +63,12 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
 def test_trillion_is_the_only_installed_top_level_name(tmp_path):
     # Build the wheel a user installs and read its file list (RECORD): every file sits under
     # trillion/ or the distribution's metadata, so no `trainer` or `kernels` lands in site-packages.
+    # Built from a copy, so setuptools' build/ folder never lands in the checkout.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
+                                                               "outputs", "wandb", "tests", "experiments"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+                    "--wheel-dir", str(tmp_path), str(source)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("trillion-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         top = {name.split("/")[0] for name in archive.namelist()}

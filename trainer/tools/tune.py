@@ -81,7 +81,7 @@ def layout_overrides(layout: Layout) -> list[str]:
 def run_trial(config_path: Path, layout: Layout, steps: int, nproc: int, run_dir: Path, timeout: float) -> dict:
     """Train `steps` steps in a fresh run directory; tokens/s over all steps but the first."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "trainer", "train", "--config", str(config_path), *layout_overrides(layout),
+               "-m", "trillion", "train", "--config", str(config_path), *layout_overrides(layout),
                f"--training.steps={steps}", f"--metrics.log_freq={steps}", f"--job.output_dir={run_dir}",
                "--checkpoint.interval=0", "--checkpoint.save_final=false", "--logging.wandb=false",
                "--logging.progress_bar=lines"]
