@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
+from trillion.trainer.checkpoint_verify import newest_intact, write_manifest
 from trillion.trainer.config import Checkpoint as CheckpointConfig
 from trillion.errors import ConfigError, RunAborted
 from trillion.trainer.resume_check import check_resume_config, check_shapes, saved_config, trim_metrics
@@ -251,7 +252,7 @@ class CheckpointManager:
                                    self.whole_model)
                 log.info("initial weights from %s (%.2fs)", self.cfg.initial_load, time.perf_counter() - start)
             return 0
-        latest = checkpoints[-1]
+        latest = newest_intact(checkpoints, self.group, self.is_rank0)
         check_resume_config(saved_config(latest / CONFIG_FILE), self.config, latest)
         check_shapes(_saved_model_shapes(latest), self.states["model"].state_dict(), f"checkpoint {latest}",
                      self.whole_model)
@@ -335,6 +336,9 @@ class CheckpointManager:
         if not self.is_rank0:
             return
         final = step_dir(self.root, step)
+        checksum_start = time.perf_counter()
+        write_manifest(staging)  # sizes and checksums first: a checkpoint with a marker always has them
+        checksum_seconds = time.perf_counter() - checksum_start
         _write_synced(staging / MARKER, f"step {step}\n")
         if final.exists():  # a rerun of the same step: replace only once the new one is whole
             replaced = self.root / f".replaced-step-{step:08d}"
@@ -348,8 +352,8 @@ class CheckpointManager:
         if self.cfg.keep_latest > 0:
             for old in complete_checkpoints(self.root)[:-self.cfg.keep_latest]:
                 shutil.rmtree(old)
-        log.info("saved checkpoint %s (training blocked %.2fs, written in %.2fs)", final, blocked,
-                 time.perf_counter() - start)
+        log.info("saved checkpoint %s (training blocked %.2fs, written in %.2fs, checksummed in %.2fs)", final,
+                 blocked, time.perf_counter() - start, checksum_seconds)
 
     def _abandon(self, staging: Path) -> None:
         if self.is_rank0:
