@@ -4,6 +4,8 @@ Every mode keeps the optimizer state and the fp32 master parameters sharded over
 are the bulk of the memory: 12-16 bytes per parameter). What differs is what stays gathered
 between uses, traded against communication, per optimizer step of M micro-batches:
 
+The modes' rules are the table in modes.py (ZERO_MODES); what they cost:
+
 | dp_shard_mode | parameters between uses | gradients | communication per step |
 |---|---|---|---|
 | zero3 | resharded after forward and after backward | reduce-scattered every micro-batch | 2 all-gathers + 1 reduce-scatter per micro-batch |
@@ -26,21 +28,11 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from trillion.errors import ConfigError
-
-MODES = ("zero1", "zero2", "zero3")
-
-
-def check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ConfigError(f"parallel.dp_shard_mode={mode!r} is not known. Use zero1, zero2 or zero3 "
-                          "(zero3 uses the least memory; zero1 the least communication).")
-
+from trillion.parallel.modes import zero_mode
 
 def apply_fsdp(model: nn.Module, fsdp_mesh, mode: str, param_dtype: torch.dtype = torch.float32) -> None:
-    check_mode(mode)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    reshard_after_forward = mode == "zero3"
+    reshard_after_forward = zero_mode(mode).reshard_after_forward
     for block in model.layers.values():
         fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # The root holds embeddings, final norm and output; its parameters are needed first in backward,
@@ -54,8 +46,9 @@ def apply_fsdp(model: nn.Module, fsdp_mesh, mode: str, param_dtype: torch.dtype 
 
 def set_micro_batch(model: nn.Module, mode: str, is_last: bool) -> None:
     """Before each micro-batch's forward: what to keep gathered and whether to reduce gradients."""
-    if not isinstance(model, FSDPModule) or mode == "zero3":
+    zero = zero_mode(mode)
+    if not isinstance(model, FSDPModule) or not zero.gathered_across_microbatches:
         return
     model.set_reshard_after_backward(is_last, recurse=True)
-    if mode == "zero1":
+    if not zero.sync_every_microbatch:
         model.set_requires_gradient_sync(is_last, recurse=True)

@@ -14,7 +14,8 @@ from torch import nn
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
 from trillion.parallel.compile import apply_compile
 from trillion.parallel.dims import ParallelDims
-from trillion.parallel.fsdp import apply_fsdp, check_mode
+from trillion.parallel.fsdp import apply_fsdp
+from trillion.parallel.modes import zero_mode
 from trillion.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -22,7 +23,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_shard_mode: str = "z
                 activation_checkpoint: str = "none", compile: bool = False, compile_backend: str = "inductor",
                 param_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Apply the layout of `dims` (whose mesh is built) to `model`, in place; returns it."""
-    check_mode(dp_shard_mode)
+    zero_mode(dp_shard_mode)
     if dims.tp_enabled:
         apply_tensor_parallel(model, dims.tp_mesh)
     apply_activation_checkpointing(model, activation_checkpoint)

@@ -42,38 +42,10 @@ from torch.distributed.tensor import DTensor
 
 from trillion.parallel.tensor_parallel import loss_context
 from trillion.errors import ConfigError
+from trillion.parallel.modes import SCHEDULES, check_schedule
 
 log = logging.getLogger("trillion")
 IGNORE_INDEX = -100
-
-SINGLE = ("GPipe", "1F1B")  # one stage per rank
-LOOPED = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")  # several stages per rank, r, r + pp, ...
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # two stages per rank, r and 2 pp - 1 - r
-SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")  # separate dI and dW passes
-KNOWN = (*SINGLE, *LOOPED, *V_SHAPED)  # each proven by a tests/pipeline parity test
-
-
-def canonical_schedule(name: str) -> str:
-    for known in KNOWN:
-        if known.lower() == name.lower():
-            return known
-    raise ConfigError(f"parallel.pp_schedule={name!r} is not known. Use one of: {', '.join(KNOWN)}.")
-
-
-def virtual_stages(schedule: str, requested: int) -> int:
-    """Stages per rank: 1 for single-stage schedules, 2 for V-shaped ones; requested (0 = 2) for looped ones."""
-    if schedule in V_SHAPED:
-        if requested not in (0, 2):
-            raise ConfigError(f"parallel.pp_virtual_stages={requested}: parallel.pp_schedule={schedule} runs exactly "
-                              "two stages per rank (a V). Use --parallel.pp_virtual_stages=2 (or 0), or a looped "
-                              "schedule (Interleaved1F1B, InterleavedZeroBubble) for other counts.")
-        return 2
-    if schedule in SINGLE:
-        if requested > 1:
-            raise ConfigError(f"parallel.pp_virtual_stages={requested}: parallel.pp_schedule={schedule} runs one stage "
-                              "per rank. Use --parallel.pp_virtual_stages=1 or a looped schedule (Interleaved1F1B).")
-        return 1
-    return requested if requested >= 1 else 2
 
 
 @dataclass(frozen=True)
@@ -117,47 +89,19 @@ AUTOMATIC = StageLayers()
 def validate_pipeline(pp: int, schedule: str, n_layers: int, n_microbatches: int, *, virtual: int = 0,
                       tie_embeddings: bool = False, layers: StageLayers = AUTOMATIC,
                       compile: bool = False) -> tuple[str, int]:
-    """Raise ConfigError for a pipeline this build cannot run; returns (schedule name, stages per rank)."""
-    if pp < 1:
-        raise ConfigError(f"parallel.pp={pp} must be a positive degree; use 1 to turn pipelining off.")
-    name = canonical_schedule(schedule)
+    """Raise ConfigError for a pipeline this build cannot run; returns (schedule name, stages per rank).
+    The schedule's own rules are modes.check_schedule's, which the planner applies too."""
+    s, v = check_schedule(schedule, pp, n_microbatches, virtual, compile, n_layers=n_layers)
     if pp == 1:
         if layers != AUTOMATIC:
             raise ConfigError(f"{layers.describe()} size pipeline stages, but parallel.pp=1 runs none. Set "
                               "--parallel.pp to 2 or more, or leave those settings at their defaults (0, -1, -1).")
-        return name, 1
-    v = virtual_stages(name, virtual)
-    stages = pp * v
-    if stages > n_layers + 2:
-        raise ConfigError(
-            f"parallel.pp={pp} x {v} stage(s) per rank = {stages} pipeline stages, but the model has only "
-            f"{n_layers} layers + embedding + output = {n_layers + 2} to split; each stage needs at least one. "
-            f"Use --parallel.pp={max(1, (n_layers + 2) // v)} or less.")
-    split_units(n_layers, stages, layers)  # explicit stage sizes add up, no stage left empty
-    if name != "GPipe" and n_microbatches < pp:
-        raise ConfigError(
-            f"parallel.pp_schedule={name} needs at least as many micro-batches per step as pipeline ranks, but "
-            f"global / (micro x data-parallel ranks) = {n_microbatches} < parallel.pp={pp}. Raise "
-            f"training.global_batch_size or lower training.micro_batch_size, or use --parallel.pp_schedule=GPipe.")
-    if name == "DualPipeV" and n_microbatches < stages:
-        raise ConfigError(
-            f"parallel.pp_schedule=DualPipeV needs at least as many micro-batches per step as pipeline stages "
-            f"(2 x parallel.pp = {stages}), but global / (micro x data-parallel ranks) = {n_microbatches}. Raise "
-            f"training.global_batch_size or lower training.micro_batch_size, or use --parallel.pp_schedule=ZBVZeroBubble.")
-    rounds = max(1, n_microbatches // pp)
-    if name in ("Interleaved1F1B", "InterleavedZeroBubble") and n_microbatches % rounds:
-        raise ConfigError(
-            f"parallel.pp_schedule={name} runs micro-batches in rounds of pp={pp}: {n_microbatches} "
-            f"micro-batches per step must be a multiple of the {rounds} rounds. Use a global batch giving "
-            f"{rounds * pp} or {(rounds + 1) * pp} micro-batches.")
+        return s.name, 1
+    split_units(n_layers, pp * v, layers)  # explicit stage sizes add up, no stage left empty
     if tie_embeddings:
         raise ConfigError("parallel.pp > 1 with tied input/output embeddings is not supported: the embedding and "
                           "the output projection live on different stages. Use a model without tie_embeddings.")
-    if compile and name in SPLIT_BACKWARD:
-        raise ConfigError(f"parallel.pp_schedule={name} splits each backward into input- and weight-gradient passes, "
-                          "which torch.distributed.pipelining does not support for compiled stages. Use "
-                          "--compile.enabled=false, or a schedule with a full backward (1F1B, Interleaved1F1B).")
-    return name, v
+    return s.name, v
 
 
 def bubble_fraction(pp: int, n_microbatches: int, virtual: int = 1) -> float:
@@ -226,7 +170,7 @@ def stage_module(model: nn.Module, units: range) -> nn.Module:
 
 def stage_indices(rank: int, pp: int, virtual: int, schedule: str = "") -> list[int]:
     """This rank's stage indices: r, r + pp, ... (looped), or r, 2 pp - 1 - r for a V-shaped schedule."""
-    if schedule in V_SHAPED:
+    if schedule and SCHEDULES[schedule].v_shape:
         return [rank, 2 * pp - 1 - rank]
     return [rank + v * pp for v in range(virtual)]
 
@@ -260,7 +204,7 @@ class Pipeline:
             part = stage_module(model, ranges[index])
             if parallelize_fn is not None:
                 parallelize_fn(part)
-            if name in SPLIT_BACKWARD:
+            if SCHEDULES[name].split_backward:
                 keep_unsharded_after_forward(part)
             self.parts.append(part)
         self._make_stage = lambda part, index: InFlightReceiveStage(part, index, dims.pp * v, device,

@@ -58,7 +58,7 @@ class Range(Check):
 
 class OneOf(Check):
     """One of a table of names. `table` is a tuple, or "module:NAME" read when first checked, so a
-    table that lives in a lower layer (fsdp.MODES, the pipeline's schedules) stays the one source;
+    table that lives in a lower layer (the kernels' implementations, the presets) stays the one source;
     `extra` adds names this layer resolves (auto). A choice `prefix:N` stands for prefix:1, prefix:2, ..."""
 
     def __init__(self, table, *, extra: tuple = (), case_sensitive: bool = True):

@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.models import ModelArgs, Transformer, get_preset
 from trillion.models.flops import count_params, hardware_flops_per_token, model_flops_per_token
-from trillion.parallel.activation_checkpoint import recompute_fraction
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.modes import recompute_fraction
 from trillion.parallel.fsdp import set_micro_batch
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, bubble_fraction, validate_pipeline

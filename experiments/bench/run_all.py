@@ -98,7 +98,8 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
 
     from trillion.models import Transformer
     from trillion.models.flops import hardware_flops_per_token, model_flops_per_token
-    from trillion.parallel.activation_checkpoint import apply_activation_checkpointing, recompute_fraction
+    from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
+    from trillion.parallel.modes import recompute_fraction
     from trillion.parallel.compile import apply_compile
     from trillion.devices import lookup_device
     from trillion.trainer.config import load_config

@@ -1,42 +1,15 @@
 """A parallel layout as the planner sees it, and what each pipeline schedule costs in bubble and
-in micro-batches held in flight.
-
-The schedules are torch.distributed.pipelining's, by the names `parallel.pp_schedule` takes.
-Per micro-batch and per virtual stage ("chunk") a rank runs a forward F, the recomputed forward R
-(activation checkpointing), the input-gradient pass Bi and the weight-gradient pass Bw.
-Bubbles, in those units (p stages, v chunks per rank, m micro-batches):
-  GPipe, 1F1B, Interleaved1F1B, LoopedBFS: (p-1)(F+R+Bi+Bw), i.e. (p-1)/(v m) of the work;
-  InterleavedZeroBubble (ZB-H1): (p-1)(F+R+Bi-Bw): deferred weight passes fill the drain;
-  ZBVZeroBubble, DualPipeV (ZB-V): (p-1) max(0, F+R+Bi-2Bw): the V layout fills the fill too.
-DualPipeV's own lever, hiding expert all-to-all behind compute, does nothing for dense models.
+in micro-batches held in flight. The schedules, ZeRO modes and checkpointing modes, with their
+rules and bubble weights, are the trainer's own tables (parallel/modes.py).
 """
 from dataclasses import asdict, dataclass
 
 from trillion.errors import ConfigError
+from trillion.parallel.modes import CHECKPOINT_MODES, SCHEDULES, Schedule
 
-ZERO_MODES = ("zero1", "zero2", "zero3")
-CHECKPOINT_MODES = ("none", "selective", "full")
-
-
-@dataclass(frozen=True)
-class Schedule:
-    name: str
-    virtual_stages: tuple[int, ...]  # allowed chunks per rank; () = any v >= 2
-    bubble_weights: tuple[float, float, float, float]  # multipliers of (F, R, Bi, Bw) per idle slot
-    in_flight: str  # memory rule, see `in_flight_microbatches`
-    v_shape: bool = False  # chunks placed as a V (rank r holds r and 2p-1-r), else looped (r, r+p, ...)
-
-
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
-    Schedule("GPipe", (1,), (1, 1, 1, 1), "all"),
-    Schedule("1F1B", (1,), (1, 1, 1, 1), "pipeline"),
-    Schedule("Interleaved1F1B", (), (1, 1, 1, 1), "interleaved"),
-    Schedule("LoopedBFS", (), (1, 1, 1, 1), "all"),
-    Schedule("InterleavedZeroBubble", (), (1, 1, 1, -1), "interleaved"),
-    Schedule("ZBVZeroBubble", (2,), (1, 1, 1, -2), "pipeline", v_shape=True),
-    Schedule("DualPipeV", (2,), (1, 1, 1, -2), "pipeline+1", v_shape=True),
-)}
-DEFAULT_VIRTUAL_STAGES = 2  # what the search tries for schedules that take any v
+# The checkpointing modes the search tries: selective:op keeps matmul outputs, which the memory
+# model (memory.py) does not count yet; selective:N (every N-th block) is the trainer's only.
+SEARCHED_CHECKPOINT_MODES = tuple(name for name, mode in CHECKPOINT_MODES.items() if not mode.op_level)
 
 
 def get_schedule(name: str) -> Schedule:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from trillion.models.args import ModelArgs
+from trillion.parallel.modes import checkpointed_blocks
 from trillion.parallel.planner.layout import Layout, get_schedule, in_flight_microbatches, stage_layers
 
 ACTIVATION_BYTES = 2  # bf16
@@ -147,7 +148,7 @@ def output_activation_bytes(args: ModelArgs, tokens: int, tp: int, sequence_para
 
 def checkpointed_layers(mode: str, n_layers: int) -> int:
     """How many of a rank's layers are checkpointed: all (full), every second (selective), none."""
-    return {"none": 0, "selective": (n_layers + 1) // 2, "full": n_layers}[mode]
+    return len(checkpointed_blocks(mode, n_layers))
 
 
 @dataclass(frozen=True)

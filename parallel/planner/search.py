@@ -17,9 +17,8 @@ from trillion.models.flops import count_params, hardware_flops_per_token, megatr
 from trillion.models.args import ModelArgs
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.cost import StepTime, step_time
-from trillion.parallel.planner.layout import (
-    CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES, Layout, get_schedule,
-)
+from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES
+from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES, Layout, get_schedule
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, checkpointed_layers, layout_memory
 from trillion.errors import ConfigError
 
@@ -120,7 +119,7 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int):
                     m = request.global_batch // (dp * mb)
                     if pp > 1 and name != "GPipe" and m < pp:
                         continue
-                    for ac in _options(request, "activation_checkpoint", list(CHECKPOINT_MODES)):
+                    for ac in _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)):
                         for mode in modes:
                             yield Layout(tp, pp, dp // dp_shard, dp_shard, mode, name, v, mb, m, ac)
 
@@ -159,9 +158,9 @@ def check_request(request: Request) -> None:
             raise ConfigError(f"--{key.replace('_', '-')} {value} must be at least 1.")
     if "dp_shard_mode" in request.fixed and request.fixed["dp_shard_mode"] not in ZERO_MODES:
         raise ConfigError(f"--dp-shard-mode {request.fixed['dp_shard_mode']!r} is not known. Use {', '.join(ZERO_MODES)}.")
-    if "activation_checkpoint" in request.fixed and request.fixed["activation_checkpoint"] not in CHECKPOINT_MODES:
+    if "activation_checkpoint" in request.fixed and request.fixed["activation_checkpoint"] not in SEARCHED_CHECKPOINT_MODES:
         raise ConfigError(f"--activation-checkpoint {request.fixed['activation_checkpoint']!r} is not known. "
-                          f"Use {', '.join(CHECKPOINT_MODES)}.")
+                          f"Use {', '.join(SEARCHED_CHECKPOINT_MODES)}.")
     if "pp_schedule" in request.fixed:
         get_schedule(request.fixed["pp_schedule"])
     if request.gpus < 1 or request.global_batch < 1:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from trillion.models import PRESETS
-from trillion.parallel.activation_checkpoint import apply_activation_checkpointing, recompute_fraction
+from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
+from trillion.parallel.modes import recompute_fraction, zero_mode
 from trillion.parallel.dims import ParallelDims
-from trillion.parallel.fsdp import check_mode
 from trillion.trainer.config import Config
 from trillion.errors import ConfigError
 from trillion.trainer.launch import LaunchEnv
@@ -104,7 +104,7 @@ def test_activation_checkpoint_modes():
     with pytest.raises(ConfigError, match="selective:op"):
         recompute_fraction("some", 4)
     with pytest.raises(ConfigError, match="zero1, zero2 or zero3"):
-        check_mode("zero0")
+        zero_mode("zero0")
     assert recompute_fraction("selective", 4) == 0.5
     assert recompute_fraction("selective:3", 6) == pytest.approx(2 / 6)
     assert recompute_fraction("selective:op", 4) == 0.0

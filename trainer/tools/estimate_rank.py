@@ -37,12 +37,11 @@ import torch.distributed as dist
 from torch import nn
 
 from trillion.models import ModelArgs, Transformer
-from trillion.parallel.activation_checkpoint import _parse
 from trillion.parallel.dims import AXES, ParallelDims
 from trillion.trainer.tools.estimate_activations import MicroBatchMemory, local_tensor, measure_in_depth, measure_micro_batch
 from trillion.parallel.parallelize import parallelize
-from trillion.parallel.pipeline import (Pipeline, StageLayers, canonical_schedule, split_units, stage_indices, stage_module,
-                               virtual_stages)
+from trillion.parallel.modes import checkpoint_mode, schedule, stages_per_rank
+from trillion.parallel.pipeline import Pipeline, StageLayers, split_units, stage_indices, stage_module
 from trillion.trainer.config import Config
 from trillion.errors import ConfigError
 
@@ -155,8 +154,9 @@ class StagePlan:
 
     def __init__(self, config: Config, n_layers: int, pp: int):
         self.pp, self.n_layers = pp, n_layers
-        self.schedule = canonical_schedule(config.parallel.pp_schedule)
-        self.virtual = virtual_stages(self.schedule, config.parallel.pp_virtual_stages) if pp > 1 else 1
+        chosen = schedule(config.parallel.pp_schedule)
+        self.schedule = chosen.name
+        self.virtual = stages_per_rank(chosen, config.parallel.pp_virtual_stages) if pp > 1 else 1
         self.layers = StageLayers.from_config(config.parallel)
         self.ranges = split_units(n_layers, pp * self.virtual, self.layers)
 
@@ -294,7 +294,7 @@ def stage_facts(config: Config, source: StageSource, dims: ParallelDims, units: 
         cut = part if n == shape.layers else apply_layout(source.stage(units, n), config, dims, fsdp=False)
         return measure_micro_batch(cut, inputs, target, dims.tp_enabled, last=shape.last)
 
-    period = _parse(config.parallel.activation_checkpoint)[1]
+    period = checkpoint_mode(config.parallel.activation_checkpoint).period
     return StageFacts(tp_local_numel(part), max(blocks, default=0), len(blocks),
                       measure_in_depth(run, shape.layers, period))
 

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from trillion.parallel.activation_checkpoint import _parse
 from trillion.trainer.tools.estimate_rank import compute_dtype, fake_world, quiet
+from trillion.parallel.modes import checkpoint_mode
 from trillion.parallel.pipeline import Pipeline
 from trillion.trainer.config import Config
 from trillion.trainer.tokenizer import ByteTokenizer
@@ -71,7 +71,7 @@ def tiny_config(config: Config, dims, steps: int, output_dir: str) -> Config:
     microbatches = max(2, dims.pp)
     # without stages to split, two checkpointing periods of blocks show the loop as well as 128 would, in
     # seconds rather than minutes (DTensor's sharding propagation of the foreach optimizer grows with them)
-    period = _parse(config.parallel.activation_checkpoint)[1]
+    period = checkpoint_mode(config.parallel.activation_checkpoint).period
     layers = args.n_layers if dims.pp > 1 else min(args.n_layers, 2 * period)
     r = dataclasses.replace
     return r(config,

@@ -14,7 +14,8 @@ from pathlib import Path
 from trillion.models.presets import PRESETS, get_preset
 from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.search import LAYOUT_FIELDS, Request, metrics, model_summary, search
-from trillion.parallel.planner.layout import CHECKPOINT_MODES, SCHEDULES, ZERO_MODES
+from trillion.parallel.modes import SCHEDULES, ZERO_MODES
+from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
 from trillion.trainer.config import Config, load_config, to_toml
 from trillion.errors import ConfigError
 
@@ -44,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind, choices in (("tp", int, None), ("pp", int, None), ("dp_replicate", int, None), ("dp_shard", int, None),
                                 ("dp_shard_mode", str, ZERO_MODES), ("pp_schedule", str, tuple(SCHEDULES)),
                                 ("virtual_stages", int, None), ("micro_batch_size", int, None),
-                                ("activation_checkpoint", str, CHECKPOINT_MODES)):
+                                ("activation_checkpoint", str, SEARCHED_CHECKPOINT_MODES)):
         fixed.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
                            help=f"one of {', '.join(choices)}" if choices else None)
     return p
