@@ -10,6 +10,7 @@ from trillion.errors import ConfigError, RunAborted
 # command -> (module with `main(argv) -> int`, one-line summary)
 COMMANDS = {
     "train": ("trillion.trainer.train_cli", "train a model: trillion train [--config FILE] [--section.field=value ...]"),
+    "prepare-data": ("trillion.trainer.prepare_data", "tokenize a corpus once into a token store: trillion prepare-data --out DIR [--workers N] [--data.path=...]"),
     "plan": ("trillion.trainer.tools.plan_cli", "choose a parallel layout: trillion plan --model M --hardware H --gpus N --global-batch B"),
     "tune": ("trillion.trainer.tools.tune", "measure the planner's best layouts: trillion tune --config FILE --nproc N --hardware H"),
     "estimate": ("trillion.trainer.tools.estimate_cli", "check a layout's memory per rank at full scale on one CPU: trillion estimate --config FILE --world-size N"),

@@ -54,6 +54,8 @@ class Data:
     split: str = doc("train", "Dataset split.", Text(nonempty=True))
     text_field: str = doc("text", "Column holding the document text.", Text(nonempty=True))
     streaming: bool = doc(False, "Stream the dataset instead of loading it whole (hub datasets, large local ones).", Flag())
+    prepared: str = doc("", "Train from token stores written by `trillion prepare-data --out DIR` (same data and tokenizer settings): DIR, or DIR:weight,DIR:weight,... blended by weight. Instead of data.path / data.name.", Text())
+    shuffle: bool = doc(True, "data.prepared: a seeded permutation of the windows in every epoch; false keeps file order.", Flag())
 
 
 @dataclass

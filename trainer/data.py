@@ -24,6 +24,7 @@ import torch
 from trillion.trainer.config import Data as DataConfig
 from trillion.trainer.config import Eval as EvalConfig
 from trillion.errors import ConfigError
+from trillion.trainer.prepared_loader import build_prepared_loader
 
 SUFFIX_TO_BUILDER = {".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", ".parquet": "parquet"}
 
@@ -49,8 +50,8 @@ class FileDocuments:
     def __len__(self) -> int:
         return len(self.files)
 
-    def iterate(self, start: int):
-        for path in self.files[start:]:
+    def iterate(self, start: int, stop: int | None = None):
+        for path in self.files[start:stop]:
             yield path.read_text(encoding="utf-8", errors="replace")
 
 
@@ -83,13 +84,16 @@ class HFDocuments:
                 f"Set --data.text_field to the column holding the text."
             )
 
-    def iterate(self, start: int):
+    def __len__(self) -> int:
+        return len(self.dataset)  # not for a streamed dataset
+
+    def iterate(self, start: int, stop: int | None = None):
         import datasets
 
         if isinstance(self.dataset, datasets.IterableDataset):
-            rows = self.dataset.skip(start)
+            rows = self.dataset.skip(start) if stop is None else self.dataset.skip(start).take(stop - start)
         else:
-            rows = self.dataset.select(range(start, len(self.dataset)))
+            rows = self.dataset.select(range(start, len(self.dataset) if stop is None else stop))
         for row in rows:
             yield row[self.text_field] or ""
 
@@ -211,6 +215,10 @@ class DataLoader:
 def build_data_loader(cfg: DataConfig, tokenizer, *, seed: int, seq_len: int, global_batch_size: int,
                       micro_batch_size: int, held_out: float, dp_rank: int = 0, dp_size: int = 1) -> DataLoader:
     """The training stream; `held_out` (held_out_fraction of the eval section) is the share it skips."""
+    if cfg.prepared:
+        return build_prepared_loader(cfg, tokenizer, seed=seed, seq_len=seq_len, global_batch_size=global_batch_size,
+                                     micro_batch_size=micro_batch_size, held_out=held_out, dp_rank=dp_rank,
+                                     dp_size=dp_size)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     windows = PackedWindows(build_documents(cfg, seed), tokenizer, seq_len + 1,
                             keep=lambda text: not is_held_out(text, held_out))

@@ -1,5 +1,6 @@
 """Tokenizers: byte-level (needs no files), Hugging Face `tokenizer.json`, tiktoken BPE ranks."""
 import base64
+import hashlib
 from pathlib import Path
 
 from trillion.trainer.config import Tokenizer as TokenizerConfig
@@ -16,6 +17,7 @@ class ByteTokenizer:
 
     vocab_size = 257
     eos_id = 256
+    kind, source, fingerprint = "byte", "", ""  # what a token store records of its tokenizer
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -29,6 +31,7 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(path)
+        self.kind, self.source, self.fingerprint = "hf", path, _sha256(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         candidates = [eos_token] if eos_token else ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"]
         ids = [self._tok.token_to_id(c) for c in candidates if self._tok.token_to_id(c) is not None]
@@ -50,6 +53,7 @@ class TiktokenTokenizer:
     def __init__(self, path: str, eos_token: str):
         import tiktoken
 
+        self.kind, self.source, self.fingerprint = "tiktoken", path, _sha256(path)
         ranks = {}
         for line in Path(path).read_text().splitlines():
             if line.strip():
@@ -66,6 +70,10 @@ class TiktokenTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._enc.decode(ids)
+
+
+def _sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def build_tokenizer(cfg: TokenizerConfig):

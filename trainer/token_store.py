@@ -1,0 +1,157 @@
+"""A token store: a corpus tokenized once (`trillion prepare-data`), read by memory map.
+
+    DIR/tokens.bin      every document's tokens followed by the end-of-document id, one flat array
+                        (uint16 when the vocabulary fits, else uint32)
+    DIR/documents.npy   int64 offsets: document d is tokens[offsets[d]:offsets[d + 1]] (EOS included)
+    DIR/chunks.sha256   the sha256 of each `chunk_bytes` piece of tokens.bin, 32 bytes each
+    DIR/manifest.json   format, dtype, counts, the tokenizer's identity, the source, the held-out
+                        share, sizes and hashes
+    DIR/held_out/       the documents held out for evaluation, a store of the same form
+
+The manifest is written last and the directory published by one rename, so a store that exists is
+whole. Opening one checks its sizes and the hashes of its small files; each chunk of tokens is
+checked against its hash the first time this process reads from it, so an edited byte is found
+before it reaches a batch, and a rank that reads 1/dp of the windows hashes only what it touches.
+"""
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from trillion.errors import ConfigError, RunAborted
+
+FORMAT, VERSION = "trillion-token-store", 1
+CHUNK_BYTES = 1 << 20
+TOKENS, DOCUMENTS, CHUNKS, MANIFEST = "tokens.bin", "documents.npy", "chunks.sha256", "manifest.json"
+HELD_OUT = "held_out"  # the sub-store of the documents held out for evaluation
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
+
+
+def tokenizer_identity(tokenizer) -> dict:
+    """What makes two tokenizers give the same ids: kind, the hash of its file, vocabulary, EOS."""
+    return {"kind": tokenizer.kind, "source": tokenizer.source, "sha256": tokenizer.fingerprint,
+            "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
+
+
+def describe_tokenizer(identity: dict) -> str:
+    where = f" {identity['source']}" if identity["source"] else ""
+    digest = f", sha256 {identity['sha256'][:12]}" if identity["sha256"] else ""
+    return f"{identity['kind']}{where} ({identity['vocab_size']} ids, EOS {identity['eos_id']}{digest})"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_store(out: Path, token_parts, dtype: np.dtype, manifest: dict) -> dict:
+    """Write a store into the (empty, staging) folder `out` from `token_parts`, an iterable of
+    (tokens, document lengths) arrays in order; returns the manifest, written last."""
+    out.mkdir(parents=True, exist_ok=True)
+    offsets, n_tokens, pending = [np.zeros(1, np.int64)], 0, b""
+    with open(out / TOKENS, "wb") as tokens_file, open(out / CHUNKS, "wb") as chunks_file:
+        for tokens, lengths in token_parts:
+            data = np.ascontiguousarray(tokens, dtype=dtype).tobytes()
+            tokens_file.write(data)
+            offsets.append(n_tokens + np.cumsum(lengths, dtype=np.int64))
+            n_tokens += len(tokens)
+            pending += data
+            whole = len(pending) - len(pending) % CHUNK_BYTES
+            for start in range(0, whole, CHUNK_BYTES):
+                chunks_file.write(hashlib.sha256(pending[start:start + CHUNK_BYTES]).digest())
+            pending = pending[whole:]
+        if pending:
+            chunks_file.write(hashlib.sha256(pending).digest())
+        for f in (tokens_file, chunks_file):
+            f.flush()
+            os.fsync(f.fileno())
+    np.save(out / DOCUMENTS, np.concatenate(offsets))
+    manifest = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "n_tokens": int(n_tokens),
+                "n_documents": int(sum(len(o) for o in offsets) - 1), "chunk_bytes": CHUNK_BYTES, **manifest,
+                "files": {name: {"bytes": (out / name).stat().st_size, "sha256": file_sha256(out / name)}
+                          for name in (DOCUMENTS, CHUNKS)} | {TOKENS: {"bytes": (out / TOKENS).stat().st_size}}}
+    staged = out / (MANIFEST + ".tmp")
+    staged.write_text(json.dumps(manifest, indent=1))
+    os.replace(staged, out / MANIFEST)
+    return manifest
+
+
+class TokenStore:
+    """One store, opened for reading: `tokens(start, stop)` and `documents()`. `setting` names the
+    config setting that pointed here, for the messages."""
+
+    def __init__(self, path: str | Path, setting: str = "data.prepared"):
+        self.path, self.setting = Path(path), setting
+        manifest_file = self.path / MANIFEST
+        if not manifest_file.is_file():
+            hint = (" (an interrupted prepare-data left its work in the .staging folder beside it: rerun the same "
+                    "command to finish)" if self.path.with_name(self.path.name + ".staging").is_dir() else "")
+            raise ConfigError(f"{setting}={str(self.path)!r} is not a token store: it has no {MANIFEST}{hint}. "
+                              f"Write one with `trillion prepare-data --out {self.path}` and the run's data and "
+                              "tokenizer settings.")
+        try:
+            self.manifest = json.loads(manifest_file.read_text())
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"{setting}={str(self.path)!r}: {MANIFEST} is not valid JSON ({error}); the store was "
+                              "edited or damaged. Prepare it again with `trillion prepare-data`.") from None
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise ConfigError(f"{setting}={str(self.path)!r}: {MANIFEST} is not a version-{VERSION} token store "
+                              f"(format {self.manifest.get('format')!r}, version {self.manifest.get('version')!r}). "
+                              "Prepare it again with this version's `trillion prepare-data`.")
+        self._check_files()
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self.n_tokens = self.manifest["n_tokens"]
+        self.chunk_tokens = self.manifest["chunk_bytes"] // self.dtype.itemsize
+        self._chunk_hashes = (self.path / CHUNKS).read_bytes()
+        self._verified = np.zeros(len(self._chunk_hashes) // 32, dtype=bool)
+        self._tokens = np.memmap(self.path / TOKENS, dtype=self.dtype, mode="r") if self.n_tokens else np.zeros(0, self.dtype)
+
+    def _check_files(self) -> None:
+        for name, expected in self.manifest["files"].items():
+            file = self.path / name
+            size = file.stat().st_size if file.is_file() else None
+            if size != expected["bytes"]:
+                state = "is missing" if size is None else f"holds {size} bytes where the manifest says {expected['bytes']}"
+                raise ConfigError(f"{self.setting}={str(self.path)!r}: {name} {state}; the store is truncated or was "
+                                  "edited. Prepare it again with `trillion prepare-data`.")
+            if "sha256" in expected and file_sha256(file) != expected["sha256"]:
+                raise ConfigError(f"{self.setting}={str(self.path)!r}: {name} does not match the sha256 in the manifest; "
+                                  "the store was edited or damaged. Prepare it again with `trillion prepare-data`.")
+
+    @property
+    def tokenizer(self) -> dict:
+        return self.manifest["tokenizer"]
+
+    def check_tokenizer(self, tokenizer) -> None:
+        """Refuse a store written by another tokenizer, naming both."""
+        mine, theirs = tokenizer_identity(tokenizer), self.tokenizer
+        if {k: mine[k] for k in ("kind", "sha256", "vocab_size", "eos_id")} != \
+                {k: theirs[k] for k in ("kind", "sha256", "vocab_size", "eos_id")}:
+            raise ConfigError(f"{self.setting}={str(self.path)!r} was tokenized with {describe_tokenizer(theirs)}, but "
+                              f"this run's tokenizer is {describe_tokenizer(mine)}. Set the run's tokenizer.kind / "
+                              "tokenizer.path to the store's, or prepare the data again with this run's tokenizer.")
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """tokens[start:stop] as int64, each chunk it touches checked against its hash once."""
+        first, last = start // self.chunk_tokens, (stop - 1) // self.chunk_tokens
+        for chunk in np.flatnonzero(~self._verified[first:last + 1]) + first:
+            piece = self._tokens[chunk * self.chunk_tokens:(chunk + 1) * self.chunk_tokens]
+            if hashlib.sha256(piece.tobytes()).digest() != self._chunk_hashes[32 * chunk:32 * chunk + 32]:
+                raise RunAborted(f"{self.setting}={str(self.path)!r}: tokens {chunk * self.chunk_tokens} to "
+                                 f"{(chunk + 1) * self.chunk_tokens} of {TOKENS} do not match their hash in "
+                                 f"{CHUNKS}; the store was edited or damaged. Prepare it again with "
+                                 "`trillion prepare-data`.")
+            self._verified[chunk] = True
+        return self._tokens[start:stop].astype(np.int64)
+
+    def documents(self) -> np.ndarray:
+        """Offsets of the documents (n_documents + 1), checked when the store was opened."""
+        return np.load(self.path / DOCUMENTS, mmap_mode="r")
