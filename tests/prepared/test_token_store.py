@@ -10,8 +10,8 @@ import torch
 from trillion.errors import ConfigError, RunAborted
 from trillion.trainer import prepare_data, token_store
 from trillion.trainer.config import Data, load_config
-from trillion.trainer.data import build_data_loader
-from trillion.trainer.prepared_loader import WindowPermutation, parse_prepared
+from trillion.trainer.data import build_data_loader, is_held_out
+from trillion.trainer.prepared_loader import WindowPermutation, parse_prepared, read_held_out_windows
 from trillion.trainer.token_store import TokenStore
 from trillion.trainer.tokenizer import ByteTokenizer, build_tokenizer
 
@@ -20,9 +20,9 @@ def docs_of(corpus):
     return [json.loads(line)["text"] for line in corpus.read_text().splitlines()]
 
 
-def loader(data: Data, *, seq_len=32, global_batch=8, micro=2, rank=0, size=1, seed=0, tokenizer=None):
-    return build_data_loader(data, tokenizer or ByteTokenizer(), seed=seed, seq_len=seq_len,
-                             global_batch_size=global_batch, micro_batch_size=micro, dp_rank=rank, dp_size=size)
+def loader(data: Data, *, seq_len=32, global_batch=8, micro=2, rank=0, size=1, seed=0, tokenizer=None, held_out=0.01):
+    return build_data_loader(data, tokenizer or ByteTokenizer(), seed=seed, seq_len=seq_len, global_batch_size=global_batch,
+                             micro_batch_size=micro, held_out=held_out, dp_rank=rank, dp_size=size)
 
 
 def windows(batch) -> torch.Tensor:
@@ -31,12 +31,13 @@ def windows(batch) -> torch.Tensor:
 
 def test_store_holds_the_documents_joined_by_eos(corpus, store):
     tok = ByteTokenizer()
-    expected = [t for d in docs_of(corpus) for t in tok.encode(d) + [tok.eos_id]]
+    kept = [d for d in docs_of(corpus) if not is_held_out(d, 0.01)]  # the default eval.held_out
+    expected = [t for d in kept for t in tok.encode(d) + [tok.eos_id]]
     opened = TokenStore(store)
     assert opened.dtype == np.uint16 and opened.n_tokens == len(expected)
     assert opened.tokens(0, opened.n_tokens).tolist() == expected
     offsets = opened.documents()
-    assert len(offsets) == len(docs_of(corpus)) + 1 and opened.tokens(offsets[1] - 1, offsets[1])[0] == tok.eos_id
+    assert len(offsets) == len(kept) + 1 and opened.tokens(offsets[1] - 1, offsets[1])[0] == tok.eos_id
     assert token_store.token_dtype(128_256) == np.uint32
 
 
@@ -196,3 +197,24 @@ def test_prepared_with_a_path_is_refused(store, corpus):
     with pytest.raises(ConfigError, match="data.prepared=.*data.path are both set"):
         loader(Data(prepared=str(store), path=str(corpus)))
     assert parse_prepared(f"{store}:0.25,{store}") == [(str(store), 0.25), (str(store), 1.0)]
+
+
+def test_held_out_documents_are_excluded_exactly_and_readable_for_evaluation(tmp_path, corpus):
+    """eval.held_out=0.3: the store holds exactly the documents is_held_out rejects, held_out/ the others."""
+    out, tok = tmp_path / "split.tokens", ByteTokenizer()
+    prepare_data.prepare(load_config(None, [f"--data.path={corpus}", "--eval.held_out=0.3"]), out, workers=1)
+    held = [d for d in docs_of(corpus) if is_held_out(d, 0.3)]
+    kept = [d for d in docs_of(corpus) if not is_held_out(d, 0.3)]
+    assert held and kept
+    for path, docs in ((out, kept), (out / "held_out", held)):
+        opened = TokenStore(path)
+        offsets = opened.documents()
+        texts = [tok.decode(opened.tokens(a, b - 1).tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+        assert texts == docs
+    stream = [t for d in held for t in tok.encode(d) + [tok.eos_id]]
+    assert read_held_out_windows(Data(prepared=str(out)), tok, 31, 3).flatten().tolist() == stream[:96]
+    on_the_fly = loader(Data(path=str(corpus)), held_out=0.3)  # the loader's own split agrees
+    prepared = loader(Data(prepared=str(out), shuffle=False), held_out=0.3)
+    assert torch.equal(windows(prepared.next_batch()), windows(on_the_fly.next_batch()))
+    with pytest.raises(ConfigError, match=r"holding out eval.held_out=0.3 .* this run holds out 0.01"):
+        loader(Data(prepared=str(out)))
