@@ -61,3 +61,9 @@ def test_inconsistent_launch_variables_fail_before_the_rendezvous(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     with pytest.raises(ConfigError, match="LOCAL_RANK=1"):
         init_launch_env("cpu")
+
+
+def test_one_node_without_a_tasks_per_node_count_takes_the_task_count():
+    one_node = {k: v for k, v in SRUN.items() if k != "SLURM_STEP_TASKS_PER_NODE"}
+    assert torch_env_from_slurm({**one_node, "SLURM_NNODES": "1"})["LOCAL_WORLD_SIZE"] == "16"
+    assert torch_env_from_slurm({**one_node, "SLURM_NNODES": "2"})["LOCAL_WORLD_SIZE"] == "1"  # unknown: the check stays

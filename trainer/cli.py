@@ -38,9 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[argv[0]][0])
     try:
         return module.main(argv[1:])
-    except ConfigError as error:
+    except (ConfigError, RunAborted) as error:
+        status = 2 if isinstance(error, ConfigError) else 1
         print(f"trillion {argv[0]}: {error}", file=sys.stderr)
-        return 2
-    except RunAborted as error:
-        print(f"trillion {argv[0]}: {error}", file=sys.stderr)
-        return 1
+        if argv[0] == "train":  # the other ranks stop too, with this message, instead of waiting for this one
+            from trillion.trainer.rendezvous import post_startup_error
+
+            post_startup_error(str(error), status)
+        return status

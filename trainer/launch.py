@@ -1,7 +1,9 @@
 """Where this process stands: rank, world size and device, from the launcher's environment
 (torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or srun's SLURM_* variables; a single process when
 neither is set)."""
+import dataclasses
 import datetime
+import hashlib
 import os
 from dataclasses import dataclass
 
@@ -9,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from trillion.errors import ConfigError
+from trillion.trainer import rendezvous
 from trillion.trainer.slurm import torch_env_from_slurm
 
 
@@ -65,7 +68,34 @@ def init_launch_env(requested_device: str, collective_timeout_s: float = 600.0) 
         if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
             raise ConfigError(f"WORLD_SIZE={world_size} but no rendezvous address: set MASTER_ADDR and MASTER_PORT, "
                               "or start the processes with torchrun or srun, which set them.")
+        # srun and plain launches check in at a rendezvous that carries start-up errors (rendezvous.py)
+        store = None if rendezvous.under_torchrun() else rendezvous.join(
+            rank, world_size, os.environ["MASTER_ADDR"], _env_int("MASTER_PORT", 0), collective_timeout_s)
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None,
+                                device_id=device if device.type == "cuda" else None, store=store,
+                                rank=rank if store else -1, world_size=world_size if store else -1,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))
     return LaunchEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+
+
+def check_same_config(config) -> None:
+    """Every rank must run the same resolved config (a rank started with another flag or file would
+    train another model or layout and hang or diverge later); the differing settings are named."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    from trillion.trainer.config import to_toml
+
+    text = to_toml(config)
+    digests = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, hashlib.sha256(text.encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, dataclasses.asdict(config))
+    ours, rank = everyone[0], dist.get_rank()
+    differ = [f"{section}.{name}" for section, fields in ours.items() for name, value in fields.items()
+              if any(other[section][name] != value for other in everyone)]
+    odd = [r for r, digest in enumerate(digests) if digest != digests[0]]
+    raise ConfigError(f"Rank {rank}: the ranks were started with different settings ({', '.join(differ)} differ between "
+                      f"rank 0 and rank(s) {', '.join(map(str, odd))}). Start every rank with the same --config and "
+                      "flags.")

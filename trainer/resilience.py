@@ -1,8 +1,11 @@
 """What keeps a long run alive and restartable: the counters a checkpoint carries, the guard
 that skips updates with a non-finite loss or gradient norm, and the clean early stop
-(`training.exit_interval`, `training.exit_after_minutes`) for time-limited jobs that chain."""
+(`training.exit_interval`, `training.exit_after_minutes`, SIGTERM or SIGUSR1) for time-limited or
+preempted jobs that chain."""
 import logging
 import math
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -72,16 +75,35 @@ class NonFiniteGuard:
                 f"training.max_nonfinite_skips (0 = never stop) only if the spikes are known to pass.")
 
 
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's kill and SLURM's warning (--signal=USR1@T)
+
+
 class StopPolicy:
     """Where this job stops. The schedule always follows training.steps; an early stop only ends
-    this job (after a checkpoint), so a chain of jobs equals one unbroken run."""
+    this job (after a checkpoint), so a chain of jobs equals one unbroken run.
+
+    SIGTERM and SIGUSR1 only set a flag: the step in progress finishes, every rank agrees to stop
+    after the same step (one rank may be signalled before the others), the checkpoint is saved and
+    the job exits 0. `close` restores the previous handlers."""
 
     def __init__(self, cfg: TrainingConfig, first_step: int, device: torch.device, job_start: float):
         self.steps = cfg.steps
         self.last_step = min(cfg.steps, first_step + cfg.exit_interval) if cfg.exit_interval > 0 else cfg.steps
         self.budget_s = cfg.exit_after_minutes * 60
         self.device, self.start = device, job_start
-        self.reason = ""
+        self.reason, self.signalled = "", ""
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
+            self.previous = {sig: signal.signal(sig, self._on_signal) for sig in PREEMPTION_SIGNALS}
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = signal.Signals(signum).name
+        log.warning("%s received: saving a checkpoint after the current step, then exiting", self.signalled)
+
+    def close(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+        self.previous = {}
 
     def should_stop(self, step: int) -> bool:
         """True after the step that ends this job; `reason` says why when it is an early stop."""
@@ -90,14 +112,21 @@ class StopPolicy:
         if step >= self.last_step:
             self.reason = f"training.exit_interval reached at step {step} of {self.steps}"
             return True
-        if self.budget_s > 0 and self._time_is_up():
+        time_up, signalled = self._agree(self.budget_s > 0 and time.monotonic() - self.start >= self.budget_s,
+                                         bool(self.signalled))
+        if signalled:
+            self.reason = f"{self.signalled or 'a signal on another rank'} at step {step} of {self.steps}"
+            return True
+        if time_up:
             self.reason = f"training.exit_after_minutes reached at step {step} of {self.steps}"
             return True
         return False
 
-    def _time_is_up(self) -> bool:
-        # Clocks drift between ranks: every rank must stop after the same step, so they agree.
-        up = torch.tensor(float(time.monotonic() - self.start >= self.budget_s), device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(up, op=dist.ReduceOp.MAX)
-        return bool(up.item())
+    def _agree(self, time_up: bool, signalled: bool) -> tuple[bool, bool]:
+        # Clocks drift and signals arrive at different moments: every rank must stop after the same step.
+        if not dist.is_initialized():
+            return time_up, signalled
+        flags = torch.tensor([float(time_up), float(signalled)], device=self.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        time_up, signalled = flags.tolist()
+        return bool(time_up), bool(signalled)

@@ -65,11 +65,18 @@ def torch_env_from_slurm(environ: dict) -> dict[str, str]:
         # The step's own task count: a batch script's shell is a one-task step inside a bigger job.
         "WORLD_SIZE": environ.get("SLURM_STEP_NUM_TASKS", environ["SLURM_NTASKS"]),
         "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
-        "LOCAL_WORLD_SIZE": _first_count(tasks_per_node) or environ.get("SLURM_NTASKS_PER_NODE", "1"),
+        "LOCAL_WORLD_SIZE": (_first_count(tasks_per_node) or environ.get("SLURM_NTASKS_PER_NODE")
+                             or _one_node_tasks(environ) or "1"),
         "MASTER_ADDR": expand_hostlist(nodelist)[0] if nodelist else "",
         "MASTER_PORT": str(DEFAULT_PORT_BASE + int(environ.get("SLURM_JOB_ID", "0")) % 10000),
     }
     return {key: environ.get(key, value) for key, value in derived.items()}
+
+
+def _one_node_tasks(environ: dict) -> str:
+    """A step on one node holds all its tasks there (SLURM leaves the per-node count out at times)."""
+    nodes = environ.get("SLURM_STEP_NUM_NODES") or environ.get("SLURM_NNODES") or environ.get("SLURM_JOB_NUM_NODES")
+    return environ.get("SLURM_STEP_NUM_TASKS", environ["SLURM_NTASKS"]) if nodes == "1" else ""
 
 
 def _first_count(tasks_per_node: str) -> str:

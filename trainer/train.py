@@ -23,7 +23,7 @@ from trillion.trainer.config import Config, divisor_near, to_toml, validate_conf
 from trillion.trainer.data import build_data_loader, held_out_fraction
 from trillion.errors import ConfigError, RunAborted
 from trillion.trainer.evaluate import validate_eval
-from trillion.trainer.launch import LaunchEnv, init_launch_env
+from trillion.trainer.launch import LaunchEnv, check_same_config, init_launch_env
 from trillion.trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
 from trillion.trainer.pipeline_timeline import PipelineTimeline
@@ -166,6 +166,7 @@ def train(config: Config) -> dict:
     """Run the configured training; returns the last logged metrics record."""
     job_start = time.monotonic()  # training.exit_after_minutes counts set-up and loading too
     env = init_launch_env(config.job.device, config.job.collective_timeout_s)
+    check_same_config(config)
     validate_training(config, env)
     tokenizer = build_tokenizer(config.tokenizer)
     model_args = build_model_args(config, tokenizer.vocab_size)
@@ -296,6 +297,7 @@ def train(config: Config) -> dict:
                          "is stuck or has died (its own log says why). The newest complete checkpoint is intact, and "
                          "the same command resumes from it.") from None
     finally:
+        stop.close()
         profiler.close()
         checkpointer.close()
         if progress is not None:

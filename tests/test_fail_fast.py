@@ -1,0 +1,44 @@
+"""One rank's start-up error ends every rank within seconds, with that rank's message (srun-style
+launches; torchrun's agent already ends the others); ranks started with different settings stop,
+naming them."""
+import random
+import subprocess
+import sys
+import time
+
+from test_launch import TINY, clean_env
+
+
+def srun(per_rank_args: list[list[str]], tmp_path, **env):
+    """Start one process per entry, as `srun -n N python -m trillion train` would; (codes, stderrs, seconds)."""
+    job, start = str(random.randint(1000, 9999)), time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-m", "trillion", "train", *TINY, f"--job.output_dir={tmp_path / 'run'}",
+                               "--job.collective_timeout_s=300", *args],
+                              env=clean_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+                                            SLURM_NTASKS=str(len(per_rank_args)), SLURM_JOB_ID=job,
+                                            SLURM_STEP_NODELIST="localhost", **env),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank, args in enumerate(per_rank_args)]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    return [p.returncode for p in procs], errs, time.monotonic() - start
+
+
+def test_a_bad_flag_on_one_rank_ends_both_within_60_s(tmp_path):
+    codes, errs, seconds = srun([[], ["--optimizer.lr=-1"]], tmp_path, SLURM_STEP_TASKS_PER_NODE="2")
+    assert codes == [2, 2] and seconds < 60, (codes, seconds, errs)
+    assert "optimizer.lr=-1.0" in errs[1] and "Traceback" not in errs[1]
+    assert "Rank 1 of 2: optimizer.lr=-1.0" in errs[0] and "Traceback" not in errs[0]  # rank 0 says who and why
+
+
+def test_a_launch_error_on_rank_1_ends_rank_0(tmp_path):
+    """The issue's case: two nodes' worth of tasks without SLURM's tasks-per-node count, so rank 1
+    derives LOCAL_WORLD_SIZE=1 and refuses; rank 0 used to wait in the rendezvous until killed."""
+    codes, errs, seconds = srun([[], []], tmp_path, SLURM_NNODES="2")
+    assert codes == [2, 2] and seconds < 60, (codes, seconds, errs)
+    assert "LOCAL_RANK=1" in errs[1] and "Rank 1 of 2" in errs[0]
+
+
+def test_ranks_with_different_settings_name_them(tmp_path):
+    codes, errs, _ = srun([["--training.steps=4"], ["--training.steps=5"]], tmp_path, SLURM_STEP_TASKS_PER_NODE="2")
+    assert codes == [2, 2], errs
+    assert all("training.steps differ" in err and "Traceback" not in err for err in errs)
