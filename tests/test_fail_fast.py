@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+from fault_record import report
 from test_launch import TINY, clean_env
 
 
@@ -28,6 +29,8 @@ def test_a_bad_flag_on_one_rank_ends_both_within_60_s(tmp_path):
     assert codes == [2, 2] and seconds < 60, (codes, seconds, errs)
     assert "optimizer.lr=-1.0" in errs[1] and "Traceback" not in errs[1]
     assert "Rank 1 of 2: optimizer.lr=-1.0" in errs[0] and "Traceback" not in errs[0]  # rank 0 says who and why
+    report("one rank fails at start", errs[0].strip().splitlines()[-1], 0, None, seconds,
+           "srun-style start of 2 ranks, rank 1 with --optimizer.lr=-1: both exit 2; time from launch to both exited")
 
 
 def test_a_launch_error_on_rank_1_ends_rank_0(tmp_path):

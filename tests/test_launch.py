@@ -5,6 +5,7 @@ import random
 import subprocess
 import sys
 
+from fault_record import report
 from wandb_records import offline_run
 
 TINY = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
@@ -66,3 +67,6 @@ def test_a_hung_rank_ends_the_job_with_the_step_and_rank(tmp_path):
     assert result.returncode != 0
     assert "Rank 0 of 2: a collective did not complete within job.collective_timeout_s=5 s in step 2" in result.stderr
     assert (out / "metrics.jsonl").read_text().splitlines()[0].startswith('{"step": 1,')
+    report("stalled rank (collective timeout)", next(line for line in result.stderr.splitlines() if "Rank 0 of 2" in line),
+           None, None, None, "rank 1 of 2 sleeps 120 s in step 2, job.collective_timeout_s=5: every rank ends (exit 1) "
+           "instead of hanging; the same command then resumes from the newest checkpoint, as in the SIGKILL rows")

@@ -27,6 +27,7 @@ from trillion.trainer.launch import LaunchEnv, check_same_config, init_launch_en
 from trillion.trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
 from trillion.trainer.pipeline_timeline import PipelineTimeline
+from trillion.trainer.preflight import check_memory
 from trillion.trainer.profiling import PhaseTimer, StepProfiler
 from trillion.trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy
 from trillion.trainer.tokenizer import build_tokenizer
@@ -173,6 +174,7 @@ def train(config: Config) -> dict:
     t = config.training
     dims = build_parallel_dims(config, env, model_args)
     micro_batch_size = min(t.micro_batch_size, t.global_batch_size // dims.dp_size)
+    check_memory(config, model_args, dims, env, micro_batch_size)  # before any allocation or file
     if micro_batch_size < t.micro_batch_size:
         log.info("training.micro_batch_size=%d is more than the %d sequences of each of the %d data-parallel ranks; "
                  "using micro-batches of %d", t.micro_batch_size, micro_batch_size, dims.dp_size, micro_batch_size)

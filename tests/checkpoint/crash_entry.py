@@ -3,6 +3,7 @@ SIGKILL in the middle of step CRASH_AT_STEP, as a failing node would."""
 import os
 import signal
 import sys
+import time
 
 import trillion.trainer.train
 from trillion.trainer.cli import main
@@ -13,6 +14,9 @@ if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK"
     def dying_train_step(*args, **kwargs):
         calls.append(1)
         if len(calls) == int(os.environ["CRASH_AT_STEP"]):
+            if os.environ.get("FAULT_STAMP"):
+                with open(os.environ["FAULT_STAMP"], "w") as stamp:
+                    stamp.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         return original(*args, **kwargs)
 

@@ -1,11 +1,13 @@
 """A save that fails halfway leaves the last good checkpoint loadable and the run resumable, and
 the user reads one paragraph saying what happened and what to do (no space, unwritable folder)."""
 import errno
+import time
 from pathlib import Path
 
 import pytest
 from torch.distributed.checkpoint import FileSystemWriter
 
+from fault_record import first_step_time, report
 from runs import TINY, checkpoints, losses, run
 from trillion.trainer.checkpoint import CheckpointError
 from trillion.trainer.cli import main
@@ -37,10 +39,15 @@ def test_failed_save_keeps_the_last_checkpoint_and_the_run_resumes(straight, tmp
         run(out, "--checkpoint.interval=2")
     assert "step-00000002, is intact" in str(failure.value) and "run the same command again" in str(failure.value).lower()
     assert checkpoints(out) == ["step-00000002"]  # the staging dir of step 4 is gone, step 2 untouched
+    failed_at, reached = time.time(), losses(out)[-1][0]
 
     monkeypatch.undo()
     run(out, "--checkpoint.interval=2")
     assert losses(out) == expected
+    if method == "finish":
+        report("disk full mid-save", str(failure.value).split(" Free space")[0] + " (exit 1, no traceback)",
+               reached - 2, True, first_step_time(out / "metrics.jsonl", 3) - failed_at,
+               "ENOSPC from DCP's writer while saving step 4 (checkpoint.interval=2); the same command again")
 
 
 def test_no_space_is_one_paragraph_and_exit_status_1(tmp_path, monkeypatch, capsys):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import trillion.trainer.train
+from fault_record import first_step_time, report
 from runs import TINY, losses, run
 from test_resume import read_checkpoint
 from trillion.trainer.cli import main
@@ -103,6 +104,7 @@ def test_torchrun_restarts_a_killed_rank_and_ends_on_the_same_loss(tmp_path):
     # The restarted workers must not read the dead ones' addresses from torchrun's shared store
     # (pytorch/pytorch#135712); the README asks the same of every torchrun --max-restarts job.
     env = {**os.environ, "CRASH_AT_STEP": "3", "PYTHONPATH": str(Path(__file__).parents[2]),
+           "FAULT_STAMP": str(tmp_path / "killed-at"),
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -111,6 +113,11 @@ def test_torchrun_restarts_a_killed_rank_and_ends_on_the_same_loss(tmp_path):
 
     run_ranks(_straight, 2, tmp_path)
     assert losses(out) == losses(tmp_path / "straight")
+    report("SIGKILL of one rank mid-step (torchrun --max-restarts=1)",
+           "torchrun logs the worker's exitcode -9 and restarts the group; the new workers log 'resumed from "
+           ".../step-00000002'", 0, True,
+           first_step_time(out / "metrics.jsonl", 3) - float((tmp_path / "killed-at").read_text()),
+           "rank 1 of 2 (FSDP) kills itself in step 3, checkpoint.interval=2; compared with an unbroken 2-rank run")
 
 
 def _straight(rank, world_size, root):

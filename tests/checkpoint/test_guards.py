@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import trillion.trainer.train
+from fault_record import last_line, report
 from runs import TINY, run
 from trillion.trainer.cli import main
 from trillion.trainer.config import ConfigError
@@ -25,7 +26,7 @@ def poison_steps(monkeypatch, bad_steps: set[int]):
     monkeypatch.setattr(trillion.trainer.train, "clip_grad_norm_", clip)
 
 
-def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
+def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch, caplog):
     saved = {}
     original_step = torch.optim.AdamW.step
 
@@ -38,6 +39,9 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch):
     record = run(tmp_path / "run", steps=5)
     assert saved["updates"] == 3  # steps 2 and 3 did not update the weights
     assert record["step"] == 5 and record["skipped_steps"] == 2 and math.isfinite(record["loss"])
+    report("NaN gradient", last_line(caplog.text, "step 3: non-finite") + " (skipped_steps in metrics.jsonl)", 0, None,
+           0.0, "gradient norm NaN in steps 2 and 3: no update, counted; the run goes on (the final loss differs from "
+           "an unbroken run's by design: two updates fewer)")
 
 
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):

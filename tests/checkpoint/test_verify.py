@@ -3,9 +3,11 @@ reported by file and set aside; the run falls back to the newest intact one and 
 an unbroken run ends, or stops with one paragraph (exit 1) when none is intact."""
 import logging
 import shutil
+import time
 
 import pytest
 
+from fault_record import first_step_time, last_line, report
 from runs import TINY, checkpoints, losses, run
 from trillion.trainer.checkpoint_verify import MANIFEST, damaged_files
 from trillion.trainer.cli import main
@@ -42,12 +44,16 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(case, saved, strai
     shutil.copytree(saved, out)
     name, damage = DAMAGE[case]
     damage(out / "checkpoints" / "step-00000004" / name)
+    damaged_at = time.time()
     with caplog.at_level(logging.INFO, logger="trillion"):
         run(out, "--checkpoint.interval=2", "--training.exit_interval=2")
     assert "step-00000004 IS DAMAGED" in caplog.text and name in caplog.text
     assert "resumed from" in caplog.text and "step 2" in caplog.text
     assert losses(out) == expected[:4]  # steps 3-4 again from step 2: the unbroken run's losses, bitwise
     assert (out / "checkpoints" / "damaged-step-00000004" / MANIFEST).is_file()  # kept for inspection
+    report(f"corrupted newest checkpoint: {case}", last_line(caplog.text, "IS DAMAGED").split(". Set aside")[0],
+           2, True, first_step_time(out / "metrics.jsonl", 3) - damaged_at,
+           f"{name} of step-00000004 damaged after a job stopped at step 4 (checkpoints at 2 and 4); same command again")
 
 
 def test_no_intact_checkpoint_is_one_paragraph_exit_1(saved, tmp_path, capsys):

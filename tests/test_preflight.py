@@ -1,0 +1,25 @@
+"""The memory pre-flight refuses a model that cannot fit before anything is allocated or written,
+with the figures and the `trillion plan` command; its counts are the model's exact states."""
+from trillion.models import get_preset
+from trillion.models.flops import count_params
+from trillion.parallel.dims import ParallelDims
+from trillion.trainer.cli import main
+from trillion.trainer.config import load_config
+from trillion.trainer.preflight import states_per_rank
+
+
+def test_a_model_too_large_for_the_host_is_refused_with_the_figures(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--model.name=gpt-1t", f"--job.output_dir={out}", "--logging.wandb=false"]) == 2
+    err = capsys.readouterr().err
+    assert "4037.3 GB of parameters" in err and "8074.6 GB of optimizer states" in err and "host memory" in err
+    assert "trillion plan --model gpt-1t --hardware HARDWARE --gpus N --global-batch 8" in err
+    assert not out.exists() and "Traceback" not in err
+
+
+def test_states_are_16_bytes_a_parameter_and_shard_over_dp_shard():
+    config, args = load_config(None, []), get_preset("debug")
+    one = states_per_rank(args, config.parallel, ParallelDims(world_size=1), 8)
+    assert one == (4 * count_params(args).total, 4 * count_params(args).total, 8 * count_params(args).total)
+    sharded = states_per_rank(args, config.parallel, ParallelDims(dp_shard=4, world_size=4), 2)
+    assert abs(sum(sharded) - sum(one) / 4) < 0.01 * sum(one)  # rank 0 holds the ceiling of each chunk

@@ -1,0 +1,55 @@
+"""The memory pre-flight: before any tensor is allocated, the parameters, gradients and optimizer
+states the fullest rank of the layout will hold (the planner's byte counts per ZeRO mode, the same
+that `trillion estimate` checks against real shards) are compared with this device's memory, or the
+host's for every process on it. Those states are a lower bound (activations and buffers come on
+top), so a refusal is certain, never a guess: the run stops with the figures and the `trillion plan`
+command that finds a layout that fits, instead of being killed by the OOM killer without a word."""
+import os
+
+import torch
+
+from trillion.errors import ConfigError
+from trillion.models import ModelArgs
+from trillion.parallel.modes import schedule, stages_per_rank
+from trillion.parallel.planner.layout import Layout
+from trillion.parallel.planner.memory import pipeline_ranks, states_bytes
+
+
+def states_per_rank(model_args: ModelArgs, parallel, dims, micro_batch_size: int) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes of the fullest rank."""
+    plan = schedule(parallel.pp_schedule)
+    layout = Layout(tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
+                    dp_shard_mode=parallel.dp_shard_mode, pp_schedule=plan.name,
+                    virtual_stages=stages_per_rank(plan, parallel.pp_virtual_stages) if dims.pp > 1 else 1,
+                    micro_batch_size=micro_batch_size, microbatches=1,
+                    activation_checkpoint=parallel.activation_checkpoint)
+    mode = "zero1" if dims.pp > 1 else parallel.dp_shard_mode  # a pipeline keeps its stages gathered (memory.py)
+    return max((states_bytes(*rank.numel(model_args, dims.tp, dims.dp_shard), mode)
+                for rank in pipeline_ranks(model_args, layout)), key=sum)
+
+
+def memory_available(device: torch.device, local_processes: int) -> tuple[float, str]:
+    """(bytes one rank may use, where they come from)."""
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory), f"{torch.cuda.get_device_name(device)}"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host / local_processes, (f"host memory, {host / 1e9:.1f} GB shared by {local_processes} processes"
+                                    if local_processes > 1 else "host memory")
+
+
+def check_memory(config, model_args: ModelArgs, dims, env, micro_batch_size: int) -> None:
+    parameters, gradients, optimizer = states_per_rank(model_args, config.parallel, dims, micro_batch_size)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)) if env.device.type == "cpu" else 1
+    available, where = memory_available(env.device, max(1, local))
+    needed = parameters + gradients + optimizer
+    if needed <= available:
+        return
+    p = config.parallel
+    raise ConfigError(
+        f"model {config.model.name!r} does not fit this layout: its fullest rank would hold {parameters / 1e9:.1f} GB of "
+        f"parameters, {gradients / 1e9:.1f} GB of gradients and {optimizer / 1e9:.1f} GB of optimizer states "
+        f"({needed / 1e9:.1f} GB before any activation), but a rank has {available / 1e9:.1f} GB ({where}) at "
+        f"parallel.tp={dims.tp} pp={dims.pp} dp_shard={dims.dp_shard} ({p.dp_shard_mode}) on {env.world_size} "
+        f"process(es). Shard it over more devices, or find a layout that fits with `trillion plan --model "
+        f"{config.model.name} --hardware HARDWARE --gpus N --global-batch {config.training.global_batch_size}` "
+        f"(HARDWARE: frontier, dgx-a100, dgx-h100, dgx-h200, mi300x), or pick a smaller --model.name.")
