@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
+from trillion.trainer import corpus_fingerprint
 from trillion.trainer.checkpoint_verify import newest_intact, write_manifest
 from trillion.trainer.config import Checkpoint as CheckpointConfig
 from trillion.errors import ConfigError, RunAborted
@@ -254,6 +255,12 @@ class CheckpointManager:
             return 0
         latest = newest_intact(checkpoints, self.group, self.is_rank0)
         check_resume_config(saved_config(latest / CONFIG_FILE), self.config, latest)
+        error = None
+        try:
+            corpus_fingerprint.check(latest, self.config.data, self.cfg.accept_data_change)
+        except ConfigError as changed:
+            error = changed
+        self._agree(error, "accept the data corpus")  # a node whose copy of the data differs stops every rank
         check_shapes(_saved_model_shapes(latest), self.states["model"].state_dict(), f"checkpoint {latest}",
                      self.whole_model)
         if self.cfg.initial_load:
@@ -281,6 +288,7 @@ class CheckpointManager:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)
                 (staging / CONFIG_FILE).write_text(self._config_toml())
+                corpus_fingerprint.write(staging, self.config.data)
             except OSError as problem:
                 error = _save_error(problem, step, self.root)
         self._agree(error, f"prepare checkpoint step {step}")
