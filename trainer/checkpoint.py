@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trillion.trainer import corpus_fingerprint
-from trillion.trainer.checkpoint_verify import newest_intact, write_manifest
+from trillion.trainer.checkpoint_verify import ChecksummedWriter, newest_intact, write_manifest
 from trillion.trainer.config import Checkpoint as CheckpointConfig
 from trillion.errors import ConfigError, RunAborted
 from trillion.trainer.resume_check import check_resume_config, check_shapes, saved_config, trim_metrics
@@ -294,12 +294,13 @@ class CheckpointManager:
         self._agree(error, f"prepare checkpoint step {step}")
         try:
             if self.cfg.async_mode == "async" and not blocking:
-                future = dcp.async_save(self.states, checkpoint_id=str(staging), process_group=self.group,
-                                        no_dist=self.group is None)
+                future = dcp.async_save(self.states, storage_writer=ChecksummedWriter(staging),
+                                        process_group=self.group, no_dist=self.group is None)
                 self.pending = (future, staging, step, start)
                 self.blocked_seconds = time.perf_counter() - start
                 return
-            dcp.save(self.states, checkpoint_id=str(staging), process_group=self.group, no_dist=self.group is None)
+            dcp.save(self.states, storage_writer=ChecksummedWriter(staging), process_group=self.group,
+                     no_dist=self.group is None)
         except SAVE_FAILURES as problem:
             self._abandon(staging)
             raise _save_error(problem, step, self.root) from problem

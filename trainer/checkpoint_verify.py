@@ -1,5 +1,7 @@
 """Checkpoints verified on load: a manifest of every file's size and CRC-32, written into the staging
-folder before the COMPLETE marker, and checked at resume. A checkpoint damaged after it was
+folder before the COMPLETE marker, and checked at resume. Each rank checksums the shards it wrote
+(`ChecksummedWriter`, while they are hot in its page cache, in the async writer's thread too) and
+rank 0 merges them, so a save reads no byte twice whatever the world size. A checkpoint damaged after it was
 published (a truncated shard, a missing `.metadata`, flipped bytes) is named file by file, set aside
 as `damaged-step-NNNNNNNN/` and the run falls back to the newest intact one, or stops with a clear
 error when none is intact.
@@ -14,11 +16,13 @@ import zlib
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
 
 from trillion.errors import RunAborted
 
 log = logging.getLogger("trillion")
 MANIFEST = "MANIFEST.json"
+RANK_SUMS = ".crc-"  # one file per rank's shards, merged into the manifest
 CHUNK = 1 << 22
 
 
@@ -30,10 +34,28 @@ def crc32(path: Path) -> int:
     return value
 
 
+class ChecksummedWriter(FileSystemWriter):
+    """DCP's file writer that also records the size and CRC-32 of the files this rank wrote."""
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)  # FileSystemWriter writes synchronously: the files are there
+        folder = Path(self.path)
+        names = sorted({result.storage_data.relative_path for result in future.value()})
+        sums = {name: [(folder / name).stat().st_size, crc32(folder / name)] for name in names}
+        (folder / f"{RANK_SUMS}{plan.storage_data.prefix}.json").write_text(json.dumps(sums))
+        return future
+
+
 def write_manifest(folder: Path) -> None:
-    """{relative path: [size, crc32]} of every file in `folder`, synced to disk."""
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
-    table = {str(p.relative_to(folder)): [p.stat().st_size, crc32(p)] for p in files}
+    """{relative path: [size, crc32]} of every file in `folder`, synced to disk: the ranks' own sums
+    of their shards, and rank 0 reads the rest (.metadata, config.toml: small)."""
+    table = {}
+    for sums in folder.glob(f"{RANK_SUMS}*.json"):
+        table.update(json.loads(sums.read_text()))
+        sums.unlink()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST):
+        if str(path.relative_to(folder)) not in table:
+            table[str(path.relative_to(folder))] = [path.stat().st_size, crc32(path)]
     with open(folder / MANIFEST, "w") as handle:
         json.dump(table, handle, indent=0)
         handle.flush()

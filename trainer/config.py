@@ -92,7 +92,7 @@ class Training:
 @dataclass
 class Optimizer:
     name: str = doc("adamw", "Optimizer; only adamw for now.", OneOf(("adamw",)))
-    lr: float = doc(3e-3, "Peak learning rate.", Range(0, open_low=True))
+    lr: float = doc(3e-3, "Peak learning rate.", NONNEGATIVE)
     beta1: float = doc(0.9, "AdamW beta1.", Range(0, 1, open_high=True))
     beta2: float = doc(0.95, "AdamW beta2.", Range(0, 1, open_high=True))
     eps: float = doc(1e-8, "AdamW epsilon.", Range(0, open_low=True))

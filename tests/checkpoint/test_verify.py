@@ -1,6 +1,7 @@
 """A checkpoint damaged after it was published (truncated shard, flipped bytes, missing .metadata) is
 reported by file and set aside; the run falls back to the newest intact one and ends bitwise where
 an unbroken run ends, or stops with one paragraph (exit 1) when none is intact."""
+import json
 import logging
 import shutil
 import time
@@ -69,5 +70,7 @@ def test_no_intact_checkpoint_is_one_paragraph_exit_1(saved, tmp_path, capsys):
 
 def test_intact_checkpoint_verifies_and_shares_split_over_ranks(saved):
     folder = saved / "checkpoints" / "step-00000004"
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert {"__0_0.distcp", ".metadata", "config.toml"} <= set(manifest) and not list(folder.glob(".crc-*"))
     assert damaged_files(folder) == []
     assert damaged_files(folder, 0, 2) == [] and damaged_files(folder, 1, 2) == []
