@@ -59,6 +59,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.bias)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.bias)
+        # context parallelism (parallel/context_parallel.py) puts attention across sequence shards here
+        self.attend = attention
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -68,7 +70,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = attention(q, k, v, impl=self.impl, causal=True)
+        out = self.attend(q, k, v, impl=self.impl, causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -123,12 +125,17 @@ class Transformer(nn.Module):
         else:
             self.rope = None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (seq,): the position of each token in its sequence, 0..seq-1 unless given; a
+        context-parallel rank, which holds chunks of every sequence, passes theirs."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)
         if self.pos_embeddings is not None:
-            h = h + self.pos_embeddings(torch.arange(h.shape[1], device=h.device))
+            h = h + self.pos_embeddings(positions)
+        rope = self.rope[:, positions] if self.rope is not None else None
         for layer in self.layers.values():
-            h = layer(h, self.rope)
+            h = layer(h, rope)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -6,10 +6,14 @@ node), then cp, dp_shard, dp_replicate, and pp outermost. Only axes of size > 1 
 size-1 axis costs no process group; the accessors below hide which ones exist.
 
 Sub-meshes other code needs:
-- `fsdp_mesh`: what FSDP2 shards over: (dp_replicate, dp_shard) for HSDP, else dp_shard alone.
-- `tp_mesh`: the tensor-parallel axis (DTensor plans, loss parallelism).
+- `fsdp_mesh`: what FSDP2 shards over: (dp_replicate, dp_shard x cp) for HSDP, else dp_shard x cp
+  (the cp ranks hold the same weights, so they share the sharding and the gradient reduction).
+- `tp_mesh`, `cp_mesh`: the tensor- and context-parallel axes.
 - `dp_group` / `dp_rank` / `dp_size`: the flattened dp_replicate x dp_shard coordinate; the data
-  loader's slice of the global batch and the token count of the loss use it.
+  loader's slice of the global batch uses it (the cp ranks of a data-parallel rank read the same
+  sequences and each keeps its share of them).
+- `all_reduce_dp`: sums over every rank holding other tokens of the global batch (dp x cp): the
+  token count and the loss.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trillion.errors import ConfigError
+from trillion.parallel.context_parallel import check_sequence
 
 log = logging.getLogger("trillion")
 
@@ -74,7 +79,7 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_size > 1
+        return self.dp_size * self.cp > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -87,9 +92,7 @@ class ParallelDims:
             raise ConfigError(f"parallel.pp={self.pp} is more than the model's {model_args.n_layers} layers + embedding "
                               f"+ output = {model_args.n_layers + 2} pipeline units; each stage needs at least one. "
                               f"Use --parallel.pp={model_args.n_layers + 2} or less.")  # schedules: parallel/pipeline.py
-        if self.cp > 1:
-            raise ConfigError(f"parallel.cp={self.cp}: context parallelism is not available in this build. "
-                              f"Use --parallel.cp=1.")
+        check_sequence(self.cp, self.tp, seq_len)
         tp = self.tp
         if tp == 1:
             return
@@ -99,7 +102,7 @@ class ParallelDims:
             ("model.n_kv_heads", a.kv_heads, "key/value heads"),
             ("model.ffn_dim", a.ffn_hidden, "feed-forward width"),
             ("model.vocab_size", a.vocab_size, "vocabulary (pad it to a multiple of tp)"),
-            ("training.seq_len", seq_len, "sequence length (sequence parallelism splits it)"),
+            ("training.seq_len", seq_len // self.cp, "sequence length per cp rank (sequence parallelism splits it)"),
         ]
         if a.positions == "learned":
             checks.append(("model max_seq_len", a.max_seq_len, "learned position table"))
@@ -133,6 +136,11 @@ class ParallelDims:
         self.mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=tuple(names))
         if self.dp_replicate > 1:
             self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        if self.cp > 1:
+            for axes, flat in ((("dp_shard", "cp"), "dp_shard_cp"), (("dp_replicate", "dp_shard", "cp"), "dp_cp")):
+                present = tuple(n for n in axes if n in names)
+                if len(present) > 1:
+                    self.mesh[present]._flatten(flat)
         return self.mesh
 
     def _axis(self, *names: str) -> DeviceMesh | None:
@@ -146,18 +154,28 @@ class ParallelDims:
         return self._axis("tp")
 
     @property
+    def cp_mesh(self) -> DeviceMesh | None:
+        return self._axis("cp")
+
+    def _flat(self, axes: tuple[str, ...], flat: str) -> str:
+        """The name of the mesh dimension spanning the present ones of `axes` (flattened in build_mesh)."""
+        present = [n for n in axes if n in self.mesh.mesh_dim_names]
+        return present[0] if len(present) == 1 else flat
+
+    @property
     def fsdp_mesh(self) -> DeviceMesh | None:
-        """FSDP2's mesh: 2-D (replicate, shard) gives HSDP (plain replication when dp_shard is 1)."""
+        """FSDP2's mesh: 2-D (replicate, shard) gives HSDP (plain replication when dp_shard x cp is 1)."""
         if self.mesh is None or not self.fsdp_enabled:
             return None
+        shard = self._flat(("dp_shard", "cp"), "dp_shard_cp")
         if self.dp_replicate > 1:
-            return self.mesh["dp_replicate", "dp_shard"]
-        return self.mesh["dp_shard"]
+            return self.mesh["dp_replicate", shard]
+        return self.mesh[shard]
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
         """1-D: all data-parallel ranks, flattened (replicate major, shard minor)."""
-        if self.mesh is None or not self.fsdp_enabled:
+        if self.mesh is None or self.dp_size == 1:
             return None
         if self.dp_replicate > 1:
             return self.mesh["dp"]
@@ -175,7 +193,9 @@ class ParallelDims:
         return mesh.get_local_rank() if mesh is not None else 0
 
     def all_reduce_dp(self, tensor):
-        """Sum `tensor` in place over the data-parallel ranks (a no-op on one)."""
-        if self.dp_group is not None:
+        """Sum `tensor` in place over the ranks holding other tokens: data-parallel x cp (a no-op on one)."""
+        if self.cp > 1:
+            dist.all_reduce(tensor, group=self.mesh[self._flat(("dp_replicate", "dp_shard", "cp"), "dp_cp")].get_group())
+        elif self.dp_group is not None:
             dist.all_reduce(tensor, group=self.dp_group)
         return tensor

@@ -1,9 +1,11 @@
 """The one place a meta-device model becomes a parallel one, in a fixed order:
 
-    tensor parallelism -> activation checkpointing -> torch.compile -> FSDP2
+    context parallelism -> tensor parallelism -> activation checkpointing -> torch.compile -> FSDP2
 
-TP first, because it changes what a parameter is (a DTensor over the tp axis) and inserts the
-collectives the later wrappers must see; AC next, so recomputation replays those collectives;
+CP first: it only swaps each block's attention for attention across sequence shards and passes
+the rank's token positions, so everything after wraps the same modules. TP next, because it
+changes what a parameter is (a DTensor over the tp axis) and inserts the collectives the later
+wrappers must see; AC next, so recomputation replays those collectives;
 compile then traces the parallel blocks; FSDP last, so it shards the TP shards again over dp and
 its hooks wrap everything. Call it before `to_empty` + `init_weights`, which then give the same
 values whatever the layout (see models.transformer.Transformer.init_weights).
@@ -13,6 +15,7 @@ from torch import nn
 
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
 from trillion.parallel.compile import apply_compile
+from trillion.parallel.context_parallel import apply_context_parallel
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.fsdp import apply_fsdp
 from trillion.parallel.modes import zero_mode
@@ -24,6 +27,8 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_shard_mode: str = "z
                 param_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Apply the layout of `dims` (whose mesh is built) to `model`, in place; returns it."""
     zero_mode(dp_shard_mode)
+    if dims.cp > 1:
+        apply_context_parallel(model, dims.cp_mesh)
     if dims.tp_enabled:
         apply_tensor_parallel(model, dims.tp_mesh)
     apply_activation_checkpointing(model, activation_checkpoint)

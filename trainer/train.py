@@ -12,6 +12,7 @@ from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.models import ModelArgs, Transformer, get_preset
 from trillion.models.flops import count_params, hardware_flops_per_token, model_flops_per_token
 from trillion.parallel.clip import clip_grad_norm_
+from trillion.parallel.context_parallel import shard_batch
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.modes import recompute_fraction
 from trillion.parallel.fsdp import set_micro_batch
@@ -134,6 +135,7 @@ def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm:
     With a `pipeline` (parallel.pipeline.Pipeline) its schedule runs the micro-batches, `model` is
     this rank's stages as one module (`stages_as_one_module`) and the norm adds up over the pipeline ranks."""
     dims = dims or ParallelDims(world_size=1)
+    micro_batches = shard_batch(micro_batches, dims.cp_mesh)  # this cp rank's share of every sequence
     tokens = dims.all_reduce_dp(sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches))
     loss_sum = torch.zeros((), device=micro_batches[0][0].device)
     if pipeline is not None:

@@ -1,7 +1,8 @@
 """Parity harness: train a small model for a few steps under a parallel layout and compare every
 loss, gradient norm, gradient (full_tensor) and initial weight with one process, same seed, fp32.
 
-A case is a dict: family (llama | gpt), dp_replicate, dp_shard, tp, mode (zero1/2/3), ac, compile.
+A case is a dict: family (llama | gpt), dp_replicate, dp_shard, cp, tp, mode (zero1/2/3), ac, compile;
+`differs: True` expects the case NOT to match (a broken layout the comparison must catch).
 `check_cases` runs on every rank of a gloo group; rank 0 also runs the one-process reference (once
 per family, plain: no AC, no compile) and compares.
 """
@@ -47,7 +48,7 @@ def train_case(case: dict, world_size: int) -> dict:
     """Run the case on all ranks of the current group (or alone when world_size is 1)."""
     args = FAMILIES[case["family"]]
     dims = ParallelDims(dp_replicate=case.get("dp_replicate", 1), dp_shard=case.get("dp_shard", -1),
-                        tp=case.get("tp", 1), world_size=world_size)
+                        cp=case.get("cp", 1), tp=case.get("tp", 1), world_size=world_size)
     dims.validate(args, SEQ_LEN)
     dims.build_mesh("cpu")
     mode = case.get("mode", "zero3")
@@ -55,6 +56,9 @@ def train_case(case: dict, world_size: int) -> dict:
         model = Transformer(args)
     parallelize(model, dims, dp_shard_mode=mode, activation_checkpoint=case.get("ac", "none"),
                 compile=bool(case.get("compile")), compile_backend=case.get("compile") or "inductor")
+    if "attend" in case:  # a replacement attention, for cases that must fail
+        for block in model.layers.values():
+            block.attention.attend = case["attend"]
     model.to_empty(device="cpu")
     model.init_weights(SEED)
     initial = {name: _full(p) for name, p in model.named_parameters()}
@@ -107,10 +111,14 @@ def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
             try:
                 _compare(label, result, references[family], exact=case.get("exact", False))
             except AssertionError as error:
-                if not os.environ.get("PARITY_KEEP_GOING"):
+                if case.get("differs"):
+                    print("DIFFERS as expected", label, flush=True)
+                elif not os.environ.get("PARITY_KEEP_GOING"):
                     raise
-                print("FAILED", str(error)[:600], flush=True)
+                else:
+                    print("FAILED", str(error)[:600], flush=True)
             else:
+                assert not case.get("differs"), f"{label}: matches one process, but the case must not"
                 print("PASSED", label, flush=True)
             if "same_as" in case:  # e.g. AC on vs off in the same layout: bit-identical
                 _compare(f"{label} vs {case['same_as']}", result, results[case["same_as"]], exact=True)

@@ -37,7 +37,8 @@ CASES = [
     ({"tp": 0}, 1, LLAMA, 256, ["parallel.tp=0", "positive"]),
     ({"dp_shard": -2}, 1, LLAMA, 256, ["parallel.dp_shard=-2", "-1 to infer"]),
     ({"pp": LLAMA.n_layers + 3}, LLAMA.n_layers + 3, LLAMA, 256, [f"parallel.pp={LLAMA.n_layers + 3}", f"--parallel.pp={LLAMA.n_layers + 2}"]),
-    ({"cp": 2}, 2, LLAMA, 256, ["parallel.cp=2", "--parallel.cp=1"]),
+    ({"cp": 3}, 3, LLAMA, 256, ["training.seq_len=256", "2 x parallel.cp=3", "--training.seq_len=252"]),
+    ({"cp": 2, "tp": 4}, 8, LLAMA, 260, ["130 tokens per rank", "parallel.tp=4", "--training.seq_len=256"]),
 ]
 
 
