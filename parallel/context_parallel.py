@@ -70,10 +70,12 @@ def shard_batch(micro_batches: list, cp_mesh) -> list:
 
 
 def _gather_sequence(t: torch.Tensor, group, rank_count: int) -> torch.Tensor:
-    """(b, h, s / cp, d) shards of every cp rank -> (b, h, s, d) in the sequence's own order."""
-    gathered = all_gather_single(t.contiguous(), gather_dim=2, group=group)
-    pieces = gathered.chunk(2 * rank_count, dim=2)  # rank j's two chunks sit at 2j and 2j + 1
-    order = [pieces[2 * c] for c in range(rank_count)] + [pieces[2 * c + 1] for c in reversed(range(rank_count))]
+    """(b, h, s / cp, d) shards of every cp rank -> (b, h, s, d) in the sequence's own order (one copy
+    beyond the gathered buffer)."""
+    batch, heads, local, dim = t.shape
+    gathered = all_gather_single(t.contiguous(), 0, group).view(rank_count, batch, heads, 2, local // 2, dim)
+    # rank j holds chunks j (half 0) and 2 cp - 1 - j (half 1)
+    order = [gathered[j, :, :, 0] for j in range(rank_count)] + [gathered[j, :, :, 1] for j in reversed(range(rank_count))]
     return torch.cat(order, dim=2)
 
 

@@ -44,6 +44,7 @@ class Model:
     n_kv_heads: int = doc(0, "Override the preset's key/value heads (0 = keep).", Range(1, also=KEEP))
     ffn_dim: int = doc(0, "Override the preset's MLP width (0 = keep).", Range(1, also=KEEP))
     vocab_size: int = doc(0, "Override the preset's vocabulary size (0 = keep); must hold the tokenizer's ids.", Range(1, also=KEEP))
+    max_seq_len: int = doc(0, "Override the preset's longest sequence (0 = keep), e.g. 131072 for Llama 3.1's long-context training; sizes the rotary cache or learned position table.", Range(1, also=KEEP))
 
 
 @dataclass
@@ -159,7 +160,7 @@ class Parallel:
     pp_layers_per_stage: int = doc(0, "Transformer layers on each pipeline stage (0 = split automatically, balanced, counting the embedding and the output as one layer each). First + (stages - 2) x this + last must equal model.n_layers; stages = pp x virtual stages.", Range(1, also={0: "automatic"}))
     pp_first_stage_layers: int = doc(-1, "Transformer layers on the first pipeline stage, beside the embedding (-1 = pp_layers_per_stage - 1, as the embedding counts as a layer; automatic when that is 0 too). 0 = the embedding alone.", Range(0, also={-1: "from pp_layers_per_stage"}))
     pp_last_stage_layers: int = doc(-1, "Transformer layers on the last pipeline stage, beside the final norm and output (-1 = pp_layers_per_stage - 1; automatic when that is 0 too). 0 = the output alone.", Range(0, also={-1: "from pp_layers_per_stage"}))
-    cp: int = doc(1, "Context-parallel degree.", POSITIVE)
+    cp: int = doc(1, "Context-parallel degree: each rank holds 1/cp of every sequence (a head and a tail chunk, balanced for causal attention); training.seq_len must divide by 2 cp (x tp).", POSITIVE)
     activation_checkpoint: str = doc("none", f"{' | '.join(CHECKPOINT_MODES)} | selective:N (every N-th block): which blocks recompute their activations in backward (selective: every {SELECTIVE_EVERY}nd; selective:op: every block, saving matmul outputs).", OneOf((*CHECKPOINT_MODES, "selective:N")))
 
 

@@ -41,7 +41,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
     """The preset with the config's overrides, checked against the tokenizer and sequence length."""
     cfg = config.model
-    overrides = {k: v for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+    overrides = {k: v for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
                  if (v := getattr(cfg, k)) > 0}
     on_gpu = config.job.device == "cuda" or (config.job.device == "auto" and torch.cuda.is_available())
     attention_impl = config.kernels.attention if config.kernels.attention != "auto" else ("triton" if on_gpu else "sdpa")

@@ -137,3 +137,21 @@ def test_paper_1t_layout_every_rank_in_under_a_minute(capsys):
     assert {r["stage"] for r in data["ranks"]} == set(range(128))
     held = sum(r["parameter_count"] for r in data["ranks"])
     assert held == pytest.approx(count_params(get_preset("gpt-1t")).total, rel=1e-3)
+
+
+def test_context_parallelism_divides_each_ranks_activations(tmp_path, capsys):
+    """A long-sequence layout: each of cp ranks holds 1/cp of every sequence, and so of its activations
+    (measured, at equal world size), and the advice for activations that do not fit names cp. The excess
+    over 1/cp is the block's gathered K/V, a sizeable term only in a model this small (K/V half as wide
+    as the hidden state, a 320-token vocabulary): llama3-8b at 131072 tokens measures 1/cp exactly."""
+    long = [*SMALL[:-1], "--training.seq_len=1024", "--world-size", "4", "--parallel.tp=1", "--ranks", "first",
+            "--parallel.activation_checkpoint=full", "--training.global_batch_size=4", "--training.micro_batch_size=1"]
+    peaks = {}
+    for cp in (1, 4):
+        assert main(["estimate", *long, f"--parallel.cp={cp}", f"--parallel.dp_shard={4 // cp}", "--format=json"]) == 0
+        (rank,) = json.loads(capsys.readouterr().out)["ranks"]
+        assert rank["activations_source"] == "measured"
+        peaks[cp] = rank["activations"]
+    assert 1 / 4 < peaks[4] / peaks[1] < 1.2 / 4, peaks
+    assert main(["estimate", *long, "--parallel.dp_shard=4", "--hardware", _tiny_device(tmp_path, 0.01)]) == 1
+    assert "a larger --parallel.cp (now 1" in capsys.readouterr().err

@@ -22,7 +22,8 @@ from trillion.trainer.train import stages_as_one_module, train_step  # noqa: E40
 
 def train_pipeline_case(case: dict, world_size: int) -> dict:
     args = FAMILIES[case["family"]]
-    dims = ParallelDims(pp=case["pp"], dp_shard=case.get("dp_shard", -1), tp=case.get("tp", 1), world_size=world_size)
+    dims = ParallelDims(pp=case["pp"], dp_shard=case.get("dp_shard", -1), cp=case.get("cp", 1), tp=case.get("tp", 1),
+                        world_size=world_size)
     dims.validate(args, SEQ_LEN)
     dims.build_mesh("cpu")
     mode = case.get("mode", "zero3")

@@ -7,6 +7,7 @@ where parameters live, not what forward and backward keep.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import warnings
 from dataclasses import dataclass
 
@@ -91,9 +92,19 @@ def _flash_on_meta():
     """On meta tensors SDPA falls back to its math path, which saves the seq x seq score matrix; a GPU
     (flash / memory-efficient SDPA, our Triton kernel) and the CPU (flash for CPU) save only the output
     and an fp32 log-sum-exp per query and head. While measuring, SDPA on meta tensors runs the flash op,
-    whose meta kernel has exactly those outputs. A patch of the function rather than a TorchFunctionMode:
+    whose meta kernel has exactly those outputs. The same for the kernels' SDPA path with fewer queries
+    than keys (context parallelism's query chunks), which takes the eager path for its lower-right mask
+    (the mask's alignment changes no shape). A patch of the function rather than a TorchFunctionMode:
     modes are thread-local and checkpoint recomputation runs on autograd's thread."""
     plain = F.scaled_dot_product_attention
+    kernels = importlib.import_module("trillion.kernels.attention")
+    eager = kernels.eager_attention
+
+    def eager_on_meta(q, k, v, *, causal=True, softmax_scale=None):
+        if q.device.type != "meta":
+            return eager(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                  scale=softmax_scale)[0]
 
     def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if q.device.type != "meta" or attn_mask is not None or dropout_p:
@@ -101,11 +112,11 @@ def _flash_on_meta():
                          enable_gqa=enable_gqa)
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[0]
 
-    F.scaled_dot_product_attention = flash
+    F.scaled_dot_product_attention, kernels.eager_attention = flash, eager_on_meta
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = plain
+        F.scaled_dot_product_attention, kernels.eager_attention = plain, eager
 
 
 def _device_total(snapshot: dict, device: str) -> int:

@@ -65,7 +65,8 @@ def _activations(rank, layout: dict, kind: str) -> str:
              f"--parallel.pp_schedule=1F1B ({_now(layout, 'pp_schedule')} keeps all {layout['microbatches']} "
              "micro-batches in flight)" if layout["pp_schedule"] in ("GPipe", "LoopedBFS") else "",
              f"a smaller --training.micro_batch_size ({_now(layout, 'micro_batch_size')})",
-             f"a larger --parallel.tp ({_now(layout, 'tp')})"]
+             f"a larger --parallel.tp ({_now(layout, 'tp')})",
+             f"a larger --parallel.cp ({_now(layout, 'cp')}: each rank holds 1/cp of every sequence)"]
     return "; ".join(x for x in fixes if x)
 
 

@@ -53,8 +53,9 @@ def gb(value) -> str:
 def table(result: Estimate) -> str:
     lay = result.layout
     pipelined = lay["pp"] > 1
+    cp = f"cp {lay['cp']} x " if lay["cp"] > 1 else ""
     lines = [f"# trillion estimate: {result.config_model} on {result.world_size} ranks "
-             f"(pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x tp {lay['tp']}, "
+             f"(pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x {cp}tp {lay['tp']}, "
              f"{lay['dp_shard_mode']}, activation_checkpoint {lay['activation_checkpoint']}, micro-batch "
              f"{lay['micro_batch_size']} x {lay['seq_len']} tokens, {lay['microbatches']} per step, {lay['compute_dtype']})",
              f"# device: {result.device or 'unknown (pass --hardware)'}; simulated {len(result.ranks)} rank(s) "

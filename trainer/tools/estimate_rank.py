@@ -124,10 +124,11 @@ def meshed_dims(dims: ParallelDims) -> ParallelDims:
 
 
 class _TPOnly:
-    """The layout parallelize sees for the activation run: the same TP mesh, no FSDP."""
+    """The layout parallelize sees for the activation run: the same TP and CP meshes, no FSDP."""
 
     def __init__(self, dims: ParallelDims):
         self.tp_enabled, self.tp_mesh, self.fsdp_enabled, self.fsdp_mesh = dims.tp_enabled, dims.tp_mesh, False, None
+        self.cp, self.cp_mesh = dims.cp, dims.cp_mesh
 
 
 def apply_layout(part: nn.Module, config: Config, dims: ParallelDims, fsdp: bool) -> nn.Module:
@@ -224,7 +225,7 @@ def hidden_state(config: Config, source: StageSource, dims: ParallelDims, micro_
     embedding stage makes it on meta (shape, dtype, and DTensor layout under TP); blocks keep it."""
     probe = apply_layout(source.stage(range(0, 1)), config, dims, fsdp=False)
     with torch.no_grad():
-        return probe(torch.zeros(micro_batch, config.training.seq_len, dtype=torch.long, device="meta"))
+        return probe(torch.zeros(micro_batch, config.training.seq_len // dims.cp, dtype=torch.long, device="meta"))
 
 
 # --- bytes from the sharded parts ------------------------------------------------------------------------
@@ -299,10 +300,11 @@ def stage_facts(config: Config, source: StageSource, dims: ParallelDims, units: 
                       measure_in_depth(run, shape.layers, period))
 
 
-def micro_batch_data(config: Config, shape: StageShape, hidden: torch.Tensor | None, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, target) of one micro-batch on meta: tokens or the received hidden state in; labels (last
-    stage) or the gradient received for the output."""
-    tokens = torch.zeros(micro_batch, config.training.seq_len, dtype=torch.long, device="meta")
+def micro_batch_data(config: Config, shape: StageShape, hidden: torch.Tensor | None, micro_batch: int,
+                     cp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, target) of one micro-batch on meta, this cp rank's share of the sequence: tokens or the
+    received hidden state in; labels (last stage) or the gradient received for the output."""
+    tokens = torch.zeros(micro_batch, config.training.seq_len // cp, dtype=torch.long, device="meta")
     inputs = tokens if shape.first else hidden.detach().requires_grad_()
     return inputs, tokens if shape.last else torch.empty_like(hidden)
 
