@@ -13,7 +13,7 @@ import pytest
 SMALL = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=96",
          "--training.seq_len=256", "--training.global_batch_size=4", "--training.micro_batch_size=1",
          "--training.steps=5", "--metrics.log_freq=1", "--checkpoint.interval=0", "--checkpoint.save_final=false",
-         "--logging.progress_bar=false", "--lr_schedule.warmup_steps=1"]
+         "--logging.progress_bar=lines", "--lr_schedule.warmup_steps=1"]
 
 
 def _run(out: Path, launcher: list[str], extra: list[str]) -> list[dict]:
