@@ -30,3 +30,18 @@ def test_run_all_smoke(tmp_path):
     assert not errors, errors
     assert all(row["tokens_per_s"] > 0 for row in report["rows"] if row["part"] == "step")
     assert next(tmp_path.glob("*.md")).read_text().count("\n| ") >= len(report["rows"])
+
+
+def test_data_loader_smoke():
+    """prepare-data with 1 and 2 workers for both tokenizers, and the loaders at dp 1, 8, 64, on a corpus subset."""
+    result = subprocess.run([sys.executable, str(ROOT / "experiments/bench/data_loader.py"), "--smoke"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    prepare = [r for r in rows if r[0].strip() in ("byte", "bpe")]
+    loaders = [r for r in rows if r[0].strip() in ("prepared", "on-the-fly")]
+    assert [(r[0].strip(), r[1].strip()) for r in prepare] == [("byte", "1"), ("byte", "2"), ("bpe", "1"), ("bpe", "2")]
+    assert prepare[0][2] == prepare[1][2] and prepare[2][2] == prepare[3][2]  # same tokens whatever the workers
+    assert [(r[0].strip(), r[1].strip()) for r in loaders] == [(k, d) for k in ("prepared", "on-the-fly") for d in ("1", "8", "64")]
+    assert all(float(r[-1].replace(",", "")) > 0 for r in prepare + loaders)
+    assert "one H100 consumes" in result.stdout

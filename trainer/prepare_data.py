@@ -1,4 +1,5 @@
-"""`trillion prepare-data --out DIR [--workers N] [--config FILE] [--data.* ...] [--tokenizer.* ...]`:
+"""`trillion prepare-data --out DIR [--workers N] [--config FILE] [--data.* ...] [--tokenizer.* ...]`
+(`--verify DIR` checks a store's every chunk):
 tokenize a corpus once, in parallel, into a token store (trainer/token_store.py) that
 `trillion train --data.prepared=DIR` reads by memory map.
 
@@ -26,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from trillion.errors import ConfigError
+from trillion.errors import ConfigError, RunAborted
 from trillion.trainer.config import load_config
 from trillion.trainer.data import build_documents, held_out_fraction, is_held_out
-from trillion.trainer.token_store import HELD_OUT, MANIFEST, token_dtype, tokenizer_identity, write_store
+from trillion.trainer.token_store import HELD_OUT, MANIFEST, TokenStore, token_dtype, tokenizer_identity, write_store
 from trillion.trainer.tokenizer import build_tokenizer
 
 log = logging.getLogger("trillion")
@@ -46,7 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="trillion prepare-data", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="Other arguments are config overrides, as for `trillion train` (--data.path=..., "
                        "--tokenizer.kind=..., ...).")
-    p.add_argument("--out", required=True, help="the token store to write (a folder that must not exist yet)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--out", help="the token store to write (a folder that must not exist yet)")
+    what.add_argument("--verify", metavar="DIR", help="check every chunk of the store DIR (and DIR/held_out) "
+                      "against its hash instead; exit 1 naming the damaged ones")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: the CPUs)")
     p.add_argument("--config", help="a `trillion train` config; its [data], [tokenizer] and job.seed are used")
     return p
@@ -54,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args, overrides = build_parser().parse_known_args(argv)
+    if args.verify:
+        verify(Path(args.verify))
+        return 0
     if args.workers < 1:
         raise ConfigError(f"--workers={args.workers} must be at least 1.")
     config = load_config(args.config, overrides)
@@ -78,6 +85,7 @@ def prepare(config, out: Path, workers: int) -> dict:
     if out.exists():
         what = "a token store" if (out / MANIFEST).is_file() else "files"
         raise ConfigError(f"--out {out} already exists and holds {what}. Remove it or give another --out.")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers sets the parallelism
     tokenizer = build_tokenizer(config.tokenizer)
     documents = build_documents(data, config.job.seed)
     shard_documents = max(1, min(MAX_SHARD_DOCUMENTS, -(-len(documents) // (workers * SHARDS_PER_WORKER))))
@@ -91,13 +99,15 @@ def prepare(config, out: Path, workers: int) -> dict:
         log.info("prepare-data: resuming %s, %d of %d shards already tokenized", staging, len(shards) - len(todo),
                  len(shards))
     job = (data, config.tokenizer, config.job.seed, held_out, staging, shard_documents)
-    with _Progress(len(shards), len(shards) - len(todo)) as progress:
+    with _Progress(len(shards), len(shards) - len(todo), "tokenize shards") as progress:
         if workers == 1:
             _init_worker(*job)
             for i in todo:
                 progress.advance(_tokenize_shard(i))
         else:
-            context = multiprocessing.get_context("spawn")  # fork after a tokenizer's threads ran can deadlock
+            # fork: workers start in milliseconds without re-importing torch; the parent has run no
+            # tokenizer or torch threads (tokenizers' parallelism is off), which is what makes fork safe
+            context = multiprocessing.get_context("fork")
             with context.Pool(workers, initializer=_init_worker, initargs=job) as pool:
                 for tokens in pool.imap_unordered(_tokenize_shard, todo):
                     progress.advance(tokens)
@@ -118,6 +128,23 @@ def prepare(config, out: Path, workers: int) -> dict:
              manifest["n_tokens"], manifest["n_documents"], manifest["dtype"], seconds, workers,
              manifest["n_tokens"] / seconds)
     return {**manifest, "seconds": seconds, "workers": workers}
+
+
+def verify(path: Path) -> None:
+    """Check every chunk of the store and its held-out part, with progress; RunAborted names the damaged ones."""
+    for where in (path, path / HELD_OUT):
+        if where != path and not where.is_dir():
+            continue
+        store = TokenStore(where, setting="--verify", sample_seed=None)
+        bad = []
+        with _Progress(store.n_chunks, 0, "verify chunks") as progress:
+            for chunk in range(store.n_chunks):
+                bad += store.damaged_chunks([chunk])
+                progress.advance(min(store.chunk_tokens, store.n_tokens - chunk * store.chunk_tokens))
+        if bad:
+            raise RunAborted(f"{store.describe_chunks(bad)}. Prepare it again with `trillion prepare-data`.")
+        log.info("prepare-data --verify: %s, all %d chunks (%d tokens) match their hashes", where, store.n_chunks,
+                 store.n_tokens)
 
 
 def _staging(out: Path, plan: dict) -> Path:
@@ -146,7 +173,6 @@ _WORKER = {}
 
 
 def _init_worker(data, tokenizer_config, seed, held_out, staging, shard_documents) -> None:
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per worker: --workers sets the parallelism
     tokenizer = build_tokenizer(tokenizer_config)
     _WORKER.update(documents=build_documents(data, seed), tokenizer=tokenizer, held_out=held_out, staging=staging,
                    shard_documents=shard_documents, dtype=token_dtype(tokenizer.vocab_size))
@@ -177,15 +203,15 @@ def _tokenize_shard(index: int) -> int:
 
 
 class _Progress:
-    """A live bar on a terminal; a log line every tenth of the shards elsewhere."""
+    """A live bar on a terminal; a log line every tenth of the work elsewhere."""
 
-    def __init__(self, total: int, done: int):
-        self.total, self.done, self.tokens, self.start = total, done, 0, time.perf_counter()
+    def __init__(self, total: int, done: int, what: str):
+        self.total, self.done, self.tokens, self.start, self.what = total, done, 0, time.perf_counter(), what
         self.bar = None
         if sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("tokenize shards"), BarColumn(), MofNCompleteColumn(),
+            self.bar = Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(),
                                 TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
             self.task = self.bar.add_task("tokenize", total=total, completed=done, rate="")
 
@@ -200,7 +226,7 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(self.task, completed=self.done, rate=rate)
         elif self.done == self.total or self.done % max(1, self.total // 10) == 0:
-            log.info("prepare-data: %d/%d shards, %s", self.done, self.total, rate)
+            log.info("prepare-data: %s %d/%d, %s", self.what, self.done, self.total, rate)
 
     def __exit__(self, *exc):
         if self.bar is not None:

@@ -92,6 +92,10 @@ class PreparedLoader:
 
     def _assign(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Sources and per-source sample numbers of the next `count` global samples; advances the position."""
+        if len(self.stores) == 1:
+            numbers = self.position + np.arange(count)
+            self.position, self.consumed[0] = self.position + count, self.position + count
+            return np.zeros(count, np.int64), numbers
         sources, numbers = np.empty(count, np.int64), np.empty(count, np.int64)
         for i in range(count):
             s = int(np.argmax(self.weights * (self.position + i + 1) - self.consumed))
@@ -161,7 +165,7 @@ def build_prepared_loader(cfg: DataConfig, tokenizer, *, seed: int, seq_len: int
         raise ConfigError(f"data.prepared={cfg.prepared!r} and data.{'path' if cfg.path else 'name'} are both set; a run "
                           "trains from one or the other. Drop data.path / data.name (the store records its source).")
     sources = parse_prepared(cfg.prepared)
-    stores = [TokenStore(path) for path, _ in sources]
+    stores = [TokenStore(path, sample_seed=dp_rank) for path, _ in sources]  # ranks check different chunks
     window = seq_len + 1
     for store in stores:
         store.check_tokenizer(tokenizer)

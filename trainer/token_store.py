@@ -9,9 +9,10 @@
     DIR/held_out/       the documents held out for evaluation, a store of the same form
 
 The manifest is written last and the directory published by one rename, so a store that exists is
-whole. Opening one checks its sizes and the hashes of its small files; each chunk of tokens is
-checked against its hash the first time this process reads from it, so an edited byte is found
-before it reaches a batch, and a rank that reads 1/dp of the windows hashes only what it touches.
+whole. Opening one checks every file's size (a truncated store), the hashes of the small files and
+of a sample of token chunks (the first, the last and a few more chosen by the reader's seed, so
+the data-parallel ranks together check different ones): a few MiB per rank, so a rank's cost stays
+its windows. Every chunk is checked by `trillion prepare-data --verify DIR`.
 """
 import hashlib
 import json
@@ -20,10 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from trillion.errors import ConfigError, RunAborted
+from trillion.errors import ConfigError
 
 FORMAT, VERSION = "trillion-token-store", 1
 CHUNK_BYTES = 1 << 20
+SAMPLED_CHUNKS = 8  # checked at open besides the first and the last
 TOKENS, DOCUMENTS, CHUNKS, MANIFEST = "tokens.bin", "documents.npy", "chunks.sha256", "manifest.json"
 HELD_OUT = "held_out"  # the sub-store of the documents held out for evaluation
 
@@ -86,9 +88,10 @@ def write_store(out: Path, token_parts, dtype: np.dtype, manifest: dict) -> dict
 
 class TokenStore:
     """One store, opened for reading: `tokens(start, stop)` and `documents()`. `setting` names the
-    config setting that pointed here, for the messages."""
+    config setting that pointed here, for the messages; `sample_seed` picks the chunks checked
+    (None: none, for a caller that checks them all)."""
 
-    def __init__(self, path: str | Path, setting: str = "data.prepared"):
+    def __init__(self, path: str | Path, setting: str = "data.prepared", sample_seed: int | None = 0):
         self.path, self.setting = Path(path), setting
         manifest_file = self.path / MANIFEST
         if not manifest_file.is_file():
@@ -111,8 +114,15 @@ class TokenStore:
         self.n_tokens = self.manifest["n_tokens"]
         self.chunk_tokens = self.manifest["chunk_bytes"] // self.dtype.itemsize
         self._chunk_hashes = (self.path / CHUNKS).read_bytes()
-        self._verified = np.zeros(len(self._chunk_hashes) // 32, dtype=bool)
+        self.n_chunks = len(self._chunk_hashes) // 32
         self._tokens = np.memmap(self.path / TOKENS, dtype=self.dtype, mode="r") if self.n_tokens else np.zeros(0, self.dtype)
+        if self.n_chunks and sample_seed is not None:
+            self._check_sample(np.random.default_rng(sample_seed))
+
+    def _check_sample(self, rng) -> None:
+        sample = rng.choice(self.n_chunks, min(SAMPLED_CHUNKS, self.n_chunks), replace=False).tolist()
+        if bad := self.damaged_chunks(sorted({0, self.n_chunks - 1, *sample})):
+            raise ConfigError(f"{self.describe_chunks(bad)}. Prepare it again with `trillion prepare-data`.")
 
     def _check_files(self) -> None:
         for name, expected in self.manifest["files"].items():
@@ -139,17 +149,21 @@ class TokenStore:
                               f"this run's tokenizer is {describe_tokenizer(mine)}. Set the run's tokenizer.kind / "
                               "tokenizer.path to the store's, or prepare the data again with this run's tokenizer.")
 
+    def damaged_chunks(self, chunks) -> list[int]:
+        """The chunks among `chunks` whose tokens do not match their hash."""
+        size = self.chunk_tokens
+        return [c for c in chunks if hashlib.sha256(self._tokens[c * size:(c + 1) * size].tobytes()).digest()
+                != self._chunk_hashes[32 * c:32 * c + 32]]
+
+    def describe_chunks(self, chunks: list[int]) -> str:
+        ranges = ", ".join(f"{c * self.chunk_tokens} to {min((c + 1) * self.chunk_tokens, self.n_tokens)}"
+                           for c in chunks[:5])
+        more = f" and {len(chunks) - 5} more chunks" if len(chunks) > 5 else ""
+        return (f"{self.setting}={str(self.path)!r}: tokens {ranges}{more} of {TOKENS} do not match their hash in "
+                f"{CHUNKS}; the store was edited or damaged")
+
     def tokens(self, start: int, stop: int) -> np.ndarray:
-        """tokens[start:stop] as int64, each chunk it touches checked against its hash once."""
-        first, last = start // self.chunk_tokens, (stop - 1) // self.chunk_tokens
-        for chunk in np.flatnonzero(~self._verified[first:last + 1]) + first:
-            piece = self._tokens[chunk * self.chunk_tokens:(chunk + 1) * self.chunk_tokens]
-            if hashlib.sha256(piece.tobytes()).digest() != self._chunk_hashes[32 * chunk:32 * chunk + 32]:
-                raise RunAborted(f"{self.setting}={str(self.path)!r}: tokens {chunk * self.chunk_tokens} to "
-                                 f"{(chunk + 1) * self.chunk_tokens} of {TOKENS} do not match their hash in "
-                                 f"{CHUNKS}; the store was edited or damaged. Prepare it again with "
-                                 "`trillion prepare-data`.")
-            self._verified[chunk] = True
+        """tokens[start:stop] as int64, read from the memory map."""
         return self._tokens[start:stop].astype(np.int64)
 
     def documents(self) -> np.ndarray:

@@ -138,25 +138,28 @@ def test_truncated_or_edited_stores_are_detected(tmp_path, store):
     with open(copy / "tokens.bin", "r+b") as f:  # the right size again, one token changed
         f.seek(size - 2)
         f.write(b"\x01\x00")
-    opened = TokenStore(copy)  # sizes right: the edit is found when its chunk is read
-    with pytest.raises(RunAborted, match="do not match their hash"):
-        opened.tokens(opened.n_tokens - 5, opened.n_tokens)
+    with pytest.raises(ConfigError, match="do not match their hash"):  # sizes right: the last chunk is always checked
+        TokenStore(copy)
+    with open(copy / "tokens.bin", "r+b") as f:
+        f.seek(size - 2)
+        f.write(b"\x00\x01")
     (copy / "documents.npy").write_bytes((copy / "documents.npy").read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(ConfigError, match="documents.npy does not match the sha256"):
         TokenStore(copy)
 
 
-def test_an_edit_is_found_in_the_chunk_read_and_only_there(tmp_path, corpus, monkeypatch):
+def test_verify_finds_an_edit_in_any_chunk(tmp_path, corpus, monkeypatch, caplog):
     monkeypatch.setattr(token_store, "CHUNK_BYTES", 4096)  # 2048 tokens a chunk: many chunks
     out = tmp_path / "small-chunks.tokens"
     prepare_data.prepare(load_config(None, [f"--data.path={corpus}"]), out, workers=1)
+    with caplog.at_level(logging.INFO, logger="trillion"):
+        assert prepare_data.main(["--verify", str(out)]) == 0
+    assert "match their hashes" in caplog.text
     with open(out / "tokens.bin", "r+b") as f:
         f.seek(4096 * 3 + 10)
         f.write(b"\x07\x00")
-    opened = TokenStore(out)
-    opened.tokens(0, 3 * 2048)  # chunks 0-2 untouched
-    with pytest.raises(RunAborted, match="tokens 6144 to 8192"):
-        opened.tokens(3 * 2048 + 100, 3 * 2048 + 200)
+    with pytest.raises(RunAborted, match="tokens 6144 to 8192 of tokens.bin do not match"):
+        prepare_data.main(["--verify", str(out)])
 
 
 def test_interrupted_prepare_resumes_and_never_leaves_out_half_written(tmp_path, corpus, store, monkeypatch, caplog):
