@@ -9,10 +9,11 @@ the store) on the default corpus with 1 and 2 workers, for the byte tokenizer an
 tokenizer trained here with the `tokenizers` library on part of the same corpus (no network).
 
 loader: simulated ranks: in one process, the loader of rank 0 of D (and of rank D - 1) is built
-as `trillion train` builds it and timed over several global batches of G sequences of seq_len
-tokens, after a warm-up batch. The on-the-fly loader tokenizes and packs the whole global batch
-on every rank to keep G/D of it; the prepared loader reads only its G/D windows from the memory
-map (the store is in the page cache here: a cold parallel file system adds its read latency).
+as `trillion train` builds it and timed per global batch of G sequences of seq_len tokens: the
+median of repeated batches after a warm-up one (experiments/bench/timing.py). The on-the-fly
+loader tokenizes and packs the whole global batch on every rank to keep G/D of it; the prepared
+loader reads only its G/D windows from the memory map (the store is in the page cache here: a
+cold parallel file system adds its read latency).
 Reported per rank: milliseconds per global batch and the tokens/s that rank's loader delivers,
 next to what one H100 consumes training Llama 3 8B (torchtitan's 5,762 tokens/s/GPU) and a 1B
 model at 40% MFU.
@@ -21,9 +22,12 @@ import argparse
 import logging
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from experiments.bench.timing import median_seconds  # noqa: E402
 from trillion.devices import lookup_device
 from trillion.models import get_preset
 from trillion.models.flops import model_flops_per_token
@@ -60,16 +64,12 @@ def measure_prepare(root: Path, kind: str, bpe: Path, workers: int, data: list[s
 
 
 def measure_loader(kind: str, store: Path, tokenizer, dp: int, rank: int, seq_len: int, global_batch: int,
-                   batches: int, data: list[str]) -> float:
-    """Seconds per global batch of rank `rank` of `dp` data-parallel ranks."""
+                   repeats: int, data: list[str]) -> float:
+    """Median seconds per global batch of rank `rank` of `dp` data-parallel ranks, after a warm-up batch."""
     data_config = load_config(None, [f"--data.prepared={store}"] if kind == "prepared" else data).data
     loader = build_data_loader(data_config, tokenizer, seed=0, seq_len=seq_len, global_batch_size=global_batch,
                                micro_batch_size=global_batch // dp, held_out=0.01, dp_rank=rank, dp_size=dp)
-    loader.next_batch()  # warm-up: opening, first reads
-    start = time.perf_counter()
-    for _ in range(batches):
-        loader.next_batch()
-    return (time.perf_counter() - start) / batches
+    return median_seconds(loader.next_batch, torch.device("cpu"), warmup=1, repeats=repeats)
 
 
 def h100_needs(seq_len: int) -> str:
@@ -84,7 +84,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--smoke", action="store_true", help="a tiny subset of the corpus, for the tests")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--global-batch", type=int, default=64, help="sequences per global batch (a multiple of 64)")
-    parser.add_argument("--batches", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=50, help="timed global batches of the prepared loader")
+    parser.add_argument("--on-the-fly-repeats", type=int, default=3, help="timed global batches of the on-the-fly loader")
     parser.add_argument("--bpe-vocab", type=int, default=16384)
     parser.add_argument("--bpe-documents", type=int, default=300, help="default-corpus documents to train the BPE on")
     args = parser.parse_args(argv)
@@ -98,7 +99,8 @@ def main(argv: list[str]) -> int:
             corpus = root / "subset.jsonl"
             corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in build_documents(Data(), 0).iterate(0, 12)))
             data = [f"--data.path={corpus}"]
-            args.seq_len, args.global_batch, args.batches, args.bpe_vocab, args.bpe_documents = 64, 64, 2, 400, 12
+            args.seq_len, args.global_batch, args.bpe_vocab, args.bpe_documents = 64, 64, 400, 12
+            args.repeats, args.on_the_fly_repeats = 3, 2
         bpe = train_bpe(root / "bpe.json", args.bpe_documents, args.bpe_vocab)
         prepared = [measure_prepare(root, kind, bpe, workers, data) for kind in ("byte", "bpe") for workers in (1, 2)]
         print("\n## prepare-data\n")
@@ -113,14 +115,17 @@ def main(argv: list[str]) -> int:
         print("|---|---|---|---|")
         tokenizer = build_tokenizer(load_config(None, tokenizer_args("bpe", bpe)).tokenizer)
         store = next(row["store"] for row in prepared if row["tokenizer"] == "bpe")
+        per_rank = {}
         for kind in ("prepared", "on-the-fly"):
+            repeats = args.repeats if kind == "prepared" else args.on_the_fly_repeats
             for dp in (1, 8, 64):
-                seconds = [measure_loader(kind, store, tokenizer, dp, rank, args.seq_len, args.global_batch,
-                                          args.batches, data) for rank in sorted({0, dp - 1})]
-                local_tokens = args.global_batch // dp * args.seq_len
-                print(f"| {kind} | {dp} | {' / '.join(f'{1e3 * s:.2f}' for s in seconds)} | "
-                      f"{local_tokens / max(seconds):,.0f} |")
-        print(f"\nFor scale: {h100_needs(args.seq_len)}.")
+                seconds = [measure_loader(kind, store, tokenizer, dp, rank, args.seq_len, args.global_batch, repeats,
+                                          data) for rank in sorted({0, dp - 1})]
+                per_rank[kind, dp] = args.global_batch // dp * args.seq_len / max(seconds)
+                print(f"| {kind} | {dp} | {' / '.join(f'{1e3 * s:.2f}' for s in seconds)} | {per_rank[kind, dp]:,.0f} |")
+        print(f"\nFor scale: {h100_needs(args.seq_len)}. At dp 64 one rank's prepared loader delivers "
+              f"{per_rank['prepared', 64] / TORCHTITAN_LLAMA3_8B_H100:,.0f}x the Llama 3 8B figure, the on-the-fly "
+              f"one {per_rank['on-the-fly', 64] / TORCHTITAN_LLAMA3_8B_H100:.2f}x.")
     return 0
 
 
