@@ -87,11 +87,11 @@ class HFDocuments:
     def __len__(self) -> int:
         return len(self.dataset)  # not for a streamed dataset
 
-    def iterate(self, start: int, stop: int | None = None):
+    def iterate(self, start: int, stop: int | None = None):  # stop: not for a streamed dataset
         import datasets
 
         if isinstance(self.dataset, datasets.IterableDataset):
-            rows = self.dataset.skip(start) if stop is None else self.dataset.skip(start).take(stop - start)
+            rows = self.dataset.skip(start)
         else:
             rows = self.dataset.select(range(start, len(self.dataset) if stop is None else stop))
         for row in rows:

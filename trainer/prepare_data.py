@@ -98,15 +98,16 @@ def prepare(config, out: Path, workers: int) -> dict:
     if len(todo) < len(shards):
         log.info("prepare-data: resuming %s, %d of %d shards already tokenized", staging, len(shards) - len(todo),
                  len(shards))
-    job = (data, config.tokenizer, config.job.seed, held_out, staging, shard_documents)
+    job = (documents, tokenizer, held_out, staging, shard_documents)
     with _Progress(len(shards), len(shards) - len(todo), "tokenize shards") as progress:
         if workers == 1:
             _init_worker(*job)
             for i in todo:
                 progress.advance(_tokenize_shard(i))
         else:
-            # fork: workers start in milliseconds without re-importing torch; the parent has run no
-            # tokenizer or torch threads (tokenizers' parallelism is off), which is what makes fork safe
+            # fork: workers start in milliseconds, without re-importing torch, and inherit the opened
+            # documents and tokenizer; the parent has run no tokenizer or torch threads (tokenizers'
+            # parallelism is off), which is what makes fork safe
             context = multiprocessing.get_context("fork")
             with context.Pool(workers, initializer=_init_worker, initargs=job) as pool:
                 for tokens in pool.imap_unordered(_tokenize_shard, todo):
@@ -172,9 +173,8 @@ def _load_shard(staging: Path, index: int, split: str = "") -> tuple[np.ndarray,
 _WORKER = {}
 
 
-def _init_worker(data, tokenizer_config, seed, held_out, staging, shard_documents) -> None:
-    tokenizer = build_tokenizer(tokenizer_config)
-    _WORKER.update(documents=build_documents(data, seed), tokenizer=tokenizer, held_out=held_out, staging=staging,
+def _init_worker(documents, tokenizer, held_out, staging, shard_documents) -> None:
+    _WORKER.update(documents=documents, tokenizer=tokenizer, held_out=held_out, staging=staging,
                    shard_documents=shard_documents, dtype=token_dtype(tokenizer.vocab_size))
 
 

@@ -88,7 +88,6 @@ class PreparedLoader:
         self.local = global_batch_size // dp_size
         self.dp_rank = dp_rank
         self.position, self.consumed = 0, np.zeros(len(stores), dtype=np.int64)
-        self._permutations = {}
 
     def _assign(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """Sources and per-source sample numbers of the next `count` global samples; advances the position."""
@@ -112,11 +111,8 @@ class PreparedLoader:
             return places
         out = np.empty_like(places)
         for epoch in np.unique(epochs):
-            key = (source, int(epoch))
-            if key not in self._permutations:  # the newest epochs only: a run moves forward
-                self._permutations = {k: v for k, v in self._permutations.items() if k[0] != source}
-                self._permutations[key] = WindowPermutation(per_epoch, (self.seed, source, int(epoch)))
-            out[epochs == epoch] = self._permutations[key](places[epochs == epoch])
+            permutation = WindowPermutation(per_epoch, (self.seed, source, int(epoch)))
+            out[epochs == epoch] = permutation(places[epochs == epoch])
         return out
 
     def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

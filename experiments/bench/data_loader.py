@@ -20,6 +20,7 @@ model at 40% MFU.
 """
 import argparse
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -103,7 +104,8 @@ def main(argv: list[str]) -> int:
             args.repeats, args.on_the_fly_repeats = 3, 2
         bpe = train_bpe(root / "bpe.json", args.bpe_documents, args.bpe_vocab)
         prepared = [measure_prepare(root, kind, bpe, workers, data) for kind in ("byte", "bpe") for workers in (1, 2)]
-        print("\n## prepare-data\n")
+        print(f"\n## prepare-data (load average of this machine's {os.cpu_count()} CPUs: "
+              f"{os.getloadavg()[0]:.1f} after it)\n")
         print("| tokenizer | workers | tokens | seconds | tokens/s |")
         print("|---|---|---|---|---|")
         for row in prepared:
