@@ -25,10 +25,10 @@ def device_peak_flops(device: torch.device, configured_tflops: float) -> float |
         log.warning("MFU is not reported on CPU (no peak FLOP/s is known); set --metrics.peak_tflops to get one.")
         return None
     name = torch.cuda.get_device_name(device)
-    spec = lookup_device(name)
+    spec = lookup_device(name, torch.cuda.get_device_properties(device).multi_processor_count)
     if spec is None:
-        log.warning("MFU is not reported: device %r is not in the peak table (parallel/hardware.py); "
-                    "set --metrics.peak_tflops.", name)
+        log.warning("MFU is not reported: device %r is not in the peak table (trillion/devices.toml), or names "
+                    "two parts its compute-unit count does not tell apart; set --metrics.peak_tflops.", name)
         return None
     return spec.peak_tflops_bf16 * 1e12
 

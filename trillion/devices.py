@@ -1,7 +1,8 @@
 """Accelerators as data: peak dense FLOP/s per dtype, memory, bandwidth, power and kernel
 efficiencies, read from devices.toml beside this file (and devices.toml in any folder of
-TRILLION_HARDWARE_PATH, which overrides). It sits at the bottom of the package because the
-metrics (MFU), the planner and the dry run all look devices up here.
+TRILLION_HARDWARE_PATH, which overrides), with the fitted constants of fitted.toml applied. It sits
+at the bottom of the package because the metrics (MFU), the planner and the dry run all look
+devices up here.
 
 An unknown device gets no peak at all, never another device's (a bug class in peer trainers
 that produced MFU above 100%).
@@ -17,6 +18,7 @@ from pathlib import Path
 from trillion.errors import ConfigError
 
 DEVICES_FILE = Path(__file__).with_name("devices.toml")
+FITTED_FILE = Path(__file__).with_name("fitted.toml")
 
 
 @dataclass(frozen=True, eq=False)  # hashed by identity: the planner caches per profile object
@@ -31,6 +33,7 @@ class DeviceSpec:
     attention_efficiency: float = 0.0
     memory_efficiency: float = 0.0
     kernel_overhead_us: float = 0.0
+    compute_units: int = 0  # SMs / CUs: tells apart parts that report one driver name
 
     @property
     def peak_tflops_bf16(self) -> float:
@@ -74,30 +77,57 @@ def device_from_table(table: dict, where: str) -> DeviceSpec:
             attention_efficiency=float(table.get("attention_efficiency", 0.0)),
             memory_efficiency=float(table.get("memory_efficiency", 0.0)),
             kernel_overhead_us=float(table.get("kernel_overhead_us", 0.0)),
+            compute_units=int(table.get("compute_units", 0)),
         )
     except KeyError as missing:
         raise ConfigError(f"{where}: a device needs {missing.args[0]!r} (see {DEVICES_FILE}).") from None
 
 
+def fitted_constants() -> list[dict]:
+    """fitted.toml's entries: the performance model's only constants fitted to published runs."""
+    return read_toml(FITTED_FILE).get("fitted", [])
+
+
+def with_fitted(table: dict, fitted: list[dict]) -> dict:
+    """A device table with the fitted scalars that name it filled in (a device's own value wins)."""
+    table = dict(table)
+    for entry in fitted:
+        if table["name"] in entry["devices"] and entry["field"] == "gemm_plateau" and "gemm_efficiency" not in table:
+            table["gemm_efficiency"] = [[1e12, entry["value"]]]
+    return table
+
+
 @cache
 def _devices() -> dict[str, DeviceSpec]:
-    devices = {}
+    devices, fitted = {}, fitted_constants()
     for path in [DEVICES_FILE] + [d / DEVICES_FILE.name for d in reversed(search_dirs())]:  # user files override
         if path.is_file():
             for table in read_toml(path).get("device", []):
-                devices[table["name"]] = device_from_table(table, str(path))
+                devices[table["name"]] = device_from_table(with_fitted(table, fitted), str(path))
     return devices
 
 
 DEVICES: dict[str, DeviceSpec] = _devices()
 
 
-def lookup_device(device_name: str) -> DeviceSpec | None:
-    """The spec whose name pattern occurs in the driver's device name, or None."""
+def lookup_device(device_name: str, compute_units: int = 0) -> DeviceSpec | None:
+    """The spec whose name pattern occurs in the driver's device name, or None.
+
+    The longest matching pattern names the device ("GH200" also holds "h200", "H100 NVL" holds
+    "h100"). A name in which another device's pattern still occurs outside that match names two
+    parts ("AMD Instinct MI250X / MI250": the MI250's GCDs report it too); then the compute-unit
+    count decides, and without one that matches, no device is better than the wrong peak.
+    """
     lowered = device_name.lower()
-    matches = [s for s in DEVICES.values() if any(p in lowered for p in s.name_patterns)]
-    # "GH200" also contains "h200": the longest matching pattern is the specific one.
-    matches.sort(key=lambda s: -max(len(p) for p in s.name_patterns if p in lowered))
-    return matches[0] if matches else None
-
-
+    def matched(text: str) -> list[tuple[int, DeviceSpec, str]]:
+        return sorted(((len(p), s, p) for s in DEVICES.values() for p in s.name_patterns if p in text),
+                      key=lambda m: -m[0])
+    matches = matched(lowered)
+    if not matches:
+        return None
+    _, best, pattern = matches[0]
+    others = {s.name: s for _, s, _ in matched(lowered.replace(pattern, " ")) if s is not best}
+    if not others:
+        return best
+    candidates = [best, *others.values()]
+    return next((s for s in candidates if compute_units and s.compute_units == compute_units), None)

@@ -2,27 +2,35 @@
 
   python experiments/frontier/report.py [--out experiments/frontier]
 
-Every figure in the report comes from this script and the planner (parallel/planner*.py) with the
-shipped hardware profiles; the paper's figures are PAPER.md's.
+Every figure in the report comes from this script and the planner (parallel/planner/) with the
+shipped hardware profiles; the paper's runs are experiments/validation/runs.toml's (from the paper,
+Dash et al., arXiv 2312.12705).
 """
 import argparse
 import dataclasses
+import sys
 from pathlib import Path
 
+from trillion.devices import fitted_constants
 from trillion.models.presets import get_preset
 from trillion.parallel.planner.hardware import load_profile
 from trillion.parallel.planner.search import Request, evaluate, metrics, scaling, search
 from trillion.parallel.planner.layout import Layout
 
+sys.path.insert(0, str(Path(__file__).parents[1] / "validation"))
+from validate import load_runs, refit, run_layout, with_plateau  # noqa: E402  (a sibling script, not a package)
+
 SEQ_LEN = 2048
-# The paper's layouts (PAPER.md, "Parallel configurations"), in Trillion's terms: ZeRO-0 data
-# parallelism is dp_replicate, ZeRO-1 is dp_shard with zero1; all fp16 with full checkpointing, 1F1B.
-PAPER_RUNS = [  # model, GCDs, global batch, layout, reported % of peak (Megatron hardware FLOPs)
-    ("gpt-22b", 16, 640, Layout(1, 8, 2, 1, "zero3", "1F1B", 1, 1, 320, "full"), 38.38),
-    ("gpt-175b", 128, 640, Layout(4, 16, 1, 2, "zero1", "1F1B", 1, 1, 320, "full"), 36.14),
-    ("gpt-1t", 1024, 1024, Layout(4, 128, 1, 2, "zero1", "1F1B", 1, 1, 512, "full"), 31.96),
-]
-PAPER_SCALING = {"gpt-175b": (1024, 1.0, 0.8993), "gpt-1t": (3072, 1.0, 0.8705)}  # GCDs, weak, strong
+_RUNS = {run["id"]: run for run in load_runs()}
+# The paper's layouts in Trillion's terms (ZeRO-0 data parallelism is dp_replicate, ZeRO-1 is
+# dp_shard with zero1; all fp16, full checkpointing, 1F1B): model, GCDs, global batch, layout,
+# reported % of peak (Megatron hardware FLOPs).
+PAPER_RUNS = [(r["model"], r["gpus"], r["global_batch"], run_layout(r, r["gpus"]), 100 * r["published"])
+              for r in (_RUNS["frontier-22b"], _RUNS["frontier-175b"], _RUNS["frontier-1t"])]
+PAPER_SCALING = {model: (_RUNS[f"frontier-{size}-weak"]["gpus"][1], _RUNS[f"frontier-{size}-weak"]["published"],
+                         _RUNS[f"frontier-{size}-strong"]["published"])
+                 for model, size in (("gpt-175b", "175b"), ("gpt-1t", "1t"))}  # GCDs, weak, strong
+FIT = next(e for e in fitted_constants() if "frontier-22b" in e["fitted_to"])
 SCALING_GPUS = {"gpt-175b": [128, 256, 512, 1024], "gpt-1t": [1024, 1536, 2048, 3072]}
 BUDGET_TOKENS = 20e12
 
@@ -33,10 +41,8 @@ def paper_prediction(run, hardware=None) -> dict:
     return metrics(request, evaluate(request, layout))
 
 
-def _scaled_gemm(factor: float):
-    frontier = load_profile("frontier")
-    device = dataclasses.replace(frontier.device, gemm_efficiency=tuple((s, e * factor) for s, e in frontier.device.gemm_efficiency))
-    return dataclasses.replace(frontier, device=device)
+def _plateau(value: float):
+    return with_plateau(load_profile("frontier"), FIT, value)
 
 
 def _fixed(layout: Layout) -> dict:
@@ -65,23 +71,30 @@ def section_table(lines: list[str]) -> None:
         pred = 100 * r["megatron_share_of_peak"]
         lines.append(f"| {run[0]} | {run[1]} | {_layout_text(r)} | {run[4]:.2f} | {pred:.2f} | {100 * (pred / run[4] - 1):+.1f}% "
                      f"| {_shares(r)} | {r['memory_gb']:.1f} |")
+    rows = [paper_prediction(run) for run in PAPER_RUNS]
+    share = {run[0]: r["time_shares"] for run, r in zip(PAPER_RUNS, rows)}
+    alone = refit(FIT, [_RUNS["frontier-22b"]])
     lines += ["", "What carries the agreement:", "",
-              "- **The GEMM efficiency curve** sets the level. Its scale is the one fitted figure: the MI250X curve's "
-              "plateau of 0.455 (87 TFLOP/s) minimizes the largest error of the three. AxoNN's later 125 TFLOP/s "
-              "(0.65) ceiling is what tuned rocBLAS reaches; the paper's Megatron-DeepSpeed on ROCm 5.4 did not.",
-              "- **The differences between the models are predicted, not fitted**: the pipeline bubble (p-1)/(m+p-1) "
-              "(2% for 22B, 4.5% for 175B, 20% for 1T with 128 stages and 512 micro-batches), the imbalance of the "
-              "last stage, which also runs the 50,688-wide output layer (one layer per stage for 1T makes it 12% "
-              "slower than the others), exposed TP all-reduces on the 100 GB/s links between two MI250X (175B, 1T), "
-              "and attention's falling share of the FLOPs as the hidden size grows.",
+              f"- **The GEMM efficiency** sets the level. Its plateau is the one fitted figure (trillion/fitted.toml): "
+              f"{FIT['value']} of peak ({FIT['value'] * 191.5:.0f} TFLOP/s), the value minimizing the squared log errors "
+              "of the three rows (`python experiments/validation/validate.py --refit` recomputes it; VALIDATION.md gives "
+              "each row's error with the plateau fitted to the other two). AxoNN's later 125 TFLOP/s (0.65) ceiling is "
+              "what tuned rocBLAS reaches; the paper's Megatron-DeepSpeed on ROCm 5.4 did not.",
+              "- **The differences between the models are predicted, not fitted**: the pipeline bubble ("
+              + ", ".join(f"{100 * share[m]['bubble']:.1f}% of the step for {m}" for m, *_ in PAPER_RUNS)
+              + "), the imbalance of the last stage, which also runs the 50,688-wide output layer ("
+              + ", ".join(f"{100 * share[m]['imbalance']:.1f}%" for m, *_ in PAPER_RUNS)
+              + "), exposed TP all-reduces on the 100 GB/s links between two MI250X ("
+              + ", ".join(f"{100 * share[m]['tp_exposed']:.1f}%" for m, *_ in PAPER_RUNS)
+              + "), and attention's falling share of the FLOPs as the hidden size grows.",
               "- **Overlap**: TP collectives are not overlapped (Megatron's and DTensor's run on the compute stream); "
               "pipeline sends overlap except in the fill and drain; data-parallel collectives hide behind compute. "
               "At these batch sizes DP and PP traffic cost under 1%.", "",
               "Sensitivity (same layouts, error against the paper):", "",
               "| assumption | 22B | 175B | 1T |", "|---|---|---|---|"]
-    for label, hardware in (("fitted curve (shipped profile)", None),
-                            ("curve fitted to 22B alone (x0.98)", _scaled_gemm(0.98)),
-                            ("AxoNN's 0.65 GEMM ceiling (x1.43)", _scaled_gemm(0.65 / 0.455))):
+    for label, hardware in ((f"fitted plateau {FIT['value']} (shipped)", None),
+                            (f"plateau fitted to 22B alone ({alone})", _plateau(alone)),
+                            ("AxoNN's 0.65 GEMM ceiling", _plateau(0.65))):
         errors = [100 * (100 * paper_prediction(run, hardware)["megatron_share_of_peak"] / run[4] - 1) for run in PAPER_RUNS]
         lines.append(f"| {label} | " + " | ".join(f"{e:+.1f}%" for e in errors) + " |")
     lines.append("")
@@ -102,9 +115,11 @@ def section_search(lines: list[str]) -> None:
                          f"| {100 * r['mfu']:.1f}% | {_shares(r)} | {r['memory_gb']:.1f} |")
         lines.append(f"| **{model}: search / paper** | | **{best['tokens_per_s'] / paper['tokens_per_s']:.2f}x** | | | | |")
     lines += ["", "Why the search wins (read the share columns): it stops recomputing what fits in memory "
-              "(selective or no checkpointing saves up to a third of the compute), and for 1T it removes most of "
-              "the 20% bubble and the output-layer imbalance with fewer, V-shaped zero-bubble stages "
-              "(ZBVZeroBubble fills the fill and drain with deferred weight-gradient passes).", ""]
+              "(selective or no checkpointing saves up to a third of the compute), and it shrinks the pipeline bubble "
+              "and the output-layer imbalance, with V-shaped zero-bubble stages (ZBVZeroBubble fills the fill and "
+              "drain with deferred weight-gradient passes) or with no pipeline at all where FSDP's all-gathers hide "
+              "behind the compute of large micro-batches (the planner lets collectives overlap compute completely, "
+              "except each block's first all-gather and last reduce-scatter).", ""]
 
 
 def section_scaling(lines: list[str], out: Path) -> None:

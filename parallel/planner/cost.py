@@ -1,11 +1,12 @@
 """Step time of a layout on a machine: compute, pipeline bubble and imbalance, and the exposed
 part of TP, PP and DP communication, and the optimizer step.
 
-Compute per layer per micro-batch: each GEMM at the device's measured efficiency for its size,
-flash attention (causal: half of the 4 b s^2 h the FLOP formulas count) at the device's attention
-efficiency, element-wise kernels (norms, residuals, activation functions, layout copies) at the
-device's memory bandwidth, and a launch overhead per kernel. Backward GEMMs split into the input
-gradient (Bi) and the weight gradient (Bw), which is what zero-bubble schedules move around.
+Compute per layer per micro-batch: each GEMM at the device's large-GEMM efficiency or, if slower,
+at the memory bandwidth its operands need (the roofline), flash attention (causal: half of the
+4 b s^2 h the FLOP formulas count) at the device's attention efficiency, the element-wise
+kernels work.py counts (eager or compiled) at the device's memory bandwidth, and a launch
+overhead per kernel. Backward GEMMs split into the input gradient (Bi) and the weight gradient
+(Bw), which is what zero-bubble schedules move around.
 
 Communication (ring collectives, 2(n-1)/n of the bytes per all-reduce, half that for an
 all-gather or reduce-scatter, on the slowest link the group spans; the mesh puts tp innermost,
@@ -14,9 +15,12 @@ then dp_shard, dp_replicate, pp, as the trainer's DeviceMesh does):
       never overlapped (DTensor TP runs them on the compute stream).
   PP: one activation per micro-batch per stage boundary; in steady state the sends overlap the
       next micro-batch, so only the fill and drain (2 (p v - 1) transfers) are exposed.
-  DP: per ZeRO mode (planner_memory's docstring); FSDP2 prefetching hides collectives behind
-      compute up to DP_OVERLAP of it, except the first all-gather and last reduce-scatter of each
-      chunk of each micro-batch; per-step collectives hide behind one micro-batch's backward.
+  DP: per ZeRO mode (memory.py's docstring); collectives run on their own streams and FSDP2
+      prefetches one block ahead, so they hide behind compute as long as it lasts, except the
+      first all-gather and last reduce-scatter of each chunk of each micro-batch; per-step
+      collectives hide behind one micro-batch's backward. FSDP2's copies into and out of the
+      collective buffers are memory passes on the compute stream (work.py).
+Optimizer: AdamW and gradient clipping on the rank's shard, at memory bandwidth (work.py).
 """
 from dataclasses import dataclass, fields
 from functools import lru_cache
@@ -24,11 +28,11 @@ from functools import lru_cache
 from trillion.models.args import ModelArgs
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.layout import Layout, bubble_slots, get_schedule
-from trillion.parallel.planner.memory import ACTIVATION_BYTES, RankParams, checkpointed_layers, pipeline_ranks
-
-DP_OVERLAP = 0.9
-KERNELS_PER_LAYER_FORWARD = 16  # 7 GEMMs, attention, 2 norms, 2 residuals, activation, copy, 2 SP collectives
-CROSS_ENTROPY_BYTES_PER_LOGIT = 14  # bf16 read, fp32 cast, log-softmax read and write
+from trillion.parallel.planner.memory import ACTIVATION_BYTES, RankParams, pipeline_ranks
+from trillion.parallel.planner.work import (
+    BACKWARD_ELEMENTWISE, CROSS_ENTROPY_BYTES_PER_LOGIT, FSDP_GATHER_COPY_BYTES, FSDP_REDUCE_COPY_BYTES,
+    OPTIMIZER_BYTES_PER_PARAM, elementwise_kernels, elementwise_per_token,
+)
 
 
 @dataclass(frozen=True)
@@ -68,7 +72,9 @@ class StepTime:
 def _gemm(hw: HardwareProfile, m: int, k: int, n: int) -> float:
     flops = 2.0 * m * k * n
     device = hw.device
-    return flops / (device.peak_tflops_bf16 * 1e12 * device.gemm_share_of_peak(flops)) + device.kernel_overhead_us * 1e-6
+    compute = flops / (device.peak_tflops_bf16 * 1e12 * device.gemm_share_of_peak(flops))
+    operands = _memory_bound(hw, hw.element_bytes * (m * k + k * n + m * n))
+    return max(compute, operands) + device.kernel_overhead_us * 1e-6
 
 
 def _memory_bound(hw: HardwareProfile, nbytes: float) -> float:
@@ -86,7 +92,7 @@ def collective_time(hw: HardwareProfile, nbytes: float, group: int, span: int, k
 
 
 @lru_cache(maxsize=8192)
-def layer_passes(args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int, tp: int) -> Passes:
+def layer_passes(args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int, tp: int, compiled: bool) -> Passes:
     """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs."""
     h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
     tokens = batch * seq_len
@@ -96,12 +102,11 @@ def layer_passes(args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int,
     gemm = sum(_gemm(hw, tokens, k, n) for k, n in gemms)
     attention_flops = 2.0 * tokens * seq_len * q / tp
     attention = attention_flops / (hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency)
-    elementwise_elems = tokens * (10 * h / tp + (2 * q + (5 if args.mlp == "swiglu" else 2) * f) / tp)
-    elementwise = _memory_bound(hw, elementwise_elems * ACTIVATION_BYTES)
-    launches = KERNELS_PER_LAYER_FORWARD * hw.device.kernel_overhead_us * 1e-6
+    elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled) * hw.element_bytes)
+    launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
     tp_comm = 2 * collective_time(hw, tokens * h * ACTIVATION_BYTES, tp, tp, "all_reduce")
     return Passes(forward=gemm + attention + elementwise + launches + tp_comm,
-                  input_grad=gemm + 2.5 * attention + 2 * elementwise + launches + tp_comm,
+                  input_grad=gemm + 2.5 * attention + BACKWARD_ELEMENTWISE * (elementwise + launches) + tp_comm,
                   weight_grad=gemm, tp_forward=tp_comm, tp_backward=tp_comm)
 
 
@@ -109,7 +114,7 @@ def layer_passes(args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int,
 def output_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) -> Passes:
     """Final norm, output projection (vocabulary-parallel) and cross-entropy."""
     gemm = _gemm(hw, tokens, args.dim, args.vocab_size // tp)
-    loss = _memory_bound(hw, tokens * args.vocab_size / tp * CROSS_ENTROPY_BYTES_PER_LOGIT)
+    loss = _memory_bound(hw, tokens * args.vocab_size / tp * CROSS_ENTROPY_BYTES_PER_LOGIT * hw.element_bytes / 2)
     gather = collective_time(hw, tokens * args.dim * ACTIVATION_BYTES, tp, tp, "all_gather")
     return Passes(forward=gemm + loss + gather, input_grad=gemm + loss + gather, weight_grad=gemm,
                   tp_forward=gather, tp_backward=gather)
@@ -117,14 +122,24 @@ def output_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) ->
 
 @lru_cache(maxsize=65536)
 def rank_passes(args: ModelArgs, hw: HardwareProfile, micro_batch_size: int, seq_len: int, tp: int,
-                activation_checkpoint: str, rank: RankParams) -> tuple[Passes, Passes]:
+                activation_checkpoint: str, compiled: bool, rank: RankParams) -> tuple[Passes, Passes]:
     """(passes of one micro-batch through all of the rank's layers, the recomputed forwards)."""
-    layer = layer_passes(args, hw, micro_batch_size, seq_len, tp)
+    layer = layer_passes(args, hw, micro_batch_size, seq_len, tp, compiled)
     total = layer * rank.layers
     if rank.last:
         total = total + output_passes(args, hw, micro_batch_size * seq_len, tp)
-    checkpointed = checkpointed_layers(activation_checkpoint, rank.layers)
-    return total, Passes(forward=layer.forward, tp_forward=layer.tp_forward) * checkpointed
+    return total, Passes(forward=layer.forward, tp_forward=layer.tp_forward) * rank.checkpointed(activation_checkpoint)
+
+
+def fsdp_copies(hw: HardwareProfile, layout: Layout, tp_numel: int) -> float:
+    """Seconds per step of FSDP2's copies out of all-gather and into reduce-scatter buffers."""
+    if layout.dp_shard <= 1:
+        return 0.0
+    per_microbatch = {"zero3": 2 * FSDP_GATHER_COPY_BYTES + FSDP_REDUCE_COPY_BYTES, "zero2": FSDP_REDUCE_COPY_BYTES,
+                      "zero1": 0}[layout.dp_shard_mode]
+    per_step = {"zero3": 0, "zero2": FSDP_GATHER_COPY_BYTES,
+                "zero1": FSDP_GATHER_COPY_BYTES + FSDP_REDUCE_COPY_BYTES}[layout.dp_shard_mode]
+    return _memory_bound(hw, (layout.microbatches * per_microbatch + per_step) * tp_numel)
 
 
 def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankParams) -> tuple[float, float, float]:
@@ -143,11 +158,11 @@ def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankPara
 
 @lru_cache(maxsize=65536)
 def _pipeline(args: ModelArgs, hw: HardwareProfile, seq_len: int, tp: int, pp: int, v: int, schedule_name: str,
-              micro_batch_size: int, activation_checkpoint: str) -> tuple:
+              micro_batch_size: int, activation_checkpoint: str, compiled: bool) -> tuple:
     """Per-micro-batch compute of the pipeline's ranks: (slowest rank index, its passes, its
     recompute, seconds of the slowest and of the mean rank, mean TP seconds). Independent of dp."""
     layout = Layout(tp, pp, 1, 1, "zero3", schedule_name, v, micro_batch_size, 1, activation_checkpoint)
-    timed = [rank_passes(args, hw, micro_batch_size, seq_len, tp, activation_checkpoint, rank)
+    timed = [rank_passes(args, hw, micro_batch_size, seq_len, tp, activation_checkpoint, compiled, rank)
              for rank in pipeline_ranks(args, layout)]
     per_rank = [ps.forward + rc.forward + ps.input_grad + ps.weight_grad for ps, rc in timed]
     slowest = max(range(pp), key=per_rank.__getitem__)
@@ -159,7 +174,8 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     schedule = get_schedule(layout.pp_schedule)
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     slowest, passes, recompute, worst, mean, tp_mean = _pipeline(
-        args, hw, seq_len, layout.tp, p, v, layout.pp_schedule, layout.micro_batch_size, layout.activation_checkpoint)
+        args, hw, seq_len, layout.tp, p, v, layout.pp_schedule, layout.micro_batch_size, layout.activation_checkpoint,
+        layout.compile)
     chunk = (passes.forward / v, recompute.forward / v, passes.input_grad / v, passes.weight_grad / v)
     bubble = max(0.0, sum(s * c for s, c in zip(bubble_slots(schedule, p), chunk))) if p > 1 else 0.0
 
@@ -171,13 +187,13 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     rank = pipeline_ranks(args, layout)[slowest]
     per_mb, after_backward, before_forward = dp_comm(args, hw, layout, rank)
     unhidden = m * v * per_mb / max(rank.layers, 1)
-    dp_exposed = (max(0.0, m * per_mb - DP_OVERLAP * m * worst) + unhidden
-                  + max(0.0, after_backward - DP_OVERLAP * (passes.input_grad + passes.weight_grad))
-                  + max(0.0, before_forward - DP_OVERLAP * passes.forward))
-
     tp_numel, shard_numel = rank.numel(args, layout.tp, layout.dp_shard)
+    dp_exposed = (max(0.0, m * per_mb - m * worst) + unhidden
+                  + max(0.0, after_backward - (passes.input_grad + passes.weight_grad))
+                  + max(0.0, before_forward - passes.forward) + fsdp_copies(hw, layout, tp_numel))
+
     copy_back = 2 * tp_numel if layout.dp_shard_mode in ("zero1", "zero2") else 0
-    optimizer = _memory_bound(hw, 32 * shard_numel + copy_back)
+    optimizer = _memory_bound(hw, OPTIMIZER_BYTES_PER_PARAM * shard_numel + copy_back)
 
     return StepTime(compute=m * (mean - tp_mean), bubble=bubble, imbalance=m * (worst - mean),
                     tp_exposed=m * tp_mean, pp_exposed=pp_exposed, dp_exposed=dp_exposed, optimizer=optimizer)

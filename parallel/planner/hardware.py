@@ -34,6 +34,11 @@ class HardwareProfile:
     pue: float
     price_per_gpu_hour: float
     source: str = ""  # the file it came from
+    compute_dtype: str = "bf16"  # what activations are computed in: bf16 on GPUs, fp32 on a CPU
+
+    @property
+    def element_bytes(self) -> int:
+        return 4 if self.compute_dtype == "fp32" else 2
 
     def collective_link(self, group: int, span_nodes: bool) -> tuple[float, float]:
         """(bytes/s, latency s) per GPU for a collective among `group` GPUs.
@@ -87,6 +92,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
             collective_efficiency=float(table.get("collective_efficiency", 0.8)),
             node_overhead_w=float(table.get("node_overhead_w", 0.0)), pue=float(table.get("pue", 1.0)),
             price_per_gpu_hour=float(table.get("price_per_gpu_hour", 0.0)), source=str(path),
+            compute_dtype=str(table.get("compute_dtype", "bf16")),
         )
     except KeyError as missing:
         raise ConfigError(f"{path}: a hardware profile needs {missing.args[0]!r} "

@@ -30,6 +30,7 @@ class Layout:
     micro_batch_size: int
     microbatches: int  # per step per pipeline (gradient accumulation when pp == 1)
     activation_checkpoint: str
+    compile: bool = False  # torch.compile of each block: fuses its element-wise kernels
 
     @property
     def dp(self) -> int:

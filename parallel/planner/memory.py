@@ -96,6 +96,11 @@ class RankParams:
     layers: int
     first: bool  # holds the embeddings
     last: bool  # holds the final norm and the output layer
+    chunks: tuple[int, ...] = ()  # layers of each of its pipeline chunks (stage modules); () = one of `layers`
+
+    def checkpointed(self, mode: str) -> int:
+        """Layers checkpointed: the trainer applies the mode to each stage module's own blocks."""
+        return sum(checkpointed_layers(mode, c) for c in (self.chunks or (self.layers,)))
 
     def numel(self, args: ModelArgs, tp: int, dp_shard: int) -> tuple[int, int]:
         """(after TP, after TP and FSDP) parameter elements of this rank."""
@@ -114,7 +119,7 @@ def _pipeline_ranks(n_layers: int, pp: int, v: int, schedule_name: str) -> list[
     schedule = get_schedule(schedule_name)
     chunks = stage_layers(n_layers, pp, v, schedule)
     last_rank = 0 if schedule.v_shape and pp > 1 else pp - 1
-    return [RankParams(sum(c), r == 0, r == last_rank) for r, c in enumerate(chunks)]
+    return [RankParams(sum(c), r == 0, r == last_rank, tuple(c)) for r, c in enumerate(chunks)]
 
 
 def layer_activation_bytes(args: ModelArgs, tokens: int, tp: int, sequence_parallel: bool, checkpointed: bool,
@@ -147,7 +152,8 @@ def output_activation_bytes(args: ModelArgs, tokens: int, tp: int, sequence_para
 
 
 def checkpointed_layers(mode: str, n_layers: int) -> int:
-    """How many of a rank's layers are checkpointed: all (full), every second (selective), none."""
+    """How many of a stage module's layers are checkpointed (the trainer applies the mode to each
+    stage module's own blocks: selective checkpoints every second one, starting with the first)."""
     return len(checkpointed_blocks(mode, n_layers))
 
 
@@ -183,7 +189,7 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     mode = "zero1" if layout.pp > 1 else layout.dp_shard_mode
     parameters, gradients, optimizer = states_bytes(tp_numel, shard_numel, mode)
 
-    n_ckpt = checkpointed_layers(layout.activation_checkpoint, rank.layers)
+    n_ckpt = rank.checkpointed(layout.activation_checkpoint)
     full_layer = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False)
     per_microbatch = (n_ckpt * layer_activation_bytes(args, tokens, tp, sp, checkpointed=True)
                       + (rank.layers - n_ckpt) * full_layer)

@@ -19,12 +19,12 @@ from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES, Layout, get_schedule
-from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, checkpointed_layers, layout_memory
+from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
 from trillion.errors import ConfigError
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 LAYOUT_FIELDS = ("tp", "pp", "dp_replicate", "dp_shard", "dp_shard_mode", "pp_schedule", "virtual_stages",
-                 "micro_batch_size", "activation_checkpoint")
+                 "micro_batch_size", "activation_checkpoint", "compile")
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,8 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int):
                         continue
                     for ac in _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)):
                         for mode in modes:
-                            yield Layout(tp, pp, dp // dp_shard, dp_shard, mode, name, v, mb, m, ac)
+                            yield Layout(tp, pp, dp // dp_shard, dp_shard, mode, name, v, mb, m, ac,
+                                         request.fixed.get("compile", False))
 
 
 @dataclass
@@ -205,7 +206,7 @@ def metrics(request: Request, candidate: Candidate) -> dict:
     tokens_per_s = tokens_per_step / step
     peak = hw.device.peak_tflops_bf16 * 1e12
     model_flops = model_flops_per_token(args, request.seq_len) * tokens_per_s / request.gpus
-    recompute = checkpointed_layers(layout.activation_checkpoint, args.n_layers) / args.n_layers
+    recompute = recompute_fraction(args, layout)
     hardware_flops = hardware_flops_per_token(args, request.seq_len, recompute) * tokens_per_s / request.gpus
     megatron = megatron_flops_per_iteration(args, request.global_batch, request.seq_len, recompute == 1.0)
     out = {**layout.as_dict(), "dp": layout.dp,
@@ -218,6 +219,12 @@ def metrics(request: Request, candidate: Candidate) -> dict:
     if request.tokens > 0:
         out.update(budget(request, step))
     return out
+
+
+def recompute_fraction(args: ModelArgs, layout: Layout) -> float:
+    """Share of the blocks whose forward runs twice: each stage module checkpoints its own blocks,
+    so one layer per stage under selective recomputes every layer, not every second one."""
+    return sum(rank.checkpointed(layout.activation_checkpoint) for rank in pipeline_ranks(args, layout)) / args.n_layers
 
 
 def budget(request: Request, step_seconds: float) -> dict:

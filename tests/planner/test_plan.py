@@ -9,7 +9,7 @@ from experiments.frontier.report import PAPER_RUNS, paper_prediction
 from trillion.models.presets import get_preset
 from trillion.devices import DEVICES, lookup_device
 from trillion.parallel.planner.hardware import load_profile, profile_names
-from trillion.parallel.planner.search import Request, evaluate, search
+from trillion.parallel.planner.search import Request, evaluate, metrics, search
 from trillion.parallel.planner.layout import Layout
 from trillion.trainer.cli import main as trillion
 from trillion.trainer.config import load_config
@@ -109,3 +109,18 @@ def test_invalid_requests_are_one_paragraph_errors(argv, message, capsys):
     assert trillion(["plan", *argv, "--config-out", ""]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_hfu_counts_the_recompute_each_stage_does():
+    """Each stage module checkpoints every second of its own blocks: with one layer per stage (or
+    per virtual stage) selective recomputes every layer, so HFU counts all of them, not half."""
+    from trillion.parallel.planner.search import recompute_fraction
+    args = get_preset("gpt-1t")  # 128 layers
+    def fraction(pp, schedule="1F1B", v=1):
+        return recompute_fraction(args, Layout(4, pp, 1, 1, "zero1", schedule, v, 1, 2 * pp, "selective"))
+    assert fraction(1) == 0.5 and fraction(64) == 0.5
+    assert fraction(128) == 1.0 and fraction(64, "Interleaved1F1B", 2) == 1.0
+    request = Request("gpt-1t", args, load_profile("frontier"), 1024, 1024, 2048)
+    row = metrics(request, evaluate(request, Layout(4, 128, 1, 2, "zero1", "1F1B", 1, 1, 512, "selective")))
+    full = metrics(request, evaluate(request, Layout(4, 128, 1, 2, "zero1", "1F1B", 1, 1, 512, "full")))
+    assert row["hfu"] == pytest.approx(full["hfu"])  # same work, same step time

@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 ("activation_checkpoint", str, SEARCHED_CHECKPOINT_MODES)):
         fixed.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
                            help=f"one of {', '.join(choices)}" if choices else None)
+    fixed.add_argument("--compile", action="store_const", const=True, default=None,
+                       help="plan for torch.compile of each block (fused element-wise kernels; the trainer's compile.enabled)")
     return p
 
 
@@ -71,6 +73,7 @@ def train_config_toml(request: Request, row: dict) -> str:
     config.training.seq_len = request.seq_len
     for key in ("dp_replicate", "dp_shard", "dp_shard_mode", "tp", "pp", "pp_schedule", "activation_checkpoint"):
         setattr(config.parallel, key, row[key])
+    config.compile.enabled = row["compile"]
     header = [f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} ({request.hardware.device.name})",
               f"# predicted: {row['step_time_s']:.2f} s/step, {row['tokens_per_s']:,.0f} tokens/s, "
               f"MFU {row['mfu']:.1%}, {row['memory_gb']:.1f} of {row['memory_capacity_gb']:g} GB per GPU",

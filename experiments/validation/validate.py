@@ -1,0 +1,199 @@
+"""Writes experiments/validation/VALIDATION.md: the planner against published training runs.
+
+  python experiments/validation/validate.py            # evaluate runs.toml, write VALIDATION.md
+  python experiments/validation/validate.py --refit    # also print each fitted constant refitted
+
+Every run of runs.toml is evaluated by the planner with the shipped hardware profiles; the rows
+trillion/fitted.toml fitted a constant to are marked, with the error when that row is left out
+of the fit (the constant refitted to the others). The CPU table comes from cpu_results.toml, which
+cpu_check.py writes (calibrate, predict and measure in one run).
+"""
+import argparse
+import dataclasses
+import math
+import tomllib
+from pathlib import Path
+
+from trillion.devices import fitted_constants
+from trillion.models.presets import get_preset
+from trillion.parallel.planner.hardware import HardwareProfile, load_profile
+from trillion.parallel.planner.layout import Layout
+from trillion.parallel.planner.search import Request, evaluate, metrics, scaling
+
+HERE = Path(__file__).parent
+RUNS_FILE = HERE / "runs.toml"
+CPU_FILE = HERE / "cpu_results.toml"
+TOLERANCE = 0.15  # published rows
+CPU_TOLERANCE = 0.30
+
+
+def load_runs() -> list[dict]:
+    """The runs, each outside_reason resolved to its text in [reason]."""
+    table = tomllib.loads(RUNS_FILE.read_text())
+    return [{**run, "outside_reason": table["reason"][run["outside_reason"]]} if "outside_reason" in run else run
+            for run in table["run"]]
+
+
+def with_plateau(profile: HardwareProfile, entry: dict | None, value: float | None) -> HardwareProfile:
+    """The profile with a fitted entry's GEMM plateau set to `value` (None: as shipped)."""
+    if entry is None or value is None or profile.device.name not in entry["devices"]:
+        return profile
+    return dataclasses.replace(profile, device=dataclasses.replace(profile.device, gemm_efficiency=((1e12, value),)))
+
+
+def run_layout(run: dict, gpus: int) -> Layout:
+    spec = run["layout"]
+    dp = gpus // (spec["tp"] * spec["pp"])
+    dp_shard = spec.get("dp_shard", dp // spec["dp_replicate"])
+    microbatches = run["global_batch"] // (dp * spec["micro_batch_size"])
+    return Layout(spec["tp"], spec["pp"], spec["dp_replicate"], dp_shard, spec["dp_shard_mode"], spec["pp_schedule"],
+                  spec.get("virtual_stages", 1), spec["micro_batch_size"], microbatches, spec["activation_checkpoint"],
+                  spec.get("compile", False))
+
+
+def predict(run: dict, profile: HardwareProfile | None = None) -> tuple[float, dict]:
+    """(the run's metric as the planner predicts it, the planner's figures of the run's layout)."""
+    args, hardware = get_preset(run["model"]), profile or load_profile(run["hardware"])
+    if run["metric"] in ("weak_scaling", "strong_scaling"):
+        first, last = run["gpus"]
+        fixed = {k: v for k, v in run["layout"].items() if k != "dp_shard"}
+        weak = run["metric"] == "weak_scaling"
+        batch = run["global_batch"] if weak else run["global_batch"] * last // first
+        request = Request(run["model"], args, hardware, first, batch, run["seq_len"], fixed=fixed)
+        points = scaling(request, [first, last], weak=weak)
+        return points[-1][1], points[-1][2]
+    request = Request(run["model"], args, hardware, run["gpus"], run["global_batch"], run["seq_len"])
+    row = metrics(request, evaluate(request, run_layout(run, run["gpus"])))
+    value = {"megatron_share_of_peak": row["megatron_share_of_peak"],
+             "tokens_per_s_per_gpu": row["tokens_per_s"] / run["gpus"]}[run["metric"]]
+    return value, row
+
+
+def log_error(run: dict, entry: dict, value: float) -> float:
+    profile = with_plateau(load_profile(run["hardware"]), entry, value)
+    return math.log(predict(run, profile)[0] / run["published"])
+
+
+def refit(entry: dict, runs: list[dict], lo: float = 0.1, hi: float = 1.0) -> float:
+    """The plateau minimizing the sum of squared log errors over `runs` (golden-section search;
+    the error is monotone in the plateau, so the sum is unimodal)."""
+    def loss(value: float) -> float:
+        return sum(log_error(run, entry, value) ** 2 for run in runs)
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    while b - a > 1e-4:
+        c, d = b - ratio * (b - a), a + ratio * (b - a)
+        if loss(c) < loss(d):
+            b = d
+        else:
+            a = c
+    return round((a + b) / 2, 3)
+
+
+def evaluate_all() -> list[dict]:
+    """One record per run: predicted, published, error, and for fitted rows the leave-one-out error."""
+    runs, fitted = load_runs(), fitted_constants()
+    records = []
+    for run in runs:
+        value, row = predict(run)
+        record = {"run": run, "predicted": value, "error": value / run["published"] - 1, "row": row}
+        entry = next((e for e in fitted if run["id"] in e["fitted_to"]), None)
+        if entry:
+            others = [r for r in runs if r["id"] in entry["fitted_to"] and r["id"] != run["id"]]
+            held_out = refit(entry, others)
+            loo = predict(run, with_plateau(load_profile(run["hardware"]), entry, held_out))[0]
+            record.update(fitted=entry, loo_value=held_out, loo_error=loo / run["published"] - 1)
+        records.append(record)
+    return records
+
+
+def _figure(metric: str, value: float) -> str:
+    return f"{value:,.0f}" if metric == "tokens_per_s_per_gpu" else f"{100 * value:.2f}%"
+
+
+def _layout(spec: dict) -> str:
+    dp = f"dp {spec['dp_replicate']}x{spec.get('dp_shard', 'n')} {spec['dp_shard_mode']}"
+    return (f"tp {spec['tp']}, pp {spec['pp']}, {dp}, {spec['pp_schedule']}, mb {spec['micro_batch_size']}, "
+            f"ckpt {spec['activation_checkpoint']}{', compile' if spec.get('compile') else ''}")
+
+
+def worst(records: list[dict]) -> tuple[float, str]:
+    """The largest error the planner makes on a row no constant was fitted to (leave-one-out for fitted rows)."""
+    errors = [(abs(r.get("loo_error", r["error"])), r["run"]["id"]) for r in records]
+    return max(errors)
+
+
+def cpu_section() -> list[str]:
+    if not CPU_FILE.is_file():
+        return ["## Predicted vs measured on this CPU", "", "Not measured yet: run `python experiments/validation/cpu_check.py`.", ""]
+    data = tomllib.loads(CPU_FILE.read_text())
+    lines = ["## Predicted vs measured on a CPU (calibrate, predict, measure in one script)", "",
+             f"`{data['command']}` on {data['machine']}, {data['date']}. {data['load']}", "",
+             f"Calibrated profile: {data['profile_summary']}", "",
+             f"| layout | processes | predicted s/step | measured s/step (median of {data['repeats']}) | spread (min-max) | error | within ±{CPU_TOLERANCE:.0%} |",
+             "|---|---|---|---|---|---|---|"]
+    for row in data["row"]:
+        error = row["predicted_s"] / row["measured_s"] - 1
+        lines.append(f"| {row['layout']} | {row['processes']} | {row['predicted_s']:.3f} | {row['measured_s']:.3f} "
+                     f"| {row['measured_min_s']:.3f}-{row['measured_max_s']:.3f} | {100 * error:+.1f}% "
+                     f"| {'yes' if abs(error) <= CPU_TOLERANCE else '**no**'} |")
+    return lines + ["", data.get("note", ""), ""]
+
+
+def render(records: list[dict]) -> str:
+    worst_error, worst_id = worst(records)
+    lines = ["# The planner against published training runs", "",
+             "Generated by `python experiments/validation/validate.py` from `runs.toml` (each run's source, model, "
+             "machine, layout, batch, sequence length, precision, checkpointing and published figure) with the shipped "
+             "hardware profiles. Error = predicted / published - 1.", "",
+             f"**Worst error on a row no constant was fitted to: {100 * worst_error:.1f}% ({worst_id})**; "
+             f"rows within ±{TOLERANCE:.0%}: {sum(abs(r.get('loo_error', r['error'])) <= TOLERANCE for r in records)} "
+             f"of {len(records)}.", "",
+             "| run | model | machine | layout | GPUs | batch x seq | published | predicted | error | fitted: leave-one-out error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        run = r["run"]
+        gpus = " -> ".join(map(str, run["gpus"])) if isinstance(run["gpus"], list) else run["gpus"]
+        fitted = (f"yes ({r['fitted']['field']} {r['loo_value']:.3f} without it): {100 * r['loo_error']:+.1f}%"
+                  if "fitted" in r else "no")
+        lines.append(f"| {run['id']} | {run['model']} | {run['hardware']} | {_layout(run['layout'])} | {gpus} "
+                     f"| {run['global_batch']} x {run['seq_len']} | {_figure(run['metric'], run['published'])} "
+                     f"| {_figure(run['metric'], r['predicted'])} | {100 * r['error']:+.1f}% | {fitted} |")
+    memory = [r for r in records if "published_memory_gib" in r["run"]]
+    if memory:
+        lines += ["", "Memory (not validated: the published figures are another trainer's allocator peaks):", "",
+                  "| run | published GiB | predicted GiB |", "|---|---|---|"]
+        lines += [f"| {r['run']['id']} | {r['run']['published_memory_gib']} | {r['row']['memory_gb'] * 1e9 / 2**30:.1f} |"
+                  for r in memory]
+    lines += ["", "## Fitted constants", ""]
+    for entry in fitted_constants():
+        lines.append(f"- {entry['family']}: `{entry['field']}` = {entry['value']} ({', '.join(entry['devices'])}), fitted to "
+                     f"{', '.join(entry['fitted_to'])} by {entry['method']}. {' '.join(entry['why'].split())}")
+    outside = [r for r in records if abs(r.get("loo_error", r["error"])) > TOLERANCE]
+    lines += ["", f"## Rows outside ±{TOLERANCE:.0%}", ""]
+    reasons = {}
+    for r in outside:  # rows sharing a reason are listed together
+        reasons.setdefault(r["run"].get("outside_reason", "no reason found yet."), []).append(r)
+    lines += [", ".join(f"**{r['run']['id']}** ({100 * r.get('loo_error', r['error']):+.1f}%)" for r in rows)
+              + f": {' '.join(reason.split())}" for reason, rows in reasons.items()] or ["None."]
+    lines += [""] + cpu_section()
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(HERE / "VALIDATION.md"))
+    parser.add_argument("--refit", action="store_true", help="print each fitted constant refitted to its rows")
+    ns = parser.parse_args()
+    if ns.refit:
+        runs = load_runs()
+        for entry in fitted_constants():
+            value = refit(entry, [r for r in runs if r["id"] in entry["fitted_to"]])
+            print(f"{entry['family']} {entry['field']}: fitted.toml {entry['value']}, refitted {value}")
+    text = render(evaluate_all())
+    Path(ns.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

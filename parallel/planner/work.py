@@ -1,0 +1,60 @@
+"""What a step does besides GEMMs and attention, counted from the code that runs it: the
+element-wise traffic and kernel launches of one transformer layer (eager and compiled), and the
+memory passes of the optimizer and of FSDP's copies. The planner times them at the device's
+memory bandwidth and launch overhead (cost.py).
+
+Per token of one layer's forward, in elements read plus written (models/transformer.py; checked
+against a count of every aten op of a real block, forward and backward, in
+tests/planner/test_work.py):
+  eager     RMSNorm as torch decomposes it (pow, mean, rsqrt, two multiplies) 8 h, LayerNorm's
+            fused kernel 2 h, each; two residual adds 3 h each; rotary embedding on q and k
+            (neg, cat, two multiplies, add) 10 (q + kv); SwiGLU (silu, multiply) 5 f, GELU 2 f.
+  compiled  one fused kernel per chain reads its inputs and writes its outputs once: residual add
+            + norm 4 h each, rotary 2 (q + kv), SwiGLU 3 f, GELU 2 f.
+The backward pass of an element-wise op reads its saved input and the incoming gradient and writes
+the outgoing one: twice the forward's traffic (the count gives 2.1).
+"""
+from trillion.models.args import ModelArgs
+
+BACKWARD_ELEMENTWISE = 2.0
+# element-wise kernels of one layer's forward besides the 7 GEMMs and the attention kernel
+# (counted as above: 26 for a Llama block, 5 for a GPT block eager; compiled: one per chain)
+EAGER_KERNELS = {"llama": 26, "gpt": 5}
+COMPILED_KERNELS = 5  # two residual+norm, rotary, the MLP activation, the attention output copy
+# AdamW's fused kernel reads parameter, gradient and both moments and writes three of them
+# (7 x 4 bytes), gradient clipping reads every gradient for the norm and scales it (3 x 4 bytes)
+OPTIMIZER_BYTES_PER_PARAM = 40
+# FSDP2 copies each all-gathered parameter out of the collective's buffer (read + write bf16, on
+# the compute stream) and each gradient into the reduce-scatter buffer (read bf16, write fp32):
+# torch.distributed.fsdp._fully_shard._fsdp_collectives
+FSDP_GATHER_COPY_BYTES = 4
+FSDP_REDUCE_COPY_BYTES = 6
+# cross-entropy over the vocabulary, per logit: the bf16 logits read, an fp32 copy written and
+# read by log-softmax, its output written and read by the loss, the gradient written (2+4+4+4+4+4)
+CROSS_ENTROPY_BYTES_PER_LOGIT = 22
+
+
+def _family(args: ModelArgs) -> str:
+    return "llama" if args.mlp == "swiglu" else "gpt"
+
+
+def elementwise_per_token(args: ModelArgs, tp: int, compiled: bool) -> float:
+    """Elements read and written per token by one layer's forward on one of `tp` ranks (the
+    sequence-parallel parts, norms and residuals, are split over them too)."""
+    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
+    rope = args.positions == "rope"
+    swiglu = args.mlp == "swiglu"
+    if compiled:
+        hidden = 2 * 4 * h
+        heads = 2 * (q + kv) if rope else 0
+        mlp = (3 if swiglu else 2) * f
+    else:
+        hidden = 2 * (8 if args.norm == "rmsnorm" else 2) * h + 2 * 3 * h
+        heads = 10 * (q + kv) if rope else 0
+        mlp = (5 if swiglu else 2) * f
+    return (hidden + heads + mlp) / tp
+
+
+def elementwise_kernels(args: ModelArgs, compiled: bool) -> int:
+    """Element-wise kernel launches of one layer's forward."""
+    return COMPILED_KERNELS if compiled else EAGER_KERNELS[_family(args)]

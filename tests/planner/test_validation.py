@@ -1,0 +1,52 @@
+"""The planner against published runs (experiments/validation): errors per row, the fit, the report."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "experiments" / "validation"))
+from validate import RUNS_FILE, TOLERANCE, evaluate_all, load_runs, refit, render  # noqa: E402
+
+from trillion.devices import fitted_constants
+
+OUTSIDE_BOUND = 0.35  # rows explained as outside TOLERANCE must still not drift further
+
+
+@pytest.fixture(scope="module")
+def records():
+    return evaluate_all()
+
+
+def test_every_published_row_is_within_tolerance_or_explained(records):
+    """Fitted rows count with their leave-one-out error: the constant refitted without the row."""
+    assert len(records) >= 11
+    for r in records:
+        error = r.get("loo_error", r["error"])
+        if "outside_reason" in r["run"]:
+            assert TOLERANCE < abs(error) <= OUTSIDE_BOUND, (r["run"]["id"], error)
+        else:
+            assert abs(error) <= TOLERANCE, (r["run"]["id"], error)
+
+
+def test_fitted_rows_are_marked_with_their_leave_one_out_error(records):
+    fitted_ids = {i for e in fitted_constants() for i in e["fitted_to"]}
+    assert fitted_ids == {r["run"]["id"] for r in records if "loo_error" in r}
+    assert all(len(e["devices"]) >= 1 and e["field"] == "gemm_plateau" for e in fitted_constants())
+    assert len({e["family"] for e in fitted_constants()}) == len(fitted_constants())  # one scalar per family
+
+
+def test_fitted_value_is_what_refitting_gives():
+    runs = load_runs()
+    for entry in fitted_constants():
+        assert refit(entry, [r for r in runs if r["id"] in entry["fitted_to"]]) == pytest.approx(entry["value"], abs=1e-3)
+
+
+def test_every_run_names_its_source_and_setup():
+    for run in load_runs():
+        assert {"id", "source", "model", "hardware", "gpus", "global_batch", "seq_len", "precision", "layout", "metric",
+                "published"} <= set(run), run["id"]
+
+
+def test_validation_md_is_what_the_script_writes(records):
+    written = (RUNS_FILE.parent / "VALIDATION.md").read_text()
+    assert written == render(records), "VALIDATION.md is stale: run python experiments/validation/validate.py"
