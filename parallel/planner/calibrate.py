@@ -1,12 +1,23 @@
 """`trillion plan --calibrate`: measure this machine and write a hardware profile the planner reads.
 
-Measured: GEMM throughput over sizes (the efficiency curve), copy bandwidth (element-wise kernels),
-and all-reduce bus bandwidth among processes on this machine (gloo on CPU, NCCL/RCCL on GPUs).
-On a CPU nobody publishes a peak, so the profile's peak is the best GEMM rate measured, and the
-curve is relative to it; on a GPU the peak comes from devices.toml.
+Measured, each as the median of several timings after warm-up runs:
+  - GEMMs of the shapes the planner times for a model (every layer GEMM and the output projection
+    at tensor-parallel degrees 1 and 2, for one micro-batch), plus square GEMMs up to 16384 x
+    16384 x 8192 on a GPU: the GEMM efficiency curve;
+  - flash attention, forward and backward, at the model's heads and sequence length;
+  - memory bandwidth (a copy) and the launch overhead of a kernel that does nothing;
+  - collectives among this node's devices (all-reduce bus bandwidth and latency; gloo processes
+    on a CPU).
+The network between nodes is measured only when the calibration runs across nodes (torchrun
+with more than one node): never assumed to be as fast as the links inside one. A profile measured
+on one node says so, and the planner refuses layouts that cross nodes with it.
+On a CPU nobody publishes a peak, so the profile's peak is the best GEMM rate measured; on a GPU
+the peak comes from devices.toml.
 """
+import math
 import os
 import socket
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -16,84 +27,189 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trillion.devices import lookup_device
+from trillion.kernels import attention
+from trillion.models.args import ModelArgs
 
-GEMM_SIZES = (128, 256, 512, 1024, 2048)
-ALL_REDUCE_BYTES = 64 * 2**20
+SQUARE_GEMMS = {"cpu": ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024)),
+                "gpu": ((1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 8192))}
+COLLECTIVE_BYTES = {"cpu": 16 * 2**20, "gpu": 256 * 2**20}
+WARMUP, REPEATS = 2, 5
+MIN_TIMING_S = {"cpu": 0.2, "cuda": 0.02}  # one timing loops fn at least this long: a scheduler slice is ~4 ms
 
 
-def _timed(fn, repeats: int) -> float:
-    fn()
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(fn, device: torch.device, calls: int) -> float:
+    _sync(device)
     start = time.perf_counter()
-    for _ in range(repeats):
+    for _ in range(calls):
         fn()
-    sync()
-    return (time.perf_counter() - start) / repeats
+    _sync(device)
+    return (time.perf_counter() - start) / calls
 
 
-def measure_gemms(device: torch.device, dtype: torch.dtype) -> list[tuple[float, float]]:
-    """(FLOPs of one square GEMM, achieved FLOP/s)."""
+def median_seconds(fn, device: torch.device, repeats: int = REPEATS, warmup: int = WARMUP) -> float:
+    """Median seconds of one fn() over `repeats` timings after `warmup` calls, each timing looping fn
+    for at least MIN_TIMING_S (the median, because a shared machine's neighbours make single
+    timings unreliable)."""
+    for _ in range(warmup):
+        fn()
+    calls = max(1, math.ceil(MIN_TIMING_S[device.type] / max(_seconds(fn, device, 1), 1e-7)))
+    return statistics.median(_seconds(fn, device, calls) for _ in range(repeats))
+
+
+def model_gemm_shapes(args: ModelArgs, tokens: int) -> list[tuple[int, int, int]]:
+    """(m, k, n) of every GEMM the planner times for one layer and the output, at tp 1 and 2."""
+    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
+    shapes = set()
+    for tp in (1, 2):
+        shapes |= {(tokens, h, q // tp), (tokens, h, kv // tp), (tokens, q // tp, h), (tokens, h, f // tp),
+                   (tokens, f // tp, h), (tokens, h, args.vocab_size // tp)}
+    return sorted(shapes)
+
+
+def measure_gemms(shapes, device: torch.device, dtype: torch.dtype) -> list[tuple[float, float]]:
+    """(FLOPs of one GEMM, achieved FLOP/s) per shape."""
     out = []
-    for n in GEMM_SIZES:
-        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-        seconds = _timed(lambda: a @ b, repeats=max(2, int(2e9 / n**3)))
-        out.append((2.0 * n**3, 2.0 * n**3 / seconds))
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        flops = 2.0 * m * k * n
+        out.append((flops, flops / median_seconds(lambda: a @ b, device)))
     return out
 
 
+def measure_attention(args: ModelArgs, micro_batch: int, seq_len: int, device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s of causal attention forward and backward, counted as the planner counts it:
+    2 b s^2 q forward (half of the 4 b s^2 q of a full mask), 2.5 times that backward."""
+    shape = (micro_batch, args.n_heads, seq_len, args.head_dim)
+    kv_shape = (micro_batch, args.kv_heads, seq_len, args.head_dim)
+    q = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    k = torch.randn(kv_shape, device=device, dtype=dtype, requires_grad=True)
+    v = torch.randn(kv_shape, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(shape, device=device, dtype=dtype)
+
+    def step():
+        attention(q, k, v, impl=args.attention_impl, causal=True).backward(grad)
+    flops = 3.5 * 2.0 * micro_batch * seq_len * seq_len * args.n_heads * args.head_dim
+    return flops / median_seconds(step, device)
+
+
 def measure_copy_bandwidth(device: torch.device) -> float:
-    x = torch.empty(64 * 2**20, dtype=torch.uint8, device=device)
+    x = torch.empty((256 if device.type == "cuda" else 64) * 2**20, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    return 2 * x.numel() / _timed(lambda: y.copy_(x), repeats=10)  # read + write
+    return 2 * x.numel() / median_seconds(lambda: y.copy_(x), device)  # read + write
 
 
-def _all_reduce_worker(rank: int, world: int, init_file: str, backend: str, result) -> None:
+def measure_launch_overhead(device: torch.device) -> float:
+    """Seconds of one kernel that does (almost) nothing: dispatch and launch."""
+    x = torch.zeros(1, device=device)
+    return median_seconds(lambda: x.add_(1.0), device)
+
+
+def all_reduce_link(device: torch.device, world: int, nbytes: int, group=None) -> tuple[float, float]:
+    """(bus bandwidth in bytes/s, latency per ring step in s) of all-reduce among `world` ranks, in
+    the planner's ring model 2 ((n-1)/n bytes / bandwidth + (n-1) latency): the latency from a
+    4-byte all-reduce, the bandwidth from an nbytes one less that latency."""
+    small, large = torch.ones(1, device=device), torch.ones(nbytes // 4, device=device)
+    latency = median_seconds(lambda: dist.all_reduce(small, group=group), device) / (2 * (world - 1))
+    seconds = median_seconds(lambda: dist.all_reduce(large, group=group), device)
+    return 2 * (world - 1) / world * nbytes / max(seconds - 2 * (world - 1) * latency, 1e-9), latency
+
+
+def _collective_worker(rank: int, world: int, init_file: str, backend: str, nbytes: int, result) -> None:
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    tensor = torch.ones(ALL_REDUCE_BYTES // 4, device=device)
-    seconds = _timed(lambda: dist.all_reduce(tensor), repeats=5)
-    if rank == 0:  # bus bandwidth: what each rank sends and receives in a ring
-        result.value = 2 * (world - 1) / world * ALL_REDUCE_BYTES / seconds
+    bandwidth, latency = all_reduce_link(device, world, nbytes)
+    if rank == 0:
+        result[0], result[1] = bandwidth, latency
     dist.destroy_process_group()
 
 
-def measure_all_reduce(world: int) -> float:
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "gloo"
-    result = mp.get_context("spawn").Value("d", 0.0)
+def measure_all_reduce(world: int, on_gpu: bool) -> tuple[float, float]:
+    """(all-reduce bus bandwidth, latency per step) among `world` processes of this node."""
+    backend = "nccl" if on_gpu else "gloo"
+    result = mp.get_context("spawn").Array("d", 2)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_all_reduce_worker, args=(world, os.path.join(tmp, "init"), backend, result), nprocs=world,
-                           start_method="spawn")
-    return result.value
+        mp.start_processes(_collective_worker, nprocs=world, start_method="spawn",
+                           args=(world, os.path.join(tmp, "init"), backend, COLLECTIVE_BYTES["gpu" if on_gpu else "cpu"], result))
+    return result[0], result[1]
 
 
-def calibrate(out: Path) -> Path:
+def measure_in_job(on_gpu: bool) -> tuple[int, tuple[float, float], tuple[float, float]] | None:
+    """Under a multi-node torchrun job: (GPUs per node, all-reduce (bandwidth, latency) among one
+    node's ranks, among one rank of each node), measured by every rank at once; None outside one."""
+    world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)
+    if not local or world <= local:
+        return None
+    dist.init_process_group("nccl" if on_gpu else "gloo")
+    rank, nbytes = dist.get_rank(), COLLECTIVE_BYTES["gpu" if on_gpu else "cpu"]
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    nodes = world // local
+    # every rank creates every group, in the same order, as new_group requires
+    intra = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(nodes)]
+    inter = [dist.new_group(list(range(r, world, local))) for r in range(local)]
+    inside = all_reduce_link(device, local, nbytes, intra[rank // local]) if local > 1 else (0.0, 0.0)
+    across = all_reduce_link(device, nodes, nbytes, inter[rank % local])
+    dist.destroy_process_group()
+    return local, inside, across
+
+
+def calibrate(out: Path, args: ModelArgs | None = None, seq_len: int = 0, micro_batch: int = 1, processes: int = 2) -> Path:
+    """Measure this machine into a profile at `out`. With a model, its own GEMM shapes and attention.
+    Under a multi-node torchrun job every rank measures the collectives and rank 0 writes."""
     on_gpu = torch.cuda.is_available()
+    if on_gpu and "LOCAL_RANK" in os.environ:  # under torchrun: this rank's own GPU
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    kind = "gpu" if on_gpu else "cpu"
     device = torch.device("cuda" if on_gpu else "cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    spec = lookup_device(torch.cuda.get_device_name()) if on_gpu else None
-    gemms = measure_gemms(device, dtype)
+    spec = lookup_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count) if on_gpu else None
+    shapes = list(SQUARE_GEMMS[kind]) + (model_gemm_shapes(args, micro_batch * seq_len) if args else [])
+    gemms = sorted(measure_gemms(shapes, device, dtype))
     peak = spec.peak_tflops_bf16 * 1e12 if spec else max(rate for _, rate in gemms)
+    attention_rate = measure_attention(args, micro_batch, seq_len, device, dtype) if args else None
     copy = measure_copy_bandwidth(device)
-    world = torch.cuda.device_count() if on_gpu else 2
-    bus = measure_all_reduce(world) if world > 1 else copy
+    launch = measure_launch_overhead(device)
+    job = measure_in_job(on_gpu)
+    if job is not None and int(os.environ["RANK"]) != 0:
+        return out
+    if job:
+        world, (bus, latency), (network, network_latency) = job
+    else:
+        world = torch.cuda.device_count() if on_gpu else processes
+        (bus, latency), (network, network_latency) = measure_all_reduce(world, on_gpu) if world > 1 else (copy, 0.0), (0.0, 0.0)
     name = (spec.name if spec else "cpu") + "-calibrated"
-    curve = ", ".join(f"[{flops:.3g}, {rate / peak:.3f}]" for flops, rate in gemms)
-    text = f"""# Written by `trillion plan --calibrate` on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}).
-# {'Peak from devices.toml' if spec else 'CPU: the peak is the best GEMM rate measured ({:.3g} FLOP/s)'.format(peak)}.
-description = "calibrated: {name}, {world} {'GPUs' if on_gpu else 'processes'}, all-reduce bus bandwidth {bus / 1e9:.2f} GB/s"
+    curve = ", ".join(f"[{flops:.4g}, {min(rate / peak, 1.0):.4f}]" for flops, rate in gemms)
+    attention_line = (f"attention_efficiency = {attention_rate / peak:.4f}  # measured: {args.n_heads} heads of "
+                      f"{args.head_dim}, {micro_batch} x {seq_len} tokens, {args.attention_impl}" if args else
+                      f"attention_efficiency = {max(rate for _, rate in gemms) / peak / 2:.4f}  # not measured (no --model): half the best GEMM rate")
+    memory = (torch.cuda.get_device_properties(0).total_memory if on_gpu
+              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    text = f"""# Written by `trillion plan --calibrate` on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}): medians of
+# {REPEATS} timings after {WARMUP} warm-up runs. {'Peak from devices.toml' if spec else f'CPU: the peak is the best GEMM rate measured ({peak:.4g} FLOP/s)'}.
+# node_bandwidth_gbs = 0: the network was not measured (one node), and the planner refuses layouts
+# that cross nodes with this profile; calibrate under a torchrun job of two or more nodes to measure it.
+description = "calibrated: {name}, {world} {'GPUs' if on_gpu else 'processes'}, all-reduce bus bandwidth {bus / 1e9:.3f} GB/s"
 gpus_per_node = {world}
-intra_node = [{{ group = {world}, bandwidth_gbs = {bus / 1e9:.3f} }}]
-node_bandwidth_gbs = {bus / 1e9 * world:.3f}
-collective_efficiency = 1.0  # measured bus bandwidth already is the achieved figure
+intra_node = [{{ group = {world}, bandwidth_gbs = {bus / 1e9:.4f} }}]  # measured all-reduce bus bandwidth
+node_bandwidth_gbs = {network * world / 1e9:.4f}  # measured all-reduce bus bandwidth between nodes, per node
+collective_efficiency = 1.0  # the bandwidth above is the achieved figure
+link_latency_us = {latency * 1e6:.2f}  # measured: a 4-byte all-reduce, per ring step
+network_latency_us = {network_latency * 1e6:.2f}
+compute_dtype = "{'bf16' if on_gpu else 'fp32'}"
 
 [device]
 name = "{name}"
-peak_tflops = {{ bf16 = {peak / 1e12:.4f}, fp32 = {peak / 1e12:.4f} }}
-memory_gb = {(torch.cuda.get_device_properties(0).total_memory if on_gpu else os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')) / 1e9:.1f}
-memory_bandwidth_gbs = {copy / 1e9:.2f}
+peak_tflops = {{ bf16 = {peak / 1e12:.6f}, fp32 = {peak / 1e12:.6f} }}
+memory_gb = {memory / 1e9:.1f}
+memory_bandwidth_gbs = {copy / 1e9:.3f}  # measured copy (read + write)
 memory_efficiency = 1.0
-attention_efficiency = {max(rate for _, rate in gemms) / peak / 2:.3f}  # assumed: half the best GEMM rate
+kernel_overhead_us = {launch * 1e6:.2f}  # measured: one tiny kernel
+{attention_line}
 gemm_efficiency = [{curve}]
 """
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -28,7 +28,7 @@ from functools import lru_cache
 from trillion.models.args import ModelArgs
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.layout import Layout, bubble_slots, get_schedule
-from trillion.parallel.planner.memory import ACTIVATION_BYTES, RankParams, pipeline_ranks
+from trillion.parallel.planner.memory import RankParams, pipeline_ranks
 from trillion.parallel.planner.work import (
     BACKWARD_ELEMENTWISE, CROSS_ENTROPY_BYTES_PER_LOGIT, FSDP_GATHER_COPY_BYTES, FSDP_REDUCE_COPY_BYTES,
     OPTIMIZER_BYTES_PER_PARAM, elementwise_kernels, elementwise_per_token,
@@ -104,7 +104,7 @@ def layer_passes(args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int,
     attention = attention_flops / (hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency)
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
-    tp_comm = 2 * collective_time(hw, tokens * h * ACTIVATION_BYTES, tp, tp, "all_reduce")
+    tp_comm = 2 * collective_time(hw, tokens * h * hw.element_bytes, tp, tp, "all_reduce")
     return Passes(forward=gemm + attention + elementwise + launches + tp_comm,
                   input_grad=gemm + 2.5 * attention + BACKWARD_ELEMENTWISE * (elementwise + launches) + tp_comm,
                   weight_grad=gemm, tp_forward=tp_comm, tp_backward=tp_comm)
@@ -115,7 +115,7 @@ def output_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) ->
     """Final norm, output projection (vocabulary-parallel) and cross-entropy."""
     gemm = _gemm(hw, tokens, args.dim, args.vocab_size // tp)
     loss = _memory_bound(hw, tokens * args.vocab_size / tp * CROSS_ENTROPY_BYTES_PER_LOGIT * hw.element_bytes / 2)
-    gather = collective_time(hw, tokens * args.dim * ACTIVATION_BYTES, tp, tp, "all_gather")
+    gather = collective_time(hw, tokens * args.dim * hw.element_bytes, tp, tp, "all_gather")
     return Passes(forward=gemm + loss + gather, input_grad=gemm + loss + gather, weight_grad=gemm,
                   tp_forward=gather, tp_backward=gather)
 
@@ -147,7 +147,7 @@ def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankPara
     d, r, tp = layout.dp_shard, layout.dp_replicate, layout.tp
     tp_numel, shard_numel = rank.numel(args, tp, d)
     mode = layout.dp_shard_mode
-    gather = collective_time(hw, 2 * tp_numel, d, tp * d, "all_gather")
+    gather = collective_time(hw, hw.element_bytes * tp_numel, d, tp * d, "all_gather")
     reduce = collective_time(hw, 4 * tp_numel, d, tp * d, "reduce_scatter")
     per_microbatch = {"zero3": 2 * gather + reduce, "zero2": reduce, "zero1": 0.0}[mode]
     replicate = collective_time(hw, 4 * shard_numel, r, tp * d * r, "all_reduce")
@@ -179,7 +179,7 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     chunk = (passes.forward / v, recompute.forward / v, passes.input_grad / v, passes.weight_grad / v)
     bubble = max(0.0, sum(s * c for s, c in zip(bubble_slots(schedule, p), chunk))) if p > 1 else 0.0
 
-    boundary_bytes = layout.micro_batch_size * seq_len * args.dim / (layout.tp if layout.sequence_parallel else 1) * ACTIVATION_BYTES
+    boundary_bytes = layout.micro_batch_size * seq_len * args.dim / (layout.tp if layout.sequence_parallel else 1) * hw.element_bytes
     crosses_nodes = layout.tp * layout.dp >= hw.gpus_per_node
     bandwidth, latency = hw.collective_link(min(hw.gpus_per_node, 2 * layout.tp * layout.dp), crosses_nodes)
     pp_exposed = 2 * (p * v - 1) * (boundary_bytes / bandwidth + latency) if p > 1 else 0.0

@@ -168,6 +168,12 @@ def check_request(request: Request) -> None:
         raise ConfigError(f"--gpus {request.gpus} and --global-batch {request.global_batch} must be at least 1.")
     if request.seq_len > args.max_seq_len:
         raise ConfigError(f"--seq-len {request.seq_len} is longer than {request.model}'s max_seq_len {args.max_seq_len}.")
+    hw = request.hardware
+    if request.gpus > hw.gpus_per_node and hw.node_bandwidth_gbs <= 0:
+        raise ConfigError(f"Hardware profile {hw.name!r} has no measured network (node_bandwidth_gbs = 0: it was "
+                          f"calibrated on one node), so it cannot plan {request.gpus} GPUs over nodes of "
+                          f"{hw.gpus_per_node}. Calibrate under a torchrun job of two or more nodes, or plan at most "
+                          f"{hw.gpus_per_node} GPUs.")
     tps = tp_degrees(args, request.hardware.gpus_per_node)
     most = max(tps) * args.n_layers * request.global_batch
     if request.gpus > most:

@@ -50,3 +50,15 @@ def test_every_run_names_its_source_and_setup():
 def test_validation_md_is_what_the_script_writes(records):
     written = (RUNS_FILE.parent / "VALIDATION.md").read_text()
     assert written == render(records), "VALIDATION.md is stale: run python experiments/validation/validate.py"
+
+
+def test_readme_states_what_the_validation_shows(records):
+    """README's planner section quotes the worst error and the ranges it names."""
+    from validate import worst
+    readme = (RUNS_FILE.parents[2] / "README.md").read_text()
+    error, run_id = worst(records)
+    assert f"+{100 * error:.1f}% ({run_id})" in readme
+    frontier = [abs(r.get("loo_error", r["error"])) for r in records if r["run"]["id"].startswith("frontier")]
+    titan = [r["error"] for r in records if r["run"]["id"].startswith("torchtitan")]
+    assert max(frontier) < 0.08 and "within 8%" in readme
+    assert (round(100 * min(titan)), round(100 * max(titan))) == (26, 31) and "26-31% fast" in readme

@@ -4,7 +4,8 @@ memory, time-to-train, energy and cost, and write the best one as a `trillion tr
   trillion plan --model gpt-1t --hardware frontier --gpus 3072 --global-batch 1024 --tokens 20e12
   trillion plan ... --tp 4 --pp 128 --micro-batch-size 1     (fixed settings: evaluate one layout)
   trillion plan ... --format json | --plot DIR | --config-out FILE
-  trillion plan --calibrate [--calibrate-out FILE]           (measure this machine into a profile)
+  trillion plan --calibrate [--model M --seq-len S --micro-batch-size B] [--calibrate-out FILE]
+      (measure this machine into a profile: M's own GEMM shapes and attention, memory, collectives)
 """
 import argparse
 import json
@@ -39,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config-out", default=None,
                    help="where to write the best layout as a `trillion train` config (default: outputs/plan/<model>-<hardware>-<gpus>.toml; '' = do not write)")
     p.add_argument("--plot", metavar="DIR", default=None, help="write tradeoff.png and scaling.png there")
-    p.add_argument("--calibrate", action="store_true", help="measure this machine's GEMM, memory and gloo bandwidth into a profile")
+    p.add_argument("--calibrate", action="store_true", help="measure this machine (GEMMs of --model's shapes, attention, memory, collectives) into a profile")
     p.add_argument("--calibrate-out", default="outputs/plan/calibrated.toml", help="profile file --calibrate writes")
     fixed = p.add_argument_group("layout settings (each one given is fixed; the rest are searched)")
     for name, kind, choices in (("tp", int, None), ("pp", int, None), ("dp_replicate", int, None), ("dp_shard", int, None),
@@ -119,7 +120,9 @@ def main(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     if ns.calibrate:
         from trillion.parallel.planner.calibrate import calibrate
-        print(f"wrote {calibrate(Path(ns.calibrate_out))}")
+        args = get_preset(ns.model) if ns.model else None
+        seq_len = ns.seq_len or (args.max_seq_len if args else 0)
+        print(f"wrote {calibrate(Path(ns.calibrate_out), args, seq_len, ns.micro_batch_size or 1)}")
         return 0
     request = request_from(ns)
     result = search(request)
