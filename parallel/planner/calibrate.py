@@ -51,13 +51,13 @@ def _seconds(fn, device: torch.device, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def median_seconds(fn, device: torch.device, repeats: int = REPEATS, warmup: int = WARMUP) -> float:
+def median_seconds(fn, device: torch.device, repeats: int = REPEATS, warmup: int = WARMUP, calls: int = 0) -> float:
     """Median seconds of one fn() over `repeats` timings after `warmup` calls, each timing looping fn
     for at least MIN_TIMING_S (the median, because a shared machine's neighbours make single
-    timings unreliable)."""
+    timings unreliable). Collectives pass `calls`: every rank must make the same number."""
     for _ in range(warmup):
         fn()
-    calls = max(1, math.ceil(MIN_TIMING_S[device.type] / max(_seconds(fn, device, 1), 1e-7)))
+    calls = calls or max(1, math.ceil(MIN_TIMING_S[device.type] / max(_seconds(fn, device, 1), 1e-7)))
     return statistics.median(_seconds(fn, device, calls) for _ in range(repeats))
 
 
@@ -114,8 +114,8 @@ def all_reduce_link(device: torch.device, world: int, nbytes: int, group=None) -
     the planner's ring model 2 ((n-1)/n bytes / bandwidth + (n-1) latency): the latency from a
     4-byte all-reduce, the bandwidth from an nbytes one less that latency."""
     small, large = torch.ones(1, device=device), torch.ones(nbytes // 4, device=device)
-    latency = median_seconds(lambda: dist.all_reduce(small, group=group), device) / (2 * (world - 1))
-    seconds = median_seconds(lambda: dist.all_reduce(large, group=group), device)
+    latency = median_seconds(lambda: dist.all_reduce(small, group=group), device, calls=20) / (2 * (world - 1))
+    seconds = median_seconds(lambda: dist.all_reduce(large, group=group), device, calls=2)
     return 2 * (world - 1) / world * nbytes / max(seconds - 2 * (world - 1) * latency, 1e-9), latency
 
 
