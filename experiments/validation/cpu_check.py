@@ -4,9 +4,11 @@ and record both in cpu_results.toml (then VALIDATION.md).
   nice -n 10 python experiments/validation/cpu_check.py [--repeats 3] [--steps 8]
 
 Layouts: one process; dp_shard 2 (FSDP, gloo); tp 2 (gloo). Every rank runs one thread
-(OMP_NUM_THREADS=1), and so does the calibration, so a rank of the plan is one core. The machine
-may be shared, and what a core delivers then drifts with its neighbours' load: each repeat
-calibrates afresh and predicts from that, then measures the three layouts right after; each run's
+(OMP_NUM_THREADS=1), and so does the calibration, so a rank of the plan is one core; the one-process
+layout is planned on a profile calibrated with one process busy, the others on one calibrated with
+two (two niced processes on a loaded machine share what one would get). What a core delivers
+drifts with its neighbours' load: each repeat calibrates afresh and predicts from that, then
+measures the three layouts right after; each run's
 step time is the median of its steps after the first few; the table gives the medians over the
 repeats, the spread of the runs and the load average seen.
 """
@@ -41,9 +43,10 @@ def _env() -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def calibrate(out: Path) -> None:
+def calibrate(out: Path, processes: int) -> None:
     subprocess.run([sys.executable, "-m", "trillion", "plan", "--calibrate", "--model", MODEL, "--seq-len", str(SEQ_LEN),
-                    "--micro-batch-size", str(GLOBAL_BATCH), "--calibrate-out", str(out)], check=True, env=_env())
+                    "--micro-batch-size", str(GLOBAL_BATCH), "--calibrate-processes", str(processes),
+                    "--calibrate-out", str(out)], check=True, env=_env())
 
 
 def measure(processes: int, overrides: list[str], micro_batch: int, steps: int, run_dir: Path) -> float:
@@ -69,21 +72,22 @@ def main() -> None:
     summaries = []
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(ns.repeats):
-            profile_path = Path(tmp) / f"cpu{repeat}.toml"
-            calibrate(profile_path)
-            profile = load_profile(str(profile_path))
-            summaries.append(f"peak {profile.device.peak_tflops_bf16 * 1e3:.1f} GFLOP/s, copy "
-                             f"{profile.device.memory_bandwidth_gbs:.2f} GB/s, gloo all-reduce "
-                             f"{profile.intra_node[0].bandwidth_gbs:.3f} GB/s")
-            request = Request(MODEL, get_preset(MODEL), profile, 2, GLOBAL_BATCH, SEQ_LEN)
+            profiles = {}
+            for processes in (1, 2):  # a node of one busy process, and of two
+                calibrate(Path(tmp) / f"cpu{repeat}-{processes}.toml", processes)
+                profiles[processes] = profile = load_profile(str(Path(tmp) / f"cpu{repeat}-{processes}.toml"))
+                summaries.append(f"{processes} process(es): peak {profile.device.peak_tflops_bf16 * 1e3:.1f} GFLOP/s, copy "
+                                 f"{profile.device.memory_bandwidth_gbs:.2f} GB/s, gloo all-reduce "
+                                 f"{profile.intra_node[0].bandwidth_gbs:.3f} GB/s, latency {profile.link_latency_us:.0f} us")
             for index, (name, (processes, overrides, layout)) in enumerate(LAYOUTS.items()):
+                request = Request(MODEL, get_preset(MODEL), profiles[processes], processes, GLOBAL_BATCH, SEQ_LEN)
                 predicted[name].append(evaluate(request, layout).step.total)
                 measured[name].append(measure(processes, overrides, layout.micro_batch_size, ns.steps,
                                               Path(tmp) / f"run{repeat}-{index}"))
                 loads.append(os.getloadavg()[0])
                 print(f"repeat {repeat} {name}: predicted {predicted[name][-1]:.3f} s, measured {measured[name][-1]:.3f} s",
                       flush=True)
-    summary = "; ".join(f"repeat {i}: {s}" for i, s in enumerate(summaries))
+    summary = "; ".join(f"repeat {i // 2}, {s}" for i, s in enumerate(summaries))
     rows = [f'[[row]]\nlayout = "{name}"\nprocesses = {LAYOUTS[name][0]}\npredicted_s = {statistics.median(predicted[name]):.4f}\n'
             f'measured_s = {statistics.median(times):.4f}\nmeasured_min_s = {min(times):.4f}\nmeasured_max_s = {max(times):.4f}\n'
             f'predicted_by_repeat = {[round(p, 4) for p in predicted[name]]}\nmeasured_by_repeat = {[round(t, 4) for t in times]}\n'

@@ -14,6 +14,7 @@ on one node says so, and the planner refuses layouts that cross nodes with it.
 On a CPU nobody publishes a peak, so the profile's peak is the best GEMM rate measured; on a GPU
 the peak comes from devices.toml.
 """
+import json
 import math
 import os
 import socket
@@ -119,69 +120,92 @@ def all_reduce_link(device: torch.device, world: int, nbytes: int, group=None) -
     return 2 * (world - 1) / world * nbytes / max(seconds - 2 * (world - 1) * latency, 1e-9), latency
 
 
-def _collective_worker(rank: int, world: int, init_file: str, backend: str, nbytes: int, result) -> None:
+def measure_device(device: torch.device, shapes, args: ModelArgs | None, seq_len: int, micro_batch: int,
+                   barrier=lambda: None) -> dict:
+    """What one device delivers: GEMM rates per shape, attention, copy bandwidth, launch overhead.
+    `barrier` lines the ranks up before each measurement, so each is taken with all of them busy,
+    as they are in training (a CPU's cores share caches, memory and the machine's other load)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    barrier()
+    gemms = sorted(measure_gemms(shapes, device, dtype))
+    barrier()
+    attention_rate = measure_attention(args, micro_batch, seq_len, device, dtype) if args else 0.0
+    barrier()
+    copy = measure_copy_bandwidth(device)
+    barrier()
+    return {"gemms": gemms, "attention": attention_rate, "copy": copy, "launch": measure_launch_overhead(device)}
+
+
+def _worker(rank: int, world: int, init_file: str, backend: str, plan: dict, out_file: str) -> None:
+    """One of `world` processes of this node: measure the device with all of them busy, then the
+    collectives among them; rank 0 writes what it saw."""
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    torch.set_num_threads(1)
+    MIN_TIMING_S.update(plan["min_timing"])  # a spawned process starts from the module's defaults
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-    bandwidth, latency = all_reduce_link(device, world, nbytes)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    measured = measure_device(device, plan["shapes"], plan["args"], plan["seq_len"], plan["micro_batch"], dist.barrier)
+    measured["link"] = all_reduce_link(device, world, plan["nbytes"])
     if rank == 0:
-        result[0], result[1] = bandwidth, latency
+        Path(out_file).write_text(json.dumps(measured))
     dist.destroy_process_group()
 
 
-def measure_all_reduce(world: int, on_gpu: bool) -> tuple[float, float]:
-    """(all-reduce bus bandwidth, latency per step) among `world` processes of this node."""
-    backend = "nccl" if on_gpu else "gloo"
-    result = mp.get_context("spawn").Array("d", 2)
+def measure_node(world: int, on_gpu: bool, plan: dict) -> dict:
+    """measure_device and the all-reduce (bandwidth, latency) among `world` processes of this node."""
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_collective_worker, nprocs=world, start_method="spawn",
-                           args=(world, os.path.join(tmp, "init"), backend, COLLECTIVE_BYTES["gpu" if on_gpu else "cpu"], result))
-    return result[0], result[1]
+        out_file = os.path.join(tmp, "measured.json")
+        mp.start_processes(_worker, nprocs=world, start_method="spawn",
+                           args=(world, os.path.join(tmp, "init"), "nccl" if on_gpu else "gloo", plan, out_file))
+        return json.loads(Path(out_file).read_text())
 
 
-def measure_in_job(on_gpu: bool) -> tuple[int, tuple[float, float], tuple[float, float]] | None:
-    """Under a multi-node torchrun job: (GPUs per node, all-reduce (bandwidth, latency) among one
-    node's ranks, among one rank of each node), measured by every rank at once; None outside one."""
+def measure_in_job(on_gpu: bool, plan: dict) -> tuple[int, dict] | None:
+    """Under a multi-node torchrun job: (GPUs per node, measure_device with every rank busy plus the
+    all-reduce (bandwidth, latency) among one node's ranks ("link") and among one rank of each node
+    ("network")); None outside such a job. Every rank returns; rank 0's figures are written."""
     world, local = int(os.environ.get("WORLD_SIZE", 1)), int(os.environ.get("LOCAL_WORLD_SIZE", 0) or 0)
     if not local or world <= local:
         return None
     dist.init_process_group("nccl" if on_gpu else "gloo")
-    rank, nbytes = dist.get_rank(), COLLECTIVE_BYTES["gpu" if on_gpu else "cpu"]
+    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    measured = measure_device(device, plan["shapes"], plan["args"], plan["seq_len"], plan["micro_batch"], dist.barrier)
     nodes = world // local
     # every rank creates every group, in the same order, as new_group requires
     intra = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(nodes)]
     inter = [dist.new_group(list(range(r, world, local))) for r in range(local)]
-    inside = all_reduce_link(device, local, nbytes, intra[rank // local]) if local > 1 else (0.0, 0.0)
-    across = all_reduce_link(device, nodes, nbytes, inter[rank % local])
+    measured["link"] = all_reduce_link(device, local, plan["nbytes"], intra[rank // local]) if local > 1 else (0.0, 0.0)
+    measured["network"] = all_reduce_link(device, nodes, plan["nbytes"], inter[rank % local])
     dist.destroy_process_group()
-    return local, inside, across
+    return local, measured
 
 
 def calibrate(out: Path, args: ModelArgs | None = None, seq_len: int = 0, micro_batch: int = 1, processes: int = 2) -> Path:
-    """Measure this machine into a profile at `out`. With a model, its own GEMM shapes and attention.
-    Under a multi-node torchrun job every rank measures the collectives and rank 0 writes."""
+    """Measure this machine into a profile at `out`: a node of `processes` CPU processes (of all its
+    GPUs on a GPU machine), each measured while all are busy. With a model, its own GEMM shapes and
+    attention. Under a multi-node torchrun job every rank measures and rank 0 writes."""
     on_gpu = torch.cuda.is_available()
     if on_gpu and "LOCAL_RANK" in os.environ:  # under torchrun: this rank's own GPU
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     kind = "gpu" if on_gpu else "cpu"
-    device = torch.device("cuda" if on_gpu else "cpu")
-    dtype = torch.bfloat16 if on_gpu else torch.float32
     spec = lookup_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count) if on_gpu else None
     shapes = list(SQUARE_GEMMS[kind]) + (model_gemm_shapes(args, micro_batch * seq_len) if args else [])
-    gemms = sorted(measure_gemms(shapes, device, dtype))
-    peak = spec.peak_tflops_bf16 * 1e12 if spec else max(rate for _, rate in gemms)
-    attention_rate = measure_attention(args, micro_batch, seq_len, device, dtype) if args else None
-    copy = measure_copy_bandwidth(device)
-    launch = measure_launch_overhead(device)
-    job = measure_in_job(on_gpu)
+    plan = {"shapes": shapes, "args": args, "seq_len": seq_len, "micro_batch": micro_batch, "nbytes": COLLECTIVE_BYTES[kind],
+            "min_timing": dict(MIN_TIMING_S)}
+    job = measure_in_job(on_gpu, plan)
     if job is not None and int(os.environ["RANK"]) != 0:
         return out
     if job:
-        world, (bus, latency), (network, network_latency) = job
+        world, measured = job
     else:
         world = torch.cuda.device_count() if on_gpu else processes
-        (bus, latency), (network, network_latency) = measure_all_reduce(world, on_gpu) if world > 1 else (copy, 0.0), (0.0, 0.0)
+        measured = (measure_node(world, on_gpu, plan) if world > 1 else
+                    {**measure_device(torch.device("cuda" if on_gpu else "cpu"), shapes, args, seq_len, micro_batch),
+                     "link": (0.0, 0.0)})
+    gemms, attention_rate, copy, launch = measured["gemms"], measured["attention"], measured["copy"], measured["launch"]
+    (bus, latency), (network, network_latency) = measured["link"], measured.get("network", (0.0, 0.0))
+    peak = spec.peak_tflops_bf16 * 1e12 if spec else max(rate for _, rate in gemms)
     name = (spec.name if spec else "cpu") + "-calibrated"
     curve = ", ".join(f"[{flops:.4g}, {min(rate / peak, 1.0):.4f}]" for flops, rate in gemms)
     attention_line = (f"attention_efficiency = {attention_rate / peak:.4f}  # measured: {args.n_heads} heads of "
@@ -195,7 +219,7 @@ def calibrate(out: Path, args: ModelArgs | None = None, seq_len: int = 0, micro_
 # that cross nodes with this profile; calibrate under a torchrun job of two or more nodes to measure it.
 description = "calibrated: {name}, {world} {'GPUs' if on_gpu else 'processes'}, all-reduce bus bandwidth {bus / 1e9:.3f} GB/s"
 gpus_per_node = {world}
-intra_node = [{{ group = {world}, bandwidth_gbs = {bus / 1e9:.4f} }}]  # measured all-reduce bus bandwidth
+intra_node = [{{ group = {world}, bandwidth_gbs = {bus / 1e9:.4f} }}]  # measured all-reduce bus bandwidth (0: one device)
 node_bandwidth_gbs = {network * world / 1e9:.4f}  # measured all-reduce bus bandwidth between nodes, per node
 collective_efficiency = 1.0  # the bandwidth above is the achieved figure
 link_latency_us = {latency * 1e6:.2f}  # measured: a 4-byte all-reduce, per ring step

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="DIR", default=None, help="write tradeoff.png and scaling.png there")
     p.add_argument("--calibrate", action="store_true", help="measure this machine (GEMMs of --model's shapes, attention, memory, collectives) into a profile")
     p.add_argument("--calibrate-out", default="outputs/plan/calibrated.toml", help="profile file --calibrate writes")
+    p.add_argument("--calibrate-processes", type=int, default=2,
+                   help="on a CPU: processes (ranks) per node the profile describes, measured all busy at once")
     fixed = p.add_argument_group("layout settings (each one given is fixed; the rest are searched)")
     for name, kind, choices in (("tp", int, None), ("pp", int, None), ("dp_replicate", int, None), ("dp_shard", int, None),
                                 ("dp_shard_mode", str, ZERO_MODES), ("pp_schedule", str, tuple(SCHEDULES)),
@@ -122,7 +124,8 @@ def main(argv: list[str]) -> int:
         from trillion.parallel.planner.calibrate import calibrate
         args = get_preset(ns.model) if ns.model else None
         seq_len = ns.seq_len or (args.max_seq_len if args else 0)
-        print(f"wrote {calibrate(Path(ns.calibrate_out), args, seq_len, ns.micro_batch_size or 1)}")
+        out = calibrate(Path(ns.calibrate_out), args, seq_len, ns.micro_batch_size or 1, ns.calibrate_processes)
+        print(f"wrote {out}")
         return 0
     request = request_from(ns)
     result = search(request)
