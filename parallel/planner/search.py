@@ -17,7 +17,7 @@ from trillion.models.flops import count_params, hardware_flops_per_token, megatr
 from trillion.models.args import ModelArgs
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.cost import StepTime, step_time
-from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES
+from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES, check_schedule
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES, Layout, get_schedule
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
 from trillion.errors import ConfigError
@@ -117,8 +117,6 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int):
                     if (request.global_batch // dp) % mb:
                         continue
                     m = request.global_batch // (dp * mb)
-                    if pp > 1 and name != "GPipe" and m < pp:
-                        continue
                     for ac in _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)):
                         for mode in modes:
                             yield Layout(tp, pp, dp // dp_shard, dp_shard, mode, name, v, mb, m, ac,
@@ -131,12 +129,30 @@ class SearchResult:
     considered: int
     too_big: int  # valid layouts that did not fit in memory
     smallest_memory: Candidate | None  # among those that did not fit, for the error message
+    refusal: str = ""  # the trainer's reason for refusing the first layout it refused
+
+
+def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
+    """Why `trillion train` would refuse the layout's pipeline, or "": the trainer's own rule
+    (parallel/modes.py check_schedule, which its validate_pipeline calls), so the search never
+    proposes what the trainer refuses (DualPipeV with fewer than 2 pp micro-batches, a
+    split-backward schedule under compile, ...)."""
+    try:
+        check_schedule(layout.pp_schedule, layout.pp, layout.microbatches, layout.virtual_stages, layout.compile,
+                       n_layers=args.n_layers)
+    except ConfigError as error:
+        return str(error)
+    return ""
 
 
 def search(request: Request) -> SearchResult:
     check_request(request)
-    ranked, considered, too_big, smallest = [], 0, 0, None
+    ranked, considered, too_big, smallest, refusal = [], 0, 0, None, ""
     for layout in layouts(request):
+        refused = trainer_refusal(request.args, layout)
+        if refused:
+            refusal = refusal or refused
+            continue
         considered += 1
         candidate = evaluate(request, layout, only_if_fits=True)
         if candidate.fits:
@@ -146,7 +162,7 @@ def search(request: Request) -> SearchResult:
             if smallest is None or candidate.memory.total < smallest.memory.total:
                 smallest = candidate
     ranked.sort(key=lambda c: (c.step.total, c.memory.total))
-    result = SearchResult(ranked, considered, too_big, smallest)
+    result = SearchResult(ranked, considered, too_big, smallest, refusal)
     if not ranked:
         raise ConfigError(_no_layout_message(request, result))
     return result
@@ -186,6 +202,8 @@ def check_request(request: Request) -> None:
 def _no_layout_message(request: Request, result: SearchResult) -> str:
     where = f"{request.model} on {request.gpus} x {request.hardware.name}"
     fixed = ", ".join(f"{k}={v}" for k, v in request.fixed.items())
+    if result.considered == 0 and result.refusal:
+        return f"No layout of {where}{' with ' + fixed if fixed else ''} runs in the trainer: {result.refusal}"
     if result.considered == 0:
         return (f"No valid layout for {where} with --global-batch {request.global_batch}"
                 f"{' and ' + fixed if fixed else ''}: the data-parallel degree gpus / (tp x pp) must divide the global "
