@@ -117,7 +117,8 @@ def prepare(config, out: Path, workers: int) -> dict:
     if held_out:  # inside the store, written before its manifest: published with it
         write_store(store / HELD_OUT, (_load_shard(staging, i, "held_out_") for i in shards), dtype,
                     {**plan, "split": "held_out"})
-    manifest = write_store(store, (_load_shard(staging, i) for i in shards), dtype, {**plan, "split": "train"})
+    with _Progress(len(shards), 0, "join shards") as progress:  # one sequential copy: long for large corpora
+        manifest = write_store(store, _joined(staging, shards, progress), dtype, {**plan, "split": "train"})
     if manifest["n_documents"] == 0:
         raise ConfigError("The dataset holds no text: every document is empty. Check data.path or data.name and "
                           "data.text_field.")
@@ -170,6 +171,13 @@ def _load_shard(staging: Path, index: int, split: str = "") -> tuple[np.ndarray,
         return shard[split + "tokens"], shard[split + "lengths"]
 
 
+def _joined(staging: Path, shards: range, progress):
+    for index in shards:
+        tokens, lengths = _load_shard(staging, index)
+        yield tokens, lengths
+        progress.advance(len(tokens))
+
+
 _WORKER = {}
 
 
@@ -207,6 +215,7 @@ class _Progress:
 
     def __init__(self, total: int, done: int, what: str):
         self.total, self.done, self.tokens, self.start, self.what = total, done, 0, time.perf_counter(), what
+        self.logged_tenths = done * 10 // max(total, 1)
         self.bar = None
         if sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -225,7 +234,8 @@ class _Progress:
         rate = f"{self.tokens / (time.perf_counter() - self.start):,.0f} tokens/s"
         if self.bar is not None:
             self.bar.update(self.task, completed=self.done, rate=rate)
-        elif self.done == self.total or self.done % max(1, self.total // 10) == 0:
+        elif self.done * 10 // self.total > self.logged_tenths:
+            self.logged_tenths = self.done * 10 // self.total
             log.info("prepare-data: %s %d/%d, %s", self.what, self.done, self.total, rate)
 
     def __exit__(self, *exc):
