@@ -124,3 +124,14 @@ def test_hfu_counts_the_recompute_each_stage_does():
     row = metrics(request, evaluate(request, Layout(4, 128, 1, 2, "zero1", "1F1B", 1, 1, 512, "selective")))
     full = metrics(request, evaluate(request, Layout(4, 128, 1, 2, "zero1", "1F1B", 1, 1, 512, "full")))
     assert row["hfu"] == pytest.approx(full["hfu"])  # same work, same step time
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2)])
+def test_pipeline_bubble_is_p_minus_1_idle_slots_exactly(schedule, v):
+    """The textbook bubble share (p-1)/(v m + p-1) of the slowest rank's step, exactly: a 15%
+    tolerance on the whole step would hide p idle slots instead of p-1."""
+    request = Request("gpt-175b", get_preset("gpt-175b"), load_profile("frontier"), 128, 64, 2048)
+    p, m = 16, 32
+    step = evaluate(request, Layout(4, p, 1, 2, "zero1", schedule, v, 1, m, "full")).step
+    busy = step.compute + step.imbalance + step.tp_exposed  # m micro-batches of the slowest rank
+    assert step.bubble / (step.bubble + busy) == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-9)
