@@ -27,7 +27,7 @@ from trillion.kernels._triton_setup import interpreting, next_power_of_2, use_tr
 __all__ = ["rms_norm", "layer_norm", "RMSNorm", "LayerNorm", "MAX_FUSED_DIM"]
 
 # A row lives in registers, fp32, in one program: 32768 columns is 64 KiB per row spread over
-# 16 warps, enough for the largest hidden sizes in PAPER.md (25600).
+# 16 warps, enough for the largest hidden sizes in experiments/frontier/PAPER.md (25600).
 MAX_FUSED_DIM = 32768
 
 

@@ -1,4 +1,4 @@
-"""Parameter and FLOP accounting (PAPER.md "FLOPs formulas").
+"""Parameter and FLOP accounting (experiments/frontier/PAPER.md "FLOPs formulas").
 
 Model FLOPs (MFU): 6 * (N - N_emb) + 12 * L * H * T per token, as PaLM, nanoGPT and torchtitan
 count them: no causal discount, no recompute. Hardware FLOPs (HFU) add the recomputed forward

@@ -1,4 +1,4 @@
-"""Model presets by name. GPT shapes are the Frontier study's (PAPER.md: GPT-2 BPE vocabulary
+"""Model presets by name. GPT shapes are the Frontier study's (experiments/frontier/PAPER.md: GPT-2 BPE vocabulary
 padded to 50,688, LayerNorm, GELU 4h, learned positions, untied output); Llama shapes are
 Meta's published Llama 3 configurations."""
 from trillion.models.args import ModelArgs

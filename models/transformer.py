@@ -1,4 +1,4 @@
-"""One decoder-only transformer for both families in PAPER.md.
+"""One decoder-only transformer for both families in experiments/frontier/PAPER.md.
 
 GPT: LayerNorm, GELU MLP (4h), learned (or rotary) positions, biases, untied output.
 Llama: RMSNorm, SwiGLU MLP, rotary positions, grouped-query attention, no biases.

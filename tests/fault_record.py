@@ -4,6 +4,7 @@ to run again, whether the final loss equals the unbroken run's bitwise and the t
 writes experiments/reliability/REPORT.md from the records. Without the variable nothing is written."""
 import json
 import os
+import re
 from pathlib import Path
 
 
@@ -14,6 +15,7 @@ def report(fault: str, user_sees: str, steps_lost: int | None, loss_equal: bool 
     folder = os.environ.get("TRILLION_FAULT_REPORT")
     if not folder:
         return
+    user_sees = re.sub(r"/tmp/\S*?/(run|crashed)/", "<output_dir>/", user_sees)  # pytest's folders mean nothing there
     record = {"fault": fault, "user_sees": user_sees, "steps_lost": steps_lost, "loss_equal": loss_equal,
               "recover_s": recover_s, "how": how}
     slug = "".join(c if c.isalnum() else "-" for c in fault.lower())
@@ -27,6 +29,6 @@ def first_step_time(metrics: Path, step: int) -> float:
 
 
 def last_line(text: str, *needles: str) -> str:
-    """The last log line holding all `needles`, without its timestamp: what the user reads."""
+    """The last log line holding all `needles`, without caplog's level and source: what the user reads."""
     lines = [line for line in text.splitlines() if all(n in line for n in needles)]
-    return lines[-1].split(" ", 2)[-1].strip() if lines else ""
+    return re.sub(r"^[A-Z]+\s+\S+:\S+:\d+\s+", "", lines[-1]).strip() if lines else ""

@@ -21,7 +21,7 @@ def test_count_params_equals_the_built_model(name):
 
 
 def test_paper_model_sizes():
-    """PAPER.md: about 22B, 175B and 1T parameters."""
+    """experiments/frontier/PAPER.md: about 22B, 175B and 1T parameters."""
     assert 21e9 < count_params(PRESETS["gpt-22b"]).total < 23e9
     assert 170e9 < count_params(PRESETS["gpt-175b"]).total < 180e9
     assert 0.98e12 < count_params(PRESETS["gpt-1t"]).total < 1.03e12

@@ -42,24 +42,13 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 MARKER = "COMPLETE"
 CONFIG_FILE = "config.toml"
 PARTIAL_PREFIXES = (".staging-", ".replaced-")
-ASYNC_MODES = ("disabled", "async")
+ASYNC_MODES = ("disabled", "async")  # checkpoint.async_mode's choices (trainer/config.py reads them)
 SAVE_FAILURES = (Exception, CheckpointException)  # DCP's exception derives from BaseException
 OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name: any layout
 
 
 class CheckpointError(RunAborted):
     """A checkpoint could not be written or read; the message says where and what to do."""
-
-
-def validate_checkpoint_config(cfg: CheckpointConfig) -> None:
-    if cfg.async_mode not in ASYNC_MODES:
-        raise ConfigError(f"checkpoint.async_mode={cfg.async_mode!r} is not known. Use {' or '.join(ASYNC_MODES)}.")
-    for name in ("interval", "keep_latest"):
-        if getattr(cfg, name) < 0:
-            raise ConfigError(f"checkpoint.{name}={getattr(cfg, name)} must be 0 (off / keep all) or more.")
-    if cfg.initial_load and not Path(cfg.initial_load).exists():
-        raise ConfigError(f"checkpoint.initial_load={cfg.initial_load!r}: no such folder. Give a checkpoint step "
-                          f"directory or a Hugging Face folder (`trillion export` writes one).")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -198,7 +187,6 @@ class CheckpointManager:
 
     def __init__(self, output_dir: Path, cfg: CheckpointConfig, *, model_parts, optimizers, scheduler, loader,
                  counters, config, model_args, device: torch.device, is_rank0: bool, whole_model: bool = True):
-        validate_checkpoint_config(cfg)
         self.whole_model = whole_model  # False on a pipeline rank: its stages hold a share of the names
         self.root, self.output_dir, self.cfg, self.is_rank0 = Path(output_dir) / "checkpoints", Path(output_dir), cfg, is_rank0
         self.config, self.model_args, self.counters, self.parts = config, model_args, counters, model_parts

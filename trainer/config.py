@@ -113,7 +113,7 @@ class LRSchedule:
 class Checkpoint:
     interval: int = doc(0, "Save every N steps (0 = only the final checkpoint).", NONNEGATIVE)
     keep_latest: int = doc(2, "Keep this many newest checkpoints (0 = keep all).", NONNEGATIVE)
-    async_mode: str = doc("disabled", "disabled | async: write in the background while training goes on.", OneOf(("disabled", "async")))
+    async_mode: str = doc("disabled", "disabled | async: write in the background while training goes on.", OneOf("trillion.trainer.checkpoint:ASYNC_MODES"))
     initial_load: str = doc("", "Start a new run from these weights: a checkpoint step directory or a Hugging Face folder (`trillion export` writes one); ignored when the run resumes.", ExistingPath("Give a checkpoint step directory or a Hugging Face folder (`trillion export` writes one)."))
     save_final: bool = doc(True, "Save a checkpoint after the last step.", Flag())
     accept_data_change: bool = doc(False, "Resume although the data files changed since the checkpoint (added, removed or edited; detected from the fingerprint each checkpoint keeps): the saved data position then counts into the new corpus.", Flag())

@@ -5,7 +5,7 @@
 Each config (experiments/configs/gpt_*_frontier.toml, at the world size its `# world_size = N`
 comment declares) is estimated by the command a user runs, timed as a subprocess, with every rank
 simulated (`--ranks all`). The planner's figures come with the estimate's JSON; the paper's
-statements are shared/PAPER.md's.
+statements are PAPER.md's.
 """
 import argparse
 import json

@@ -1,4 +1,4 @@
-"""Machines built from accelerators, as data (PAPER.md "Hardware figures"): a device from
+"""Machines built from accelerators, as data (experiments/frontier/PAPER.md "Hardware figures"): a device from
 trillion/devices.toml, GPUs per node, the links inside a node and between nodes, power overheads,
 price, in hardware_profiles/<name>.toml. Users add machines by putting TOML files in a folder
 named by TRILLION_HARDWARE_PATH (colon-separated) or by passing a file's path; `trillion plan

@@ -5,6 +5,7 @@ checkpoint; each reports to the matrix (tests/fault_record.py). The other faults
 own tests: test_verify (corrupted checkpoint), test_atomic (disk full), test_guards (NaN gradient),
 test_distributed (a rank killed under torchrun), tests/test_launch.py (a stalled rank),
 tests/test_fail_fast.py (a rank failing at start)."""
+import logging
 import os
 import signal
 import subprocess
@@ -33,7 +34,8 @@ def test_preemption_signal_saves_after_the_step_and_exits_0(signum, straight, tm
         return original(*args, **kwargs)
 
     monkeypatch.setattr(trillion.trainer.train, "train_step", signalled_step)
-    assert main(["train", *TINY, "--training.steps=6", f"--job.output_dir={out}"]) == 0
+    with caplog.at_level(logging.INFO, logger="trillion"):
+        assert main(["train", *TINY, "--training.steps=6", f"--job.output_dir={out}"]) == 0
     assert checkpoints(out) == ["step-00000003"] and losses(out) == expected[:3]
     monkeypatch.undo()
     run(out)  # the same command resumes
@@ -57,7 +59,7 @@ def test_sigkill_during_a_save_loses_only_the_steps_since_the_last_checkpoint(mo
     assert checkpoints(out)[-1] == "step-00000002"  # never a half-written step-4
     run(out, *saving)
     assert losses(out) == expected
-    report(f"SIGKILL during a {'synchronous' if mode == 'disabled' else 'async'} save",
+    report(f"SIGKILL during {'a synchronous' if mode == 'disabled' else 'an async'} save",
            "the process dies (exit -9); the next start logs 'removed 1 unfinished checkpoint directory' and "
            "'resumed from .../step-00000002'", reached - 2, True,
            first_step_time(out / "metrics.jsonl", 3) - float(stamp.read_text()),

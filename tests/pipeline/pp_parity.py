@@ -36,7 +36,9 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
     pipeline = Pipeline(model, dims, case["schedule"], n_micro, torch.device("cpu"),
                         virtual=case.get("virtual", 0), layers=layers,
                         parallelize_fn=lambda part: parallelize(part, dims, dp_shard_mode=mode,
-                                                                activation_checkpoint=case.get("ac", "none")))
+                                                                activation_checkpoint=case.get("ac", "none"),
+                                                                compile=bool(case.get("compile")),
+                                                                compile_backend=case.get("compile") or "inductor"))
     for part in pipeline.parts:
         part.to_empty(device="cpu")
         part.init_weights(SEED)

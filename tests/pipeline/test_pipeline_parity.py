@@ -22,6 +22,7 @@ from spawn import run_ranks  # noqa: E402
 def test_two_stages_gpipe_and_1f1b():
     cases = [{"name": f"{f}-pp2-{s}", "family": f, "pp": 2, "schedule": s}
              for f in ("llama", "gpt") for s in ("GPipe", "1F1B")]
+    cases.append(_case("llama", "1F1B", compile="aot_eager"))  # each stage's blocks compiled
     run_ranks(check_pipeline_cases, 2, cases)
 
 
@@ -36,8 +37,12 @@ def test_two_ranks_zero_bubble_schedules():
     run_ranks(check_pipeline_cases, 2, cases)
 
 
-def test_pp2_x_fsdp2_zbv_zero3():
-    run_ranks(check_pipeline_cases, 4, [_case("llama", "ZBVZeroBubble", dp_shard=2)])
+def test_pp2_zero_bubble_with_fsdp_zero3_zero2_tp_and_checkpointing():
+    """The planner's favourite layouts: zero-bubble schedules under FSDP (zero3, and zero2 with full
+    activation checkpointing) and under TP; the breadth is in the -m slow tests below."""
+    run_ranks(check_pipeline_cases, 4, [_case("llama", "ZBVZeroBubble", dp_shard=2),
+                                        _case("gpt", "InterleavedZeroBubble", dp_shard=2, mode="zero2", ac="full"),
+                                        _case("llama", "ZBVZeroBubble", tp=2)])
 
 
 @pytest.mark.slow  # about a minute on two cores
@@ -81,7 +86,10 @@ def test_3d_pp2_x_fsdp2_x_tp2():
     """The paper's layout in miniature on 8 ranks, one case per family and schedule kind; the 1F1B
     case sizes its stages explicitly (the last holds only the final norm and output)."""
     run_ranks(check_pipeline_cases, 8, [_case("llama", "1F1B", dp_shard=2, tp=2, last_stage_layers=0),
-                                        _case("gpt", "Interleaved1F1B", dp_shard=2, tp=2)])
+                                        _case("gpt", "Interleaved1F1B", dp_shard=2, tp=2),
+                                        _case("gpt", "GPipe", dp_shard=2, tp=2),
+                                        _case("llama", "LoopedBFS", dp_shard=2, tp=2),
+                                        _case("gpt", "ZBVZeroBubble", dp_shard=2, tp=2)])
 
 
 @pytest.mark.slow  # about 1.5 minutes on two cores
@@ -92,8 +100,7 @@ def test_3d_other_pairs_and_activation_checkpointing_inside_stages():
                                         _case("gpt", "Interleaved1F1B", dp_shard=2, tp=2, ac="full")])
 
 
-@pytest.mark.slow  # about a minute on two cores
-def test_pp2_x_tp2():
+def test_pp2_x_tp2():  # each single- and multi-stage schedule under TP (the zero-bubble ones above)
     run_ranks(check_pipeline_cases, 4, [_case("llama", "1F1B", tp=2), _case("gpt", "GPipe", tp=2),
                                         _case("gpt", "LoopedBFS", tp=2, ac="selective:op"),
                                         _case("llama", "Interleaved1F1B", tp=2, ac="full")])
