@@ -30,9 +30,12 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trillion.parallel.modes import zero_mode
 
-def apply_fsdp(model: nn.Module, fsdp_mesh, mode: str, param_dtype: torch.dtype = torch.float32) -> None:
+def apply_fsdp(model: nn.Module, fsdp_mesh, mode: str, param_dtype: torch.dtype = torch.float32, *,
+               keep_gathered_after_forward: bool = False) -> None:
+    """`keep_gathered_after_forward`: no block reshards after forward whatever the mode (pipeline
+    stages under split-backward schedules, see pipeline.py)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    reshard_after_forward = zero_mode(mode).reshard_after_forward
+    reshard_after_forward = zero_mode(mode).reshard_after_forward and not keep_gathered_after_forward
     for block in model.layers.values():
         fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # The root holds embeddings, final norm and output; its parameters are needed first in backward,

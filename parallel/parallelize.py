@@ -18,14 +18,16 @@ from trillion.parallel.compile import apply_compile
 from trillion.parallel.context_parallel import apply_context_parallel
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.fsdp import apply_fsdp
-from trillion.parallel.modes import zero_mode
+from trillion.parallel.modes import schedule, zero_mode
 from trillion.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, dp_shard_mode: str = "zero3",
                 activation_checkpoint: str = "none", compile: bool = False, compile_backend: str = "inductor",
-                param_dtype: torch.dtype = torch.float32) -> nn.Module:
-    """Apply the layout of `dims` (whose mesh is built) to `model`, in place; returns it."""
+                param_dtype: torch.dtype = torch.float32, pp_schedule: str = "1F1B") -> nn.Module:
+    """Apply the layout of `dims` (whose mesh is built) to `model`, in place; returns it. With pp > 1
+    `model` is a pipeline stage and `pp_schedule` its schedule: under one that splits the backward no
+    block reshards after forward (pipeline.py says why)."""
     zero_mode(dp_shard_mode)
     if dims.cp > 1:
         apply_context_parallel(model, dims.cp_mesh)
@@ -35,5 +37,6 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, dp_shard_mode: str = "z
     if compile:
         apply_compile(model, backend=compile_backend)
     if dims.fsdp_enabled:
-        apply_fsdp(model, dims.fsdp_mesh, dp_shard_mode, param_dtype)
+        split_backward = dims.pp > 1 and schedule(pp_schedule).split_backward
+        apply_fsdp(model, dims.fsdp_mesh, dp_shard_mode, param_dtype, keep_gathered_after_forward=split_backward)
     return model

@@ -8,9 +8,10 @@ one layer each: n_layers + 2 units over pp * virtual stages; a remainder goes to
 
 Looped schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) hold `virtual` stages per
 rank, placed r, r + pp, ...; the V-shaped ones (ZBVZeroBubble, DualPipeV) hold exactly two, placed r
-and 2 pp - 1 - r (the schedule's own stage-to-rank map). The loss runs on the last stage, normalized
-by the token count of the global batch exactly as without PP (`scale_grads=False`: the schedule
-must not divide again), under loss parallelism with TP. Every schedule is proven by a parity test.
+and 2 pp - 1 - r (the schedule's own stage-to-rank map). The loss (forward_backward.token_loss) runs
+on the last stage, normalized by the token count of the global batch exactly as without PP
+(`scale_grads=False`: the schedule must not divide again), under loss parallelism with TP. Every
+schedule is proven by a parity test.
 
 The zero-bubble schedules split each backward into an input-gradient pass (dI) and a later
 weight-gradient pass (dW). PipelineStage finds the weights' autograd nodes from `submod.parameters()`
@@ -18,8 +19,9 @@ at the dI pass (torch/distributed/pipelining/stage.py backward_maybe_with_nosync
 _backward.py stage_backward_input), before FSDP's pre-backward hook has unsharded the module: a
 block resharded after forward then lists its sharded DTensor parameters, which are not in the
 graph, and that micro-batch's weight gradients were silently dropped (0.4-0.8 of the reference
-gradient). So under these schedules no FSDP module of a stage reshards after forward; that costs
-no memory at the peak, since PipelineStage keeps stages gathered from their first backward anyway.
+gradient). So under these schedules no FSDP module of a stage reshards after forward (parallelize
+decides it from the schedule it is given); that costs no memory at the peak, since PipelineStage
+keeps stages gathered from their first backward anyway.
 
 With TP the residual stream between stages is a sequence-sharded DTensor (tensor_parallel.py):
 PipelineStage sends each rank's local shard with the DTensor's metadata, and the receiving stage
@@ -36,16 +38,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trillion.parallel.tensor_parallel import loss_context
 from trillion.errors import ConfigError
+from trillion.parallel.forward_backward import token_loss
 from trillion.parallel.modes import SCHEDULES, check_schedule
+from trillion.parallel.tensor_parallel import loss_context
 
 log = logging.getLogger("trillion")
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -175,17 +176,26 @@ def stage_indices(rank: int, pp: int, virtual: int, schedule: str = "") -> list[
     return [rank + v * pp for v in range(virtual)]
 
 
-def keep_unsharded_after_forward(part: nn.Module) -> None:
-    """For split-backward schedules: the dI pass must see the unsharded parameters the forward used
-    (see the module docstring)."""
-    from torch.distributed.fsdp import FSDPModule
-    for module in part.modules():
-        if isinstance(module, FSDPModule):
-            module.set_reshard_after_forward(False, recurse=False)
+def stages_as_one_module(parts: list[nn.Module]) -> nn.Module:
+    """This rank's pipeline stages as one module holding the same parameters under their global
+    names (stages keep them), so the optimizer's parameter groups and the checkpoint's keys are
+    those of the whole model whatever the number of stages per rank. Never called: the schedule
+    runs the stages."""
+    union = nn.Module()
+    union.layers = nn.ModuleDict()
+    for part in parts:
+        for name, child in part.named_children():  # a stage's missing parts are None and skipped
+            if name == "layers":
+                union.layers.update(child)
+            else:
+                union.add_module(name, child)
+    return union
 
 
 class Pipeline:
-    """This rank's stages, their schedule and the loss; `step` runs one optimizer step's micro-batches."""
+    """This rank's stages, their schedule and the loss; `forward_backward` runs one optimizer step's
+    micro-batches (the interface of forward_backward.MicroBatchLoop). `parallelize_fn` is
+    parallelize with this schedule (`pp_schedule`), applied to each stage."""
 
     def __init__(self, model: nn.Module, dims, schedule: str, n_microbatches: int, device: torch.device, *,
                  virtual: int = 0, parallelize_fn=None, layers: StageLayers = AUTOMATIC):
@@ -204,8 +214,6 @@ class Pipeline:
             part = stage_module(model, ranges[index])
             if parallelize_fn is not None:
                 parallelize_fn(part)
-            if SCHEDULES[name].split_backward:
-                keep_unsharded_after_forward(part)
             self.parts.append(part)
         self._make_stage = lambda part, index: InFlightReceiveStage(part, index, dims.pp * v, device,
                                                                     group=self.pp_group, get_mesh=self._mesh)
@@ -223,14 +231,26 @@ class Pipeline:
         self.stages = [self._make_stage(part, index) for part, index in zip(self.parts, indices)]
         stages = self.stages[0] if self._single else self.stages
         self.schedule = self._schedule_cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
+        self.model = stages_as_one_module(self.parts)
+
+    @property
+    def clip_group(self):
+        """The gradient norm adds up over the pipeline ranks."""
+        return self.pp_group
 
     def _mesh(self, names: tuple[str, ...], _layout):
         """The mesh a received DTensor activation lives on (the tp axis), for PipelineStage to rebuild it."""
         return self.dims.mesh[names]
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
-                               reduction="sum") / self.tokens
+        return token_loss(logits, labels, self.tokens)
+
+    def forward_backward(self, micro_batches, tokens: torch.Tensor, autocast, scaler) -> torch.Tensor:
+        """`step` under autocast, which changes only the forwards the schedule interleaves with
+        backwards. No loss scaling: fp16 runs in one process only, so never with a pipeline."""
+        assert not scaler.is_enabled(), "fp16 loss scaling under a pipeline"
+        with autocast:
+            return self.step(micro_batches, tokens)
 
     def step(self, micro_batches, tokens: torch.Tensor) -> torch.Tensor:
         """Forward and backward of all micro-batches; returns the loss summed over them on every pp rank

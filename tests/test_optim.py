@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trillion.models import PRESETS, Transformer
+from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.trainer.config import LRSchedule, Optimizer
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer, lr_multiplier
 from trillion.trainer.train import train_step
@@ -63,7 +64,8 @@ def test_gradient_accumulation_gives_the_same_update():
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         batches = list(zip(inputs.split(micro), labels.split(micro)))
-        loss, grad_norm = train_step(model, batches, optimizer, scaler, contextlib.nullcontext(), max_grad_norm=0.5)
+        loss, grad_norm = train_step(MicroBatchLoop(model), batches, optimizer, scaler, contextlib.nullcontext(),
+                                     max_grad_norm=0.5)
         results.append((loss, grad_norm, [p.detach().clone() for p in model.parameters()]))
     (loss_a, norm_a, params_a), (loss_b, norm_b, params_b) = results
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)

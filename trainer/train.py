@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.models import ModelArgs, Transformer, get_preset
@@ -15,10 +14,9 @@ from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.context_parallel import shard_batch
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.modes import recompute_fraction
-from trillion.parallel.fsdp import set_micro_batch
+from trillion.parallel.forward_backward import MicroBatchLoop, target_tokens
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, bubble_fraction, validate_pipeline
-from trillion.parallel.tensor_parallel import loss_context
 from trillion.trainer.checkpoint import CheckpointManager
 from trillion.trainer.config import Config, divisor_near, to_toml, validate_config
 from trillion.trainer.data import build_data_loader, held_out_fraction
@@ -34,7 +32,6 @@ from trillion.trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy
 from trillion.trainer.tokenizer import build_tokenizer
 
 log = logging.getLogger("trillion")
-IGNORE_INDEX = -100
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -101,61 +98,31 @@ def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -
     return dims
 
 
-def stages_as_one_module(parts: list[torch.nn.Module]) -> torch.nn.Module:
-    """This rank's pipeline stages as one module holding the same parameters under their global
-    names (stages keep them, see parallel/pipeline.py), so the optimizer's parameter groups and the
-    checkpoint's keys are those of the whole model whatever the number of stages per rank. Never
-    called: the schedule runs the stages."""
-    union = torch.nn.Module()
-    union.layers = torch.nn.ModuleDict()
-    for part in parts:
-        for name, child in part.named_children():  # a stage's missing parts are None and skipped
-            if name == "layers":
-                union.layers.update(child)
-            else:
-                union.add_module(name, child)
-    return union
-
-
 def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
     if requested == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[requested]
 
 
-def train_step(model, micro_batches, optimizer, scaler, autocast, max_grad_norm: float,
-               dims: ParallelDims | None = None, dp_shard_mode: str = "zero3", guard: NonFiniteGuard | None = None,
-               timer: PhaseTimer | None = None, pipeline=None):
-    """One optimizer step over all micro-batches; the loss is the mean over every target token of
-    the global batch (not a mean of per-micro-batch means), so accumulation changes nothing.
+def train_step(runner, micro_batches, optimizer, scaler, autocast, max_grad_norm: float,
+               dims: ParallelDims | None = None, guard: NonFiniteGuard | None = None, timer: PhaseTimer | None = None):
+    """One optimizer step: count tokens -> forward/backward -> reduce -> clip -> guard -> optimizer step.
 
-    Under a parallel layout (`dims`): token count and reported loss are summed over data-parallel
-    ranks (FSDP sums the gradients), FSDP learns which micro-batch is the last (zero1/zero2), the
-    loss runs vocabulary-parallel under TP, and the clipping norm is the exact global one.
-    With a `pipeline` (parallel.pipeline.Pipeline) its schedule runs the micro-batches, `model` is
-    this rank's stages as one module (`stages_as_one_module`) and the norm adds up over the pipeline ranks."""
+    `runner` runs the micro-batches' forwards and backwards with the one loss, the mean over every
+    target token of the global batch: parallel.forward_backward.MicroBatchLoop (gradient
+    accumulation) or parallel.pipeline.Pipeline (its schedule). Its `model` holds the parameters to
+    clip, and the norm spans its `clip_group` (the pipeline ranks) beyond the exact global one of
+    the sharded layout. Under context parallelism each rank takes its share of every sequence first;
+    token count and reported loss are summed over the ranks holding other tokens (data-parallel x cp,
+    `dims`; FSDP sums the gradients)."""
     dims = dims or ParallelDims(world_size=1)
     micro_batches = shard_batch(micro_batches, dims.cp_mesh)  # this cp rank's share of every sequence
-    tokens = dims.all_reduce_dp(sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches))
-    loss_sum = torch.zeros((), device=micro_batches[0][0].device)
-    if pipeline is not None:
-        with autocast:  # the schedule interleaves forwards and backwards; autocast only changes the forwards
-            loss_sum = pipeline.step(micro_batches, tokens)
-        micro_batches = []
-    for index, (inputs, labels) in enumerate(micro_batches):
-        set_micro_batch(model, dp_shard_mode, is_last=index == len(micro_batches) - 1)
-        with autocast:
-            logits = model(inputs)
-        with loss_context(dims.tp_enabled):
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
-                                   reduction="sum") / tokens
-            scaler.scale(loss).backward()
-        loss_sum += loss.detach().to_local() if dims.tp_enabled else loss.detach()
-    dims.all_reduce_dp(loss_sum)
+    tokens = dims.all_reduce_dp(target_tokens(micro_batches))
+    loss_sum = dims.all_reduce_dp(runner.forward_backward(micro_batches, tokens, autocast, scaler))
     if timer is not None:
         timer.mark("forward_backward")
     scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm_(model.parameters(), max_grad_norm, pipeline.pp_group if pipeline else None)
+    grad_norm = clip_grad_norm_(runner.model.parameters(), max_grad_norm, runner.clip_group)
     if guard is None or guard.allows_update(loss_sum, grad_norm, scaler):
         scaler.step(optimizer)
     scaler.update()
@@ -195,7 +162,8 @@ def train(config: Config) -> dict:
         model = Transformer(model_args)
     apply_layout = lambda part: parallelize(  # noqa: E731
         part, dims, dp_shard_mode=config.parallel.dp_shard_mode,
-        activation_checkpoint=config.parallel.activation_checkpoint, compile=config.compile.enabled, param_dtype=dtype)
+        activation_checkpoint=config.parallel.activation_checkpoint, compile=config.compile.enabled, param_dtype=dtype,
+        pp_schedule=config.parallel.pp_schedule)
     pipeline = None
     if dims.pp > 1:  # this rank's stages, each parallelized; names stay global
         pipeline = Pipeline(model, dims, config.parallel.pp_schedule, len(first_batch), env.device,
@@ -209,7 +177,9 @@ def train(config: Config) -> dict:
         part.init_weights(config.job.seed)
     if pipeline is not None:
         pipeline.build()
-        model = stages_as_one_module(parts)
+    runner = pipeline if pipeline is not None else MicroBatchLoop(parts[0], dims.tp_enabled,
+                                                                  config.parallel.dp_shard_mode)
+    model = runner.model
     torch.manual_seed(config.job.seed)
 
     autocast = (torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
@@ -257,8 +227,8 @@ def train(config: Config) -> dict:
             timer.mark("data")
             step_start = time.perf_counter()
             with profiler.snapshot_on_oom(), timeline.recording(step) if timeline else contextlib.nullcontext():
-                loss, grad_norm = train_step(model, micro_batches, optimizer, scaler, autocast, t.max_grad_norm,
-                                             dims, config.parallel.dp_shard_mode, guard, timer, pipeline)
+                loss, grad_norm = train_step(runner, micro_batches, optimizer, scaler, autocast, t.max_grad_norm,
+                                             dims, guard, timer)
             profiler.step(step)
             guard.check(step)
             counters.step, counters.tokens = step, counters.tokens + t.global_batch_size * t.seq_len

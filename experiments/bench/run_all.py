@@ -104,6 +104,7 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
     from trillion.devices import lookup_device
     from trillion.trainer.config import load_config
     from trillion.trainer.optim import build_optimizer
+    from trillion.parallel.forward_backward import MicroBatchLoop
     from trillion.trainer.train import build_model_args, train_step
 
     shrink = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=4", "--model.ffn_dim=128",
@@ -128,12 +129,13 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
         tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), device=device)
         return ([(tokens[:, :-1], tokens[:, 1:])],)
 
-    losses = [train_step(model, *fresh(), optimizer, scaler, autocast, 1.0)[0].item() for _ in range(3)]
+    runner = MicroBatchLoop(model)
+    losses = [train_step(runner, *fresh(), optimizer, scaler, autocast, 1.0)[0].item() for _ in range(3)]
     if not all(map(lambda x: x == x and x < 20, losses)):  # finite and sane (ln(vocab) is about 11.8)
         raise AssertionError(f"training step produced losses {losses}")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seconds = median_seconds(lambda mb: train_step(model, mb, optimizer, scaler, autocast, 1.0), device,
+    seconds = median_seconds(lambda mb: train_step(runner, mb, optimizer, scaler, autocast, 1.0), device,
                              warmup=2, repeats=3 if smoke else 10, fresh_inputs=fresh)
     tokens_per_s = batch * seq_len / seconds
     tflops = tokens_per_s * model_flops_per_token(args, seq_len) / 1e12

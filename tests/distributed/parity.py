@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from trillion.models import PRESETS, Transformer
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
 from trillion.trainer.data import DataLoader
 from trillion.trainer.train import train_step
@@ -71,8 +72,8 @@ def train_case(case: dict, world_size: int) -> dict:
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     losses, norms = [], []
     for _ in range(STEPS):
-        loss, norm = train_step(model, loader.next_batch(), optimizer, scaler, contextlib.nullcontext(), MAX_NORM,
-                                dims=dims, dp_shard_mode=mode)
+        loss, norm = train_step(MicroBatchLoop(model, dims.tp_enabled, mode), loader.next_batch(), optimizer, scaler,
+                                contextlib.nullcontext(), MAX_NORM, dims=dims)
         losses.append(loss.item())
         norms.append(norm.item())
     return {"losses": losses, "norms": norms, "grads": grads, "initial": initial}

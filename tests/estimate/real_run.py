@@ -31,7 +31,7 @@ from trillion.parallel.tensor_parallel import apply_tensor_parallel, loss_contex
 from trillion.trainer.config import load_config
 from trillion.trainer.launch import LaunchEnv
 from trillion.trainer.optim import build_optimizer
-from trillion.trainer.train import build_model_args, build_parallel_dims, stages_as_one_module, train_step
+from trillion.trainer.train import build_model_args, build_parallel_dims, train_step
 
 
 def measure_rank(rank: int, world_size: int, overrides: list, out_path: str) -> None:
@@ -105,9 +105,9 @@ def _build_pipeline(config, args, dims, n_microbatches: int, layout) -> Pipeline
 def _pipeline_rank(config, args, dims, micro_batches) -> dict:
     p = config.parallel
     trainer_layout = lambda part: parallelize(part, dims, dp_shard_mode=p.dp_shard_mode,  # noqa: E731
-                                              activation_checkpoint=p.activation_checkpoint)
+                                              activation_checkpoint=p.activation_checkpoint, pp_schedule=p.pp_schedule)
     pipeline = _build_pipeline(config, args, dims, len(micro_batches), trainer_layout)
-    model = stages_as_one_module(pipeline.parts)
+    model = pipeline.model
     optimizer = build_optimizer(model, config.optimizer, "cpu")
     held = {"gradient_accumulation": 0, "fsdp_gathered": 0}
     for stage in pipeline.stages:
@@ -115,8 +115,8 @@ def _pipeline_rank(config, args, dims, micro_batches) -> dict:
     record = {}
     optimizer.register_step_pre_hook(lambda *_: record.update(gradient_shards=storage_bytes(
         [q.grad for q in model.parameters() if q.grad is not None])))
-    train_step(model, micro_batches, optimizer, torch.amp.GradScaler("cpu", enabled=False), contextlib.nullcontext(),
-               config.training.max_grad_norm, dims, p.dp_shard_mode, pipeline=pipeline)
+    train_step(pipeline, micro_batches, optimizer, torch.amp.GradScaler("cpu", enabled=False), contextlib.nullcontext(),
+               config.training.max_grad_norm, dims)
     record.update(parameters=storage_bytes(model.parameters()), optimizer=_optimizer_bytes(optimizer),
                   pipeline_receive=storage_bytes(_receive_buffers(pipeline)), **held)
 

@@ -17,7 +17,7 @@ from trillion.parallel.dims import ParallelDims  # noqa: E402
 from trillion.parallel.parallelize import parallelize  # noqa: E402
 from trillion.parallel.pipeline import Pipeline, StageLayers  # noqa: E402
 from trillion.trainer.data import DataLoader  # noqa: E402
-from trillion.trainer.train import stages_as_one_module, train_step  # noqa: E402
+from trillion.trainer.train import train_step  # noqa: E402
 
 
 def train_pipeline_case(case: dict, world_size: int) -> dict:
@@ -35,7 +35,7 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
                          case.get("last_stage_layers", -1))
     pipeline = Pipeline(model, dims, case["schedule"], n_micro, torch.device("cpu"),
                         virtual=case.get("virtual", 0), layers=layers,
-                        parallelize_fn=lambda part: parallelize(part, dims, dp_shard_mode=mode,
+                        parallelize_fn=lambda part: parallelize(part, dims, dp_shard_mode=mode, pp_schedule=case["schedule"],
                                                                 activation_checkpoint=case.get("ac", "none"),
                                                                 compile=bool(case.get("compile")),
                                                                 compile_backend=case.get("compile") or "inductor"))
@@ -52,10 +52,9 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
                         dims.dp_rank, dims.dp_size)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     losses, norms = [], []
-    model = stages_as_one_module(pipeline.parts)
     for _ in range(STEPS):
-        loss, norm = train_step(model, loader.next_batch(), optimizer, scaler, contextlib.nullcontext(),
-                                MAX_NORM, dims=dims, dp_shard_mode=mode, pipeline=pipeline)
+        loss, norm = train_step(pipeline, loader.next_batch(), optimizer, scaler, contextlib.nullcontext(),
+                                MAX_NORM, dims=dims)
         losses.append(loss.item())
         norms.append(norm.item())
     assert not any(stage.output_chunks for stage in pipeline.stages), "the last stage kept micro-batch logits"

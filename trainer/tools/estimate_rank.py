@@ -138,7 +138,7 @@ def apply_layout(part: nn.Module, config: Config, dims: ParallelDims, fsdp: bool
         part.to(compute_dtype(config))
     return parallelize(part, dims if fsdp else _TPOnly(dims), dp_shard_mode=config.parallel.dp_shard_mode,
                        activation_checkpoint=config.parallel.activation_checkpoint, compile=False,
-                       param_dtype=compute_dtype(config))
+                       param_dtype=compute_dtype(config), pp_schedule=config.parallel.pp_schedule)
 
 
 # --- stages --------------------------------------------------------------------------------------------

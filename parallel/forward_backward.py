@@ -1,0 +1,52 @@
+"""One optimizer step's forward and backward over its micro-batches, with the one loss both ways of
+running them share: the micro-batch loop here (gradient accumulation) and the pipeline schedule
+(pipeline.Pipeline). Each returns this rank's loss summed over its micro-batches, before the
+data-parallel sum; what FSDP and TP need around them (which micro-batch is the last, the loss
+parallel over the vocabulary) stays in here and in pipeline.py.
+
+The loss is the sum of the token losses divided by the target-token count of the whole global
+batch (`tokens`, summed over data-parallel ranks), so accumulating micro-batches or summing
+gradients over ranks changes nothing: it is the mean over every target token of the global batch,
+not a mean of per-micro-batch means.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trillion.parallel.fsdp import set_micro_batch
+from trillion.parallel.tensor_parallel import loss_context
+
+IGNORE_INDEX = -100  # labels the loss skips (padding, a document's end under some data pipelines)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor | int) -> torch.Tensor:
+    """Summed cross-entropy of (batch, seq, vocab) logits against (batch, seq) labels over `tokens`."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
+                           reduction="sum") / tokens
+
+
+def target_tokens(micro_batches) -> torch.Tensor:
+    """The target tokens of this rank's micro-batches (labels not IGNORE_INDEX)."""
+    return sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches)
+
+
+class MicroBatchLoop:
+    """Gradient accumulation: each micro-batch's forward and backward in turn, on the whole model
+    (parallelized by parallelize.py). `clip_group` is None: the gradient norm spans no pipeline."""
+
+    clip_group = None
+
+    def __init__(self, model: nn.Module, tp_enabled: bool = False, dp_shard_mode: str = "zero3"):
+        self.model, self.tp_enabled, self.dp_shard_mode = model, tp_enabled, dp_shard_mode
+
+    def forward_backward(self, micro_batches, tokens: torch.Tensor, autocast, scaler) -> torch.Tensor:
+        loss_sum = torch.zeros((), device=micro_batches[0][0].device)
+        for index, (inputs, labels) in enumerate(micro_batches):
+            set_micro_batch(self.model, self.dp_shard_mode, is_last=index == len(micro_batches) - 1)
+            with autocast:
+                logits = self.model(inputs)
+            with loss_context(self.tp_enabled):
+                loss = token_loss(logits, labels, tokens)
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach().to_local() if self.tp_enabled else loss.detach()
+        return loss_sum
