@@ -9,7 +9,7 @@ import torch
 from trillion.trainer.tools.estimate import layout_dims
 from trillion.trainer.config import load_config
 from trillion.trainer.launch import LaunchEnv
-from trillion.trainer.train import build_model_args, validate_training
+from trillion.trainer.assemble import build_model_args, validate_training
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "experiments/configs").glob("*.toml"))
 

@@ -32,7 +32,7 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def load_checkpoint_model(step: Path) -> Transformer:
     """The checkpoint's model, whole, on the CPU, built from the config it was saved with."""
-    from trillion.trainer.train import build_model_args
+    from trillion.trainer.assemble import build_model_args
 
     config = load_config(str(step / CONFIG_FILE))
     args = dataclasses.replace(build_model_args(config, 0), attention_impl="sdpa", norm_impl="torch")

@@ -7,22 +7,21 @@ from pathlib import Path
 
 import torch
 
-from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
-from trillion.models import ModelArgs, Transformer, get_preset
+from trillion.models import Transformer
 from trillion.models.flops import count_params, hardware_flops_per_token, model_flops_per_token
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.context_parallel import shard_batch
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.modes import recompute_fraction
 from trillion.parallel.forward_backward import MicroBatchLoop, target_tokens
-from trillion.parallel.parallelize import parallelize
-from trillion.parallel.pipeline import Pipeline, StageLayers, bubble_fraction, validate_pipeline
+from trillion.parallel.pipeline import bubble_fraction
+from trillion.errors import RunAborted
+from trillion.trainer.assemble import (batch_split, build_model, build_model_args, build_parallel_dims, compute_dtype,
+                                       validate_training)
 from trillion.trainer.checkpoint import CheckpointManager
-from trillion.trainer.config import Config, divisor_near, to_toml, validate_config
+from trillion.trainer.config import Config, to_toml
 from trillion.trainer.data import build_data_loader, held_out_fraction
-from trillion.errors import ConfigError, RunAborted
-from trillion.trainer.evaluate import validate_eval
-from trillion.trainer.launch import LaunchEnv, check_same_config, init_launch_env
+from trillion.trainer.launch import check_same_config, init_launch_env
 from trillion.trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
 from trillion.trainer.pipeline_timeline import PipelineTimeline
@@ -32,76 +31,6 @@ from trillion.trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy
 from trillion.trainer.tokenizer import build_tokenizer
 
 log = logging.getLogger("trillion")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
-    """The preset with the config's overrides, checked against the tokenizer and sequence length."""
-    cfg = config.model
-    overrides = {k: v for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
-                 if (v := getattr(cfg, k)) > 0}
-    on_gpu = config.job.device == "cuda" or (config.job.device == "auto" and torch.cuda.is_available())
-    attention_impl = config.kernels.attention if config.kernels.attention != "auto" else ("triton" if on_gpu else "sdpa")
-    # auto: PyTorch norms under tensor parallelism (the Triton norm kernels take no DTensor activations)
-    norm_impl = config.kernels.norm if config.kernels.norm != "auto" else (
-        "triton" if on_gpu and config.parallel.tp == 1 else "torch")
-    args = dataclasses.replace(get_preset(cfg.name), attention_impl=attention_impl, norm_impl=norm_impl, **overrides)
-    if args.dim % args.n_heads:
-        raise ConfigError(f"model.n_heads={args.n_heads} does not divide model.dim={args.dim}; "
-                          f"pick a head count that divides it (e.g. {divisor_near(args.dim, args.n_heads)}).")
-    if args.n_heads % args.kv_heads:
-        raise ConfigError(f"model.n_kv_heads={args.kv_heads} does not divide model.n_heads={args.n_heads}; "
-                          f"use a divisor of {args.n_heads} (e.g. {divisor_near(args.n_heads, args.kv_heads)}).")
-    if args.positions == "rope" and args.head_dim % 2:
-        raise ConfigError(f"Rotary positions need an even head size; model.dim / model.n_heads = {args.head_dim}.")
-    if tokenizer_vocab > args.vocab_size:
-        raise ConfigError(f"The tokenizer has {tokenizer_vocab} ids but model {cfg.name!r} only {args.vocab_size}; "
-                          f"set --model.vocab_size={-(-tokenizer_vocab // 64) * 64} or use a matching tokenizer.")
-    if config.training.seq_len > args.max_seq_len:
-        raise ConfigError(f"training.seq_len={config.training.seq_len} exceeds the max_seq_len {args.max_seq_len} of "
-                          f"model {cfg.name!r}; use --training.seq_len={args.max_seq_len} or less.")
-    if attention_impl not in ATTENTION_IMPLS:
-        raise ConfigError(f"kernels.attention={attention_impl!r} is not known. Use auto, {', '.join(ATTENTION_IMPLS)}.")
-    if norm_impl not in NORM_IMPLS:
-        raise ConfigError(f"kernels.norm={norm_impl!r} is not known. Use auto, {', '.join(NORM_IMPLS)}.")
-    return args
-
-
-def validate_training(config: Config, env: LaunchEnv) -> None:
-    validate_config(config)  # a Config built in code has not been through load_config
-    validate_eval(config.eval)
-    if env.world_size > 1 and config.training.dtype == "fp16":
-        raise ConfigError("training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "
-                          "decision is not agreed across ranks. Use --training.dtype=bf16 with parallel layouts.")
-
-
-def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -> ParallelDims:
-    """The layout, checked against the world, the model and the batch, with its mesh built."""
-    p, t = config.parallel, config.training
-    dims = ParallelDims(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
-                        world_size=env.world_size)
-    dims.validate(model_args, t.seq_len)
-    per_rank = t.global_batch_size // dims.dp_size
-    if t.global_batch_size % dims.dp_size or per_rank % min(t.micro_batch_size, per_rank):
-        fix = (f"--training.micro_batch_size={divisor_near(per_rank, t.micro_batch_size)}" if per_rank and
-               t.global_batch_size % dims.dp_size == 0 else
-               f"--training.global_batch_size={t.micro_batch_size * dims.dp_size}")
-        raise ConfigError(
-            f"training.global_batch_size={t.global_batch_size} does not split into micro-batches of "
-            f"training.micro_batch_size={t.micro_batch_size} over {dims.dp_size} data-parallel ranks (dp_replicate x "
-            f"dp_shard); each rank takes global / dp sequences. Use e.g. {fix}.")
-    # schedule, stage sizes and micro-batches checked before any work (stage sizes without a pipeline refused)
-    validate_pipeline(dims.pp, p.pp_schedule, model_args.n_layers, per_rank // min(t.micro_batch_size, per_rank),
-                      virtual=p.pp_virtual_stages, tie_embeddings=model_args.tie_embeddings,
-                      layers=StageLayers.from_config(p), compile=config.compile.enabled)
-    dims.build_mesh(env.device.type)
-    return dims
-
-
-def compute_dtype(requested: str, device: torch.device) -> torch.dtype:
-    if requested == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[requested]
 
 
 def train_step(runner, micro_batches, optimizer, scaler, autocast, max_grad_norm: float,
@@ -142,7 +71,7 @@ def train(config: Config) -> dict:
     model_args = build_model_args(config, tokenizer.vocab_size)
     t = config.training
     dims = build_parallel_dims(config, env, model_args)
-    micro_batch_size = min(t.micro_batch_size, t.global_batch_size // dims.dp_size)
+    micro_batch_size, n_microbatches = batch_split(t, dims.dp_size)
     check_memory(config, model_args, dims, env, micro_batch_size)  # before any allocation or file
     if micro_batch_size < t.micro_batch_size:
         log.info("training.micro_batch_size=%d is more than the %d sequences of each of the %d data-parallel ranks; "
@@ -157,21 +86,10 @@ def train(config: Config) -> dict:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.toml").write_text(to_toml(config))
 
-    dtype = compute_dtype(t.dtype, env.device)
+    dtype = compute_dtype(t.dtype, env.device.type)
     with torch.device("meta"):
         model = Transformer(model_args)
-    apply_layout = lambda part: parallelize(  # noqa: E731
-        part, dims, dp_shard_mode=config.parallel.dp_shard_mode,
-        activation_checkpoint=config.parallel.activation_checkpoint, compile=config.compile.enabled, param_dtype=dtype,
-        pp_schedule=config.parallel.pp_schedule)
-    pipeline = None
-    if dims.pp > 1:  # this rank's stages, each parallelized; names stay global
-        pipeline = Pipeline(model, dims, config.parallel.pp_schedule, len(first_batch), env.device,
-                            virtual=config.parallel.pp_virtual_stages, parallelize_fn=apply_layout,
-                            layers=StageLayers.from_config(config.parallel))
-        parts = pipeline.parts
-    else:
-        parts = [apply_layout(model)]
+    parts, pipeline = build_model(config, dims, model, n_microbatches, env.device, dtype)
     for part in parts:
         part.to_empty(device=env.device)
         part.init_weights(config.job.seed)
@@ -207,7 +125,7 @@ def train(config: Config) -> dict:
         device_peak_flops(env.device, config.metrics.peak_tflops),
     )
     log.info("model %s: %.1fM parameters (%.1fM without embeddings), %s on %s, %d micro-batches per step",
-             config.model.name, params.total / 1e6, params.non_embedding / 1e6, dtype, env.device, len(first_batch))
+             config.model.name, params.total / 1e6, params.non_embedding / 1e6, dtype, env.device, n_microbatches)
     sink = MetricsSink(output_dir, config.logging, {"config": dataclasses.asdict(config)},
                        resume=counters.step > 0) if env.is_logging_rank else None
     progress = Progress(t.steps, counters.step, config.logging.progress_bar) if env.is_logging_rank else None

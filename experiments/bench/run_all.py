@@ -105,7 +105,8 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
     from trillion.trainer.config import load_config
     from trillion.trainer.optim import build_optimizer
     from trillion.parallel.forward_backward import MicroBatchLoop
-    from trillion.trainer.train import build_model_args, train_step
+    from trillion.trainer.assemble import build_model_args
+    from trillion.trainer.train import train_step
 
     shrink = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=4", "--model.ffn_dim=128",
               "--model.vocab_size=512"]

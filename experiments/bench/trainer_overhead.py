@@ -24,7 +24,8 @@ from trillion.models import Transformer
 from trillion.trainer.config import load_config
 from trillion.trainer.optim import build_optimizer
 from trillion.trainer.tokenizer import build_tokenizer
-from trillion.trainer.train import build_model_args, train
+from trillion.trainer.assemble import build_model_args
+from trillion.trainer.train import train
 
 
 def trainer_seconds_per_step(overrides: list[str], steps: int) -> float:

@@ -31,7 +31,8 @@ from trillion.parallel.tensor_parallel import apply_tensor_parallel, loss_contex
 from trillion.trainer.config import load_config
 from trillion.trainer.launch import LaunchEnv
 from trillion.trainer.optim import build_optimizer
-from trillion.trainer.train import build_model_args, build_parallel_dims, train_step
+from trillion.trainer.assemble import build_model_args, build_parallel_dims
+from trillion.trainer.train import train_step
 
 
 def measure_rank(rank: int, world_size: int, overrides: list, out_path: str) -> None:

@@ -12,7 +12,7 @@ from trillion.parallel.dims import ParallelDims
 from trillion.trainer.config import Config
 from trillion.errors import ConfigError
 from trillion.trainer.launch import LaunchEnv
-from trillion.trainer.train import build_parallel_dims, validate_training
+from trillion.trainer.assemble import build_parallel_dims, validate_training
 
 LLAMA, GPT = PRESETS["debug"], PRESETS["debug-gpt"]  # 8 heads, 4 KV heads (Llama), ffn 704 / 1024, vocab 320
 

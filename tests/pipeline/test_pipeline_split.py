@@ -12,7 +12,7 @@ from trillion.parallel.pipeline import (StageLayers, bubble_fraction, describe_s
 from trillion.trainer.config import load_config
 from trillion.errors import ConfigError
 from trillion.trainer.launch import LaunchEnv
-from trillion.trainer.train import build_parallel_dims
+from trillion.trainer.assemble import build_parallel_dims
 
 LLAMA = PRESETS["debug"]  # 4 layers
 

@@ -44,11 +44,12 @@ import torch
 from trillion.models import ModelArgs
 from trillion.parallel.dims import ParallelDims
 from trillion.trainer.tools.estimate_activations import local_tensor
-from trillion.trainer.tools.estimate_rank import (REDUCE_DTYPE, StagePlan, StageSource, coords_of, compute_dtype, fake_world,
+from trillion.trainer.tools.estimate_rank import (REDUCE_DTYPE, StagePlan, StageSource, coords_of, fake_world,
                                     gathered_and_reduce_bytes, hidden_state, in_flight_peak, item_bytes, meshed_dims,
                                     micro_batch_data, quiet, rank_parts, receive_bytes, schedule_of, stage_facts,
-                                    state_bytes, storage_bytes, target_device, with_receives)
+                                    state_bytes, storage_bytes, target_device, target_dtype, with_receives)
 from trillion.trainer.tools.estimate_advice import KINDS, advice, shortfall_message
+from trillion.trainer.assemble import batch_split, build_model_args, build_parallel_dims, validate_training
 from trillion.trainer.config import Config
 from trillion.errors import ConfigError
 
@@ -112,7 +113,6 @@ def layout_dims(config: Config, world_size: int, model_args: ModelArgs) -> Paral
     """ParallelDims checked against world, model, batch and pipeline schedule, exactly as `trillion
     train` checks them (its mesh is built later, per simulated rank)."""
     from trillion.trainer.launch import LaunchEnv
-    from trillion.trainer.train import build_parallel_dims, validate_training
 
     env = LaunchEnv(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"))
     validate_training(dataclasses.replace(config, training=dataclasses.replace(
@@ -124,7 +124,6 @@ def layout_dims(config: Config, world_size: int, model_args: ModelArgs) -> Paral
 
 
 def model_args_for(config: Config) -> ModelArgs:
-    from trillion.trainer.train import build_model_args
     # The tokenizer is not built (it may need files that live on the cluster): the preset's vocabulary stands.
     return build_model_args(config, tokenizer_vocab=0)
 
@@ -164,12 +163,11 @@ class _Simulation:
             for shape in missing:
                 self.facts[shape] = self._stage_facts(shape, dims, hidden)
             if key not in self.states or self.schedule is None and pipelined:
-                built = rank_parts(self.config, self.source.whole(), dims, self.microbatches)
-                parts = built.parts if pipelined else built
+                parts, pipeline = rank_parts(self.config, self.source.whole(), dims, self.microbatches)
                 assert [len(part.layers) for part in parts] == [shape.layers for shape in key[0]], "split diverged"
                 self.states[key] = state_bytes(parts)
                 if pipelined and self.schedule is None:
-                    self.schedule = schedule_of(built)
+                    self.schedule = schedule_of(pipeline)
 
     def _stage_facts(self, shape, dims, hidden):
         index = self.plan.index_of(shape)
@@ -208,7 +206,7 @@ class _Simulation:
         shards, accumulation = self._gradients(states, facts)
         activations, source, in_flight = self._activations(pp_rank, memory)
         gathered, reduce = (gathered_and_reduce_bytes(facts, pipelined, self.config.parallel.dp_shard_mode,
-                                                      compute_dtype(self.config)) if self.dims.fsdp_enabled else (0, 0))
+                                                      target_dtype(self.config)) if self.dims.fsdp_enabled else (0, 0))
         receive = (receive_bytes(self.plan, pp_rank, self.microbatches, self.hidden_bytes)
                    if pipelined and not self.schedule.receives_in_flight else 0)
         return dict(rank=rank, coords=coords, stage=pp_rank, parameters=states.parameters,
@@ -257,8 +255,7 @@ def estimate(config: Config, world_size: int, ranks: str = DEFAULT_RANKS, hardwa
     model_args = model_args_for(config)
     dims = layout_dims(config, world_size, model_args)  # raises ConfigError for bad degrees, model, batch or schedule
     t = config.training
-    micro_batch = min(t.micro_batch_size, t.global_batch_size // dims.dp_size)
-    microbatches = t.global_batch_size // (micro_batch * dims.dp_size)
+    micro_batch, microbatches = batch_split(t, dims.dp_size)
     device_name, capacity = device_capacity(hardware)
     result = Estimate(config.model.name, world_size, {}, device_name)
     simulation = _Simulation(config, model_args, dims, micro_batch, microbatches, measure, None, result.notes)
@@ -269,7 +266,7 @@ def estimate(config: Config, world_size: int, ranks: str = DEFAULT_RANKS, hardwa
                      "tp": dims.tp, "dp_shard_mode": config.parallel.dp_shard_mode,
                      "activation_checkpoint": config.parallel.activation_checkpoint, "micro_batch_size": micro_batch,
                      "microbatches": microbatches, "seq_len": t.seq_len, "global_batch_size": t.global_batch_size,
-                     "compute_dtype": str(compute_dtype(config)).removeprefix("torch."),
+                     "compute_dtype": str(target_dtype(config)).removeprefix("torch."),
                      "pp_schedule": plan.schedule if dims.pp > 1 else None, "pp_virtual_stages": plan.virtual,
                      "stage_units": [[u.start, u.stop] for u in plan.ranges] if dims.pp > 1 else None}
     selected = select_ranks(ranks, world_size, dims.pp, simulation.most_parameters_rank)

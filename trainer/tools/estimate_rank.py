@@ -39,16 +39,14 @@ from torch import nn
 from trillion.models import ModelArgs, Transformer
 from trillion.parallel.dims import AXES, ParallelDims
 from trillion.trainer.tools.estimate_activations import MicroBatchMemory, local_tensor, measure_in_depth, measure_micro_batch
-from trillion.parallel.parallelize import parallelize
 from trillion.parallel.modes import checkpoint_mode, schedule, stages_per_rank
 from trillion.parallel.pipeline import Pipeline, StageLayers, split_units, stage_indices, stage_module
+from trillion.trainer.assemble import build_model, compute_dtype, layout_fn
 from trillion.trainer.config import Config
-from trillion.errors import ConfigError
 
 REDUCE_DTYPE = torch.float32  # parallel/fsdp.py: gradients are reduced (and kept) in fp32
 ADAMW_STATES = 2  # exp_avg, exp_avg_sq
 ADAMW_STEP_BYTES = 4  # the float32 `step` tensor per parameter
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 # --- set-up --------------------------------------------------------------------------------------------
@@ -93,12 +91,9 @@ def target_device(config: Config) -> str:
     return "cpu" if config.job.device == "cpu" else "cuda"
 
 
-def compute_dtype(config: Config) -> torch.dtype:
-    if config.training.dtype == "auto":
-        return torch.bfloat16 if target_device(config) == "cuda" else torch.float32
-    if config.training.dtype not in DTYPES:
-        raise ConfigError(f"training.dtype={config.training.dtype!r} is not known. Use auto, bf16, fp16 or fp32.")
-    return DTYPES[config.training.dtype]
+def target_dtype(config: Config) -> torch.dtype:
+    """The compute dtype on the device the run is meant for."""
+    return compute_dtype(config.training.dtype, target_device(config))
 
 
 def item_bytes(dtype: torch.dtype) -> int:
@@ -132,13 +127,11 @@ class _TPOnly:
 
 
 def apply_layout(part: nn.Module, config: Config, dims: ParallelDims, fsdp: bool) -> nn.Module:
-    """parallelize as trainer/train.py calls it (compile off: it changes no bytes held). Without
-    `fsdp`: the same TP plan and activation checkpointing, in the compute dtype (the activation run)."""
+    """The trainer's layout (compile off: it changes no bytes held). Without `fsdp`: the same TP plan
+    and activation checkpointing, in the compute dtype (the activation run)."""
     if not fsdp:
-        part.to(compute_dtype(config))
-    return parallelize(part, dims if fsdp else _TPOnly(dims), dp_shard_mode=config.parallel.dp_shard_mode,
-                       activation_checkpoint=config.parallel.activation_checkpoint, compile=False,
-                       param_dtype=compute_dtype(config), pp_schedule=config.parallel.pp_schedule)
+        part.to(target_dtype(config))
+    return layout_fn(config, dims if fsdp else _TPOnly(dims), target_dtype(config), compile=False)(part)
 
 
 # --- stages --------------------------------------------------------------------------------------------
@@ -180,14 +173,10 @@ class StagePlan:
         return next(i for i in range(len(self.ranges)) if self.shape(i) == shape)
 
 
-def rank_parts(config: Config, model: nn.Module, dims: ParallelDims, microbatches: int) -> list[nn.Module] | Pipeline:
-    """This rank's model (pp 1, parallelized in place) or its Pipeline, built as trainer/train.py does."""
-    layout = lambda part: apply_layout(part, config, dims, fsdp=True)  # noqa: E731
-    if dims.pp == 1:
-        return [layout(model)]
-    return Pipeline(model, dims, config.parallel.pp_schedule, microbatches, torch.device("cpu"),
-                    virtual=config.parallel.pp_virtual_stages, parallelize_fn=layout,
-                    layers=StageLayers.from_config(config.parallel))
+def rank_parts(config: Config, model: nn.Module, dims: ParallelDims, microbatches: int) -> tuple[list[nn.Module], Pipeline | None]:
+    """This rank's parts (the model, parallelized in place, or its stages) and Pipeline, built by the
+    trainer's own assemble.build_model (compile off)."""
+    return build_model(config, dims, model, microbatches, torch.device("cpu"), target_dtype(config), compile=False)
 
 
 class StageSource:

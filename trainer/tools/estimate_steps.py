@@ -34,9 +34,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from trillion.trainer.tools.estimate_rank import compute_dtype, fake_world, quiet
+from trillion.trainer.tools.estimate_rank import fake_world, quiet, target_dtype
 from trillion.parallel.modes import checkpoint_mode
 from trillion.parallel.pipeline import Pipeline
+from trillion.trainer.assemble import build_model_args
 from trillion.trainer.config import Config
 from trillion.trainer.tokenizer import ByteTokenizer
 
@@ -64,7 +65,6 @@ class StepsRun:
 
 def tiny_config(config: Config, dims, steps: int, output_dir: str) -> Config:
     """The config with a tiny model and batch for `steps` steps in the same layout (see the module doc)."""
-    from trillion.trainer.train import build_model_args
 
     args = build_model_args(config, tokenizer_vocab=0)
     dim = 2 * args.n_heads
@@ -115,7 +115,7 @@ def run_steps(config: Config, world_size: int, steps: int, ranks: list[int]) -> 
     t = tiny.training
     model = (f"a tiny {config.model.name} ({args.n_layers} layers, {args.n_heads} heads of {args.head_dim}, vocabulary "
              f"{args.vocab_size}), {t.global_batch_size // dims.dp_size} micro-batches of {t.seq_len} tokens per "
-             f"pipeline, {str(compute_dtype(tiny)).removeprefix('torch.')}")
+             f"pipeline, {str(target_dtype(tiny)).removeprefix('torch.')}")
     return runs, model
 
 

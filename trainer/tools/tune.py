@@ -25,7 +25,7 @@ from trillion.trainer.config import load_config, to_toml
 from trillion.errors import ConfigError
 from trillion.trainer.metrics import MetricsSink
 from trillion.trainer.tokenizer import build_tokenizer
-from trillion.trainer.train import build_model_args
+from trillion.trainer.assemble import build_model_args
 
 
 class _Parser(argparse.ArgumentParser):
