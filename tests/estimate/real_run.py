@@ -24,14 +24,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from trillion.models import Transformer
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
 from trillion.trainer.tools.estimate import storage_bytes
-from trillion.trainer.tools.estimate_activations import measure_activations
+from trillion.trainer.tools.estimate_activations import measure_micro_batch
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline
 from trillion.parallel.tensor_parallel import apply_tensor_parallel, loss_context
 from trillion.trainer.config import load_config
 from trillion.trainer.launch import LaunchEnv
 from trillion.trainer.optim import build_optimizer
-from trillion.trainer.assemble import build_model_args, build_parallel_dims
+from trillion.trainer.assemble import batch_split, build_model_args, build_parallel_dims
 from trillion.trainer.train import train_step
 
 
@@ -41,9 +41,8 @@ def measure_rank(rank: int, world_size: int, overrides: list, out_path: str) -> 
     args = build_model_args(config, 0)
     dims = build_parallel_dims(config, env, args)
     t = config.training
-    micro = min(t.micro_batch_size, t.global_batch_size // dims.dp_size)
+    micro, count = batch_split(t, dims.dp_size)
     torch.manual_seed(rank)
-    count = t.global_batch_size // (micro * dims.dp_size)
     tokens = torch.randint(0, args.vocab_size, (count, micro, t.seq_len + 1))
     micro_batches = [(x[:, :-1], x[:, 1:]) for x in tokens]
     record = (_pipeline_rank if dims.pp > 1 else _plain_rank)(config, args, dims, micro_batches)
@@ -73,9 +72,7 @@ def _plain_rank(config, args, dims, micro_batches) -> dict:
     # 2. activations on real tensors: the same TP plan and checkpointing (FSDP does not change them)
     plain = _tp_only(Transformer(args), config, dims)
     plain.init_weights(0)
-    t = config.training
-    record["activations"], _ = measure_activations(plain, args.vocab_size, inputs.shape[0], t.seq_len,
-                                                   dims.tp_enabled, "cpu")
+    record["activations"] = measure_micro_batch(plain, inputs, labels, dims.tp_enabled, last=True).peak
     return record
 
 

@@ -48,6 +48,7 @@ def measure_micro_batch(model: nn.Module, inputs: torch.Tensor, target: torch.Te
     `grad_elements` reports."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from trillion.parallel.forward_backward import token_loss
     from trillion.parallel.tensor_parallel import loss_context
 
     grad_elements = {}
@@ -67,7 +68,7 @@ def measure_micro_batch(model: nn.Module, inputs: torch.Tensor, target: torch.Te
             base = _device_total(tracker.get_tracker_snapshot("current"), device)
             output = model(inputs)
             if last:
-                output = F.cross_entropy(output.flatten(0, 1).float(), target.flatten(0, 1), reduction="sum")
+                output = token_loss(output, target, 1)  # the trainer's loss, before its division by the tokens
             held = _device_total(tracker.get_tracker_snapshot("current"), device) - base
             forward_peak = _device_total(tracker.get_tracker_snapshot("peak"), device) - base
             output.backward(None if last else target)
@@ -77,14 +78,6 @@ def measure_micro_batch(model: nn.Module, inputs: torch.Tensor, target: torch.Te
         for handle in handles:
             handle.remove()
     return MicroBatchMemory(held, forward_peak, peak, sum(grad_elements.values()))
-
-
-def measure_activations(model: nn.Module, vocab_size: int, micro_batch: int, seq_len: int, tp_enabled: bool,
-                        device: str = "meta") -> tuple[int, int]:
-    """(peak, weight-gradient elements) of one micro-batch through the whole model from tokens."""
-    tokens = torch.randint(0, vocab_size, (micro_batch, seq_len + 1), device=device)
-    run = measure_micro_batch(model, tokens[:, :-1], tokens[:, 1:], tp_enabled, last=True)
-    return run.peak, run.grad_elements
 
 
 @contextlib.contextmanager
