@@ -8,7 +8,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trillion.models import Transformer
-from trillion.trainer.checkpoint import CONFIG_FILE, ModelParts, complete_checkpoints, is_complete
+from trillion.trainer.checkpoint import CONFIG_FILE, complete_checkpoints, is_complete
+from trillion.trainer.checkpoint_state import ModelParts
 from trillion.trainer.config import load_config
 from trillion.errors import ConfigError
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from runs import run
-from trillion.trainer.checkpoint import ModelParts, load_model_weights
+from trillion.trainer.checkpoint_state import ModelParts, load_model_weights
 from trillion.trainer.cli import main
 from trillion.trainer.export import load_checkpoint_model
 
