@@ -16,7 +16,7 @@ from torch import nn
 from trillion.parallel.fsdp import set_micro_batch
 from trillion.parallel.tensor_parallel import loss_context
 
-IGNORE_INDEX = -100  # labels the loss skips (padding, a document's end under some data pipelines)
+IGNORE_INDEX = -100  # a label the loss skips (a masked target); torch's own default
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor | int) -> torch.Tensor:
