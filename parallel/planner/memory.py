@@ -12,7 +12,7 @@ replicated: parallel/tensor_parallel.py's plan):
 never resharded after forward, so under zero3 its bf16 copy is held through the step too. A
 pipeline schedule turns gradient sync off until the last micro-batch and keeps its stages
 gathered from their first backward on, whatever the mode, so with pp > 1 every mode costs zero1's
-bytes (measured in gloo runs by `trillion estimate`, parallel/estimate.py).
+bytes (measured in gloo runs by `trillion estimate`, trainer/tools/estimate.py).
 Activations follow Korthikanti et al. 2022 without dropout and with flash
 attention (no s^2 terms): 34 s b h bytes per GPT layer in bf16. With sequence parallelism the
 norm inputs are split over TP ranks, but DTensor saves the all-gathered inputs of the

@@ -149,7 +149,7 @@ def _receive_buffers(pipeline: Pipeline) -> list[torch.Tensor]:
 def _schedule_peak(pipeline: Pipeline, micro_batches) -> int:
     """The peak bytes of storages created during a second step of the schedule above what exists
     before it (parameters, any receive buffers the first step kept); weight gradients are dropped as
-    they accumulate, as in parallel/estimate_activations.py."""
+    they accumulate, as in trainer/tools/estimate_activations.py."""
     tokens = torch.tensor(sum(y.numel() for _, y in micro_batches))
     pipeline.step(micro_batches, tokens)
     params = [q for part in pipeline.parts for q in part.parameters()]

@@ -3,7 +3,7 @@ PyTorch's fake process group, one simulated rank at a time, and the bytes each r
 
 For each requested rank the fake group is (re)initialized with that rank, the config's layout is
 built with the trainer's own `build_parallel_dims`, `Pipeline` and `parallelize`, and memory is read
-off what that produced (parallel/estimate_rank.py builds a rank, parallel/estimate_activations.py
+off what that produced (trainer/tools/estimate_rank.py builds a rank, trainer/tools/estimate_activations.py
 measures one micro-batch):
 
 - parameters: the unique storages of the local shards (FSDP2 allocates each shard padded to the
@@ -30,7 +30,7 @@ measures one micro-batch):
   allowance. `detail` breaks gradients and buffers down.
 
 Ranks that hold the same stages at the same dp_shard coordinate hold the same bytes, so `--ranks
-all` builds each such group once (parallel/estimate_rank.py says why).
+all` builds each such group once (trainer/tools/estimate_rank.py says why).
 """
 from __future__ import annotations
 

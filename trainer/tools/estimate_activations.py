@@ -1,5 +1,5 @@
 """The activation peak of one micro-batch, measured by PyTorch's MemTracker: on meta tensors for the
-estimate (parallel/estimate.py), on real tensors for the checks against it (tests/estimate).
+estimate (trainer/tools/estimate.py), on real tensors for the checks against it (tests/estimate).
 
 The model given is already tensor-parallel and activation-checkpointed, without FSDP: FSDP changes
 where parameters live, not what forward and backward keep.

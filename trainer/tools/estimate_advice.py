@@ -1,5 +1,5 @@
 """When a simulated rank does not fit: one paragraph naming the rank, its shortfall, what dominates its
-memory and which setting to change (parallel/estimate.py's figures; the CLI prints it and exits 1)."""
+memory and which setting to change (trainer/tools/estimate.py's figures; the CLI prints it and exits 1)."""
 from __future__ import annotations
 
 import math

@@ -1,4 +1,4 @@
-"""`trillion estimate`: a full-scale dry run of a config's layout on one CPU (see parallel/estimate.py).
+"""`trillion estimate`: a full-scale dry run of a config's layout on one CPU (see trainer/tools/estimate.py).
 
   trillion estimate --config experiments/configs/debug_2d_cpu.toml --world-size 4 --hardware frontier
   trillion estimate --config experiments/configs/gpt_1t_frontier.toml --hardware frontier --ranks all
@@ -8,7 +8,7 @@ Prints, per simulated rank (first, middle and last pipeline stage and the rank w
 parameters by default), parameter, gradient, optimizer, activation-peak and buffer bytes next to the
 device's capacity and the planner's prediction; exits 1 with a message naming the rank, the
 shortfall, what dominates and which setting to change when a rank does not fit. `--steps N` also
-runs the training loop for N steps of a tiny model of the layout (parallel/estimate_steps.py).
+runs the training loop for N steps of a tiny model of the layout (trainer/tools/estimate_steps.py).
 """
 import argparse
 import json
@@ -33,7 +33,7 @@ def parse(argv: list[str]):
     p.add_argument("--no-measure", action="store_true", help="skip the meta activation run; use the planner's figure")
     p.add_argument("--steps", type=int, default=0,
                    help="also run N training steps of a tiny model of the same layout on the fake backend, as the "
-                        "first and the last simulated rank (see parallel/estimate_steps.py)")
+                        "first and the last simulated rank (see trainer/tools/estimate_steps.py)")
     ns, overrides = p.parse_known_args(argv)
     return ns, overrides
 

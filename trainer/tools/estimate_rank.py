@@ -1,4 +1,4 @@
-"""What one simulated rank of the dry run builds and holds (parallel/estimate.py drives it).
+"""What one simulated rank of the dry run builds and holds (trainer/tools/estimate.py drives it).
 
 A rank's stages come from parallel/pipeline.py's own split (`split_units`, `stage_indices`; the
 trainer's `Pipeline` builds and parallelizes them), one stage of everything without pipelining.
