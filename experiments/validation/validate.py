@@ -130,14 +130,16 @@ def cpu_section() -> list[str]:
     lines = ["## Predicted vs measured on a CPU (calibrate, predict, measure in one script)", "",
              f"`{data['command']}` on {data['machine']}, {data['date']}. {data['load']}", "",
              f"Calibrated profile: {data['profile_summary']}", "",
-             f"| layout | processes | predicted s/step | measured s/step (median of {data['repeats']}) | spread (min-max) | error | within ±{CPU_TOLERANCE:.0%} |",
-             "|---|---|---|---|---|---|---|"]
+             f"| layout | processes | predicted s/step (median of {data['repeats']}) | measured s/step (median of "
+             f"{data['repeats']}) | measured min-max | error | within ±{CPU_TOLERANCE:.0%} | error of each repeat |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in data["row"]:
         error = row["predicted_s"] / row["measured_s"] - 1
+        each = ", ".join(f"{100 * (p / m - 1):+.0f}%" for p, m in zip(row["predicted_by_repeat"], row["measured_by_repeat"]))
         lines.append(f"| {row['layout']} | {row['processes']} | {row['predicted_s']:.3f} | {row['measured_s']:.3f} "
                      f"| {row['measured_min_s']:.3f}-{row['measured_max_s']:.3f} | {100 * error:+.1f}% "
-                     f"| {'yes' if abs(error) <= CPU_TOLERANCE else '**no**'} |")
-    return lines + ["", data.get("note", ""), ""]
+                     f"| {'yes' if abs(error) <= CPU_TOLERANCE else '**no**'} | {each} |")
+    return lines + ["", data.get("note", ""), "", " ".join(data.get("finding", "").split()), ""]
 
 
 def render(records: list[dict]) -> str:

@@ -62,3 +62,13 @@ def test_readme_states_what_the_validation_shows(records):
     titan = [r["error"] for r in records if r["run"]["id"].startswith("torchtitan")]
     assert max(frontier) < 0.08 and "within 8%" in readme
     assert (round(100 * min(titan)), round(100 * max(titan))) == (26, 31) and "26-31% fast" in readme
+
+
+def test_readme_states_the_recorded_cpu_check():
+    import tomllib
+    from validate import CPU_FILE, CPU_TOLERANCE
+    rows = {r["layout"]: r["predicted_s"] / r["measured_s"] - 1 for r in tomllib.loads(CPU_FILE.read_text())["row"]}
+    readme = (RUNS_FILE.parents[2] / "README.md").read_text()
+    assert set(rows) == {"1 process", "dp_shard 2 (FSDP, gloo)", "tp 2 (gloo)"}
+    assert abs(rows["1 process"]) <= CPU_TOLERANCE and abs(rows["tp 2 (gloo)"]) <= CPU_TOLERANCE
+    assert f"dp_shard 2 did not ({100 * rows['dp_shard 2 (FSDP, gloo)']:+.0f}%)" in readme
