@@ -60,14 +60,47 @@ def _continue_and_reload(rank, world_size, root, layout):
 
 
 def _continue(root: Path, layout: list[str]) -> None:
-    """From the 4-rank step-2 checkpoint: train step 3 here; and, in a second run whose step does
-    nothing, save right away, which writes back exactly what was loaded."""
+    """From the 4-rank step-2 checkpoint: train step 3 here; and reload it (`_reload`)."""
     run(root / f"continued-{len(layout)}", *layout, steps=3)
+    _reload(root, layout)
+
+
+def _reload(root: Path, layout: list[str]) -> None:
+    """A run whose step does nothing saves right away, which writes back exactly what was loaded."""
     original, trillion.trainer.train.train_step = trillion.trainer.train.train_step, lambda *args, **kwargs: (torch.zeros(()), torch.zeros(()))
     try:
         run(root / f"reloaded-{len(layout)}", *layout, steps=3)
     finally:
         trillion.trainer.train.train_step = original
+
+
+def _reload_on(rank, world_size, root, layout):
+    _as_launched(rank, world_size)
+    _reload(root, layout)
+
+
+def _save_step_2(rank, world_size, root):
+    _as_launched(rank, world_size)
+    run(root / "4ranks", *FSDP_TP, steps=2)
+
+
+def _assert_reloaded_equal(root: Path) -> None:
+    saved = read_checkpoint(root / "4ranks", step=2)
+    for layout in (FSDP, []):
+        reloaded = read_checkpoint(root / f"reloaded-{len(layout)}", step=3)
+        for name, value in saved.items():
+            if name.startswith(("model.", "optimizer.")) and not name.endswith(".lr"):  # the LR moved on a step
+                assert torch.equal(reloaded[name], value) if isinstance(value, torch.Tensor) else reloaded[name] == value, (layout, name)
+
+
+def test_checkpoint_saved_on_4_ranks_reloads_bitwise_on_2_and_1(tmp_path):
+    """The fast representative of resharding 4 -> 2 -> 1 (the slow test below also trains on)."""
+    run_ranks(_save_step_2, 4, tmp_path)
+    for layout in (FSDP, []):
+        shutil.copytree(tmp_path / "4ranks", tmp_path / f"reloaded-{len(layout)}")
+    run_ranks(_reload_on, 2, tmp_path, FSDP)
+    _reload(tmp_path, [])
+    _assert_reloaded_equal(tmp_path)
 
 
 def _from_step_2(source: Path, target: Path) -> None:
@@ -84,13 +117,9 @@ def test_checkpoint_reshards_across_layouts(tmp_path):
     run_ranks(_continue_and_reload, 2, tmp_path, FSDP)
     _continue(tmp_path, [])
 
-    saved = read_checkpoint(tmp_path / "4ranks", step=2)
+    _assert_reloaded_equal(tmp_path)
     reference = losses(tmp_path / "4ranks")
     for layout in (FSDP, []):
-        reloaded = read_checkpoint(tmp_path / f"reloaded-{len(layout)}", step=3)
-        for name, value in saved.items():
-            if name.startswith(("model.", "optimizer.")) and not name.endswith(".lr"):  # the LR moved on a step
-                assert torch.equal(reloaded[name], value) if isinstance(value, torch.Tensor) else reloaded[name] == value, (layout, name)
         continued = losses(tmp_path / f"continued-{len(layout)}")
         assert continued[:2] == reference[:2] and continued[2][0] == 3
         torch.testing.assert_close(continued[2][1], reference[2][1], rtol=1e-5, atol=0)

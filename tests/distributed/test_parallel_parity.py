@@ -38,11 +38,18 @@ def test_four_ranks_hsdp_and_fsdp_x_tp():
     run_ranks(check_cases, 4, cases)
 
 
+HSDP_X_TP = [{"name": f"{f}-hsdp2x2xtp2", "family": f, "dp_replicate": 2, "dp_shard": 2, "tp": 2, "mode": "zero2"}
+             for f in FAMILIES]
+
+
+def test_eight_ranks_hsdp_x_tp():  # the README's HSDP 2 x 2 x TP 2 command, one family
+    run_ranks(check_cases, 8, HSDP_X_TP[:1])
+
+
 @pytest.mark.slow
 def test_eight_ranks_hsdp_x_tp_and_plain_replication():
-    cases = [{"name": f"{f}-hsdp2x2xtp2", "family": f, "dp_replicate": 2, "dp_shard": 2, "tp": 2, "mode": "zero2"}
-             for f in FAMILIES]
-    cases += [{"name": "llama-replicate8", "family": "llama", "dp_replicate": 8, "dp_shard": 1, "mode": "zero3"}]
+    cases = HSDP_X_TP[1:] + [{"name": "llama-replicate8", "family": "llama", "dp_replicate": 8, "dp_shard": 1,
+                              "mode": "zero3"}]
     run_ranks(check_cases, 8, cases)
 
 
