@@ -40,7 +40,7 @@ def test_preemption_signal_saves_after_the_step_and_exits_0(signum, straight, tm
     monkeypatch.undo()
     run(out)  # the same command resumes
     assert losses(out) == expected
-    report(f"{signum.name} (preemption)", last_line(caplog.text, signum.name) + "; then "
+    report(f"{signum.name} (preemption)", last_line(caplog.text, f"{signum.name} received") + "; then "
            + last_line(caplog.text, "checkpoint saved, exiting"), 0, True,
            first_step_time(out / "metrics.jsonl", 4) - sent[0],
            "signal sent to the process during step 3; the same command run again")
