@@ -22,9 +22,9 @@ def states_per_rank(model_args: ModelArgs, parallel, dims, micro_batch_size: int
                     dp_shard_mode=parallel.dp_shard_mode, pp_schedule=plan.name,
                     virtual_stages=stages_per_rank(plan, parallel.pp_virtual_stages) if dims.pp > 1 else 1,
                     micro_batch_size=micro_batch_size, microbatches=1,
-                    activation_checkpoint=parallel.activation_checkpoint)
+                    activation_checkpoint=parallel.activation_checkpoint, cp=dims.cp)
     mode = "zero1" if dims.pp > 1 else parallel.dp_shard_mode  # a pipeline keeps its stages gathered (memory.py)
-    return max((states_bytes(*rank.numel(model_args, dims.tp, dims.dp_shard), mode)
+    return max((states_bytes(*rank.numel(model_args, dims.tp, dims.dp_shard * dims.cp), mode)  # FSDP: dp_shard x cp
                 for rank in pipeline_ranks(model_args, layout)), key=sum)
 
 

@@ -47,12 +47,14 @@ def _plateau(value: float):
 
 def _fixed(layout: Layout) -> dict:
     return {"tp": layout.tp, "pp": layout.pp, "dp_replicate": 1, "dp_shard_mode": "zero1", "pp_schedule": layout.pp_schedule,
-            "micro_batch_size": layout.micro_batch_size, "activation_checkpoint": layout.activation_checkpoint}
+            "micro_batch_size": layout.micro_batch_size, "activation_checkpoint": layout.activation_checkpoint,
+            "cp": 1}  # the paper's runs did not split sequences
 
 
 def _layout_text(r: dict) -> str:
     sched = r["pp_schedule"] + (f" v{r['virtual_stages']}" if r["virtual_stages"] > 1 else "")
-    return (f"tp {r['tp']}, pp {r['pp']}, dp {r['dp_replicate']}x{r['dp_shard']} {r['dp_shard_mode']}, {sched}, "
+    cp = f"cp {r['cp']}, " if r.get("cp", 1) > 1 else ""
+    return (f"tp {r['tp']}, pp {r['pp']}, {cp}dp {r['dp_replicate']}x{r['dp_shard']} {r['dp_shard_mode']}, {sched}, "
             f"mb {r['micro_batch_size']} x {r['microbatches']}, ckpt {r['activation_checkpoint']}")
 
 

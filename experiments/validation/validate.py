@@ -56,7 +56,8 @@ def predict(run: dict, profile: HardwareProfile | None = None) -> tuple[float, d
     args, hardware = get_preset(run["model"]), profile or load_profile(run["hardware"])
     if run["metric"] in ("weak_scaling", "strong_scaling"):
         first, last = run["gpus"]
-        fixed = {k: v for k, v in run["layout"].items() if k != "dp_shard"}
+        # the published layout, cp 1 unless it says otherwise (none of these runs split sequences)
+        fixed = {"cp": 1, **{k: v for k, v in run["layout"].items() if k != "dp_shard"}}
         weak = run["metric"] == "weak_scaling"
         batch = run["global_batch"] if weak else run["global_batch"] * last // first
         request = Request(run["model"], args, hardware, first, batch, run["seq_len"], fixed=fixed)

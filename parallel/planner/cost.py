@@ -19,7 +19,11 @@ then dp_shard, dp_replicate, pp, as the trainer's DeviceMesh does):
       prefetches one block ahead, so they hide behind compute as long as it lasts, except the
       first all-gather and last reduce-scatter of each chunk of each micro-batch; per-step
       collectives hide behind one micro-batch's backward. FSDP2's copies into and out of the
-      collective buffers are memory passes on the compute stream (work.py).
+      collective buffers are memory passes on the compute stream (work.py). FSDP's group is dp_shard x cp.
+  CP: each rank computes s / cp tokens against the whole sequence (load-balanced causal attention:
+      1/cp of its FLOPs); per layer an all-gather of K and V forward (again when recomputing) and a
+      reduce-scatter of their gradients backward, on the cp group's links (cp sits just outside tp
+      in the mesh), never overlapped (parallel/context_parallel.py gathers before attention).
 Optimizer: AdamW and gradient clipping on the rank's shard, at memory bandwidth (work.py).
 """
 from dataclasses import dataclass, fields
@@ -43,6 +47,8 @@ class Passes:
     weight_grad: float = 0.0
     tp_forward: float = 0.0
     tp_backward: float = 0.0
+    cp_forward: float = 0.0
+    cp_backward: float = 0.0
 
     def __add__(self, other: "Passes") -> "Passes":
         return Passes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Passes)))
@@ -60,6 +66,7 @@ class StepTime:
     pp_exposed: float
     dp_exposed: float
     optimizer: float
+    cp_exposed: float = 0.0
 
     @property
     def total(self) -> float:
@@ -92,10 +99,12 @@ def collective_time(hw: HardwareProfile, nbytes: float, group: int, span: int, k
 
 
 @lru_cache(maxsize=8192)
-def layer_passes(args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int, tp: int, compiled: bool) -> Passes:
-    """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs."""
+def layer_passes(args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int, tp: int, compiled: bool,
+                 cp: int = 1) -> Passes:
+    """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
+    holding 1/cp of each sequence."""
     h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
-    tokens = batch * seq_len
+    tokens = batch * seq_len // cp
     gemms = [(h, q // tp), (h, kv // tp), (h, kv // tp), (q // tp, h), (h, f // tp), (f // tp, h)]
     if args.mlp == "swiglu":
         gemms.append((h, f // tp))
@@ -105,9 +114,13 @@ def layer_passes(args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int,
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
     tp_comm = 2 * collective_time(hw, tokens * h * hw.element_bytes, tp, tp, "all_reduce")
-    return Passes(forward=gemm + attention + elementwise + launches + tp_comm,
-                  input_grad=gemm + 2.5 * attention + BACKWARD_ELEMENTWISE * (elementwise + launches) + tp_comm,
-                  weight_grad=gemm, tp_forward=tp_comm, tp_backward=tp_comm)
+    kv_bytes = 2 * batch * seq_len * kv / tp * hw.element_bytes  # the whole sequence's K and V
+    cp_gather = collective_time(hw, kv_bytes, cp, tp * cp, "all_gather")
+    cp_reduce = collective_time(hw, kv_bytes, cp, tp * cp, "reduce_scatter")
+    return Passes(forward=gemm + attention + elementwise + launches + tp_comm + cp_gather,
+                  input_grad=gemm + 2.5 * attention + BACKWARD_ELEMENTWISE * (elementwise + launches) + tp_comm
+                  + cp_reduce, weight_grad=gemm, tp_forward=tp_comm, tp_backward=tp_comm, cp_forward=cp_gather,
+                  cp_backward=cp_reduce)
 
 
 @lru_cache(maxsize=8192)
@@ -122,18 +135,19 @@ def output_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) ->
 
 @lru_cache(maxsize=65536)
 def rank_passes(args: ModelArgs, hw: HardwareProfile, micro_batch_size: int, seq_len: int, tp: int,
-                activation_checkpoint: str, compiled: bool, rank: RankParams) -> tuple[Passes, Passes]:
+                activation_checkpoint: str, compiled: bool, rank: RankParams, cp: int = 1) -> tuple[Passes, Passes]:
     """(passes of one micro-batch through all of the rank's layers, the recomputed forwards)."""
-    layer = layer_passes(args, hw, micro_batch_size, seq_len, tp, compiled)
+    layer = layer_passes(args, hw, micro_batch_size, seq_len, tp, compiled, cp)
     total = layer * rank.layers
     if rank.last:
-        total = total + output_passes(args, hw, micro_batch_size * seq_len, tp)
-    return total, Passes(forward=layer.forward, tp_forward=layer.tp_forward) * rank.checkpointed(activation_checkpoint)
+        total = total + output_passes(args, hw, micro_batch_size * seq_len // cp, tp)
+    recompute = Passes(forward=layer.forward, tp_forward=layer.tp_forward, cp_forward=layer.cp_forward)
+    return total, recompute * rank.checkpointed(activation_checkpoint)
 
 
 def fsdp_copies(hw: HardwareProfile, layout: Layout, tp_numel: int) -> float:
     """Seconds per step of FSDP2's copies out of all-gather and into reduce-scatter buffers."""
-    if layout.dp_shard <= 1:
+    if layout.dp_shard * layout.cp <= 1:
         return 0.0
     per_microbatch = {"zero3": 2 * FSDP_GATHER_COPY_BYTES + FSDP_REDUCE_COPY_BYTES, "zero2": FSDP_REDUCE_COPY_BYTES,
                       "zero1": 0}[layout.dp_shard_mode]
@@ -144,7 +158,7 @@ def fsdp_copies(hw: HardwareProfile, layout: Layout, tp_numel: int) -> float:
 
 def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankParams) -> tuple[float, float, float]:
     """(seconds per micro-batch, per-step seconds hidden by a backward, by a forward) of data parallelism."""
-    d, r, tp = layout.dp_shard, layout.dp_replicate, layout.tp
+    d, r, tp = layout.dp_shard * layout.cp, layout.dp_replicate, layout.tp
     tp_numel, shard_numel = rank.numel(args, tp, d)
     mode = layout.dp_shard_mode
     gather = collective_time(hw, hw.element_bytes * tp_numel, d, tp * d, "all_gather")
@@ -158,36 +172,40 @@ def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankPara
 
 @lru_cache(maxsize=65536)
 def _pipeline(args: ModelArgs, hw: HardwareProfile, seq_len: int, tp: int, pp: int, v: int, schedule_name: str,
-              micro_batch_size: int, activation_checkpoint: str, compiled: bool) -> tuple:
+              micro_batch_size: int, activation_checkpoint: str, compiled: bool, cp: int = 1) -> tuple:
     """Per-micro-batch compute of the pipeline's ranks: (slowest rank index, its passes, its
-    recompute, seconds of the slowest and of the mean rank, mean TP seconds). Independent of dp."""
+    recompute, seconds of the slowest and of the mean rank, mean TP seconds, mean CP seconds).
+    Independent of dp."""
     layout = Layout(tp, pp, 1, 1, "zero3", schedule_name, v, micro_batch_size, 1, activation_checkpoint)
-    timed = [rank_passes(args, hw, micro_batch_size, seq_len, tp, activation_checkpoint, compiled, rank)
+    timed = [rank_passes(args, hw, micro_batch_size, seq_len, tp, activation_checkpoint, compiled, rank, cp)
              for rank in pipeline_ranks(args, layout)]
     per_rank = [ps.forward + rc.forward + ps.input_grad + ps.weight_grad for ps, rc in timed]
     slowest = max(range(pp), key=per_rank.__getitem__)
     tp_mean = sum(ps.tp_forward + ps.tp_backward + rc.tp_forward for ps, rc in timed) / pp
-    return slowest, timed[slowest][0], timed[slowest][1], per_rank[slowest], sum(per_rank) / pp, tp_mean
+    cp_mean = sum(ps.cp_forward + ps.cp_backward + rc.cp_forward for ps, rc in timed) / pp
+    return slowest, timed[slowest][0], timed[slowest][1], per_rank[slowest], sum(per_rank) / pp, tp_mean, cp_mean
 
 
 def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int) -> StepTime:
     schedule = get_schedule(layout.pp_schedule)
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
-    slowest, passes, recompute, worst, mean, tp_mean = _pipeline(
+    slowest, passes, recompute, worst, mean, tp_mean, cp_mean = _pipeline(
         args, hw, seq_len, layout.tp, p, v, layout.pp_schedule, layout.micro_batch_size, layout.activation_checkpoint,
-        layout.compile)
+        layout.compile, layout.cp)
     chunk = (passes.forward / v, recompute.forward / v, passes.input_grad / v, passes.weight_grad / v)
     bubble = max(0.0, sum(s * c for s, c in zip(bubble_slots(schedule, p), chunk))) if p > 1 else 0.0
 
-    boundary_bytes = layout.micro_batch_size * seq_len * args.dim / (layout.tp if layout.sequence_parallel else 1) * hw.element_bytes
-    crosses_nodes = layout.tp * layout.dp >= hw.gpus_per_node
-    bandwidth, latency = hw.collective_link(min(hw.gpus_per_node, 2 * layout.tp * layout.dp), crosses_nodes)
+    boundary_bytes = (layout.micro_batch_size * seq_len // layout.cp * args.dim
+                      / (layout.tp if layout.sequence_parallel else 1) * hw.element_bytes)
+    inner = layout.tp * layout.cp * layout.dp  # the ranks between two pipeline stages in the mesh
+    crosses_nodes = inner >= hw.gpus_per_node
+    bandwidth, latency = hw.collective_link(min(hw.gpus_per_node, 2 * inner), crosses_nodes)
     pp_exposed = 2 * (p * v - 1) * (boundary_bytes / bandwidth + latency) if p > 1 else 0.0
 
     rank = pipeline_ranks(args, layout)[slowest]
     per_mb, after_backward, before_forward = dp_comm(args, hw, layout, rank)
     unhidden = m * v * per_mb / max(rank.layers, 1)
-    tp_numel, shard_numel = rank.numel(args, layout.tp, layout.dp_shard)
+    tp_numel, shard_numel = rank.numel(args, layout.tp, layout.dp_shard * layout.cp)
     dp_exposed = (max(0.0, m * per_mb - m * worst) + unhidden
                   + max(0.0, after_backward - (passes.input_grad + passes.weight_grad))
                   + max(0.0, before_forward - passes.forward) + fsdp_copies(hw, layout, tp_numel))
@@ -195,5 +213,6 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     copy_back = 2 * tp_numel if layout.dp_shard_mode in ("zero1", "zero2") else 0
     optimizer = _memory_bound(hw, OPTIMIZER_BYTES_PER_PARAM * shard_numel + copy_back)
 
-    return StepTime(compute=m * (mean - tp_mean), bubble=bubble, imbalance=m * (worst - mean),
-                    tp_exposed=m * tp_mean, pp_exposed=pp_exposed, dp_exposed=dp_exposed, optimizer=optimizer)
+    return StepTime(compute=m * (mean - tp_mean - cp_mean), bubble=bubble, imbalance=m * (worst - mean),
+                    tp_exposed=m * tp_mean, pp_exposed=pp_exposed, dp_exposed=dp_exposed, optimizer=optimizer,
+                    cp_exposed=m * cp_mean)

@@ -31,6 +31,7 @@ class Layout:
     microbatches: int  # per step per pipeline (gradient accumulation when pp == 1)
     activation_checkpoint: str
     compile: bool = False  # torch.compile of each block: fuses its element-wise kernels
+    cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence; FSDP shards over dp_shard x cp
 
     @property
     def dp(self) -> int:
@@ -38,7 +39,7 @@ class Layout:
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def sequence_parallel(self) -> bool:

@@ -17,6 +17,10 @@ Activations follow Korthikanti et al. 2022 without dropout and with flash
 attention (no s^2 terms): 34 s b h bytes per GPT layer in bf16. With sequence parallelism the
 norm inputs are split over TP ranks, but DTensor saves the all-gathered inputs of the
 column-parallel linears whole, so those stay s b h each.
+Context parallelism (cp): a rank holds s / cp of every sequence, so its activations are those of
+s / cp tokens, plus the whole sequence's K and V that attention gathers per block: kept for backward
+by every block that is not checkpointed, held once while one block runs. FSDP shards the states over
+dp_shard x cp (the cp ranks hold the same weights).
 """
 import math
 from dataclasses import dataclass
@@ -182,27 +186,28 @@ def states_bytes(tp_numel: int, shard_numel: int, mode: str) -> tuple[float, flo
 
 
 def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams, in_flight: float) -> Memory:
-    tp, ms = layout.tp, layout.micro_batch_size
-    tokens = ms * seq_len
+    tp, ms, cp = layout.tp, layout.micro_batch_size, layout.cp
+    tokens = ms * seq_len // cp
     sp = layout.sequence_parallel
-    tp_numel, shard_numel = rank.numel(args, tp, layout.dp_shard)
+    tp_numel, shard_numel = rank.numel(args, tp, layout.dp_shard * cp)
     mode = "zero1" if layout.pp > 1 else layout.dp_shard_mode
     parameters, gradients, optimizer = states_bytes(tp_numel, shard_numel, mode)
 
     n_ckpt = rank.checkpointed(layout.activation_checkpoint)
     full_layer = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False)
+    gathered_kv = 2 * ms * seq_len * args.kv_heads * args.head_dim / tp * ACTIVATION_BYTES if cp > 1 else 0
     per_microbatch = (n_ckpt * layer_activation_bytes(args, tokens, tp, sp, checkpointed=True)
-                      + (rank.layers - n_ckpt) * full_layer)
+                      + (rank.layers - n_ckpt) * (full_layer + gathered_kv))
     activations = in_flight * per_microbatch + (output_activation_bytes(args, tokens, tp, sp) if rank.last else 0)
 
-    layer_tp, _ = _numel(args, "block", tp, layout.dp_shard)
-    root_tp = RankParams(0, rank.first, rank.last).numel(args, tp, layout.dp_shard)[0]
+    layer_tp, _ = _numel(args, "block", tp, layout.dp_shard * cp)
+    root_tp = RankParams(0, rank.first, rank.last).numel(args, tp, layout.dp_shard * cp)[0]
     # zero3: two gathered blocks (in use, prefetched) and the held root; all modes: an fp32 block's reduce-scatter
     fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if mode == "zero3" else 0)
     recompute = full_layer if n_ckpt else 0  # one checkpointed layer's activations, rebuilt in backward
     pipeline = 2 * layout.virtual_stages * tokens * args.dim / (tp if sp else 1) * ACTIVATION_BYTES if layout.pp > 1 else 0
     logits_grad = (4 + 2) * tokens * args.vocab_size / tp if rank.last else 0
-    buffers = FRAMEWORK_BYTES + fsdp + recompute + pipeline + logits_grad
+    buffers = FRAMEWORK_BYTES + fsdp + recompute + pipeline + logits_grad + gathered_kv
     return Memory(parameters, gradients, optimizer, activations, buffers)
 
 

@@ -7,7 +7,11 @@ a person plans with. The search tries, for each tensor-parallel degree that divi
 fits in a node and each pipeline degree up to the layer count: micro-batch sizes 1-8, every
 schedule (interleaved ones at 2 chunks per rank unless --virtual-stages says otherwise),
 activation checkpointing none/selective/full, and dp_shard over 1, one node's worth and all
-data-parallel ranks, with each ZeRO mode.
+data-parallel ranks, with each ZeRO mode; and context-parallel degrees that split the sequence into
+2 cp chunks (x tp) within a node, whose ranks come out of the data-parallel ones (its K/V exchange is
+smaller than TP's activation collectives, so it can also win at short sequences; against torchtitan's
+long-sequence CP runs the planner is up to a quarter more optimistic about cp 4-8 than about cp 1-2:
+experiments/validation/CONTEXT_PARALLEL.md).
 """
 import dataclasses
 import math
@@ -24,7 +28,7 @@ from trillion.errors import ConfigError
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 LAYOUT_FIELDS = ("tp", "pp", "dp_replicate", "dp_shard", "dp_shard_mode", "pp_schedule", "virtual_stages",
-                 "micro_batch_size", "activation_checkpoint", "compile")
+                 "micro_batch_size", "activation_checkpoint", "cp", "compile")
 
 
 @dataclass(frozen=True)
@@ -91,22 +95,30 @@ def layouts(request: Request):
         for pp in _options(request, "pp", [p for p in _divisors(gpus // tp) if p <= args.n_layers]):
             if (gpus // tp) % pp:
                 continue
-            dp = gpus // (tp * pp)
-            if request.global_batch % dp:
-                continue
-            yield from _layouts_for(request, tp, pp, dp)
+            for cp in _options(request, "cp", _cp_degrees(request, tp, gpus // (tp * pp))):
+                dp = gpus // (tp * pp * cp)
+                if dp * cp * tp * pp != gpus or request.global_batch % dp:
+                    continue
+                yield from _layouts_for(request, tp, pp, dp, cp)
 
 
-def _layouts_for(request: Request, tp: int, pp: int, dp: int):
+def _cp_degrees(request: Request, tp: int, ranks: int) -> list[int]:
+    """1, and degrees that split the sequence into 2 cp chunks (each rank's share over tp) and keep the
+    cp group inside a node with its tp group: the K/V exchange runs on every layer, unhidden."""
+    return [c for c in _divisors(ranks) if c == 1 or request.seq_len % (2 * c * tp) == 0
+            and c * tp <= request.hardware.gpus_per_node]
+
+
+def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
     args = request.args
     replicate = request.fixed.get("dp_replicate")
     shards = [dp // replicate] if replicate and "dp_shard" not in request.fixed else \
-        _options(request, "dp_shard", _dp_shard_options(dp, tp, request.hardware.gpus_per_node))
+        _options(request, "dp_shard", _dp_shard_options(dp, tp * cp, request.hardware.gpus_per_node))
     schedules = _options(request, "pp_schedule", list(SCHEDULES) if pp > 1 else ["1F1B"])
     for dp_shard in shards:
         if dp % dp_shard or (replicate and replicate * dp_shard != dp):
             continue
-        modes = _options(request, "dp_shard_mode", list(ZERO_MODES) if dp_shard > 1 else ["zero3"])
+        modes = _options(request, "dp_shard_mode", list(ZERO_MODES) if dp_shard * cp > 1 else ["zero3"])
         for name in schedules:
             schedule = get_schedule(name)
             any_v = [request.fixed.get("virtual_stages", DEFAULT_VIRTUAL_STAGES)]
@@ -120,7 +132,7 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int):
                     for ac in _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)):
                         for mode in modes:
                             yield Layout(tp, pp, dp // dp_shard, dp_shard, mode, name, v, mb, m, ac,
-                                         request.fixed.get("compile", False))
+                                         request.fixed.get("compile", False), cp)
 
 
 @dataclass
@@ -171,7 +183,7 @@ def search(request: Request) -> SearchResult:
 def check_request(request: Request) -> None:
     args = request.args
     for key, value in request.fixed.items():
-        if key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size") and value < 1:
+        if key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size", "cp") and value < 1:
             raise ConfigError(f"--{key.replace('_', '-')} {value} must be at least 1.")
     if "dp_shard_mode" in request.fixed and request.fixed["dp_shard_mode"] not in ZERO_MODES:
         raise ConfigError(f"--dp-shard-mode {request.fixed['dp_shard_mode']!r} is not known. Use {', '.join(ZERO_MODES)}.")
@@ -182,7 +194,7 @@ def check_request(request: Request) -> None:
         get_schedule(request.fixed["pp_schedule"])
     if request.gpus < 1 or request.global_batch < 1:
         raise ConfigError(f"--gpus {request.gpus} and --global-batch {request.global_batch} must be at least 1.")
-    if request.seq_len > args.max_seq_len:
+    if request.seq_len > args.max_seq_len and args.positions != "rope":  # rotary: train with --model.max_seq_len
         raise ConfigError(f"--seq-len {request.seq_len} is longer than {request.model}'s max_seq_len {args.max_seq_len}.")
     hw = request.hardware
     if request.gpus > hw.gpus_per_node and hw.node_bandwidth_gbs <= 0:
@@ -218,7 +230,7 @@ def _no_layout_message(request: Request, result: SearchResult) -> str:
 
 
 def _describe(layout: Layout) -> str:
-    return (f"tp {layout.tp}, pp {layout.pp}, dp {layout.dp_replicate}x{layout.dp_shard} {layout.dp_shard_mode}, "
+    return (f"tp {layout.tp}, pp {layout.pp}, dp {layout.dp_replicate}x{layout.dp_shard} {layout.dp_shard_mode}, cp {layout.cp}, "
             f"micro-batch {layout.micro_batch_size}, checkpointing {layout.activation_checkpoint}")
 
 

@@ -293,7 +293,8 @@ def planner_prediction(config: Config, model_args: ModelArgs, dims: ParallelDims
     p = config.parallel
     layout = Layout(tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
                     dp_shard_mode=p.dp_shard_mode, pp_schedule=p.pp_schedule, virtual_stages=virtual,
-                    micro_batch_size=micro_batch, microbatches=microbatches, activation_checkpoint=p.activation_checkpoint)
+                    micro_batch_size=micro_batch, microbatches=microbatches, activation_checkpoint=p.activation_checkpoint,
+                    cp=dims.cp)
     try:
         memory = layout_memory(model_args, layout, config.training.seq_len)
     except (KeyError, ConfigError):  # e.g. selective:op, which the planner does not model

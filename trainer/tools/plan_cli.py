@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind, choices in (("tp", int, None), ("pp", int, None), ("dp_replicate", int, None), ("dp_shard", int, None),
                                 ("dp_shard_mode", str, ZERO_MODES), ("pp_schedule", str, tuple(SCHEDULES)),
                                 ("virtual_stages", int, None), ("micro_batch_size", int, None),
-                                ("activation_checkpoint", str, SEARCHED_CHECKPOINT_MODES)):
+                                ("activation_checkpoint", str, SEARCHED_CHECKPOINT_MODES), ("cp", int, None)):
         fixed.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
                            help=f"one of {', '.join(choices)}" if choices else None)
     fixed.add_argument("--compile", action="store_const", const=True, default=None,
@@ -74,7 +74,9 @@ def train_config_toml(request: Request, row: dict) -> str:
     config.training.global_batch_size = request.global_batch
     config.training.micro_batch_size = row["micro_batch_size"]
     config.training.seq_len = request.seq_len
-    for key in ("dp_replicate", "dp_shard", "dp_shard_mode", "tp", "pp", "pp_schedule", "activation_checkpoint"):
+    if request.seq_len > request.args.max_seq_len:  # a rotary model trained past its preset's length
+        config.model.max_seq_len = request.seq_len
+    for key in ("dp_replicate", "dp_shard", "dp_shard_mode", "tp", "pp", "pp_schedule", "activation_checkpoint", "cp"):
         setattr(config.parallel, key, row[key])
     config.compile.enabled = row["compile"]
     header = [f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} ({request.hardware.device.name})",
@@ -93,12 +95,12 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
     lines = [f"{request.model} ({s['parameters'] / 1e9:.1f}B parameters) on {request.gpus} x {request.hardware.name} "
              f"({request.hardware.device.name}, {request.hardware.device.memory_gb:g} GB), global batch "
              f"{request.global_batch} x {request.seq_len} tokens: {considered} layouts considered, {fitting} fit in memory.",
-             "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp = exposed communication. "
+             "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp/cp = exposed communication. "
              "Memory GB per GPU: params/grads/optim/activations/buffers.", ""]
     budget = request.tokens > 0
-    head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'dp (rep x shard)':>18} {'schedule':>22} {'mb':>2} {'m':>5} {'ckpt':>9} "
+    head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'cp':>2} {'dp (rep x shard)':>18} {'schedule':>22} {'mb':>2} {'m':>5} {'ckpt':>9} "
             f"{'step s':>7} {'tokens/s':>10} {'TF/GPU':>6} {'MFU%':>5} {'HFU%':>5} {'bub%':>5} {'imb%':>5} {'tp%':>4} "
-            f"{'pp%':>4} {'dp%':>4} {'memory GB (P/G/O/A/B)':>28}")
+            f"{'pp%':>4} {'dp%':>4} {'cp%':>4} {'memory GB (P/G/O/A/B)':>28}")
     if budget:
         head += f" {'days':>6} {'GPU-h':>9} {'MWh':>7} {'cost $':>10}"
     lines += [head, "-" * len(head)]
@@ -107,10 +109,10 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
         dp = f"{r['dp_replicate']}x{r['dp_shard']} {r['dp_shard_mode']}"
         sched = r["pp_schedule"] + (f" v{r['virtual_stages']}" if r["virtual_stages"] > 1 else "") if r["pp"] > 1 else "-"
         breakdown = "/".join(f"{mem[k]:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "buffers"))
-        line = (f"{i:>3} {r['tp']:>2} {r['pp']:>3} {dp:>18} {sched:>22} {r['micro_batch_size']:>2} {r['microbatches']:>5} "
+        line = (f"{i:>3} {r['tp']:>2} {r['pp']:>3} {r['cp']:>2} {dp:>18} {sched:>22} {r['micro_batch_size']:>2} {r['microbatches']:>5} "
                 f"{r['activation_checkpoint']:>9} {r['step_time_s']:>7.2f} {r['tokens_per_s']:>10,.0f} "
                 f"{r['tflops_per_gpu']:>6.1f} {_pct(r['mfu']):>5} {_pct(r['hfu']):>5} {_pct(sh['bubble']):>5} "
-                f"{_pct(sh['imbalance']):>5} {_pct(sh['tp_exposed']):>4} {_pct(sh['pp_exposed']):>4} {_pct(sh['dp_exposed']):>4} "
+                f"{_pct(sh['imbalance']):>5} {_pct(sh['tp_exposed']):>4} {_pct(sh['pp_exposed']):>4} {_pct(sh['dp_exposed']):>4} {_pct(sh['cp_exposed']):>4} "
                 f"{breakdown + ' = ' + format(r['memory_gb'], '.1f'):>28}")
         if budget:
             line += f" {r['time_to_train_days']:>6.1f} {r['gpu_hours']:>9.3g} {r['energy_mwh']:>7.3g} {r['cost_usd']:>10.3g}"
