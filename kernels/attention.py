@@ -53,6 +53,10 @@ else:
         raise RuntimeError("flash_attention needs the triton package (pip install triton), which is not installed")
 
 
+# Attention ops whose outputs op-level activation checkpointing keeps (with SDPA's own), so that
+# selective:op never recomputes our attention: its output and log-sum-exp are all the backward needs.
+SAVED_ATTENTION_OPS = (torch.ops.trillion.flash_attn_fwd.default,) if has_triton() else ()
+
 _IMPLS = {"sdpa": sdpa_attention, "eager": eager_attention, "triton": triton_attention}
 
 

@@ -37,59 +37,70 @@ _LOG2E = 1.4426950408889634
 
 
 # ----------------------------------------------------------------------------- configs
-# One row per config: (largest BLOCK_D it fits, BLOCK_M, BLOCK_N, num_warps, num_stages, backend
-# options). The autotuner times the rows that fit the head dim once per shape and keeps the best;
-# rows too big for a chip's shared memory are skipped by the autotuner. On AMD CDNA, waves_per_eu
-# caps occupancy to leave registers per wave, matrix_instr_nonkdim picks the 16x16 MFMA.
+# Per architecture and kernel, the configs for padded head dims up to 64, up to 128 and up to 256:
+# (BLOCK_M, BLOCK_N, num_warps, num_stages[, AMD options]). The autotuner times those of the head
+# dim's class once per shape and keeps the best. Every config for head dims 64 and 128 compiles
+# without spills or scratch and within the chip's shared memory (experiments/kernels/RESOURCES.md,
+# checked by tests/kernels/test_aot.py). On AMD CDNA, waves_per_eu caps occupancy to leave
+# registers per wave, matrix_instr_nonkdim picks the 16x16 MFMA.
 def _amd(waves: int) -> dict:
     return {"waves_per_eu": waves, "matrix_instr_nonkdim": 16}
 
 
-_CONFIGS: dict[str, dict[str, list[tuple]]] = {
+_CONFIGS: dict[str, dict[str, dict[int, list[tuple]]]] = {
     "sm80": {
-        "fwd": [(64, 128, 128, 8, 3, {}), (64, 128, 64, 4, 3, {}), (128, 128, 64, 8, 3, {}),
-                (128, 128, 32, 4, 3, {}), (128, 64, 64, 4, 3, {}), (256, 64, 64, 4, 2, {}),
-                (256, 64, 32, 4, 2, {}), (256, 128, 32, 8, 2, {})],
-        "dkdv": [(64, 64, 128, 8, 2, {}), (128, 32, 128, 8, 2, {}), (128, 32, 64, 4, 3, {}),
-                 (128, 64, 64, 4, 2, {}), (256, 32, 64, 4, 2, {}), (256, 16, 64, 4, 2, {})],
-        "dq": [(64, 128, 64, 8, 2, {}), (128, 128, 32, 8, 2, {}), (128, 64, 64, 4, 3, {}),
-               (128, 64, 32, 4, 3, {}), (256, 64, 32, 4, 2, {}), (256, 32, 32, 4, 2, {})],
+        "fwd": {64: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+                128: [(128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)],
+                256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)]},
+        "dkdv": {64: [(32, 128, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
+                 128: [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
+                 256: [(32, 64, 4, 2), (16, 64, 4, 2)]},
+        "dq": {64: [(128, 64, 8, 2), (64, 64, 8, 3), (64, 32, 4, 3)],
+               128: [(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+               256: [(64, 32, 4, 2), (32, 32, 4, 2)]},
     },
     "sm90": {
-        "fwd": [(64, 128, 128, 8, 4, {}), (64, 128, 64, 4, 4, {}), (128, 128, 128, 8, 3, {}),
-                (128, 128, 64, 8, 4, {}), (128, 128, 64, 4, 3, {}), (128, 64, 64, 4, 4, {}),
-                (256, 128, 64, 8, 2, {}), (256, 64, 64, 4, 2, {}), (256, 64, 32, 4, 3, {})],
-        "dkdv": [(64, 64, 128, 8, 3, {}), (128, 32, 128, 8, 3, {}), (128, 64, 128, 8, 2, {}),
-                 (128, 32, 64, 4, 4, {}), (256, 32, 64, 4, 2, {}), (256, 16, 64, 4, 2, {})],
-        "dq": [(64, 128, 64, 8, 3, {}), (128, 128, 64, 8, 2, {}), (128, 128, 32, 8, 3, {}),
-               (128, 64, 64, 4, 3, {}), (256, 64, 32, 4, 2, {}), (256, 32, 32, 4, 2, {})],
+        "fwd": {64: [(128, 128, 8, 4), (128, 64, 4, 4), (64, 64, 4, 4)],
+                128: [(128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 4), (64, 32, 4, 3)],
+                256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)]},
+        "dkdv": {64: [(64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 2)],
+                 128: [(32, 64, 8, 3), (64, 32, 8, 2), (32, 32, 4, 2)],
+                 256: [(32, 64, 4, 2), (16, 64, 4, 2)]},
+        "dq": {64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+               128: [(128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)],
+               256: [(64, 32, 4, 2), (32, 32, 4, 2)]},
     },
     "gfx90a": {
-        "fwd": [(128, 128, 64, 4, 1, _amd(2)), (128, 64, 64, 4, 1, _amd(3)), (128, 128, 32, 4, 1, _amd(2)),
-                (256, 64, 32, 4, 1, _amd(2)), (256, 32, 32, 4, 1, _amd(2))],
-        "dkdv": [(128, 32, 64, 4, 1, _amd(2)), (128, 64, 64, 4, 1, _amd(1)), (256, 32, 32, 4, 1, _amd(1)),
-                 (256, 16, 32, 4, 1, _amd(2))],
-        "dq": [(128, 64, 32, 4, 1, _amd(2)), (128, 64, 64, 4, 1, _amd(1)), (256, 32, 32, 4, 1, _amd(1)),
-               (256, 32, 16, 4, 1, _amd(2))],
+        "fwd": {64: [(128, 64, 8, 1, _amd(1)), (64, 64, 4, 1, _amd(3)), (128, 32, 4, 1, _amd(2))],
+                128: [(128, 32, 4, 1, _amd(2)), (64, 32, 4, 1, _amd(2)), (128, 64, 8, 1, _amd(1))],
+                256: [(64, 32, 4, 1, _amd(2)), (32, 32, 4, 1, _amd(2))]},
+        "dkdv": {64: [(32, 64, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
+                 128: [(32, 64, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
+                 256: [(32, 32, 4, 1, _amd(1)), (16, 32, 4, 1, _amd(2))]},
+        "dq": {64: [(64, 32, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
+               128: [(64, 32, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
+               256: [(32, 32, 4, 1, _amd(1)), (32, 16, 4, 1, _amd(2))]},
     },
     "gfx942": {
-        "fwd": [(128, 128, 128, 4, 2, _amd(2)), (128, 128, 64, 4, 2, _amd(2)), (128, 128, 64, 8, 2, _amd(1)),
-                (128, 64, 64, 4, 2, _amd(3)), (256, 64, 64, 4, 2, _amd(2)), (256, 64, 32, 4, 1, _amd(2))],
-        "dkdv": [(128, 32, 128, 4, 2, _amd(1)), (128, 64, 64, 4, 2, _amd(2)), (128, 32, 64, 4, 1, _amd(2)),
-                 (256, 32, 64, 4, 1, _amd(1)), (256, 16, 64, 4, 1, _amd(2))],
-        "dq": [(128, 128, 32, 4, 2, _amd(1)), (128, 64, 64, 4, 2, _amd(2)), (128, 64, 32, 4, 1, _amd(2)),
-               (256, 64, 32, 4, 1, _amd(1)), (256, 32, 32, 4, 1, _amd(2))],
+        "fwd": {64: [(128, 64, 8, 2, _amd(1)), (128, 64, 4, 2, _amd(2)), (64, 64, 4, 2, _amd(3))],
+                128: [(128, 64, 8, 2, _amd(1)), (64, 64, 4, 2, _amd(2)), (64, 32, 4, 1, _amd(2))],
+                256: [(64, 64, 4, 2, _amd(2)), (64, 32, 4, 1, _amd(2))]},
+        "dkdv": {64: [(32, 128, 4, 2, _amd(1)), (16, 64, 4, 1, _amd(2)), (32, 64, 4, 1, _amd(2))],
+                 128: [(32, 64, 4, 1, _amd(2)), (16, 64, 4, 1, _amd(2)), (32, 32, 4, 1, _amd(2))],
+                 256: [(32, 64, 4, 1, _amd(1)), (16, 64, 4, 1, _amd(2))]},
+        "dq": {64: [(128, 32, 4, 2, _amd(1)), (32, 64, 4, 1, _amd(2)), (64, 32, 4, 1, _amd(2))],
+               128: [(128, 32, 4, 2, _amd(1)), (32, 64, 4, 1, _amd(2)), (64, 32, 4, 1, _amd(2))],
+               256: [(64, 32, 4, 1, _amd(1)), (32, 32, 4, 1, _amd(2))]},
     },
     # The interpreter runs one fixed config: blocks as large as keep test sequences (up to ~200)
     # spanning several blocks, since its cost is per block step; BLOCK_M != BLOCK_N on purpose.
-    "interpreter": {"fwd": [(256, 64, 32, 4, 1, {})], "dkdv": [(256, 32, 64, 4, 1, {})],
-                    "dq": [(256, 64, 32, 4, 1, {})]},
+    "interpreter": {"fwd": {256: [(64, 32, 4, 1)]}, "dkdv": {256: [(32, 64, 4, 1)]}, "dq": {256: [(64, 32, 4, 1)]}},
 }
-_DELTA_BLOCK_M = 64
+DELTA_BLOCK_M = 64
 _KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq", "delta": "attn_bwd_delta"}
 
 
-def _kernel(name: str):
+def kernel_fn(name: str):
     # Imported on first use, not with this module: Triton decides between compiling and
     # interpreting when a kernel is defined, and TRITON_INTERPRET may be set after start-up
     # (by a test's conftest) but before the first call.
@@ -100,14 +111,16 @@ def _kernel(name: str):
 
 def configs(kernel: str, arch: str, block_d: int) -> list[triton.Config]:
     """The configs `kernel` ("fwd", "dkdv" or "dq") is tuned over on `arch` for a padded head dim."""
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **extra}, num_warps=w, num_stages=s)
-            for max_d, bm, bn, w, s, extra in _CONFIGS[arch][kernel] if block_d <= max_d]
+    by_class = _CONFIGS[arch][kernel]
+    rows = by_class[min(c for c in by_class if c >= block_d)]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **(extra[0] if extra else {})}, num_warps=w, num_stages=s)
+            for bm, bn, w, s, *extra in rows]
 
 
 @functools.cache
 def _tuned(kernel: str, arch: str, block_d: int):
     return triton.autotune(configs(kernel, arch, block_d), key=["HEAD_DIM", "IS_CAUSAL", "q_len", "kv_len"])(
-        _kernel(kernel))
+        kernel_fn(kernel))
 
 
 def _launch(kernel: str, device: torch.device, block_d: int, grid_rows: int, grid_cols: int, *args, **meta):
@@ -118,7 +131,7 @@ def _launch(kernel: str, device: torch.device, block_d: int, grid_rows: int, gri
     tile = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"
     if interpreting():
         (config,) = configs(kernel, "interpreter", block_d)
-        _kernel(kernel)[(triton.cdiv(grid_rows, config.kwargs[tile]), grid_cols)](*args, **meta, **config.kwargs)
+        kernel_fn(kernel)[(triton.cdiv(grid_rows, config.kwargs[tile]), grid_cols)](*args, **meta, **config.kwargs)
         return
     fn = _tuned(kernel, device_arch(device), block_d)
     with torch.cuda.device(device):
@@ -142,19 +155,44 @@ def _check_runnable(t: torch.Tensor) -> None:
         raise RuntimeError(f"flash_attention cannot run: {reason}")
 
 
-def _forward(q, k, v, causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_d_for(head_dim: int) -> int:
+    """The head dim padded to the kernels' tile: the next power of two, at least 16."""
+    return max(16, next_power_of_2(head_dim))
+
+
+def kernel_args(kernel: str, q, k, v, out, lse, causal: bool, softmax_scale: float, *, grad_out=None,
+                delta=None, grads=None) -> tuple[tuple, dict]:
+    """(positional arguments, constexprs) of one launch of `kernel` ("fwd", "delta", "dkdv", "dq"),
+    block sizes excluded. The launchers below and the ahead-of-time report (kernels/report.py) both
+    build their launches here, so the report compiles exactly the specialization that runs."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d_for(head_dim))
+    if kernel == "delta":
+        return (out, grad_out, delta, *_strides(out), *_strides(grad_out), q_heads, q_len), meta
+    meta["IS_CAUSAL"] = causal
+    group, qk_scale = q_heads // kv_heads, softmax_scale * _LOG2E
+    qkv_strides = (*_strides(q), *_strides(k), *_strides(v))
+    if kernel == "fwd":
+        return (q, k, v, out, lse, *qkv_strides, *_strides(out), q_heads, group, q_len, kv_len, qk_scale), meta
+    if kernel == "dkdv":
+        dk, dv = grads
+        return (q, k, v, grad_out, dk, dv, lse, delta, *qkv_strides, *_strides(grad_out), *_strides(dk),
+                *_strides(dv), q_heads, kv_heads, group, q_len, kv_len, qk_scale, softmax_scale), meta
+    (dq,) = grads
+    return (q, k, v, grad_out, dq, lse, delta, *qkv_strides, *_strides(grad_out), *_strides(dq),
+            q_heads, group, q_len, kv_len, qk_scale, softmax_scale), meta
+
+
+def _forward(q, k, v, causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, q_heads, q_len, head_dim = q.shape
     out = _new_like_layout(batch, q_heads, q_len, head_dim, q)
     lse = q.new_empty((batch, q_heads, q_len), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
     _check_runnable(q)
-    block_d = max(16, next_power_of_2(head_dim))
-    _launch("fwd", q.device, block_d, q_len, batch * q_heads,
-            q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(out),
-            q_heads, q_heads // kv_heads, q_len, kv_len, softmax_scale * _LOG2E,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal)
+    args, meta = kernel_args("fwd", q, k, v, out, lse, causal, softmax_scale)
+    _launch("fwd", q.device, meta["BLOCK_D"], q_len, batch * q_heads, *args, **meta)
     return out, lse
 
 
@@ -167,23 +205,16 @@ def _backward(grad_out, q, k, v, out, lse, causal: bool, softmax_scale: float):
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     _check_runnable(q)
-    block_d = max(16, next_power_of_2(head_dim))
     delta = torch.empty_like(lse)
-    block_m = 32 if interpreting() else _DELTA_BLOCK_M
-    grid = (triton.cdiv(q_len, block_m), batch * q_heads)
+    common = dict(grad_out=grad_out, delta=delta)
+    args, meta = kernel_args("delta", q, k, v, out, lse, causal, softmax_scale, **common)
+    block_m = 32 if interpreting() else DELTA_BLOCK_M
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _kernel("delta")[grid](out, grad_out, delta, *_strides(out), *_strides(grad_out), q_heads, q_len,
-                               HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m)
-    common = dict(HEAD_DIM=head_dim, BLOCK_D=block_d, IS_CAUSAL=causal)
-    qk_scale = softmax_scale * _LOG2E
-    _launch("dkdv", q.device, block_d, kv_len, batch * kv_heads,
-            q, k, v, grad_out, dk, dv, lse, delta,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dk), *_strides(dv),
-            q_heads, kv_heads, q_heads // kv_heads, q_len, kv_len, qk_scale, softmax_scale, **common)
-    _launch("dq", q.device, block_d, q_len, batch * q_heads,
-            q, k, v, grad_out, dq, lse, delta,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), *_strides(dq),
-            q_heads, q_heads // kv_heads, q_len, kv_len, qk_scale, softmax_scale, **common)
+        kernel_fn("delta")[(triton.cdiv(q_len, block_m), batch * q_heads)](*args, **meta, BLOCK_M=block_m)
+    args, meta = kernel_args("dkdv", q, k, v, out, lse, causal, softmax_scale, **common, grads=(dk, dv))
+    _launch("dkdv", q.device, meta["BLOCK_D"], kv_len, batch * kv_heads, *args, **meta)
+    args, meta = kernel_args("dq", q, k, v, out, lse, causal, softmax_scale, **common, grads=(dq,))
+    _launch("dq", q.device, meta["BLOCK_D"], q_len, batch * q_heads, *args, **meta)
     return dq, dk, dv
 
 

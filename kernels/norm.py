@@ -26,12 +26,13 @@ from trillion.kernels._triton_setup import interpreting, next_power_of_2, use_tr
 
 __all__ = ["rms_norm", "layer_norm", "RMSNorm", "LayerNorm", "MAX_FUSED_DIM"]
 
-# A row lives in registers, fp32, in one program: 32768 columns is 64 KiB per row spread over
-# 16 warps, enough for the largest hidden sizes in experiments/frontier/PAPER.md (25600).
-MAX_FUSED_DIM = 32768
+# A row lives in registers, fp32, in one program. The backward holds x, dy and the dw/db partial
+# sums of its columns: rows of 12288 (GPT-175B) spill on sm80/sm90 and rows of 25600 (GPT-1T) on
+# every target (experiments/kernels/RESOURCES.md), so wider rows than this take torch's kernels.
+MAX_FUSED_DIM = 8192
 
 
-def _kernels():
+def kernel_module():
     # Imported on first use: Triton decides between compiling and interpreting when a kernel is
     # defined, and TRITON_INTERPRET may be set after start-up but before the first call.
     from trillion.kernels import _norm_kernels
@@ -58,20 +59,31 @@ def _device_context(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def kernel_args(kernel: str, x2, weight, bias, out, mean, rstd, eps: float, rms: bool, *, grad=None, dw_part=None,
+                db_part=None, rows_per_program: int = 0) -> tuple[tuple, dict]:
+    """(positional arguments, constexprs) of one launch of `kernel` ("fwd" or "bwd") on rows x2; for
+    "bwd", `out` is dx, `grad` dy, and `bias` only says whether there is one. The launchers below and the ahead-of-time report
+    (kernels/report.py) both build their launches here, so the report compiles what runs."""
+    rows, n = x2.shape
+    block_m, block_n, warps = _tile(rows, n)
+    meta = dict(IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m,
+                BLOCK_N=block_n, num_warps=warps)
+    if kernel == "fwd":
+        return (x2, weight, bias, out, mean, rstd, x2.stride(0), n, rows, n, eps), meta
+    return (x2, weight, grad, out, dw_part, db_part, mean, rstd, x2.stride(0), grad.stride(0), n, rows, n,
+            rows_per_program), meta
+
+
 def _forward(x, weight, bias, eps: float, rms: bool):
-    n = x.shape[-1]
     x2 = _rows(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device)
     mean = rstd.new_empty(0 if rms else x.shape[:-1])
     if x2.shape[0] == 0:
         return y, mean, rstd
-    block_m, block_n, warps = _tile(x2.shape[0], n)
+    args, meta = kernel_args("fwd", x2, weight, bias, y, mean, rstd, eps, rms)
     with _device_context(x):
-        _kernels().norm_fwd[(triton.cdiv(x2.shape[0], block_m),)](
-            x2, weight, bias, y, mean, rstd, x2.stride(0), n, x2.shape[0], n, eps,
-            IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+        kernel_module().norm_fwd[(triton.cdiv(x2.shape[0], meta["BLOCK_M"]),)](*args, **meta)
     return y, mean, rstd
 
 
@@ -80,7 +92,7 @@ def _backward(grad_y, x, weight, mean, rstd, has_bias: bool, rms: bool):
     x2, dy2 = _rows(x), _rows(grad_y)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
-    block_m, block_n, warps = _tile(rows, n)
+    block_m = _tile(rows, n)[0]
     # Enough programs to fill the GPU, each with a run of whole tiles; fewer partial sums to add.
     programs = triton.cdiv(rows, block_m)
     if x.is_cuda:
@@ -90,12 +102,10 @@ def _backward(grad_y, x, weight, mean, rstd, has_bias: bool, rms: bool):
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else None
     db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if has_bias else None
     if rows:
+        args, meta = kernel_args("bwd", x2, weight, db_part, dx, mean, rstd, 0.0, rms, grad=dy2, dw_part=dw_part,
+                                 db_part=db_part, rows_per_program=rows_per_program)
         with _device_context(x):
-            _kernels().norm_bwd[(programs,)](
-                x2, weight, dy2, dx, dw_part, db_part, mean, rstd, x2.stride(0), dy2.stride(0), n,
-                rows, n, rows_per_program,
-                IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
-                BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps)
+            kernel_module().norm_bwd[(programs,)](*args, **meta)
     param_dtype = weight.dtype if weight is not None else x.dtype
     dw = dw_part.sum(0).to(param_dtype) if dw_part is not None else x.new_empty(0)
     db = db_part.sum(0).to(param_dtype) if db_part is not None else x.new_empty(0)

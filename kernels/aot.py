@@ -1,0 +1,264 @@
+"""Ahead-of-time compilation of the Triton kernels for GPUs this machine does not have: each launch
+the trainer makes, specialized as Triton's JIT specializes it at run time (unit strides as
+constants, pointers and strides divisible by 16 marked so), compiled for sm80 (A100), sm90 (H100),
+gfx90a (MI250X) and gfx942 (MI300X), with the resources read from the compiled artifacts:
+registers, spills and scratch from ptxas (NVIDIA) or the AMDGPU assembly, shared memory / LDS from
+Triton, the matrix instructions from the PTX (mma, wgmma) or the GCN assembly (v_mfma*).
+
+Results are cached on disk (TRILLION_AOT_CACHE, default ~/.cache/trillion/aot), keyed by the
+kernel's source, the launch, the target and Triton's version. The command line is
+kernels/report.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import itertools
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+from trillion.kernels import norm
+from trillion.kernels.flash_attention import DELTA_BLOCK_M, block_d_for, configs, kernel_args, kernel_fn
+
+# Chip limits: shared memory / LDS per block (the opt-in maximum on NVIDIA), registers per thread.
+ARCHS = {
+    "sm80": dict(target=("cuda", 80, 32), shared=166912, mma=r"\bmma\.sync\.aligned\.\S+", sm_warps=64,
+                 sm_regs=65536, sm_shared=167936),
+    "sm90": dict(target=("cuda", 90, 32), shared=232448, mma=r"\bwgmma\.mma_async\.\S+|\bmma\.sync\.aligned\.\S+",
+                 sm_warps=64, sm_regs=65536, sm_shared=233472),
+    "gfx90a": dict(target=("hip", "gfx90a", 64), shared=65536, mma=r"\bv_mfma_\w+"),
+    "gfx942": dict(target=("hip", "gfx942", 64), shared=65536, mma=r"\bv_mfma_\w+"),
+}
+HEAD_DIMS = (64, 128)
+ALL_HEAD_DIMS = (32, 64, 96, 128, 256)
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# The launch the report specializes for: a Llama-style layout, (batch, seq, heads, head_dim) in
+# memory, 32 query heads sharing 8 KV heads; norms over 16k tokens of the presets' hidden sizes up
+# to norm.MAX_FUSED_DIM (6144 compiles as 8192: the width is a run-time argument), and the wider
+# rows that fall back to torch, whose report says why they do.
+BATCH, SEQ, Q_HEADS, KV_HEADS = 2, 4096, 32, 8
+NORM_ROWS, NORM_WIDTHS, WIDE_NORM_WIDTHS = 16384, (2048, 4096, 8192), (12288, 25600)
+ATTENTION_KERNELS = ("fwd", "delta", "dkdv", "dq")
+NORM_KERNELS = ("rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    kernel: str  # one of ATTENTION_KERNELS or NORM_KERNELS
+    arch: str
+    dtype: str
+    size: int  # head dim (attention) or row width (norms)
+    causal: bool | None  # None for kernels without a causal variant
+    config: tuple = ()  # sorted (name, value) pairs: BLOCK_M, BLOCK_N, num_warps, num_stages, AMD options
+
+    @property
+    def label(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.config) or "fixed"
+
+
+def _config_tuple(config: triton.Config) -> tuple:
+    return tuple(sorted({**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}.items()))
+
+
+def cases(archs, head_dims=HEAD_DIMS, dtypes=tuple(DTYPES), causal_modes=(True, False), norms=True) -> list[Case]:
+    """Every launch the trainer can make on `archs`: each attention kernel with each config its
+    autotuner may pick for the head dim, and the norm kernels at the presets' widths."""
+    out = []
+    for arch, dtype in itertools.product(archs, dtypes):
+        for d in head_dims:
+            out.append(Case("delta", arch, dtype, d, None, (("BLOCK_M", DELTA_BLOCK_M),)))
+            for kernel, causal in itertools.product(("fwd", "dkdv", "dq"), causal_modes):
+                out += [Case(kernel, arch, dtype, d, causal, _config_tuple(c))
+                        for c in configs(kernel, arch, block_d_for(d))]
+        if norms:
+            out += [Case(k, arch, dtype, w, None) for k in NORM_KERNELS for w in NORM_WIDTHS]
+    return out
+
+
+# ----------------------------------------------------------------------------- one launch
+def _launch(case: Case):
+    """(jit function, positional args, constexprs, compile options) of the trainer's launch, on meta
+    tensors: their data pointers are 0, so they specialize as 16-byte aligned, as allocations are."""
+    dtype = DTYPES[case.dtype]
+    config = dict(case.config)
+    options = {k: config.pop(k) for k in ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim")
+               if k in config}
+    if case.kernel in ATTENTION_KERNELS:
+        def layout(heads):
+            return torch.empty(BATCH, SEQ, heads, case.size, device="meta", dtype=dtype).transpose(1, 2)
+
+        q, k, v, out, grad_out, dq = (layout(h) for h in (Q_HEADS, KV_HEADS, KV_HEADS, Q_HEADS, Q_HEADS, Q_HEADS))
+        lse, delta = (torch.empty(BATCH, Q_HEADS, SEQ, device="meta") for _ in range(2))
+        grads = (layout(KV_HEADS), layout(KV_HEADS)) if case.kernel == "dkdv" else (dq,)
+        args, meta = kernel_args(case.kernel, q, k, v, out, lse, bool(case.causal), case.size ** -0.5,
+                                    grad_out=grad_out, delta=delta, grads=grads)
+        return kernel_fn(case.kernel), args, {**meta, **config}, options
+    kind, direction = case.kernel.split("_")
+    x = torch.empty(NORM_ROWS, case.size, device="meta", dtype=dtype)
+    w, b = torch.empty(case.size, device="meta", dtype=dtype), torch.empty(case.size, device="meta", dtype=dtype)
+    stats = torch.empty(NORM_ROWS, device="meta")
+    bias = b if kind == "ln" else None
+    part = torch.empty(64, case.size, device="meta")
+    args, meta = norm.kernel_args(direction, x, w, bias, torch.empty_like(x), stats, stats, 1e-5, kind == "rms",
+                                  grad=torch.empty_like(x), dw_part=part, db_part=part if bias is not None else None,
+                                  rows_per_program=NORM_ROWS // 64)
+    options["num_warps"] = meta.pop("num_warps")
+    return getattr(norm.kernel_module(), f"norm_{direction}"), args, meta, options
+
+
+
+def specialize(fn, args, constexprs) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) as Triton's JIT specializes `args` at launch: integers equal
+    to 1 become constants, pointers and integers divisible by 16 get the divisibility hint."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    signature, constants, attrs = {}, {}, {}
+    for index, (name, arg) in enumerate(zip(fn.arg_names, args)):
+        kind, spec = native_specialize_impl(BaseBackend, arg, False, True, True)
+        signature[name] = kind
+        if kind == "constexpr":
+            constants[name] = spec
+        elif spec == "D":
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    for name in fn.arg_names[len(args):]:
+        signature[name], constants[name] = "constexpr", constexprs[name]
+    return signature, constants, attrs
+
+
+# ----------------------------------------------------------------------------- compile and read
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TRILLION_AOT_CACHE") or Path.home() / ".cache" / "trillion" / "aot")
+
+
+def launch_key(case: Case) -> str:
+    """What decides `case`'s binary, Triton's version aside: the kernel module's source, the
+    specialization of the launch and the compile options. The committed report stores it, so a test
+    can tell whether the report still describes the shipped kernels and configs."""
+    fn, args, meta, options = _launch(case)
+    signature, constants, attrs = specialize(fn, args, meta)
+    source = Path(sys.modules[fn.fn.__module__].__file__).read_bytes()  # fn.fn: the Python function
+    return hashlib.sha256(json.dumps([hashlib.sha256(source).hexdigest(), fn.fn.__name__, signature,
+                                      sorted(constants.items(), key=str), sorted(attrs.items()),
+                                      sorted(options.items()), ARCHS[case.arch]["target"]],
+                                     default=str).encode()).hexdigest()[:24]
+
+
+def compile_case(case: Case, use_cache: bool = True) -> dict:
+    """The resources of `case` compiled for its architecture (cached), or {"error": ...}."""
+    key = launch_key(case)
+    path = _cache_dir() / f"{key}-triton{triton.__version__}.json"
+    if use_cache and path.is_file():
+        return json.loads(path.read_text())
+    fn, args, meta, options = _launch(case)
+    if not isinstance(fn, triton.runtime.jit.JITFunction):
+        # TRITON_INTERPRET=1 at start-up makes every jit function, triton.language's own included,
+        # an interpreter function, which the compiler cannot take.
+        raise RuntimeError("ahead-of-time compilation needs a process started without TRITON_INTERPRET=1")
+    start = time.perf_counter()
+    try:
+        result = _compile(case.arch, fn, *specialize(fn, args, meta), options)
+    except Exception as error:  # a config that does not compile is a finding, not a crash
+        message = str(error).strip().splitlines()
+        result = {"error": f"{type(error).__name__}: {message[0][:300] if message else ''}"}
+    result.update(key=key, compile_s=round(time.perf_counter() - start, 2))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)
+    return result
+
+
+def _compile(arch: str, fn, signature, constants, attrs, options) -> dict:
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    spec = ARCHS[arch]
+    target = GPUTarget(*spec["target"])
+    log = io.StringIO()
+    # ptxas prints its resource log only when asked, and only when it runs: bypass Triton's cache.
+    saved = knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log
+    knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log = True, True
+    try:
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(ASTSource(fn, signature, constants, attrs), target=target, options=options)
+    finally:
+        knobs.compilation.always_compile, knobs.nvidia.dump_ptxas_log = saved
+    shared = compiled.metadata.shared
+    if target.backend == "cuda":
+        result = _read_ptxas(log.getvalue())
+        instructions = re.findall(spec["mma"], compiled.asm["ptx"])
+        result["occupancy"] = _nvidia_warps_per_sm(spec, result["registers"], shared, options.get("num_warps", 4))
+    else:
+        result = _read_amdgcn(compiled.asm["amdgcn"])
+        instructions = re.findall(spec["mma"], compiled.asm["amdgcn"])
+    result.update(shared=shared, matrix_instructions=sorted(set(instructions)), matrix_count=len(instructions))
+    return result
+
+
+def _read_ptxas(log: str) -> dict:
+    def number(pattern):
+        found = re.search(pattern, log)
+        return int(found.group(1)) if found else 0
+
+    return {"registers": number(r"Used (\d+) registers"), "spill_bytes": number(r"(\d+) bytes spill stores"),
+            "scratch_bytes": number(r"(\d+) bytes stack frame")}
+
+
+def _read_amdgcn(asm: str) -> dict:
+    def number(name):
+        found = re.search(rf"^\s*(?:-\s+)?\.{name}:\s+(\d+)", asm, re.M)
+        return int(found.group(1)) if found else 0
+
+    occupancy = re.search(r"; Occupancy: (\d+)", asm)
+    return {"registers": number("vgpr_count"), "agprs": number("agpr_count"), "sgprs": number("sgpr_count"),
+            "spill_bytes": 4 * (number("vgpr_spill_count") + number("sgpr_spill_count")),
+            "vgpr_spills": number("vgpr_spill_count"), "scratch_bytes": number("private_segment_fixed_size"),
+            "occupancy": int(occupancy.group(1)) if occupancy else None}
+
+
+def _nvidia_warps_per_sm(spec: dict, registers: int, shared: int, warps: int) -> int:
+    """Resident warps per SM (the compiler does not say on NVIDIA): blocks limited by the register
+    file (allocated per warp in units of 256), shared memory and the warp slots."""
+    per_warp = -(-registers * 32 // 256) * 256
+    blocks = min(spec["sm_regs"] // max(per_warp * warps, 1), spec["sm_warps"] // warps,
+                 spec["sm_shared"] // shared if shared else 32)
+    return blocks * warps
+
+
+def problems(case: Case, result: dict) -> list[str]:
+    """The gates: compiles, no spills, no scratch, shared memory within the chip, matrix
+    instructions in every attention kernel that multiplies matrices."""
+    if "error" in result:
+        return [f"does not compile ({result['error']})"]
+    found = []
+    if result["spill_bytes"] or result["scratch_bytes"]:
+        found.append(f"spills {result['spill_bytes']} B, scratch {result['scratch_bytes']} B")
+    if result["shared"] > ARCHS[case.arch]["shared"]:
+        found.append(f"shared memory {result['shared']} B over the chip's {ARCHS[case.arch]['shared']} B")
+    if case.kernel in ("fwd", "dkdv", "dq") and not result["matrix_instructions"]:
+        found.append("no matrix instructions")
+    return found
+
+
+def run(selected: list[Case], use_cache: bool = True, progress=None) -> list[dict]:
+    rows = []
+    for number, case in enumerate(selected, 1):
+        result = compile_case(case, use_cache)
+        rows.append({**dataclasses.asdict(case), "config": dict(case.config), **result,
+                     "problems": problems(case, result)})
+        if progress:
+            progress(f"[{number}/{len(selected)}] {case.arch} {case.kernel} {case.dtype} {case.size} "
+                     f"causal={case.causal} {case.label}: {'; '.join(rows[-1]['problems']) or 'ok'}")
+    return rows

@@ -1,0 +1,138 @@
+"""Ahead-of-time gates for sm80, sm90, gfx90a and gfx942, on a CPU: the committed report
+(experiments/kernels/resources.json, written by `python -m trillion.kernels.report`) covers every
+launch the shipped kernels and configs make and every row passes the gates; a few rows are
+recompiled here to show the report is what this compiler produces; `-m slow` recompiles them all.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+from trillion.kernels import aot, report
+
+RECORD = Path(__file__).resolve().parents[2] / "experiments" / "kernels" / "resources.json"
+
+
+@pytest.fixture(scope="module")
+def record():
+    data = json.loads(RECORD.read_text())
+    return data, {row["key"]: row for row in data["rows"] if "key" in row}
+
+
+def test_report_covers_every_shipped_config_and_every_row_passes_the_gates(record):
+    data, by_key = record
+    shipped = aot.cases(list(aot.ARCHS))
+    missing = [c for c in shipped if aot.launch_key(c) not in by_key]
+    assert not missing, (f"{len(missing)} launches are not in {RECORD.name} (kernels or configs changed): regenerate it "
+                         f"with the command at the top of RESOURCES.md; first: {missing[0]}")
+    failing = [(c.arch, c.kernel, c.dtype, c.size, c.causal, c.label, by_key[aot.launch_key(c)]["problems"])
+               for c in shipped if by_key[aot.launch_key(c)]["problems"]]
+    assert not failing, failing
+    for arch in aot.ARCHS:  # every attention kernel that multiplies matrices uses the matrix cores
+        rows = [r for r in data["rows"] if r["arch"] == arch and r["kernel"] in ("fwd", "dkdv", "dq")]
+        assert rows and all(r["matrix_count"] > 0 for r in rows), arch
+
+
+def _compiler_process(code: str, tmp_path) -> dict:
+    """Runs `code` (which prints JSON) in a process without TRITON_INTERPRET: the tests' own
+    interpreter setting turns every Triton jit function into one the compiler cannot take."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRILLION_AOT_CACHE"] = str(tmp_path / "cache")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("arch", list(aot.ARCHS))
+def test_the_report_is_what_this_compiler_produces(record, arch, tmp_path):
+    """Recompiles (no cache) the quickest forward config of the report on each architecture."""
+    data, by_key = record
+    quickest = min((c for c in aot.cases([arch], head_dims=(128,), dtypes=("bf16",), causal_modes=(True,), norms=False)
+                    if c.kernel == "fwd"), key=lambda c: by_key[aot.launch_key(c)]["compile_s"])
+    fresh = _compiler_process(f"""
+import json
+from trillion.kernels import aot
+case = aot.{quickest!r}
+result = aot.compile_case(case, use_cache=False)
+print(json.dumps({{**result, "problems": aot.problems(case, result)}}))""", tmp_path)
+    assert not fresh["problems"], fresh["problems"]
+    if data["triton"] == triton.__version__:
+        recorded = by_key[aot.launch_key(quickest)]
+        for key in ("registers", "spill_bytes", "scratch_bytes", "shared", "matrix_instructions"):
+            assert fresh[key] == recorded[key], key
+
+
+def test_the_norm_rows_reported_reach_the_widest_fused_row():
+    from trillion.kernels.norm import MAX_FUSED_DIM
+
+    assert max(aot.NORM_WIDTHS) == MAX_FUSED_DIM < min(aot.WIDE_NORM_WIDTHS)
+
+
+def test_the_launch_is_specialized_as_the_jit_does():
+    case = next(c for c in aot.cases(["sm90"], head_dims=(128,), dtypes=("bf16",), norms=False) if c.kernel == "fwd")
+    fn, args, meta, options = aot._launch(case)
+    signature, constants, attrs = aot.specialize(fn, args, meta)
+    assert signature["Q"] == "*bf16" and signature["LSE"] == "*fp32" and signature["qk_scale"] == "fp32"
+    # The model layout (batch, seq, heads, head_dim) has unit head-dim strides: constants, as the JIT makes them.
+    assert constants["stride_qd"] == constants["stride_kd"] == constants["stride_od"] == 1
+    divisible = {fn.arg_names[i] for (i,) in attrs}
+    assert {"Q", "K", "V", "O", "LSE", "stride_qm", "stride_kn", "q_len", "kv_len"} <= divisible
+    assert constants["BLOCK_D"] == 128 and constants["IS_CAUSAL"] is True and options["num_warps"] in (4, 8)
+
+
+def test_resources_are_read_from_ptxas_and_amdgpu_output():
+    log = ("ptxas info    : Function properties for attn_fwd\n    112 bytes stack frame, 108 bytes spill stores, "
+           "96 bytes spill loads\nptxas info    : Used 255 registers, used 1 barriers, 448 bytes cmem[0]\n")
+    assert aot._read_ptxas(log) == {"registers": 255, "spill_bytes": 108, "scratch_bytes": 112}
+    asm = ("\t.amdhsa_private_segment_fixed_size 292\n; Occupancy: 2\n  - .agpr_count:     4\n    .sgpr_count:     105\n"
+           "    .sgpr_spill_count: 0\n    .private_segment_fixed_size: 292\n    .vgpr_count:     256\n"
+           "    .vgpr_spill_count: 102\n")
+    read = aot._read_amdgcn(asm)
+    assert (read["registers"], read["agprs"], read["vgpr_spills"], read["scratch_bytes"], read["occupancy"]) == (
+        256, 4, 102, 292, 2)
+
+
+def test_gates_fail_spills_scratch_shared_memory_and_scalar_fallbacks():
+    case = aot.Case("fwd", "gfx942", "bf16", 128, True)
+    good = {"spill_bytes": 0, "scratch_bytes": 0, "shared": 32768, "matrix_instructions": ["v_mfma_f32_16x16x16_bf16"]}
+    assert aot.problems(case, good) == []
+    assert aot.problems(case, {**good, "spill_bytes": 4, "scratch_bytes": 8})
+    assert aot.problems(case, {**good, "scratch_bytes": 8})
+    assert aot.problems(case, {**good, "shared": 65537})
+    assert aot.problems(case, {**good, "matrix_instructions": []}) == ["no matrix instructions"]
+    assert aot.problems(aot.Case("rms_bwd", "gfx942", "bf16", 2048, None), {**good, "matrix_instructions": []}) == []
+    assert aot.problems(case, {"error": "CompilationError: boom"})
+
+
+def test_report_command_prints_json_and_writes_markdown(tmp_path):
+    markdown = tmp_path / "RESOURCES.md"
+    printed = _compiler_process(f"""
+from trillion.kernels import aot, report
+aot.NORM_WIDTHS, aot.WIDE_NORM_WIDTHS = (2048,), ()
+assert report.main(["--arch", "gfx90a", "--kernels", "norm", "--dtype", "fp16", "--format", "json",
+                    "--markdown", {str(markdown)!r}]) == 0""", tmp_path)
+    assert {(r["kernel"], r["arch"], r["dtype"], r["size"]) for r in printed["rows"]} == {
+        (k, "gfx90a", "fp16", 2048) for k in aot.NORM_KERNELS}
+    assert all(r["registers"] > 0 and r["problems"] == [] for r in printed["rows"])
+    assert "## gfx90a (0 of 4 failing)" in markdown.read_text()
+
+
+def test_report_command_refuses_unknown_architectures():
+    with pytest.raises(SystemExit):
+        report.main(["--arch", "sm75"])
+
+
+@pytest.mark.slow
+def test_every_shipped_config_compiles_without_spills_on_every_architecture():
+    """The whole grid, compiled afresh here (TRILLION_AOT_CACHE, if set, is reused)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "trillion.kernels.report", "--format", "json"], capture_output=True,
+                            text=True, env=env, timeout=6 * 3600)
+    failing = [(r["arch"], r["kernel"], r["dtype"], r["size"], r["causal"], r["config"], r["problems"])
+               for r in json.loads(result.stdout)["rows"] if r["problems"]]
+    assert not failing and result.returncode == 0, failing
