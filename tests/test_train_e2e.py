@@ -1,7 +1,10 @@
 """`trillion train` as a user runs it: a subprocess on the embedded corpus."""
+import importlib.util
 import json
 import subprocess
 import sys
+
+import torch
 
 from trillion.trainer.config import load_config
 
@@ -22,10 +25,12 @@ def test_train_writes_a_run_directory_and_learns(tmp_path):
     assert [r["step"] for r in records] == [1, 4, 8, 12, 16, 20, 24]
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "hfu", "memory_gb", "data_wait_s"):
         assert key in records[-1]
-    assert records[-1]["mfu"] is None  # CPU: no known peak, so no made-up MFU
+    if not torch.cuda.is_available():
+        assert records[-1]["mfu"] is None  # CPU: no known peak, so no made-up MFU
     assert records[-1]["loss"] < records[0]["loss"] - 1.5, [r["loss"] for r in records]
 
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert checkpoints == ["step-00000024"]  # keep_latest=1 pruned step 20 once 24 was whole
     assert (out / "checkpoints" / "step-00000024" / "COMPLETE").is_file()
-    assert list((out / "wandb").glob("offline-run-*")), "an offline W&B run is written next to the metrics"
+    if importlib.util.find_spec("wandb") is not None:  # optional: machines without it train all the same
+        assert list((out / "wandb").glob("offline-run-*")), "an offline W&B run is written next to the metrics"
