@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from trillion.kernels.attention import SAVED_ATTENTION_OPS
 from trillion.parallel.modes import checkpoint_mode, checkpointed_blocks
 
 _aten = torch.ops.aten
@@ -31,6 +32,7 @@ _SAVE_OPS = {
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    *SAVED_ATTENTION_OPS,
 }
 
 
