@@ -7,14 +7,16 @@ norm kernels, and one-GPU training steps (tokens/s, TFLOP/s, MFU, HFU, peak memo
 
 Each figure is the median of repeated timed runs after warm-up, on fresh random inputs, timed
 with synchronized wall clocks; each result is checked for correctness before it is timed. A part
-that fails is recorded with its error and the rest goes on. The table is printed and written as
-Markdown and JSON (--out, default experiments/bench/results/).
+that fails is recorded with its error and the rest goes on. Each row is appended to a JSON-lines
+file and the Markdown table rewritten as soon as it is measured (--out, default
+experiments/bench/results/), so a run cut short keeps what it measured; the table is printed at the end.
 """
 import argparse
 import contextlib
 import datetime
 import importlib.util
 import json
+import math
 import os
 import sys
 import time
@@ -27,14 +29,18 @@ from experiments.bench.timing import median_seconds  # noqa: E402
 
 
 def bench_gemm(device, smoke: bool) -> list[dict]:
-    """bf16 GEMM ceiling (8192^3), checked against an fp32 product of the same operands."""
+    """bf16 GEMM ceiling (8192^3), the whole product checked against an fp32 product (TF32 off) of
+    the same operands; the timed runs multiply fresh operands of the same shape and dtype."""
     import torch
 
     n = 256 if smoke else 8192
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    reference = a[:64].float() @ b.float()
-    error = ((a[:64] @ b).float() - reference).abs().max().item() / reference.abs().max().item()
+    allow_tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    reference = a.float() @ b.float()
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    error = ((a @ b).float() - reference).abs().max().item() / reference.abs().max().item()
+    del reference
     if error > 2e-2:
         raise AssertionError(f"GEMM result is wrong: relative error {error:.3g}")
     seconds = median_seconds(lambda x, y: x @ y, device, warmup=3, repeats=10,
@@ -58,12 +64,17 @@ def bench_copy(device, smoke: bool) -> list[dict]:
              "gb_per_s": 2 * 4 * numel / seconds / 1e9}]
 
 
-def bench_kernels(device, smoke: bool) -> list[dict]:
-    """Attention and norm kernels: the rows of experiments/bench/attention.py."""
+def bench_kernels(device, smoke: bool, record) -> None:
+    """Attention and norm kernels: the rows of experiments/bench/attention.py, recorded as measured."""
     spec = importlib.util.spec_from_file_location("bench_attention", HERE / "attention.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return [{"part": "kernels", **row} for row in module.run(smoke=smoke)]
+
+    def kernel_row(row):
+        row["part"] = "kernels"
+        record(row)
+
+    module.run(smoke=smoke, on_row=kernel_row)
 
 
 STEP_CASES = [  # (model, attention, compile, activation checkpointing)
@@ -81,15 +92,29 @@ SMOKE_STEP_CASES = [("llama3-1b", "sdpa", False, "none"), ("llama3-1b", "triton"
                     ("gpt-1.4b", "sdpa", False, "full")]
 
 
-def bench_training_steps(device, smoke: bool, gemm_tflops: float | None) -> list[dict]:
-    rows = []
+def bench_training_steps(device, smoke: bool, gemm_tflops: float | None, record) -> None:
     for model_name, attention, compiled, checkpointing in (SMOKE_STEP_CASES if smoke else STEP_CASES):
         try:
-            rows.append(bench_one_step(device, smoke, model_name, attention, compiled, checkpointing, gemm_tflops))
+            row = bench_one_step(device, smoke, model_name, attention, compiled, checkpointing, gemm_tflops)
         except Exception as error:  # one failing case must not hide the others
-            rows.append({"part": "step", "name": f"{model_name} {attention} compile={compiled} ac={checkpointing}",
-                         "error": f"{type(error).__name__}: {error}"})
-    return rows
+            row = {"part": "step", "name": f"{model_name} {attention} compile={compiled} ac={checkpointing}",
+                   "error": f"{type(error).__name__}: {error}"[:300]}
+        finally:
+            _release(device)
+        record(row)
+
+
+def _release(device) -> None:
+    """Frees the last case's model, optimizer and compiled graphs (reference cycles through the
+    checkpoint closures and compile keep blocks alive), so the next case starts from an empty device."""
+    import gc
+
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing, gemm_tflops) -> dict:
@@ -114,6 +139,9 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
     config = load_config(None, [f"--model.name={model_name}", f"--kernels.attention={attention}",
                                 f"--training.seq_len={seq_len}", *(shrink if smoke else [])])
     args = build_model_args(config, tokenizer_vocab=0)
+    start_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     with torch.device("meta"):
         model = Transformer(args)
     apply_activation_checkpointing(model, checkpointing)
@@ -131,20 +159,21 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
         return ([(tokens[:, :-1], tokens[:, 1:])],)
 
     runner = MicroBatchLoop(model)
-    losses = [train_step(runner, *fresh(), optimizer, scaler, autocast, 1.0)[0].item() for _ in range(3)]
-    if not all(map(lambda x: x == x and x < 20, losses)):  # finite and sane (ln(vocab) is about 11.8)
-        raise AssertionError(f"training step produced losses {losses}")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    # The check: four steps on one batch give finite losses that fall (the model starts to learn it).
+    (batch_once,) = fresh()
+    losses = [train_step(runner, batch_once, optimizer, scaler, autocast, 1.0)[0].item() for _ in range(4)]
+    if not all(map(math.isfinite, losses)) or not losses[-1] < losses[0]:
+        raise AssertionError(f"four training steps on one batch gave losses {losses}, not finite and falling")
     seconds = median_seconds(lambda mb: train_step(runner, mb, optimizer, scaler, autocast, 1.0), device,
                              warmup=2, repeats=3 if smoke else 10, fresh_inputs=fresh)
     tokens_per_s = batch * seq_len / seconds
     tflops = tokens_per_s * model_flops_per_token(args, seq_len) / 1e12
     hardware = tokens_per_s * hardware_flops_per_token(args, seq_len, recompute_fraction(checkpointing, args.n_layers)) / 1e12
     spec = lookup_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    peak = (torch.cuda.max_memory_allocated(device) - start_bytes) / 1e9 if device.type == "cuda" else None
     row = {"part": "step", "name": f"{model_name} {attention} compile={compiled} ac={checkpointing}",
-           "seconds": seconds, "tokens_per_s": tokens_per_s, "tflops": tflops,
-           "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None}
+           "seconds": seconds, "tokens_per_s": tokens_per_s, "tflops": tflops, "peak_memory_gb": peak,
+           "losses": ", ".join(f"{x:.3f}" for x in losses)}
     if spec is not None:
         row.update(mfu=tflops / spec.peak_tflops_bf16, hfu=hardware / spec.peak_tflops_bf16)
     if gemm_tflops:
@@ -165,7 +194,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="CPU-sized inputs (seconds); Triton under its interpreter")
     parser.add_argument("--only", default="gemm,copy,kernels,step", help="comma-separated parts")
-    parser.add_argument("--out", default=str(HERE / "results"), help="folder for the .md and .json files")
+    parser.add_argument("--out", default=str(HERE / "results"), help="folder for the .md and .jsonl files")
     opts = parser.parse_args(argv)
     if opts.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton module is imported
@@ -174,29 +203,39 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not opts.smoke else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     parts = opts.only.split(",")
-    rows, gemm_tflops = [], None
-    for part, fn in (("gemm", bench_gemm), ("copy", bench_copy), ("kernels", bench_kernels)):
-        if part in parts:
-            try:
-                new = fn(device, opts.smoke)
-            except Exception as error:
-                traceback.print_exc()
-                new = [{"part": part, "name": part, "error": f"{type(error).__name__}: {error}"}]
-            rows += new
-            gemm_tflops = gemm_tflops or next((r["tflops"] for r in new if r["part"] == "ceiling" and "tflops" in r), None)
-            print(f"[{time.strftime('%H:%M:%S')}] {part} done", file=sys.stderr, flush=True)
-    if "step" in parts:
-        rows += bench_training_steps(device, opts.smoke, gemm_tflops)
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    header = f"## {stamp}, {name}, torch {torch.__version__}{' (smoke mode)' if opts.smoke else ''}"
-    table = markdown(rows, header)
-    print(table)
+    stamp = datetime.datetime.now()
+    header = f"## {stamp:%Y-%m-%d %H:%M}, {name}, torch {torch.__version__}{' (smoke mode)' if opts.smoke else ''}"
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = out / f"run_all-{'smoke-' if opts.smoke else ''}{datetime.datetime.now():%Y%m%d-%H%M%S}"
+    base = out / f"run_all-{'smoke-' if opts.smoke else ''}{stamp:%Y%m%d-%H%M%S}"
+    rows = []
+
+    def record(row: dict) -> None:
+        """Keeps a measured row on disk at once: one JSON line, and the Markdown table so far."""
+        rows.append(row)
+        with base.with_suffix(".jsonl").open("a") as f:
+            f.write(json.dumps({"device": name, "torch": torch.__version__, "smoke": opts.smoke, **row}) + "\n")
+        base.with_suffix(".md").write_text(markdown(rows, header))
+        print(f"[{time.strftime('%H:%M:%S')}] {row['part']} {row['name']}: {row.get('error', 'ok')}",
+              file=sys.stderr, flush=True)
+
+    for part, fn in (("gemm", bench_gemm), ("copy", bench_copy), ("kernels", None)):
+        if part in parts:
+            try:
+                if fn is None:
+                    bench_kernels(device, opts.smoke, record)
+                else:
+                    for row in fn(device, opts.smoke):
+                        record(row)
+            except Exception as error:
+                traceback.print_exc()
+                record({"part": part, "name": part, "error": f"{type(error).__name__}: {error}"[:300]})
+    gemm_tflops = next((r["tflops"] for r in rows if r["part"] == "ceiling" and "tflops" in r), None)
+    if "step" in parts:
+        bench_training_steps(device, opts.smoke, gemm_tflops, record)
+    table = markdown(rows, header)  # again: the kernel rows' speed-ups are known only at the end
     base.with_suffix(".md").write_text(table)
-    base.with_suffix(".json").write_text(json.dumps({"device": name, "torch": torch.__version__, "smoke": opts.smoke,
-                                                     "rows": rows}, indent=1))
+    print(table)
     return 0
 
 

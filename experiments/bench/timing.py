@@ -1,5 +1,7 @@
 """The one timing rule of the benchmarks: the median of repeated runs after warm-up, each run
-bracketed by device synchronization, optionally on fresh inputs each time."""
+bracketed by device synchronization, optionally on fresh inputs each time. Kernels shorter than the
+host's launch and synchronization overhead (tens of microseconds) are run `calls` times per
+synchronized run and the time divided by `calls`."""
 import statistics
 import time
 
@@ -11,7 +13,7 @@ def synchronize(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn, device, *, warmup: int, repeats: int, fresh_inputs=None) -> float:
+def median_seconds(fn, device, *, warmup: int, repeats: int, fresh_inputs=None, calls: int = 1) -> float:
     """Median wall time of fn(*inputs); `fresh_inputs()` makes new inputs for every run when given."""
     inputs = fresh_inputs() if fresh_inputs else ()
     for _ in range(warmup):
@@ -21,7 +23,8 @@ def median_seconds(fn, device, *, warmup: int, repeats: int, fresh_inputs=None) 
         inputs = fresh_inputs() if fresh_inputs else inputs
         synchronize(device)
         start = time.perf_counter()
-        fn(*inputs)
+        for _ in range(calls):
+            fn(*inputs)
         synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / calls)
     return statistics.median(times)

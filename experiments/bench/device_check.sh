@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# One device check on one GPU, under 8 minutes on an H100/H200, installing nothing from a registry:
+# the GPU test tier, the benchmarks and the planner's calibration, each part its own process with
+# its own time limit (a GPU fault poisons only its own CUDA context, a timeout loses only its part),
+# every result row on disk as soon as it is measured, a short summary at the end.
+#
+#   bash experiments/bench/device_check.sh [RESULTS_DIR]     # default experiments/bench/results/device-<time>
+#   bash experiments/bench/device_check.sh --smoke [DIR]     # CPU, tiny sizes, seconds: the test of this script
+#
+# Part limits (seconds) can be changed through the environment: LIMIT_TESTS, LIMIT_CEILING,
+# LIMIT_KERNELS, LIMIT_STEPS, LIMIT_CALIBRATE, LIMIT_AOT. The machine's own torch and triton are used
+# (the package is installed with --no-deps --no-build-isolation into a virtual environment that sees
+# them); wandb and datasets are optional.
+set -u
+SMOKE=0
+if [ "${1:-}" = "--smoke" ]; then SMOKE=1; shift; fi
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+OUT="${1:-$ROOT/experiments/bench/results/device-$(date +%Y%m%d-%H%M%S)}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+SUMMARY="$OUT/summary.tsv"
+: > "$SUMMARY"
+PY="${PYTHON:-python3}"
+
+# part NAME LIMIT COMMAND...: runs one part in its own process group, output in NAME.log, status in summary.tsv.
+part() {
+    local name="$1" limit="$2"
+    shift 2
+    local start=$SECONDS
+    (cd "$ROOT" && timeout --kill-after=10 "$limit" "$@") > "$OUT/$name.log" 2>&1
+    local status=$?
+    local verdict=ok
+    if [ $status -eq 124 ] || [ $status -eq 137 ]; then verdict="timeout after ${limit}s"; elif [ $status -ne 0 ]; then verdict="exit $status"; fi
+    printf '%s\t%s\t%ss\n' "$name" "$verdict" "$((SECONDS - start))" | tee -a "$SUMMARY"
+}
+
+# The environment, before anything can fail.
+{
+    date -u +%Y-%m-%dT%H:%M:%SZ
+    uname -a
+    command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    command -v rocm-smi > /dev/null && rocm-smi --showproductname
+    "$PY" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'hip', torch.version.hip, 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)"
+    "$PY" -c "import triton; print('triton', triton.__version__)"
+    for m in wandb datasets transformers; do "$PY" -c "import $m; print('$m', $m.__version__)" 2>/dev/null || echo "$m absent"; done
+} > "$OUT/env.txt" 2>&1
+
+# The package: an editable install into a virtual environment that sees the machine's torch, triton,
+# pip and setuptools (none of its own: a venv's seeded setuptools may be too old to build editables).
+VENV="$OUT/venv"
+part install 120 bash -c "'$PY' -m venv --system-site-packages --without-pip '$VENV' && '$VENV/bin/python' -m pip install -q --no-deps --no-build-isolation --no-index -e '$ROOT' && '$VENV/bin/python' -c 'import trillion.kernels, trillion.trainer.train'"
+PY="$VENV/bin/python"
+export TRILLION_AOT_CACHE="$OUT/aot-cache" WANDB_MODE=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+
+if [ $SMOKE -eq 1 ]; then
+    # CPU: the interpreter runs the kernels; the GPU tier must skip itself, not fail.
+    export TRITON_INTERPRET=1
+    part gpu_tests 300 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+    part bench_ceiling 120 "$PY" experiments/bench/run_all.py --smoke --only gemm,copy --out "$OUT/bench"
+else
+    ARCH="$("$PY" -c "from trillion.kernels._triton_setup import device_arch; print(device_arch('cuda'))" 2>/dev/null)"
+    part gpu_tests "${LIMIT_TESTS:-170}" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider 
+    part bench_ceiling "${LIMIT_CEILING:-40}" "$PY" experiments/bench/run_all.py --only gemm,copy --out "$OUT/bench"
+    part bench_kernels "${LIMIT_KERNELS:-90}" "$PY" experiments/bench/run_all.py --only kernels --out "$OUT/bench"
+    part bench_steps "${LIMIT_STEPS:-120}" "$PY" experiments/bench/run_all.py --only step --out "$OUT/bench"
+    part calibrate "${LIMIT_CALIBRATE:-45}" "$VENV/bin/trillion" plan --calibrate --calibrate-out "$OUT/calibrated.toml"
+    [ -n "$ARCH" ] && part aot_report "${LIMIT_AOT:-60}" "$PY" -m trillion.kernels.report --arch "$ARCH" --kernels attention \
+        --dtype bf16 --json "$OUT/aot_report.json"
+fi
+
+# The section for experiments/bench/RESULTS.md: parts and every measured table (appended there on a GPU).
+{
+    echo "## $(date -u +%Y-%m-%d): device check, $(grep -m1 '^python' "$OUT/env.txt")"
+    echo
+    echo "\`bash experiments/bench/device_check.sh\`; $(grep -m1 '^triton' "$OUT/env.txt"). Parts (limit, status, seconds):"
+    echo
+    echo "| part | status | seconds |"
+    echo "|---|---|---|"
+    sed 's/\t/ | /g; s/^/| /; s/$/ |/' "$SUMMARY"
+    echo
+    echo "pytest -m gpu: $(tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null)"
+    for table in "$OUT"/bench/*.md; do [ -f "$table" ] && { echo; tail -n +3 "$table"; }; done
+} > "$OUT/RESULTS-section.md"
+[ $SMOKE -eq 0 ] && { echo; cat "$OUT/RESULTS-section.md"; } >> "$ROOT/experiments/bench/RESULTS.md"
+
+# The short summary: parts, then the measured rows with an error, then where everything is.
+echo "== device check: $OUT"
+column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
+grep -h '"error"' "$OUT"/bench/*.jsonl 2>/dev/null | cut -c1-300 | head -20
+tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null
+echo "rows: $(cat "$OUT"/bench/*.jsonl 2>/dev/null | wc -l) in $OUT/bench/*.jsonl; logs: $OUT/*.log"
+! grep -qv $'\tok\t' "$SUMMARY"
