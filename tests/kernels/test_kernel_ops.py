@@ -110,3 +110,31 @@ def test_dtensor_sequence_sharded_norms_run_on_the_local_shard(fake_mesh_of_two)
         for dp, p in zip(dparams, plain[1:]):
             assert dp.grad.placements == (Partial(),)
             torch.testing.assert_close(dp.grad.to_local(), p.grad)
+
+
+@pytest.mark.parametrize("mode, runs_per_block", [("selective:op", 1), ("full", 2)])
+def test_op_level_checkpointing_keeps_our_attention(mode, runs_per_block):
+    """selective:op saves the Triton attention's outputs like SDPA's: its forward runs once per
+    block (the HFU accounting assumes so); full checkpointing, the control, runs it again in backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.calls += func is torch.ops.trillion.flash_attn_fwd.default
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({str(i): _TinyBlock() for i in range(2)})
+    apply_activation_checkpointing(model, mode)
+    x = torch.randn(1, 24, 64, requires_grad=True)
+    with Count():
+        h = x
+        for block in model.layers.values():
+            h = block(h)
+        h.square().sum().backward()
+    assert Count.calls == 2 * runs_per_block
