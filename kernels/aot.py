@@ -101,7 +101,7 @@ def _launch(case: Case):
         lse, delta = (torch.empty(BATCH, Q_HEADS, SEQ, device="meta") for _ in range(2))
         grads = (layout(KV_HEADS), layout(KV_HEADS)) if case.kernel == "dkdv" else (dq,)
         args, meta = kernel_args(case.kernel, q, k, v, out, lse, bool(case.causal), case.size ** -0.5,
-                                    grad_out=grad_out, delta=delta, grads=grads)
+                                 grad_out=grad_out, delta=delta, grads=grads)
         return kernel_fn(case.kernel), args, {**meta, **config}, options
     kind, direction = case.kernel.split("_")
     x = torch.empty(NORM_ROWS, case.size, device="meta", dtype=dtype)
@@ -114,7 +114,6 @@ def _launch(case: Case):
                                   rows_per_program=NORM_ROWS // 64)
     options["num_warps"] = meta.pop("num_warps")
     return getattr(norm.kernel_module(), f"norm_{direction}"), args, meta, options
-
 
 
 def specialize(fn, args, constexprs) -> tuple[dict, dict, dict]:
@@ -222,7 +221,8 @@ def _read_amdgcn(asm: str) -> dict:
         return int(found.group(1)) if found else 0
 
     occupancy = re.search(r"; Occupancy: (\d+)", asm)
-    return {"registers": number("vgpr_count"), "agprs": number("agpr_count"), "sgprs": number("sgpr_count"),
+    # On CDNA .vgpr_count counts the accumulation registers (AGPRs) too: one file of 512 per lane.
+    return {"registers": number("vgpr_count"), "sgprs": number("sgpr_count"),
             "spill_bytes": 4 * (number("vgpr_spill_count") + number("sgpr_spill_count")),
             "vgpr_spills": number("vgpr_spill_count"), "scratch_bytes": number("private_segment_fixed_size"),
             "occupancy": int(occupancy.group(1)) if occupancy else None}
@@ -252,12 +252,17 @@ def problems(case: Case, result: dict) -> list[str]:
     return found
 
 
+# What a report row holds besides the case and its problems.
+REPORTED = ("registers", "sgprs", "spill_bytes", "vgpr_spills", "scratch_bytes", "shared", "occupancy",
+            "matrix_instructions", "matrix_count", "error", "key", "compile_s")
+
+
 def run(selected: list[Case], use_cache: bool = True, progress=None) -> list[dict]:
     rows = []
     for number, case in enumerate(selected, 1):
         result = compile_case(case, use_cache)
-        rows.append({**dataclasses.asdict(case), "config": dict(case.config), **result,
-                     "problems": problems(case, result)})
+        rows.append({**dataclasses.asdict(case), "config": dict(case.config),
+                     **{k: result[k] for k in REPORTED if k in result}, "problems": problems(case, result)})
         if progress:
             progress(f"[{number}/{len(selected)}] {case.arch} {case.kernel} {case.dtype} {case.size} "
                      f"causal={case.causal} {case.label}: {'; '.join(rows[-1]['problems']) or 'ok'}")

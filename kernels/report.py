@@ -92,8 +92,9 @@ def markdown(rows: list[dict], searches: list[dict], command: str, wide_norms: l
         lines += [f"## {arch} ({sum(bool(r['problems']) for r in mine)} of {len(mine)} failing)", "", *_table(mine), ""]
     if wide_norms:
         lines += [f"## Norm backward beyond {norm.MAX_FUSED_DIM} columns (not launched: torch's kernels take these rows)",
-                  "", "The backward holds a row of x, dy and the dw/db partial sums in registers; no warp count",
-                  "fits these widths without spilling, hence `MAX_FUSED_DIM` in kernels/norm.py.", "",
+                  "", "Compiled at the tile the trainer would launch (one row per program, 16 warps). The backward",
+                  "holds a row of x, dy and the dw/db partial sums in registers: where these rows spill, the",
+                  "fused kernels stop, at `MAX_FUSED_DIM` in kernels/norm.py.", "",
                   *_table(wide_norms), ""]
     for found in searches:
         lines += [f"## Search: {found['spec']} (bf16, causal), {len(found['spill_free'])} of {len(found['rows'])} pass",

@@ -50,3 +50,22 @@ def test_data_loader_smoke():
     assert [(r[0].strip(), r[1].strip()) for r in loaders] == [(k, d) for k in ("prepared", "on-the-fly") for d in ("1", "8", "64")]
     assert all(float(r[-1].replace(",", "")) > 0 for r in prepare + loaders)
     assert "one H100 consumes" in result.stdout
+
+
+def test_device_check_smoke_runs_each_part_and_keeps_its_results(tmp_path):
+    """The GPU device check's CPU mode: installs the package into a virtual environment from the
+    checkout alone (no registry), runs the GPU tier (which skips itself without a GPU) and the
+    ceiling benchmark as separate processes, and writes the parts, rows and RESULTS section."""
+    import json
+
+    result = subprocess.run(["bash", str(ROOT / "experiments/bench/device_check.sh"), "--smoke", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    parts = dict(line.split("\t")[:2] for line in (tmp_path / "summary.tsv").read_text().splitlines())
+    assert parts == {"install": "ok", "gpu_tests": "ok", "bench_ceiling": "ok"}
+    assert "skipped" in (tmp_path / "gpu_tests.log").read_text()
+    rows = [json.loads(line) for line in next((tmp_path / "bench").glob("*.jsonl")).read_text().splitlines()]
+    assert {row["name"].split()[0] for row in rows} == {"gemm", "copy"} and not any("error" in r for r in rows)
+    section = (tmp_path / "RESULTS-section.md").read_text()
+    assert "| install | ok |" in section and "| ceiling | gemm" in section
+    assert len(result.stdout.splitlines()) < 40  # the summary stays short: only the output's tail comes back

@@ -93,8 +93,8 @@ def test_resources_are_read_from_ptxas_and_amdgpu_output():
            "    .sgpr_spill_count: 0\n    .private_segment_fixed_size: 292\n    .vgpr_count:     256\n"
            "    .vgpr_spill_count: 102\n")
     read = aot._read_amdgcn(asm)
-    assert (read["registers"], read["agprs"], read["vgpr_spills"], read["scratch_bytes"], read["occupancy"]) == (
-        256, 4, 102, 292, 2)
+    assert (read["registers"], read["sgprs"], read["vgpr_spills"], read["scratch_bytes"], read["occupancy"]) == (
+        256, 105, 102, 292, 2)
 
 
 def test_gates_fail_spills_scratch_shared_memory_and_scalar_fallbacks():
