@@ -111,7 +111,7 @@ def _launch(case: Case):
     part = torch.empty(64, case.size, device="meta")
     args, meta = norm.kernel_args(direction, x, w, bias, torch.empty_like(x), stats, stats, 1e-5, kind == "rms",
                                   grad=torch.empty_like(x), dw_part=part, db_part=part if bias is not None else None,
-                                  rows_per_program=NORM_ROWS // 64)
+                                  rows_per_program=NORM_ROWS // 64, interpreter=False)
     options["num_warps"] = meta.pop("num_warps")
     return getattr(norm.kernel_module(), f"norm_{direction}"), args, meta, options
 

@@ -40,11 +40,11 @@ def kernel_module():
     return _norm_kernels
 
 
-def _tile(n_rows: int, n_cols: int) -> tuple[int, int, int]:
+def _tile(n_rows: int, n_cols: int, interpreter: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps): a whole row per tile, and rows stacked up to a tile of 4096
     elements on GPUs (16384 in the interpreter, whose cost is per operation, not per element)."""
     block_n = next_power_of_2(n_cols)
-    tile = 16384 if interpreting() else 4096
+    tile = 16384 if interpreter else 4096
     block_m = max(1, min(tile // block_n, next_power_of_2(n_rows)))
     return block_m, block_n, min(16, max(1, block_m * block_n // 512))
 
@@ -60,12 +60,13 @@ def _device_context(t: torch.Tensor):
 
 
 def kernel_args(kernel: str, x2, weight, bias, out, mean, rstd, eps: float, rms: bool, *, grad=None, dw_part=None,
-                db_part=None, rows_per_program: int = 0) -> tuple[tuple, dict]:
+                db_part=None, rows_per_program: int = 0, interpreter: bool | None = None) -> tuple[tuple, dict]:
     """(positional arguments, constexprs) of one launch of `kernel` ("fwd" or "bwd") on rows x2; for
     "bwd", `out` is dx, `grad` dy, and `bias` only says whether there is one. The launchers below and the ahead-of-time report
-    (kernels/report.py) both build their launches here, so the report compiles what runs."""
+    (kernels/report.py) both build their launches here, so the report compiles what runs. The tile
+    is the interpreter's when `interpreter` (default: whether Triton interprets here), else a GPU's."""
     rows, n = x2.shape
-    block_m, block_n, warps = _tile(rows, n)
+    block_m, block_n, warps = _tile(rows, n, interpreting() if interpreter is None else interpreter)
     meta = dict(IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m,
                 BLOCK_N=block_n, num_warps=warps)
     if kernel == "fwd":
@@ -92,7 +93,7 @@ def _backward(grad_y, x, weight, mean, rstd, has_bias: bool, rms: bool):
     x2, dy2 = _rows(x), _rows(grad_y)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows = x2.shape[0]
-    block_m = _tile(rows, n)[0]
+    block_m = _tile(rows, n, interpreting())[0]
     # Enough programs to fill the GPU, each with a run of whole tiles; fewer partial sums to add.
     programs = triton.cdiv(rows, block_m)
     if x.is_cuda:

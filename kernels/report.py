@@ -19,6 +19,7 @@ import argparse
 import datetime
 import itertools
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -55,14 +56,20 @@ def _cell(row: dict, key: str) -> str:
     return "-" if value is None else str(value)
 
 
+def _short(instruction: str) -> str:
+    """mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 -> mma.m16n8k16; AMD names stay whole."""
+    parts = instruction.split(".")
+    shape = [p for p in parts if re.fullmatch(r"m\d+n\d+k\d+", p)]
+    return ".".join(parts[:1] + shape)
+
+
 def _table(rows: list[dict]) -> list[str]:
     lines = ["| kernel | dtype | size | causal | config | regs | spill B | scratch B | shared B | occupancy | matrix instr. | gate |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         config = " ".join(f"{k.replace('matrix_instr_nonkdim', 'nonkdim')}={v}" for k, v in row["config"].items()) or "-"
         regs = _cell(row, "registers") + (f" (+{row['sgprs']} s)" if row.get("sgprs") else "")
-        instructions = ", ".join(i.split(".")[0] + ("." + i.split(".")[-4] if i.count(".") > 4 else "")
-                                 for i in row.get("matrix_instructions", [])) or "none"
+        instructions = ", ".join(_short(i) for i in row.get("matrix_instructions", [])) or "none"
         lines.append(f"| {row['kernel']} | {row['dtype']} | {row['size']} | {_cell(row, 'causal')} | {config} | {regs} | "
                      f"{_cell(row, 'spill_bytes')} | {_cell(row, 'scratch_bytes')} | {_cell(row, 'shared')} | "
                      f"{_cell(row, 'occupancy')} | {instructions} | {'; '.join(row['problems']) or 'ok'} |")
