@@ -136,3 +136,14 @@ def test_every_shipped_config_compiles_without_spills_on_every_architecture():
     failing = [(r["arch"], r["kernel"], r["dtype"], r["size"], r["causal"], r["config"], r["problems"])
                for r in json.loads(result.stdout)["rows"] if r["problems"]]
     assert not failing and result.returncode == 0, failing
+
+
+def test_search_covers_tiles_warps_stages_and_amd_occupancy():
+    nvidia, amd = report.search_cases("dkdv:sm90:128"), report.search_cases("fwd:gfx942:128")
+    assert len(nvidia) == len(report.SEARCH_BLOCKS) * len(report.SEARCH_WARPS) * 2
+    assert len(amd) == len(nvidia) * len(report.SEARCH_WAVES)
+    assert {(c.kernel, c.arch, c.dtype, c.size, c.causal) for c in nvidia} == {("dkdv", "sm90", "bf16", 128, True)}
+    assert all({"waves_per_eu", "matrix_instr_nonkdim"} <= dict(c.config).keys() for c in amd)
+    shipped = {c.config for c in aot.cases(["gfx942"], head_dims=(128,), dtypes=("bf16",), norms=False)
+               if c.kernel == "fwd"}
+    assert shipped <= {c.config for c in amd}  # the search spans the shipped forward configs
