@@ -2,12 +2,17 @@
 launches; torchrun's agent already ends the others); ranks started with different settings stop,
 naming them."""
 import random
+import socket
 import subprocess
 import sys
 import time
 
+import pytest
+
 from fault_record import report
 from test_launch import TINY, clean_env
+from trillion.errors import RunAborted
+from trillion.trainer import rendezvous
 
 
 def srun(per_rank_args: list[list[str]], tmp_path, **env):
@@ -45,3 +50,11 @@ def test_ranks_with_different_settings_name_them(tmp_path):
     codes, errs, _ = srun([["--training.steps=4"], ["--training.steps=5"]], tmp_path, SLURM_STEP_TASKS_PER_NODE="2")
     assert codes == [2, 2], errs
     assert all("training.steps differ" in err and "Traceback" not in err for err in errs)
+
+
+def test_a_taken_rendezvous_port_is_one_paragraph():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(RunAborted, match="cannot host the rendezvous .* set MASTER_PORT to a free one"):
+            rendezvous.join(0, 2, "127.0.0.1", taken.getsockname()[1], timeout_s=5)

@@ -31,8 +31,13 @@ def join(rank: int, world_size: int, addr: str, port: int, timeout_s: float):
     """Check in at the rendezvous; returns the store for init_process_group once all ranks have, or
     raises the error another rank posted (ConfigError for a setting, RunAborted otherwise)."""
     global _store
-    _store = dist.TCPStore(addr, port, world_size=None, is_master=rank == 0,
-                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    try:
+        _store = dist.TCPStore(addr, port, world_size=None, is_master=rank == 0,
+                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    except (RuntimeError, OSError) as error:  # rank 0 never came up, or its port is taken
+        raise RunAborted(f"Rank {rank} of {world_size}: cannot {'host' if rank == 0 else 'reach'} the rendezvous at "
+                         f"{addr}:{port} ({str(error).splitlines()[0]}). Rank 0's log says why it did not start; if the "
+                         "port is taken by another job on the node, set MASTER_PORT to a free one.") from None
     _store.add(ARRIVED, 1)
     deadline = time.monotonic() + timeout_s
     while True:
