@@ -1,7 +1,8 @@
 """Parity harness: train a small model for a few steps under a parallel layout and compare every
 loss, gradient norm, gradient (full_tensor) and initial weight with one process, same seed, fp32.
 
-A case is a dict: family (llama | gpt), dp_replicate, dp_shard, cp, tp, mode (zero1/2/3), ac, compile;
+A case is a dict: family (llama | gpt), dp_replicate, dp_shard, cp, tp, mode (zero1/2/3), ac, compile,
+attention (kernels.attention backend; the reference runs sdpa);
 `differs: True` expects the case NOT to match (a broken layout the comparison must catch).
 `check_cases` runs on every rank of a gloo group; rank 0 also runs the one-process reference (once
 per family, plain: no AC, no compile) and compares.
@@ -47,7 +48,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def train_case(case: dict, world_size: int) -> dict:
     """Run the case on all ranks of the current group (or alone when world_size is 1)."""
-    args = FAMILIES[case["family"]]
+    args = dataclasses.replace(FAMILIES[case["family"]], attention_impl=case.get("attention", "sdpa"))
     dims = ParallelDims(dp_replicate=case.get("dp_replicate", 1), dp_shard=case.get("dp_shard", -1),
                         cp=case.get("cp", 1), tp=case.get("tp", 1), world_size=world_size)
     dims.validate(args, SEQ_LEN)

@@ -75,3 +75,9 @@ def test_cp2_with_hsdp_and_zero_modes():
               "mode": "zero2"},
              {"name": "gpt-cp2xfsdp2-zero1", "family": "gpt", "cp": 2, "dp_shard": 2, "mode": "zero1"}]
     run_ranks(check_cases, 4, cases)
+
+
+@pytest.mark.slow  # the Triton kernel under the interpreter
+def test_cp2_on_the_triton_kernel():
+    run_ranks(check_cases, 2, [{"name": "llama-cp2-triton", "family": "llama", "cp": 2, "attention": "triton"},
+                               {"name": "gpt-cp2-triton", "family": "gpt", "cp": 2, "attention": "triton"}])
