@@ -10,7 +10,6 @@ from trillion.models.presets import get_preset
 from trillion.models.transformer import TransformerBlock, rope_cache
 from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, elementwise_per_token
 
-_aten = torch.ops.aten
 # GEMMs and attention are timed separately; views and allocations move no data
 _NOT_ELEMENTWISE = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
                     "_scaled_dot_product_flash_attention_for_cpu_backward", "view", "_unsafe_view", "t", "transpose",
