@@ -68,7 +68,15 @@ def damaged_files(folder: Path, rank: int = 0, world: int = 1) -> list[str]:
     try:
         table = json.loads((folder / MANIFEST).read_text())
     except FileNotFoundError:
-        return [f"{MANIFEST} is missing"] if rank == 0 else []
+        # Every checkpoint published since checksums exist has its manifest before its COMPLETE
+        # marker, so a complete one without it was written by an earlier version: load it unverified
+        # (refusing would strand those runs), unless DCP's own index is gone too.
+        if rank == 0 and not (folder / ".metadata").is_file():
+            return [f"{MANIFEST} and .metadata are missing"]
+        if rank == 0:
+            log.warning("Checkpoint %s has no %s (written before checkpoints carried checksums): loading it unverified.",
+                        folder, MANIFEST)
+        return []
     except (OSError, ValueError) as error:
         return [f"{MANIFEST} is unreadable ({error})"] if rank == 0 else []
     problems = [".metadata is missing"] if rank == 0 and ".metadata" not in table else []

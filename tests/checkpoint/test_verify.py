@@ -74,3 +74,14 @@ def test_intact_checkpoint_verifies_and_shares_split_over_ranks(saved):
     assert {"__0_0.distcp", ".metadata", "config.toml"} <= set(manifest) and not list(folder.glob(".crc-*"))
     assert damaged_files(folder) == []
     assert damaged_files(folder, 0, 2) == [] and damaged_files(folder, 1, 2) == []
+
+
+def test_checkpoint_from_before_checksums_loads_unverified_with_a_warning(saved, tmp_path, caplog):
+    folder = tmp_path / "step-00000004"
+    shutil.copytree(saved / "checkpoints" / "step-00000004", folder)
+    (folder / MANIFEST).unlink()  # what an earlier version published
+    with caplog.at_level(logging.WARNING, logger="trillion"):
+        assert damaged_files(folder) == []
+    assert "loading it unverified" in caplog.text
+    (folder / ".metadata").unlink()  # without DCP's index nothing can load: damaged
+    assert damaged_files(folder) == [f"{MANIFEST} and .metadata are missing"]
