@@ -194,3 +194,12 @@ def recompute_fraction(name: str, n_layers: int) -> float:
     if checkpoint_mode(name).op_level:
         return 0.0
     return len(checkpointed_blocks(name, n_layers)) / n_layers
+
+
+def stages_recompute_fraction(name: str, blocks_per_stage: list[int]) -> float:
+    """recompute_fraction of a pipelined model: each stage module checkpoints its own blocks (every
+    second of a stage's, starting with its first, under selective), so one block per stage under
+    selective recomputes all of them, not half."""
+    if checkpoint_mode(name).op_level or not sum(blocks_per_stage):
+        return 0.0
+    return sum(len(checkpointed_blocks(name, blocks)) for blocks in blocks_per_stage) / sum(blocks_per_stage)

@@ -209,6 +209,7 @@ class Pipeline:
         self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp
         self.name, self.virtual, self.n_microbatches = name, v, n_microbatches
         ranges = split_units(len(model.layers), dims.pp * v, layers)
+        self.blocks_per_stage = [sum(1 for unit in r if 1 <= unit <= len(model.layers)) for r in ranges]  # all ranks'
         self.parts, self.stages = [], []
         for index in stage_indices(self.pp_rank, dims.pp, v, name):
             part = stage_module(model, ranges[index])

@@ -12,7 +12,7 @@ from trillion.models.flops import count_params, hardware_flops_per_token, model_
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.context_parallel import shard_batch
 from trillion.parallel.dims import ParallelDims
-from trillion.parallel.modes import recompute_fraction
+from trillion.parallel.modes import recompute_fraction, stages_recompute_fraction
 from trillion.parallel.forward_backward import MicroBatchLoop, target_tokens
 from trillion.parallel.pipeline import bubble_fraction
 from trillion.errors import RunAborted
@@ -119,9 +119,12 @@ def train(config: Config) -> dict:
     guard, stop = NonFiniteGuard(t.max_nonfinite_skips, counters), StopPolicy(t, counters.step, env.device, job_start)
 
     params = count_params(model_args)
+    mode = config.parallel.activation_checkpoint  # each pipeline stage checkpoints its own blocks
+    recompute = (recompute_fraction(mode, model_args.n_layers) if pipeline is None
+                 else stages_recompute_fraction(mode, pipeline.blocks_per_stage))
     meter = ThroughputMeter(
         model_flops_per_token(model_args, t.seq_len),
-        hardware_flops_per_token(model_args, t.seq_len, recompute_fraction(config.parallel.activation_checkpoint, model_args.n_layers)),
+        hardware_flops_per_token(model_args, t.seq_len, recompute),
         device_peak_flops(env.device, config.metrics.peak_tflops),
     )
     log.info("model %s: %.1fM parameters (%.1fM without embeddings), %s on %s, %d micro-batches per step",

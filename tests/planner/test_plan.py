@@ -130,3 +130,17 @@ def test_pipeline_bubble_is_p_minus_1_idle_slots_exactly(schedule, v):
     step = evaluate(request, Layout(4, p, 1, 2, "zero1", schedule, v, 1, m, "full")).step
     busy = step.compute + step.imbalance + step.tp_exposed  # m micro-batches of the slowest rank
     assert step.bubble / (step.bubble + busy) == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-9)
+
+
+def test_trainer_hfu_counts_the_recompute_each_stage_does():
+    """The trainer's HFU under pipelining: its stage split (embedding and output count as units: at
+    128 stages the first and last hold none, two middle ones two) recomputes the first block of
+    every stage under selective: 126 of 128 blocks, not the whole model's half."""
+    from trillion.parallel.modes import recompute_fraction, stages_recompute_fraction
+    from trillion.parallel.pipeline import split_units
+    n_layers = 128
+    blocks = [sum(1 for unit in r if 1 <= unit <= n_layers) for r in split_units(n_layers, 128)]
+    assert (blocks.count(0), blocks.count(2), sum(blocks)) == (2, 2, n_layers)
+    assert stages_recompute_fraction("selective", blocks) == 126 / 128
+    assert stages_recompute_fraction("selective", [n_layers]) == recompute_fraction("selective", n_layers) == 0.5
+    assert stages_recompute_fraction("selective:op", blocks) == 0.0
