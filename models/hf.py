@@ -118,3 +118,25 @@ def _gpt2_to_ours(state, args):
             out[f"layers.{i}.{ours}.bias"] = take(theirs + ".bias")
     out.update({k: v for k, v in state.items() if not k.endswith(GPT2_BUFFERS)})
     return out
+
+
+def args_from_hf_config(config: dict) -> ModelArgs:
+    """The ModelArgs of a transformers config.json (the inverse of hf_config), for a folder with no run config."""
+    if config.get("model_type") == "llama":
+        rope = config.get("rope_parameters") or {}
+        return ModelArgs(
+            n_layers=config["num_hidden_layers"], dim=config["hidden_size"], n_heads=config["num_attention_heads"],
+            n_kv_heads=config.get("num_key_value_heads"), ffn_dim=config["intermediate_size"],
+            vocab_size=config["vocab_size"], max_seq_len=config["max_position_embeddings"],
+            norm="rmsnorm", norm_eps=config["rms_norm_eps"], mlp="swiglu", positions="rope",
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)), bias=config.get("attention_bias", False),
+            tie_embeddings=config.get("tie_word_embeddings", False),
+        )
+    if config.get("model_type") == "gpt2":
+        return ModelArgs(
+            n_layers=config["n_layer"], dim=config["n_embd"], n_heads=config["n_head"], ffn_dim=config.get("n_inner"),
+            vocab_size=config["vocab_size"], max_seq_len=config["n_positions"], norm="layernorm",
+            norm_eps=config["layer_norm_epsilon"], mlp="gelu", positions="learned", bias=True,
+            tie_embeddings=config.get("tie_word_embeddings", False),
+        )
+    raise ValueError(f"model_type {config.get('model_type')!r}: only llama and gpt2 map onto this transformer")

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trillion.kernels import attention
 from trillion.models.args import ModelArgs
+from trillion.models.kv_cache import KVCache, LayerKV
 
 
 def build_norm(args: ModelArgs) -> nn.Module:
@@ -62,7 +63,7 @@ class Attention(nn.Module):
         # context parallelism (parallel/context_parallel.py) puts attention across sequence shards here
         self.attend = attention
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 instead of the head count: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -70,6 +71,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if cache is not None:  # generation: attend to the cached positions too (causal aligns lower right)
+            k, v = cache.append(k, v)
         out = self.attend(q, k, v, impl=self.impl, causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -98,8 +101,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = build_norm(args)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -125,17 +128,20 @@ class Transformer(nn.Module):
         else:
             self.rope = None
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
         """`positions` (seq,): the position of each token in its sequence, 0..seq-1 unless given; a
-        context-parallel rank, which holds chunks of every sequence, passes theirs."""
+        context-parallel rank, which holds chunks of every sequence, passes theirs. With a `cache`
+        (generation) the tokens continue the positions it holds and are added to it."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device)
+            start = cache.length if cache is not None else 0
+            positions = torch.arange(start, start + h.shape[1], device=h.device)
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)
         rope = self.rope[:, positions] if self.rope is not None else None
-        for layer in self.layers.values():
-            h = layer(h, rope)
+        for name, layer in self.layers.items():
+            h = layer(h, rope, cache=cache.layers[name]) if cache is not None else layer(h, rope)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

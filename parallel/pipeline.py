@@ -256,6 +256,19 @@ class Pipeline:
     def step(self, micro_batches, tokens: torch.Tensor) -> torch.Tensor:
         """Forward and backward of all micro-batches; returns the loss summed over them on every pp rank
         (before the data-parallel sum)."""
+        return self._run(self.schedule.step, micro_batches, tokens)
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches) -> torch.Tensor:
+        """Forward only, by torch's schedule.eval (no backward, receive buffers that need no gradient):
+        the summed token loss of the micro-batches on every pp rank (before the data-parallel sum).
+        The stages then drop what the forwards left (outputs kept for a backward, receive buffers)."""
+        loss = self._run(self.schedule.eval, micro_batches, torch.ones((), device=micro_batches[0][0].device))
+        for stage in self.stages:
+            stage.clear_runtime_states()
+        return loss
+
+    def _run(self, schedule_step, micro_batches, tokens: torch.Tensor) -> torch.Tensor:
         if len(micro_batches) != self.n_microbatches:
             raise ValueError(f"pipeline built for {self.n_microbatches} micro-batches, got {len(micro_batches)}")
         self.tokens = tokens
@@ -265,7 +278,7 @@ class Pipeline:
         first = self.pp_rank == 0
         with loss_context(self.dims.tp_enabled):  # the last stage's loss forward and backward
             # return_outputs=False: the last stage would otherwise keep every micro-batch's logits
-            self.schedule.step(*((inputs,) if first else ()), target=labels, losses=losses, return_outputs=False)
+            schedule_step(*((inputs,) if first else ()), target=labels, losses=losses, return_outputs=False)
         losses = [l.to_local() if isinstance(l, DTensor) else l for l in losses]
         loss = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=inputs.device)
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds it: the others add zero

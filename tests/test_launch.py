@@ -29,11 +29,11 @@ def test_srun_style_launch_trains_and_logs_from_one_rank(tmp_path):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     results = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [1, 2, 4]  # written once, by rank 0
+    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 4]  # written once, by rank 0 (the step-0 evaluation aside)
     run = offline_run(out)
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1, "only one rank writes the W&B run"
-    assert [row["loss"] for row in run["history"]] == [r["loss"] for r in records]
+    assert [row["loss"] for row in run["history"] if "loss" in row] == [r["loss"] for r in records]
     assert run["config"]["config"]["parallel"]["dp_shard"] == 2
 
 
@@ -66,7 +66,7 @@ def test_a_hung_rank_ends_the_job_with_the_step_and_rank(tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode != 0
     assert "Rank 0 of 2: a collective did not complete within job.collective_timeout_s=5 s in step 2" in result.stderr
-    assert (out / "metrics.jsonl").read_text().splitlines()[0].startswith('{"step": 1,')
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
     report("stalled rank (collective timeout)", next(line for line in result.stderr.splitlines() if "Rank 0 of 2" in line),
            None, None, None, "rank 1 of 2 sleeps 120 s in step 2, job.collective_timeout_s=5: every rank ends (exit 1) "
            "instead of hanging; the same command then resumes from the newest checkpoint, as in the SIGKILL rows")

@@ -15,7 +15,6 @@ from trillion.parallel.dims import ParallelDims
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
 from trillion.trainer.config import Config, Training, divisor_near, validate_config
-from trillion.trainer.evaluate import validate_eval
 from trillion.trainer.launch import LaunchEnv
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -69,7 +68,6 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
 
 def validate_training(config: Config, env: LaunchEnv) -> None:
     validate_config(config)  # a Config built in code has not been through load_config
-    validate_eval(config.eval)
     if env.world_size > 1 and config.training.dtype == "fp16":
         raise ConfigError("training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "
                           "decision is not agreed across ranks. Use --training.dtype=bf16 with parallel layouts.")

@@ -15,6 +15,7 @@ COMMANDS = {
     "tune": ("trillion.trainer.tools.tune", "measure the planner's best layouts: trillion tune --config FILE --nproc N --hardware H"),
     "estimate": ("trillion.trainer.tools.estimate_cli", "check a layout's memory per rank at full scale on one CPU: trillion estimate --config FILE --world-size N"),
     "export": ("trillion.trainer.export", "a checkpoint as a Hugging Face model: trillion export --checkpoint DIR --format hf OUT"),
+    "generate": ("trillion.trainer.generate", "continue a prompt: trillion generate --checkpoint RUN_DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K]"),
 }
 
 

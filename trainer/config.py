@@ -196,6 +196,16 @@ class Eval:
     name: str = doc("", "A separate evaluation set on the Hugging Face hub (needs a network), with data.config_name.", Text())
     split: str = doc("", "Split of eval.path or eval.name (empty: train for local files, validation for hub datasets).", Text())
 
+    def check_relations(self) -> None:
+        if self.path and self.name:
+            raise ConfigError(f"eval.path={self.path!r} and eval.name={self.name!r} both name an evaluation set; keep one.")
+        if self.interval and not self.steps:
+            raise ConfigError(f"eval.interval={self.interval} evaluates on eval.steps=0 batches; give --eval.steps=16 "
+                              "(or --eval.interval=0 to turn evaluation off).")
+        if self.interval and not (self.path or self.name or self.held_out):
+            raise ConfigError(f"eval.interval={self.interval} needs text to evaluate on: hold some documents out "
+                              "(--eval.held_out=0.01) or give a separate set (--eval.path=FILE), or set --eval.interval=0.")
+
 
 @dataclass
 class Config:

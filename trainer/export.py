@@ -15,6 +15,7 @@ from trillion.errors import ConfigError
 
 USAGE = "usage: trillion export --checkpoint DIR --format hf OUT"
 FORMATS = ("hf",)
+RUN_CONFIG = "trillion_config.toml"  # the run's config beside the weights: `trillion generate` reads its tokenizer
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -58,6 +59,7 @@ def export_hf(step: Path, out: Path) -> Path:
     save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
     hf_config(model.args).save_pretrained(str(out))
+    (out / RUN_CONFIG).write_text((step / CONFIG_FILE).read_text())
     return out / "model.safetensors"
 
 

@@ -181,10 +181,15 @@ class Progress:
 
 
 def _status(record: dict) -> str:
-    text = f"loss {record['loss']:.4f}  grad {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s"
+    """A training record, an evaluation record (step 0) or a training record with its evaluation."""
+    text = ""
+    if "loss" in record:
+        text = f"loss {record['loss']:.4f}  grad {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s"
     if record.get("mfu") is not None:
         text += f"  mfu {100 * record['mfu']:.1f}%"
-    return text
+    if "eval_loss" in record:
+        text += f"  eval {record['eval_loss']:.4f}"
+    return text.strip()
 
 
 def _duration(seconds: float) -> str:

@@ -21,6 +21,7 @@ from trillion.trainer.assemble import (batch_split, build_model, build_model_arg
 from trillion.trainer.checkpoint import CheckpointManager
 from trillion.trainer.config import Config, to_toml
 from trillion.trainer.data import build_data_loader, held_out_fraction
+from trillion.trainer.evaluate import build_evaluator
 from trillion.trainer.launch import check_same_config, init_launch_env
 from trillion.trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
@@ -80,6 +81,7 @@ def train(config: Config) -> dict:
                                global_batch_size=t.global_batch_size, micro_batch_size=micro_batch_size,
                                held_out=held_out_fraction(config.eval), dp_rank=dims.dp_rank, dp_size=dims.dp_size)
     first_batch = loader.next_batch()  # an empty or unreadable dataset fails here, before any model work
+    evaluator = build_evaluator(config, tokenizer, dims, micro_batch_size, env.device)  # and its evaluation set
 
     output_dir = Path(config.job.output_dir)
     if env.is_logging_rank:
@@ -139,6 +141,13 @@ def train(config: Config) -> dict:
 
     record, first_step, checkpoint_seconds = {}, counters.step + 1, 0.0
     batch = first_batch
+    if evaluator is not None and env.is_logging_rank:
+        evaluator.keep_best(output_dir, counters.step)
+    if evaluator is not None and counters.step == 0:  # as nanoGPT at iteration 0: the untrained model's eval loss
+        evaluation = {"step": 0, **evaluator.run(0, model, dims, autocast, pipeline), "time": time.time()}
+        if sink is not None:
+            sink.write(evaluation)
+            progress.update(0, evaluation)
     try:
         for step in range(first_step, t.steps + 1):
             data_start = time.perf_counter()
@@ -156,17 +165,19 @@ def train(config: Config) -> dict:
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             last = stop.should_stop(step)
-            if step % config.metrics.log_freq == 0 or step == first_step or last:
+            evaluate = evaluator is not None and evaluator.due(step, last)
+            if step % config.metrics.log_freq == 0 or step == first_step or last or evaluate:
                 loss_value, grad_value = loss.item(), grad_norm.item()  # host syncs beyond the guard's one
             end = time.perf_counter()
             tokens_per_device = sum(x.numel() for x, _ in batch) * dims.dp_size / env.world_size
             meter.add(tokens_per_device, end - step_start, step_start - data_start)
-            if step % config.metrics.log_freq == 0 or step == first_step or last:
+            evaluation = evaluator.run(step, model, dims, autocast, pipeline) if evaluate else {}
+            if step % config.metrics.log_freq == 0 or step == first_step or last or evaluate:
                 record = {"step": step, "loss": loss_value, "grad_norm": grad_value, "lr": lr, **meter.report(),
                           "memory_gb": peak_memory_gb(env.device), "time": time.time(),
                           "skipped_steps": counters.skipped_steps,
                           **{f"time_{phase}_s": seconds for phase, seconds in timer.seconds.items()},
-                          "time_checkpoint_s": checkpoint_seconds}
+                          "time_checkpoint_s": checkpoint_seconds, **evaluation}
                 checkpoint_seconds = 0.0
                 if sink is not None:
                     sink.write(record)

@@ -19,8 +19,9 @@ def run(out: Path, *extra: str, steps: int = 6) -> dict:
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
-    """(step, loss) of every record in metrics.jsonl, in file order."""
-    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    """(step, loss) of every training record in metrics.jsonl, in file order."""
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]
 
 
 def checkpoints(out: Path) -> list[str]:

@@ -19,7 +19,7 @@ def _run(out, launcher: list[str], extra: list[str]) -> list[dict]:
     result = subprocess.run([*launcher, "-m", "trillion", "train", f"--job.output_dir={out}", *SMALL, *extra],
                             capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
 @pytest.mark.slow  # about a minute on two cores: five interpreters start and import torch

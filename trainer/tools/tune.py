@@ -84,7 +84,7 @@ def run_trial(config_path: Path, layout: Layout, steps: int, nproc: int, run_dir
                "-m", "trillion", "train", "--config", str(config_path), *layout_overrides(layout),
                f"--training.steps={steps}", f"--metrics.log_freq={steps}", f"--job.output_dir={run_dir}",
                "--checkpoint.interval=0", "--checkpoint.save_final=false", "--logging.wandb=false",
-               "--logging.progress_bar=lines"]
+               "--logging.progress_bar=lines", "--eval.interval=0"]  # timed steps only: no evaluation
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
