@@ -63,26 +63,25 @@ def eval_documents(cfg: EvalConfig, data: DataConfig):
 
 
 def read_eval_windows(cfg: EvalConfig, data: DataConfig, tokenizer, seq_len: int, batch_size: int) -> torch.Tensor:
-    """The evaluation set: (eval.steps x batch_size, seq_len + 1) tokens, never a window twice."""
+    """The evaluation set: eval.steps batches of batch_size windows of seq_len + 1 tokens, or as many
+    whole batches as the set holds (never a window twice)."""
     if data.prepared and not (cfg.path or cfg.name):  # prepare-data kept the held-out documents beside each store
         from trillion.trainer.prepared_loader import read_held_out_windows
 
-        return read_held_out_windows(data, tokenizer, seq_len, cfg.steps * batch_size)
+        windows = read_held_out_windows(data, tokenizer, seq_len, cfg.steps * batch_size)
+        return windows[: len(windows) // batch_size * batch_size]
     documents, keep = eval_documents(cfg, data)
-    windows = PackedWindows(documents, tokenizer, seq_len + 1, keep=keep)
-    count = cfg.steps * batch_size
-    what = f"eval.path={cfg.path!r}" if cfg.path else f"eval.name={cfg.name!r}" if cfg.name else (
-        f"The held-out share (eval.held_out={cfg.held_out:g})")
-    fix = ("raise --eval.held_out" if not (cfg.path or cfg.name) else "give a larger set") + \
-        ", or lower --eval.steps / --eval.batch_size"
+    stream = PackedWindows(documents, tokenizer, seq_len + 1, keep=keep)
+    batches = []
     try:
-        tensor = windows.next_windows(count)
-    except ConfigError:
-        raise ConfigError(f"{what} holds no text to evaluate on; {fix}.") from None
-    if windows.epoch > 0:
-        raise ConfigError(f"{what} holds fewer than the {count} windows of {seq_len + 1} tokens that eval.steps="
-                          f"{cfg.steps} x {batch_size} sequences need; {fix}.")
-    return tensor
+        while len(batches) < cfg.steps:
+            batch = stream.next_windows(batch_size)
+            if stream.epoch > 0:  # the set ended inside this batch: it would repeat windows
+                break
+            batches.append(batch)
+    except ConfigError:  # the stream found no text at all
+        pass
+    return torch.cat(batches) if batches else torch.empty(0, seq_len + 1, dtype=torch.long)
 
 
 class Evaluator:
@@ -171,6 +170,17 @@ def build_evaluator(config, tokenizer, dims, micro_batch_size: int, device: torc
         return None
     batch_size = eval_batch_size(cfg, t.global_batch_size, dims.dp_size, micro_batch_size, dims.pp)
     windows = read_eval_windows(cfg, config.data, tokenizer, t.seq_len, batch_size)
-    log.info("evaluation every %d steps on %d held-out windows of %d tokens (%s)", cfg.interval, len(windows),
-             t.seq_len, cfg.path or cfg.name or f"eval.held_out={cfg.held_out:g} of the documents")
+    source = cfg.path or cfg.name or f"eval.held_out={cfg.held_out:g} of the documents"
+    batches = len(windows) // batch_size
+    if batches == 0:
+        message = (f"{source} holds less than one evaluation batch ({batch_size} windows of {t.seq_len + 1} tokens)"
+                   f"; {'raise --eval.held_out' if not (cfg.path or cfg.name) else 'give a larger set'} or lower "
+                   "--eval.batch_size")
+        if cfg.path or cfg.name:  # a set the user named must be usable
+            raise ConfigError(message + ".")
+        log.warning("%s: no evaluation in this run (--eval.interval=0 silences this).", message)
+        return None
+    if batches < cfg.steps:
+        log.info("the evaluation set holds %d of the eval.steps=%d batches: evaluating on those", batches, cfg.steps)
+    log.info("evaluation every %d steps on %d windows of %d tokens (%s)", cfg.interval, len(windows), t.seq_len, source)
     return Evaluator(windows, batch_size, micro_batch_size, dims.dp_rank, dims.dp_size, device, cfg.interval)

@@ -19,7 +19,8 @@ TINY = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_
 
 
 def losses(out) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r]  # the step-0 evaluation record has none
 
 
 def torchrun(out, store, *extra):
