@@ -102,7 +102,7 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, cache)
+        x = x + self.attention(self.attention_norm(x), rope, cache=cache)  # a keyword: TP plans list positional inputs
         return x + self.feed_forward(self.ffn_norm(x))
 
 
