@@ -1,6 +1,7 @@
-"""The held-out loss is the same in one process, at dp_shard 2 x tp 2 (loss parallel) and at pp 2 x dp_shard 2
-(torch's forward-only schedule): the trainer itself runs each layout on gloo, fp32, evaluating before the
-first step and after every step, and the pipeline's evaluations run no backward."""
+"""The held-out loss is the same in one process, at dp_shard 2 x tp 2 (loss parallel), at cp 2 x dp_shard 2
+(each rank a share of every sequence) and at pp 2 x dp_shard 2 (torch's forward-only schedule): the trainer
+itself runs each layout on gloo, fp32, evaluating before the first step and after every step, and the
+pipeline's evaluations run no backward."""
 import json
 import os
 import random
@@ -21,7 +22,8 @@ TINY = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_
         f"--training.steps={STEPS}", "--lr_schedule.warmup_steps=1", "--metrics.log_freq=1", "--eval.interval=1",
         f"--eval.steps={EVAL_BATCHES}", "--eval.held_out=0.25", "--checkpoint.interval=0",
         "--checkpoint.save_final=false", "--logging.wandb=false", "--logging.progress_bar=lines"]
-LAYOUTS = {"2d": ["--parallel.dp_shard=2", "--parallel.tp=2"], "pp": ["--parallel.pp=2", "--parallel.dp_shard=2"]}
+LAYOUTS = {"2d": ["--parallel.dp_shard=2", "--parallel.tp=2"], "pp": ["--parallel.pp=2", "--parallel.dp_shard=2"],
+           "cp": ["--parallel.cp=2", "--parallel.dp_shard=2"]}
 
 
 def _corpus(path: Path) -> Path:
@@ -71,12 +73,13 @@ def _forward_only_pipeline_evaluation() -> dict:
 def _layouts(rank, world_size, root, corpus):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     _run(root / "2d", corpus, *LAYOUTS["2d"])
+    _run(root / "cp", corpus, *LAYOUTS["cp"])
     seen = _forward_only_pipeline_evaluation()
     _run(root / "pp", corpus, *LAYOUTS["pp"])
     assert seen["evaluations"] == (STEPS + 1) * EVAL_BATCHES, seen
 
 
-def test_held_out_loss_is_the_same_under_fsdp_tp_and_pipelining(tmp_path):
+def test_held_out_loss_is_the_same_under_fsdp_tp_cp_and_pipelining(tmp_path):
     corpus = _corpus(tmp_path / "corpus.jsonl")
     alone = _run(tmp_path / "one", corpus)
     run_ranks(_layouts, 4, tmp_path, corpus)
