@@ -69,3 +69,14 @@ def test_default_corpus_split_is_seed_independent():
     first, second = held(0), held(1)
     assert first == second
     assert 0.003 < len(first) / len(default_corpus_files(0)) < 0.03
+
+
+def test_changing_the_split_refuses_to_resume(tmp_path):
+    from trillion.errors import ConfigError
+    from trillion.trainer.config import load_config
+    from trillion.trainer.resume_check import check_resume_config
+
+    saved = {"eval.held_out": 0.01, "eval.path": "", "eval.name": "", "eval.interval": 50}
+    check_resume_config({**saved, "eval.interval": 10}, load_config(), tmp_path)  # how often: no new run
+    with pytest.raises(ConfigError, match=r"eval.held_out was 0.02 there .* \(which documents training skips\)"):
+        check_resume_config({**saved, "eval.held_out": 0.02}, load_config(), tmp_path)

@@ -157,14 +157,14 @@ def generate(model, prompt: list[int], sampling: Sampling, *, vocab_size: int, s
     steps = min(sampling.max_new_tokens, model.args.max_seq_len - len(prompt))
     cache = KVCache(model.args, 1, len(prompt) + steps, device, model.output.weight.dtype)
     generator = torch.Generator(device).manual_seed(sampling.seed)
-    logits = model(torch.tensor([prompt], device=device), cache)[0, -1]
+    logits = model(torch.tensor([prompt], device=device), cache=cache)[0, -1]
     for index in range(steps):
         logits[vocab_size:] = float("-inf")
         token = next_token(logits, sampling, generator)
         yield token
         if token == stop_id or index == steps - 1:
             return
-        logits = model(torch.tensor([[token]], device=device), cache)[0, -1]
+        logits = model(torch.tensor([[token]], device=device), cache=cache)[0, -1]
 
 
 def stream_text(tokenizer, ids: Iterator[int], out=None) -> str:

@@ -33,8 +33,21 @@ def test_kv_cache_gives_the_full_forward_logits(name):
     with torch.no_grad():
         full = model(tokens)
         cache = KVCache(args, 2, 20)
-        pieces = [model(tokens[:, :12], cache)] + [model(tokens[:, i:i + 1], cache) for i in range(12, 20)]
+        pieces = [model(tokens[:, :12], cache=cache)] + [model(tokens[:, i:i + 1], cache=cache) for i in range(12, 20)]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_generation_stops_at_the_end_of_document_token_and_the_context():
+    args = dataclasses.replace(PRESETS["debug"], n_layers=1, dim=32, n_heads=4, n_kv_heads=2, max_seq_len=16)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    model.init_weights(0)
+    prompt, greedy = list(range(40, 52)), Sampling(max_new_tokens=10, temperature=0)
+    tokens = list(generate(model, prompt, greedy, vocab_size=257, stop_id=None))
+    assert len(tokens) == 4  # 12 + 4 = the context of 16
+    assert list(generate(model, prompt, greedy, vocab_size=257, stop_id=tokens[0])) == tokens[:1]
+    assert max(tokens) < 257  # the model's padding ids (257-319) are never chosen
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
