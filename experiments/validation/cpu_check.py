@@ -53,11 +53,13 @@ def measure(processes: int, overrides: list[str], micro_batch: int, steps: int, 
     """Median step time of one training run, over its steps after the first SKIP_STEPS."""
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}", "-m"]
                 if processes > 1 else [sys.executable, "-m"])
-    subprocess.run([*launcher, "trillion", "train", "--config", str(CONFIG), *overrides, f"--training.steps={steps}",
+    result = subprocess.run([*launcher, "trillion", "train", "--config", str(CONFIG), *overrides, f"--training.steps={steps}",
                     f"--training.global_batch_size={GLOBAL_BATCH}", f"--training.micro_batch_size={micro_batch}",
                     f"--training.seq_len={SEQ_LEN}", "--metrics.log_freq=1", f"--job.output_dir={run_dir}",
                     "--checkpoint.interval=0", "--checkpoint.save_final=false", "--logging.wandb=false",
-                    "--logging.progress_bar=lines"], check=True, env=_env(), capture_output=True)
+                    "--logging.progress_bar=lines", "--eval.interval=0"], env=_env(), capture_output=True, text=True)
+    if result.returncode != 0:  # say why, not only that it failed
+        raise SystemExit(f"training run {run_dir} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return statistics.median(r["step_time_s"] for r in records if r.get("step", 0) > SKIP_STEPS and "step_time_s" in r)
 
