@@ -1,4 +1,7 @@
 """`trillion train [--config FILE] [--section.field=value ...]`."""
+import torch.distributed as dist
+
+from trillion.errors import ConfigError, RunAborted
 from trillion.trainer.config import help_text, load_config
 from trillion.trainer.train import train
 
@@ -17,5 +20,12 @@ def main(argv: list[str]) -> int:
             config_path = arg.split("=", 1)[1]
         else:
             overrides.append(arg)
-    train(load_config(config_path, overrides))
+    try:
+        train(load_config(config_path, overrides))
+    except (ConfigError, RunAborted):
+        # Leave the process group before the error reaches the CLI: a rank that exits with gloo's
+        # threads still attached to a peer that has gone can abort in C++ (exit -6) instead of 2 or 1.
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
     return 0

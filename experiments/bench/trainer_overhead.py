@@ -32,7 +32,7 @@ def trainer_seconds_per_step(overrides: list[str], steps: int) -> float:
     with tempfile.TemporaryDirectory() as out:
         config = load_config(None, [*overrides, f"--training.steps={steps}", f"--metrics.log_freq={steps}",
                                     f"--job.output_dir={out}", "--logging.wandb=false", "--checkpoint.save_final=false",
-                                    "--logging.progress_bar=lines"])
+                                    "--logging.progress_bar=lines", "--eval.interval=0"])  # the hand loop evaluates nothing
         train(config)
         first, last = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return (last["time"] - first["time"]) / (last["step"] - first["step"])

@@ -11,8 +11,8 @@ Measured, each as the median of several timings after warm-up runs:
 The network between nodes is measured only when the calibration runs across nodes (torchrun
 with more than one node): never assumed to be as fast as the links inside one. A profile measured
 on one node says so, and the planner refuses layouts that cross nodes with it.
-On a CPU nobody publishes a peak, so the profile's peak is the best GEMM rate measured; on a GPU
-the peak comes from devices.toml.
+On a CPU nobody publishes a peak, so the profile's peak is the best rate measured (GEMMs and
+attention); on a GPU the peak comes from devices.toml.
 """
 import json
 import math
@@ -205,7 +205,9 @@ def calibrate(out: Path, args: ModelArgs | None = None, seq_len: int = 0, micro_
                      "link": (0.0, 0.0)})
     gemms, attention_rate, copy, launch = measured["gemms"], measured["attention"], measured["copy"], measured["launch"]
     (bus, latency), (network, network_latency) = measured["link"], measured.get("network", (0.0, 0.0))
-    peak = spec.peak_tflops_bf16 * 1e12 if spec else max(rate for _, rate in gemms)
+    # On a CPU the peak is the best rate measured, attention included: a small model's attention can
+    # outrun its small GEMMs, and a share of peak above 1 would make the planner faster than measured.
+    peak = spec.peak_tflops_bf16 * 1e12 if spec else max([rate for _, rate in gemms] + [attention_rate or 0.0])
     name = (spec.name if spec else "cpu") + "-calibrated"
     curve = ", ".join(f"[{flops:.4g}, {min(rate / peak, 1.0):.4f}]" for flops, rate in gemms)
     attention_line = (f"attention_efficiency = {attention_rate / peak:.4f}  # measured: {args.n_heads} heads of "
@@ -214,7 +216,7 @@ def calibrate(out: Path, args: ModelArgs | None = None, seq_len: int = 0, micro_
     memory = (torch.cuda.get_device_properties(0).total_memory if on_gpu
               else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     text = f"""# Written by `trillion plan --calibrate` on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}): medians of
-# {REPEATS} timings after {WARMUP} warm-up runs. {'Peak from devices.toml' if spec else f'CPU: the peak is the best GEMM rate measured ({peak:.4g} FLOP/s)'}.
+# {REPEATS} timings after {WARMUP} warm-up runs. {'Peak from devices.toml' if spec else f'CPU: the peak is the best rate measured ({peak:.4g} FLOP/s)'}.
 # node_bandwidth_gbs = 0: the network was not measured (one node), and the planner refuses layouts
 # that cross nodes with this profile; calibrate under a torchrun job of two or more nodes to measure it.
 description = "calibrated: {name}, {world} {'GPUs' if on_gpu else 'processes'}, all-reduce bus bandwidth {bus / 1e9:.3f} GB/s"

@@ -84,6 +84,7 @@ def tiny_config(config: Config, dims, steps: int, output_dir: str) -> Config:
                         global_batch_size=microbatches * dims.dp_size, exit_after_minutes=0.0,
                         dtype="bf16" if config.training.dtype == "fp16" else config.training.dtype),
              checkpoint=r(config.checkpoint, interval=0, save_final=False),
+             eval=r(config.eval, interval=0),  # the training step is measured; a fake pipeline could not evaluate either
              compile=r(config.compile, enabled=False),
              logging=r(config.logging, wandb=False, tensorboard=False, progress_bar="lines"),
              metrics=r(config.metrics, log_freq=1),
