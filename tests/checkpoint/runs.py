@@ -18,6 +18,22 @@ def run(out: Path, *extra: str, steps: int = 6) -> dict:
     return train(config(out, *extra, steps=steps))
 
 
+FAMILIES = {  # extra flags on top of TINY for each model family Hugging Face export supports
+    "llama": [],
+    "gpt": ["--model.name=debug-gpt", "--model.n_kv_heads=0", "--model.ffn_dim=0"],
+}
+
+
+def trained_and_exported(root: Path, family: str) -> tuple[Path, Path]:
+    """A 2-step run of `family` under root/source and its `trillion export --format hf` under root/hf."""
+    from trillion.trainer.cli import main
+
+    source, out = root / "source", root / "hf"
+    run(source, *FAMILIES[family], steps=2)
+    assert main(["export", "--checkpoint", str(source), "--format", "hf", str(out)]) == 0
+    return source, out
+
+
 def losses(out: Path) -> list[tuple[int, float]]:
     """(step, loss) of every training record in metrics.jsonl, in file order."""
     return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())

@@ -3,25 +3,18 @@
 import pytest
 import torch
 
-from runs import run
+from runs import FAMILIES, run, trained_and_exported
 from trillion.trainer.checkpoint_state import ModelParts, load_model_weights
 from trillion.trainer.cli import main
 from trillion.trainer.export import load_checkpoint_model
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = {
-    "llama": [],
-    "gpt": ["--model.name=debug-gpt", "--model.n_kv_heads=0", "--model.ffn_dim=0"],
-}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_export_loads_in_transformers_with_the_same_logits_and_imports_back(family, tmp_path, capsys):
-    source = tmp_path / "source"
-    run(source, *FAMILIES[family], steps=2)
-    out = tmp_path / "hf"
-    assert main(["export", "--checkpoint", str(source), "--format", "hf", str(out)]) == 0
+    source, out = trained_and_exported(tmp_path, family)
     assert "model.safetensors" in capsys.readouterr().out
 
     ours = load_checkpoint_model(source / "checkpoints" / "step-00000002").eval()

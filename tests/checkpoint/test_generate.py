@@ -6,7 +6,7 @@ import io
 import pytest
 import torch
 
-from runs import run
+from runs import FAMILIES, run, trained_and_exported
 from trillion.models import PRESETS, Transformer
 from trillion.models.kv_cache import KVCache
 from trillion.trainer.cli import main
@@ -15,10 +15,6 @@ from trillion.trainer.tokenizer import ByteTokenizer
 
 transformers = pytest.importorskip("transformers")
 
-FAMILIES = {
-    "llama": [],
-    "gpt": ["--model.name=debug-gpt", "--model.n_kv_heads=0", "--model.ffn_dim=0"],
-}
 PROMPT = "def fib(n):\n    "
 
 
@@ -52,10 +48,7 @@ def test_generation_stops_at_the_end_of_document_token_and_the_context():
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_tokens_equal_transformers_generate_on_the_exported_model(family, tmp_path, capsys):
-    source = tmp_path / "source"
-    run(source, *FAMILIES[family], steps=2)
-    out = tmp_path / "hf"
-    assert main(["export", "--checkpoint", str(source), "--format", "hf", str(out)]) == 0
+    source, out = trained_and_exported(tmp_path, family)
     tokenizer = ByteTokenizer()
     prompt = tokenizer.encode(PROMPT)
     greedy = Sampling(max_new_tokens=24, temperature=0)
