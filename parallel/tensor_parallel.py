@@ -24,8 +24,10 @@ dimension; the cross-entropy then runs under `loss_parallel()` and never gathers
 """
 import contextlib
 
+import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -72,3 +74,28 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
 def loss_context(tp_enabled: bool):
     """The context the loss (forward and backward) must run in: loss parallelism under TP."""
     return loss_parallel() if tp_enabled else contextlib.nullcontext()
+
+
+def reduce_partial_grads(parameters) -> None:
+    """Sum, once per step, the gradients DTensor leaves as Partial, in one all-reduce per mesh.
+
+    A sequence-parallel norm's weight is replicated but each TP rank saw only its own positions, so
+    its gradient is a Partial sum (FSDP, when on, reduces it inside its reduce-scatter). Left
+    Partial, every foreach op that reads it (the clipping norm, then AdamW's lerp and two addcmuls)
+    all-reduces it again: 4 small collectives per norm per step, each paying the latency and the
+    ranks' drift. Megatron reduces these gradients once, coalesced, after the backward; so does this."""
+    pending: dict = {}
+    for p in parameters:
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(placement.is_partial("sum") for placement in grad.placements):
+            pending.setdefault((grad.device_mesh, grad.placements), []).append(p)
+    for (mesh, placements), params in pending.items():
+        local = [p.grad.to_local() for p in params]
+        flat = torch.cat([t.reshape(-1) for t in local])
+        for dim, placement in enumerate(placements):
+            if placement.is_partial("sum"):
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+        summed = tuple(Replicate() if placement.is_partial("sum") else placement for placement in placements)
+        for p, chunk, part in zip(params, flat.split([t.numel() for t in local]), local):
+            p.grad = DTensor.from_local(chunk.view_as(part), mesh, summed, run_check=False,
+                                        shape=p.grad.shape, stride=p.grad.stride())

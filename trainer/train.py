@@ -15,6 +15,7 @@ from trillion.parallel.dims import ParallelDims
 from trillion.parallel.modes import recompute_fraction, stages_recompute_fraction
 from trillion.parallel.forward_backward import MicroBatchLoop, target_tokens
 from trillion.parallel.pipeline import bubble_fraction
+from trillion.parallel.tensor_parallel import reduce_partial_grads
 from trillion.errors import RunAborted
 from trillion.trainer.assemble import (batch_split, build_model, build_model_args, build_parallel_dims, compute_dtype,
                                        validate_training)
@@ -49,6 +50,7 @@ def train_step(runner, micro_batches, optimizer, scaler, autocast, max_grad_norm
     micro_batches = shard_batch(micro_batches, dims.cp_mesh)  # this cp rank's share of every sequence
     tokens = dims.all_reduce_dp(target_tokens(micro_batches))
     loss_sum = dims.all_reduce_dp(runner.forward_backward(micro_batches, tokens, autocast, scaler))
+    reduce_partial_grads(runner.model.parameters())
     if timer is not None:
         timer.mark("forward_backward")
     scaler.unscale_(optimizer)
