@@ -7,13 +7,17 @@ Measured, each as the median of several timings after warm-up runs:
   - flash attention, forward and backward, at the model's heads and sequence length;
   - memory bandwidth (a copy) and the launch overhead of a kernel that does nothing;
   - collectives among this node's devices (all-reduce bus bandwidth and latency; gloo processes
-    on a CPU).
+    on a CPU); with a model, also the all-gather, reduce-scatter and all-reduce as tensor
+    parallelism issues them (DTensor redistributions of the model's activation), whose cost on
+    gloo differs from the ring model of one large all-reduce (a reduce-scatter costs about what an
+    all-reduce of the same bytes does), and whose host work matters for a small model.
 The network between nodes is measured only when the calibration runs across nodes (torchrun
 with more than one node): never assumed to be as fast as the links inside one. A profile measured
 on one node says so, and the planner refuses layouts that cross nodes with it.
 On a CPU nobody publishes a peak, so the profile's peak is the best rate measured (GEMMs and
 attention); on a GPU the peak comes from devices.toml.
 """
+import dataclasses
 import json
 import math
 import os
@@ -25,11 +29,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 import torch.multiprocessing as mp
 
 from trillion.devices import lookup_device
 from trillion.kernels import attention
+from trillion.models import Transformer
 from trillion.models.args import ModelArgs
+from trillion.parallel.tensor_parallel import apply_tensor_parallel
 
 SQUARE_GEMMS = {"cpu": ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024)),
                 "gpu": ((1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 8192))}
@@ -120,6 +128,71 @@ def all_reduce_link(device: torch.device, world: int, nbytes: int, group=None) -
     return 2 * (world - 1) / world * nbytes / max(seconds - 2 * (world - 1) * latency, 1e-9), latency
 
 
+def tp_collective_links(device: torch.device, world: int, args: ModelArgs, tokens: int, group=None) -> dict:
+    """{kind: (bandwidth in bytes/s, latency per ring step in s)} of the all-gather, reduce-scatter
+    and all-reduce among `world` ranks as tensor parallelism issues them: DTensor redistributions
+    (Shard -> Replicate, Partial -> Shard, Partial -> Replicate), so DTensor's own host work per
+    collective is in the figures, in the planner's ring model ((n-1)/n bytes / bandwidth + (n-1)
+    latency; twice that for an all-reduce). The latency from one element per rank, the bandwidth
+    from one of the model's activations (tokens x dim) less that."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+    to_full, to_shard = [Replicate()], [Shard(0)]
+
+    def redistribute(kind: str, local: torch.Tensor):
+        source = [Shard(0)] if kind == "all_gather" else [Partial()]
+        return lambda: DTensor.from_local(local, mesh, source, run_check=False).redistribute(
+            mesh, to_shard if kind == "reduce_scatter" else to_full).to_local()
+
+    calls = 20  # every rank makes the same number of collectives
+    activation = tokens * args.dim // world * world
+    links = {}
+    for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+        shard = kind == "all_gather"  # an all-gather starts from this rank's 1/world
+        tiny = torch.ones(1 if shard else world, device=device, dtype=dtype)
+        large = torch.ones(activation // world if shard else activation, device=device, dtype=dtype)
+        small_s = median_seconds(redistribute(kind, tiny), device, calls=calls)
+        large_s = median_seconds(redistribute(kind, large), device, calls=calls // 4)
+        steps = (2 if kind == "all_reduce" else 1) * (world - 1)
+        links[kind] = (steps / world * activation * tiny.element_size() / max(large_s - small_s, 1e-9), small_s / steps)
+    return links
+
+
+def tp_layer_host_seconds(device: torch.device, world: int, args: ModelArgs, links: dict, group=None) -> tuple[float, float]:
+    """(forward, backward) seconds of host work that tensor parallelism adds to one of the model's
+    blocks beyond its collectives: DTensor's dispatch and sharding propagation of some 150 ops per
+    block, a fixed cost per op. On a CPU the host's work is the step's; on a GPU it runs ahead of
+    the kernels and adds only when they are shorter, which the planner does not model, so a GPU
+    calibration does not measure it. Measured
+    on the model's blocks shrunk to a few tokens and 8 dimensions per head, so that the host work is
+    all there is: per block (3 blocks less 1, halved) with TP over `world` ranks, less the same
+    without TP, less the block's 4 all-gathers and 4 reduce-scatters at their measured latency."""
+    mesh = DeviceMesh.from_group(group or dist.group.WORLD, device.type)
+    tokens = torch.zeros(1, 2 * world, dtype=torch.long, device=device)
+
+    def per_block(parallel: bool) -> tuple[float, float]:
+        timings = []
+        for layers in (1, 3):
+            small = dataclasses.replace(args, n_layers=layers, dim=8 * args.n_heads, ffn_dim=16 * args.n_heads,
+                                        vocab_size=8 * world, max_seq_len=2 * world)
+            torch.manual_seed(0)
+            model = Transformer(small).to(device)
+            if parallel:
+                apply_tensor_parallel(model, mesh)
+            logits = lambda: model(tokens)
+            local = (lambda out: out.to_local()) if parallel else (lambda out: out)
+            forward = median_seconds(logits, device, calls=10)
+            both = median_seconds(lambda: local(logits()).sum().backward(), device, calls=10)
+            timings.append((forward, both - forward))
+        (f1, b1), (f3, b3) = timings
+        return (f3 - f1) / 2, (b3 - b1) / 2
+
+    (tp_forward, tp_backward), (plain_forward, plain_backward) = per_block(True), per_block(False)
+    latency = {kind: latency * (world - 1) for kind, (_, latency) in links.items()}
+    collectives = 2 * latency["all_gather"] + 2 * latency["reduce_scatter"]  # each pass
+    return max(tp_forward - plain_forward - collectives, 0.0), max(tp_backward - plain_backward - collectives, 0.0)
+
+
 def measure_device(device: torch.device, shapes, args: ModelArgs | None, seq_len: int, micro_batch: int,
                    barrier=lambda: None) -> dict:
     """What one device delivers: GEMM rates per shape, attention, copy bandwidth, launch overhead.
@@ -146,6 +219,10 @@ def _worker(rank: int, world: int, init_file: str, backend: str, plan: dict, out
         torch.cuda.set_device(device)
     measured = measure_device(device, plan["shapes"], plan["args"], plan["seq_len"], plan["micro_batch"], dist.barrier)
     measured["link"] = all_reduce_link(device, world, plan["nbytes"])
+    if plan["args"]:
+        measured["tp_links"] = tp_collective_links(device, world, plan["args"], plan["seq_len"] * plan["micro_batch"])
+        if device.type == "cpu":
+            measured["tp_host"] = tp_layer_host_seconds(device, world, plan["args"], measured["tp_links"])
     if rank == 0:
         Path(out_file).write_text(json.dumps(measured))
     dist.destroy_process_group()
@@ -176,6 +253,12 @@ def measure_in_job(on_gpu: bool, plan: dict) -> tuple[int, dict] | None:
     intra = [dist.new_group(list(range(n * local, (n + 1) * local))) for n in range(nodes)]
     inter = [dist.new_group(list(range(r, world, local))) for r in range(local)]
     measured["link"] = all_reduce_link(device, local, plan["nbytes"], intra[rank // local]) if local > 1 else (0.0, 0.0)
+    if plan["args"] and local > 1:
+        measured["tp_links"] = tp_collective_links(device, local, plan["args"], plan["seq_len"] * plan["micro_batch"],
+                                                   intra[rank // local])
+        if device.type == "cpu":
+            measured["tp_host"] = tp_layer_host_seconds(device, local, plan["args"], measured["tp_links"],
+                                                        intra[rank // local])
     measured["network"] = all_reduce_link(device, nodes, plan["nbytes"], inter[rank % local])
     dist.destroy_process_group()
     return local, measured
@@ -209,6 +292,11 @@ def calibrate(out: Path, args: ModelArgs | None = None, seq_len: int = 0, micro_
     # outrun its small GEMMs, and a share of peak above 1 would make the planner faster than measured.
     peak = spec.peak_tflops_bf16 * 1e12 if spec else max([rate for _, rate in gemms] + [attention_rate or 0.0])
     name = (spec.name if spec else "cpu") + "-calibrated"
+    kinds = "".join(f", {kind} = {{ bandwidth_gbs = {bandwidth / 1e9:.4f}, latency_us = {latency * 1e6:.2f} }}"
+                    for kind, (bandwidth, latency) in measured.get("tp_links", {}).items())
+    host = measured.get("tp_host")  # a CPU's only (tp_layer_host_seconds says why)
+    host_line = (f"tp_layer_host_us = {{ forward = {host[0] * 1e6:.1f}, backward = {host[1] * 1e6:.1f} }}  # measured: "
+                 "DTensor's host work per block under TP, beyond its collectives\n" if host else "")
     curve = ", ".join(f"[{flops:.4g}, {min(rate / peak, 1.0):.4f}]" for flops, rate in gemms)
     attention_line = (f"attention_efficiency = {attention_rate / peak:.4f}  # measured: {args.n_heads} heads of "
                       f"{args.head_dim}, {micro_batch} x {seq_len} tokens, {args.attention_impl}" if args else
@@ -221,13 +309,15 @@ def calibrate(out: Path, args: ModelArgs | None = None, seq_len: int = 0, micro_
 # that cross nodes with this profile; calibrate under a torchrun job of two or more nodes to measure it.
 description = "calibrated: {name}, {world} {'GPUs' if on_gpu else 'processes'}, all-reduce bus bandwidth {bus / 1e9:.3f} GB/s"
 gpus_per_node = {world}
-intra_node = [{{ group = {world}, bandwidth_gbs = {bus / 1e9:.4f} }}]  # measured all-reduce bus bandwidth (0: one device)
+# intra_node: the measured all-reduce bus bandwidth (0: one device); with a model, each collective kind
+# as TP issues them, DTensor redistributions of the model's activation (calibrate.tp_collective_links)
+intra_node = [{{ group = {world}, bandwidth_gbs = {bus / 1e9:.4f}{kinds} }}]
 node_bandwidth_gbs = {network * world / 1e9:.4f}  # measured all-reduce bus bandwidth between nodes, per node
 collective_efficiency = 1.0  # the bandwidth above is the achieved figure
 link_latency_us = {latency * 1e6:.2f}  # measured: a 4-byte all-reduce, per ring step
 network_latency_us = {network_latency * 1e6:.2f}
 compute_dtype = "{'bf16' if on_gpu else 'fp32'}"
-
+{host_line}
 [device]
 name = "{name}"
 peak_tflops = {{ bf16 = {peak / 1e12:.6f}, fp32 = {peak / 1e12:.6f} }}

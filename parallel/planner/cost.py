@@ -11,8 +11,16 @@ overhead per kernel. Backward GEMMs split into the input gradient (Bi) and the w
 Communication (ring collectives, 2(n-1)/n of the bytes per all-reduce, half that for an
 all-gather or reduce-scatter, on the slowest link the group spans; the mesh puts tp innermost,
 then dp_shard, dp_replicate, pp, as the trainer's DeviceMesh does):
-  TP: per layer 2 all-reduce-sized collectives forward, 2 backward, 2 more when recomputing;
-      never overlapped (DTensor TP runs them on the compute stream).
+  TP: sequence-parallel, as parallel/tensor_parallel.py: per layer 2 all-gathers and 2
+      reduce-scatters of the activation forward, as many backward, again when recomputing; the
+      output an all-gather forward and a reduce-scatter backward, and loss parallelism 3
+      all-reduces of one fp32 number per token; the replicated parameters' (norms') gradients
+      one all-reduce per step without FSDP (parallel.tensor_parallel.reduce_partial_grads). Never
+      overlapped (DTensor TP runs them on the compute stream). Each kind at the figures a
+      calibrated profile measured for it (TP's collectives as the trainer issues them: DTensor
+      redistributions), else at the all-reduce's. Plus DTensor's host work per block beyond its
+      collectives, where a CPU's calibrated profile measured it (a fixed cost per op; on a GPU the
+      host runs ahead of the kernels and GPU profiles leave it 0).
   PP: one activation per micro-batch per stage boundary; in steady state the sends overlap the
       next micro-batch, so only the fill and drain (2 (p v - 1) transfers) are exposed.
   DP: per ZeRO mode (memory.py's docstring); collectives run on their own streams and FSDP2
@@ -32,11 +40,16 @@ from functools import lru_cache
 from trillion.models.args import ModelArgs
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.layout import Layout, bubble_slots, get_schedule
-from trillion.parallel.planner.memory import RankParams, pipeline_ranks
+from trillion.parallel.planner.memory import RankParams, pipeline_ranks, replicated_numel
 from trillion.parallel.planner.work import (
     BACKWARD_ELEMENTWISE, CROSS_ENTROPY_BYTES_PER_LOGIT, FSDP_GATHER_COPY_BYTES, FSDP_REDUCE_COPY_BYTES,
     OPTIMIZER_BYTES_PER_PARAM, elementwise_kernels, elementwise_per_token,
 )
+
+
+# loss_parallel's cross-entropy all-reduces one fp32 number per token 3 times: the logits' max and
+# the sum of exponentials in log-softmax, the target's log-probability in nll_loss (a profiled tp 2 step)
+LOSS_PARALLEL_ALL_REDUCES = 3
 
 
 @dataclass(frozen=True)
@@ -93,7 +106,7 @@ def collective_time(hw: HardwareProfile, nbytes: float, group: int, span: int, k
     whose ranks span `span` consecutive GPUs. kind: all_reduce | all_gather | reduce_scatter."""
     if group <= 1:
         return 0.0
-    bandwidth, latency = hw.collective_link(group if span <= hw.gpus_per_node else span, span > hw.gpus_per_node)
+    bandwidth, latency = hw.collective_link(group if span <= hw.gpus_per_node else span, span > hw.gpus_per_node, kind)
     factor = 2.0 if kind == "all_reduce" else 1.0
     return factor * ((group - 1) / group * nbytes / bandwidth + (group - 1) * latency)
 
@@ -113,14 +126,17 @@ def layer_passes(args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int,
     attention = attention_flops / (hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency)
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
-    tp_comm = 2 * collective_time(hw, tokens * h * hw.element_bytes, tp, tp, "all_reduce")
+    activation = tokens * h * hw.element_bytes
+    tp_comm = 2 * (collective_time(hw, activation, tp, tp, "all_gather")
+                   + collective_time(hw, activation, tp, tp, "reduce_scatter"))
+    host_forward, host_backward = hw.tp_layer_host_s if tp > 1 else (0.0, 0.0)
     kv_bytes = 2 * batch * seq_len * kv / tp * hw.element_bytes  # the whole sequence's K and V
     cp_gather = collective_time(hw, kv_bytes, cp, tp * cp, "all_gather")
     cp_reduce = collective_time(hw, kv_bytes, cp, tp * cp, "reduce_scatter")
-    return Passes(forward=gemm + attention + elementwise + launches + tp_comm + cp_gather,
+    return Passes(forward=gemm + attention + elementwise + launches + tp_comm + host_forward + cp_gather,
                   input_grad=gemm + 2.5 * attention + BACKWARD_ELEMENTWISE * (elementwise + launches) + tp_comm
-                  + cp_reduce, weight_grad=gemm, tp_forward=tp_comm, tp_backward=tp_comm, cp_forward=cp_gather,
-                  cp_backward=cp_reduce)
+                  + host_backward + cp_reduce, weight_grad=gemm, tp_forward=tp_comm + host_forward,
+                  tp_backward=tp_comm + host_backward, cp_forward=cp_gather, cp_backward=cp_reduce)
 
 
 @lru_cache(maxsize=8192)
@@ -128,9 +144,11 @@ def output_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) ->
     """Final norm, output projection (vocabulary-parallel) and cross-entropy."""
     gemm = _gemm(hw, tokens, args.dim, args.vocab_size // tp)
     loss = _memory_bound(hw, tokens * args.vocab_size / tp * CROSS_ENTROPY_BYTES_PER_LOGIT * hw.element_bytes / 2)
-    gather = collective_time(hw, tokens * args.dim * hw.element_bytes, tp, tp, "all_gather")
-    return Passes(forward=gemm + loss + gather, input_grad=gemm + loss + gather, weight_grad=gemm,
-                  tp_forward=gather, tp_backward=gather)
+    gather = (collective_time(hw, tokens * args.dim * hw.element_bytes, tp, tp, "all_gather")
+              + LOSS_PARALLEL_ALL_REDUCES * collective_time(hw, tokens * 4, tp, tp, "all_reduce"))
+    scatter = collective_time(hw, tokens * args.dim * hw.element_bytes, tp, tp, "reduce_scatter")
+    return Passes(forward=gemm + loss + gather, input_grad=gemm + loss + scatter, weight_grad=gemm,
+                  tp_forward=gather, tp_backward=scatter)
 
 
 @lru_cache(maxsize=65536)
@@ -213,6 +231,9 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     copy_back = 2 * tp_numel if layout.dp_shard_mode in ("zero1", "zero2") else 0
     optimizer = _memory_bound(hw, OPTIMIZER_BYTES_PER_PARAM * shard_numel + copy_back)
 
+    replicated_grads = 0.0
+    if layout.tp > 1 and layout.dp_shard * layout.cp * layout.dp_replicate == 1:  # without FSDP: once per step
+        replicated_grads = collective_time(hw, 4 * replicated_numel(args, rank), layout.tp, layout.tp, "all_reduce")
     return StepTime(compute=m * (mean - tp_mean - cp_mean), bubble=bubble, imbalance=m * (worst - mean),
-                    tp_exposed=m * tp_mean, pp_exposed=pp_exposed, dp_exposed=dp_exposed, optimizer=optimizer,
+                    tp_exposed=m * tp_mean + replicated_grads, pp_exposed=pp_exposed, dp_exposed=dp_exposed, optimizer=optimizer,
                     cp_exposed=m * cp_mean)

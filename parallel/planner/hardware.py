@@ -13,10 +13,17 @@ from trillion.errors import ConfigError
 PROFILE_DIR = Path(__file__).with_name("hardware_profiles")
 
 
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
 @dataclass(frozen=True)
 class Link:
     group: int  # collectives among at most this many GPUs of one node
     bandwidth_gbs: float  # per GPU per direction
+    # ((kind, bandwidth_gbs, latency_us), ...) measured for one collective kind by `trillion plan
+    # --calibrate --model` (TP's all-gather and reduce-scatter as the trainer issues them); a kind
+    # not listed follows the all-reduce figures (ring model)
+    kinds: tuple = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -35,16 +42,20 @@ class HardwareProfile:
     price_per_gpu_hour: float
     source: str = ""  # the file it came from
     compute_dtype: str = "bf16"  # what activations are computed in: bf16 on GPUs, fp32 on a CPU
+    # (forward, backward) host seconds DTensor adds to a block under TP beyond its collectives:
+    # measured by `trillion plan --calibrate --model` (calibrate.tp_layer_host_seconds), else 0
+    tp_layer_host_s: tuple[float, float] = (0.0, 0.0)
 
     @property
     def element_bytes(self) -> int:
         return 4 if self.compute_dtype == "fp32" else 2
 
-    def collective_link(self, group: int, span_nodes: bool) -> tuple[float, float]:
-        """(bytes/s, latency s) per GPU for a collective among `group` GPUs.
+    def collective_link(self, group: int, span_nodes: bool, kind: str = "all_reduce") -> tuple[float, float]:
+        """(bytes/s, latency s) per GPU for a collective of `kind` among `group` GPUs.
 
         A group that spans nodes is limited by each GPU's share of its node's network; one inside a
-        node by the slowest link of the smallest listed group that holds it.
+        node by the slowest link of the smallest listed group that holds it, with the figures
+        measured for that kind of collective when the link has them.
         """
         if span_nodes:
             return (self.node_bandwidth_gbs / self.gpus_per_node * 1e9 * self.collective_efficiency,
@@ -53,7 +64,19 @@ class HardwareProfile:
         if link is None:
             raise ConfigError(f"Hardware profile {self.name!r}: no intra_node link holds a group of {group} GPUs "
                               f"({self.gpus_per_node} per node).")
-        return link.bandwidth_gbs * 1e9 * self.collective_efficiency, self.link_latency_us * 1e-6
+        bandwidth_gbs, latency_us = next(((b, l) for k, b, l in link.kinds if k == kind),
+                                         (link.bandwidth_gbs, self.link_latency_us))
+        return bandwidth_gbs * 1e9 * self.collective_efficiency, latency_us * 1e-6
+
+
+def _link(entry: dict, path: Path) -> Link:
+    kinds = tuple((kind, float(entry[kind]["bandwidth_gbs"]), float(entry[kind]["latency_us"]))
+                  for kind in COLLECTIVE_KINDS if kind in entry)
+    unknown = set(entry) - {"group", "bandwidth_gbs", *COLLECTIVE_KINDS}
+    if unknown:
+        raise ConfigError(f"{path}: intra_node entry has {', '.join(sorted(unknown))}; an entry holds group, "
+                          f"bandwidth_gbs and optionally {', '.join(COLLECTIVE_KINDS)} (each bandwidth_gbs, latency_us).")
+    return Link(int(entry["group"]), float(entry["bandwidth_gbs"]), kinds)
 
 
 def _search_dirs() -> list[Path]:
@@ -85,7 +108,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         return HardwareProfile(
             name=path.stem, description=table.get("description", ""), device=spec,
             gpus_per_node=int(table["gpus_per_node"]),
-            intra_node=tuple(Link(int(l["group"]), float(l["bandwidth_gbs"])) for l in table["intra_node"]),
+            intra_node=tuple(_link(l, path) for l in table["intra_node"]),
             node_bandwidth_gbs=float(table["node_bandwidth_gbs"]),
             link_latency_us=float(table.get("link_latency_us", 5.0)),
             network_latency_us=float(table.get("network_latency_us", 10.0)),
@@ -93,6 +116,8 @@ def load_profile(name_or_path: str) -> HardwareProfile:
             node_overhead_w=float(table.get("node_overhead_w", 0.0)), pue=float(table.get("pue", 1.0)),
             price_per_gpu_hour=float(table.get("price_per_gpu_hour", 0.0)), source=str(path),
             compute_dtype=str(table.get("compute_dtype", "bf16")),
+            tp_layer_host_s=tuple(float(table.get("tp_layer_host_us", {}).get(p, 0.0)) * 1e-6
+                                  for p in ("forward", "backward")),
         )
     except KeyError as missing:
         raise ConfigError(f"{path}: a hardware profile needs {missing.args[0]!r} "

@@ -95,6 +95,12 @@ def _numel(args: ModelArgs, part: str, tp: int, dp_shard: int) -> tuple[int, int
     return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
+def replicated_numel(args: ModelArgs, rank: "RankParams") -> int:
+    """Elements of the parameters TP replicates (norms, row-parallel biases) on this rank."""
+    specs = block_params(args) * rank.layers + (last_stage_params(args) if rank.last else [])
+    return sum(math.prod(s.shape) for s in specs if s.tp_dim is None)
+
+
 @dataclass(frozen=True)
 class RankParams:
     layers: int

@@ -1,0 +1,36 @@
+"""What tensor parallelism costs in the planner: each collective kind at its own measured figures,
+DTensor's host work per block where a CPU calibration measured it, and nothing of either on a
+profile that has neither (the published rows stay as they were)."""
+import dataclasses
+
+import pytest
+
+from trillion.models.presets import get_preset
+from trillion.parallel.planner.cost import collective_time, step_time
+from trillion.parallel.planner.hardware import Link, load_profile
+from trillion.parallel.planner.layout import Layout
+
+ARGS = get_preset("llama3-8b")
+TP8 = Layout(8, 1, 1, 1, "zero3", "1F1B", 1, 1, 1, "none")
+SEQ = 4096
+
+
+def test_a_slower_reduce_scatter_costs_each_layer_its_four_reduce_scatters():
+    stock = load_profile("dgx-h100")
+    bandwidth = stock.intra_node[0].bandwidth_gbs
+    slow = dataclasses.replace(stock, intra_node=(Link(8, bandwidth, (("reduce_scatter", bandwidth / 2, stock.link_latency_us),)),))
+    activation = SEQ * ARGS.dim * stock.element_bytes
+    extra = collective_time(slow, activation, 8, 8, "reduce_scatter") - collective_time(stock, activation, 8, 8, "reduce_scatter")
+    assert extra > 0
+    # per layer 2 reduce-scatters forward and 2 backward, the output's one backward
+    expected = (4 * ARGS.n_layers + 1) * extra
+    assert step_time(ARGS, slow, TP8, SEQ).tp_exposed - step_time(ARGS, stock, TP8, SEQ).tp_exposed == pytest.approx(expected)
+
+
+def test_dtensor_host_work_is_charged_per_block_and_pass_only_under_tp():
+    stock = load_profile("dgx-h100")
+    hosted = dataclasses.replace(stock, tp_layer_host_s=(1e-3, 2e-3))
+    added = step_time(ARGS, hosted, TP8, SEQ).total - step_time(ARGS, stock, TP8, SEQ).total
+    assert added == pytest.approx(ARGS.n_layers * 3e-3)
+    no_tp = Layout(1, 1, 1, 8, "zero3", "1F1B", 1, 1, 1, "none")
+    assert step_time(ARGS, hosted, no_tp, SEQ).total == step_time(ARGS, stock, no_tp, SEQ).total
