@@ -19,9 +19,11 @@ def jsonl(tmp_path):
     return path
 
 
-def loader(path, *, seq_len=16, global_batch=4, micro=2, rank=0, size=1, tokenizer=None):
-    return build_data_loader(Data(path=str(path)), tokenizer or ByteTokenizer(), seed=0, seq_len=seq_len,
-                             global_batch_size=global_batch, micro_batch_size=micro, held_out=0.0, dp_rank=rank, dp_size=size)
+def loader(path, *, seq_len=16, global_batch=4, micro=2, rank=0, size=1, tokenizer=None, lanes=1):
+    """lanes=1: one document after another, the packing itself (tests/test_data_lanes.py: several)."""
+    return build_data_loader(Data(path=str(path), lanes=lanes), tokenizer or ByteTokenizer(), seed=0, seq_len=seq_len,
+                             global_batch_size=global_batch, micro_batch_size=micro, held_out=0.0, dp_rank=rank,
+                             dp_size=size)
 
 
 def stream_of(docs):
@@ -38,28 +40,32 @@ def test_windows_pack_documents_joined_by_eos(jsonl):
     assert windows.flatten().tolist() == stream_of(DOCS)[: 4 * 17]
 
 
-def test_global_batch_is_the_same_whatever_the_data_parallel_degree(jsonl):
-    single = loader(jsonl, global_batch=8, micro=2)
-    ranks = [loader(jsonl, global_batch=8, micro=2, rank=r, size=4) for r in range(4)]
+@pytest.mark.parametrize("lanes", [1, 3, 8])
+def test_global_batch_is_the_same_whatever_the_data_parallel_degree(jsonl, lanes):
+    single = loader(jsonl, global_batch=8, micro=2, lanes=lanes)
+    ranks = [loader(jsonl, global_batch=8, micro=2, rank=r, size=4, lanes=lanes) for r in range(4)]
     for _ in range(5):
         whole = torch.cat([x for x, _ in single.next_batch()])
         split = torch.cat([x for r in ranks for x, _ in r.next_batch()])
         assert torch.equal(whole, split)
 
 
-def test_resume_continues_exactly_across_epochs(jsonl):
-    """40 short documents hold about 70 windows of 17: 30 batches of 4 wrap around twice."""
-    straight = loader(jsonl)
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_resume_continues_exactly_across_epochs(jsonl, lanes):
+    """40 short documents hold about 70 windows of 17: 30 batches of 4 wrap around (every lane) at
+    least once. With 3 lanes the 11th batch ends inside a turn (44 windows: lane 2 is next)."""
+    straight = loader(jsonl, lanes=lanes)
     expected = [straight.next_batch() for _ in range(30)]
-    first = loader(jsonl)
+    first = loader(jsonl, lanes=lanes)
     for _ in range(11):
         first.next_batch()
-    resumed = loader(jsonl)
+    resumed = loader(jsonl, lanes=lanes)
     resumed.load_state_dict(first.state_dict())
     for step in range(11, 30):
-        for (x, y), (ex, ey) in zip(resumed.next_batch(), expected[step]):
+        for (x, y), (ex, ey) in zip(resumed.next_batch(), expected[step], strict=True):
             assert torch.equal(x, ex) and torch.equal(y, ey)
-    assert resumed.state_dict()["epoch"] >= 1
+    epochs = resumed.state_dict()["epoch"]
+    assert min(epochs) >= 1 if lanes > 1 else epochs >= 1
 
 
 @pytest.mark.parametrize("kind", ["txt", "parquet"])

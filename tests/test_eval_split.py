@@ -37,26 +37,31 @@ def test_separate_eval_set_holds_nothing_back():
     assert held_out_fraction(Eval(held_out=0.05, name="org/dataset")) == 0.0
 
 
-@pytest.mark.parametrize("dp_size", [1, 2])
-def test_no_held_out_document_reaches_a_training_batch(tmp_path, dp_size):
-    """A whole epoch of training batches, gathered over the data-parallel ranks, is exactly the
-    kept documents in order: every held-out document is missing, every other one is there."""
+@pytest.mark.parametrize("dp_size,lanes", [(1, 1), (2, 1), (1, 8), (2, 3)])
+def test_no_held_out_document_reaches_a_training_batch(tmp_path, dp_size, lanes):
+    """A whole epoch of training batches, gathered over the data-parallel ranks and split into the
+    lanes they interleave (window k: lane k mod L), is exactly each lane's kept documents in order:
+    every held-out document is missing, every other one is there."""
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     fraction = 0.3
     held = [d for d in DOCS if is_held_out(d, fraction)]
     kept = [d for d in DOCS if not is_held_out(d, fraction)]
     assert 20 < len(held) < 60 and kept  # both sides populated, so the test can fail either way
-    loaders = [build_data_loader(Data(path=str(path)), ByteTokenizer(), seed=0, seq_len=31, global_batch_size=4,
-                                 micro_batch_size=2, held_out=fraction, dp_rank=r, dp_size=dp_size)
-               for r in range(dp_size)]
-    expected = stream_of(kept)
-    tokens = []
-    while len(tokens) < len(expected):
-        windows = torch.cat([torch.cat([x, y[:, -1:]], dim=1) for loader in loaders for x, y in loader.next_batch()])
-        tokens += windows.flatten().tolist()
-    assert tokens[: len(expected)] == expected
-    text = ByteTokenizer().decode(tokens[: len(expected)])
+    loaders = [build_data_loader(Data(path=str(path), lanes=lanes), ByteTokenizer(), seed=0, seq_len=31,
+                                 global_batch_size=4, micro_batch_size=2, held_out=fraction, dp_rank=r,
+                                 dp_size=dp_size) for r in range(dp_size)]
+    expected = [stream_of([d for d in DOCS[j::lanes] if not is_held_out(d, fraction)]) for j in range(lanes)]
+    windows = []
+    while min(len(windows[j::lanes]) for j in range(lanes)) * 32 < max(map(len, expected)):
+        windows += [w for loader in loaders for x, y in loader.next_batch() for w in torch.cat([x, y[:, -1:]], dim=1)]
+    seen = []
+    for j in range(lanes):
+        tokens = torch.cat(windows[j::lanes]).tolist()
+        assert tokens[: len(expected[j])] == expected[j], j
+        seen += tokens[: len(expected[j])]
+    assert sorted(seen) == sorted(stream_of(kept))  # the lanes together: every kept document once
+    text = ByteTokenizer().decode(seen)
     assert not [d for d in held if d.split(">")[0] + ">" in text]
 
 
@@ -76,7 +81,7 @@ def test_changing_the_split_refuses_to_resume(tmp_path):
     from trillion.trainer.config import load_config
     from trillion.trainer.resume_check import check_resume_config
 
-    saved = {"eval.held_out": 0.01, "eval.path": "", "eval.name": "", "eval.interval": 50}
+    saved = {"eval.held_out": 0.01, "eval.path": "", "eval.name": "", "eval.interval": 50, "data.lanes": 8}
     check_resume_config({**saved, "eval.interval": 10}, load_config(), tmp_path)  # how often: no new run
     with pytest.raises(ConfigError, match=r"eval.held_out was 0.02 there .* \(which documents training skips\)"):
         check_resume_config({**saved, "eval.held_out": 0.02}, load_config(), tmp_path)

@@ -57,6 +57,7 @@ class Data:
     streaming: bool = doc(False, "Stream the dataset instead of loading it whole (hub datasets, large local ones).", Flag())
     prepared: str = doc("", "Train from token stores written by `trillion prepare-data --out DIR` (same data and tokenizer settings): DIR, or DIR:weight,DIR:weight,... blended by weight. Instead of data.path / data.name.", Text())
     shuffle: bool = doc(True, "data.prepared: a seeded permutation of the windows in every epoch; false keeps file order.", Flag())
+    lanes: int = doc(8, "Documents read side by side (data.path / data.name and the default corpus): lane j packs documents j, j+L, j+2L, ... of the seeded order into its own stream and window k of the run comes from lane k mod L, so consecutive windows come from different documents (at most the number of documents; 1 = one document after another). The evaluation set deals its documents over as many lanes.", POSITIVE)
 
 
 @dataclass

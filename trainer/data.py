@@ -5,20 +5,30 @@ whatever the parallel layout; data-parallel rank r of D takes the r-th contiguou
 windows. Every rank packs the whole stream, which keeps that guarantee simple and exact; the
 price is tokenizing D times, which is small next to a training step.
 
-The loader's position is (epoch, document index, token offset within that document), a few
-integers that mean the same thing under any layout, so a resumed run sees exactly the batches
-it would have seen.
+Document lanes (data.lanes = L): the global window stream interleaves L lanes. Lane j packs
+documents j, j+L, j+2L, ... of the seeded document order into its own stream (epoch after epoch),
+and window k of the run comes from lane k mod L, so a batch of G windows draws from min(G, L)
+documents and a document's windows are spread over many steps instead of filling consecutive
+ones (a model trained on one file after another drifts toward the file it is on). L = 1 is one
+document after another.
+
+The loader's position is, per lane, (epoch, document index, token offset within that document),
+and the lane the next window comes from: a few integers that mean the same thing under any layout,
+so a resumed run sees exactly the batches it would have seen.
 
 Held-out split: a document is held out for evaluation when a hash of its text falls in the
 `eval.held_out` share (`is_held_out`). That depends on nothing but the text, so the same documents
 are withheld whatever the seed, the order or the number of ranks, and training skips exactly them.
 """
 import hashlib
+import itertools
+import logging
 import os
 import random
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from trillion.trainer.config import Data as DataConfig
@@ -26,6 +36,7 @@ from trillion.trainer.config import Eval as EvalConfig
 from trillion.errors import ConfigError
 from trillion.trainer.prepared_loader import build_prepared_loader
 
+log = logging.getLogger("trillion")
 SUFFIX_TO_BUILDER = {".json": "json", ".jsonl": "json", ".txt": "text", ".text": "text", ".parquet": "parquet"}
 
 
@@ -50,8 +61,11 @@ class FileDocuments:
     def __len__(self) -> int:
         return len(self.files)
 
-    def iterate(self, start: int, stop: int | None = None):
-        for path in self.files[start:stop]:
+    def count(self) -> int | None:
+        return len(self.files)
+
+    def iterate(self, start: int, stop: int | None = None, step: int = 1):
+        for path in self.files[start:stop:step]:
             yield path.read_text(encoding="utf-8", errors="replace")
 
 
@@ -87,13 +101,19 @@ class HFDocuments:
     def __len__(self) -> int:
         return len(self.dataset)  # not for a streamed dataset
 
-    def iterate(self, start: int, stop: int | None = None):  # stop: not for a streamed dataset
+    def count(self) -> int | None:
+        """The number of documents, None for a streamed dataset."""
         import datasets
 
-        if isinstance(self.dataset, datasets.IterableDataset):
-            rows = self.dataset.skip(start)
+        return None if isinstance(self.dataset, datasets.IterableDataset) else len(self.dataset)
+
+    def iterate(self, start: int, stop: int | None = None, step: int = 1):  # stop: not for a streamed dataset
+        import datasets
+
+        if isinstance(self.dataset, datasets.IterableDataset):  # a stream read by L lanes is read L times
+            rows = itertools.islice(self.dataset.skip(start), 0, None, step)
         else:
-            rows = self.dataset.select(range(start, len(self.dataset) if stop is None else stop))
+            rows = self.dataset.select(range(start, len(self.dataset) if stop is None else stop, step))
         for row in rows:
             yield row[self.text_field] or ""
 
@@ -135,11 +155,13 @@ def build_documents(cfg: DataConfig, seed: int):
 
 class PackedWindows:
     """An endless stream of token windows of `window` tokens; documents joined with EOS. Only the
-    documents `keep(text)` accepts enter it; the position still counts every document."""
+    documents `keep(text)` accepts enter it; the position still counts every document. As lane
+    `lane` of `lanes` it reads documents lane, lane + lanes, lane + 2 lanes, ... only."""
 
-    def __init__(self, documents, tokenizer, window: int, keep=lambda text: True):
+    def __init__(self, documents, tokenizer, window: int, keep=lambda text: True, lane: int = 0, lanes: int = 1):
         self.documents, self.tokenizer, self.window, self.keep = documents, tokenizer, window, keep
-        self.epoch, self.doc_index, self.offset = 0, 0, 0
+        self.lane, self.lanes = lane, lanes
+        self.epoch, self.doc_index, self.offset = 0, lane, 0
         self._stream, self._pending = None, []
 
     def _chunks(self):
@@ -147,7 +169,8 @@ class PackedWindows:
         epoch, first, offset = self.epoch, self.doc_index, self.offset
         while True:
             produced = False
-            for index, text in enumerate(self.documents.iterate(first), start=first):
+            texts = self.documents.iterate(first, step=self.lanes)
+            for index, text in zip(itertools.count(first, self.lanes), texts):
                 if not self.keep(text):
                     continue
                 tokens = self.tokenizer.encode(text)
@@ -156,10 +179,15 @@ class PackedWindows:
                     skip = offset if index == first else 0
                     produced = True
                     yield epoch, index, skip, tokens[skip:]
-            if not produced and first == 0:
+            if not produced and first == self.lane:
+                if self.lanes > 1:
+                    raise ConfigError(f"data.lanes={self.lanes}: lane {self.lane} (documents {self.lane}, "
+                                      f"{self.lane + self.lanes}, ... of the corpus order) holds no text: each of them "
+                                      "is empty or held out for evaluation. Lower --data.lanes (1 reads the documents "
+                                      "one after another).")
                 raise ConfigError("The dataset holds no text: every document is empty (or held out for evaluation, "
                                   "see eval.held_out). Check data.path or data.name and data.text_field.")
-            epoch, first, offset = epoch + 1, 0, 0
+            epoch, first, offset = epoch + 1, self.lane, 0
 
     def next_windows(self, count: int) -> torch.Tensor:
         """The next `count` windows, shape (count, window); advances the position past them."""
@@ -179,7 +207,7 @@ class PackedWindows:
                 self._pending.insert(0, (epoch, index, start + use, tokens[use:]))
                 self.epoch, self.doc_index, self.offset = epoch, index, start + use
             else:
-                self.epoch, self.doc_index, self.offset = epoch, index + 1, 0
+                self.epoch, self.doc_index, self.offset = epoch, index + self.lanes, 0
         return torch.tensor(flat, dtype=torch.long).view(count, self.window)
 
     def state_dict(self) -> dict:
@@ -190,10 +218,103 @@ class PackedWindows:
         self._stream, self._pending = None, []
 
 
+def lane_count(documents, lanes: int) -> int:
+    """data.lanes, or the number of documents when there are fewer (a lane needs one)."""
+    total = documents.count()
+    if total is not None and total < lanes:
+        log.info("data: %d documents, so %d lanes (data.lanes=%d)", total, max(total, 1), lanes)
+        return max(total, 1)
+    return lanes
+
+
+class LanedWindows:
+    """The run's window stream: window k comes from lane k mod L (module docstring). Its position is
+    each lane's and the lane of the next window; with one lane it is that lane's, as saved before
+    data.lanes existed."""
+
+    def __init__(self, documents, tokenizer, window: int, keep=lambda text: True, lanes: int = 1):
+        self.window, self.next_lane = window, 0
+        self.lanes = [PackedWindows(documents, tokenizer, window, keep, lane, lanes) for lane in range(lanes)]
+
+    def next_windows(self, count: int) -> torch.Tensor:
+        """The next `count` windows of the interleaved stream, shape (count, window)."""
+        lanes = len(self.lanes)
+        order = (self.next_lane + torch.arange(count)) % lanes
+        out = torch.empty(count, self.window, dtype=torch.long)
+        for lane in range(lanes):
+            rows = torch.nonzero(order == lane).flatten()
+            if len(rows):
+                out[rows] = self.lanes[lane].next_windows(len(rows))
+        self.next_lane = (self.next_lane + count) % lanes
+        return out
+
+    def state_dict(self) -> dict:
+        if len(self.lanes) == 1:
+            return self.lanes[0].state_dict()
+        states = [lane.state_dict() for lane in self.lanes]
+        return {"lanes": len(self.lanes), "next_lane": self.next_lane,
+                **{key: [state[key] for state in states] for key in ("epoch", "doc_index", "offset")}}
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = state.get("lanes", 1)
+        if saved != len(self.lanes):
+            raise ConfigError(f"The checkpoint being resumed read its documents in {saved} lane(s) but this run reads "
+                              f"{len(self.lanes)} (data.lanes, at most the number of documents). Resume with "
+                              f"--data.lanes={saved}, or start a new --job.output_dir.")
+        if saved == 1:
+            self.lanes[0].load_state_dict(state)
+            self.next_lane = 0
+            return
+        for j, lane in enumerate(self.lanes):
+            lane.load_state_dict({key: state[key][j] for key in ("epoch", "doc_index", "offset")})
+        self.next_lane = state["next_lane"]
+
+
+def token_documents(documents, tokenizer, keep=lambda text: True):
+    """Each document `keep` accepts, as its tokens and EOS, in order (empty ones left out, as the loader does)."""
+    for text in documents.iterate(0):
+        if keep(text) and (tokens := tokenizer.encode(text)):
+            yield tokens + [tokenizer.eos_id]
+
+
+def dealt_windows(token_documents, lanes: int, window: int, count: int) -> torch.Tensor:
+    """At most `count` windows of a finite set (an evaluation set): document m of `token_documents`
+    (token sequences, EOS included) goes to lane m mod L, each lane packs its documents into windows,
+    and the windows are taken from the lanes in turn; a lane whose documents are used up leaves the
+    turn (its partial last window is dropped), and the set ends when every lane has. Never a window
+    twice; with one lane, the first `count` windows of the documents joined."""
+    documents, dealt = iter(token_documents), 0
+    pending = [[] for _ in range(lanes)]  # per lane: token arrays not yet in a window
+    held = [0] * lanes
+    turn, out = list(range(lanes)), []
+    place = 0
+    while len(out) < count and turn:
+        place %= len(turn)
+        lane = turn[place]
+        while held[lane] < window:
+            tokens = next(documents, None)
+            if tokens is None:
+                break
+            if len(tokens):
+                pending[dealt % lanes].append(np.asarray(tokens, dtype=np.int64))
+                held[dealt % lanes] += len(tokens)
+                dealt += 1
+        if held[lane] < window:  # its documents are used up
+            turn.pop(place)
+            continue
+        flat = np.concatenate(pending[lane])
+        out.append(flat[:window])
+        pending[lane], held[lane] = [flat[window:]], held[lane] - window
+        place += 1
+    if not out:
+        return torch.empty(0, window, dtype=torch.long)
+    return torch.from_numpy(np.stack(out))
+
+
 class DataLoader:
     """Yields, per optimizer step, this data-parallel rank's micro-batches as (inputs, labels)."""
 
-    def __init__(self, windows: PackedWindows, global_batch_size: int, micro_batch_size: int,
+    def __init__(self, windows: LanedWindows, global_batch_size: int, micro_batch_size: int,
                  dp_rank: int = 0, dp_size: int = 1):
         self.windows = windows
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
@@ -220,6 +341,7 @@ def build_data_loader(cfg: DataConfig, tokenizer, *, seed: int, seq_len: int, gl
                                      micro_batch_size=micro_batch_size, held_out=held_out, dp_rank=dp_rank,
                                      dp_size=dp_size)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    windows = PackedWindows(build_documents(cfg, seed), tokenizer, seq_len + 1,
-                            keep=lambda text: not is_held_out(text, held_out))
+    documents = build_documents(cfg, seed)
+    windows = LanedWindows(documents, tokenizer, seq_len + 1, keep=lambda text: not is_held_out(text, held_out),
+                           lanes=lane_count(documents, cfg.lanes))
     return DataLoader(windows, global_batch_size, micro_batch_size, dp_rank, dp_size)

@@ -24,6 +24,10 @@ BREAKS_RESUME = {
     "eval.name": "whether training documents are held out",
 }
 
+# Settings added since checkpoints were first written, with the value that reproduces what a
+# checkpoint saved without them did: an on-the-fly run of that time read one document after another.
+ADDED_SINCE = {"data.lanes": 1}
+
 
 def saved_config(path: Path) -> dict:
     """The resolved config a checkpoint was saved with, as {"section.field": value} ({} if absent)."""
@@ -41,6 +45,8 @@ def _flatten(config) -> dict:
 def check_resume_config(saved: dict, config, checkpoint: Path) -> None:
     """Raise if a setting that defines the run changed since the checkpoint; log the harmless changes."""
     current = _flatten(config)
+    if saved and not saved.get("data.prepared"):
+        saved = {**ADDED_SINCE, **saved}
     changed = [(key, old, current[key]) for key, old in saved.items() if key in current and current[key] != old]
     breaking = [(key, old, new, why) for key, old, new in changed
                 for prefix, why in BREAKS_RESUME.items() if key == prefix or (prefix.endswith(".") and key.startswith(prefix))]
