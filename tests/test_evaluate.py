@@ -4,6 +4,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -33,16 +34,30 @@ def evaluator(corpus, *extra):
     return build_evaluator(config, ByteTokenizer(), ParallelDims(world_size=1), 2, torch.device("cpu"))
 
 
-def test_the_evaluation_set_is_the_held_out_documents_in_whole_batches(corpus):
-    found = evaluator(corpus, "--eval.held_out=0.3", "--eval.steps=3")
+def dealt(docs, lanes, window=17):
+    """The evaluation set's windows as specified: document m to lane m mod L, each lane cut into
+    whole windows, then the lanes' windows in turn, a lane leaving when it has none left."""
+    tok = ByteTokenizer()
+    cut = []
+    for j in range(lanes):
+        tokens = [t for d in docs[j::lanes] for t in tok.encode(d) + [tok.eos_id]]
+        cut.append([tokens[i:i + window] for i in range(0, len(tokens) - window + 1, window)])
+    return [lane[i] for i in range(max(map(len, cut))) for lane in cut if i < len(lane)]
+
+
+@pytest.mark.parametrize("lanes", [1, 8])
+def test_the_evaluation_set_is_the_held_out_documents_in_whole_batches(corpus, lanes):
+    found = evaluator(corpus, "--eval.held_out=0.3", "--eval.steps=3", f"--data.lanes={lanes}")
     windows = torch.cat([torch.cat(batch) for batch in found.batches])
     assert windows.shape == (3 * 4, 17)
-    tok = ByteTokenizer()
-    held = [t for d in DOCS if is_held_out(d, 0.3) for t in tok.encode(d) + [tok.eos_id]]
-    assert windows.flatten().tolist() == held[: 3 * 4 * 17]
+    held = [d for d in DOCS if is_held_out(d, 0.3)]
+    assert windows.tolist() == dealt(held, lanes)[: 3 * 4]
+    documents = {m for w in windows for m in re.findall(r"<doc \d{3}>", ByteTokenizer().decode(w.tolist()))}
+    assert len(documents) == {1: 3, 8: 8}[lanes]  # the 12 windows open 3 documents in one lane, 8 dealt over eight
     # a separate set is read whole, and stops at its end rather than repeat a window
-    whole = evaluator(corpus, f"--eval.path={corpus}", "--eval.steps=1000")
-    assert len(whole.batches) == len([t for d in DOCS for t in tok.encode(d) + [tok.eos_id]]) // (4 * 17)
+    whole = evaluator(corpus, f"--eval.path={corpus}", "--eval.steps=1000", f"--data.lanes={lanes}")
+    assert len(whole.batches) == len(dealt(DOCS, lanes)) // 4
+    assert torch.cat([torch.cat(b) for b in whole.batches]).tolist() == dealt(DOCS, lanes)[: len(whole.batches) * 4]
 
 
 def test_too_little_text(corpus, tmp_path, caplog):

@@ -1,7 +1,9 @@
 """Evaluation: the loss on held-out text, under any parallel layout.
 
-The evaluation set is fixed for the run: the first eval.steps x eval.batch_size windows of the
-held-out documents (or of eval.path / eval.name), read once when the run starts, so every
+The evaluation set is fixed for the run: eval.steps x eval.batch_size windows of the held-out
+documents (or of eval.path / eval.name), dealt over data.lanes lanes as training reads its own
+(`data.dealt_windows`: document m to lane m mod L, windows taken from the lanes in turn), so the
+set spans many documents rather than the first few. It is read once when the run starts, so every
 evaluation sees the same tokens and the curve moves only because the model does. Like the
 training batches, evaluation batch i holds the same windows whatever the layout and the
 data-parallel ranks take disjoint slices of it; the loss is the mean over every target token,
@@ -24,7 +26,7 @@ from trillion.parallel.forward_backward import target_tokens, token_loss
 from trillion.parallel.tensor_parallel import loss_context
 from trillion.trainer.config import Data as DataConfig
 from trillion.trainer.config import Eval as EvalConfig
-from trillion.trainer.data import HFDocuments, PackedWindows, build_documents, is_held_out
+from trillion.trainer.data import HFDocuments, build_documents, dealt_windows, is_held_out, token_documents
 
 log = logging.getLogger("trillion")
 # The held-out documents are read in the corpus order of this seed, not the run's, so runs with
@@ -65,23 +67,15 @@ def eval_documents(cfg: EvalConfig, data: DataConfig):
 def read_eval_windows(cfg: EvalConfig, data: DataConfig, tokenizer, seq_len: int, batch_size: int) -> torch.Tensor:
     """The evaluation set: eval.steps batches of batch_size windows of seq_len + 1 tokens, or as many
     whole batches as the set holds (never a window twice)."""
+    count = cfg.steps * batch_size
     if data.prepared and not (cfg.path or cfg.name):  # prepare-data kept the held-out documents beside each store
         from trillion.trainer.prepared_loader import read_held_out_windows
 
-        windows = read_held_out_windows(data, tokenizer, seq_len, cfg.steps * batch_size)
-        return windows[: len(windows) // batch_size * batch_size]
-    documents, keep = eval_documents(cfg, data)
-    stream = PackedWindows(documents, tokenizer, seq_len + 1, keep=keep)
-    batches = []
-    try:
-        while len(batches) < cfg.steps:
-            batch = stream.next_windows(batch_size)
-            if stream.epoch > 0:  # the set ended inside this batch: it would repeat windows
-                break
-            batches.append(batch)
-    except ConfigError:  # the stream found no text at all
-        pass
-    return torch.cat(batches) if batches else torch.empty(0, seq_len + 1, dtype=torch.long)
+        windows = read_held_out_windows(data, tokenizer, seq_len, count)
+    else:
+        documents, keep = eval_documents(cfg, data)
+        windows = dealt_windows(token_documents(documents, tokenizer, keep), data.lanes, seq_len + 1, count)
+    return windows[: len(windows) // batch_size * batch_size]
 
 
 class Evaluator:

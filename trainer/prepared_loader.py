@@ -183,13 +183,20 @@ def build_prepared_loader(cfg: DataConfig, tokenizer, *, seed: int, seq_len: int
 
 
 def read_held_out_windows(cfg: DataConfig, tokenizer, seq_len: int, count: int) -> torch.Tensor:
-    """The first `count` windows of seq_len + 1 tokens of the stores' held-out documents (each store's
-    DIR/held_out/, in the order data.prepared names them, joined into one stream): the evaluation set.
-    Fewer (none) when they hold fewer: the evaluation decides what that means."""
+    """At most `count` windows of seq_len + 1 tokens of the stores' held-out documents (each store's
+    DIR/held_out/, in the order data.prepared names them), dealt over data.lanes lanes as the
+    on-the-fly evaluation set is (`data.dealt_windows`): the evaluation set. Fewer (none) when they
+    hold fewer: the evaluation decides what that means."""
+    from trillion.trainer.data import dealt_windows
+
     stores = [TokenStore(Path(path) / HELD_OUT) for path, _ in parse_prepared(cfg.prepared)]
     for store in stores:
         store.check_tokenizer(tokenizer)
-    window = seq_len + 1
-    stream = np.concatenate([store.tokens(0, store.n_tokens) for store in stores])
-    count = min(count, len(stream) // window)
-    return torch.from_numpy(stream[:count * window]).view(count, window)
+
+    def documents():
+        for store in stores:
+            offsets = store.documents()
+            for start, stop in zip(offsets[:-1], offsets[1:]):
+                yield store.tokens(int(start), int(stop))
+
+    return dealt_windows(documents(), cfg.lanes, seq_len + 1, count)
