@@ -42,8 +42,9 @@ def test_store_holds_the_documents_joined_by_eos(corpus, store):
 
 
 def test_unshuffled_store_gives_the_on_the_fly_batches(corpus, store):
-    """The on-the-fly loader (independent code) packs the same stream: the first epoch agrees."""
-    on_the_fly = loader(Data(path=str(corpus)))
+    """The on-the-fly loader (independent code) packs the same stream: the first epoch agrees (read
+    in one lane: data.lanes=1)."""
+    on_the_fly = loader(Data(path=str(corpus), lanes=1))
     prepared = loader(Data(prepared=str(store), shuffle=False))
     for _ in range(20):
         assert torch.equal(windows(prepared.next_batch()), windows(on_the_fly.next_batch()))
@@ -215,8 +216,15 @@ def test_held_out_documents_are_excluded_exactly_and_readable_for_evaluation(tmp
         texts = [tok.decode(opened.tokens(a, b - 1).tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
         assert texts == docs
     stream = [t for d in held for t in tok.encode(d) + [tok.eos_id]]
-    assert read_held_out_windows(Data(prepared=str(out)), tok, 31, 3).flatten().tolist() == stream[:96]
-    on_the_fly = loader(Data(path=str(corpus)), held_out=0.3)  # the loader's own split agrees
+    assert read_held_out_windows(Data(prepared=str(out), lanes=1), tok, 31, 3).flatten().tolist() == stream[:96]
+    # dealt over lanes, the evaluation set from the store is the on-the-fly one (same documents, same order)
+    from trillion.trainer.config import Eval
+    from trillion.trainer.evaluate import read_eval_windows
+
+    dealt = read_eval_windows(Eval(held_out=0.3, steps=3), Data(prepared=str(out), lanes=3), tok, 31, 4)
+    assert dealt.shape == (12, 32) and not torch.equal(dealt.flatten(), torch.tensor(stream[:12 * 32]))
+    assert torch.equal(dealt, read_eval_windows(Eval(held_out=0.3, steps=3), Data(path=str(corpus), lanes=3), tok, 31, 4))
+    on_the_fly = loader(Data(path=str(corpus), lanes=1), held_out=0.3)  # the loader's own split agrees
     prepared = loader(Data(prepared=str(out), shuffle=False), held_out=0.3)
     assert torch.equal(windows(prepared.next_batch()), windows(on_the_fly.next_batch()))
     with pytest.raises(ConfigError, match=r"holding out eval.held_out=0.3 .* this run holds out 0.01"):
