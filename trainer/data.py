@@ -232,9 +232,11 @@ class LanedWindows:
     each lane's and the lane of the next window; with one lane it is that lane's, as saved before
     data.lanes existed."""
 
-    def __init__(self, documents, tokenizer, window: int, keep=lambda text: True, lanes: int = 1):
-        self.window, self.next_lane = window, 0
-        self.lanes = [PackedWindows(documents, tokenizer, window, keep, lane, lanes) for lane in range(lanes)]
+    def __init__(self, documents, tokenizer, window: int, keep=lambda text: True, lanes: int = 1,
+                 setting: int | None = None):
+        self.window, self.next_lane, self.setting = window, 0, setting or lanes  # setting: data.lanes
+        self._lane = lambda lane, count: PackedWindows(documents, tokenizer, window, keep, lane, count)
+        self.lanes = [self._lane(lane, lanes) for lane in range(lanes)]
 
     def next_windows(self, count: int) -> torch.Tensor:
         """The next `count` windows of the interleaved stream, shape (count, window)."""
@@ -257,10 +259,15 @@ class LanedWindows:
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("lanes", 1)
-        if saved != len(self.lanes):
-            raise ConfigError(f"The checkpoint being resumed read its documents in {saved} lane(s) but this run reads "
-                              f"{len(self.lanes)} (data.lanes, at most the number of documents). Resume with "
-                              f"--data.lanes={saved}, or start a new --job.output_dir.")
+        if saved > self.setting:
+            raise ConfigError(f"The checkpoint being resumed read its documents in {saved} lanes but this run reads "
+                              f"at most {self.setting} (data.lanes). Resume with --data.lanes={saved}, or start a new "
+                              "--job.output_dir.")
+        if saved != len(self.lanes):  # data.lanes is the same (resume_check): the number of documents changed
+            log.warning("data: the checkpoint read its documents in %d lanes; the changed corpus would give %d "
+                        "(data.lanes=%d, at most one per document): continuing in %d", saved, len(self.lanes),
+                        self.setting, saved)
+            self.lanes = [self._lane(lane, saved) for lane in range(saved)]
         if saved == 1:
             self.lanes[0].load_state_dict(state)
             self.next_lane = 0
@@ -343,5 +350,5 @@ def build_data_loader(cfg: DataConfig, tokenizer, *, seed: int, seq_len: int, gl
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     documents = build_documents(cfg, seed)
     windows = LanedWindows(documents, tokenizer, seq_len + 1, keep=lambda text: not is_held_out(text, held_out),
-                           lanes=lane_count(documents, cfg.lanes))
+                           lanes=lane_count(documents, cfg.lanes), setting=cfg.lanes)
     return DataLoader(windows, global_batch_size, micro_batch_size, dp_rank, dp_size)
