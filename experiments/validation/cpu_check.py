@@ -78,9 +78,14 @@ def main() -> None:
             for processes in (1, 2):  # a node of one busy process, and of two
                 calibrate(Path(tmp) / f"cpu{repeat}-{processes}.toml", processes)
                 profiles[processes] = profile = load_profile(str(Path(tmp) / f"cpu{repeat}-{processes}.toml"))
+                tp = "".join(f", TP {kind.replace('_', '-')} {bandwidth:.2f} GB/s + {latency:.0f} us"
+                             for kind, bandwidth, latency in profile.intra_node[0].kinds)
+                host = (f", DTensor host work per block {profile.tp_layer_host_s[0] * 1e3:.1f} ms forward + "
+                        f"{profile.tp_layer_host_s[1] * 1e3:.1f} ms backward" if processes > 1 else "")
                 summaries.append(f"{processes} process(es): peak {profile.device.peak_tflops_bf16 * 1e3:.1f} GFLOP/s, copy "
                                  f"{profile.device.memory_bandwidth_gbs:.2f} GB/s, gloo all-reduce "
-                                 f"{profile.intra_node[0].bandwidth_gbs:.3f} GB/s, latency {profile.link_latency_us:.0f} us")
+                                 f"{profile.intra_node[0].bandwidth_gbs:.3f} GB/s, latency {profile.link_latency_us:.0f} us"
+                                 f"{tp}{host}")
             for index, (name, (processes, overrides, layout)) in enumerate(LAYOUTS.items()):
                 request = Request(MODEL, get_preset(MODEL), profiles[processes], processes, GLOBAL_BATCH, SEQ_LEN)
                 predicted[name].append(evaluate(request, layout).step.total)

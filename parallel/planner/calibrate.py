@@ -317,6 +317,7 @@ collective_efficiency = 1.0  # the bandwidth above is the achieved figure
 link_latency_us = {latency * 1e6:.2f}  # measured: a 4-byte all-reduce, per ring step
 network_latency_us = {network_latency * 1e6:.2f}
 compute_dtype = "{'bf16' if on_gpu else 'fp32'}"
+overlaps_collectives = {'true  # copy engines and NICs move the bytes' if on_gpu else 'false  # gloo moves the bytes on the cores that compute'}
 {host_line}
 [device]
 name = "{name}"

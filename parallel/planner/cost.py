@@ -23,6 +23,9 @@ then dp_shard, dp_replicate, pp, as the trainer's DeviceMesh does):
       host runs ahead of the kernels and GPU profiles leave it 0).
   PP: one activation per micro-batch per stage boundary; in steady state the sends overlap the
       next micro-batch, so only the fill and drain (2 (p v - 1) transfers) are exposed.
+  Overlap needs something besides the compute units to move the bytes (a GPU's copy engines and
+  NICs). On a CPU gloo's transfers run on the cores that compute, so a CPU's calibrated profile
+  says `overlaps_collectives = false` and every PP and DP collective is charged in full.
   DP: per ZeRO mode (memory.py's docstring); collectives run on their own streams and FSDP2
       prefetches one block ahead, so they hide behind compute as long as it lasts, except the
       first all-gather and last reduce-scatter of each chunk of each micro-batch; per-step
@@ -218,15 +221,20 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     inner = layout.tp * layout.cp * layout.dp  # the ranks between two pipeline stages in the mesh
     crosses_nodes = inner >= hw.gpus_per_node
     bandwidth, latency = hw.collective_link(min(hw.gpus_per_node, 2 * inner), crosses_nodes)
-    pp_exposed = 2 * (p * v - 1) * (boundary_bytes / bandwidth + latency) if p > 1 else 0.0
+    transfers = 2 * (p * v - 1) if hw.overlaps_collectives else 2 * m * v  # per stage boundary
+    pp_exposed = transfers * (boundary_bytes / bandwidth + latency) if p > 1 else 0.0
 
     rank = pipeline_ranks(args, layout)[slowest]
     per_mb, after_backward, before_forward = dp_comm(args, hw, layout, rank)
     unhidden = m * v * per_mb / max(rank.layers, 1)
     tp_numel, shard_numel = rank.numel(args, layout.tp, layout.dp_shard * layout.cp)
-    dp_exposed = (max(0.0, m * per_mb - m * worst) + unhidden
-                  + max(0.0, after_backward - (passes.input_grad + passes.weight_grad))
-                  + max(0.0, before_forward - passes.forward) + fsdp_copies(hw, layout, tp_numel))
+    if hw.overlaps_collectives:
+        dp_exposed = (max(0.0, m * per_mb - m * worst) + unhidden
+                      + max(0.0, after_backward - (passes.input_grad + passes.weight_grad))
+                      + max(0.0, before_forward - passes.forward))
+    else:
+        dp_exposed = m * per_mb + after_backward + before_forward
+    dp_exposed += fsdp_copies(hw, layout, tp_numel)
 
     copy_back = 2 * tp_numel if layout.dp_shard_mode in ("zero1", "zero2") else 0
     optimizer = _memory_bound(hw, OPTIMIZER_BYTES_PER_PARAM * shard_numel + copy_back)

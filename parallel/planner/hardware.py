@@ -45,6 +45,8 @@ class HardwareProfile:
     # (forward, backward) host seconds DTensor adds to a block under TP beyond its collectives:
     # measured by `trillion plan --calibrate --model` (calibrate.tp_layer_host_seconds), else 0
     tp_layer_host_s: tuple[float, float] = (0.0, 0.0)
+    # collectives run beside compute (copy engines, NICs); false on a CPU, whose cores do both
+    overlaps_collectives: bool = True
 
     @property
     def element_bytes(self) -> int:
@@ -116,6 +118,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
             node_overhead_w=float(table.get("node_overhead_w", 0.0)), pue=float(table.get("pue", 1.0)),
             price_per_gpu_hour=float(table.get("price_per_gpu_hour", 0.0)), source=str(path),
             compute_dtype=str(table.get("compute_dtype", "bf16")),
+            overlaps_collectives=bool(table.get("overlaps_collectives", True)),
             tp_layer_host_s=tuple(float(table.get("tp_layer_host_us", {}).get(p, 0.0)) * 1e-6
                                   for p in ("forward", "backward")),
         )

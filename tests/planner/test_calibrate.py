@@ -18,6 +18,7 @@ def test_calibrated_profile_plans_one_node_and_refuses_more(tmp_path, monkeypatc
     profile = load_profile(str(path))
     device = profile.device
     assert profile.compute_dtype == "fp32" and profile.gpus_per_node == 2 and profile.node_bandwidth_gbs == 0
+    assert not profile.overlaps_collectives  # gloo moves the bytes on the cores that compute
     assert device.memory_bandwidth_gbs > 0 and device.kernel_overhead_us > 0 and 0 < device.attention_efficiency <= 1
     shapes = calibration.model_gemm_shapes(args, 128)
     assert len(device.gemm_efficiency) == 1 + len(shapes) and (128, args.dim, args.ffn_hidden // 2) in shapes

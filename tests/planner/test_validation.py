@@ -71,5 +71,6 @@ def test_readme_states_the_recorded_cpu_check():
     readme = (RUNS_FILE.parents[2] / "README.md").read_text()
     assert set(rows) == {"1 process", "dp_shard 2 (FSDP, gloo)", "tp 2 (gloo)"}
     text = " ".join(readme.split())
-    assert abs(rows["1 process"]) <= CPU_TOLERANCE and f"within 30% of the measured step ({100 * rows['1 process']:+.0f}%)" in text
+    assert all(abs(error) <= CPU_TOLERANCE for error in rows.values())  # the must-show, as recorded
+    assert f"within 30% of the measured step ({100 * rows['1 process']:+.0f}%)" in text
     assert f"(dp_shard 2 {100 * rows['dp_shard 2 (FSDP, gloo)']:+.0f}%, tp 2 {100 * rows['tp 2 (gloo)']:+.0f}%)" in text

@@ -1,14 +1,16 @@
-"""What tensor parallelism costs in the planner: each collective kind at its own measured figures,
-DTensor's host work per block where a CPU calibration measured it, and nothing of either on a
-profile that has neither (the published rows stay as they were)."""
+"""What collectives cost in the planner: TP's kinds at their own measured figures, DTensor's host
+work per block where a CPU calibration measured it, nothing of either on a profile that has
+neither (the published rows stay as they were), and no hiding behind compute where the cores
+that compute also move the bytes (a CPU)."""
 import dataclasses
 
 import pytest
 
 from trillion.models.presets import get_preset
-from trillion.parallel.planner.cost import collective_time, step_time
+from trillion.parallel.planner.cost import collective_time, dp_comm, step_time
 from trillion.parallel.planner.hardware import Link, load_profile
 from trillion.parallel.planner.layout import Layout
+from trillion.parallel.planner.memory import pipeline_ranks
 
 ARGS = get_preset("llama3-8b")
 TP8 = Layout(8, 1, 1, 1, "zero3", "1F1B", 1, 1, 1, "none")
@@ -34,3 +36,13 @@ def test_dtensor_host_work_is_charged_per_block_and_pass_only_under_tp():
     assert added == pytest.approx(ARGS.n_layers * 3e-3)
     no_tp = Layout(1, 1, 1, 8, "zero3", "1F1B", 1, 1, 1, "none")
     assert step_time(ARGS, hosted, no_tp, SEQ).total == step_time(ARGS, stock, no_tp, SEQ).total
+
+
+def test_without_overlap_every_fsdp_collective_is_charged():
+    stock = load_profile("dgx-h100")
+    cpu_like = dataclasses.replace(stock, overlaps_collectives=False)
+    fsdp = Layout(1, 1, 1, 8, "zero3", "1F1B", 1, 1, 4, "none")
+    per_microbatch, after_backward, before_forward = dp_comm(ARGS, cpu_like, fsdp, pipeline_ranks(ARGS, fsdp)[0])
+    hidden, charged = step_time(ARGS, stock, fsdp, SEQ).dp_exposed, step_time(ARGS, cpu_like, fsdp, SEQ).dp_exposed
+    assert charged - hidden > 0.5 * 4 * per_microbatch  # most of it hid behind compute on the GPU profile
+    assert charged >= 4 * per_microbatch + after_backward + before_forward
