@@ -180,7 +180,7 @@ class PackedWindows:
                     produced = True
                     yield epoch, index, skip, tokens[skip:]
             if not produced and first == self.lane:
-                if self.lanes > 1:
+                if self.lanes > 1 and self._any_text():
                     raise ConfigError(f"data.lanes={self.lanes}: lane {self.lane} (documents {self.lane}, "
                                       f"{self.lane + self.lanes}, ... of the corpus order) holds no text: each of them "
                                       "is empty or held out for evaluation. Lower --data.lanes (1 reads the documents "
@@ -188,6 +188,10 @@ class PackedWindows:
                 raise ConfigError("The dataset holds no text: every document is empty (or held out for evaluation, "
                                   "see eval.held_out). Check data.path or data.name and data.text_field.")
             epoch, first, offset = epoch + 1, self.lane, 0
+
+    def _any_text(self) -> bool:
+        """Whether any document of the whole corpus enters a stream (asked only to word an error)."""
+        return any(self.keep(text) and self.tokenizer.encode(text) for text in self.documents.iterate(0))
 
     def next_windows(self, count: int) -> torch.Tensor:
         """The next `count` windows, shape (count, window); advances the position past them."""
