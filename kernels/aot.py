@@ -28,7 +28,7 @@ import torch
 import triton
 
 from trillion.kernels import norm
-from trillion.kernels.flash_attention import DELTA_BLOCK_M, block_d_for, configs, kernel_args, kernel_fn
+from trillion.kernels.flash_attention_op import DELTA_BLOCK_M, block_d_for, configs, kernel_args, kernel_fn
 
 # Chip limits: shared memory / LDS per block (the opt-in maximum on NVIDIA), registers per thread.
 ARCHS = {

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from trillion.kernels.attention import SAVED_ATTENTION_OPS
+from trillion.kernels.attention_dispatch import SAVED_ATTENTION_OPS
 from trillion.parallel.modes import checkpoint_mode, checkpointed_blocks
 
 _aten = torch.ops.aten

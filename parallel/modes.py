@@ -61,12 +61,12 @@ SCHEDULES: dict[str, Schedule] = {s.name: s for s in (  # each proven by a tests
 DEFAULT_VIRTUAL_STAGES = 2  # looped schedules' stages per rank when parallel.pp_virtual_stages=0
 
 
-def schedule(name: str) -> Schedule:
-    """The schedule by its name in any case (`parallel.pp_schedule`)."""
+def schedule(name: str, setting: str = "parallel.pp_schedule") -> Schedule:
+    """The schedule by its name in any case; `setting` is what the user wrote it as, for the error."""
     for known in SCHEDULES.values():
         if known.name.lower() == name.lower():
             return known
-    raise ConfigError(f"parallel.pp_schedule={name!r} is not known. Use one of: {', '.join(SCHEDULES)}.")
+    raise ConfigError(f"{setting}={name!r} is not known. Use one of: {', '.join(SCHEDULES)}.")
 
 
 def stages_per_rank(s: Schedule, requested: int) -> int:

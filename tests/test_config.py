@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from trillion.trainer.config import Config, help_text, load_config, to_toml
+from trillion.trainer.config.schema import Config, help_text, load_config, to_toml
 from trillion.errors import ConfigError
 
 

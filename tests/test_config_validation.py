@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from trillion.errors import ConfigError
-from trillion.trainer.cli import main
-from trillion.trainer.config import Config, load_config
-from trillion.trainer.config_checks import Text
+from trillion.trainer.cli.main import main
+from trillion.trainer.config.schema import Config, load_config
+from trillion.trainer.config.checks import Text
 
 
 def fields():
@@ -27,7 +27,7 @@ def bad_cases():
 
 def test_every_field_declares_its_check():
     undeclared = [f"{section}.{f.name}" for section, f in fields() if f.metadata.get("check") is None]
-    assert not undeclared, f"declare a check in doc(default, text, check) for: {undeclared} (see trainer/config_checks.py)"
+    assert not undeclared, f"declare a check in doc(default, text, check) for: {undeclared} (see trainer/config/checks.py)"
     # Only free text has no value to refuse; everything else must offer at least one.
     unwalked = [f"{section}.{f.name}" for section, f in fields()
                 if not f.metadata["check"].bad_values() and not isinstance(f.metadata["check"], Text)]

@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from trillion.trainer.config import Data, Tokenizer
-from trillion.trainer.data import build_data_loader
-from trillion.trainer.tokenizer import ByteTokenizer, build_tokenizer
+from trillion.trainer.config.schema import Data, Tokenizer
+from trillion.trainer.data.loader import build_data_loader
+from trillion.trainer.data.tokenizer import ByteTokenizer, build_tokenizer
 
 DOCS = [f"document {i}: " + " ".join(["word"] * (i % 7 + 1)) for i in range(40)]
 

@@ -3,9 +3,9 @@ jsonl file, where no shuffle happens): global batch i holds the same windows for
 data-parallel ranks, so nothing in the order may depend on the layout."""
 import torch
 
-from trillion.trainer.config import Data
-from trillion.trainer.data import build_data_loader
-from trillion.trainer.tokenizer import ByteTokenizer
+from trillion.trainer.config.schema import Data
+from trillion.trainer.data.loader import build_data_loader
+from trillion.trainer.data.tokenizer import ByteTokenizer
 
 
 def global_batches(dp_size: int, count: int = 2) -> list[torch.Tensor]:

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from trillion.errors import ConfigError
-from trillion.trainer.config import Data, load_config
-from trillion.trainer.data import build_data_loader, dealt_windows
-from trillion.trainer.resume_check import check_resume_config
-from trillion.trainer.tokenizer import ByteTokenizer
+from trillion.trainer.config.schema import Data, load_config
+from trillion.trainer.data.loader import build_data_loader, dealt_windows
+from trillion.trainer.checkpoint.resume_check import check_resume_config
+from trillion.trainer.data.tokenizer import ByteTokenizer
 
 # unequal lengths, so the lanes run out of documents (and wrap) at different steps
 DOCS = [f"<doc {i:02d}> " + "word " * (i % 7 + 1) for i in range(40)]
@@ -134,7 +134,7 @@ def test_a_checkpoint_from_before_lanes_resumes_only_with_one_lane(tmp_path):
 
 def test_held_out_documents_never_reach_a_lane(jsonl):
     """Each lane's stream is exactly its kept documents in order: a held-out one drops out where it falls."""
-    from trillion.trainer.data import is_held_out
+    from trillion.trainer.data.loader import is_held_out
 
     fraction, lanes = 0.3, 3
     held = [d for d in DOCS if is_held_out(d, fraction)]

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from trillion.trainer.cli import main
+from trillion.trainer.cli.main import main
 
 
 def run_cli(args, capsys):

@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from trillion.trainer.config import Data, Eval
-from trillion.trainer.data import build_data_loader, default_corpus_files, held_out_fraction, is_held_out
-from trillion.trainer.tokenizer import ByteTokenizer
+from trillion.trainer.config.schema import Data, Eval
+from trillion.trainer.data.loader import build_data_loader, default_corpus_files, held_out_fraction, is_held_out
+from trillion.trainer.data.tokenizer import ByteTokenizer
 
 # Each document carries a unique marker; a few are repeated verbatim (duplicates go to one side).
 DOCS = [f"<doc {i:03d}> " + "lorem ipsum " * (i % 5 + 1) for i in range(120)] + ["same text"] * 3
@@ -78,8 +78,8 @@ def test_default_corpus_split_is_seed_independent():
 
 def test_changing_the_split_refuses_to_resume(tmp_path):
     from trillion.errors import ConfigError
-    from trillion.trainer.config import load_config
-    from trillion.trainer.resume_check import check_resume_config
+    from trillion.trainer.config.schema import load_config
+    from trillion.trainer.checkpoint.resume_check import check_resume_config
 
     saved = {"eval.held_out": 0.01, "eval.path": "", "eval.name": "", "eval.interval": 50, "data.lanes": 8}
     check_resume_config({**saved, "eval.interval": 10}, load_config(), tmp_path)  # how often: no new run

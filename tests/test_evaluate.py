@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from trillion.errors import ConfigError
 from trillion.models import PRESETS, Transformer
 from trillion.parallel.dims import ParallelDims
-from trillion.trainer.config import load_config
-from trillion.trainer.data import is_held_out
+from trillion.trainer.config.schema import load_config
+from trillion.trainer.data.loader import is_held_out
 from trillion.trainer.evaluate import build_evaluator, eval_batch_size
-from trillion.trainer.tokenizer import ByteTokenizer
+from trillion.trainer.data.tokenizer import ByteTokenizer
 
 DOCS = [f"<doc {i:03d}> " + "text " * (i % 9 + 3) for i in range(200)]
 SMALL = ["--training.seq_len=16", "--training.global_batch_size=4", "--training.micro_batch_size=2"]

@@ -12,7 +12,7 @@ import pytest
 from fault_record import report
 from test_launch import TINY, clean_env
 from trillion.errors import RunAborted
-from trillion.trainer import rendezvous
+from trillion.trainer.launch import rendezvous
 
 
 def srun(per_rank_args: list[list[str]], tmp_path, **env):

@@ -3,8 +3,8 @@ with the figures and the `trillion plan` command; its counts are the model's exa
 from trillion.models import get_preset
 from trillion.models.flops import count_params
 from trillion.parallel.dims import ParallelDims
-from trillion.trainer.cli import main
-from trillion.trainer.config import load_config
+from trillion.trainer.cli.main import main
+from trillion.trainer.config.schema import load_config
 from trillion.trainer.preflight import states_per_rank
 
 

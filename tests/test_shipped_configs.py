@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trillion.trainer.tools.estimate import layout_dims
-from trillion.trainer.config import load_config
-from trillion.trainer.launch import LaunchEnv
+from trillion.trainer.tools.estimate.dry_run import layout_dims
+from trillion.trainer.config.schema import load_config
+from trillion.trainer.launch.env import LaunchEnv
 from trillion.trainer.assemble import build_model_args, validate_training
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "experiments/configs").glob("*.toml"))

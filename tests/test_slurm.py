@@ -2,7 +2,7 @@
 import pytest
 
 from trillion.errors import ConfigError
-from trillion.trainer.slurm import expand_hostlist, torch_env_from_slurm
+from trillion.trainer.launch.slurm import expand_hostlist, torch_env_from_slurm
 
 
 @pytest.mark.parametrize("hostlist, expected", [
@@ -48,7 +48,7 @@ def test_missing_variables_say_what_to_do():
 
 
 def test_inconsistent_launch_variables_fail_before_the_rendezvous(monkeypatch):
-    from trillion.trainer.launch import init_launch_env
+    from trillion.trainer.launch.env import init_launch_env
 
     for name in ("SLURM_PROCID", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)

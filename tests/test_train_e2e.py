@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from trillion.trainer.config import load_config
+from trillion.trainer.config.schema import load_config
 
 
 def test_train_writes_a_run_directory_and_learns(tmp_path):

@@ -2,8 +2,8 @@
 from pathlib import Path
 
 from wandb_records import offline_run
-from trillion.trainer.config import Logging
-from trillion.trainer.metrics import MetricsSink
+from trillion.trainer.config.schema import Logging
+from trillion.trainer.metrics.meters import MetricsSink
 
 
 def write_steps(output_dir: Path, cfg: Logging, steps, resume=False):

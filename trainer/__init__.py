@@ -1,2 +1,2 @@
-"""The program a user runs: CLI, config, launch environment, data, optimizer, training loop,
-metrics and checkpoints; the tools that run the trainer's code (estimate, plan, tune) in tools/."""
+"""The program a user runs: the training loop (train.py), its assembly, optimizer, evaluation, resilience and
+pre-flight checks at this level; the components it is built from in subpackages, one concern each."""

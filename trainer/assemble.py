@@ -14,8 +14,8 @@ from trillion.models import ModelArgs, get_preset
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
-from trillion.trainer.config import Config, Training, divisor_near, validate_config
-from trillion.trainer.launch import LaunchEnv
+from trillion.trainer.config.schema import Config, Training, divisor_near, validate_config
+from trillion.trainer.launch.env import LaunchEnv
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

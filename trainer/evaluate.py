@@ -24,9 +24,9 @@ from trillion.errors import ConfigError
 from trillion.parallel.context_parallel import shard_batch
 from trillion.parallel.forward_backward import target_tokens, token_loss
 from trillion.parallel.tensor_parallel import loss_context
-from trillion.trainer.config import Data as DataConfig
-from trillion.trainer.config import Eval as EvalConfig
-from trillion.trainer.data import HFDocuments, build_documents, dealt_windows, is_held_out, token_documents
+from trillion.trainer.config.schema import Data as DataConfig
+from trillion.trainer.config.schema import Eval as EvalConfig
+from trillion.trainer.data.loader import HFDocuments, build_documents, dealt_windows, is_held_out, token_documents
 
 log = logging.getLogger("trillion")
 # The held-out documents are read in the corpus order of this seed, not the run's, so runs with
@@ -69,7 +69,7 @@ def read_eval_windows(cfg: EvalConfig, data: DataConfig, tokenizer, seq_len: int
     whole batches as the set holds (never a window twice)."""
     count = cfg.steps * batch_size
     if data.prepared and not (cfg.path or cfg.name):  # prepare-data kept the held-out documents beside each store
-        from trillion.trainer.prepared_loader import read_held_out_windows
+        from trillion.trainer.data.prepared import read_held_out_windows
 
         windows = read_held_out_windows(data, tokenizer, seq_len, count)
     else:

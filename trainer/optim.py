@@ -4,8 +4,8 @@ import math
 import torch
 from torch import nn
 
-from trillion.trainer.config import LRSchedule as LRScheduleConfig
-from trillion.trainer.config import Optimizer as OptimizerConfig
+from trillion.trainer.config.schema import LRSchedule as LRScheduleConfig
+from trillion.trainer.config.schema import Optimizer as OptimizerConfig
 from trillion.errors import ConfigError
 
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from trillion.trainer.config import Training as TrainingConfig
+from trillion.trainer.config.schema import Training as TrainingConfig
 from trillion.errors import RunAborted
 
 log = logging.getLogger("trillion")

@@ -19,18 +19,18 @@ from trillion.parallel.tensor_parallel import reduce_partial_grads
 from trillion.errors import RunAborted
 from trillion.trainer.assemble import (batch_split, build_model, build_model_args, build_parallel_dims, compute_dtype,
                                        validate_training)
-from trillion.trainer.checkpoint import CheckpointManager
-from trillion.trainer.config import Config, to_toml
-from trillion.trainer.data import build_data_loader, held_out_fraction
+from trillion.trainer.checkpoint.manager import CheckpointManager
+from trillion.trainer.config.schema import Config, to_toml
+from trillion.trainer.data.loader import build_data_loader, held_out_fraction
 from trillion.trainer.evaluate import build_evaluator
-from trillion.trainer.launch import check_same_config, init_launch_env
-from trillion.trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
+from trillion.trainer.launch.env import check_same_config, init_launch_env
+from trillion.trainer.metrics.meters import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
-from trillion.trainer.pipeline_timeline import PipelineTimeline
+from trillion.trainer.metrics.pipeline_timeline import PipelineTimeline
 from trillion.trainer.preflight import check_memory
-from trillion.trainer.profiling import PhaseTimer, StepProfiler
+from trillion.trainer.metrics.profiling import PhaseTimer, StepProfiler
 from trillion.trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy
-from trillion.trainer.tokenizer import build_tokenizer
+from trillion.trainer.data.tokenizer import build_tokenizer
 
 log = logging.getLogger("trillion")
 

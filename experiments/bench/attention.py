@@ -3,8 +3,8 @@
     python experiments/bench/attention.py            # on a GPU: bf16, causal, seq 1k-16k, head dims 64/128
     python experiments/bench/attention.py --smoke    # CPU, tiny sizes, Triton interpreter, seconds
 
-Attention: forward, backward and forward+backward TFLOP/s of trillion.kernels.flash_attention, SDPA
-restricted to its flash backend, and the eager reference (trillion.kernels.attention.eager_attention),
+Attention: forward, backward and forward+backward TFLOP/s of trillion.kernels.flash_attention_op, SDPA
+restricted to its flash backend, and the eager reference (trillion.kernels.attention_dispatch.eager_attention),
 with batch = 16k tokens / seq and heads = 2048 / head_dim so every shape fills the GPU alike.
 FLOPs count the causal half: forward 2 matmuls, backward 5 (2.5x forward), as FlashAttention's
 benchmarks do. Norms: GB/s (bytes read and written once) of trillion.kernels.norm's RMSNorm and LayerNorm
@@ -58,7 +58,7 @@ def _attention_fn(impl: str):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from trillion.kernels import flash_attention
-    from trillion.kernels.attention import eager_attention
+    from trillion.kernels.attention_dispatch import eager_attention
 
     if impl == "triton":
         return lambda q, k, v: flash_attention(q, k, v, causal=True)

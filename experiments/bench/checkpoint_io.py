@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trillion.trainer.config import load_config
+from trillion.trainer.config.schema import load_config
 from trillion.trainer.train import train
 
 DEBUG_CONFIG = str(Path(__file__).parents[1] / "configs" / "debug.toml")

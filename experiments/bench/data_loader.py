@@ -34,10 +34,10 @@ from experiments.bench.timing import median_seconds  # noqa: E402
 from trillion.devices import lookup_device
 from trillion.models import get_preset
 from trillion.models.flops import model_flops_per_token
-from trillion.trainer.config import Data, load_config
-from trillion.trainer.data import build_data_loader, build_documents
-from trillion.trainer.prepare_data import prepare
-from trillion.trainer.tokenizer import build_tokenizer
+from trillion.trainer.config.schema import Data, load_config
+from trillion.trainer.data.loader import build_data_loader, build_documents
+from trillion.trainer.data.prepare import prepare
+from trillion.trainer.data.tokenizer import build_tokenizer
 
 TORCHTITAN_LLAMA3_8B_H100 = 5762  # tokens/s/GPU, torchtitan's benchmark (local batch 2 x 8192, FSDP)
 

@@ -127,7 +127,7 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
     from trillion.parallel.modes import recompute_fraction
     from trillion.parallel.compile import apply_compile
     from trillion.devices import lookup_device
-    from trillion.trainer.config import load_config
+    from trillion.trainer.config.schema import load_config
     from trillion.trainer.optim import build_optimizer
     from trillion.parallel.forward_backward import MicroBatchLoop
     from trillion.trainer.assemble import build_model_args

@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from trillion.models import Transformer
-from trillion.trainer.config import load_config
+from trillion.trainer.config.schema import load_config
 from trillion.trainer.optim import build_optimizer
-from trillion.trainer.tokenizer import build_tokenizer
+from trillion.trainer.data.tokenizer import build_tokenizer
 from trillion.trainer.assemble import build_model_args
 from trillion.trainer.train import train
 

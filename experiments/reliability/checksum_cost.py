@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trillion.trainer.checkpoint_verify import damaged_files, write_manifest
+from trillion.trainer.checkpoint.verify import damaged_files, write_manifest
 
 
 def main(size_mb: int = 512) -> None:

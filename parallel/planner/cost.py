@@ -41,8 +41,9 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from trillion.models.args import ModelArgs
+from trillion.parallel import modes
 from trillion.parallel.planner.hardware import HardwareProfile
-from trillion.parallel.planner.layout import Layout, bubble_slots, get_schedule
+from trillion.parallel.planner.layout import Layout, bubble_slots
 from trillion.parallel.planner.memory import RankParams, pipeline_ranks, replicated_numel
 from trillion.parallel.planner.work import (
     BACKWARD_ELEMENTWISE, CROSS_ENTROPY_BYTES_PER_LOGIT, FSDP_GATHER_COPY_BYTES, FSDP_REDUCE_COPY_BYTES,
@@ -208,7 +209,7 @@ def _pipeline(args: ModelArgs, hw: HardwareProfile, seq_len: int, tp: int, pp: i
 
 
 def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int) -> StepTime:
-    schedule = get_schedule(layout.pp_schedule)
+    schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     slowest, passes, recompute, worst, mean, tp_mean, cp_mean = _pipeline(
         args, hw, seq_len, layout.tp, p, v, layout.pp_schedule, layout.micro_batch_size, layout.activation_checkpoint,

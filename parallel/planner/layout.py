@@ -12,12 +12,6 @@ from trillion.parallel.modes import CHECKPOINT_MODES, SCHEDULES, Schedule
 SEARCHED_CHECKPOINT_MODES = tuple(name for name, mode in CHECKPOINT_MODES.items() if not mode.op_level)
 
 
-def get_schedule(name: str) -> Schedule:
-    if name not in SCHEDULES:
-        raise ConfigError(f"--pp-schedule {name!r} is not a known schedule. Use one of: {', '.join(SCHEDULES)}.")
-    return SCHEDULES[name]
-
-
 @dataclass(frozen=True)
 class Layout:
     tp: int

@@ -12,7 +12,7 @@ replicated: parallel/tensor_parallel.py's plan):
 never resharded after forward, so under zero3 its bf16 copy is held through the step too. A
 pipeline schedule turns gradient sync off until the last micro-batch and keeps its stages
 gathered from their first backward on, whatever the mode, so with pp > 1 every mode costs zero1's
-bytes (measured in gloo runs by `trillion estimate`, trainer/tools/estimate.py).
+bytes (measured in gloo runs by `trillion estimate`, trainer/tools/estimate/dry_run.py).
 Activations follow Korthikanti et al. 2022 without dropout and with flash
 attention (no s^2 terms): 34 s b h bytes per GPT layer in bf16. With sequence parallelism the
 norm inputs are split over TP ranks, but DTensor saves the all-gathered inputs of the
@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from trillion.models.args import ModelArgs
+from trillion.parallel import modes
 from trillion.parallel.modes import checkpointed_blocks
-from trillion.parallel.planner.layout import Layout, get_schedule, in_flight_microbatches, stage_layers
+from trillion.parallel.planner.layout import Layout, in_flight_microbatches, stage_layers
 
 ACTIVATION_BYTES = 2  # bf16
 FRAMEWORK_BYTES = 1e9  # CUDA/HIP context, BLAS workspaces
@@ -126,7 +127,7 @@ def pipeline_ranks(args: ModelArgs, layout: Layout) -> list[RankParams]:
 
 @lru_cache(maxsize=4096)
 def _pipeline_ranks(n_layers: int, pp: int, v: int, schedule_name: str) -> list[RankParams]:
-    schedule = get_schedule(schedule_name)
+    schedule = modes.schedule(schedule_name, "--pp-schedule")
     chunks = stage_layers(n_layers, pp, v, schedule)
     last_rank = 0 if schedule.v_shape and pp > 1 else pp - 1
     return [RankParams(sum(c), r == 0, r == last_rank, tuple(c)) for r, c in enumerate(chunks)]
@@ -220,7 +221,7 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
 def layout_memory(args: ModelArgs, layout: Layout, seq_len: int) -> Memory:
     """Memory of the fullest GPU: the first pipeline rank (most micro-batches in flight) or the
     last (the output layer and the logits)."""
-    schedule = get_schedule(layout.pp_schedule)
+    schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
     ranks = pipeline_ranks(args, layout)
     first, last = in_flight_microbatches(schedule, layout.pp, layout.virtual_stages, layout.microbatches)
     candidates = [rank_memory(args, layout, seq_len, ranks[0], first)]

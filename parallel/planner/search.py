@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 from trillion.models.flops import count_params, hardware_flops_per_token, megatron_flops_per_iteration, model_flops_per_token
 from trillion.models.args import ModelArgs
+from trillion.parallel import modes
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES, check_schedule
-from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES, Layout, get_schedule
+from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES, Layout
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
 from trillion.errors import ConfigError
 
@@ -118,9 +119,9 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
     for dp_shard in shards:
         if dp % dp_shard or (replicate and replicate * dp_shard != dp):
             continue
-        modes = _options(request, "dp_shard_mode", list(ZERO_MODES) if dp_shard * cp > 1 else ["zero3"])
+        zero_modes = _options(request, "dp_shard_mode", list(ZERO_MODES) if dp_shard * cp > 1 else ["zero3"])
         for name in schedules:
-            schedule = get_schedule(name)
+            schedule = modes.schedule(name, "--pp-schedule")
             any_v = [request.fixed.get("virtual_stages", DEFAULT_VIRTUAL_STAGES)]
             for v in (schedule.virtual_stages or any_v) if pp > 1 else [1]:
                 if pp * v > args.n_layers or ("virtual_stages" in request.fixed and request.fixed["virtual_stages"] != v):
@@ -130,7 +131,7 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
                         continue
                     m = request.global_batch // (dp * mb)
                     for ac in _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)):
-                        for mode in modes:
+                        for mode in zero_modes:
                             yield Layout(tp, pp, dp // dp_shard, dp_shard, mode, name, v, mb, m, ac,
                                          request.fixed.get("compile", False), cp)
 
@@ -191,7 +192,7 @@ def check_request(request: Request) -> None:
         raise ConfigError(f"--activation-checkpoint {request.fixed['activation_checkpoint']!r} is not known. "
                           f"Use {', '.join(SEARCHED_CHECKPOINT_MODES)}.")
     if "pp_schedule" in request.fixed:
-        get_schedule(request.fixed["pp_schedule"])
+        modes.schedule(request.fixed["pp_schedule"], "--pp-schedule")
     if request.gpus < 1 or request.global_batch < 1:
         raise ConfigError(f"--gpus {request.gpus} and --global-batch {request.global_batch} must be at least 1.")
     if request.seq_len > args.max_seq_len and args.positions != "rope":  # rotary: train with --model.max_seq_len

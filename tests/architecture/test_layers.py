@@ -55,9 +55,9 @@ def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
     fake_root = tmp_path
     for folder in FOLDERS:
         (fake_root / folder).mkdir()
-    (fake_root / "models" / "bad.py").write_text("def f():\n    from trillion.trainer.config import Config\n")
+    (fake_root / "models" / "bad.py").write_text("def f():\n    from trillion.trainer.config.schema import Config\n")
     monkeypatch.setattr(__import__(__name__), "ROOT", fake_root)
-    assert upward_edges() == ["models/bad.py:2 imports trillion.trainer.config (layer 4 > 2)"]
+    assert upward_edges() == ["models/bad.py:2 imports trillion.trainer.config.schema (layer 4 > 2)"]
 
 
 def test_trillion_is_the_only_installed_top_level_name(tmp_path):
@@ -76,6 +76,6 @@ def test_trillion_is_the_only_installed_top_level_name(tmp_path):
         assert not top_level_txt or archive.read(top_level_txt[0]).decode().split() == ["trillion"]
         installed = archive.namelist()
     assert {t for t in top if not t.endswith(".dist-info")} == {"trillion"}, top
-    for module in ("trillion/__main__.py", "trillion/kernels/flash_attention.py", "trillion/trainer/tools/estimate.py",
+    for module in ("trillion/__main__.py", "trillion/kernels/flash_attention_op.py", "trillion/trainer/tools/estimate/dry_run.py",
                    "trillion/parallel/planner/hardware_profiles/frontier.toml", "trillion/devices.toml"):
         assert module in installed

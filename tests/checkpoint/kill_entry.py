@@ -8,7 +8,7 @@ import time
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-from trillion.trainer.cli import main
+from trillion.trainer.cli.main import main
 
 original, calls = FileSystemWriter.write_data, []
 

@@ -2,7 +2,7 @@
 import json
 from pathlib import Path
 
-from trillion.trainer.config import load_config
+from trillion.trainer.config.schema import load_config
 from trillion.trainer.train import train
 
 TINY = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
@@ -26,7 +26,7 @@ FAMILIES = {  # extra flags on top of TINY for each model family Hugging Face ex
 
 def trained_and_exported(root: Path, family: str) -> tuple[Path, Path]:
     """A 2-step run of `family` under root/source and its `trillion export --format hf` under root/hf."""
-    from trillion.trainer.cli import main
+    from trillion.trainer.cli.main import main
 
     source, out = root / "source", root / "hf"
     run(source, *FAMILIES[family], steps=2)

@@ -7,14 +7,14 @@ from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemWriter
 
-import trillion.trainer.checkpoint
+import trillion.trainer.checkpoint.manager
 from runs import checkpoints, losses, run
 
 
 def test_async_saves_overlap_training_and_publish_only_when_written(straight, tmp_path, monkeypatch):
     _, expected = straight
     events = []
-    finish, publish, write_marker = FileSystemWriter.finish, trillion.trainer.checkpoint.CheckpointManager._publish, trillion.trainer.checkpoint._write_synced
+    finish, publish, write_marker = FileSystemWriter.finish, trillion.trainer.checkpoint.manager.CheckpointManager._publish, trillion.trainer.checkpoint.manager._write_synced
 
     def slow_finish(self, *args, **kwargs):  # the metadata, the last thing a save writes
         time.sleep(0.5)
@@ -30,8 +30,8 @@ def test_async_saves_overlap_training_and_publish_only_when_written(straight, tm
         write_marker(path, text)
 
     monkeypatch.setattr(FileSystemWriter, "finish", slow_finish)
-    monkeypatch.setattr(trillion.trainer.checkpoint.CheckpointManager, "_publish", recording_publish)
-    monkeypatch.setattr(trillion.trainer.checkpoint, "_write_synced", recording_marker)
+    monkeypatch.setattr(trillion.trainer.checkpoint.manager.CheckpointManager, "_publish", recording_publish)
+    monkeypatch.setattr(trillion.trainer.checkpoint.manager, "_write_synced", recording_marker)
     out = tmp_path / "async"
     run(out, "--checkpoint.async_mode=async", "--checkpoint.interval=2", "--checkpoint.keep_latest=0")
 

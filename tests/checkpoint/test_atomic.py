@@ -9,8 +9,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from fault_record import first_step_time, report
 from runs import TINY, checkpoints, losses, run
-from trillion.trainer.checkpoint import CheckpointError
-from trillion.trainer.cli import main
+from trillion.trainer.checkpoint.manager import CheckpointError
+from trillion.trainer.cli.main import main
 
 
 def fail_on_save(monkeypatch, method: str, error: Exception, after: int = 1):

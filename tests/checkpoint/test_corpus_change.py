@@ -4,7 +4,7 @@ import json
 import os
 
 from runs import TINY, run
-from trillion.trainer.cli import main
+from trillion.trainer.cli.main import main
 
 
 def write_docs(path, words):

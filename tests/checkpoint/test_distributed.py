@@ -15,7 +15,7 @@ import trillion.trainer.train
 from fault_record import first_step_time, report
 from runs import TINY, losses, run
 from test_resume import read_checkpoint
-from trillion.trainer.cli import main
+from trillion.trainer.cli.main import main
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
 from spawn import run_ranks  # noqa: E402

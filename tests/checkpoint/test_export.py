@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from runs import FAMILIES, run, trained_and_exported
-from trillion.trainer.checkpoint_state import ModelParts, load_model_weights
-from trillion.trainer.cli import main
-from trillion.trainer.export import load_checkpoint_model
+from trillion.trainer.checkpoint.state import ModelParts, load_model_weights
+from trillion.trainer.cli.main import main
+from trillion.trainer.checkpoint.export import load_checkpoint_model
 
 transformers = pytest.importorskip("transformers")
 

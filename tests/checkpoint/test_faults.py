@@ -18,7 +18,7 @@ import pytest
 import trillion.trainer.train
 from fault_record import first_step_time, last_line, report
 from runs import TINY, checkpoints, losses, run
-from trillion.trainer.cli import main
+from trillion.trainer.cli.main import main
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])

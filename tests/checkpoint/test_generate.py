@@ -9,9 +9,9 @@ import torch
 from runs import FAMILIES, run, trained_and_exported
 from trillion.models import PRESETS, Transformer
 from trillion.models.kv_cache import KVCache
-from trillion.trainer.cli import main
-from trillion.trainer.generate import Sampling, generate, load_for_generation, next_token, stream_text
-from trillion.trainer.tokenizer import ByteTokenizer
+from trillion.trainer.cli.main import main
+from trillion.trainer.cli.generate import Sampling, generate, load_for_generation, next_token, stream_text
+from trillion.trainer.data.tokenizer import ByteTokenizer
 
 transformers = pytest.importorskip("transformers")
 

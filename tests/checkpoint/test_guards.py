@@ -9,8 +9,8 @@ import torch
 import trillion.trainer.train
 from fault_record import last_line, report
 from runs import TINY, run
-from trillion.trainer.cli import main
-from trillion.trainer.config import ConfigError
+from trillion.trainer.cli.main import main
+from trillion.trainer.config.schema import ConfigError
 from trillion.trainer.resilience import TrainingDiverged
 
 

@@ -8,7 +8,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from runs import checkpoints, losses, run
-from trillion.trainer.checkpoint import MARKER
+from trillion.trainer.checkpoint.manager import MARKER
 
 
 def test_chained_jobs_equal_one_unbroken_run(straight, tmp_path, caplog):

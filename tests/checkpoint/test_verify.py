@@ -10,8 +10,8 @@ import pytest
 
 from fault_record import first_step_time, last_line, report
 from runs import TINY, checkpoints, losses, run
-from trillion.trainer.checkpoint_verify import MANIFEST, damaged_files
-from trillion.trainer.cli import main
+from trillion.trainer.checkpoint.verify import MANIFEST, damaged_files
+from trillion.trainer.cli.main import main
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from trillion.models import PRESETS, Transformer
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
-from trillion.trainer.data import DataLoader
+from trillion.trainer.data.loader import DataLoader
 from trillion.trainer.train import train_step
 
 FAMILIES = {

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from parity import check_cases
 from spawn import run_ranks
 from trillion.kernels import attention
-from trillion.kernels.flash_attention import reference_attention
+from trillion.kernels.flash_attention_op import reference_attention
 from trillion.parallel.context_parallel import attention_across_shards, positions_of, shard_sequence
 
 FAMILIES = ("llama", "gpt")

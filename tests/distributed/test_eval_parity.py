@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trillion.trainer.config import load_config
+from trillion.trainer.config.schema import load_config
 from trillion.trainer.train import train
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

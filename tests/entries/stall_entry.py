@@ -5,7 +5,7 @@ import sys
 import time
 
 import trillion.trainer.train
-from trillion.trainer.cli import main
+from trillion.trainer.cli.main import main
 
 if os.environ.get("RANK") == "1":
     original, calls = trillion.trainer.train.train_step, []

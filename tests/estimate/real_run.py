@@ -23,13 +23,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from trillion.models import Transformer
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
-from trillion.trainer.tools.estimate import storage_bytes
-from trillion.trainer.tools.estimate_activations import measure_micro_batch
+from trillion.trainer.tools.estimate.dry_run import storage_bytes
+from trillion.trainer.tools.estimate.activations import measure_micro_batch
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline
 from trillion.parallel.tensor_parallel import apply_tensor_parallel, loss_context
-from trillion.trainer.config import load_config
-from trillion.trainer.launch import LaunchEnv
+from trillion.trainer.config.schema import load_config
+from trillion.trainer.launch.env import LaunchEnv
 from trillion.trainer.optim import build_optimizer
 from trillion.trainer.assemble import batch_split, build_model_args, build_parallel_dims
 from trillion.trainer.train import train_step
@@ -149,7 +149,7 @@ def _receive_buffers(pipeline: Pipeline) -> list[torch.Tensor]:
 def _schedule_peak(pipeline: Pipeline, micro_batches) -> int:
     """The peak bytes of storages created during a second step of the schedule above what exists
     before it (parameters, any receive buffers the first step kept); weight gradients are dropped as
-    they accumulate, as in trainer/tools/estimate_activations.py."""
+    they accumulate, as in trainer/tools/estimate/activations.py."""
     tokens = torch.tensor(sum(y.numel() for _, y in micro_batches))
     pipeline.step(micro_batches, tokens)
     params = [q for part in pipeline.parts for q in part.parameters()]

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from trillion.trainer.cli import main
+from trillion.trainer.cli.main import main
 
 SMALL = ["--config", "experiments/configs/debug_2d_cpu.toml", "--job.device=cpu", "--model.n_layers=2",
          "--training.seq_len=64"]

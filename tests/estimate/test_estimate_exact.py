@@ -12,8 +12,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
 from spawn import run_ranks  # noqa: E402
 
-from trillion.trainer.tools.estimate import estimate  # noqa: E402
-from trillion.trainer.config import load_config  # noqa: E402
+from trillion.trainer.tools.estimate.dry_run import estimate  # noqa: E402
+from trillion.trainer.config.schema import load_config  # noqa: E402
 from real_run import measure_rank  # noqa: E402
 
 # fp32 on CPU; dp_shard 3 would not divide the vocabulary: 2, 4 and 8 ranks keep the runs short

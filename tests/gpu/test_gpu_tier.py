@@ -40,7 +40,7 @@ def _err(a, b):
 
 @pytest.mark.parametrize("dtype, head_dim, causal", ATTENTION_CASES, ids=lambda c: str(c).removeprefix("torch."))
 def test_flash_attention_under_compile_matches_float64(dtype, head_dim, causal):
-    from trillion.kernels.flash_attention import flash_attention, reference_attention
+    from trillion.kernels.flash_attention_op import flash_attention, reference_attention
 
     compiled = torch.compile(lambda q, k, v: flash_attention(q, k, v, causal=causal), fullgraph=True)
     for batch, hq, hkv, lq, lk in SHAPES:

@@ -9,7 +9,7 @@ result to fp16 alone costs half of one.
 import pytest
 import torch
 
-from trillion.kernels.flash_attention import flash_attention, reference_attention
+from trillion.kernels.flash_attention_op import flash_attention, reference_attention
 
 
 def _fixed_bound(truth: torch.Tensor, dtype: torch.dtype) -> float:
@@ -179,7 +179,7 @@ def test_custom_op_registration_passes_opcheck():
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90", "gfx90a", "gfx942"])
 def test_every_architecture_has_configs_for_every_head_dim(arch):
-    from trillion.kernels.flash_attention import configs
+    from trillion.kernels.flash_attention_op import configs
 
     for kernel in ("fwd", "dkdv", "dq"):
         for block_d in (16, 32, 64, 128, 256):

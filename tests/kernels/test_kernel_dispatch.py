@@ -82,7 +82,7 @@ def test_trainer_with_triton_kernels_matches_sdpa_losses(tmp_path):
     import json
 
     from trillion.kernels import NORM_IMPLS
-    from trillion.trainer.cli import main
+    from trillion.trainer.cli.main import main
 
     def losses(attention_impl: str, norm_impl: str) -> list[float]:
         out = tmp_path / attention_impl

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trillion.kernels.flash_attention import flash_attention
+from trillion.kernels.flash_attention_op import flash_attention
 from trillion.kernels.norm import RMSNorm, layer_norm, rms_norm
 
 

@@ -9,9 +9,9 @@ from trillion.models import PRESETS
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
 from trillion.parallel.modes import recompute_fraction, zero_mode
 from trillion.parallel.dims import ParallelDims
-from trillion.trainer.config import Config
+from trillion.trainer.config.schema import Config
 from trillion.errors import ConfigError
-from trillion.trainer.launch import LaunchEnv
+from trillion.trainer.launch.env import LaunchEnv
 from trillion.trainer.assemble import build_parallel_dims, validate_training
 
 LLAMA, GPT = PRESETS["debug"], PRESETS["debug-gpt"]  # 8 heads, 4 KV heads (Llama), ffn 704 / 1024, vocab 320

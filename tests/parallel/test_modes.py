@@ -7,7 +7,7 @@ import pytest
 
 from trillion.errors import ConfigError
 from trillion.parallel.modes import SCHEDULES, check_schedule, checkpoint_mode, checkpointed_blocks
-from trillion.trainer.config import Parallel, help_text
+from trillion.trainer.config.schema import Parallel, help_text
 
 
 def test_the_tables_import_without_torch():

@@ -16,7 +16,7 @@ from trillion.models import Transformer  # noqa: E402
 from trillion.parallel.dims import ParallelDims  # noqa: E402
 from trillion.parallel.parallelize import parallelize  # noqa: E402
 from trillion.parallel.pipeline import Pipeline, StageLayers  # noqa: E402
-from trillion.trainer.data import DataLoader  # noqa: E402
+from trillion.trainer.data.loader import DataLoader  # noqa: E402
 from trillion.trainer.train import train_step  # noqa: E402
 
 

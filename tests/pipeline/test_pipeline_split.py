@@ -9,9 +9,9 @@ import torch
 from trillion.models import PRESETS, Transformer
 from trillion.parallel.pipeline import (StageLayers, bubble_fraction, describe_split, split_units, stage_indices, stage_module,
                                validate_pipeline)
-from trillion.trainer.config import load_config
+from trillion.trainer.config.schema import load_config
 from trillion.errors import ConfigError
-from trillion.trainer.launch import LaunchEnv
+from trillion.trainer.launch.env import LaunchEnv
 from trillion.trainer.assemble import build_parallel_dims
 
 LLAMA = PRESETS["debug"]  # 4 layers

@@ -5,8 +5,8 @@ import os
 import sys
 from pathlib import Path
 
-from trillion.trainer.config import Profiling
-from trillion.trainer.pipeline_timeline import is_profiled_step
+from trillion.trainer.config.schema import Profiling
+from trillion.trainer.metrics.pipeline_timeline import is_profiled_step
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))

@@ -11,8 +11,8 @@ from trillion.devices import DEVICES, lookup_device
 from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.search import Request, evaluate, metrics, search
 from trillion.parallel.planner.layout import Layout
-from trillion.trainer.cli import main as trillion
-from trillion.trainer.config import load_config
+from trillion.trainer.cli.main import main as trillion
+from trillion.trainer.config.schema import load_config
 
 JSON_KEYS = {"tp", "pp", "dp_replicate", "dp_shard", "dp_shard_mode", "pp_schedule", "micro_batch_size", "microbatches",
              "activation_checkpoint", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "hfu", "memory_gb"}

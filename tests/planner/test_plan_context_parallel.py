@@ -6,8 +6,8 @@ from trillion.models.presets import get_preset
 from trillion.parallel.planner.hardware import load_profile
 from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.search import Request, evaluate
-from trillion.trainer.cli import main as trillion
-from trillion.trainer.config import load_config
+from trillion.trainer.cli.main import main as trillion
+from trillion.trainer.config.schema import load_config
 
 
 def test_activations_divide_by_cp_and_the_exchange_is_costed():

@@ -1,7 +1,7 @@
 """`trillion tune` measures real trial runs (torchrun, gloo) of the planner's candidates."""
 import json
 
-from trillion.trainer.cli import main
+from trillion.trainer.cli.main import main
 
 
 def test_tune_measures_candidates_and_writes_the_fastest(tmp_path, capsys):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from trillion.trainer.data import default_corpus_files
+from trillion.trainer.data.loader import default_corpus_files
 
 SUBSET_FILES = 20
 

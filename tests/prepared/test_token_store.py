@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from trillion.errors import ConfigError, RunAborted
-from trillion.trainer import prepare_data, token_store
-from trillion.trainer.config import Data, load_config
-from trillion.trainer.data import build_data_loader, is_held_out
-from trillion.trainer.prepared_loader import WindowPermutation, parse_prepared, read_held_out_windows
-from trillion.trainer.token_store import TokenStore
-from trillion.trainer.tokenizer import ByteTokenizer, build_tokenizer
+from trillion.trainer.data import prepare as prepare_data, token_store
+from trillion.trainer.config.schema import Data, load_config
+from trillion.trainer.data.loader import build_data_loader, is_held_out
+from trillion.trainer.data.prepared import WindowPermutation, parse_prepared, read_held_out_windows
+from trillion.trainer.data.token_store import TokenStore
+from trillion.trainer.data.tokenizer import ByteTokenizer, build_tokenizer
 
 
 def docs_of(corpus):
@@ -116,7 +116,7 @@ def test_blend_shares_follow_the_weights(tmp_path, corpus, store, caplog):
 def test_a_store_of_another_tokenizer_is_refused_naming_both(tmp_path, store):
     ranks = tmp_path / "bytes.tiktoken"
     ranks.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(256)))
-    from trillion.trainer.config import Tokenizer
+    from trillion.trainer.config.schema import Tokenizer
 
     other = build_tokenizer(Tokenizer(kind="tiktoken", path=str(ranks)))
     with pytest.raises(ConfigError, match=r"tokenized with byte \(257 ids.*this run's tokenizer is tiktoken .*bytes.tiktoken"):
@@ -218,7 +218,7 @@ def test_held_out_documents_are_excluded_exactly_and_readable_for_evaluation(tmp
     stream = [t for d in held for t in tok.encode(d) + [tok.eos_id]]
     assert read_held_out_windows(Data(prepared=str(out), lanes=1), tok, 31, 3).flatten().tolist() == stream[:96]
     # dealt over lanes, the evaluation set from the store is the on-the-fly one (same documents, same order)
-    from trillion.trainer.config import Eval
+    from trillion.trainer.config.schema import Eval
     from trillion.trainer.evaluate import read_eval_windows
 
     dealt = read_eval_windows(Eval(held_out=0.3, steps=3), Data(prepared=str(out), lanes=3), tok, 31, 4)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from trillion.trainer.config import load_config
+from trillion.trainer.config.schema import load_config
 from trillion.trainer.train import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

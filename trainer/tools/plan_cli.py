@@ -17,17 +17,13 @@ from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.search import LAYOUT_FIELDS, Request, metrics, model_summary, search
 from trillion.parallel.modes import SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
-from trillion.trainer.config import Config, load_config, to_toml
+from trillion.trainer.config.schema import Config, load_config, to_toml
 from trillion.errors import ConfigError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # a usage mistake is a user error: one paragraph, exit 2
-        raise ConfigError(f"{message}. See `trillion plan --help`.")
+from trillion.trainer.cli.args import CommandParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="trillion plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser("plan", description=__doc__)
     p.add_argument("--model", help=f"preset: {', '.join(PRESETS)}")
     p.add_argument("--hardware", help=f"profile name ({', '.join(profile_names())}) or a profile TOML file")
     p.add_argument("--gpus", type=int, help="number of GPUs (GCDs on Frontier)")

@@ -21,20 +21,16 @@ from trillion.parallel.dims import ParallelDims
 from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.search import Request, search
 from trillion.parallel.planner.layout import Layout
-from trillion.trainer.config import load_config, to_toml
+from trillion.trainer.config.schema import load_config, to_toml
 from trillion.errors import ConfigError
-from trillion.trainer.metrics import MetricsSink
-from trillion.trainer.tokenizer import build_tokenizer
+from trillion.trainer.cli.args import CommandParser
+from trillion.trainer.metrics.meters import MetricsSink
+from trillion.trainer.data.tokenizer import build_tokenizer
 from trillion.trainer.assemble import build_model_args
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise ConfigError(f"{message}. See `trillion tune --help`.")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="trillion tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser("tune", description=__doc__)
     p.add_argument("--config", required=True, help="the run to tune (a `trillion train` config)")
     p.add_argument("--nproc", type=int, required=True, help="processes (GPUs) on this node to run each trial on")
     p.add_argument("--hardware", required=True, help=f"planner profile ranking the candidates: {', '.join(profile_names())}, "

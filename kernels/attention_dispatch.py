@@ -1,0 +1,65 @@
+"""One entry point for scaled-dot-product attention, so the model never names a backend."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from trillion.kernels._triton_setup import has_triton, use_triton
+
+ATTENTION_IMPLS = ("sdpa", "eager", "triton")
+
+
+def eager_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None):
+    """Plain PyTorch reference: materializes the score matrix. q (b, hq, sq, d), k/v (b, hkv, sk, d).
+
+    With sq != sk the causal mask is aligned to the lower right (query i sees keys up to
+    i + sk - sq), as in torch.nn.attention.bias.causal_lower_right.
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(n_rep, dim=1)
+    v = v.repeat_interleave(n_rep, dim=1)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    if causal:
+        q_len, kv_len = q.shape[-2], k.shape[-2]
+        keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    # A query that sees no key (causal, q_len > kv_len) gets zeros, as SDPA and the Triton kernel give.
+    probs = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def sdpa_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None):
+    if q.shape[-2] != k.shape[-2] and causal:
+        # SDPA's is_causal aligns top-left; lower-right is what a decoder with a KV prefix needs.
+        return eager_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return F.scaled_dot_product_attention(
+        q, k, v, is_causal=causal, scale=softmax_scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+
+
+def triton_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None):
+    """Our Triton FlashAttention-2 (kernels/flash_attention_op.py); SDPA where Triton cannot run,
+    with the reason logged once."""
+    if not use_triton("kernels.attention=triton", q.device.type):
+        return sdpa_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return flash_attention(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+if has_triton():
+    from trillion.kernels.flash_attention_op import flash_attention
+else:
+    def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None):
+        raise RuntimeError("flash_attention needs the triton package (pip install triton), which is not installed")
+
+
+# Attention ops whose outputs op-level activation checkpointing keeps (with SDPA's own), so that
+# selective:op never recomputes our attention: its output and log-sum-exp are all the backward needs.
+SAVED_ATTENTION_OPS = (torch.ops.trillion.flash_attn_fwd.default,) if has_triton() else ()
+
+_IMPLS = {"sdpa": sdpa_attention, "eager": eager_attention, "triton": triton_attention}
+
+
+def attention(q, k, v, *, impl: str = "sdpa", causal: bool = True, softmax_scale: float | None = None):
+    """Attention of q (batch, q_heads, q_len, head_dim) over k, v (batch, kv_heads, kv_len, head_dim)."""
+    return _IMPLS[impl](q, k, v, causal=causal, softmax_scale=softmax_scale)

@@ -1,0 +1,72 @@
+"""The `trillion` command: `trillion <command> [args]`. User errors print one paragraph (no
+traceback) and exit with status 2."""
+import logging
+import os
+import sys
+
+from trillion.errors import ConfigError, RunAborted
+
+
+def entry_module(command: str):
+    """The module whose `main(argv) -> int` runs `command`, imported only when it runs (`trillion plan`
+    needs no model code)."""
+    if command == "train":
+        from trillion.trainer.cli import train as module
+    elif command == "prepare-data":
+        from trillion.trainer.cli import prepare_data as module
+    elif command == "plan":
+        from trillion.trainer.tools import plan_cli as module
+    elif command == "tune":
+        from trillion.trainer.tools import tune as module
+    elif command == "estimate":
+        from trillion.trainer.tools.estimate import cli as module
+    elif command == "export":
+        from trillion.trainer.cli import export as module
+    else:
+        assert command == "generate", command
+        from trillion.trainer.cli import generate as module
+    return module
+
+
+# command -> one-line summary
+COMMANDS = {
+    "train": "train a model: trillion train [--config FILE] [--section.field=value ...]",
+    "prepare-data": "tokenize a corpus once into a token store: trillion prepare-data --out DIR "
+                     "[--workers N] [--data.path=...]",
+    "plan": "choose a parallel layout: trillion plan --model M --hardware H --gpus N --global-batch B",
+    "tune": "measure the planner's best layouts: trillion tune --config FILE --nproc N --hardware H",
+    "estimate": "check a layout's memory per rank at full scale on one CPU: trillion estimate "
+                 "--config FILE --world-size N",
+    "export": "a checkpoint as a Hugging Face model: trillion export --checkpoint DIR --format hf OUT",
+    "generate": "continue a prompt: trillion generate --checkpoint RUN_DIR --prompt TEXT "
+                 "[--max-new-tokens N] [--temperature T] [--top-k K]",
+}
+
+
+def usage() -> str:
+    lines = ["usage: trillion <command> [args]", "", "commands:"]
+    lines += [f"  {name:12s} {summary}" for name, summary in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"trillion: unknown command {argv[0]!r}.\n\n{usage()}", file=sys.stderr)
+        return 2
+    try:
+        return entry_module(argv[0]).main(argv[1:])
+    except (ConfigError, RunAborted) as error:
+        status = 2 if isinstance(error, ConfigError) else 1
+        print(f"trillion {argv[0]}: {error}", file=sys.stderr)
+        if argv[0] == "train":  # the other ranks stop too, with this message, instead of waiting for this one
+            from trillion.trainer.launch.rendezvous import post_startup_error
+
+            post_startup_error(str(error), status)
+        return status

@@ -1,0 +1,31 @@
+"""`trillion train [--config FILE] [--section.field=value ...]`."""
+import torch.distributed as dist
+
+from trillion.errors import ConfigError, RunAborted
+from trillion.trainer.config.schema import help_text, load_config
+from trillion.trainer.train import train
+
+USAGE = "usage: trillion train [--config FILE] [--section.field=value ...]\n\n"
+
+
+def main(argv: list[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(USAGE + help_text())
+        return 0
+    config_path, overrides, args = None, [], iter(argv)
+    for arg in args:
+        if arg == "--config":
+            config_path = next(args, None)
+        elif arg.startswith("--config="):
+            config_path = arg.split("=", 1)[1]
+        else:
+            overrides.append(arg)
+    try:
+        train(load_config(config_path, overrides))
+    except (ConfigError, RunAborted):
+        # Leave the process group before the error reaches the CLI: a rank that exits with gloo's
+        # threads still attached to a peer that has gone can abort in C++ (exit -6) instead of 2 or 1.
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    return 0

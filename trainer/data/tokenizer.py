@@ -1,0 +1,90 @@
+"""Tokenizers: byte-level (needs no files), Hugging Face `tokenizer.json`, tiktoken BPE ranks."""
+import base64
+import hashlib
+from pathlib import Path
+
+from trillion.trainer.config.schema import Tokenizer as TokenizerConfig
+from trillion.errors import ConfigError
+
+# The pre-tokenization pattern of Llama 3 / cl100k, used for tiktoken ranks files.
+TIKTOKEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class ByteTokenizer:
+    """UTF-8 bytes are ids 0-255; 256 ends a document."""
+
+    vocab_size = 257
+    eos_id = 256
+    kind, source, fingerprint = "byte", "", ""  # what a token store records of its tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    def __init__(self, path: str, eos_token: str):
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(path)
+        self.kind, self.source, self.fingerprint = "hf", path, _sha256(path)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        candidates = [eos_token] if eos_token else ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>"]
+        ids = [self._tok.token_to_id(c) for c in candidates if self._tok.token_to_id(c) is not None]
+        if not ids:
+            raise ConfigError(
+                f"tokenizer.path={path!r} has no end-of-document token among {candidates}. "
+                "Name it with --tokenizer.eos_token=..."
+            )
+        self.eos_id = ids[0]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+
+class TiktokenTokenizer:
+    def __init__(self, path: str, eos_token: str):
+        import tiktoken
+
+        self.kind, self.source, self.fingerprint = "tiktoken", path, _sha256(path)
+        ranks = {}
+        for line in Path(path).read_text().splitlines():
+            if line.strip():
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+        eos = eos_token or "<|endoftext|>"
+        self.eos_id = len(ranks)
+        self._enc = tiktoken.Encoding(Path(path).stem, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
+                                      special_tokens={eos: self.eos_id})
+        self.vocab_size = self.eos_id + 1
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._enc.decode(ids)
+
+
+def _sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def build_tokenizer(cfg: TokenizerConfig):
+    if cfg.kind == "byte":
+        return ByteTokenizer()
+    if cfg.kind not in ("hf", "tiktoken"):
+        raise ConfigError(f"tokenizer.kind={cfg.kind!r} is not known. Use byte, hf or tiktoken.")
+    if not cfg.path or not Path(cfg.path).is_file():
+        raise ConfigError(
+            f"tokenizer.path={cfg.path!r}: no such file. tokenizer.kind={cfg.kind} needs "
+            + ("a tokenizer.json" if cfg.kind == "hf" else "a .tiktoken BPE ranks file")
+            + " (or use --tokenizer.kind=byte, which needs none)."
+        )
+    return HFTokenizer(cfg.path, cfg.eos_token) if cfg.kind == "hf" else TiktokenTokenizer(cfg.path, cfg.eos_token)

@@ -1,0 +1,131 @@
+"""The activation peak of one micro-batch, measured by PyTorch's MemTracker: on meta tensors for the
+estimate (trainer/tools/estimate/dry_run.py), on real tensors for the checks against it (tests/estimate).
+
+The model given is already tensor-parallel and activation-checkpointed, without FSDP: FSDP changes
+where parameters live, not what forward and backward keep.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+@dataclass(frozen=True)
+class MicroBatchMemory:
+    """One micro-batch through one stage (the whole model without pipelining): bytes above what
+    existed before it (parameters, the stage input, the gradient arriving for its output)."""
+    held: int  # from the end of its forward (loss included on the last stage) until its backward
+    forward_peak: int
+    peak: int  # forward and backward
+    grad_elements: int  # weight-gradient elements as autograd made them
+
+    def scaled(self, other: "MicroBatchMemory", factor: float) -> "MicroBatchMemory":
+        """self + factor x (other - self), field by field: extrapolation in depth."""
+        return MicroBatchMemory(**{f: int(round(getattr(self, f) + factor * (getattr(other, f) - getattr(self, f))))
+                                   for f in self.__dataclass_fields__})
+
+
+def measure_micro_batch(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, tp_enabled: bool,
+                        last: bool) -> MicroBatchMemory:
+    """Forward and backward of one micro-batch under MemTracker. `inputs`: tokens, or the hidden state a
+    later stage receives; `target`: the labels on the `last` stage (its loss is the trainer's), else
+    the gradient the next stage sends back for the output. Both exist before tracking starts, as the
+    pipeline's receive buffers do. Weight gradients are dropped once accumulated (FSDP reduce-scatters
+    and frees them; the kept shards are counted as gradients), so the figures are activations, their
+    gradients and the temporaries of backward. Under TP alone a vocabulary-parallel embedding gets a
+    replicated, whole-table gradient (DTensor's embedding backward does not keep the shard), which
+    `grad_elements` reports."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from trillion.parallel.forward_backward import token_loss
+    from trillion.parallel.tensor_parallel import loss_context
+
+    grad_elements = {}
+
+    def drop(param):
+        local = local_tensor(param.grad)
+        grad_elements[id(param)] = local.untyped_storage().nbytes() // local.element_size()
+        param.grad = None
+
+    device = local_tensor(inputs).device.type
+    handles = [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
+    tracker = MemTracker()
+    tracker.track_external(model)
+    try:
+        with tracker, _flash_on_meta(), warnings.catch_warnings(), loss_context(tp_enabled and last):
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")  # MemTracker on grad=None
+            base = _device_total(tracker.get_tracker_snapshot("current"), device)
+            output = model(inputs)
+            if last:
+                output = token_loss(output, target, 1)  # the trainer's loss, before its division by the tokens
+            held = _device_total(tracker.get_tracker_snapshot("current"), device) - base
+            forward_peak = _device_total(tracker.get_tracker_snapshot("peak"), device) - base
+            output.backward(None if last else target)
+            del output
+            peak = _device_total(tracker.get_tracker_snapshot("peak"), device) - base
+    finally:
+        for handle in handles:
+            handle.remove()
+    return MicroBatchMemory(held, forward_peak, peak, sum(grad_elements.values()))
+
+
+@contextlib.contextmanager
+def _flash_on_meta():
+    """On meta tensors SDPA falls back to its math path, which saves the seq x seq score matrix; a GPU
+    (flash / memory-efficient SDPA, our Triton kernel) and the CPU (flash for CPU) save only the output
+    and an fp32 log-sum-exp per query and head. While measuring, SDPA on meta tensors runs the flash op,
+    whose meta kernel has exactly those outputs. The same for the kernels' SDPA path with fewer queries
+    than keys (context parallelism's query chunks), which takes the eager path for its lower-right mask
+    (the mask's alignment changes no shape). A patch of the function rather than a TorchFunctionMode:
+    modes are thread-local and checkpoint recomputation runs on autograd's thread."""
+    plain = F.scaled_dot_product_attention
+    kernels = importlib.import_module("trillion.kernels.attention_dispatch")
+    eager = kernels.eager_attention
+
+    def eager_on_meta(q, k, v, *, causal=True, softmax_scale=None):
+        if q.device.type != "meta":
+            return eager(q, k, v, causal=causal, softmax_scale=softmax_scale)
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
+                                                                  scale=softmax_scale)[0]
+
+    def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if q.device.type != "meta" or attn_mask is not None or dropout_p:
+            return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                         enable_gqa=enable_gqa)
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[0]
+
+    F.scaled_dot_product_attention, kernels.eager_attention = flash, eager_on_meta
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention, kernels.eager_attention = plain, eager
+
+
+def _device_total(snapshot: dict, device: str) -> int:
+    return sum(stats["Total"] for dev, stats in snapshot.items() if torch.device(dev).type == device)
+
+
+
+DIRECT_LAYERS = 8  # deeper stages are measured at 2 and 3 checkpointing periods and extrapolated
+
+
+def measure_in_depth(run, n_layers: int, period: int, direct_layers: int = DIRECT_LAYERS) -> MicroBatchMemory:
+    """`run(n)` measures the stage cut to its first n blocks, checkpointed every `period` blocks.
+
+    Blocks are identical, so every figure grows linearly in the number of checkpointing periods (one
+    block, or N blocks for selective:N): a stage deeper than `direct_layers` is measured at 2 and 3
+    periods and extrapolated, which keeps the 1T model's 128 layers to a few seconds."""
+    if n_layers <= max(direct_layers, 3 * period):
+        return run(n_layers)
+    return run(2 * period).scaled(run(3 * period), n_layers / period - 2)

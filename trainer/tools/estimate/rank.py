@@ -1,0 +1,379 @@
+"""What one simulated rank of the dry run builds and holds (trainer/tools/estimate/dry_run.py drives it).
+
+A rank's stages come from parallel/pipeline.py's own split (`split_units`, `stage_indices`; the
+trainer's `Pipeline` builds and parallelizes them), one stage of everything without pipelining.
+Stages of the same shape (embeddings or not, number of blocks, output or not) hold the same bytes,
+so each shape is built and measured once, and each (shapes of a rank's stages, dp_shard
+coordinate) is sharded once: FSDP's torch.chunk shards differ along dp_shard only, TP splits
+evenly (validated) and replicas are copies.
+
+What torch.distributed.pipelining (2.13) does that costs memory, as the real runs in
+tests/estimate measure it:
+- receive buffers: when its schedule first runs, torch's PipelineStage allocates one buffer per
+  micro-batch of the step for the activation it receives (all stages but the first) and one for the
+  gradient it receives (all but the last), and keeps them: 2 m hidden states on a middle stage. A
+  stage class that holds them only while their micro-batch is in flight is recognized (it replaces
+  torch's buffer set-up), and they are then counted with that micro-batch's activations;
+- FSDP under a schedule: every backward runs with gradient sync and resharding off and the stage is
+  reduce-scattered once after the last micro-batch, whatever parallel.dp_shard_mode says, so the
+  stage's parameters stay gathered (compute dtype) and its gradients accumulate unsharded (fp32)
+  through the step, as zero1 does without pipelining;
+- in flight: the schedule's own action list (`pipeline_order`, built by the schedule class the
+  trainer uses) says when each micro-batch's forward and backward run on each rank. Walking it
+  with one micro-batch's measured bytes per stage gives the rank's activation peak: pp - s
+  micro-batches on stage s under 1F1B, all m under GPipe and LoopedBFS, and under Interleaved1F1B
+  the warm-up PyTorch's list holds ((v-1) pp + 2 (pp-1-r) + 1 chunks on rank r when m is a
+  multiple of pp).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trillion.models import ModelArgs, Transformer
+from trillion.parallel.dims import AXES, ParallelDims
+from trillion.trainer.tools.estimate.activations import MicroBatchMemory, local_tensor, measure_in_depth, measure_micro_batch
+from trillion.parallel.modes import checkpoint_mode, schedule, stages_per_rank
+from trillion.parallel.pipeline import Pipeline, StageLayers, split_units, stage_indices, stage_module
+from trillion.trainer.assemble import build_model, compute_dtype, layout_fn
+from trillion.trainer.config.schema import Config
+
+REDUCE_DTYPE = torch.float32  # parallel/fsdp.py: gradients are reduced (and kept) in fp32
+ADAMW_STATES = 2  # exp_avg, exp_avg_sq
+ADAMW_STEP_BYTES = 4  # the float32 `step` tensor per parameter
+
+
+# --- set-up --------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int):
+    """This process as `rank` of a fake process group of `world_size` (collectives do nothing).
+
+    On the way out DTensor's caches are cleared: they key on meshes, and a DeviceMesh compares equal
+    whatever rank built it, so a later simulated rank would get specs holding an earlier rank's mesh
+    (and coordinates): uneven shards then come out of distribute_tensor at the wrong size."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("estimate needs a process without a process group (it simulates its own)")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        _clear_sharding_prop_cache()
+        _gen_transform_infos.cache_clear()
+        clear_redistribute_planner_cache()
+
+
+@contextlib.contextmanager
+def quiet():
+    """The trainer's info lines (a pipeline's split, a step's loss, ...) once per simulated rank would
+    bury the result."""
+    log = logging.getLogger("trillion")
+    level = log.level
+    log.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def target_device(config: Config) -> str:
+    """The device the run is meant for: cpu only when the config says so."""
+    return "cpu" if config.job.device == "cpu" else "cuda"
+
+
+def target_dtype(config: Config) -> torch.dtype:
+    """The compute dtype on the device the run is meant for."""
+    return compute_dtype(config.training.dtype, target_device(config))
+
+
+def item_bytes(dtype: torch.dtype) -> int:
+    return torch.tensor([], dtype=dtype).element_size()
+
+
+def coords_of(dims: ParallelDims, rank: int) -> dict:
+    """Mesh coordinates of `rank` (tp innermost, pp outermost; see parallel/dims.py), axes of size > 1."""
+    coords, rest = {}, rank
+    for name in reversed(AXES):
+        size = getattr(dims, name)
+        coords[name] = rest % size
+        rest //= size
+    return {name: coords[name] for name in AXES if getattr(dims, name) > 1}
+
+
+def meshed_dims(dims: ParallelDims) -> ParallelDims:
+    """A copy of `dims` with its mesh built in the current (fake) world."""
+    copy = ParallelDims(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp,
+                        world_size=dims.world_size)
+    copy.build_mesh("cpu")
+    return copy
+
+
+class _TPOnly:
+    """The layout parallelize sees for the activation run: the same TP and CP meshes, no FSDP."""
+
+    def __init__(self, dims: ParallelDims):
+        self.tp_enabled, self.tp_mesh, self.fsdp_enabled, self.fsdp_mesh = dims.tp_enabled, dims.tp_mesh, False, None
+        self.cp, self.cp_mesh = dims.cp, dims.cp_mesh
+
+
+def apply_layout(part: nn.Module, config: Config, dims: ParallelDims, fsdp: bool) -> nn.Module:
+    """The trainer's layout (compile off: it changes no bytes held). Without `fsdp`: the same TP plan
+    and activation checkpointing, in the compute dtype (the activation run)."""
+    if not fsdp:
+        part.to(target_dtype(config))
+    return layout_fn(config, dims if fsdp else _TPOnly(dims), target_dtype(config), compile=False)(part)
+
+
+# --- stages --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageShape:
+    """What a stage holds; stages of the same shape hold the same bytes."""
+    first: bool  # the embeddings
+    layers: int
+    last: bool  # the final norm and the output projection
+
+
+class StagePlan:
+    """The split of the model into pp x v stages (parallel/pipeline.py's), one stage without pipelining."""
+
+    def __init__(self, config: Config, n_layers: int, pp: int):
+        self.pp, self.n_layers = pp, n_layers
+        chosen = schedule(config.parallel.pp_schedule)
+        self.schedule = chosen.name
+        self.virtual = stages_per_rank(chosen, config.parallel.pp_virtual_stages) if pp > 1 else 1
+        self.layers = StageLayers.from_config(config.parallel)
+        self.ranges = split_units(n_layers, pp * self.virtual, self.layers)
+
+    @property
+    def last_index(self) -> int:
+        return len(self.ranges) - 1
+
+    def indices(self, pp_rank: int) -> list[int]:
+        return stage_indices(pp_rank, self.pp, self.virtual, self.schedule)
+
+    def shape(self, index: int) -> StageShape:
+        units = self.ranges[index]
+        first, last = 0 in units, self.n_layers + 1 in units
+        return StageShape(first, len(units) - first - last, last)
+
+    def rank_shapes(self, pp_rank: int) -> tuple[StageShape, ...]:
+        return tuple(self.shape(i) for i in self.indices(pp_rank))
+
+    def index_of(self, shape: StageShape) -> int:
+        return next(i for i in range(len(self.ranges)) if self.shape(i) == shape)
+
+
+def rank_parts(config: Config, model: nn.Module, dims: ParallelDims, microbatches: int) -> tuple[list[nn.Module], Pipeline | None]:
+    """This rank's parts (the model, parallelized in place, or its stages) and Pipeline, built by the
+    trainer's own assemble.build_model (compile off)."""
+    return build_model(config, dims, model, microbatches, torch.device("cpu"), target_dtype(config), compile=False)
+
+
+class StageSource:
+    """Unsharded meta models of a layout's stages. Without pipelining, a fresh model (parallelize
+    works in place) of the stage's depth; with it, parallel/pipeline.py's stage_module of one shared
+    model (it deep-copies, so the shared model stays whole for the next rank)."""
+
+    def __init__(self, model_args: ModelArgs, pp: int):
+        self.args, self.pp, self._shared = model_args, pp, None
+
+    def _build(self, n_layers: int) -> nn.Module:
+        with torch.device("meta"):
+            return Transformer(dataclasses.replace(self.args, n_layers=n_layers))
+
+    def whole(self) -> nn.Module:
+        """The model trainer/train.py builds before splitting or parallelizing it."""
+        if self.pp == 1:
+            return self._build(self.args.n_layers)
+        if self._shared is None:
+            self._shared = self._build(self.args.n_layers)
+        return self._shared
+
+    def stage(self, units: range, blocks: int | None = None) -> nn.Module:
+        """The stage of `units`, cut to its first `blocks` blocks (all when None)."""
+        if self.pp == 1:
+            return self._build(self.args.n_layers if blocks is None else blocks)
+        part = stage_module(self.whole(), units)
+        for key in list(part.layers.keys())[blocks:] if blocks is not None else []:
+            del part.layers[key]
+        return part
+
+
+def hidden_state(config: Config, source: StageSource, dims: ParallelDims, micro_batch: int) -> torch.Tensor:
+    """What a stage sends the next and receives from the previous: the residual stream as the
+    embedding stage makes it on meta (shape, dtype, and DTensor layout under TP); blocks keep it."""
+    probe = apply_layout(source.stage(range(0, 1)), config, dims, fsdp=False)
+    with torch.no_grad():
+        return probe(torch.zeros(micro_batch, config.training.seq_len // dims.cp, dtype=torch.long, device="meta"))
+
+
+# --- bytes from the sharded parts ------------------------------------------------------------------------
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (DTensors: their local shards)."""
+    seen, total = set(), 0
+    for tensor in tensors:
+        local = local_tensor(tensor)
+        storage = local.untyped_storage()
+        key = (storage.device.type, storage.data_ptr()) if storage.device.type != "meta" else id(storage)
+        if local.device.type == "meta":
+            key = ("meta", id(tensor))  # meta storages have no addresses; FSDP2 gives each shard its own
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+    return total
+
+
+def _padded_local_numel(param) -> int:
+    local = local_tensor(param)
+    return local.untyped_storage().nbytes() // local.element_size()
+
+
+@dataclass(frozen=True)
+class States:
+    parameters: int
+    gradient_shards: int  # the gradients the optimizer steps on (FSDP: padded fp32 shards)
+    gradient_item: int  # bytes per gradient element
+    optimizer: int
+    count: int  # local parameter elements, unpadded
+
+
+def state_bytes(parts: list[nn.Module]) -> States:
+    """Parameters, gradients and AdamW state of the sharded `parts`, from the local shard shapes."""
+    params = [p for part in parts for p in part.parameters()]
+    fsdp = any(hasattr(m, "_get_fsdp_state") for part in parts for m in part.modules())
+    grad_numel = sum(_padded_local_numel(p) if fsdp else local_tensor(p).numel() for p in params if p.requires_grad)
+    grad_item = item_bytes(REDUCE_DTYPE) if fsdp else params[0].element_size()
+    optimizer = sum(ADAMW_STATES * local_tensor(p).numel() * p.element_size() + ADAMW_STEP_BYTES
+                    for p in params if p.requires_grad)
+    return States(storage_bytes(params), grad_numel * grad_item, grad_item, optimizer,
+                  sum(local_tensor(p).numel() for p in params))
+
+
+def tp_local_numel(module: nn.Module) -> int:
+    return sum(local_tensor(p).numel() for p in module.parameters())
+
+
+@dataclass(frozen=True)
+class StageFacts:
+    """One stage shape, TP-sharded: its parameter elements, its largest block's, what one micro-batch costs."""
+    numel: int
+    block_numel: int
+    blocks: int
+    memory: MicroBatchMemory | None  # None: not measured
+
+
+def stage_facts(config: Config, source: StageSource, dims: ParallelDims, units: range, shape: StageShape,
+                inputs: torch.Tensor, target: torch.Tensor, measure: bool) -> StageFacts:
+    """Element counts of the TP-only stage and (if `measure`) one micro-batch through it on meta."""
+    part = apply_layout(source.stage(units), config, dims, fsdp=False)
+    blocks = [tp_local_numel(b) for b in part.layers.values()]
+    if not measure:
+        return StageFacts(tp_local_numel(part), max(blocks, default=0), len(blocks), None)
+
+    def run(n: int) -> MicroBatchMemory:
+        cut = part if n == shape.layers else apply_layout(source.stage(units, n), config, dims, fsdp=False)
+        return measure_micro_batch(cut, inputs, target, dims.tp_enabled, last=shape.last)
+
+    period = checkpoint_mode(config.parallel.activation_checkpoint).period
+    return StageFacts(tp_local_numel(part), max(blocks, default=0), len(blocks),
+                      measure_in_depth(run, shape.layers, period))
+
+
+def micro_batch_data(config: Config, shape: StageShape, hidden: torch.Tensor | None, micro_batch: int,
+                     cp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, target) of one micro-batch on meta, this cp rank's share of the sequence: tokens or the
+    received hidden state in; labels (last stage) or the gradient received for the output."""
+    tokens = torch.zeros(micro_batch, config.training.seq_len // cp, dtype=torch.long, device="meta")
+    inputs = tokens if shape.first else hidden.detach().requires_grad_()
+    return inputs, tokens if shape.last else torch.empty_like(hidden)
+
+
+def gathered_and_reduce_bytes(facts: list[StageFacts], pipelined: bool, mode: str,
+                              dtype: torch.dtype) -> tuple[int, int]:
+    """(FSDP's gathered parameters in the compute dtype, one block's fp32 reduce-scatter input).
+    zero3 without pipelining: two blocks (the one in use and the prefetched one) plus the root, which
+    is never resharded after forward; otherwise the whole of the rank's stages (see the module doc)."""
+    block = max(f.block_numel for f in facts)
+    gathered = sum(f.numel for f in facts)
+    if mode == "zero3" and not pipelined:
+        (stage,) = facts
+        gathered = min(2, stage.blocks) * block + stage.numel - stage.blocks * stage.block_numel
+    return gathered * item_bytes(dtype), block * item_bytes(REDUCE_DTYPE)
+
+
+# --- the schedule ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Schedule:
+    order: dict[int, list]  # every pipeline rank's compute actions
+    receives_in_flight: bool  # receive buffers live per micro-batch in flight, not for the whole step
+
+
+def schedule_of(pipeline: Pipeline) -> Schedule:
+    """What the schedule object the trainer builds does: its action list, and whether its stages
+    replace torch's receive-buffer set-up (which allocates every micro-batch's buffers for good) with
+    buffers that live only while their micro-batch is in flight (parallel/pipeline_stage.py)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    pipeline.build()
+    stage_class = type(pipeline.stages[0])
+    in_flight = stage_class._setup_forward_recv_info is not PipelineStage._setup_forward_recv_info
+    return Schedule(pipeline.schedule.pipeline_order, in_flight)
+
+
+def with_receives(memory: dict[int, MicroBatchMemory], last_index: int, hidden_bytes: int) -> dict[int, MicroBatchMemory]:
+    """One micro-batch per stage with its receive buffers, when they live only while it is in flight:
+    the activation's (all but the first stage) from its forward to its backward, the gradient's (all
+    but the last) during its backward. The measurement made both before it started."""
+    def one(index: int, m: MicroBatchMemory) -> MicroBatchMemory:
+        activation, gradient = hidden_bytes * (index > 0), hidden_bytes * (index < last_index)
+        return dataclasses.replace(m, held=m.held + activation, forward_peak=m.forward_peak + activation,
+                                   peak=m.peak + activation + gradient)
+    return {index: one(index, m) for index, m in memory.items()}
+
+
+def in_flight_peak(actions: list, memory: dict[int, MicroBatchMemory]) -> tuple[int, int]:
+    """(activation peak, most micro-batch chunks held at once) of a rank following `actions`: a
+    forward keeps its stage's `held` bytes until that stage's full backward (B) or, under the
+    zero-bubble schedules, its weight pass (W: the input-gradient pass I leaves the weights' inputs
+    saved); a forward or backward peaks at its own measured peak above what the others hold.
+    Chunks of one stage are alike, so a backward frees "one of its stage's" rather than a numbered
+    one: the single-stage schedules' lists (1F1B, GPipe) are built for display and number the last
+    rank's micro-batches from 1, though their order of forwards and backwards is the runtime's."""
+    live, peak, most = dict.fromkeys(memory, 0), 0, 0
+    held = lambda: sum(count * memory[stage].held for stage, count in live.items())  # noqa: E731
+    for action in _compute_actions(actions):
+        kind, stage = action.computation_type.value, action.stage_index
+        if kind == "F":
+            peak = max(peak, held() + memory[stage].forward_peak)
+            live[stage] += 1
+            most = max(most, sum(live.values()))
+        elif kind in ("B", "I"):
+            peak = max(peak, held() - memory[stage].held + memory[stage].peak)
+        if kind in ("B", "W"):
+            live[stage] -= 1
+    return peak, most
+
+
+def _compute_actions(actions: list):
+    """The forwards and backwards of a rank's list in order, overlapped pairs (DualPipeV) unpacked."""
+    for action in actions:
+        if action is not None and action.sub_actions:
+            yield from _compute_actions(list(action.sub_actions))
+        elif action is not None:
+            yield action
+
+
+def receive_bytes(plan: StagePlan, pp_rank: int, microbatches: int, hidden_bytes: int) -> int:
+    """The schedule's receive buffers: per micro-batch, the activation in (all but the first stage)
+    and the gradient in (all but the last), each the local shard of one micro-batch's hidden state."""
+    return sum(microbatches * hidden_bytes * ((index > 0) + (index < plan.last_index)) for index in plan.indices(pp_rank))
