@@ -32,10 +32,22 @@ from trillion.kernels.flash_attention_op import DELTA_BLOCK_M, block_d_for, conf
 
 # Chip limits: shared memory / LDS per block (the opt-in maximum on NVIDIA), registers per thread.
 ARCHS = {
-    "sm80": dict(target=("cuda", 80, 32), shared=166912, mma=r"\bmma\.sync\.aligned\.\S+", sm_warps=64,
-                 sm_regs=65536, sm_shared=167936),
-    "sm90": dict(target=("cuda", 90, 32), shared=232448, mma=r"\bwgmma\.mma_async\.\S+|\bmma\.sync\.aligned\.\S+",
-                 sm_warps=64, sm_regs=65536, sm_shared=233472),
+    "sm80": dict(
+        target=("cuda", 80, 32),
+        shared=166912,
+        mma=r"\bmma\.sync\.aligned\.\S+",
+        sm_warps=64,
+        sm_regs=65536,
+        sm_shared=167936,
+    ),
+    "sm90": dict(
+        target=("cuda", 90, 32),
+        shared=232448,
+        mma=r"\bwgmma\.mma_async\.\S+|\bmma\.sync\.aligned\.\S+",
+        sm_warps=64,
+        sm_regs=65536,
+        sm_shared=233472,
+    ),
     "gfx90a": dict(target=("hip", "gfx90a", 64), shared=65536, mma=r"\bv_mfma_\w+"),
     "gfx942": dict(target=("hip", "gfx942", 64), shared=65536, mma=r"\bv_mfma_\w+"),
 }
@@ -78,8 +90,10 @@ def cases(archs, head_dims=HEAD_DIMS, dtypes=tuple(DTYPES), causal_modes=(True, 
         for d in head_dims:
             out.append(Case("delta", arch, dtype, d, None, (("BLOCK_M", DELTA_BLOCK_M),)))
             for kernel, causal in itertools.product(("fwd", "dkdv", "dq"), causal_modes):
-                out += [Case(kernel, arch, dtype, d, causal, _config_tuple(c))
-                        for c in configs(kernel, arch, block_d_for(d))]
+                out += [
+                    Case(kernel, arch, dtype, d, causal, _config_tuple(c))
+                    for c in configs(kernel, arch, block_d_for(d))
+                ]
         if norms:
             out += [Case(k, arch, dtype, w, None) for k in NORM_KERNELS for w in NORM_WIDTHS]
     return out
@@ -91,17 +105,30 @@ def _launch(case: Case):
     tensors: their data pointers are 0, so they specialize as 16-byte aligned, as allocations are."""
     dtype = DTYPES[case.dtype]
     config = dict(case.config)
-    options = {k: config.pop(k) for k in ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim")
-               if k in config}
+    options = {
+        k: config.pop(k) for k in ("num_warps", "num_stages", "waves_per_eu", "matrix_instr_nonkdim") if k in config
+    }
     if case.kernel in ATTENTION_KERNELS:
+
         def layout(heads):
             return torch.empty(BATCH, SEQ, heads, case.size, device="meta", dtype=dtype).transpose(1, 2)
 
         q, k, v, out, grad_out, dq = (layout(h) for h in (Q_HEADS, KV_HEADS, KV_HEADS, Q_HEADS, Q_HEADS, Q_HEADS))
         lse, delta = (torch.empty(BATCH, Q_HEADS, SEQ, device="meta") for _ in range(2))
         grads = (layout(KV_HEADS), layout(KV_HEADS)) if case.kernel == "dkdv" else (dq,)
-        args, meta = kernel_args(case.kernel, q, k, v, out, lse, bool(case.causal), case.size ** -0.5,
-                                 grad_out=grad_out, delta=delta, grads=grads)
+        args, meta = kernel_args(
+            case.kernel,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            bool(case.causal),
+            case.size**-0.5,
+            grad_out=grad_out,
+            delta=delta,
+            grads=grads,
+        )
         return kernel_fn(case.kernel), args, {**meta, **config}, options
     kind, direction = case.kernel.split("_")
     x = torch.empty(NORM_ROWS, case.size, device="meta", dtype=dtype)
@@ -109,9 +136,22 @@ def _launch(case: Case):
     stats = torch.empty(NORM_ROWS, device="meta")
     bias = b if kind == "ln" else None
     part = torch.empty(64, case.size, device="meta")
-    args, meta = norm.kernel_args(direction, x, w, bias, torch.empty_like(x), stats, stats, 1e-5, kind == "rms",
-                                  grad=torch.empty_like(x), dw_part=part, db_part=part if bias is not None else None,
-                                  rows_per_program=NORM_ROWS // 64, interpreter=False)
+    args, meta = norm.kernel_args(
+        direction,
+        x,
+        w,
+        bias,
+        torch.empty_like(x),
+        stats,
+        stats,
+        1e-5,
+        kind == "rms",
+        grad=torch.empty_like(x),
+        dw_part=part,
+        db_part=part if bias is not None else None,
+        rows_per_program=NORM_ROWS // 64,
+        interpreter=False,
+    )
     options["num_warps"] = meta.pop("num_warps")
     return getattr(norm.kernel_module(), f"norm_{direction}"), args, meta, options
 
@@ -130,7 +170,7 @@ def specialize(fn, args, constexprs) -> tuple[dict, dict, dict]:
             constants[name] = spec
         elif spec == "D":
             attrs[(index,)] = [["tt.divisibility", 16]]
-    for name in fn.arg_names[len(args):]:
+    for name in fn.arg_names[len(args) :]:
         signature[name], constants[name] = "constexpr", constexprs[name]
     return signature, constants, attrs
 
@@ -147,10 +187,20 @@ def launch_key(case: Case) -> str:
     fn, args, meta, options = _launch(case)
     signature, constants, attrs = specialize(fn, args, meta)
     source = Path(sys.modules[fn.fn.__module__].__file__).read_bytes()  # fn.fn: the Python function
-    return hashlib.sha256(json.dumps([hashlib.sha256(source).hexdigest(), fn.fn.__name__, signature,
-                                      sorted(constants.items(), key=str), sorted(attrs.items()),
-                                      sorted(options.items()), ARCHS[case.arch]["target"]],
-                                     default=str).encode()).hexdigest()[:24]
+    return hashlib.sha256(
+        json.dumps(
+            [
+                hashlib.sha256(source).hexdigest(),
+                fn.fn.__name__,
+                signature,
+                sorted(constants.items(), key=str),
+                sorted(attrs.items()),
+                sorted(options.items()),
+                ARCHS[case.arch]["target"],
+            ],
+            default=str,
+        ).encode()
+    ).hexdigest()[:24]
 
 
 def compile_case(case: Case, use_cache: bool = True) -> dict:
@@ -211,8 +261,11 @@ def _read_ptxas(log: str) -> dict:
         found = re.search(pattern, log)
         return int(found.group(1)) if found else 0
 
-    return {"registers": number(r"Used (\d+) registers"), "spill_bytes": number(r"(\d+) bytes spill stores"),
-            "scratch_bytes": number(r"(\d+) bytes stack frame")}
+    return {
+        "registers": number(r"Used (\d+) registers"),
+        "spill_bytes": number(r"(\d+) bytes spill stores"),
+        "scratch_bytes": number(r"(\d+) bytes stack frame"),
+    }
 
 
 def _read_amdgcn(asm: str) -> dict:
@@ -222,18 +275,25 @@ def _read_amdgcn(asm: str) -> dict:
 
     occupancy = re.search(r"; Occupancy: (\d+)", asm)
     # On CDNA .vgpr_count counts the accumulation registers (AGPRs) too: one file of 512 per lane.
-    return {"registers": number("vgpr_count"), "sgprs": number("sgpr_count"),
-            "spill_bytes": 4 * (number("vgpr_spill_count") + number("sgpr_spill_count")),
-            "vgpr_spills": number("vgpr_spill_count"), "scratch_bytes": number("private_segment_fixed_size"),
-            "occupancy": int(occupancy.group(1)) if occupancy else None}
+    return {
+        "registers": number("vgpr_count"),
+        "sgprs": number("sgpr_count"),
+        "spill_bytes": 4 * (number("vgpr_spill_count") + number("sgpr_spill_count")),
+        "vgpr_spills": number("vgpr_spill_count"),
+        "scratch_bytes": number("private_segment_fixed_size"),
+        "occupancy": int(occupancy.group(1)) if occupancy else None,
+    }
 
 
 def _nvidia_warps_per_sm(spec: dict, registers: int, shared: int, warps: int) -> int:
     """Resident warps per SM (the compiler does not say on NVIDIA): blocks limited by the register
     file (allocated per warp in units of 256), shared memory and the warp slots."""
     per_warp = -(-registers * 32 // 256) * 256
-    blocks = min(spec["sm_regs"] // max(per_warp * warps, 1), spec["sm_warps"] // warps,
-                 spec["sm_shared"] // shared if shared else 32)
+    blocks = min(
+        spec["sm_regs"] // max(per_warp * warps, 1),
+        spec["sm_warps"] // warps,
+        spec["sm_shared"] // shared if shared else 32,
+    )
     return blocks * warps
 
 
@@ -253,17 +313,37 @@ def problems(case: Case, result: dict) -> list[str]:
 
 
 # What a report row holds besides the case and its problems.
-REPORTED = ("registers", "sgprs", "spill_bytes", "vgpr_spills", "scratch_bytes", "shared", "occupancy",
-            "matrix_instructions", "matrix_count", "error", "key", "compile_s")
+REPORTED = (
+    "registers",
+    "sgprs",
+    "spill_bytes",
+    "vgpr_spills",
+    "scratch_bytes",
+    "shared",
+    "occupancy",
+    "matrix_instructions",
+    "matrix_count",
+    "error",
+    "key",
+    "compile_s",
+)
 
 
 def run(selected: list[Case], use_cache: bool = True, progress=None) -> list[dict]:
     rows = []
     for number, case in enumerate(selected, 1):
         result = compile_case(case, use_cache)
-        rows.append({**dataclasses.asdict(case), "config": dict(case.config),
-                     **{k: result[k] for k in REPORTED if k in result}, "problems": problems(case, result)})
+        rows.append(
+            {
+                **dataclasses.asdict(case),
+                "config": dict(case.config),
+                **{k: result[k] for k in REPORTED if k in result},
+                "problems": problems(case, result),
+            }
+        )
         if progress:
-            progress(f"[{number}/{len(selected)}] {case.arch} {case.kernel} {case.dtype} {case.size} "
-                     f"causal={case.causal} {case.label}: {'; '.join(rows[-1]['problems']) or 'ok'}")
+            progress(
+                f"[{number}/{len(selected)}] {case.arch} {case.kernel} {case.dtype} {case.size} "
+                f"causal={case.causal} {case.label}: {'; '.join(rows[-1]['problems']) or 'ok'}"
+            )
     return rows

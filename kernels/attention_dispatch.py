@@ -1,4 +1,5 @@
 """One entry point for scaled-dot-product attention, so the model never names a backend."""
+
 import math
 
 import torch
@@ -49,6 +50,7 @@ def triton_attention(q, k, v, *, causal: bool = True, softmax_scale: float | Non
 if has_triton():
     from trillion.kernels.flash_attention_op import flash_attention
 else:
+
     def flash_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None):
         raise RuntimeError("flash_attention needs the triton package (pip install triton), which is not installed")
 

@@ -49,48 +49,72 @@ def _amd(waves: int) -> dict:
 
 _CONFIGS: dict[str, dict[str, dict[int, list[tuple]]]] = {
     "sm80": {
-        "fwd": {64: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-                128: [(128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)],
-                256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)]},
-        "dkdv": {64: [(32, 128, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
-                 128: [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
-                 256: [(32, 64, 4, 2), (16, 64, 4, 2)]},
-        "dq": {64: [(128, 64, 8, 2), (64, 64, 8, 3), (64, 32, 4, 3)],
-               128: [(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
-               256: [(64, 32, 4, 2), (32, 32, 4, 2)]},
+        "fwd": {
+            64: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
+            128: [(128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)],
+            256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
+        },
+        "dkdv": {
+            64: [(32, 128, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
+            128: [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
+            256: [(32, 64, 4, 2), (16, 64, 4, 2)],
+        },
+        "dq": {
+            64: [(128, 64, 8, 2), (64, 64, 8, 3), (64, 32, 4, 3)],
+            128: [(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
+            256: [(64, 32, 4, 2), (32, 32, 4, 2)],
+        },
     },
     "sm90": {
-        "fwd": {64: [(128, 128, 8, 4), (128, 64, 4, 4), (64, 64, 4, 4)],
-                128: [(128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 4), (64, 32, 4, 3)],
-                256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)]},
-        "dkdv": {64: [(64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 2)],
-                 128: [(32, 64, 8, 3), (64, 32, 8, 2)],
-                 256: [(32, 64, 4, 2), (16, 64, 4, 2)]},
-        "dq": {64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
-               128: [(128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)],
-               256: [(64, 32, 4, 2), (32, 32, 4, 2)]},
+        "fwd": {
+            64: [(128, 128, 8, 4), (128, 64, 4, 4), (64, 64, 4, 4)],
+            128: [(128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 4), (64, 32, 4, 3)],
+            256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
+        },
+        "dkdv": {
+            64: [(64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 2)],
+            128: [(32, 64, 8, 3), (64, 32, 8, 2)],
+            256: [(32, 64, 4, 2), (16, 64, 4, 2)],
+        },
+        "dq": {
+            64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+            128: [(128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)],
+            256: [(64, 32, 4, 2), (32, 32, 4, 2)],
+        },
     },
     "gfx90a": {
-        "fwd": {64: [(128, 64, 8, 1, _amd(1)), (64, 64, 4, 1, _amd(3)), (128, 32, 4, 1, _amd(2))],
-                128: [(128, 32, 4, 1, _amd(2)), (64, 32, 4, 1, _amd(2)), (128, 64, 8, 1, _amd(1))],
-                256: [(64, 32, 4, 1, _amd(2)), (32, 32, 4, 1, _amd(2))]},
-        "dkdv": {64: [(32, 64, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
-                 128: [(32, 64, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
-                 256: [(32, 32, 4, 1, _amd(1)), (16, 32, 4, 1, _amd(2))]},
-        "dq": {64: [(64, 32, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
-               128: [(64, 32, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
-               256: [(32, 32, 4, 1, _amd(1)), (32, 16, 4, 1, _amd(2))]},
+        "fwd": {
+            64: [(128, 64, 8, 1, _amd(1)), (64, 64, 4, 1, _amd(3)), (128, 32, 4, 1, _amd(2))],
+            128: [(128, 32, 4, 1, _amd(2)), (64, 32, 4, 1, _amd(2)), (128, 64, 8, 1, _amd(1))],
+            256: [(64, 32, 4, 1, _amd(2)), (32, 32, 4, 1, _amd(2))],
+        },
+        "dkdv": {
+            64: [(32, 64, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
+            128: [(32, 64, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
+            256: [(32, 32, 4, 1, _amd(1)), (16, 32, 4, 1, _amd(2))],
+        },
+        "dq": {
+            64: [(64, 32, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
+            128: [(64, 32, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
+            256: [(32, 32, 4, 1, _amd(1)), (32, 16, 4, 1, _amd(2))],
+        },
     },
     "gfx942": {
-        "fwd": {64: [(128, 64, 8, 2, _amd(1)), (128, 64, 4, 2, _amd(2)), (64, 64, 4, 2, _amd(3))],
-                128: [(128, 64, 8, 2, _amd(1)), (64, 64, 4, 2, _amd(2)), (64, 32, 4, 1, _amd(2))],
-                256: [(64, 64, 4, 2, _amd(2)), (64, 32, 4, 1, _amd(2))]},
-        "dkdv": {64: [(16, 64, 4, 1, _amd(2)), (32, 64, 4, 1, _amd(2))],
-                 128: [(32, 64, 4, 1, _amd(2)), (16, 64, 4, 1, _amd(2)), (32, 32, 4, 1, _amd(2))],
-                 256: [(32, 64, 4, 1, _amd(1)), (16, 64, 4, 1, _amd(2))]},
-        "dq": {64: [(128, 32, 4, 2, _amd(1)), (32, 64, 4, 1, _amd(2)), (64, 32, 4, 1, _amd(2))],
-               128: [(128, 32, 4, 2, _amd(1)), (64, 32, 4, 1, _amd(1)), (64, 32, 4, 1, _amd(2))],
-               256: [(64, 32, 4, 1, _amd(1)), (32, 32, 4, 1, _amd(2))]},
+        "fwd": {
+            64: [(128, 64, 8, 2, _amd(1)), (128, 64, 4, 2, _amd(2)), (64, 64, 4, 2, _amd(3))],
+            128: [(128, 64, 8, 2, _amd(1)), (64, 64, 4, 2, _amd(2)), (64, 32, 4, 1, _amd(2))],
+            256: [(64, 64, 4, 2, _amd(2)), (64, 32, 4, 1, _amd(2))],
+        },
+        "dkdv": {
+            64: [(16, 64, 4, 1, _amd(2)), (32, 64, 4, 1, _amd(2))],
+            128: [(32, 64, 4, 1, _amd(2)), (16, 64, 4, 1, _amd(2)), (32, 32, 4, 1, _amd(2))],
+            256: [(32, 64, 4, 1, _amd(1)), (16, 64, 4, 1, _amd(2))],
+        },
+        "dq": {
+            64: [(128, 32, 4, 2, _amd(1)), (32, 64, 4, 1, _amd(2)), (64, 32, 4, 1, _amd(2))],
+            128: [(128, 32, 4, 2, _amd(1)), (64, 32, 4, 1, _amd(1)), (64, 32, 4, 1, _amd(2))],
+            256: [(64, 32, 4, 1, _amd(1)), (32, 32, 4, 1, _amd(2))],
+        },
     },
     # The interpreter runs one fixed config: blocks as large as keep test sequences (up to ~200)
     # spanning several blocks, since its cost is per block step; BLOCK_M != BLOCK_N on purpose.
@@ -113,14 +137,17 @@ def configs(kernel: str, arch: str, block_d: int) -> list[triton.Config]:
     """The configs `kernel` ("fwd", "dkdv" or "dq") is tuned over on `arch` for a padded head dim."""
     by_class = _CONFIGS[arch][kernel]
     rows = by_class[min(c for c in by_class if c >= block_d)]
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **(extra[0] if extra else {})}, num_warps=w, num_stages=s)
-            for bm, bn, w, s, *extra in rows]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **(extra[0] if extra else {})}, num_warps=w, num_stages=s)
+        for bm, bn, w, s, *extra in rows
+    ]
 
 
 @functools.cache
 def _tuned(kernel: str, arch: str, block_d: int):
     return triton.autotune(configs(kernel, arch, block_d), key=["HEAD_DIM", "IS_CAUSAL", "q_len", "kv_len"])(
-        kernel_fn(kernel))
+        kernel_fn(kernel)
+    )
 
 
 def _launch(kernel: str, device: torch.device, block_d: int, grid_rows: int, grid_cols: int, *args, **meta):
@@ -160,8 +187,9 @@ def block_d_for(head_dim: int) -> int:
     return max(16, next_power_of_2(head_dim))
 
 
-def kernel_args(kernel: str, q, k, v, out, lse, causal: bool, softmax_scale: float, *, grad_out=None,
-                delta=None, grads=None) -> tuple[tuple, dict]:
+def kernel_args(
+    kernel: str, q, k, v, out, lse, causal: bool, softmax_scale: float, *, grad_out=None, delta=None, grads=None
+) -> tuple[tuple, dict]:
     """(positional arguments, constexprs) of one launch of `kernel` ("fwd", "delta", "dkdv", "dq"),
     block sizes excluded. The launchers below and the ahead-of-time report (kernels/report.py) both
     build their launches here, so the report compiles exactly the specialization that runs."""
@@ -177,11 +205,46 @@ def kernel_args(kernel: str, q, k, v, out, lse, causal: bool, softmax_scale: flo
         return (q, k, v, out, lse, *qkv_strides, *_strides(out), q_heads, group, q_len, kv_len, qk_scale), meta
     if kernel == "dkdv":
         dk, dv = grads
-        return (q, k, v, grad_out, dk, dv, lse, delta, *qkv_strides, *_strides(grad_out), *_strides(dk),
-                *_strides(dv), q_heads, kv_heads, group, q_len, kv_len, qk_scale, softmax_scale), meta
+        return (
+            q,
+            k,
+            v,
+            grad_out,
+            dk,
+            dv,
+            lse,
+            delta,
+            *qkv_strides,
+            *_strides(grad_out),
+            *_strides(dk),
+            *_strides(dv),
+            q_heads,
+            kv_heads,
+            group,
+            q_len,
+            kv_len,
+            qk_scale,
+            softmax_scale,
+        ), meta
     (dq,) = grads
-    return (q, k, v, grad_out, dq, lse, delta, *qkv_strides, *_strides(grad_out), *_strides(dq),
-            q_heads, group, q_len, kv_len, qk_scale, softmax_scale), meta
+    return (
+        q,
+        k,
+        v,
+        grad_out,
+        dq,
+        lse,
+        delta,
+        *qkv_strides,
+        *_strides(grad_out),
+        *_strides(dq),
+        q_heads,
+        group,
+        q_len,
+        kv_len,
+        qk_scale,
+        softmax_scale,
+    ), meta
 
 
 def _forward(q, k, v, causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,21 +283,29 @@ def _backward(grad_out, q, k, v, out, lse, causal: bool, softmax_scale: float):
 
 # ----------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("trillion::flash_attn_fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-            softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, causal, softmax_scale)
 
 
 @_fwd_op.register_fake
 def _(q, k, v, causal, softmax_scale):
     batch, heads, q_len, head_dim = q.shape
-    return (_new_like_layout(batch, heads, q_len, head_dim, q),
-            q.new_empty((batch, heads, q_len), dtype=torch.float32))
+    return (_new_like_layout(batch, heads, q_len, head_dim, q), q.new_empty((batch, heads, q_len), dtype=torch.float32))
 
 
 @torch.library.custom_op("trillion::flash_attn_bwd", mutates_args=())
-def _bwd_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-            lse: torch.Tensor, causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_op(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(grad_out, q, k, v, out, lse, causal, softmax_scale)
 
 
@@ -289,21 +360,27 @@ _register_dtensor_sharding()
 
 
 # ----------------------------------------------------------------------------- public API
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    softmax_scale: float | None = None) -> torch.Tensor:
+def flash_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, softmax_scale: float | None = None
+) -> torch.Tensor:
     """softmax(q @ k^T * softmax_scale [+ causal mask]) @ v, shapes and alignment as in the module
     docstring. softmax_scale defaults to 1/sqrt(head_dim)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"flash_attention takes 4-d (batch, heads, seq, head_dim) tensors, got "
-                         f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"flash_attention takes 4-d (batch, heads, seq, head_dim) tensors, got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"flash_attention: k and v must share one shape, with q's batch and head_dim; "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"flash_attention: k and v must share one shape, with q's batch and head_dim; "
+            f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"flash_attention: q_heads ({q.shape[1]}) must be a multiple of kv_heads ({k.shape[1]})")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
-        raise ValueError(f"flash_attention needs q, k, v of one dtype among fp16, bf16, fp32; "
-                         f"got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(
+            f"flash_attention needs q, k, v of one dtype among fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if not 0 < q.shape[3] <= MAX_HEAD_DIM:
         raise ValueError(f"flash_attention supports head_dim 1..{MAX_HEAD_DIM}, got {q.shape[3]}")
     if softmax_scale is None:
@@ -312,8 +389,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     return out
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                        softmax_scale: float | None = None) -> torch.Tensor:
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, softmax_scale: float | None = None
+) -> torch.Tensor:
     """Plain PyTorch attention with the same semantics (lower-right causal alignment, zero output
     for queries that see no key), computed in the inputs' dtype. It is the test oracle (in
     float64) and the "same-precision PyTorch math" that tolerances are measured against."""

@@ -59,20 +59,55 @@ def _device_context(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def kernel_args(kernel: str, x2, weight, bias, out, mean, rstd, eps: float, rms: bool, *, grad=None, dw_part=None,
-                db_part=None, rows_per_program: int = 0, interpreter: bool | None = None) -> tuple[tuple, dict]:
+def kernel_args(
+    kernel: str,
+    x2,
+    weight,
+    bias,
+    out,
+    mean,
+    rstd,
+    eps: float,
+    rms: bool,
+    *,
+    grad=None,
+    dw_part=None,
+    db_part=None,
+    rows_per_program: int = 0,
+    interpreter: bool | None = None,
+) -> tuple[tuple, dict]:
     """(positional arguments, constexprs) of one launch of `kernel` ("fwd" or "bwd") on rows x2; for
     "bwd", `out` is dx, `grad` dy, and `bias` only says whether there is one. The launchers below and the ahead-of-time report
     (kernels/report.py) both build their launches here, so the report compiles what runs. The tile
     is the interpreter's when `interpreter` (default: whether Triton interprets here), else a GPU's."""
     rows, n = x2.shape
     block_m, block_n, warps = _tile(rows, n, interpreting() if interpreter is None else interpreter)
-    meta = dict(IS_RMS=rms, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_M=block_m,
-                BLOCK_N=block_n, num_warps=warps)
+    meta = dict(
+        IS_RMS=rms,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=warps,
+    )
     if kernel == "fwd":
         return (x2, weight, bias, out, mean, rstd, x2.stride(0), n, rows, n, eps), meta
-    return (x2, weight, grad, out, dw_part, db_part, mean, rstd, x2.stride(0), grad.stride(0), n, rows, n,
-            rows_per_program), meta
+    return (
+        x2,
+        weight,
+        grad,
+        out,
+        dw_part,
+        db_part,
+        mean,
+        rstd,
+        x2.stride(0),
+        grad.stride(0),
+        n,
+        rows,
+        n,
+        rows_per_program,
+    ), meta
 
 
 def _forward(x, weight, bias, eps: float, rms: bool):
@@ -103,8 +138,21 @@ def _backward(grad_y, x, weight, mean, rstd, has_bias: bool, rms: bool):
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if weight is not None else None
     db_part = torch.empty((programs, n), dtype=torch.float32, device=x.device) if has_bias else None
     if rows:
-        args, meta = kernel_args("bwd", x2, weight, db_part, dx, mean, rstd, 0.0, rms, grad=dy2, dw_part=dw_part,
-                                 db_part=db_part, rows_per_program=rows_per_program)
+        args, meta = kernel_args(
+            "bwd",
+            x2,
+            weight,
+            db_part,
+            dx,
+            mean,
+            rstd,
+            0.0,
+            rms,
+            grad=dy2,
+            dw_part=dw_part,
+            db_part=db_part,
+            rows_per_program=rows_per_program,
+        )
         with _device_context(x):
             kernel_module().norm_bwd[(programs,)](*args, **meta)
     param_dtype = weight.dtype if weight is not None else x.dtype
@@ -115,8 +163,9 @@ def _backward(grad_y, x, weight, mean, rstd, has_bias: bool, rms: bool):
 
 # ----------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("trillion::norm_fwd", mutates_args=())
-def _fwd_op(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-            rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fwd_op(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, rms: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, mean, rstd); mean is empty for RMSNorm."""
     return _forward(x, weight, bias, eps, rms)
 
@@ -128,8 +177,15 @@ def _(x, weight, bias, eps, rms):
 
 
 @torch.library.custom_op("trillion::norm_bwd", mutates_args=())
-def _bwd_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor,
-            rstd: torch.Tensor, has_bias: bool, rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _bwd_op(
+    grad_y: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    has_bias: bool,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias); the last two are empty when there is no weight or bias."""
     return _backward(grad_y, x, weight, mean, rstd, has_bias, rms)
 
@@ -138,9 +194,11 @@ def _bwd_op(grad_y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, 
 def _(grad_y, x, weight, mean, rstd, has_bias, rms):
     param_dtype = weight.dtype if weight is not None else x.dtype
     n = x.shape[-1]
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            x.new_empty(n if weight is not None else 0, dtype=param_dtype),
-            x.new_empty(n if has_bias else 0, dtype=param_dtype))
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        x.new_empty(n if weight is not None else 0, dtype=param_dtype),
+        x.new_empty(n if has_bias else 0, dtype=param_dtype),
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -209,8 +267,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float | N
     return _fwd_op(x, weight, None, float(eps), True)[0]
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-               eps: float = 1e-5) -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
     """LayerNorm over the last dim."""
     if not _use_triton(x, "kernels.norm=triton (layer_norm)"):
         return F.layer_norm(x, x.shape[-1:], weight, bias, eps)

@@ -1,5 +1,6 @@
 """Model definitions: one decoder-only transformer covering the GPT and Llama families,
 presets by name, FLOP and parameter accounting, and Hugging Face weight adapters."""
+
 from trillion.models.args import ModelArgs
 from trillion.models.presets import PRESETS, get_preset
 

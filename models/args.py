@@ -1,5 +1,6 @@
 """The shape of a model: plain data, importable without torch (the planner and the CLI read it
 without paying for a torch import)."""
+
 from dataclasses import dataclass
 
 

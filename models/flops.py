@@ -4,6 +4,7 @@ Model FLOPs (MFU): 6 * (N - N_emb) + 12 * L * H * T per token, as PaLM, nanoGPT 
 count them: no causal discount, no recompute. Hardware FLOPs (HFU) add the recomputed forward
 pass. The Megatron formula (Narayanan et al. 2021, eq. 3) is what the Frontier paper reports.
 """
+
 from dataclasses import dataclass
 
 from trillion.models.args import ModelArgs

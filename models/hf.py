@@ -1,5 +1,6 @@
 """Hugging Face `transformers` adapters: configs and parameter names for LlamaForCausalLM and
 GPT2LMHeadModel, so weights move both ways without changing a value."""
+
 import torch
 
 from trillion.models.args import ModelArgs
@@ -11,17 +12,34 @@ def hf_config(args: ModelArgs):
         from transformers import LlamaConfig
 
         return LlamaConfig(
-            vocab_size=args.vocab_size, hidden_size=args.dim, intermediate_size=args.ffn_hidden,
-            num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads, num_key_value_heads=args.kv_heads,
-            max_position_embeddings=args.max_seq_len, rms_norm_eps=args.norm_eps, tie_word_embeddings=args.tie_embeddings,
-            rope_theta=args.rope_theta, attention_bias=args.bias, mlp_bias=args.bias,
+            vocab_size=args.vocab_size,
+            hidden_size=args.dim,
+            intermediate_size=args.ffn_hidden,
+            num_hidden_layers=args.n_layers,
+            num_attention_heads=args.n_heads,
+            num_key_value_heads=args.kv_heads,
+            max_position_embeddings=args.max_seq_len,
+            rms_norm_eps=args.norm_eps,
+            tie_word_embeddings=args.tie_embeddings,
+            rope_theta=args.rope_theta,
+            attention_bias=args.bias,
+            mlp_bias=args.bias,
         )
     from transformers import GPT2Config
 
     return GPT2Config(
-        vocab_size=args.vocab_size, n_positions=args.max_seq_len, n_embd=args.dim, n_layer=args.n_layers,
-        n_head=args.n_heads, n_inner=args.ffn_hidden, activation_function="gelu_new", layer_norm_epsilon=args.norm_eps,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=args.tie_embeddings,
+        vocab_size=args.vocab_size,
+        n_positions=args.max_seq_len,
+        n_embd=args.dim,
+        n_layer=args.n_layers,
+        n_head=args.n_heads,
+        n_inner=args.ffn_hidden,
+        activation_function="gelu_new",
+        layer_norm_epsilon=args.norm_eps,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=args.tie_embeddings,
     )
 
 
@@ -41,13 +59,22 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[
     return ours
 
 
-LLAMA_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-               "output.weight": "lm_head.weight"}
-LLAMA_LAYER_NAMES = {"attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj",
-                     "attention.wv": "self_attn.v_proj", "attention.wo": "self_attn.o_proj",
-                     "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-                     "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm",
-                     "ffn_norm": "post_attention_layernorm"}
+LLAMA_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LLAMA_LAYER_NAMES = {
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+    "attention_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
 
 
 def _llama_from_ours(state, args):
@@ -79,18 +106,30 @@ def _llama_to_ours(state, args):
 
 
 def _gpt2_from_ours(state, args):
-    names = {"tok_embeddings.weight": "transformer.wte.weight", "pos_embeddings.weight": "transformer.wpe.weight",
-             "norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias", "output.weight": "lm_head.weight"}
+    names = {
+        "tok_embeddings.weight": "transformer.wte.weight",
+        "pos_embeddings.weight": "transformer.wpe.weight",
+        "norm.weight": "transformer.ln_f.weight",
+        "norm.bias": "transformer.ln_f.bias",
+        "output.weight": "lm_head.weight",
+    }
     out = {names[k]: v for k, v in state.items() if k in names}
     for i in range(args.n_layers):
         layer = lambda part: state[f"layers.{i}.{part}"]  # noqa: E731
         prefix = f"transformer.h.{i}."
         # GPT-2's Conv1D stores weights as (in, out): ours transposed; q, k, v fused in one c_attn.
         for ours, theirs in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
-            out[prefix + theirs + ".weight"], out[prefix + theirs + ".bias"] = layer(ours + ".weight"), layer(ours + ".bias")
+            out[prefix + theirs + ".weight"], out[prefix + theirs + ".bias"] = (
+                layer(ours + ".weight"),
+                layer(ours + ".bias"),
+            )
         out[prefix + "attn.c_attn.weight"] = torch.cat([layer(f"attention.w{p}.weight") for p in "qkv"]).t()
         out[prefix + "attn.c_attn.bias"] = torch.cat([layer(f"attention.w{p}.bias") for p in "qkv"])
-        for ours, theirs in (("attention.wo", "attn.c_proj"), ("feed_forward.w1", "mlp.c_fc"), ("feed_forward.w2", "mlp.c_proj")):
+        for ours, theirs in (
+            ("attention.wo", "attn.c_proj"),
+            ("feed_forward.w1", "mlp.c_fc"),
+            ("feed_forward.w2", "mlp.c_proj"),
+        ):
             out[prefix + theirs + ".weight"] = layer(ours + ".weight").t()
             out[prefix + theirs + ".bias"] = layer(ours + ".bias")
     return out
@@ -100,20 +139,35 @@ GPT2_BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older transfo
 
 
 def _gpt2_to_ours(state, args):
-    names = {"transformer.wte.weight": "tok_embeddings.weight", "transformer.wpe.weight": "pos_embeddings.weight",
-             "transformer.ln_f.weight": "norm.weight", "transformer.ln_f.bias": "norm.bias", "lm_head.weight": "output.weight"}
+    names = {
+        "transformer.wte.weight": "tok_embeddings.weight",
+        "transformer.wpe.weight": "pos_embeddings.weight",
+        "transformer.ln_f.weight": "norm.weight",
+        "transformer.ln_f.bias": "norm.bias",
+        "lm_head.weight": "output.weight",
+    }
     out = {names[k]: state.pop(k) for k in list(state) if k in names}
     q_size, kv_size = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     for i in range(args.n_layers):
         prefix = f"transformer.h.{i}."
         take = lambda part: state.pop(prefix + part)  # noqa: E731
         for ours, theirs in (("attention_norm", "ln_1"), ("ffn_norm", "ln_2")):
-            out[f"layers.{i}.{ours}.weight"], out[f"layers.{i}.{ours}.bias"] = take(theirs + ".weight"), take(theirs + ".bias")
+            out[f"layers.{i}.{ours}.weight"], out[f"layers.{i}.{ours}.bias"] = (
+                take(theirs + ".weight"),
+                take(theirs + ".bias"),
+            )
         # Conv1D keeps (in, out): transpose back, and split the fused q, k, v.
-        for part, weight, bias in zip("qkv", take("attn.c_attn.weight").t().split([q_size, kv_size, kv_size]),
-                                      take("attn.c_attn.bias").split([q_size, kv_size, kv_size])):
+        for part, weight, bias in zip(
+            "qkv",
+            take("attn.c_attn.weight").t().split([q_size, kv_size, kv_size]),
+            take("attn.c_attn.bias").split([q_size, kv_size, kv_size]),
+        ):
             out[f"layers.{i}.attention.w{part}.weight"], out[f"layers.{i}.attention.w{part}.bias"] = weight, bias
-        for ours, theirs in (("attention.wo", "attn.c_proj"), ("feed_forward.w1", "mlp.c_fc"), ("feed_forward.w2", "mlp.c_proj")):
+        for ours, theirs in (
+            ("attention.wo", "attn.c_proj"),
+            ("feed_forward.w1", "mlp.c_fc"),
+            ("feed_forward.w2", "mlp.c_proj"),
+        ):
             out[f"layers.{i}.{ours}.weight"] = take(theirs + ".weight").t()
             out[f"layers.{i}.{ours}.bias"] = take(theirs + ".bias")
     out.update({k: v for k, v in state.items() if not k.endswith(GPT2_BUFFERS)})
@@ -125,18 +179,34 @@ def args_from_hf_config(config: dict) -> ModelArgs:
     if config.get("model_type") == "llama":
         rope = config.get("rope_parameters") or {}
         return ModelArgs(
-            n_layers=config["num_hidden_layers"], dim=config["hidden_size"], n_heads=config["num_attention_heads"],
-            n_kv_heads=config.get("num_key_value_heads"), ffn_dim=config["intermediate_size"],
-            vocab_size=config["vocab_size"], max_seq_len=config["max_position_embeddings"],
-            norm="rmsnorm", norm_eps=config["rms_norm_eps"], mlp="swiglu", positions="rope",
-            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)), bias=config.get("attention_bias", False),
+            n_layers=config["num_hidden_layers"],
+            dim=config["hidden_size"],
+            n_heads=config["num_attention_heads"],
+            n_kv_heads=config.get("num_key_value_heads"),
+            ffn_dim=config["intermediate_size"],
+            vocab_size=config["vocab_size"],
+            max_seq_len=config["max_position_embeddings"],
+            norm="rmsnorm",
+            norm_eps=config["rms_norm_eps"],
+            mlp="swiglu",
+            positions="rope",
+            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+            bias=config.get("attention_bias", False),
             tie_embeddings=config.get("tie_word_embeddings", False),
         )
     if config.get("model_type") == "gpt2":
         return ModelArgs(
-            n_layers=config["n_layer"], dim=config["n_embd"], n_heads=config["n_head"], ffn_dim=config.get("n_inner"),
-            vocab_size=config["vocab_size"], max_seq_len=config["n_positions"], norm="layernorm",
-            norm_eps=config["layer_norm_epsilon"], mlp="gelu", positions="learned", bias=True,
+            n_layers=config["n_layer"],
+            dim=config["n_embd"],
+            n_heads=config["n_head"],
+            ffn_dim=config.get("n_inner"),
+            vocab_size=config["vocab_size"],
+            max_seq_len=config["n_positions"],
+            norm="layernorm",
+            norm_eps=config["layer_norm_epsilon"],
+            mlp="gelu",
+            positions="learned",
+            bias=True,
             tie_embeddings=config.get("tie_word_embeddings", False),
         )
     raise ValueError(f"model_type {config.get('model_type')!r}: only llama and gpt2 map onto this transformer")

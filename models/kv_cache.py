@@ -2,6 +2,7 @@
 
 The model reads a cache only when one is passed to `Transformer.forward`; training never does.
 """
+
 import torch
 
 from trillion.models.args import ModelArgs
@@ -20,7 +21,7 @@ class LayerKV:
         end = self.length + k.shape[-2]
         if end > self.k.shape[-2]:
             raise ValueError(f"the KV cache holds {self.k.shape[-2]} positions; {end} were asked for")
-        self.k[:, :, self.length:end], self.v[:, :, self.length:end] = k, v
+        self.k[:, :, self.length : end], self.v[:, :, self.length : end] = k, v
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
@@ -29,8 +30,9 @@ class KVCache:
     """A LayerKV per transformer layer, keyed as the model's layers are."""
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, device=None, dtype=torch.float32):
-        self.layers = {str(i): LayerKV(batch, args.kv_heads, max_len, args.head_dim, device, dtype)
-                       for i in range(args.n_layers)}
+        self.layers = {
+            str(i): LayerKV(batch, args.kv_heads, max_len, args.head_dim, device, dtype) for i in range(args.n_layers)
+        }
 
     @property
     def length(self) -> int:

@@ -1,8 +1,9 @@
 """Model presets by name. GPT shapes are the Frontier study's (experiments/frontier/PAPER.md: GPT-2 BPE vocabulary
 padded to 50,688, LayerNorm, GELU 4h, learned positions, untied output); Llama shapes are
 Meta's published Llama 3 configurations."""
-from trillion.models.args import ModelArgs
+
 from trillion.errors import ConfigError
+from trillion.models.args import ModelArgs
 
 GPT_VOCAB = 50688
 LLAMA3_VOCAB = 128256
@@ -10,17 +11,40 @@ LLAMA3_VOCAB = 128256
 
 def _gpt(n_layers: int, dim: int, n_heads: int, max_seq_len: int = 2048, vocab_size: int = GPT_VOCAB) -> ModelArgs:
     return ModelArgs(
-        n_layers=n_layers, dim=dim, n_heads=n_heads, vocab_size=vocab_size, max_seq_len=max_seq_len,
-        norm="layernorm", mlp="gelu", positions="learned", bias=True,
+        n_layers=n_layers,
+        dim=dim,
+        n_heads=n_heads,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        norm="layernorm",
+        mlp="gelu",
+        positions="learned",
+        bias=True,
     )
 
 
-def _llama(n_layers: int, dim: int, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int = LLAMA3_VOCAB,
-           max_seq_len: int = 8192) -> ModelArgs:
+def _llama(
+    n_layers: int,
+    dim: int,
+    n_heads: int,
+    n_kv_heads: int,
+    ffn_dim: int,
+    vocab_size: int = LLAMA3_VOCAB,
+    max_seq_len: int = 8192,
+) -> ModelArgs:
     return ModelArgs(
-        n_layers=n_layers, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads, ffn_dim=ffn_dim,
-        vocab_size=vocab_size, max_seq_len=max_seq_len, norm="rmsnorm", norm_eps=1e-5, mlp="swiglu",
-        positions="rope", rope_theta=500000.0,
+        n_layers=n_layers,
+        dim=dim,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_dim=ffn_dim,
+        vocab_size=vocab_size,
+        max_seq_len=max_seq_len,
+        norm="rmsnorm",
+        norm_eps=1e-5,
+        mlp="swiglu",
+        positions="rope",
+        rope_theta=500000.0,
     )
 
 

@@ -8,6 +8,7 @@ The model holds no process groups: parallelism is applied from outside (parallel
 on the meta device and then materialized with `to_empty` + `init_weights`, which gives the same
 values for the same seed whatever happens between the two.
 """
+
 import math
 import zlib
 
@@ -128,8 +129,9 @@ class Transformer(nn.Module):
         else:
             self.rope = None
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
         """`positions` (seq,): the position of each token in its sequence, 0..seq-1 unless given; a
         context-parallel rank, which holds chunks of every sequence, passes theirs. With a `cache`
         (generation) the tokens continue the positions it holds and are added to it."""
@@ -168,12 +170,16 @@ class Transformer(nn.Module):
             elif "norm" in name:
                 nn.init.ones_(param)
             else:
-                generator = torch.Generator(device=param.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                generator = torch.Generator(device=param.device).manual_seed(
+                    seed * 1_000_003 + zlib.crc32(name.encode())
+                )
                 full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
                 full.normal_(0.0, out_std if name.endswith(("wo.weight", "w2.weight")) else std, generator=generator)
                 _copy_full_into(param, full)
         if self.rope is not None:
-            self.rope = rope_cache(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=self.rope.device)
+            self.rope = rope_cache(
+                self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=self.rope.device
+            )
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:

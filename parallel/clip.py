@@ -7,6 +7,7 @@ logical gradient, whatever the layout. Plain tensors (one process) and DTensors 
 are grouped separately and combined as squares. Pipeline stages each hold different parameters:
 pass the pipeline process group and the stage totals are summed (as squares) across it.
 """
+
 import math
 
 import torch

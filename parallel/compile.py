@@ -12,6 +12,7 @@ every layout tested, so no layout needs the whole-model fallback.
 The blocks are compiled in place (`Module.compile`), so parameter names do not change, and
 FSDP's hooks, registered afterwards on the same modules, stay outside the compiled graphs.
 """
+
 from torch import nn
 
 

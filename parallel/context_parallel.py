@@ -17,6 +17,7 @@ backend then runs unchanged (the Triton kernel, SDPA, eager), forward and backwa
 needs log-sum-exp merging. Why all-gather rather than a ring: see the README's context-parallel
 section and /work/notes/cp.md (measured).
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,11 +35,15 @@ def check_sequence(cp: int, tp: int, seq_len: int) -> None:
         return
     fix = f"Use a sequence length divisible by {unit} (e.g. --training.seq_len={max(unit, seq_len // unit * unit)})"
     if seq_len % (2 * cp):
-        raise ConfigError(f"training.seq_len={seq_len} does not split into 2 x parallel.cp={cp} equal chunks; context "
-                          f"parallelism gives each rank a head chunk and a tail chunk of every sequence. {fix} or "
-                          f"another cp.")
-    raise ConfigError(f"training.seq_len={seq_len} / parallel.cp={cp} = {seq_len // cp} tokens per rank is not "
-                      f"divisible by parallel.tp={tp} (sequence parallelism splits them). {fix}.")
+        raise ConfigError(
+            f"training.seq_len={seq_len} does not split into 2 x parallel.cp={cp} equal chunks; context "
+            f"parallelism gives each rank a head chunk and a tail chunk of every sequence. {fix} or "
+            f"another cp."
+        )
+    raise ConfigError(
+        f"training.seq_len={seq_len} / parallel.cp={cp} = {seq_len // cp} tokens per rank is not "
+        f"divisible by parallel.tp={tp} (sequence parallelism splits them). {fix}."
+    )
 
 
 def chunks_of(rank: int, cp: int) -> tuple[int, int]:
@@ -75,12 +80,15 @@ def _gather_sequence(t: torch.Tensor, group, rank_count: int) -> torch.Tensor:
     batch, heads, local, dim = t.shape
     gathered = all_gather_single(t.contiguous(), 0, group).view(rank_count, batch, heads, 2, local // 2, dim)
     # rank j holds chunks j (half 0) and 2 cp - 1 - j (half 1)
-    order = [gathered[j, :, :, 0] for j in range(rank_count)] + [gathered[j, :, :, 1] for j in reversed(range(rank_count))]
+    order = [gathered[j, :, :, 0] for j in range(rank_count)] + [
+        gathered[j, :, :, 1] for j in reversed(range(rank_count))
+    ]
     return torch.cat(order, dim=2)
 
 
-def attention_across_shards(q, k, v, *, group, rank: int, cp: int, impl: str = "sdpa", causal: bool = True,
-                            softmax_scale: float | None = None) -> torch.Tensor:
+def attention_across_shards(
+    q, k, v, *, group, rank: int, cp: int, impl: str = "sdpa", causal: bool = True, softmax_scale: float | None = None
+) -> torch.Tensor:
     """Attention of this cp rank's queries (b, hq, s / cp, d), in the load-balanced layout, over the
     keys and values of the whole sequence, whose shards k, v (b, hkv, s / cp, d) every cp rank holds."""
     k_all, v_all = _gather_sequence(k, group, cp), _gather_sequence(v, group, cp)
@@ -90,8 +98,11 @@ def attention_across_shards(q, k, v, *, group, rank: int, cp: int, impl: str = "
     outs = []
     for chunk, q_chunk in zip(chunks_of(rank, cp), q.split(size, dim=2)):
         end = (chunk + 1) * size  # lower-right alignment: the chunk's last query sees the prefix's last key
-        outs.append(attention(q_chunk, k_all[:, :, :end], v_all[:, :, :end], impl=impl, causal=True,
-                              softmax_scale=softmax_scale))
+        outs.append(
+            attention(
+                q_chunk, k_all[:, :, :end], v_all[:, :, :end], impl=impl, causal=True, softmax_scale=softmax_scale
+            )
+        )
     return torch.cat(outs, dim=2)
 
 
@@ -103,8 +114,9 @@ class _AcrossShards:
         self.group, self.rank, self.cp = group, rank, cp
 
     def __call__(self, q, k, v, *, impl: str = "sdpa", causal: bool = True, softmax_scale: float | None = None):
-        return attention_across_shards(q, k, v, group=self.group, rank=self.rank, cp=self.cp, impl=impl,
-                                       causal=causal, softmax_scale=softmax_scale)
+        return attention_across_shards(
+            q, k, v, group=self.group, rank=self.rank, cp=self.cp, impl=impl, causal=causal, softmax_scale=softmax_scale
+        )
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh) -> None:

@@ -15,6 +15,7 @@ Sub-meshes other code needs:
 - `all_reduce_dp`: sums over every rank holding other tokens of the global batch (dp x cp): the
   token count and the loss.
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,22 +56,26 @@ class ParallelDims:
         for name in AXES:
             value = getattr(self, name)
             if value < 1 and not (name == "dp_shard" and value == -1):
-                raise ConfigError(f"parallel.{name}={value} must be a positive degree"
-                                  f"{' (or -1 to infer it)' if name == 'dp_shard' else ''}; use 1 to turn it off.")
+                raise ConfigError(
+                    f"parallel.{name}={value} must be a positive degree"
+                    f"{' (or -1 to infer it)' if name == 'dp_shard' else ''}; use 1 to turn it off."
+                )
         others = self.pp * self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ConfigError(
                     f"parallel.pp * dp_replicate * cp * tp = {others} does not divide the world size {self.world_size}, "
                     f"so parallel.dp_shard=-1 cannot be inferred. Pick degrees whose product divides {self.world_size} "
-                    f"(e.g. --parallel.tp={_largest_divisor_at_most(self.world_size, self.tp)}).")
+                    f"(e.g. --parallel.tp={_largest_divisor_at_most(self.world_size, self.tp)})."
+                )
             self.dp_shard = self.world_size // others
         product = others * self.dp_shard
         if product != self.world_size:
             raise ConfigError(
                 f"parallel degrees pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
                 f"cp={self.cp} x tp={self.tp} = {product}, but the world size is {self.world_size}. Make the product "
-                f"equal the number of processes, e.g. --parallel.dp_shard=-1 to infer it, or launch {product} processes.")
+                f"equal the number of processes, e.g. --parallel.dp_shard=-1 to infer it, or launch {product} processes."
+            )
 
     # --- what is on -----------------------------------------------------------------------------
     @property
@@ -89,9 +94,11 @@ class ParallelDims:
     def validate(self, model_args, seq_len: int, gpus_per_node: int | None = None) -> None:
         """Raise ConfigError for a layout this model or this build cannot run; warn on slow ones."""
         if self.pp > 1 and self.pp > model_args.n_layers + 2:
-            raise ConfigError(f"parallel.pp={self.pp} is more than the model's {model_args.n_layers} layers + embedding "
-                              f"+ output = {model_args.n_layers + 2} pipeline units; each stage needs at least one. "
-                              f"Use --parallel.pp={model_args.n_layers + 2} or less.")  # schedules: parallel/pipeline.py
+            raise ConfigError(
+                f"parallel.pp={self.pp} is more than the model's {model_args.n_layers} layers + embedding "
+                f"+ output = {model_args.n_layers + 2} pipeline units; each stage needs at least one. "
+                f"Use --parallel.pp={model_args.n_layers + 2} or less."
+            )  # schedules: parallel/pipeline.py
         check_sequence(self.cp, self.tp, seq_len)
         tp = self.tp
         if tp == 1:
@@ -113,18 +120,27 @@ class ParallelDims:
                     f"parallel.tp={tp} does not divide {setting}={value} (the {what}); tensor parallelism splits it "
                     f"evenly. Use a tp that divides all of heads, KV heads, FFN width, vocabulary and sequence "
                     f"length (e.g. --parallel.tp={max(d for d in valid if d <= tp)} with --parallel.dp_shard=-1; "
-                    f"valid: {', '.join(map(str, valid))}).")
+                    f"valid: {', '.join(map(str, valid))})."
+                )
         if getattr(a, "norm_impl", "torch") != "torch":
-            raise ConfigError(f"kernels.norm={a.norm_impl!r} cannot run on sequence-parallel (DTensor) activations. "
-                              "Use --kernels.norm=torch with parallel.tp > 1.")
+            raise ConfigError(
+                f"kernels.norm={a.norm_impl!r} cannot run on sequence-parallel (DTensor) activations. "
+                "Use --kernels.norm=torch with parallel.tp > 1."
+            )
         if a.tie_embeddings:
-            raise ConfigError("parallel.tp > 1 with tied input/output embeddings is not supported: tensor parallelism "
-                              "would untie them. Use --parallel.tp=1 or a model without tie_embeddings.")
+            raise ConfigError(
+                "parallel.tp > 1 with tied input/output embeddings is not supported: tensor parallelism "
+                "would untie them. Use --parallel.tp=1 or a model without tie_embeddings."
+            )
         node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE))
         if tp > node:
-            log.warning("parallel.tp=%d is larger than the %d devices of a node: tensor-parallel collectives run on "
-                        "every layer and will cross the inter-node network. Prefer tp <= %d and raise dp_shard.",
-                        tp, node, node)
+            log.warning(
+                "parallel.tp=%d is larger than the %d devices of a node: tensor-parallel collectives run on "
+                "every layer and will cross the inter-node network. Prefer tp <= %d and raise dp_shard.",
+                tp,
+                node,
+                node,
+            )
 
     # --- the mesh ------------------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
@@ -195,7 +211,9 @@ class ParallelDims:
     def all_reduce_dp(self, tensor):
         """Sum `tensor` in place over the ranks holding other tokens: data-parallel x cp (a no-op on one)."""
         if self.cp > 1:
-            dist.all_reduce(tensor, group=self.mesh[self._flat(("dp_replicate", "dp_shard", "cp"), "dp_cp")].get_group())
+            dist.all_reduce(
+                tensor, group=self.mesh[self._flat(("dp_replicate", "dp_shard", "cp"), "dp_cp")].get_group()
+            )
         elif self.dp_group is not None:
             dist.all_reduce(tensor, group=self.dp_group)
         return tensor

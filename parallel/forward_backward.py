@@ -9,6 +9,7 @@ batch (`tokens`, summed over data-parallel ranks), so accumulating micro-batches
 gradients over ranks changes nothing: it is the mean over every target token of the global batch,
 not a mean of per-micro-batch means.
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,8 +22,10 @@ IGNORE_INDEX = -100  # a label the loss skips (a masked target); torch's own def
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor | int) -> torch.Tensor:
     """Summed cross-entropy of (batch, seq, vocab) logits against (batch, seq) labels over `tokens`."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX,
-                           reduction="sum") / tokens
+    return (
+        F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=IGNORE_INDEX, reduction="sum")
+        / tokens
+    )
 
 
 def target_tokens(micro_batches) -> torch.Tensor:

@@ -24,14 +24,22 @@ ranks: the loss is already normalized by the token count of the global batch.
 Mixed precision: parameters are gathered in the compute dtype (bf16 on GPUs) and gradients are
 reduced in fp32; on CPU everything is fp32.
 """
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from trillion.parallel.modes import zero_mode
 
-def apply_fsdp(model: nn.Module, fsdp_mesh, mode: str, param_dtype: torch.dtype = torch.float32, *,
-               keep_gathered_after_forward: bool = False) -> None:
+
+def apply_fsdp(
+    model: nn.Module,
+    fsdp_mesh,
+    mode: str,
+    param_dtype: torch.dtype = torch.float32,
+    *,
+    keep_gathered_after_forward: bool = False,
+) -> None:
     """`keep_gathered_after_forward`: no block reshards after forward whatever the mode (pipeline
     stages under split-backward schedules, see pipeline.py)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)

@@ -18,6 +18,7 @@ R (checkpointing), input-gradient pass Bi and weight-gradient pass Bw, p stages,
 (planner/layout.py in_flight_microbatches). DualPipeV's own lever, hiding expert all-to-all
 behind compute, does nothing for dense models.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -49,15 +50,18 @@ class Schedule:
         return not self.split_backward
 
 
-SCHEDULES: dict[str, Schedule] = {s.name: s for s in (  # each proven by a tests/pipeline parity test
-    Schedule("GPipe", "single", False, "", False, (1, 1, 1, 1), "all"),
-    Schedule("1F1B", "single", False, "pp", False, (1, 1, 1, 1), "pipeline"),
-    Schedule("Interleaved1F1B", "looped", False, "pp", True, (1, 1, 1, 1), "interleaved"),
-    Schedule("LoopedBFS", "looped", False, "pp", False, (1, 1, 1, 1), "all"),
-    Schedule("InterleavedZeroBubble", "looped", True, "pp", True, (1, 1, 1, -1), "interleaved"),
-    Schedule("ZBVZeroBubble", "v", True, "pp", False, (1, 1, 1, -2), "pipeline"),
-    Schedule("DualPipeV", "v", True, "stages", False, (1, 1, 1, -2), "pipeline+1"),
-)}
+SCHEDULES: dict[str, Schedule] = {
+    s.name: s
+    for s in (  # each proven by a tests/pipeline parity test
+        Schedule("GPipe", "single", False, "", False, (1, 1, 1, 1), "all"),
+        Schedule("1F1B", "single", False, "pp", False, (1, 1, 1, 1), "pipeline"),
+        Schedule("Interleaved1F1B", "looped", False, "pp", True, (1, 1, 1, 1), "interleaved"),
+        Schedule("LoopedBFS", "looped", False, "pp", False, (1, 1, 1, 1), "all"),
+        Schedule("InterleavedZeroBubble", "looped", True, "pp", True, (1, 1, 1, -1), "interleaved"),
+        Schedule("ZBVZeroBubble", "v", True, "pp", False, (1, 1, 1, -2), "pipeline"),
+        Schedule("DualPipeV", "v", True, "stages", False, (1, 1, 1, -2), "pipeline+1"),
+    )
+}
 DEFAULT_VIRTUAL_STAGES = 2  # looped schedules' stages per rank when parallel.pp_virtual_stages=0
 
 
@@ -73,20 +77,31 @@ def stages_per_rank(s: Schedule, requested: int) -> int:
     """1 for single-stage schedules, 2 for V-shaped ones; requested (0 = 2) for looped ones."""
     if s.placement == "v":
         if requested not in (0, 2):
-            raise ConfigError(f"parallel.pp_virtual_stages={requested}: parallel.pp_schedule={s.name} runs exactly "
-                              "two stages per rank (a V). Use --parallel.pp_virtual_stages=2 (or 0), or a looped "
-                              "schedule (Interleaved1F1B, InterleavedZeroBubble) for other counts.")
+            raise ConfigError(
+                f"parallel.pp_virtual_stages={requested}: parallel.pp_schedule={s.name} runs exactly "
+                "two stages per rank (a V). Use --parallel.pp_virtual_stages=2 (or 0), or a looped "
+                "schedule (Interleaved1F1B, InterleavedZeroBubble) for other counts."
+            )
         return 2
     if s.placement == "single":
         if requested > 1:
-            raise ConfigError(f"parallel.pp_virtual_stages={requested}: parallel.pp_schedule={s.name} runs one stage "
-                              "per rank. Use --parallel.pp_virtual_stages=1 or a looped schedule (Interleaved1F1B).")
+            raise ConfigError(
+                f"parallel.pp_virtual_stages={requested}: parallel.pp_schedule={s.name} runs one stage "
+                "per rank. Use --parallel.pp_virtual_stages=1 or a looped schedule (Interleaved1F1B)."
+            )
         return 1
     return requested if requested >= 1 else DEFAULT_VIRTUAL_STAGES
 
 
-def check_schedule(name: str, pp: int, n_microbatches: int, virtual_stages: int = 0, compile_enabled: bool = False,
-                   *, n_layers: int | None = None) -> tuple[Schedule, int]:
+def check_schedule(
+    name: str,
+    pp: int,
+    n_microbatches: int,
+    virtual_stages: int = 0,
+    compile_enabled: bool = False,
+    *,
+    n_layers: int | None = None,
+) -> tuple[Schedule, int]:
     """Raise ConfigError for a schedule the trainer cannot run with pp ranks and n_microbatches per
     step (and, given n_layers, more stages than the model's n_layers + embedding + output units);
     returns (the schedule, stages per rank). With pp = 1 no pipeline runs: only the name is checked."""
@@ -101,56 +116,69 @@ def check_schedule(name: str, pp: int, n_microbatches: int, virtual_stages: int 
         raise ConfigError(
             f"parallel.pp={pp} x {v} stage(s) per rank = {stages} pipeline stages, but the model has only "
             f"{n_layers} layers + embedding + output = {n_layers + 2} to split; each stage needs at least one. "
-            f"Use --parallel.pp={max(1, (n_layers + 2) // v)} or less.")
+            f"Use --parallel.pp={max(1, (n_layers + 2) // v)} or less."
+        )
     if s.min_microbatches and n_microbatches < pp:
         raise ConfigError(
             f"parallel.pp_schedule={s.name} needs at least as many micro-batches per step as pipeline ranks, but "
             f"global / (micro x data-parallel ranks) = {n_microbatches} < parallel.pp={pp}. Raise "
-            f"training.global_batch_size or lower training.micro_batch_size, or use --parallel.pp_schedule=GPipe.")
+            f"training.global_batch_size or lower training.micro_batch_size, or use --parallel.pp_schedule=GPipe."
+        )
     if s.min_microbatches == "stages" and n_microbatches < stages:
         raise ConfigError(
             f"parallel.pp_schedule={s.name} needs at least as many micro-batches per step as pipeline stages "
             f"(2 x parallel.pp = {stages}), but global / (micro x data-parallel ranks) = {n_microbatches}. Raise "
-            f"training.global_batch_size or lower training.micro_batch_size, or use --parallel.pp_schedule=ZBVZeroBubble.")
+            f"training.global_batch_size or lower training.micro_batch_size, or use --parallel.pp_schedule=ZBVZeroBubble."
+        )
     rounds = max(1, n_microbatches // pp)
     if s.rounds and n_microbatches % rounds:
         raise ConfigError(
             f"parallel.pp_schedule={s.name} runs micro-batches in rounds of pp={pp}: {n_microbatches} "
             f"micro-batches per step must be a multiple of the {rounds} rounds. Use a global batch giving "
-            f"{rounds * pp} or {(rounds + 1) * pp} micro-batches.")
+            f"{rounds * pp} or {(rounds + 1) * pp} micro-batches."
+        )
     if compile_enabled and not s.compile_allowed:
-        raise ConfigError(f"parallel.pp_schedule={s.name} splits each backward into input- and weight-gradient passes, "
-                          "which torch.distributed.pipelining does not support for compiled stages. Use "
-                          "--compile.enabled=false, or a schedule with a full backward (1F1B, Interleaved1F1B).")
+        raise ConfigError(
+            f"parallel.pp_schedule={s.name} splits each backward into input- and weight-gradient passes, "
+            "which torch.distributed.pipelining does not support for compiled stages. Use "
+            "--compile.enabled=false, or a schedule with a full backward (1F1B, Interleaved1F1B)."
+        )
     return s, v
 
 
 @dataclass(frozen=True)
 class ZeroMode:
     """What FSDP keeps gathered between uses (parallel/fsdp.py has the table of costs)."""
+
     name: str
     reshard_after_forward: bool  # blocks give their gathered parameters back after forward
     gathered_across_microbatches: bool  # parameters stay gathered until the step's last micro-batch
     sync_every_microbatch: bool  # gradients reduce-scattered every micro-batch, else once per step
 
 
-ZERO_MODES: dict[str, ZeroMode] = {z.name: z for z in (
-    ZeroMode("zero1", False, True, False),
-    ZeroMode("zero2", False, True, True),
-    ZeroMode("zero3", True, False, True),
-)}
+ZERO_MODES: dict[str, ZeroMode] = {
+    z.name: z
+    for z in (
+        ZeroMode("zero1", False, True, False),
+        ZeroMode("zero2", False, True, True),
+        ZeroMode("zero3", True, False, True),
+    )
+}
 
 
 def zero_mode(name: str) -> ZeroMode:
     if name not in ZERO_MODES:
-        raise ConfigError(f"parallel.dp_shard_mode={name!r} is not known. Use zero1, zero2 or zero3 "
-                          "(zero3 uses the least memory; zero1 the least communication).")
+        raise ConfigError(
+            f"parallel.dp_shard_mode={name!r} is not known. Use zero1, zero2 or zero3 "
+            "(zero3 uses the least memory; zero1 the least communication)."
+        )
     return ZERO_MODES[name]
 
 
 @dataclass(frozen=True)
 class CheckpointMode:
     """Which blocks recompute their activations in backward (parallel/activation_checkpoint.py)."""
+
     name: str
     every: int  # checkpoint every N-th block; 0 = none
     op_level: bool = False  # save matmul/attention outputs, recompute only the cheap elementwise work
@@ -162,12 +190,15 @@ class CheckpointMode:
 
 
 SELECTIVE_EVERY = 2
-CHECKPOINT_MODES: dict[str, CheckpointMode] = {c.name: c for c in (
-    CheckpointMode("none", 0),
-    CheckpointMode("full", 1),
-    CheckpointMode("selective", SELECTIVE_EVERY),
-    CheckpointMode("selective:op", 1, op_level=True),
-)}  # and selective:N, every N-th block
+CHECKPOINT_MODES: dict[str, CheckpointMode] = {
+    c.name: c
+    for c in (
+        CheckpointMode("none", 0),
+        CheckpointMode("full", 1),
+        CheckpointMode("selective", SELECTIVE_EVERY),
+        CheckpointMode("selective:op", 1, op_level=True),
+    )
+}  # and selective:N, every N-th block
 
 
 def checkpoint_mode(name: str) -> CheckpointMode:
@@ -177,9 +208,11 @@ def checkpoint_mode(name: str) -> CheckpointMode:
     every = name.split(":", 1)[1] if name.startswith("selective:") else ""
     if every.isdigit() and int(every) > 0:
         return CheckpointMode(name, int(every))
-    raise ConfigError(f"parallel.activation_checkpoint={name!r} is not known. Use none, full, selective "
-                      f"(every {SELECTIVE_EVERY}nd block), selective:N (every N-th block, e.g. selective:3) or "
-                      "selective:op (save matmul outputs, recompute the rest).")
+    raise ConfigError(
+        f"parallel.activation_checkpoint={name!r} is not known. Use none, full, selective "
+        f"(every {SELECTIVE_EVERY}nd block), selective:N (every N-th block, e.g. selective:3) or "
+        "selective:op (save matmul outputs, recompute the rest)."
+    )
 
 
 def checkpointed_blocks(name: str, n_layers: int) -> list[int]:

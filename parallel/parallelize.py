@@ -10,6 +10,7 @@ compile then traces the parallel blocks; FSDP last, so it shards the TP shards a
 its hooks wrap everything. Call it before `to_empty` + `init_weights`, which then give the same
 values whatever the layout (see models.transformer.Transformer.init_weights).
 """
+
 import torch
 from torch import nn
 
@@ -22,9 +23,17 @@ from trillion.parallel.modes import schedule, zero_mode
 from trillion.parallel.tensor_parallel import apply_tensor_parallel
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, *, dp_shard_mode: str = "zero3",
-                activation_checkpoint: str = "none", compile: bool = False, compile_backend: str = "inductor",
-                param_dtype: torch.dtype = torch.float32, pp_schedule: str = "1F1B") -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    dims: ParallelDims,
+    *,
+    dp_shard_mode: str = "zero3",
+    activation_checkpoint: str = "none",
+    compile: bool = False,
+    compile_backend: str = "inductor",
+    param_dtype: torch.dtype = torch.float32,
+    pp_schedule: str = "1F1B",
+) -> nn.Module:
     """Apply the layout of `dims` (whose mesh is built) to `model`, in place; returns it. With pp > 1
     `model` is a pipeline stage and `pp_schedule` its schedule: under one that splits the backward no
     block reshards after forward (pipeline.py says why)."""

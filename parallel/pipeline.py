@@ -30,6 +30,7 @@ rebuilds it on its own tp mesh (`_mesh`); gradients travel back the same way.
 Stages are InFlightReceiveStage (pipeline_stage.py): torch's PipelineStage keeps a receive buffer for
 every micro-batch of the step (2 m hidden states per stage); ours holds them only while in flight.
 """
+
 from __future__ import annotations
 
 import copy
@@ -54,6 +55,7 @@ class StageLayers:
     """Explicit stage sizes in transformer layers: parallel.pp_layers_per_stage (0 = automatic),
     pp_first_stage_layers and pp_last_stage_layers (-1 = pp_layers_per_stage - 1, since the
     embedding and the output count as a layer each; automatic when that is 0 too)."""
+
     per_stage: int = 0
     first: int = -1
     last: int = -1
@@ -65,11 +67,16 @@ class StageLayers:
 
     def fixed_units(self, num_stages: int) -> dict[int, int]:
         """Units of the stages these settings size (first/last count their embedding/output)."""
-        for name, value, least in (("pp_layers_per_stage", self.per_stage, 0), ("pp_first_stage_layers", self.first, -1),
-                                   ("pp_last_stage_layers", self.last, -1)):
+        for name, value, least in (
+            ("pp_layers_per_stage", self.per_stage, 0),
+            ("pp_first_stage_layers", self.first, -1),
+            ("pp_last_stage_layers", self.last, -1),
+        ):
             if value < least:
-                raise ConfigError(f"parallel.{name}={value} must be {least} or more ({'0' if least == 0 else '-1'} = "
-                                  "automatic); it counts transformer layers.")
+                raise ConfigError(
+                    f"parallel.{name}={value} must be {least} or more ({'0' if least == 0 else '-1'} = "
+                    "automatic); it counts transformer layers."
+                )
         first = self.first if self.first >= 0 else self.per_stage - 1
         last = self.last if self.last >= 0 else self.per_stage - 1
         sizes = {stage: self.per_stage for stage in range(1, num_stages - 1)} if self.per_stage else {}
@@ -80,28 +87,42 @@ class StageLayers:
         return sizes
 
     def describe(self) -> str:
-        return (f"parallel.pp_layers_per_stage={self.per_stage}, pp_first_stage_layers={self.first}, "
-                f"pp_last_stage_layers={self.last}")
+        return (
+            f"parallel.pp_layers_per_stage={self.per_stage}, pp_first_stage_layers={self.first}, "
+            f"pp_last_stage_layers={self.last}"
+        )
 
 
 AUTOMATIC = StageLayers()
 
 
-def validate_pipeline(pp: int, schedule: str, n_layers: int, n_microbatches: int, *, virtual: int = 0,
-                      tie_embeddings: bool = False, layers: StageLayers = AUTOMATIC,
-                      compile: bool = False) -> tuple[str, int]:
+def validate_pipeline(
+    pp: int,
+    schedule: str,
+    n_layers: int,
+    n_microbatches: int,
+    *,
+    virtual: int = 0,
+    tie_embeddings: bool = False,
+    layers: StageLayers = AUTOMATIC,
+    compile: bool = False,
+) -> tuple[str, int]:
     """Raise ConfigError for a pipeline this build cannot run; returns (schedule name, stages per rank).
     The schedule's own rules are modes.check_schedule's, which the planner applies too."""
     s, v = check_schedule(schedule, pp, n_microbatches, virtual, compile, n_layers=n_layers)
     if pp == 1:
         if layers != AUTOMATIC:
-            raise ConfigError(f"{layers.describe()} size pipeline stages, but parallel.pp=1 runs none. Set "
-                              "--parallel.pp to 2 or more, or leave those settings at their defaults (0, -1, -1).")
+            raise ConfigError(
+                f"{layers.describe()} size pipeline stages, but parallel.pp=1 runs none. Set "
+                "--parallel.pp to 2 or more, or leave those settings at their defaults (0, -1, -1)."
+            )
         return s.name, 1
     split_units(n_layers, pp * v, layers)  # explicit stage sizes add up, no stage left empty
     if tie_embeddings:
-        raise ConfigError("parallel.pp > 1 with tied input/output embeddings is not supported: the embedding and "
-                          "the output projection live on different stages. Use a model without tie_embeddings.")
+        raise ConfigError(
+            "parallel.pp > 1 with tied input/output embeddings is not supported: the embedding and "
+            "the output projection live on different stages. Use a model without tie_embeddings."
+        )
     return s.name, v
 
 
@@ -122,18 +143,22 @@ def split_units(n_layers: int, num_stages: int, layers: StageLayers = AUTOMATIC)
         if n_layers < (num_stages - 2) * per_stage:  # the middle stages alone hold too many
             per_stage = n_layers // (num_stages - 2)
         ends = n_layers - (num_stages - 2) * per_stage  # what first + last must hold at this per_stage
-        fix = (f"--parallel.pp_layers_per_stage={per_stage} --parallel.pp_first_stage_layers={ends // 2} "
-               f"--parallel.pp_last_stage_layers={ends - ends // 2}")
+        fix = (
+            f"--parallel.pp_layers_per_stage={per_stage} --parallel.pp_first_stage_layers={ends // 2} "
+            f"--parallel.pp_last_stage_layers={ends - ends // 2}"
+        )
         raise ConfigError(
             f"{layers.describe()} put {units - 2 - left} transformer layers on the {num_stages} pipeline stages, "
             f"but the model has {n_layers} (model.n_layers): first + (stages - 2) x per stage + last must equal "
-            f"{n_layers}. Use e.g. {fix}, or --parallel.pp_layers_per_stage=0 to split automatically.")
+            f"{n_layers}. Use e.g. {fix}, or --parallel.pp_layers_per_stage=0 to split automatically."
+        )
     if free and left < len(free):
         raise ConfigError(
             f"{layers.describe()} give {units - left} of the model's {units} pipeline units ({n_layers} layers + "
             f"embedding + output) to the stages they size, leaving {max(left, 0)} for the other {len(free)} "
             f"stage(s); each stage needs at least one. Give the first / last stage fewer layers, or use "
-            f"--parallel.pp_first_stage_layers=-1 --parallel.pp_last_stage_layers=-1 to split automatically.")
+            f"--parallel.pp_first_stage_layers=-1 --parallel.pp_last_stage_layers=-1 to split automatically."
+        )
     base, extra = divmod(left, len(free)) if free else (0, 0)
     middle = sorted(free, key=lambda s: (abs(s - (num_stages - 1) / 2), s))[:extra]
     for stage in free:
@@ -147,9 +172,11 @@ def split_units(n_layers: int, num_stages: int, layers: StageLayers = AUTOMATIC)
 
 def describe_split(ranges: list[range], n_layers: int) -> str:
     """E.g. "E+2 | 3 | 3 | 2+O": each stage's transformer layers, E and O marking embedding and output."""
+
     def one(units: range) -> str:
         layers = len([u for u in units if 0 < u <= n_layers])
         return "+".join([*("E" for u in units if u == 0), str(layers), *("O" for u in units if u == n_layers + 1)])
+
     return " | ".join(one(units) for units in ranges)
 
 
@@ -197,14 +224,31 @@ class Pipeline:
     micro-batches (the interface of forward_backward.MicroBatchLoop). `parallelize_fn` is
     parallelize with this schedule (`pp_schedule`), applied to each stage."""
 
-    def __init__(self, model: nn.Module, dims, schedule: str, n_microbatches: int, device: torch.device, *,
-                 virtual: int = 0, parallelize_fn=None, layers: StageLayers = AUTOMATIC):
+    def __init__(
+        self,
+        model: nn.Module,
+        dims,
+        schedule: str,
+        n_microbatches: int,
+        device: torch.device,
+        *,
+        virtual: int = 0,
+        parallelize_fn=None,
+        layers: StageLayers = AUTOMATIC,
+    ):
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
         from trillion.parallel.pipeline_stage import InFlightReceiveStage
 
-        name, v = validate_pipeline(dims.pp, schedule, len(model.layers), n_microbatches, virtual=virtual,
-                                    tie_embeddings=model.args.tie_embeddings, layers=layers)
+        name, v = validate_pipeline(
+            dims.pp,
+            schedule,
+            len(model.layers),
+            n_microbatches,
+            virtual=virtual,
+            tie_embeddings=model.args.tie_embeddings,
+            layers=layers,
+        )
         pp_mesh = dims.mesh["pp"]
         self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp
         self.name, self.virtual, self.n_microbatches = name, v, n_microbatches
@@ -216,15 +260,24 @@ class Pipeline:
             if parallelize_fn is not None:
                 parallelize_fn(part)
             self.parts.append(part)
-        self._make_stage = lambda part, index: InFlightReceiveStage(part, index, dims.pp * v, device,
-                                                                    group=self.pp_group, get_mesh=self._mesh)
+        self._make_stage = lambda part, index: InFlightReceiveStage(
+            part, index, dims.pp * v, device, group=self.pp_group, get_mesh=self._mesh
+        )
         self._schedule_cls = get_schedule_class(name)
         self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)
         self.tokens = None
         self.dims = dims
-        log.info("pipeline: %s, %d stages (%d per rank) over pp=%d, %d micro-batches, bubble (p-1)/(v m+p-1) = %.1f%%; "
-                 "layers per stage: %s", name, dims.pp * v, v, dims.pp, n_microbatches,
-                 100 * bubble_fraction(dims.pp, n_microbatches, v), describe_split(ranges, len(model.layers)))
+        log.info(
+            "pipeline: %s, %d stages (%d per rank) over pp=%d, %d micro-batches, bubble (p-1)/(v m+p-1) = %.1f%%; "
+            "layers per stage: %s",
+            name,
+            dims.pp * v,
+            v,
+            dims.pp,
+            n_microbatches,
+            100 * bubble_fraction(dims.pp, n_microbatches, v),
+            describe_split(ranges, len(model.layers)),
+        )
 
     def build(self) -> None:
         """After `to_empty` + `init_weights` of every part: the stages and the schedule."""

@@ -3,6 +3,7 @@
 Its own module so that importing parallel.pipeline (config checks, the planner, the estimate) does not
 import torch.distributed.pipelining, which takes a second or more.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,14 +62,13 @@ class InFlightReceiveStage(PipelineStage):
 
     def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
         # torch zeroes the buffer of a gradient the next stage did not produce: it must exist
-        self._allocate([info for info, grad in zip(self.grad_recv_info[mb_index], next_stage_bwd_outputs)
-                        if grad is None])
+        self._allocate(
+            [info for info, grad in zip(self.grad_recv_info[mb_index], next_stage_bwd_outputs) if grad is None]
+        )
         super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
-    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True,
-                           last_backward=False) -> None:
-        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
-                                   last_backward=last_backward)
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False) -> None:
+        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
         self._drop_buffers([bwd_chunk_id])
         if isinstance(loss, torch.Tensor) and not loss._is_view():
             # the schedule keeps every micro-batch's loss until the step ends, and its graph (saved

@@ -22,6 +22,7 @@ Output: column-wise over the vocabulary with the logits left as a DTensor sharde
 dimension; the cross-entropy then runs under `loss_parallel()` and never gathers the full logits
 (batch x seq x vocab would be the largest activation of the model).
 """
+
 import contextlib
 
 import torch
@@ -42,11 +43,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh) -> None:
     """Shard `model` (built from models.transformer) over the 1-D `tp_mesh`, in place."""
     top = {}
     if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                                use_local_output=False)
+        top["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        )
     if model.pos_embeddings is not None:
-        top["pos_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0),
-                                                use_local_output=False)
+        top["pos_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(0), use_local_output=False
+        )
     if model.norm is not None:
         top["norm"] = SequenceParallel()
     if model.output is not None:
@@ -97,5 +100,6 @@ def reduce_partial_grads(parameters) -> None:
                 dist.all_reduce(flat, group=mesh.get_group(dim))
         summed = tuple(Replicate() if placement.is_partial("sum") else placement for placement in placements)
         for p, chunk, part in zip(params, flat.split([t.numel() for t in local]), local):
-            p.grad = DTensor.from_local(chunk.view_as(part), mesh, summed, run_check=False,
-                                        shape=p.grad.shape, stride=p.grad.stride())
+            p.grad = DTensor.from_local(
+                chunk.view_as(part), mesh, summed, run_check=False, shape=p.grad.shape, stride=p.grad.stride()
+            )

@@ -2,22 +2,30 @@
 to run again, whether the final loss equals the unbroken run's bitwise and the time to recover;
 `python experiments/reliability/report.py` runs those tests with TRILLION_FAULT_REPORT set and
 writes experiments/reliability/REPORT.md from the records. Without the variable nothing is written."""
+
 import json
 import os
 import re
 from pathlib import Path
 
 
-def report(fault: str, user_sees: str, steps_lost: int | None, loss_equal: bool | None,
-           recover_s: float | None, how: str) -> None:
+def report(
+    fault: str, user_sees: str, steps_lost: int | None, loss_equal: bool | None, recover_s: float | None, how: str
+) -> None:
     """`loss_equal` None: the run does not restart (or the fault changes training by design);
     `recover_s`: from the fault to the restarted run's first trained step (or to every rank's exit)."""
     folder = os.environ.get("TRILLION_FAULT_REPORT")
     if not folder:
         return
     user_sees = re.sub(r"/tmp/\S*?/(run|crashed)/", "<output_dir>/", user_sees)  # pytest's folders mean nothing there
-    record = {"fault": fault, "user_sees": user_sees, "steps_lost": steps_lost, "loss_equal": loss_equal,
-              "recover_s": recover_s, "how": how}
+    record = {
+        "fault": fault,
+        "user_sees": user_sees,
+        "steps_lost": steps_lost,
+        "loss_equal": loss_equal,
+        "recover_s": recover_s,
+        "how": how,
+    }
     slug = "".join(c if c.isalnum() else "-" for c in fault.lower())
     (Path(folder) / f"{slug}.json").write_text(json.dumps(record, indent=1))
 

@@ -1,4 +1,5 @@
 """The benchmark scripts run in their CPU smoke mode, so they never rot."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -7,8 +8,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_trainer_overhead_smoke():
-    result = subprocess.run([sys.executable, str(ROOT / "experiments/bench/trainer_overhead.py"), "--smoke"],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments/bench/trainer_overhead.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[1].startswith("trainer") and lines[2].startswith("hand loop")
@@ -21,8 +27,13 @@ def test_run_all_smoke(tmp_path):
     give a finite, falling loss); each row is on disk as a JSON line, and the table as .md."""
     import json
 
-    result = subprocess.run([sys.executable, str(ROOT / "experiments/bench/run_all.py"), "--smoke", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments/bench/run_all.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     rows = [json.loads(line) for line in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
     parts = {row["part"] for row in rows}
@@ -39,15 +50,22 @@ def test_run_all_smoke(tmp_path):
 
 def test_data_loader_smoke():
     """prepare-data with 1 and 2 workers for both tokenizers, and the loaders at dp 1, 8, 64, on a corpus subset."""
-    result = subprocess.run([sys.executable, str(ROOT / "experiments/bench/data_loader.py"), "--smoke"],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments/bench/data_loader.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     rows = [line.split("|")[1:-1] for line in result.stdout.splitlines() if line.startswith("| ") and "---" not in line]
     prepare = [r for r in rows if r[0].strip() in ("byte", "bpe")]
     loaders = [r for r in rows if r[0].strip() in ("prepared", "on-the-fly")]
     assert [(r[0].strip(), r[1].strip()) for r in prepare] == [("byte", "1"), ("byte", "2"), ("bpe", "1"), ("bpe", "2")]
     assert prepare[0][2] == prepare[1][2] and prepare[2][2] == prepare[3][2]  # same tokens whatever the workers
-    assert [(r[0].strip(), r[1].strip()) for r in loaders] == [(k, d) for k in ("prepared", "on-the-fly") for d in ("1", "8", "64")]
+    assert [(r[0].strip(), r[1].strip()) for r in loaders] == [
+        (k, d) for k in ("prepared", "on-the-fly") for d in ("1", "8", "64")
+    ]
     assert all(float(r[-1].replace(",", "")) > 0 for r in prepare + loaders)
     assert "one H100 consumes" in result.stdout
 
@@ -58,8 +76,13 @@ def test_device_check_smoke_runs_each_part_and_keeps_its_results(tmp_path):
     ceiling benchmark as separate processes, and writes the parts, rows and RESULTS section."""
     import json
 
-    result = subprocess.run(["bash", str(ROOT / "experiments/bench/device_check.sh"), "--smoke", str(tmp_path)],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = subprocess.run(
+        ["bash", str(ROOT / "experiments/bench/device_check.sh"), "--smoke", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     parts = dict(line.split("\t")[:2] for line in (tmp_path / "summary.tsv").read_text().splitlines())
     assert parts == {"install": "ok", "gpu_tests": "ok", "bench_ceiling": "ok"}

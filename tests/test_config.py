@@ -1,15 +1,16 @@
 """Config: TOML, command-line overrides, help, the resolved file."""
+
 import dataclasses
 
 import pytest
 
-from trillion.trainer.config.schema import Config, help_text, load_config, to_toml
 from trillion.errors import ConfigError
+from trillion.trainer.config.schema import Config, help_text, load_config, to_toml
 
 
 def test_toml_then_overrides(tmp_path):
     path = tmp_path / "run.toml"
-    path.write_text('[training]\nsteps = 50\nseq_len = 128\n[optimizer]\nlr = 1e-4\n[logging]\nwandb = false\n')
+    path.write_text("[training]\nsteps = 50\nseq_len = 128\n[optimizer]\nlr = 1e-4\n[logging]\nwandb = false\n")
     config = load_config(str(path), ["--training.steps=7", "--model.name=debug-gpt", "--optimizer.lr=2e-4"])
     assert config.training.steps == 7 and config.training.seq_len == 128
     assert config.optimizer.lr == 2e-4 and config.model.name == "debug-gpt" and config.logging.wandb is False
@@ -42,4 +43,3 @@ def test_help_lists_every_field_with_its_doc():
         for field in dataclasses.fields(section.default_factory):
             assert f"--{section.name}.{field.name} " in text
             assert field.metadata["doc"] in text
-

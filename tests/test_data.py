@@ -1,4 +1,5 @@
 """Data: packing, layout independence, exact resume, local datasets and tokenizer files."""
+
 import base64
 import json
 
@@ -21,9 +22,17 @@ def jsonl(tmp_path):
 
 def loader(path, *, seq_len=16, global_batch=4, micro=2, rank=0, size=1, tokenizer=None, lanes=1):
     """lanes=1: one document after another, the packing itself (tests/test_data_lanes.py: several)."""
-    return build_data_loader(Data(path=str(path), lanes=lanes), tokenizer or ByteTokenizer(), seed=0, seq_len=seq_len,
-                             global_batch_size=global_batch, micro_batch_size=micro, held_out=0.0, dp_rank=rank,
-                             dp_size=size)
+    return build_data_loader(
+        Data(path=str(path), lanes=lanes),
+        tokenizer or ByteTokenizer(),
+        seed=0,
+        seq_len=seq_len,
+        global_batch_size=global_batch,
+        micro_batch_size=micro,
+        held_out=0.0,
+        dp_rank=rank,
+        dp_size=size,
+    )
 
 
 def stream_of(docs):
@@ -33,7 +42,7 @@ def stream_of(docs):
 
 def test_windows_pack_documents_joined_by_eos(jsonl):
     batch = loader(jsonl, seq_len=16, global_batch=4, micro=4).next_batch()
-    (inputs, labels), = batch
+    ((inputs, labels),) = batch
     assert inputs.shape == labels.shape == (4, 16)
     windows = torch.cat([inputs, labels[:, -1:]], dim=1)  # seq_len + 1 tokens per window
     assert torch.equal(labels[:, :-1], inputs[:, 1:])
@@ -78,7 +87,7 @@ def test_other_local_formats(tmp_path, kind):
 
         path = tmp_path / "corpus.parquet"
         datasets.Dataset.from_dict({"text": DOCS}).to_parquet(str(path))
-    (x, _), = loader(path, micro=4).next_batch()
+    ((x, _),) = loader(path, micro=4).next_batch()
     assert x[0].tolist() == stream_of(DOCS)[:16] and x[1].tolist() == stream_of(DOCS)[17:33]
 
 
@@ -87,13 +96,15 @@ def test_folder_of_files(tmp_path, jsonl):
     folder.mkdir()
     (folder / "b.jsonl").write_text(jsonl.read_text())
     (folder / "a.jsonl").write_text(json.dumps({"text": "first", "id": -1}) + "\n")
-    (x, _), = loader(folder, micro=4).next_batch()
+    ((x, _),) = loader(folder, micro=4).next_batch()
     assert x[0, :6].tolist() == stream_of(["first"])[:6]
 
 
 def test_default_corpus_is_python_source():
     tok = ByteTokenizer()
-    batch = build_data_loader(Data(), tok, seed=0, seq_len=512, global_batch_size=2, micro_batch_size=2, held_out=0.0).next_batch()
+    batch = build_data_loader(
+        Data(), tok, seed=0, seq_len=512, global_batch_size=2, micro_batch_size=2, held_out=0.0
+    ).next_batch()
     text = tok.decode(batch[0][0][0].tolist())
     assert any(keyword in text for keyword in ("def ", "import ", "class ", "return"))
 
@@ -107,7 +118,7 @@ def test_hf_tokenizer_json(tmp_path, jsonl):
     tok.save(str(tmp_path / "tokenizer.json"))
     hf = build_tokenizer(Tokenizer_config("hf", tmp_path / "tokenizer.json"))
     assert hf.eos_id == tok.token_to_id("<|endoftext|>")
-    (x, _), = loader(jsonl, micro=4, tokenizer=hf).next_batch()
+    ((x, _),) = loader(jsonl, micro=4, tokenizer=hf).next_batch()
     assert (x == hf.eos_id).any()
     assert hf.decode(hf.encode(DOCS[3])).strip() == DOCS[3]
 

@@ -1,15 +1,16 @@
 """Document lanes (data.lanes): window k of the run comes from lane k mod L, lane j packing
 documents j, j+L, ... into its own stream; layout independence and exact resume with lanes; the
 evaluation set dealt over lanes; clear errors for lane settings that cannot work."""
+
 import json
 
 import pytest
 import torch
 
 from trillion.errors import ConfigError
+from trillion.trainer.checkpoint.resume_check import check_resume_config
 from trillion.trainer.config.schema import Data, load_config
 from trillion.trainer.data.loader import build_data_loader, dealt_windows
-from trillion.trainer.checkpoint.resume_check import check_resume_config
 from trillion.trainer.data.tokenizer import ByteTokenizer
 
 # unequal lengths, so the lanes run out of documents (and wrap) at different steps
@@ -30,9 +31,17 @@ def stream_of(docs):
 
 
 def loader(path, lanes, *, global_batch=4, micro=2, rank=0, size=1, held_out=0.0):
-    return build_data_loader(Data(path=str(path), lanes=lanes), ByteTokenizer(), seed=0, seq_len=16,
-                             global_batch_size=global_batch, micro_batch_size=micro, held_out=held_out,
-                             dp_rank=rank, dp_size=size)
+    return build_data_loader(
+        Data(path=str(path), lanes=lanes),
+        ByteTokenizer(),
+        seed=0,
+        seq_len=16,
+        global_batch_size=global_batch,
+        micro_batch_size=micro,
+        held_out=held_out,
+        dp_rank=rank,
+        dp_size=size,
+    )
 
 
 def global_windows(loaders, batches):
@@ -50,7 +59,7 @@ def test_window_k_comes_from_lane_k_mod_L_which_packs_documents_j_j_plus_L(jsonl
         mine = windows[j::lanes].flatten().tolist()
         assert mine == stream_of(DOCS[j::lanes])[: len(mine)], j
     # the first windows of the lanes open documents 0, 1, 2, ...: a batch of 4 draws from min(4, L) documents
-    first = [ByteTokenizer().decode(w.tolist())[:8] for w in windows[:min(4, lanes)]]
+    first = [ByteTokenizer().decode(w.tolist())[:8] for w in windows[: min(4, lanes)]]
     assert first == [f"<doc {j:02d}>" for j in range(min(4, lanes))]
 
 
@@ -71,7 +80,11 @@ def test_resume_mid_turn_under_another_layout_sees_the_same_batches(jsonl):
     global_windows([first], 5)
     state = first.state_dict()
     assert state["lanes"] == 3 and state["next_lane"] == 20 % 3
-    assert {key: len(state[key]) for key in ("epoch", "doc_index", "offset")} == {"epoch": 3, "doc_index": 3, "offset": 3}
+    assert {key: len(state[key]) for key in ("epoch", "doc_index", "offset")} == {
+        "epoch": 3,
+        "doc_index": 3,
+        "offset": 3,
+    }
     assert all(isinstance(v, int) for key in ("epoch", "doc_index", "offset") for v in state[key])
     assert all(index % 3 == j for j, index in enumerate(state["doc_index"]))  # lane j stands in a document j + nL
     ranks = [loader(jsonl, 3, rank=r, size=2) for r in range(2)]
@@ -156,19 +169,35 @@ def test_bad_lane_settings_are_clear_errors(tmp_path, jsonl):
     # a lane whose every document is empty (or held out) has nothing to read
     path = tmp_path / "three.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("some text", "", "more text")))
-    empty_lane = build_data_loader(Data(path=str(path), lanes=2), ByteTokenizer(), seed=0, seq_len=4,
-                                   global_batch_size=2, micro_batch_size=2, held_out=0.0)
-    with pytest.raises(ConfigError, match=r"data.lanes=2: lane 1 \(documents 1, 3, \.\.\. .*holds no text.*Lower --data.lanes"):
+    empty_lane = build_data_loader(
+        Data(path=str(path), lanes=2),
+        ByteTokenizer(),
+        seed=0,
+        seq_len=4,
+        global_batch_size=2,
+        micro_batch_size=2,
+        held_out=0.0,
+    )
+    with pytest.raises(
+        ConfigError, match=r"data.lanes=2: lane 1 \(documents 1, 3, \.\.\. .*holds no text.*Lower --data.lanes"
+    ):
         empty_lane.next_batch()
 
 
 def test_fewer_documents_than_lanes_read_one_lane_each(tmp_path):
     path = tmp_path / "few.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("alpha " * 9, "beta " * 9)))
-    few = build_data_loader(Data(path=str(path), lanes=8), ByteTokenizer(), seed=0, seq_len=7, global_batch_size=4,
-                            micro_batch_size=4, held_out=0.0)
+    few = build_data_loader(
+        Data(path=str(path), lanes=8),
+        ByteTokenizer(),
+        seed=0,
+        seq_len=7,
+        global_batch_size=4,
+        micro_batch_size=4,
+        held_out=0.0,
+    )
     assert len(few.windows.lanes) == 2
-    (x, y), = few.next_batch()
+    ((x, y),) = few.next_batch()
     windows = torch.cat([x, y[:, -1:]], dim=1)
     alpha, beta = stream_of(["alpha " * 9]), stream_of(["beta " * 9])
     assert windows.tolist() == [alpha[:8], beta[:8], alpha[8:16], beta[8:16]]
@@ -179,7 +208,7 @@ def test_dealt_windows_span_the_documents_and_never_repeat_one():
     docs = [[d * 100 + t for t in range(n)] for d, n in enumerate([9, 3, 20, 8])]
     windows = dealt_windows(iter(docs), 2, 4, 100).tolist()
     lane0, lane1 = docs[0] + docs[2], docs[1] + docs[3]  # 29 and 11 tokens: 7 and 2 whole windows
-    cut = lambda tokens: [tokens[i:i + 4] for i in range(0, len(tokens) - 3, 4)]
+    cut = lambda tokens: [tokens[i : i + 4] for i in range(0, len(tokens) - 3, 4)]
     assert windows == [cut(lane0)[0], cut(lane1)[0], cut(lane0)[1], cut(lane1)[1], *cut(lane0)[2:]]
     assert dealt_windows(iter(docs), 2, 4, 3).tolist() == windows[:3]
     joined = [t for doc in docs for t in doc]
@@ -188,7 +217,8 @@ def test_dealt_windows_span_the_documents_and_never_repeat_one():
 
 
 def test_one_batch_of_the_debug_run_draws_from_eight_documents():
-    default = build_data_loader(Data(), ByteTokenizer(), seed=0, seq_len=256, global_batch_size=8,
-                                micro_batch_size=8, held_out=0.01)
+    default = build_data_loader(
+        Data(), ByteTokenizer(), seed=0, seq_len=256, global_batch_size=8, micro_batch_size=8, held_out=0.01
+    )
     default.next_batch()
     assert Data().lanes == 8 and default.state_dict()["doc_index"] == list(range(8))

@@ -1,4 +1,5 @@
 """Bad input stops `trillion train` before any work, with one paragraph naming the setting and a fix."""
+
 import json
 import subprocess
 import sys
@@ -29,8 +30,14 @@ CASES = {
     "unknown config key": (["--training.stepz=3"], ["training.stepz", "steps"]),
     "unknown section": (["--trainer.steps=3"], ["trainer.steps", "Sections"]),
     "wrong type": (["--training.steps=many"], ["--training.steps", "int"]),
-    "batch not divisible": (["--training.global_batch_size=6", "--training.micro_batch_size=4"], ["global_batch_size=6", "micro_batch_size=4"]),
-    "unknown tokenizer file": (["--tokenizer.kind=hf", "--tokenizer.path=/no/tokenizer.json"], ["tokenizer.path", "byte"]),
+    "batch not divisible": (
+        ["--training.global_batch_size=6", "--training.micro_batch_size=4"],
+        ["global_batch_size=6", "micro_batch_size=4"],
+    ),
+    "unknown tokenizer file": (
+        ["--tokenizer.kind=hf", "--tokenizer.path=/no/tokenizer.json"],
+        ["tokenizer.path", "byte"],
+    ),
     "vocabulary too small": (["--model.vocab_size=128"], ["257 ids", "--model.vocab_size=320"]),
     "unknown dtype": (["--training.dtype=fp8"], ["training.dtype", "bf16"]),
     "missing config file": (["--config", "/no/such.toml"], ["--config", "no such file"]),
@@ -56,13 +63,20 @@ def test_empty_dataset(empty_jsonl, capsys, tmp_path):
 
 
 def test_wrong_text_field(empty_jsonl, capsys, tmp_path):
-    status, err = run_cli([f"--data.path={empty_jsonl}", "--data.text_field=body", f"--job.output_dir={tmp_path}/r"], capsys)
+    status, err = run_cli(
+        [f"--data.path={empty_jsonl}", "--data.text_field=body", f"--job.output_dir={tmp_path}/r"], capsys
+    )
     assert status == 2 and "data.text_field='body'" in err and "text" in err
 
 
 def test_error_is_one_paragraph_without_traceback(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "trillion", "train", "--model.name=nope"],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "trillion", "train", "--model.name=nope"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().count("\n") == 0 and "model.name='nope'" in result.stderr

@@ -1,4 +1,5 @@
 """The held-out split: chosen by a hash of each document's text, withheld from training exactly."""
+
 import json
 import random
 
@@ -48,9 +49,20 @@ def test_no_held_out_document_reaches_a_training_batch(tmp_path, dp_size, lanes)
     held = [d for d in DOCS if is_held_out(d, fraction)]
     kept = [d for d in DOCS if not is_held_out(d, fraction)]
     assert 20 < len(held) < 60 and kept  # both sides populated, so the test can fail either way
-    loaders = [build_data_loader(Data(path=str(path), lanes=lanes), ByteTokenizer(), seed=0, seq_len=31,
-                                 global_batch_size=4, micro_batch_size=2, held_out=fraction, dp_rank=r,
-                                 dp_size=dp_size) for r in range(dp_size)]
+    loaders = [
+        build_data_loader(
+            Data(path=str(path), lanes=lanes),
+            ByteTokenizer(),
+            seed=0,
+            seq_len=31,
+            global_batch_size=4,
+            micro_batch_size=2,
+            held_out=fraction,
+            dp_rank=r,
+            dp_size=dp_size,
+        )
+        for r in range(dp_size)
+    ]
     expected = [stream_of([d for d in DOCS[j::lanes] if not is_held_out(d, fraction)]) for j in range(lanes)]
     windows = []
     while min(len(windows[j::lanes]) for j in range(lanes)) * 32 < max(map(len, expected)):
@@ -67,9 +79,13 @@ def test_no_held_out_document_reaches_a_training_batch(tmp_path, dp_size, lanes)
 
 def test_default_corpus_split_is_seed_independent():
     """Same held-out files whatever the seed (the seed only orders the corpus), about 1% of them."""
+
     def held(seed):
-        return {str(p) for p in default_corpus_files(seed)
-                if is_held_out(p.read_text(encoding="utf-8", errors="replace"), Eval().held_out)}
+        return {
+            str(p)
+            for p in default_corpus_files(seed)
+            if is_held_out(p.read_text(encoding="utf-8", errors="replace"), Eval().held_out)
+        }
 
     first, second = held(0), held(1)
     assert first == second
@@ -78,8 +94,8 @@ def test_default_corpus_split_is_seed_independent():
 
 def test_changing_the_split_refuses_to_resume(tmp_path):
     from trillion.errors import ConfigError
-    from trillion.trainer.config.schema import load_config
     from trillion.trainer.checkpoint.resume_check import check_resume_config
+    from trillion.trainer.config.schema import load_config
 
     saved = {"eval.held_out": 0.01, "eval.path": "", "eval.name": "", "eval.interval": 50, "data.lanes": 8}
     check_resume_config({**saved, "eval.interval": 10}, load_config(), tmp_path)  # how often: no new run

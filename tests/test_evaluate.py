@@ -1,5 +1,6 @@
 """The evaluation set and loss in one process: held-out windows only, fixed, the mean token loss;
 too little text is a clear error for a named set and no evaluation for the default share."""
+
 import contextlib
 import dataclasses
 import json
@@ -15,8 +16,8 @@ from trillion.models import PRESETS, Transformer
 from trillion.parallel.dims import ParallelDims
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.data.loader import is_held_out
-from trillion.trainer.evaluate import build_evaluator, eval_batch_size
 from trillion.trainer.data.tokenizer import ByteTokenizer
+from trillion.trainer.evaluate import build_evaluator, eval_batch_size
 
 DOCS = [f"<doc {i:03d}> " + "text " * (i % 9 + 3) for i in range(200)]
 SMALL = ["--training.seq_len=16", "--training.global_batch_size=4", "--training.micro_batch_size=2"]
@@ -41,7 +42,7 @@ def dealt(docs, lanes, window=17):
     cut = []
     for j in range(lanes):
         tokens = [t for d in docs[j::lanes] for t in tok.encode(d) + [tok.eos_id]]
-        cut.append([tokens[i:i + window] for i in range(0, len(tokens) - window + 1, window)])
+        cut.append([tokens[i : i + window] for i in range(0, len(tokens) - window + 1, window)])
     return [lane[i] for i in range(max(map(len, cut))) for lane in cut if i < len(lane)]
 
 
@@ -91,4 +92,6 @@ def test_eval_loss_is_the_mean_token_loss_over_the_set(corpus):
     with torch.no_grad():
         reference = F.cross_entropy(model(windows[:, :-1]).flatten(0, 1), windows[:, 1:].flatten()).item()
     assert result["eval_loss"] == pytest.approx(reference, rel=1e-6)
-    assert result["eval_tokens"] == 3 * 4 * 16 and result["eval_ppl"] == pytest.approx(torch.tensor(reference).exp().item())
+    assert result["eval_tokens"] == 3 * 4 * 16 and result["eval_ppl"] == pytest.approx(
+        torch.tensor(reference).exp().item()
+    )

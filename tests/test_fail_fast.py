@@ -1,6 +1,7 @@
 """One rank's start-up error ends every rank within seconds, with that rank's message (srun-style
 launches; torchrun's agent already ends the others); ranks started with different settings stop,
 naming them."""
+
 import random
 import socket
 import subprocess
@@ -8,9 +9,9 @@ import sys
 import time
 
 import pytest
-
 from fault_record import report
 from test_launch import TINY, clean_env
+
 from trillion.errors import RunAborted
 from trillion.trainer.launch import rendezvous
 
@@ -18,13 +19,32 @@ from trillion.trainer.launch import rendezvous
 def srun(per_rank_args: list[list[str]], tmp_path, **env):
     """Start one process per entry, as `srun -n N python -m trillion train` would; (codes, stderrs, seconds)."""
     job, start = str(random.randint(1000, 9999)), time.monotonic()
-    procs = [subprocess.Popen([sys.executable, "-m", "trillion", "train", *TINY, f"--job.output_dir={tmp_path / 'run'}",
-                               "--job.collective_timeout_s=300", *args],
-                              env=clean_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
-                                            SLURM_NTASKS=str(len(per_rank_args)), SLURM_JOB_ID=job,
-                                            SLURM_STEP_NODELIST="localhost", **env),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for rank, args in enumerate(per_rank_args)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "trillion",
+                "train",
+                *TINY,
+                f"--job.output_dir={tmp_path / 'run'}",
+                "--job.collective_timeout_s=300",
+                *args,
+            ],
+            env=clean_env(
+                SLURM_PROCID=str(rank),
+                SLURM_LOCALID=str(rank),
+                SLURM_NTASKS=str(len(per_rank_args)),
+                SLURM_JOB_ID=job,
+                SLURM_STEP_NODELIST="localhost",
+                **env,
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank, args in enumerate(per_rank_args)
+    ]
     errs = [p.communicate(timeout=120)[1] for p in procs]
     return [p.returncode for p in procs], errs, time.monotonic() - start
 
@@ -34,8 +54,14 @@ def test_a_bad_flag_on_one_rank_ends_both_within_60_s(tmp_path):
     assert codes == [2, 2] and seconds < 60, (codes, seconds, errs)
     assert "optimizer.lr=-1.0" in errs[1] and "Traceback" not in errs[1]
     assert "Rank 1 of 2: optimizer.lr=-1.0" in errs[0] and "Traceback" not in errs[0]  # rank 0 says who and why
-    report("one rank fails at start", errs[0].strip().splitlines()[-1], 0, None, seconds,
-           "srun-style start of 2 ranks, rank 1 with --optimizer.lr=-1: both exit 2; time from launch to both exited")
+    report(
+        "one rank fails at start",
+        errs[0].strip().splitlines()[-1],
+        0,
+        None,
+        seconds,
+        "srun-style start of 2 ranks, rank 1 with --optimizer.lr=-1: both exit 2; time from launch to both exited",
+    )
 
 
 def test_a_launch_error_on_rank_1_ends_rank_0(tmp_path):

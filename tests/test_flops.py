@@ -1,4 +1,5 @@
 """FLOP and parameter accounting against PyTorch's own counters."""
+
 import dataclasses
 
 import pytest
@@ -6,7 +7,12 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from trillion.models import PRESETS, Transformer
-from trillion.models.flops import count_params, hardware_flops_per_token, megatron_flops_per_iteration, model_flops_per_token
+from trillion.models.flops import (
+    count_params,
+    hardware_flops_per_token,
+    megatron_flops_per_iteration,
+    model_flops_per_token,
+)
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
 
 
@@ -28,7 +34,9 @@ def test_paper_model_sizes():
 
 
 def _measured_flops_per_token(args, seq_len, checkpointing="none"):
-    model = Transformer(dataclasses.replace(args, attention_impl="eager"))  # eager: attention matmuls are visible to the counter
+    model = Transformer(
+        dataclasses.replace(args, attention_impl="eager")
+    )  # eager: attention matmuls are visible to the counter
     model.init_weights(0)
     apply_activation_checkpointing(model, checkpointing)
     tokens = torch.randint(0, args.vocab_size, (2, seq_len))

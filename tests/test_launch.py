@@ -1,4 +1,5 @@
 """Multi-process launches as users start them: srun-style (SLURM variables, no torchrun) and torchrun."""
+
 import json
 import os
 import random
@@ -8,13 +9,26 @@ import sys
 from fault_record import report
 from wandb_records import offline_run
 
-TINY = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
-        "--training.seq_len=32", "--training.global_batch_size=4", "--training.micro_batch_size=2",
-        "--training.steps=4", "--metrics.log_freq=2", "--parallel.dp_shard=2", "--job.device=cpu"]
+TINY = [
+    "--model.n_layers=1",
+    "--model.dim=64",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.ffn_dim=128",
+    "--training.seq_len=32",
+    "--training.global_batch_size=4",
+    "--training.micro_batch_size=2",
+    "--training.steps=4",
+    "--metrics.log_freq=2",
+    "--parallel.dp_shard=2",
+    "--job.device=cpu",
+]
 
 
 def clean_env(**extra):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))
+    }
     return {**env, "WANDB_MODE": "offline", **extra}
 
 
@@ -22,11 +36,23 @@ def test_srun_style_launch_trains_and_logs_from_one_rank(tmp_path):
     """Two tasks with only SLURM's variables, as `srun -n 2 python -m trillion train` starts them."""
     out = tmp_path / "run"
     job = str(random.randint(1000, 9999))
-    procs = [subprocess.Popen([sys.executable, "-m", "trillion", "train", *TINY, f"--job.output_dir={out}"],
-                              env=clean_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
-                                            SLURM_JOB_ID=job, SLURM_STEP_NODELIST="localhost",
-                                            SLURM_STEP_TASKS_PER_NODE="2"),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "trillion", "train", *TINY, f"--job.output_dir={out}"],
+            env=clean_env(
+                SLURM_PROCID=str(rank),
+                SLURM_LOCALID=str(rank),
+                SLURM_NTASKS="2",
+                SLURM_JOB_ID=job,
+                SLURM_STEP_NODELIST="localhost",
+                SLURM_STEP_TASKS_PER_NODE="2",
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
     results = [p.communicate(timeout=600) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], results
     records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
@@ -39,10 +65,29 @@ def test_srun_style_launch_trains_and_logs_from_one_rank(tmp_path):
 
 def test_torchrun_launch_with_profiling_writes_a_trace_per_rank(tmp_path):
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             "-m", "trillion", "train", *TINY, f"--job.output_dir={out}", "--logging.wandb=false",
-                             "--profiling.enabled=true", "--profiling.wait=1", "--profiling.warmup=1",
-                             "--profiling.active=1"], env=clean_env(), capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "trillion",
+            "train",
+            *TINY,
+            f"--job.output_dir={out}",
+            "--logging.wandb=false",
+            "--profiling.enabled=true",
+            "--profiling.wait=1",
+            "--profiling.warmup=1",
+            "--profiling.active=1",
+        ],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr
     traces = sorted(p.name for p in (out / "profiles").iterdir())
     assert traces == ["trace-rank0-step3.json", "trace-rank1-step3.json"]
@@ -60,13 +105,33 @@ def test_a_hung_rank_ends_the_job_with_the_step_and_rank(tmp_path):
     out = tmp_path / "run"
     # Its own folder: a script run from tests/ would find tests/kernels/ before the kernels package.
     entry = os.path.join(os.path.dirname(__file__), "entries", "stall_entry.py")
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                             entry, *TINY, f"--job.output_dir={out}", "--logging.wandb=false",
-                             "--job.collective_timeout_s=5"], env=clean_env(STALL_AT_STEP="2"),
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            entry,
+            *TINY,
+            f"--job.output_dir={out}",
+            "--logging.wandb=false",
+            "--job.collective_timeout_s=5",
+        ],
+        env=clean_env(STALL_AT_STEP="2"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode != 0
     assert "Rank 0 of 2: a collective did not complete within job.collective_timeout_s=5 s in step 2" in result.stderr
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
-    report("stalled rank (collective timeout)", next(line for line in result.stderr.splitlines() if "Rank 0 of 2" in line),
-           None, None, None, "rank 1 of 2 sleeps 120 s in step 2, job.collective_timeout_s=5: every rank ends (exit 1) "
-           "instead of hanging; the same command then resumes from the newest checkpoint, as in the SIGKILL rows")
+    report(
+        "stalled rank (collective timeout)",
+        next(line for line in result.stderr.splitlines() if "Rank 0 of 2" in line),
+        None,
+        None,
+        None,
+        "rank 1 of 2 sleeps 120 s in step 2, job.collective_timeout_s=5: every rank ends (exit 1) "
+        "instead of hanging; the same command then resumes from the newest checkpoint, as in the SIGKILL rows",
+    )

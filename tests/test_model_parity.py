@@ -1,5 +1,6 @@
 """Our model against Hugging Face transformers (an independent implementation): same weights,
 same logits and loss, fp32 on CPU, for both families."""
+
 import dataclasses
 
 import pytest

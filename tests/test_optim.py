@@ -1,4 +1,5 @@
 """Optimizer groups, LR schedules, and gradient accumulation that changes nothing."""
+
 import contextlib
 import dataclasses
 
@@ -25,7 +26,12 @@ def test_no_weight_decay_on_norms_biases_and_embeddings():
     decayed = {names[id(p)] for p in decay["params"]}
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert decayed and all(n.endswith("weight") and "norm" not in n and "embeddings" not in n for n in decayed)
-    assert {names[id(p)] for p in no_decay["params"]} >= {"tok_embeddings.weight", "pos_embeddings.weight", "norm.weight", "norm.bias"}
+    assert {names[id(p)] for p in no_decay["params"]} >= {
+        "tok_embeddings.weight",
+        "pos_embeddings.weight",
+        "norm.weight",
+        "norm.bias",
+    }
 
 
 @pytest.mark.parametrize("name", ["cosine", "linear", "wsd", "constant"])
@@ -64,12 +70,15 @@ def test_gradient_accumulation_gives_the_same_update():
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         batches = list(zip(inputs.split(micro), labels.split(micro)))
-        loss, grad_norm = train_step(MicroBatchLoop(model), batches, optimizer, scaler, contextlib.nullcontext(),
-                                     max_grad_norm=0.5)
+        loss, grad_norm = train_step(
+            MicroBatchLoop(model), batches, optimizer, scaler, contextlib.nullcontext(), max_grad_norm=0.5
+        )
         results.append((loss, grad_norm, [p.detach().clone() for p in model.parameters()]))
     (loss_a, norm_a, params_a), (loss_b, norm_b, params_b) = results
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(norm_a, norm_b, rtol=1e-5, atol=1e-6)
     for a, b in zip(params_a, params_b):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert any(not torch.equal(a, p) for a, p in zip(params_a, tiny_model().parameters())), "the step must change weights"
+    assert any(not torch.equal(a, p) for a, p in zip(params_a, tiny_model().parameters())), (
+        "the step must change weights"
+    )

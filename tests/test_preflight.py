@@ -1,5 +1,6 @@
 """The memory pre-flight refuses a model that cannot fit before anything is allocated or written,
 with the figures and the `trillion plan` command; its counts are the model's exact states."""
+
 from trillion.models import get_preset
 from trillion.models.flops import count_params
 from trillion.parallel.dims import ParallelDims

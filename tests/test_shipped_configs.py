@@ -1,15 +1,16 @@
 """Every shipped config passes the checks `trillion train` runs before any work, at the world
 size it declares (one process when it declares none)."""
+
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from trillion.trainer.tools.estimate.dry_run import layout_dims
+from trillion.trainer.assemble import build_model_args, validate_training
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.launch.env import LaunchEnv
-from trillion.trainer.assemble import build_model_args, validate_training
+from trillion.trainer.tools.estimate.dry_run import layout_dims
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "experiments/configs").glob("*.toml"))
 

@@ -1,20 +1,27 @@
 """SLURM host lists and the torch.distributed environment derived from srun's variables."""
+
 import pytest
 
 from trillion.errors import ConfigError
 from trillion.trainer.launch.slurm import expand_hostlist, torch_env_from_slurm
 
 
-@pytest.mark.parametrize("hostlist, expected", [
-    ("node1", ["node1"]),
-    ("node[1-3]", ["node1", "node2", "node3"]),
-    ("frontier[00012-00015,00020]", ["frontier00012", "frontier00013", "frontier00014", "frontier00015", "frontier00020"]),
-    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
-    ("a1,b[2-3],c", ["a1", "b2", "b3", "c"]),
-    ("gpu[1-2]-ib", ["gpu1-ib", "gpu2-ib"]),
-    ("rack[1-2]-node[01-02]", ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"]),
-    ("x[1,3],y[08-09]", ["x1", "x3", "y08", "y09"]),
-])
+@pytest.mark.parametrize(
+    "hostlist, expected",
+    [
+        ("node1", ["node1"]),
+        ("node[1-3]", ["node1", "node2", "node3"]),
+        (
+            "frontier[00012-00015,00020]",
+            ["frontier00012", "frontier00013", "frontier00014", "frontier00015", "frontier00020"],
+        ),
+        ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+        ("a1,b[2-3],c", ["a1", "b2", "b3", "c"]),
+        ("gpu[1-2]-ib", ["gpu1-ib", "gpu2-ib"]),
+        ("rack[1-2]-node[01-02]", ["rack1-node01", "rack1-node02", "rack2-node01", "rack2-node02"]),
+        ("x[1,3],y[08-09]", ["x1", "x3", "y08", "y09"]),
+    ],
+)
 def test_expand_hostlist(hostlist, expected):
     assert expand_hostlist(hostlist) == expected
 
@@ -25,14 +32,26 @@ def test_malformed_hostlist_is_a_clear_error(bad):
         expand_hostlist(bad)
 
 
-SRUN = {"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_JOB_ID": "4242",
-        "SLURM_STEP_NODELIST": "frontier[00012-00013]", "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}
+SRUN = {
+    "SLURM_PROCID": "9",
+    "SLURM_NTASKS": "16",
+    "SLURM_LOCALID": "1",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_NODELIST": "frontier[00012-00013]",
+    "SLURM_STEP_TASKS_PER_NODE": "8(x2)",
+}
 
 
 def test_torch_env_from_srun():
     env = torch_env_from_slurm(SRUN)
-    assert env == {"RANK": "9", "WORLD_SIZE": "16", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "8",
-                   "MASTER_ADDR": "frontier00012", "MASTER_PORT": str(29500 + 4242)}
+    assert env == {
+        "RANK": "9",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "8",
+        "MASTER_ADDR": "frontier00012",
+        "MASTER_PORT": str(29500 + 4242),
+    }
 
 
 def test_explicit_values_win_and_the_step_counts_its_own_tasks():
@@ -66,4 +85,6 @@ def test_inconsistent_launch_variables_fail_before_the_rendezvous(monkeypatch):
 def test_one_node_without_a_tasks_per_node_count_takes_the_task_count():
     one_node = {k: v for k, v in SRUN.items() if k != "SLURM_STEP_TASKS_PER_NODE"}
     assert torch_env_from_slurm({**one_node, "SLURM_NNODES": "1"})["LOCAL_WORLD_SIZE"] == "16"
-    assert torch_env_from_slurm({**one_node, "SLURM_NNODES": "2"})["LOCAL_WORLD_SIZE"] == "1"  # unknown: the check stays
+    assert (
+        torch_env_from_slurm({**one_node, "SLURM_NNODES": "2"})["LOCAL_WORLD_SIZE"] == "1"
+    )  # unknown: the check stays

@@ -1,4 +1,5 @@
 """`trillion train` as a user runs it: a subprocess on the embedded corpus."""
+
 import importlib.util
 import json
 import math
@@ -13,10 +14,24 @@ from trillion.trainer.config.schema import load_config
 
 def test_train_writes_a_run_directory_and_learns(tmp_path):
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "trillion", "train", f"--job.output_dir={out}", "--training.steps=24",
-            "--training.seq_len=128", "--metrics.log_freq=4", "--lr_schedule.warmup_steps=4", "--checkpoint.interval=10",
-            "--checkpoint.keep_latest=1", "--eval.interval=12", "--eval.steps=4"]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "WANDB_MODE": "offline"})
+    args = [
+        sys.executable,
+        "-m",
+        "trillion",
+        "train",
+        f"--job.output_dir={out}",
+        "--training.steps=24",
+        "--training.seq_len=128",
+        "--metrics.log_freq=4",
+        "--lr_schedule.warmup_steps=4",
+        "--checkpoint.interval=10",
+        "--checkpoint.keep_latest=1",
+        "--eval.interval=12",
+        "--eval.steps=4",
+    ]
+    result = subprocess.run(
+        args, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "WANDB_MODE": "offline"}
+    )
     assert result.returncode == 0, result.stderr
     assert "step 24/24" in result.stderr and "tok/s" in result.stderr and "eta" in result.stderr
 

@@ -1,7 +1,9 @@
 """W&B: what an offline run holds, an unreachable server, and one run continued after a restart."""
+
 from pathlib import Path
 
 from wandb_records import offline_run
+
 from trillion.trainer.config.schema import Logging
 from trillion.trainer.metrics.meters import MetricsSink
 

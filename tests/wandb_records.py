@@ -1,5 +1,6 @@
 """Read the records of an offline W&B run (.wandb file: W&B's LevelDB-style log of protobufs),
 so tests check what the run holds rather than that a file exists."""
+
 import struct
 from pathlib import Path
 
@@ -48,7 +49,9 @@ def offline_run(output_dir: Path, timeout_s: float = 30.0) -> dict:
         for record in read_records(path):
             kind = record.WhichOneof("record_type")
             if kind == "history":
-                run["history"].append({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item})
+                run["history"].append(
+                    {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+                )
             elif kind == "run":
                 run["group"], run["tags"], run["id"] = record.run.run_group, list(record.run.tags), record.run.run_id
                 run["config"].update({i.key: json.loads(i.value_json) for i in record.run.config.update})

@@ -3,6 +3,7 @@ from the config sections, the checks made before any work, the parallel layout (
 micro-batches per step and the model itself: the whole model or this rank's pipeline stages, each
 parallelized, on the meta device. train.py materializes it and runs the loop; the estimate measures
 it as simulated ranks of a fake world."""
+
 import dataclasses
 
 import torch
@@ -37,28 +38,44 @@ def batch_split(t: Training, dp_size: int) -> tuple[int, int]:
 def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
     """The preset with the config's overrides, checked against the tokenizer and sequence length."""
     cfg = config.model
-    overrides = {k: v for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
-                 if (v := getattr(cfg, k)) > 0}
+    overrides = {
+        k: v
+        for k in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len")
+        if (v := getattr(cfg, k)) > 0
+    }
     on_gpu = config.job.device == "cuda" or (config.job.device == "auto" and torch.cuda.is_available())
-    attention_impl = config.kernels.attention if config.kernels.attention != "auto" else ("triton" if on_gpu else "sdpa")
+    attention_impl = (
+        config.kernels.attention if config.kernels.attention != "auto" else ("triton" if on_gpu else "sdpa")
+    )
     # auto: PyTorch norms under tensor parallelism (the Triton norm kernels take no DTensor activations)
-    norm_impl = config.kernels.norm if config.kernels.norm != "auto" else (
-        "triton" if on_gpu and config.parallel.tp == 1 else "torch")
+    norm_impl = (
+        config.kernels.norm
+        if config.kernels.norm != "auto"
+        else ("triton" if on_gpu and config.parallel.tp == 1 else "torch")
+    )
     args = dataclasses.replace(get_preset(cfg.name), attention_impl=attention_impl, norm_impl=norm_impl, **overrides)
     if args.dim % args.n_heads:
-        raise ConfigError(f"model.n_heads={args.n_heads} does not divide model.dim={args.dim}; "
-                          f"pick a head count that divides it (e.g. {divisor_near(args.dim, args.n_heads)}).")
+        raise ConfigError(
+            f"model.n_heads={args.n_heads} does not divide model.dim={args.dim}; "
+            f"pick a head count that divides it (e.g. {divisor_near(args.dim, args.n_heads)})."
+        )
     if args.n_heads % args.kv_heads:
-        raise ConfigError(f"model.n_kv_heads={args.kv_heads} does not divide model.n_heads={args.n_heads}; "
-                          f"use a divisor of {args.n_heads} (e.g. {divisor_near(args.n_heads, args.kv_heads)}).")
+        raise ConfigError(
+            f"model.n_kv_heads={args.kv_heads} does not divide model.n_heads={args.n_heads}; "
+            f"use a divisor of {args.n_heads} (e.g. {divisor_near(args.n_heads, args.kv_heads)})."
+        )
     if args.positions == "rope" and args.head_dim % 2:
         raise ConfigError(f"Rotary positions need an even head size; model.dim / model.n_heads = {args.head_dim}.")
     if tokenizer_vocab > args.vocab_size:
-        raise ConfigError(f"The tokenizer has {tokenizer_vocab} ids but model {cfg.name!r} only {args.vocab_size}; "
-                          f"set --model.vocab_size={-(-tokenizer_vocab // 64) * 64} or use a matching tokenizer.")
+        raise ConfigError(
+            f"The tokenizer has {tokenizer_vocab} ids but model {cfg.name!r} only {args.vocab_size}; "
+            f"set --model.vocab_size={-(-tokenizer_vocab // 64) * 64} or use a matching tokenizer."
+        )
     if config.training.seq_len > args.max_seq_len:
-        raise ConfigError(f"training.seq_len={config.training.seq_len} exceeds the max_seq_len {args.max_seq_len} of "
-                          f"model {cfg.name!r}; use --training.seq_len={args.max_seq_len} or less.")
+        raise ConfigError(
+            f"training.seq_len={config.training.seq_len} exceeds the max_seq_len {args.max_seq_len} of "
+            f"model {cfg.name!r}; use --training.seq_len={args.max_seq_len} or less."
+        )
     if attention_impl not in ATTENTION_IMPLS:
         raise ConfigError(f"kernels.attention={attention_impl!r} is not known. Use auto, {', '.join(ATTENTION_IMPLS)}.")
     if norm_impl not in NORM_IMPLS:
@@ -69,29 +86,42 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
 def validate_training(config: Config, env: LaunchEnv) -> None:
     validate_config(config)  # a Config built in code has not been through load_config
     if env.world_size > 1 and config.training.dtype == "fp16":
-        raise ConfigError("training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "
-                          "decision is not agreed across ranks. Use --training.dtype=bf16 with parallel layouts.")
+        raise ConfigError(
+            "training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "
+            "decision is not agreed across ranks. Use --training.dtype=bf16 with parallel layouts."
+        )
 
 
 def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -> ParallelDims:
     """The layout, checked against the world, the model and the batch, with its mesh built."""
     p, t = config.parallel, config.training
-    dims = ParallelDims(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp,
-                        world_size=env.world_size)
+    dims = ParallelDims(
+        pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, world_size=env.world_size
+    )
     dims.validate(model_args, t.seq_len)
     per_rank = t.global_batch_size // dims.dp_size
     if t.global_batch_size % dims.dp_size or per_rank % min(t.micro_batch_size, per_rank):  # before batch_split
-        fix = (f"--training.micro_batch_size={divisor_near(per_rank, t.micro_batch_size)}" if per_rank and
-               t.global_batch_size % dims.dp_size == 0 else
-               f"--training.global_batch_size={t.micro_batch_size * dims.dp_size}")
+        fix = (
+            f"--training.micro_batch_size={divisor_near(per_rank, t.micro_batch_size)}"
+            if per_rank and t.global_batch_size % dims.dp_size == 0
+            else f"--training.global_batch_size={t.micro_batch_size * dims.dp_size}"
+        )
         raise ConfigError(
             f"training.global_batch_size={t.global_batch_size} does not split into micro-batches of "
             f"training.micro_batch_size={t.micro_batch_size} over {dims.dp_size} data-parallel ranks (dp_replicate x "
-            f"dp_shard); each rank takes global / dp sequences. Use e.g. {fix}.")
+            f"dp_shard); each rank takes global / dp sequences. Use e.g. {fix}."
+        )
     # schedule, stage sizes and micro-batches checked before any work (stage sizes without a pipeline refused)
-    validate_pipeline(dims.pp, p.pp_schedule, model_args.n_layers, batch_split(t, dims.dp_size)[1],
-                      virtual=p.pp_virtual_stages, tie_embeddings=model_args.tie_embeddings,
-                      layers=StageLayers.from_config(p), compile=config.compile.enabled)
+    validate_pipeline(
+        dims.pp,
+        p.pp_schedule,
+        model_args.n_layers,
+        batch_split(t, dims.dp_size)[1],
+        virtual=p.pp_virtual_stages,
+        tie_embeddings=model_args.tie_embeddings,
+        layers=StageLayers.from_config(p),
+        compile=config.compile.enabled,
+    )
     dims.build_mesh(env.device.type)
     return dims
 
@@ -99,19 +129,40 @@ def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -
 def layout_fn(config: Config, dims: ParallelDims, dtype: torch.dtype, *, compile: bool | None = None):
     """parallelize with the config's layout, as a function of the model or a pipeline stage."""
     p = config.parallel
-    return lambda part: parallelize(part, dims, dp_shard_mode=p.dp_shard_mode, activation_checkpoint=p.activation_checkpoint,
-                                    compile=config.compile.enabled if compile is None else compile,
-                                    param_dtype=dtype, pp_schedule=p.pp_schedule)
+    return lambda part: parallelize(
+        part,
+        dims,
+        dp_shard_mode=p.dp_shard_mode,
+        activation_checkpoint=p.activation_checkpoint,
+        compile=config.compile.enabled if compile is None else compile,
+        param_dtype=dtype,
+        pp_schedule=p.pp_schedule,
+    )
 
 
-def build_model(config: Config, dims: ParallelDims, model: nn.Module, n_microbatches: int, device: torch.device,
-                dtype: torch.dtype, *, compile: bool | None = None) -> tuple[list[nn.Module], Pipeline | None]:
+def build_model(
+    config: Config,
+    dims: ParallelDims,
+    model: nn.Module,
+    n_microbatches: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    compile: bool | None = None,
+) -> tuple[list[nn.Module], Pipeline | None]:
     """(this rank's parallelized parts, its Pipeline or None) from the whole `model` on meta: the model
     itself, or with pp > 1 this rank's stages (names stay global) under the configured schedule."""
     layout = layout_fn(config, dims, dtype, compile=compile)
     if dims.pp == 1:
         return [layout(model)], None
-    pipeline = Pipeline(model, dims, config.parallel.pp_schedule, n_microbatches, device,
-                        virtual=config.parallel.pp_virtual_stages, parallelize_fn=layout,
-                        layers=StageLayers.from_config(config.parallel))
+    pipeline = Pipeline(
+        model,
+        dims,
+        config.parallel.pp_schedule,
+        n_microbatches,
+        device,
+        virtual=config.parallel.pp_virtual_stages,
+        parallelize_fn=layout,
+        layers=StageLayers.from_config(config.parallel),
+    )
     return pipeline.parts, pipeline

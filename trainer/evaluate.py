@@ -12,6 +12,7 @@ summed in float64 over the ranks, so one process and any layout agree to roundin
 Under pipelining torch's forward-only schedule (`schedule.eval`) runs the micro-batches: no
 backward, no gradient buffers. Under TP the loss runs vocabulary-parallel as in training.
 """
+
 import dataclasses
 import json
 import logging
@@ -40,12 +41,16 @@ def eval_batch_size(cfg: EvalConfig, global_batch_size: int, dp_size: int, micro
     number of micro-batches, so under pipelining an evaluation batch is a training batch."""
     size = cfg.batch_size or global_batch_size
     if pp > 1 and size != global_batch_size:
-        raise ConfigError(f"eval.batch_size={cfg.batch_size} differs from training.global_batch_size={global_batch_size}; "
-                          "under pipelining the schedule runs the training batch's micro-batches, so use "
-                          "--eval.batch_size=0 (the training batch).")
+        raise ConfigError(
+            f"eval.batch_size={cfg.batch_size} differs from training.global_batch_size={global_batch_size}; "
+            "under pipelining the schedule runs the training batch's micro-batches, so use "
+            "--eval.batch_size=0 (the training batch)."
+        )
     if size % (dp_size * micro_batch_size):
-        raise ConfigError(f"eval.batch_size={size} does not split into micro-batches of {micro_batch_size} sequences "
-                          f"over {dp_size} data-parallel ranks; use a multiple of {dp_size * micro_batch_size}.")
+        raise ConfigError(
+            f"eval.batch_size={size} does not split into micro-batches of {micro_batch_size} sequences "
+            f"over {dp_size} data-parallel ranks; use a multiple of {dp_size * micro_batch_size}."
+        )
     return size
 
 
@@ -53,8 +58,9 @@ def eval_documents(cfg: EvalConfig, data: DataConfig):
     """(documents, keep): a separate set read whole, or the held-out share of the training documents."""
     if not (cfg.path or cfg.name):
         return build_documents(data, EVAL_ORDER_SEED), lambda text: is_held_out(text, cfg.held_out)
-    source = dataclasses.replace(data, path=cfg.path, name=cfg.name,
-                                 split=cfg.split or ("train" if cfg.path else "validation"))
+    source = dataclasses.replace(
+        data, path=cfg.path, name=cfg.name, split=cfg.split or ("train" if cfg.path else "validation")
+    )
     try:
         return HFDocuments(source), lambda text: True
     except ConfigError as error:  # the reader names the data.* settings it was given: here they are eval.*'s
@@ -81,11 +87,21 @@ def read_eval_windows(cfg: EvalConfig, data: DataConfig, tokenizer, seq_len: int
 class Evaluator:
     """This rank's share of the fixed evaluation batches, the loss over them, and when to compute it."""
 
-    def __init__(self, windows: torch.Tensor, batch_size: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-                 device: torch.device, interval: int = 1):
+    def __init__(
+        self,
+        windows: torch.Tensor,
+        batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device,
+        interval: int = 1,
+    ):
         local = batch_size // dp_size
-        self.batches = [batch[dp_rank * local:(dp_rank + 1) * local].split(micro_batch_size)
-                        for batch in windows.split(batch_size)]
+        self.batches = [
+            batch[dp_rank * local : (dp_rank + 1) * local].split(micro_batch_size)
+            for batch in windows.split(batch_size)
+        ]
         self.device, self.interval, self.best = device, interval, None
 
     def keep_best(self, output_dir: Path, resumed_step: int) -> None:
@@ -101,8 +117,13 @@ class Evaluator:
         result = self.evaluate(model, dims, autocast, pipeline)
         if self.best is not None:
             result.update(self.best.update(step, result["eval_loss"]))
-        log.info("eval at step %d: loss %.4f  ppl %.2f  (%d tokens)", step, result["eval_loss"], result["eval_ppl"],
-                 result["eval_tokens"])
+        log.info(
+            "eval at step %d: loss %.4f  ppl %.2f  (%d tokens)",
+            step,
+            result["eval_loss"],
+            result["eval_ppl"],
+            result["eval_tokens"],
+        )
         return result
 
     @torch.no_grad()
@@ -167,9 +188,11 @@ def build_evaluator(config, tokenizer, dims, micro_batch_size: int, device: torc
     source = cfg.path or cfg.name or f"eval.held_out={cfg.held_out:g} of the documents"
     batches = len(windows) // batch_size
     if batches == 0:
-        message = (f"{source} holds less than one evaluation batch ({batch_size} windows of {t.seq_len + 1} tokens)"
-                   f"; {'raise --eval.held_out' if not (cfg.path or cfg.name) else 'give a larger set'} or lower "
-                   "--eval.batch_size")
+        message = (
+            f"{source} holds less than one evaluation batch ({batch_size} windows of {t.seq_len + 1} tokens)"
+            f"; {'raise --eval.held_out' if not (cfg.path or cfg.name) else 'give a larger set'} or lower "
+            "--eval.batch_size"
+        )
         if cfg.path or cfg.name:  # a set the user named must be usable
             raise ConfigError(message + ".")
         log.warning("%s: no evaluation in this run (--eval.interval=0 silences this).", message)

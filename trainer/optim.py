@@ -1,12 +1,13 @@
 """AdamW with weight decay on matrices only, and the learning-rate schedules."""
+
 import math
 
 import torch
 from torch import nn
 
+from trillion.errors import ConfigError
 from trillion.trainer.config.schema import LRSchedule as LRScheduleConfig
 from trillion.trainer.config.schema import Optimizer as OptimizerConfig
-from trillion.errors import ConfigError
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -28,9 +29,14 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) ->
         implementation = "fused" if device_type == "cuda" else "foreach"
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
     if implementation not in flags:
-        raise ConfigError(f"optimizer.implementation={cfg.implementation!r} is not known. Use auto, fused, foreach or for-loop.")
+        raise ConfigError(
+            f"optimizer.implementation={cfg.implementation!r} is not known. Use auto, fused, foreach or for-loop."
+        )
     return torch.optim.AdamW(
-        parameter_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        parameter_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
         **flags[implementation],
     )
 

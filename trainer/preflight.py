@@ -4,6 +4,7 @@ that `trillion estimate` checks against real shards) are compared with this devi
 host's for every process on it. Those states are a lower bound (activations and buffers come on
 top), so a refusal is certain, never a guess: the run stops with the figures and the `trillion plan`
 command that finds a layout that fits, instead of being killed by the OOM killer without a word."""
+
 import os
 
 import torch
@@ -18,14 +19,27 @@ from trillion.parallel.planner.memory import pipeline_ranks, states_bytes
 def states_per_rank(model_args: ModelArgs, parallel, dims, micro_batch_size: int) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes of the fullest rank."""
     plan = schedule(parallel.pp_schedule)
-    layout = Layout(tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
-                    dp_shard_mode=parallel.dp_shard_mode, pp_schedule=plan.name,
-                    virtual_stages=stages_per_rank(plan, parallel.pp_virtual_stages) if dims.pp > 1 else 1,
-                    micro_batch_size=micro_batch_size, microbatches=1,
-                    activation_checkpoint=parallel.activation_checkpoint, cp=dims.cp)
+    layout = Layout(
+        tp=dims.tp,
+        pp=dims.pp,
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+        dp_shard_mode=parallel.dp_shard_mode,
+        pp_schedule=plan.name,
+        virtual_stages=stages_per_rank(plan, parallel.pp_virtual_stages) if dims.pp > 1 else 1,
+        micro_batch_size=micro_batch_size,
+        microbatches=1,
+        activation_checkpoint=parallel.activation_checkpoint,
+        cp=dims.cp,
+    )
     mode = "zero1" if dims.pp > 1 else parallel.dp_shard_mode  # a pipeline keeps its stages gathered (memory.py)
-    return max((states_bytes(*rank.numel(model_args, dims.tp, dims.dp_shard * dims.cp), mode)  # FSDP: dp_shard x cp
-                for rank in pipeline_ranks(model_args, layout)), key=sum)
+    return max(
+        (
+            states_bytes(*rank.numel(model_args, dims.tp, dims.dp_shard * dims.cp), mode)  # FSDP: dp_shard x cp
+            for rank in pipeline_ranks(model_args, layout)
+        ),
+        key=sum,
+    )
 
 
 def memory_available(device: torch.device, local_processes: int) -> tuple[float, str]:
@@ -33,8 +47,11 @@ def memory_available(device: torch.device, local_processes: int) -> tuple[float,
     if device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory), f"{torch.cuda.get_device_name(device)}"
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return host / local_processes, (f"host memory, {host / 1e9:.1f} GB shared by {local_processes} processes"
-                                    if local_processes > 1 else "host memory")
+    return host / local_processes, (
+        f"host memory, {host / 1e9:.1f} GB shared by {local_processes} processes"
+        if local_processes > 1
+        else "host memory"
+    )
 
 
 def check_memory(config, model_args: ModelArgs, dims, env, micro_batch_size: int) -> None:
@@ -52,4 +69,5 @@ def check_memory(config, model_args: ModelArgs, dims, env, micro_batch_size: int
         f"parallel.tp={dims.tp} pp={dims.pp} dp_shard={dims.dp_shard} ({p.dp_shard_mode}) on {env.world_size} "
         f"process(es). Shard it over more devices, or find a layout that fits with `trillion plan --model "
         f"{config.model.name} --hardware HARDWARE --gpus N --global-batch {config.training.global_batch_size}` "
-        f"(HARDWARE: frontier, dgx-a100, dgx-h100, dgx-h200, mi300x), or pick a smaller --model.name.")
+        f"(HARDWARE: frontier, dgx-a100, dgx-h100, dgx-h200, mi300x), or pick a smaller --model.name."
+    )

@@ -2,6 +2,7 @@
 that skips updates with a non-finite loss or gradient norm, and the clean early stop
 (`training.exit_interval`, `training.exit_after_minutes`, SIGTERM or SIGUSR1) for time-limited or
 preempted jobs that chain."""
+
 import logging
 import math
 import signal
@@ -12,8 +13,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from trillion.trainer.config.schema import Training as TrainingConfig
 from trillion.errors import RunAborted
+from trillion.trainer.config.schema import Training as TrainingConfig
 
 log = logging.getLogger("trillion")
 
@@ -25,6 +26,7 @@ class TrainingDiverged(RunAborted):
 @dataclass
 class RunCounters:
     """Where the run stands; saved in every checkpoint and restored on resume."""
+
     step: int = 0
     tokens: int = 0
     skipped_steps: int = 0
@@ -65,14 +67,20 @@ class NonFiniteGuard:
         if not self.last_skipped:
             return
         run = self.counters.consecutive_skips
-        log.warning("step %d: non-finite %s, update skipped (%d in a row, %d in this run)", step, self.last_reason,
-                    run, self.counters.skipped_steps)
+        log.warning(
+            "step %d: non-finite %s, update skipped (%d in a row, %d in this run)",
+            step,
+            self.last_reason,
+            run,
+            self.counters.skipped_steps,
+        )
         if self.max_consecutive > 0 and run >= self.max_consecutive:
             raise TrainingDiverged(
                 f"Training diverged: {run} steps in a row up to step {step} had a non-finite {self.last_reason} "
                 f"(training.max_nonfinite_skips={self.max_consecutive}). Resume from an earlier checkpoint with a lower "
                 f"--optimizer.lr, a tighter --training.max_grad_norm or --training.dtype=bf16/fp32; raise "
-                f"training.max_nonfinite_skips (0 = never stop) only if the spikes are known to pass.")
+                f"training.max_nonfinite_skips (0 = never stop) only if the spikes are known to pass."
+            )
 
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's kill and SLURM's warning (--signal=USR1@T)
@@ -112,8 +120,9 @@ class StopPolicy:
         if step >= self.last_step:
             self.reason = f"training.exit_interval reached at step {step} of {self.steps}"
             return True
-        time_up, signalled = self._agree(self.budget_s > 0 and time.monotonic() - self.start >= self.budget_s,
-                                         bool(self.signalled))
+        time_up, signalled = self._agree(
+            self.budget_s > 0 and time.monotonic() - self.start >= self.budget_s, bool(self.signalled)
+        )
         if signalled:
             self.reason = f"{self.signalled or 'a signal on another rank'} at step {step} of {self.steps}"
             return True

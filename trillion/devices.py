@@ -7,13 +7,15 @@ devices up here.
 An unknown device gets no peak at all, never another device's (a bug class in peer trainers
 that produced MFU above 100%).
 """
+
 import bisect
 import math
 import os
-import tomllib
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+
+import tomllib
 
 from trillion.errors import ConfigError
 
@@ -42,8 +44,10 @@ class DeviceSpec:
     def gemm_share_of_peak(self, flops: float) -> float:
         """Achieved share of peak for one GEMM of `flops`, interpolated in log(flops), clamped at the ends."""
         if not self.gemm_efficiency:
-            raise ConfigError(f"Device {self.name!r} has no gemm_efficiency curve, so it cannot be planned for. "
-                              f"Add one to its profile or measure it with `trillion plan --calibrate`.")
+            raise ConfigError(
+                f"Device {self.name!r} has no gemm_efficiency curve, so it cannot be planned for. "
+                f"Add one to its profile or measure it with `trillion plan --calibrate`."
+            )
         sizes = [math.log(s) for s, _ in self.gemm_efficiency]
         x = math.log(max(flops, 1.0))
         i = bisect.bisect_left(sizes, x)
@@ -70,9 +74,12 @@ def read_toml(path: Path) -> dict:
 def device_from_table(table: dict, where: str) -> DeviceSpec:
     try:
         return DeviceSpec(
-            name=table["name"], peak_tflops=dict(table["peak_tflops"]), memory_gb=float(table["memory_gb"]),
+            name=table["name"],
+            peak_tflops=dict(table["peak_tflops"]),
+            memory_gb=float(table["memory_gb"]),
             name_patterns=tuple(table.get("name_patterns", ())),
-            memory_bandwidth_gbs=float(table.get("memory_bandwidth_gbs", 0.0)), power_w=float(table.get("power_w", 0.0)),
+            memory_bandwidth_gbs=float(table.get("memory_bandwidth_gbs", 0.0)),
+            power_w=float(table.get("power_w", 0.0)),
             gemm_efficiency=tuple(sorted((float(s), float(e)) for s, e in table.get("gemm_efficiency", ()))),
             attention_efficiency=float(table.get("attention_efficiency", 0.0)),
             memory_efficiency=float(table.get("memory_efficiency", 0.0)),
@@ -119,9 +126,12 @@ def lookup_device(device_name: str, compute_units: int = 0) -> DeviceSpec | None
     count decides, and without one that matches, no device is better than the wrong peak.
     """
     lowered = device_name.lower()
+
     def matched(text: str) -> list[tuple[int, DeviceSpec, str]]:
-        return sorted(((len(p), s, p) for s in DEVICES.values() for p in s.name_patterns if p in text),
-                      key=lambda m: -m[0])
+        return sorted(
+            ((len(p), s, p) for s in DEVICES.values() for p in s.name_patterns if p in text), key=lambda m: -m[0]
+        )
+
     matches = matched(lowered)
     if not matches:
         return None

@@ -29,10 +29,26 @@ from experiments.bench.timing import median_seconds  # noqa: E402
 
 # norm_calls: norm kernels take tens of microseconds, as long as a launch and a synchronize
 # from the host, so each timed run makes that many calls between synchronizations.
-FULL = dict(seqs=(1024, 2048, 4096, 8192, 16384), head_dims=(64, 128), tokens=16384, hidden=2048,
-            norm_shapes=((16384, 2048), (16384, 8192)), warmup=3, repeats=10, norm_calls=50)
-SMOKE = dict(seqs=(96,), head_dims=(64,), tokens=96, hidden=128,
-             norm_shapes=((96, 64), (8, 1000)), warmup=1, repeats=1, norm_calls=2)
+FULL = dict(
+    seqs=(1024, 2048, 4096, 8192, 16384),
+    head_dims=(64, 128),
+    tokens=16384,
+    hidden=2048,
+    norm_shapes=((16384, 2048), (16384, 8192)),
+    warmup=3,
+    repeats=10,
+    norm_calls=50,
+)
+SMOKE = dict(
+    seqs=(96,),
+    head_dims=(64,),
+    tokens=96,
+    hidden=128,
+    norm_shapes=((96, 64), (8, 1000)),
+    warmup=1,
+    repeats=1,
+    norm_calls=2,
+)
 ATTENTION_IMPLS = ("triton", "sdpa_flash", "eager")
 # Largest error allowed against the fp32 reference before a case is timed, relative to the largest
 # reference value of each output and gradient: bf16 keeps 8 bits (inputs and products rounded to
@@ -44,8 +60,11 @@ EAGER_BYTES_PER_SCORE = 16
 
 
 def _max_rel_err(got, expected) -> float:
-    return max(((a.float() - e.float()).abs().max() / e.float().abs().max().clamp_min(1e-30)).item()
-               for a, e in zip(got, expected) if e is not None)
+    return max(
+        ((a.float() - e.float()).abs().max() / e.float().abs().max().clamp_min(1e-30)).item()
+        for a, e in zip(got, expected)
+        if e is not None
+    )
 
 
 def _check(max_rel_err: float, dtype) -> None:
@@ -76,8 +95,10 @@ def _attention_inputs(batch, heads, seq, head_dim, dtype, device):
     import torch
 
     # (batch, seq, heads, dim) memory seen as (batch, heads, seq, dim): the model's layout.
-    q, k, v = (torch.randn(batch, seq, heads, head_dim, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(batch, seq, heads, head_dim, dtype=dtype, device=device).transpose(1, 2).requires_grad_()
+        for _ in range(3)
+    )
     return q, k, v, torch.randn_like(q)
 
 
@@ -126,8 +147,14 @@ def _bench_attention_shape(seq, head_dim, cfg, dtype, device) -> list[dict]:
             }
             for name, (step, flop_factor) in passes.items():
                 seconds = median_seconds(step, device, warmup=cfg["warmup"], repeats=cfg["repeats"])
-                rows.append({"name": f"attention {name} {impl} {shape}", "ms": seconds * 1e3,
-                             "tflops": flops_fwd * flop_factor / seconds / 1e12, "max_err": max_err})
+                rows.append(
+                    {
+                        "name": f"attention {name} {impl} {shape}",
+                        "ms": seconds * 1e3,
+                        "tflops": flops_fwd * flop_factor / seconds / 1e12,
+                        "max_err": max_err,
+                    }
+                )
             del saved
         except Exception as error:  # one failing case (e.g. eager out of memory) must not hide the rest
             rows.append({"name": f"attention {impl} {shape}", "error": f"{type(error).__name__}: {error}"[:300]})
@@ -144,8 +171,10 @@ def _bench_norms(cfg, dtype, device) -> list[dict]:
 
     cases = {
         "rms_norm": (lambda x, w, b: rms_norm(x, w, 1e-5), lambda x, w, b: F.rms_norm(x, x.shape[-1:], w, 1e-5)),
-        "layer_norm": (lambda x, w, b: layer_norm(x, w, b, 1e-5),
-                       lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5)),
+        "layer_norm": (
+            lambda x, w, b: layer_norm(x, w, b, 1e-5),
+            lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5),
+        ),
     }
     rows = []
     for rows_n, cols_n in cfg["norm_shapes"]:
@@ -158,24 +187,34 @@ def _bench_norms(cfg, dtype, device) -> list[dict]:
             # The reference is torch in fp32, so that neither side's own rounding is judged.
             x32, w32, b32 = (t.detach().float().requires_grad_() for t in (x, w, b))
             expected_out = theirs(x32, w32, b32)
-            expected = (expected_out, *torch.autograd.grad(expected_out, (x32, w32, b32), grad.float(),
-                                                           allow_unused=True))
+            expected = (
+                expected_out,
+                *torch.autograd.grad(expected_out, (x32, w32, b32), grad.float(), allow_unused=True),
+            )
             for impl, fn in (("triton", ours), ("torch", theirs)):
                 label = f"{kind} {{}} {impl} {rows_n}x{cols_n}"
                 try:
                     out = fn(x, w, b)
-                    max_err = _max_rel_err((out, *torch.autograd.grad(out, (x, w, b), grad, allow_unused=True)),
-                                           expected)
+                    max_err = _max_rel_err(
+                        (out, *torch.autograd.grad(out, (x, w, b), grad, allow_unused=True)), expected
+                    )
                     _check(max_err, dtype)
                     # Forward reads x, writes y; backward reads x and dy, writes dx.
                     for name, step, bytes_moved in (
                         ("fwd", lambda: fn(x, w, b), 2 * io),
                         ("fwd+bwd", lambda: torch.autograd.grad(fn(x, w, b), (x, w), grad), 5 * io),
                     ):
-                        seconds = median_seconds(step, device, warmup=cfg["warmup"], repeats=cfg["repeats"],
-                                                 calls=cfg["norm_calls"])
-                        rows.append({"name": label.format(name), "ms": seconds * 1e3,
-                                     "gbps": bytes_moved / seconds / 1e9, "max_err": max_err})
+                        seconds = median_seconds(
+                            step, device, warmup=cfg["warmup"], repeats=cfg["repeats"], calls=cfg["norm_calls"]
+                        )
+                        rows.append(
+                            {
+                                "name": label.format(name),
+                                "ms": seconds * 1e3,
+                                "gbps": bytes_moved / seconds / 1e9,
+                                "max_err": max_err,
+                            }
+                        )
                 except Exception as error:
                     rows.append({"name": label.format("check"), "error": f"{type(error).__name__}: {error}"[:300]})
     return rows

@@ -11,6 +11,7 @@ is still going on, against the other steps, and per save the seconds training wa
 seconds until the checkpoint was published, from the trainer's own log. A resume of the last run
 gives the load time.
 """
+
 import argparse
 import json
 import logging
@@ -23,8 +24,16 @@ from trillion.trainer.config.schema import load_config
 from trillion.trainer.train import train
 
 DEBUG_CONFIG = str(Path(__file__).parents[1] / "configs" / "debug.toml")
-SMOKE = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
-         "--training.seq_len=32", "--training.global_batch_size=4", "--training.micro_batch_size=2"]
+SMOKE = [
+    "--model.n_layers=1",
+    "--model.dim=64",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.ffn_dim=128",
+    "--training.seq_len=32",
+    "--training.global_batch_size=4",
+    "--training.micro_batch_size=2",
+]
 
 
 class TrainerLog(logging.Handler):
@@ -41,25 +50,48 @@ class TrainerLog(logging.Handler):
             self.loads.append(record.args[3])
 
 
-def measure(mode: str, config: str | None, overrides: list[str], steps: int, interval: int, root: Path,
-            log: TrainerLog) -> dict:
+def measure(
+    mode: str, config: str | None, overrides: list[str], steps: int, interval: int, root: Path, log: TrainerLog
+) -> dict:
     out = root / mode
-    checkpointing = {"none": ["--checkpoint.interval=0", "--checkpoint.save_final=false"],
-                     "sync": [f"--checkpoint.interval={interval}", "--checkpoint.save_final=false"],
-                     "async": [f"--checkpoint.interval={interval}", "--checkpoint.save_final=false",
-                               "--checkpoint.async_mode=async"]}[mode]
+    checkpointing = {
+        "none": ["--checkpoint.interval=0", "--checkpoint.save_final=false"],
+        "sync": [f"--checkpoint.interval={interval}", "--checkpoint.save_final=false"],
+        "async": [
+            f"--checkpoint.interval={interval}",
+            "--checkpoint.save_final=false",
+            "--checkpoint.async_mode=async",
+        ],
+    }[mode]
     log.saves.clear()
-    train(load_config(config, [*overrides, *checkpointing, f"--training.steps={steps}", f"--job.output_dir={out}",
-                             "--metrics.log_freq=1", "--logging.wandb=false", "--logging.progress_bar=lines"]))
+    train(
+        load_config(
+            config,
+            [
+                *overrides,
+                *checkpointing,
+                f"--training.steps={steps}",
+                f"--job.output_dir={out}",
+                "--metrics.log_freq=1",
+                "--logging.wandb=false",
+                "--logging.progress_bar=lines",
+            ],
+        )
+    )
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     just_after = {r["step"] for r in records if r["step"] > interval and (r["step"] - 1) % interval < 2}
     after_save = [r["step_time_s"] for r in records if r["step"] in just_after]
     others = [r["step_time_s"] for r in records[1:] if r["step"] not in just_after]  # step 1 warms up
-    return {"mode": mode, "wall_s_per_step": (records[-1]["time"] - records[0]["time"]) / (steps - 1),
-            "step_s_after_save": statistics.median(after_save), "step_s_other": statistics.median(others),
-            "save_blocked_s": statistics.median(s["blocked_s"] for s in log.saves) if log.saves else None,
-            "save_published_s": statistics.median(s["published_s"] for s in log.saves) if log.saves else None,
-            "saves": len(log.saves), "out": out}
+    return {
+        "mode": mode,
+        "wall_s_per_step": (records[-1]["time"] - records[0]["time"]) / (steps - 1),
+        "step_s_after_save": statistics.median(after_save),
+        "step_s_other": statistics.median(others),
+        "save_blocked_s": statistics.median(s["blocked_s"] for s in log.saves) if log.saves else None,
+        "save_published_s": statistics.median(s["published_s"] for s in log.saves) if log.saves else None,
+        "saves": len(log.saves),
+        "out": out,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -74,18 +106,34 @@ def main(argv: list[str]) -> int:
     logging.getLogger("trillion").addHandler(log)
     logging.getLogger("trillion").setLevel(logging.INFO)
     with tempfile.TemporaryDirectory() as folder:
-        rows = [measure(mode, config, overrides, steps, interval, Path(folder), log) for mode in ("none", "sync", "async")]
-        train(load_config(config, [*overrides, f"--training.steps={steps + 1}", f"--job.output_dir={rows[-1]['out']}",
-                                 "--checkpoint.interval=0", "--checkpoint.save_final=false", "--logging.wandb=false",
-                                 "--logging.progress_bar=lines", "--checkpoint.async_mode=async"]))
+        rows = [
+            measure(mode, config, overrides, steps, interval, Path(folder), log) for mode in ("none", "sync", "async")
+        ]
+        train(
+            load_config(
+                config,
+                [
+                    *overrides,
+                    f"--training.steps={steps + 1}",
+                    f"--job.output_dir={rows[-1]['out']}",
+                    "--checkpoint.interval=0",
+                    "--checkpoint.save_final=false",
+                    "--logging.wandb=false",
+                    "--logging.progress_bar=lines",
+                    "--checkpoint.async_mode=async",
+                ],
+            )
+        )
     size = "smoke model" if args.smoke else "debug model"
     print(f"\n{size}, {steps} steps, a save every {interval}; load (resume) {log.loads[-1]:.3f}s\n")
     print("| saves | wall s/step | step s just after a save | other steps s | save blocks s | save published s |")
     print("|---|---|---|---|---|---|")
     for row in rows:
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
-        print(f"| {row['mode']} | {fmt(row['wall_s_per_step'])} | {fmt(row['step_s_after_save'])} | "
-              f"{fmt(row['step_s_other'])} | {fmt(row['save_blocked_s'])} | {fmt(row['save_published_s'])} |")
+        print(
+            f"| {row['mode']} | {fmt(row['wall_s_per_step'])} | {fmt(row['step_s_after_save'])} | "
+            f"{fmt(row['step_s_other'])} | {fmt(row['save_blocked_s'])} | {fmt(row['save_published_s'])} |"
+        )
     return 0
 
 

@@ -8,6 +8,7 @@ of trillion.parallel.context_parallel.attention_across_shards on the rank's shar
 the exchange alone (the K/V all-gather and its dK/dV reduce-scatter on the same tensors). The
 exchange's share is what a ring, overlapping it with compute, could at most hide.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,8 +53,11 @@ def _rank(rank: int, cp: int, store: str, seq: int, impl: str) -> None:
     total = median_seconds(attention, device, warmup=2, repeats=5)
     comm = median_seconds(exchange, device, warmup=2, repeats=5)
     if rank == 0:
-        print(f"seq {seq}, cp {cp}, {impl}, {dtype}, {device.type}: attention fwd+bwd {total * 1e3:.1f} ms per rank, "
-              f"K/V exchange {comm * 1e3:.2f} ms ({100 * comm / total:.1f}%)", flush=True)
+        print(
+            f"seq {seq}, cp {cp}, {impl}, {dtype}, {device.type}: attention fwd+bwd {total * 1e3:.1f} ms per rank, "
+            f"K/V exchange {comm * 1e3:.2f} ms ({100 * comm / total:.1f}%)",
+            flush=True,
+        )
     dist.destroy_process_group()
 
 

@@ -19,6 +19,7 @@ Reported per rank: milliseconds per global batch and the tokens/s that rank's lo
 next to what one H100 consumes training Llama 3 8B (torchtitan's 5,762 tokens/s/GPU) and a 1B
 model at 40% MFU.
 """
+
 import argparse
 import logging
 import os
@@ -49,8 +50,14 @@ def train_bpe(path: Path, documents: int, vocab_size: int) -> Path:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
     texts = build_documents(Data(), 0).iterate(0, documents)
-    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=["<|endoftext|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
     tokenizer.save(str(path))
     return path
 
@@ -61,32 +68,62 @@ def tokenizer_args(kind: str, bpe: Path) -> list[str]:
 
 def cpu_seconds() -> float:
     """User + system CPU time of this process and its finished children (the workers)."""
-    return sum(getattr(resource.getrusage(who), field) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-               for field in ("ru_utime", "ru_stime"))
+    return sum(
+        getattr(resource.getrusage(who), field)
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+        for field in ("ru_utime", "ru_stime")
+    )
 
 
 def measure_prepare(root: Path, kind: str, bpe: Path, workers: int, data: list[str]) -> dict:
     out = root / f"{kind}-{workers}.tokens"
     cpu = cpu_seconds()
     manifest = prepare(load_config(None, [*data, *tokenizer_args(kind, bpe)]), out, workers)
-    return {"tokenizer": kind, "workers": workers, "tokens": manifest["n_tokens"], "seconds": manifest["seconds"],
-            "tokens_per_s": manifest["n_tokens"] / manifest["seconds"], "cpu_s": cpu_seconds() - cpu, "store": out}
+    return {
+        "tokenizer": kind,
+        "workers": workers,
+        "tokens": manifest["n_tokens"],
+        "seconds": manifest["seconds"],
+        "tokens_per_s": manifest["n_tokens"] / manifest["seconds"],
+        "cpu_s": cpu_seconds() - cpu,
+        "store": out,
+    }
 
 
-def measure_loader(kind: str, store: Path, tokenizer, dp: int, rank: int, seq_len: int, global_batch: int,
-                   repeats: int, data: list[str]) -> float:
+def measure_loader(
+    kind: str,
+    store: Path,
+    tokenizer,
+    dp: int,
+    rank: int,
+    seq_len: int,
+    global_batch: int,
+    repeats: int,
+    data: list[str],
+) -> float:
     """Median seconds per global batch of rank `rank` of `dp` data-parallel ranks, after a warm-up batch."""
     data_config = load_config(None, [f"--data.prepared={store}"] if kind == "prepared" else data).data
-    loader = build_data_loader(data_config, tokenizer, seed=0, seq_len=seq_len, global_batch_size=global_batch,
-                               micro_batch_size=global_batch // dp, held_out=0.01, dp_rank=rank, dp_size=dp)
+    loader = build_data_loader(
+        data_config,
+        tokenizer,
+        seed=0,
+        seq_len=seq_len,
+        global_batch_size=global_batch,
+        micro_batch_size=global_batch // dp,
+        held_out=0.01,
+        dp_rank=rank,
+        dp_size=dp,
+    )
     return median_seconds(loader.next_batch, torch.device("cpu"), warmup=1, repeats=repeats)
 
 
 def h100_needs(seq_len: int) -> str:
     peak = lookup_device("h100").peak_tflops_bf16 * 1e12
     one_b = 0.4 * peak / model_flops_per_token(get_preset("llama3-1b"), seq_len)
-    return (f"one H100 consumes {TORCHTITAN_LLAMA3_8B_H100:,} tokens/s training Llama 3 8B (torchtitan, measured) and "
-            f"{one_b:,.0f} tokens/s training Llama 3 1B at 40% MFU (sequence {seq_len}, {peak / 1e12:.0f} TFLOP/s bf16)")
+    return (
+        f"one H100 consumes {TORCHTITAN_LLAMA3_8B_H100:,} tokens/s training Llama 3 8B (torchtitan, measured) and "
+        f"{one_b:,.0f} tokens/s training Llama 3 1B at 40% MFU (sequence {seq_len}, {peak / 1e12:.0f} TFLOP/s bf16)"
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -95,7 +132,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--global-batch", type=int, default=64, help="sequences per global batch (a multiple of 64)")
     parser.add_argument("--repeats", type=int, default=50, help="timed global batches of the prepared loader")
-    parser.add_argument("--on-the-fly-repeats", type=int, default=3, help="timed global batches of the on-the-fly loader")
+    parser.add_argument(
+        "--on-the-fly-repeats", type=int, default=3, help="timed global batches of the on-the-fly loader"
+    )
     parser.add_argument("--bpe-vocab", type=int, default=16384)
     parser.add_argument("--bpe-documents", type=int, default=300, help="default-corpus documents to train the BPE on")
     args = parser.parse_args(argv)
@@ -107,21 +146,31 @@ def main(argv: list[str]) -> int:
             import json
 
             corpus = root / "subset.jsonl"
-            corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in build_documents(Data(), 0).iterate(0, 12)))
+            corpus.write_text(
+                "".join(json.dumps({"text": t}) + "\n" for t in build_documents(Data(), 0).iterate(0, 12))
+            )
             data = [f"--data.path={corpus}"]
             args.seq_len, args.global_batch, args.bpe_vocab, args.bpe_documents = 64, 64, 400, 12
             args.repeats, args.on_the_fly_repeats = 3, 2
         bpe = train_bpe(root / "bpe.json", args.bpe_documents, args.bpe_vocab)
         prepared = [measure_prepare(root, kind, bpe, workers, data) for kind in ("byte", "bpe") for workers in (1, 2)]
-        print(f"\n## prepare-data (load average of this machine's {os.cpu_count()} CPUs: "
-              f"{os.getloadavg()[0]:.1f} after it)\n")
-        print("| tokenizer | workers | tokens | seconds | CPU seconds (all processes) | tokens/s | tokens per CPU second |")
+        print(
+            f"\n## prepare-data (load average of this machine's {os.cpu_count()} CPUs: "
+            f"{os.getloadavg()[0]:.1f} after it)\n"
+        )
+        print(
+            "| tokenizer | workers | tokens | seconds | CPU seconds (all processes) | tokens/s | tokens per CPU second |"
+        )
         print("|---|---|---|---|---|---|---|")
         for row in prepared:
-            print(f"| {row['tokenizer']} | {row['workers']} | {row['tokens']:,} | {row['seconds']:.1f} | "
-                  f"{row['cpu_s']:.1f} | {row['tokens_per_s']:,.0f} | {row['tokens'] / row['cpu_s']:,.0f} |")
-        print(f"\n## loader, one rank, BPE (vocabulary {args.bpe_vocab}), global batch {args.global_batch} x "
-              f"{args.seq_len} tokens\n")
+            print(
+                f"| {row['tokenizer']} | {row['workers']} | {row['tokens']:,} | {row['seconds']:.1f} | "
+                f"{row['cpu_s']:.1f} | {row['tokens_per_s']:,.0f} | {row['tokens'] / row['cpu_s']:,.0f} |"
+            )
+        print(
+            f"\n## loader, one rank, BPE (vocabulary {args.bpe_vocab}), global batch {args.global_batch} x "
+            f"{args.seq_len} tokens\n"
+        )
         print("| loader | dp | ms per global batch (rank 0 / rank dp-1) | tokens/s delivered to the rank |")
         print("|---|---|---|---|")
         tokenizer = build_tokenizer(load_config(None, tokenizer_args("bpe", bpe)).tokenizer)
@@ -130,13 +179,19 @@ def main(argv: list[str]) -> int:
         for kind in ("prepared", "on-the-fly"):
             repeats = args.repeats if kind == "prepared" else args.on_the_fly_repeats
             for dp in (1, 8, 64):
-                seconds = [measure_loader(kind, store, tokenizer, dp, rank, args.seq_len, args.global_batch, repeats,
-                                          data) for rank in sorted({0, dp - 1})]
+                seconds = [
+                    measure_loader(kind, store, tokenizer, dp, rank, args.seq_len, args.global_batch, repeats, data)
+                    for rank in sorted({0, dp - 1})
+                ]
                 per_rank[kind, dp] = args.global_batch // dp * args.seq_len / max(seconds)
-                print(f"| {kind} | {dp} | {' / '.join(f'{1e3 * s:.2f}' for s in seconds)} | {per_rank[kind, dp]:,.0f} |")
-        print(f"\nFor scale: {h100_needs(args.seq_len)}. At dp 64 one rank's prepared loader delivers "
-              f"{per_rank['prepared', 64] / TORCHTITAN_LLAMA3_8B_H100:,.0f}x the Llama 3 8B figure, the on-the-fly "
-              f"one {per_rank['on-the-fly', 64] / TORCHTITAN_LLAMA3_8B_H100:.2f}x.")
+                print(
+                    f"| {kind} | {dp} | {' / '.join(f'{1e3 * s:.2f}' for s in seconds)} | {per_rank[kind, dp]:,.0f} |"
+                )
+        print(
+            f"\nFor scale: {h100_needs(args.seq_len)}. At dp 64 one rank's prepared loader delivers "
+            f"{per_rank['prepared', 64] / TORCHTITAN_LLAMA3_8B_H100:,.0f}x the Llama 3 8B figure, the on-the-fly "
+            f"one {per_rank['on-the-fly', 64] / TORCHTITAN_LLAMA3_8B_H100:.2f}x."
+        )
     return 0
 
 

@@ -11,6 +11,7 @@ that fails is recorded with its error and the rest goes on. Each row is appended
 file and the Markdown table rewritten as soon as it is measured (--out, default
 experiments/bench/results/), so a run cut short keeps what it measured; the table is printed at the end.
 """
+
 import argparse
 import contextlib
 import datetime
@@ -43,10 +44,21 @@ def bench_gemm(device, smoke: bool) -> list[dict]:
     del reference
     if error > 2e-2:
         raise AssertionError(f"GEMM result is wrong: relative error {error:.3g}")
-    seconds = median_seconds(lambda x, y: x @ y, device, warmup=3, repeats=10,
-                             fresh_inputs=lambda: (torch.randn_like(a), torch.randn_like(b)))
-    return [{"part": "ceiling", "name": f"gemm {n}^3 {str(dtype).split('.')[-1]}", "seconds": seconds,
-             "tflops": 2 * n**3 / seconds / 1e12}]
+    seconds = median_seconds(
+        lambda x, y: x @ y,
+        device,
+        warmup=3,
+        repeats=10,
+        fresh_inputs=lambda: (torch.randn_like(a), torch.randn_like(b)),
+    )
+    return [
+        {
+            "part": "ceiling",
+            "name": f"gemm {n}^3 {str(dtype).split('.')[-1]}",
+            "seconds": seconds,
+            "tflops": 2 * n**3 / seconds / 1e12,
+        }
+    ]
 
 
 def bench_copy(device, smoke: bool) -> list[dict]:
@@ -60,8 +72,14 @@ def bench_copy(device, smoke: bool) -> list[dict]:
     if not torch.equal(target, source):
         raise AssertionError("copy produced different bytes")
     seconds = median_seconds(lambda: target.copy_(source), device, warmup=3, repeats=10)
-    return [{"part": "ceiling", "name": f"copy {4 * numel / 2**20:.0f} MiB", "seconds": seconds,
-             "gb_per_s": 2 * 4 * numel / seconds / 1e9}]
+    return [
+        {
+            "part": "ceiling",
+            "name": f"copy {4 * numel / 2**20:.0f} MiB",
+            "seconds": seconds,
+            "gb_per_s": 2 * 4 * numel / seconds / 1e9,
+        }
+    ]
 
 
 def bench_kernels(device, smoke: bool, record) -> None:
@@ -88,17 +106,23 @@ STEP_CASES = [  # (model, attention, compile, activation checkpointing)
     ("gpt-1.4b", "triton", True, "full"),
 ]
 # Compiling takes about 20 s a block shape on two CPU cores: the smoke mode keeps to eager cases.
-SMOKE_STEP_CASES = [("llama3-1b", "sdpa", False, "none"), ("llama3-1b", "triton", False, "full"),
-                    ("gpt-1.4b", "sdpa", False, "full")]
+SMOKE_STEP_CASES = [
+    ("llama3-1b", "sdpa", False, "none"),
+    ("llama3-1b", "triton", False, "full"),
+    ("gpt-1.4b", "sdpa", False, "full"),
+]
 
 
 def bench_training_steps(device, smoke: bool, gemm_tflops: float | None, record) -> None:
-    for model_name, attention, compiled, checkpointing in (SMOKE_STEP_CASES if smoke else STEP_CASES):
+    for model_name, attention, compiled, checkpointing in SMOKE_STEP_CASES if smoke else STEP_CASES:
         try:
             row = bench_one_step(device, smoke, model_name, attention, compiled, checkpointing, gemm_tflops)
         except Exception as error:  # one failing case must not hide the others
-            row = {"part": "step", "name": f"{model_name} {attention} compile={compiled} ac={checkpointing}",
-                   "error": f"{type(error).__name__}: {error}"[:300]}
+            row = {
+                "part": "step",
+                "name": f"{model_name} {attention} compile={compiled} ac={checkpointing}",
+                "error": f"{type(error).__name__}: {error}"[:300],
+            }
         finally:
             _release(device)
         record(row)
@@ -121,23 +145,36 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
     """The trainer's own step (train_step, AdamW, its AC and compile) on fresh random tokens."""
     import torch
 
+    from trillion.devices import lookup_device
     from trillion.models import Transformer
     from trillion.models.flops import hardware_flops_per_token, model_flops_per_token
     from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
-    from trillion.parallel.modes import recompute_fraction
     from trillion.parallel.compile import apply_compile
-    from trillion.devices import lookup_device
+    from trillion.parallel.forward_backward import MicroBatchLoop
+    from trillion.parallel.modes import recompute_fraction
+    from trillion.trainer.assemble import build_model_args
     from trillion.trainer.config.schema import load_config
     from trillion.trainer.optim import build_optimizer
-    from trillion.parallel.forward_backward import MicroBatchLoop
-    from trillion.trainer.assemble import build_model_args
     from trillion.trainer.train import train_step
 
-    shrink = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=4", "--model.ffn_dim=128",
-              "--model.vocab_size=512"]
+    shrink = [
+        "--model.n_layers=2",
+        "--model.dim=64",
+        "--model.n_heads=4",
+        "--model.n_kv_heads=4",
+        "--model.ffn_dim=128",
+        "--model.vocab_size=512",
+    ]
     seq_len, batch = (32, 2) if smoke else (2048, 4)
-    config = load_config(None, [f"--model.name={model_name}", f"--kernels.attention={attention}",
-                                f"--training.seq_len={seq_len}", *(shrink if smoke else [])])
+    config = load_config(
+        None,
+        [
+            f"--model.name={model_name}",
+            f"--kernels.attention={attention}",
+            f"--training.seq_len={seq_len}",
+            *(shrink if smoke else []),
+        ],
+    )
     args = build_model_args(config, tokenizer_vocab=0)
     start_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     if device.type == "cuda":
@@ -164,16 +201,29 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
     losses = [train_step(runner, batch_once, optimizer, scaler, autocast, 1.0)[0].item() for _ in range(4)]
     if not all(map(math.isfinite, losses)) or not losses[-1] < losses[0]:
         raise AssertionError(f"four training steps on one batch gave losses {losses}, not finite and falling")
-    seconds = median_seconds(lambda mb: train_step(runner, mb, optimizer, scaler, autocast, 1.0), device,
-                             warmup=2, repeats=3 if smoke else 10, fresh_inputs=fresh)
+    seconds = median_seconds(
+        lambda mb: train_step(runner, mb, optimizer, scaler, autocast, 1.0),
+        device,
+        warmup=2,
+        repeats=3 if smoke else 10,
+        fresh_inputs=fresh,
+    )
     tokens_per_s = batch * seq_len / seconds
     tflops = tokens_per_s * model_flops_per_token(args, seq_len) / 1e12
-    hardware = tokens_per_s * hardware_flops_per_token(args, seq_len, recompute_fraction(checkpointing, args.n_layers)) / 1e12
+    hardware = (
+        tokens_per_s * hardware_flops_per_token(args, seq_len, recompute_fraction(checkpointing, args.n_layers)) / 1e12
+    )
     spec = lookup_device(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     peak = (torch.cuda.max_memory_allocated(device) - start_bytes) / 1e9 if device.type == "cuda" else None
-    row = {"part": "step", "name": f"{model_name} {attention} compile={compiled} ac={checkpointing}",
-           "seconds": seconds, "tokens_per_s": tokens_per_s, "tflops": tflops, "peak_memory_gb": peak,
-           "losses": ", ".join(f"{x:.3f}" for x in losses)}
+    row = {
+        "part": "step",
+        "name": f"{model_name} {attention} compile={compiled} ac={checkpointing}",
+        "seconds": seconds,
+        "tokens_per_s": tokens_per_s,
+        "tflops": tflops,
+        "peak_memory_gb": peak,
+        "losses": ", ".join(f"{x:.3f}" for x in losses),
+    }
     if spec is not None:
         row.update(mfu=tflops / spec.peak_tflops_bf16, hfu=hardware / spec.peak_tflops_bf16)
     if gemm_tflops:
@@ -216,8 +266,11 @@ def main(argv=None) -> int:
         with base.with_suffix(".jsonl").open("a") as f:
             f.write(json.dumps({"device": name, "torch": torch.__version__, "smoke": opts.smoke, **row}) + "\n")
         base.with_suffix(".md").write_text(markdown(rows, header))
-        print(f"[{time.strftime('%H:%M:%S')}] {row['part']} {row['name']}: {row.get('error', 'ok')}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{time.strftime('%H:%M:%S')}] {row['part']} {row['name']}: {row.get('error', 'ok')}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     for part, fn in (("gemm", bench_gemm), ("copy", bench_copy), ("kernels", None)):
         if part in parts:

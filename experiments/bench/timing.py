@@ -2,6 +2,7 @@
 bracketed by device synchronization, optionally on fresh inputs each time. Kernels shorter than the
 host's launch and synchronization overhead (tens of microseconds) are run `calls` times per
 synchronized run and the time divided by `calls`."""
+
 import statistics
 import time
 

@@ -9,6 +9,7 @@ loading, LR schedule, metrics, everything the loop does), divided by the steps i
 hand loop repeats one preloaded batch. Repeats alternate between the two and the medians are
 compared, so a machine that is busy for a while slows both alike.
 """
+
 import argparse
 import json
 import statistics
@@ -21,18 +22,28 @@ import torch
 import torch.nn.functional as F
 
 from trillion.models import Transformer
-from trillion.trainer.config.schema import load_config
-from trillion.trainer.optim import build_optimizer
-from trillion.trainer.data.tokenizer import build_tokenizer
 from trillion.trainer.assemble import build_model_args
+from trillion.trainer.config.schema import load_config
+from trillion.trainer.data.tokenizer import build_tokenizer
+from trillion.trainer.optim import build_optimizer
 from trillion.trainer.train import train
 
 
 def trainer_seconds_per_step(overrides: list[str], steps: int) -> float:
     with tempfile.TemporaryDirectory() as out:
-        config = load_config(None, [*overrides, f"--training.steps={steps}", f"--metrics.log_freq={steps}",
-                                    f"--job.output_dir={out}", "--logging.wandb=false", "--checkpoint.save_final=false",
-                                    "--logging.progress_bar=lines", "--eval.interval=0"])  # the hand loop evaluates nothing
+        config = load_config(
+            None,
+            [
+                *overrides,
+                f"--training.steps={steps}",
+                f"--metrics.log_freq={steps}",
+                f"--job.output_dir={out}",
+                "--logging.wandb=false",
+                "--checkpoint.save_final=false",
+                "--logging.progress_bar=lines",
+                "--eval.interval=0",
+            ],
+        )  # the hand loop evaluates nothing
         train(config)
         first, last = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return (last["time"] - first["time"]) / (last["step"] - first["step"])
@@ -73,8 +84,12 @@ def main() -> None:
     opts = parser.parse_args()
     overrides = ["--job.device=cpu", *opts.overrides]
     if opts.smoke:
-        overrides += ["--model.n_layers=1", "--training.seq_len=32", "--training.global_batch_size=2",
-                      "--training.micro_batch_size=2"]
+        overrides += [
+            "--model.n_layers=1",
+            "--training.seq_len=32",
+            "--training.global_batch_size=2",
+            "--training.micro_batch_size=2",
+        ]
         opts.steps, opts.repeats = 4, 1
     trainer_times, hand_times = [], []
     for _ in range(opts.repeats):
@@ -84,8 +99,10 @@ def main() -> None:
     print(f"{'loop':<12}{'ms/step (median)':>18}{'all repeats (ms)':>40}")
     print(f"{'trainer':<12}{1e3 * trainer_s:>18.1f}{', '.join(f'{1e3 * x:.1f}' for x in trainer_times):>40}")
     print(f"{'hand loop':<12}{1e3 * hand_s:>18.1f}{', '.join(f'{1e3 * x:.1f}' for x in hand_times):>40}")
-    print(f"trainer overhead: {100 * (trainer_s / hand_s - 1):+.1f}% (torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, {' '.join(overrides)})")
+    print(
+        f"trainer overhead: {100 * (trainer_s / hand_s - 1):+.1f}% (torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {' '.join(overrides)})"
+    )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ comment declares) is estimated by the command a user runs, timed as a subprocess
 simulated (`--ranks all`). The planner's figures come with the estimate's JSON; the paper's
 statements are PAPER.md's.
 """
+
 import argparse
 import json
 import subprocess
@@ -20,21 +21,41 @@ GB, GCD = 1e9, 64e9
 
 
 VARIANTS = {  # config -> (what, overrides): where a shipped config departs from the paper's layout, the paper's
-    "gpt_22b_frontier": [("the paper's plain replicas (dp_replicate 2), which the shipped config shards instead",
-                          ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--parallel.dp_shard_mode=zero3"])],
-    "gpt_1t_frontier": [("the automatic stage split, which the shipped config replaces by one layer per stage",
-                         ["--parallel.pp_layers_per_stage=0", "--parallel.pp_first_stage_layers=-1",
-                          "--parallel.pp_last_stage_layers=-1"])],
+    "gpt_22b_frontier": [
+        (
+            "the paper's plain replicas (dp_replicate 2), which the shipped config shards instead",
+            ["--parallel.dp_replicate=2", "--parallel.dp_shard=1", "--parallel.dp_shard_mode=zero3"],
+        )
+    ],
+    "gpt_1t_frontier": [
+        (
+            "the automatic stage split, which the shipped config replaces by one layer per stage",
+            [
+                "--parallel.pp_layers_per_stage=0",
+                "--parallel.pp_first_stage_layers=-1",
+                "--parallel.pp_last_stage_layers=-1",
+            ],
+        )
+    ],
 }
 
 
 def estimate(config: str, ranks: str = "all", overrides: tuple = ()) -> tuple[dict, float, str]:
     """The JSON of `trillion estimate` for `ranks` of `config`, its wall time and the command."""
-    args = ["estimate", "--config", f"experiments/configs/{config}.toml", "--hardware", "frontier", "--ranks", ranks,
-            *overrides]
+    args = [
+        "estimate",
+        "--config",
+        f"experiments/configs/{config}.toml",
+        "--hardware",
+        "frontier",
+        "--ranks",
+        ranks,
+        *overrides,
+    ]
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "trillion", *args, "--format", "json"], cwd=ROOT, capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "trillion", *args, "--format", "json"], cwd=ROOT, capture_output=True, text=True
+    )
     seconds = time.perf_counter() - start
     if out.returncode not in (0, 1):  # 1: a rank does not fit, which is a result
         raise SystemExit(f"trillion {' '.join(args)} failed:\n{out.stderr}")
@@ -51,18 +72,29 @@ def paper_scheme(rank: dict, layout: dict, zero: int) -> float:
 def parts(rank: dict) -> dict:
     """The rank's bytes by cause, the causes the report discusses."""
     d = rank["detail"]
-    return {"model states (fp32 weights, gradients, AdamW)": rank["parameters"] + rank["gradients"] + rank["optimizer"],
-            "pipeline receive buffers": d["pipeline_receive"],
-            "activations of micro-batches in flight": rank["activations"],
-            "stages kept gathered (compute dtype)": d["fsdp_gathered"],
-            "reduce-scatter input (one block, fp32)": d["reduce_scatter"], "framework allowance": rank["framework"]}
+    return {
+        "model states (fp32 weights, gradients, AdamW)": rank["parameters"] + rank["gradients"] + rank["optimizer"],
+        "pipeline receive buffers": d["pipeline_receive"],
+        "activations of micro-batches in flight": rank["activations"],
+        "stages kept gathered (compute dtype)": d["fsdp_gathered"],
+        "reduce-scatter input (one block, fp32)": d["reduce_scatter"],
+        "framework allowance": rank["framework"],
+    }
 
 
 def stage_layers(layout: dict, rank: dict) -> str:
     n_layers = max(stop for _, stop in layout["stage_units"]) - 2
     units = [range(*layout["stage_units"][s]) for s in rank["detail"]["stages"]]
-    return " + ".join("+".join([*("E" for u in r if u == 0), str(sum(0 < u <= n_layers for u in r)),
-                                *("O" for u in r if u == n_layers + 1)]) for r in units)
+    return " + ".join(
+        "+".join(
+            [
+                *("E" for u in r if u == 0),
+                str(sum(0 < u <= n_layers for u in r)),
+                *("O" for u in r if u == n_layers + 1),
+            ]
+        )
+        for r in units
+    )
 
 
 def representatives(result: dict) -> list[dict]:
@@ -73,10 +105,12 @@ def representatives(result: dict) -> list[dict]:
 
 
 def layout_text(layout: dict) -> str:
-    return (f"tp {layout['tp']} x pp {layout['pp']} x dp_replicate {layout['dp_replicate']} x dp_shard "
-            f"{layout['dp_shard']} ({layout['dp_shard_mode']}), {layout['pp_schedule']}, {layout['microbatches']} "
-            f"micro-batches of {layout['micro_batch_size']} x {layout['seq_len']} per step, checkpointing "
-            f"{layout['activation_checkpoint']}, {layout['compute_dtype']}")
+    return (
+        f"tp {layout['tp']} x pp {layout['pp']} x dp_replicate {layout['dp_replicate']} x dp_shard "
+        f"{layout['dp_shard']} ({layout['dp_shard_mode']}), {layout['pp_schedule']}, {layout['microbatches']} "
+        f"micro-batches of {layout['micro_batch_size']} x {layout['seq_len']} per step, checkpointing "
+        f"{layout['activation_checkpoint']}, {layout['compute_dtype']}"
+    )
 
 
 def summary_row(config: str, result: dict, seconds: float) -> str:
@@ -85,37 +119,69 @@ def summary_row(config: str, result: dict, seconds: float) -> str:
     states = "model states (fp32 weights, gradients, AdamW)"
     other, size = max(((k, v) for k, v in parts(fullest).items() if k != states), key=lambda item: item[1])
     margin = GCD - fullest["total"]
-    return (f"| {result['model']} | {result['world_size']} | {seconds:.0f} s | {sum(bool(r['fits']) for r in ranks)} / "
-            f"{len(ranks)} | {fullest['rank']} (stage {fullest['stage']}) | {fullest['total'] / GB:.1f} | "
-            f"{'+' if margin >= 0 else '-'}{abs(margin) / GB:.1f} | {parts(fullest)[states] / GB:.1f} | "
-            f"{other}: {size / GB:.1f} | {ranks[0]['planner']['total'] / GB:.1f} | "
-            f"{max(paper_scheme(r, lay, CONFIGS[config]) for r in ranks) / GB:.1f} |")
+    return (
+        f"| {result['model']} | {result['world_size']} | {seconds:.0f} s | {sum(bool(r['fits']) for r in ranks)} / "
+        f"{len(ranks)} | {fullest['rank']} (stage {fullest['stage']}) | {fullest['total'] / GB:.1f} | "
+        f"{'+' if margin >= 0 else '-'}{abs(margin) / GB:.1f} | {parts(fullest)[states] / GB:.1f} | "
+        f"{other}: {size / GB:.1f} | {ranks[0]['planner']['total'] / GB:.1f} | "
+        f"{max(paper_scheme(r, lay, CONFIGS[config]) for r in ranks) / GB:.1f} |"
+    )
 
 
 def section(config: str, result: dict, seconds: float, command: str) -> list[str]:
     lay, ranks = result["layout"], result["ranks"]
     fullest = max(ranks, key=lambda r: r["total"])
     planner = ranks[0]["planner"]
-    lines = [f"## {result['model']} on {result['world_size']} GCDs", "", f"{layout_text(lay)}.", "",
-             f"`{command}`: {seconds:.1f} s wall ({result['seconds']:.1f} s simulating {len(ranks)} ranks).", "",
-             "| rank | stage | layers | in flight | parameters | gradients | optimizer | activations | buffers | "
-             "framework | total | paper's scheme (states) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"## {result['model']} on {result['world_size']} GCDs",
+        "",
+        f"{layout_text(lay)}.",
+        "",
+        f"`{command}`: {seconds:.1f} s wall ({result['seconds']:.1f} s simulating {len(ranks)} ranks).",
+        "",
+        "| rank | stage | layers | in flight | parameters | gradients | optimizer | activations | buffers | "
+        "framework | total | paper's scheme (states) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in representatives(result):
-        cells = [r["parameters"], r["gradients"], r["optimizer"], r["activations"], r["buffers"], r["framework"],
-                 r["total"], paper_scheme(r, lay, CONFIGS[config])]
-        lines.append(f"| {r['rank']} | {r['stage']} | {stage_layers(lay, r)} | {r['detail']['in_flight']} | "
-                     + " | ".join(f"{c / GB:.1f}" for c in cells) + " |")
-    lines += ["", f"Rank {fullest['rank']} by cause: " + "; ".join(
-        f"{name} {size / GB:.1f} GB" for name, size in parts(fullest).items() if size) + ".", "",
-        f"The planner predicts {planner['total'] / GB:.1f} GB for its fullest rank (" + ", ".join(
-            f"{kind} {planner[kind] / GB:.1f}" for kind in ("parameters", "gradients", "optimizer", "activations",
-                                                             "buffers")) + ").", ""]
+        cells = [
+            r["parameters"],
+            r["gradients"],
+            r["optimizer"],
+            r["activations"],
+            r["buffers"],
+            r["framework"],
+            r["total"],
+            paper_scheme(r, lay, CONFIGS[config]),
+        ]
+        lines.append(
+            f"| {r['rank']} | {r['stage']} | {stage_layers(lay, r)} | {r['detail']['in_flight']} | "
+            + " | ".join(f"{c / GB:.1f}" for c in cells)
+            + " |"
+        )
+    lines += [
+        "",
+        f"Rank {fullest['rank']} by cause: "
+        + "; ".join(f"{name} {size / GB:.1f} GB" for name, size in parts(fullest).items() if size)
+        + ".",
+        "",
+        f"The planner predicts {planner['total'] / GB:.1f} GB for its fullest rank ("
+        + ", ".join(
+            f"{kind} {planner[kind] / GB:.1f}"
+            for kind in ("parameters", "gradients", "optimizer", "activations", "buffers")
+        )
+        + ").",
+        "",
+    ]
     for what, overrides in VARIANTS.get(config, []):
         variant, seconds, command = estimate(config, "all", tuple(overrides))
         worst = max(variant["ranks"], key=lambda r: r["total"])
-        lines += [f"Variant, {what}: `{command}` ({seconds:.0f} s): {sum(bool(r['fits']) for r in variant['ranks'])} "
-                  f"of the {len(variant['ranks'])} simulated ranks fit; fullest rank {worst['rank']} (stage "
-                  f"{worst['stage']}, {stage_layers(variant['layout'], worst)}) {worst['total'] / GB:.1f} GB.", ""]
+        lines += [
+            f"Variant, {what}: `{command}` ({seconds:.0f} s): {sum(bool(r['fits']) for r in variant['ranks'])} "
+            f"of the {len(variant['ranks'])} simulated ranks fit; fullest rank {worst['rank']} (stage "
+            f"{worst['stage']}, {stage_layers(variant['layout'], worst)}) {worst['total'] / GB:.1f} GB.",
+            "",
+        ]
     return lines
 
 

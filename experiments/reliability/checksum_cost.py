@@ -3,6 +3,7 @@ and times the manifest at save (size + CRC-32 of every file) and the verificatio
 
     python experiments/reliability/checksum_cost.py [SIZE_MB]
 """
+
 import os
 import sys
 import tempfile
@@ -24,9 +25,11 @@ def main(size_mb: int = 512) -> None:
         start = time.perf_counter()
         assert damaged_files(root) == []
         verified = time.perf_counter() - start
-    print(f"{size_mb} MB: manifest at save {saved:.2f} s ({size_mb / saved:.0f} MB/s), "
-          f"verification at resume {verified:.2f} s ({size_mb / verified:.0f} MB/s) on one process "
-          f"(files in the page cache; at scale each rank verifies 1/world of the files)")
+    print(
+        f"{size_mb} MB: manifest at save {saved:.2f} s ({size_mb / saved:.0f} MB/s), "
+        f"verification at resume {verified:.2f} s ({size_mb / verified:.0f} MB/s) on one process "
+        f"(files in the page cache; at scale each rank verifies 1/world of the files)"
+    )
 
 
 if __name__ == "__main__":

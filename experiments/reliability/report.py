@@ -4,6 +4,7 @@ and tabulates what each recorded (tests/fault_record.py). About 10 minutes on tw
 
     python experiments/reliability/report.py
 """
+
 import datetime
 import json
 import os
@@ -37,8 +38,13 @@ def cell(value) -> str:
 
 def main() -> int:
     with tempfile.TemporaryDirectory() as folder:
-        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS], cwd=ROOT,
-                                env={**os.environ, "TRILLION_FAULT_REPORT": folder}, capture_output=True, text=True)
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS],
+            cwd=ROOT,
+            env={**os.environ, "TRILLION_FAULT_REPORT": folder},
+            capture_output=True,
+            text=True,
+        )
         records = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("*.json"))]
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else result.stderr[-500:]
     lines = [
@@ -60,8 +66,11 @@ def main() -> int:
         "| fault | what the user sees | steps lost | loss equal | time to recover | how it was injected |",
         "|---|---|---|---|---|---|",
     ]
-    lines += [f"| {r['fault']} | {cell(r['user_sees'])} | {cell(r['steps_lost'])} | {cell(r['loss_equal'])} | "
-              f"{cell(r['recover_s'])} | {cell(r['how'])} |" for r in records]
+    lines += [
+        f"| {r['fault']} | {cell(r['user_sees'])} | {cell(r['steps_lost'])} | {cell(r['loss_equal'])} | "
+        f"{cell(r['recover_s'])} | {cell(r['how'])} |"
+        for r in records
+    ]
     (Path(__file__).with_name("REPORT.md")).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return result.returncode

@@ -8,11 +8,13 @@ trillion/fitted.toml fitted a constant to are marked, with the error when that r
 of the fit (the constant refitted to the others). The CPU table comes from cpu_results.toml, which
 cpu_check.py writes (calibrate, predict and measure in one run).
 """
+
 import argparse
 import dataclasses
 import math
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from trillion.devices import fitted_constants
 from trillion.models.presets import get_preset
@@ -30,8 +32,10 @@ CPU_TOLERANCE = 0.30
 def load_runs() -> list[dict]:
     """The runs, each outside_reason resolved to its text in [reason]."""
     table = tomllib.loads(RUNS_FILE.read_text())
-    return [{**run, "outside_reason": table["reason"][run["outside_reason"]]} if "outside_reason" in run else run
-            for run in table["run"]]
+    return [
+        {**run, "outside_reason": table["reason"][run["outside_reason"]]} if "outside_reason" in run else run
+        for run in table["run"]
+    ]
 
 
 def with_plateau(profile: HardwareProfile, entry: dict | None, value: float | None) -> HardwareProfile:
@@ -46,9 +50,19 @@ def run_layout(run: dict, gpus: int) -> Layout:
     dp = gpus // (spec["tp"] * spec["pp"])
     dp_shard = spec.get("dp_shard", dp // spec["dp_replicate"])
     microbatches = run["global_batch"] // (dp * spec["micro_batch_size"])
-    return Layout(spec["tp"], spec["pp"], spec["dp_replicate"], dp_shard, spec["dp_shard_mode"], spec["pp_schedule"],
-                  spec.get("virtual_stages", 1), spec["micro_batch_size"], microbatches, spec["activation_checkpoint"],
-                  spec.get("compile", False))
+    return Layout(
+        spec["tp"],
+        spec["pp"],
+        spec["dp_replicate"],
+        dp_shard,
+        spec["dp_shard_mode"],
+        spec["pp_schedule"],
+        spec.get("virtual_stages", 1),
+        spec["micro_batch_size"],
+        microbatches,
+        spec["activation_checkpoint"],
+        spec.get("compile", False),
+    )
 
 
 def predict(run: dict, profile: HardwareProfile | None = None) -> tuple[float, dict]:
@@ -65,8 +79,10 @@ def predict(run: dict, profile: HardwareProfile | None = None) -> tuple[float, d
         return points[-1][1], points[-1][2]
     request = Request(run["model"], args, hardware, run["gpus"], run["global_batch"], run["seq_len"])
     row = metrics(request, evaluate(request, run_layout(run, run["gpus"])))
-    value = {"megatron_share_of_peak": row["megatron_share_of_peak"],
-             "tokens_per_s_per_gpu": row["tokens_per_s"] / run["gpus"]}[run["metric"]]
+    value = {
+        "megatron_share_of_peak": row["megatron_share_of_peak"],
+        "tokens_per_s_per_gpu": row["tokens_per_s"] / run["gpus"],
+    }[run["metric"]]
     return value, row
 
 
@@ -78,8 +94,10 @@ def log_error(run: dict, entry: dict, value: float) -> float:
 def refit(entry: dict, runs: list[dict], lo: float = 0.1, hi: float = 1.0) -> float:
     """The plateau minimizing the sum of squared log errors over `runs` (golden-section search;
     the error is monotone in the plateau, so the sum is unimodal)."""
+
     def loss(value: float) -> float:
         return sum(log_error(run, entry, value) ** 2 for run in runs)
+
     ratio = (math.sqrt(5) - 1) / 2
     a, b = lo, hi
     while b - a > 1e-4:
@@ -114,8 +132,10 @@ def _figure(metric: str, value: float) -> str:
 
 def _layout(spec: dict) -> str:
     dp = f"dp {spec['dp_replicate']}x{spec.get('dp_shard', 'n')} {spec['dp_shard_mode']}"
-    return (f"tp {spec['tp']}, pp {spec['pp']}, {dp}, {spec['pp_schedule']}, mb {spec['micro_batch_size']}, "
-            f"ckpt {spec['activation_checkpoint']}{', compile' if spec.get('compile') else ''}")
+    return (
+        f"tp {spec['tp']}, pp {spec['pp']}, {dp}, {spec['pp_schedule']}, mb {spec['micro_batch_size']}, "
+        f"ckpt {spec['activation_checkpoint']}{', compile' if spec.get('compile') else ''}"
+    )
 
 
 def worst(records: list[dict]) -> tuple[float, str]:
@@ -126,59 +146,95 @@ def worst(records: list[dict]) -> tuple[float, str]:
 
 def cpu_section() -> list[str]:
     if not CPU_FILE.is_file():
-        return ["## Predicted vs measured on this CPU", "", "Not measured yet: run `python experiments/validation/cpu_check.py`.", ""]
+        return [
+            "## Predicted vs measured on this CPU",
+            "",
+            "Not measured yet: run `python experiments/validation/cpu_check.py`.",
+            "",
+        ]
     data = tomllib.loads(CPU_FILE.read_text())
-    lines = ["## Predicted vs measured on a CPU (calibrate, predict, measure in one script)", "",
-             f"`{data['command']}` on {data['machine']}, {data['date']}. {data['load']}", "",
-             f"Calibrated profile: {data['profile_summary']}", "",
-             f"| layout | processes | predicted s/step (median of {data['repeats']}) | measured s/step (median of "
-             f"{data['repeats']}) | measured min-max | error | within ±{CPU_TOLERANCE:.0%} | error of each repeat |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Predicted vs measured on a CPU (calibrate, predict, measure in one script)",
+        "",
+        f"`{data['command']}` on {data['machine']}, {data['date']}. {data['load']}",
+        "",
+        f"Calibrated profile: {data['profile_summary']}",
+        "",
+        f"| layout | processes | predicted s/step (median of {data['repeats']}) | measured s/step (median of "
+        f"{data['repeats']}) | measured min-max | error | within ±{CPU_TOLERANCE:.0%} | error of each repeat |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for row in data["row"]:
         error = row["predicted_s"] / row["measured_s"] - 1
-        each = ", ".join(f"{100 * (p / m - 1):+.0f}%" for p, m in zip(row["predicted_by_repeat"], row["measured_by_repeat"]))
-        lines.append(f"| {row['layout']} | {row['processes']} | {row['predicted_s']:.3f} | {row['measured_s']:.3f} "
-                     f"| {row['measured_min_s']:.3f}-{row['measured_max_s']:.3f} | {100 * error:+.1f}% "
-                     f"| {'yes' if abs(error) <= CPU_TOLERANCE else '**no**'} | {each} |")
+        each = ", ".join(
+            f"{100 * (p / m - 1):+.0f}%" for p, m in zip(row["predicted_by_repeat"], row["measured_by_repeat"])
+        )
+        lines.append(
+            f"| {row['layout']} | {row['processes']} | {row['predicted_s']:.3f} | {row['measured_s']:.3f} "
+            f"| {row['measured_min_s']:.3f}-{row['measured_max_s']:.3f} | {100 * error:+.1f}% "
+            f"| {'yes' if abs(error) <= CPU_TOLERANCE else '**no**'} | {each} |"
+        )
     return lines + ["", data.get("note", ""), "", " ".join(data.get("finding", "").split()), ""]
 
 
 def render(records: list[dict]) -> str:
     worst_error, worst_id = worst(records)
-    lines = ["# The planner against published training runs", "",
-             "Generated by `python experiments/validation/validate.py` from `runs.toml` (each run's source, model, "
-             "machine, layout, batch, sequence length, precision, checkpointing and published figure) with the shipped "
-             "hardware profiles. Error = predicted / published - 1.", "",
-             f"**Worst error on a row no constant was fitted to: {100 * worst_error:.1f}% ({worst_id})**; "
-             f"rows within ±{TOLERANCE:.0%}: {sum(abs(r.get('loo_error', r['error'])) <= TOLERANCE for r in records)} "
-             f"of {len(records)}.", "",
-             "| run | model | machine | layout | GPUs | batch x seq | published | predicted | error | fitted: leave-one-out error |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# The planner against published training runs",
+        "",
+        "Generated by `python experiments/validation/validate.py` from `runs.toml` (each run's source, model, "
+        "machine, layout, batch, sequence length, precision, checkpointing and published figure) with the shipped "
+        "hardware profiles. Error = predicted / published - 1.",
+        "",
+        f"**Worst error on a row no constant was fitted to: {100 * worst_error:.1f}% ({worst_id})**; "
+        f"rows within ±{TOLERANCE:.0%}: {sum(abs(r.get('loo_error', r['error'])) <= TOLERANCE for r in records)} "
+        f"of {len(records)}.",
+        "",
+        "| run | model | machine | layout | GPUs | batch x seq | published | predicted | error | fitted: leave-one-out error |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in records:
         run = r["run"]
         gpus = " -> ".join(map(str, run["gpus"])) if isinstance(run["gpus"], list) else run["gpus"]
-        fitted = (f"yes ({r['fitted']['field']} {r['loo_value']:.3f} without it): {100 * r['loo_error']:+.1f}%"
-                  if "fitted" in r else "no")
-        lines.append(f"| {run['id']} | {run['model']} | {run['hardware']} | {_layout(run['layout'])} | {gpus} "
-                     f"| {run['global_batch']} x {run['seq_len']} | {_figure(run['metric'], run['published'])} "
-                     f"| {_figure(run['metric'], r['predicted'])} | {100 * r['error']:+.1f}% | {fitted} |")
+        fitted = (
+            f"yes ({r['fitted']['field']} {r['loo_value']:.3f} without it): {100 * r['loo_error']:+.1f}%"
+            if "fitted" in r
+            else "no"
+        )
+        lines.append(
+            f"| {run['id']} | {run['model']} | {run['hardware']} | {_layout(run['layout'])} | {gpus} "
+            f"| {run['global_batch']} x {run['seq_len']} | {_figure(run['metric'], run['published'])} "
+            f"| {_figure(run['metric'], r['predicted'])} | {100 * r['error']:+.1f}% | {fitted} |"
+        )
     memory = [r for r in records if "published_memory_gib" in r["run"]]
     if memory:
-        lines += ["", "Memory (not validated: the published figures are another trainer's allocator peaks):", "",
-                  "| run | published GiB | predicted GiB |", "|---|---|---|"]
-        lines += [f"| {r['run']['id']} | {r['run']['published_memory_gib']} | {r['row']['memory_gb'] * 1e9 / 2**30:.1f} |"
-                  for r in memory]
+        lines += [
+            "",
+            "Memory (not validated: the published figures are another trainer's allocator peaks):",
+            "",
+            "| run | published GiB | predicted GiB |",
+            "|---|---|---|",
+        ]
+        lines += [
+            f"| {r['run']['id']} | {r['run']['published_memory_gib']} | {r['row']['memory_gb'] * 1e9 / 2**30:.1f} |"
+            for r in memory
+        ]
     lines += ["", "## Fitted constants", ""]
     for entry in fitted_constants():
-        lines.append(f"- {entry['family']}: `{entry['field']}` = {entry['value']} ({', '.join(entry['devices'])}), fitted to "
-                     f"{', '.join(entry['fitted_to'])} by {entry['method']}. {' '.join(entry['why'].split())}")
+        lines.append(
+            f"- {entry['family']}: `{entry['field']}` = {entry['value']} ({', '.join(entry['devices'])}), fitted to "
+            f"{', '.join(entry['fitted_to'])} by {entry['method']}. {' '.join(entry['why'].split())}"
+        )
     outside = [r for r in records if abs(r.get("loo_error", r["error"])) > TOLERANCE]
     lines += ["", f"## Rows outside ±{TOLERANCE:.0%}", ""]
     reasons = {}
     for r in outside:  # rows sharing a reason are listed together
         reasons.setdefault(r["run"].get("outside_reason", "no reason found yet."), []).append(r)
-    lines += [", ".join(f"**{r['run']['id']}** ({100 * r.get('loo_error', r['error']):+.1f}%)" for r in rows)
-              + f": {' '.join(reason.split())}" for reason, rows in reasons.items()] or ["None."]
+    lines += [
+        ", ".join(f"**{r['run']['id']}** ({100 * r.get('loo_error', r['error']):+.1f}%)" for r in rows)
+        + f": {' '.join(reason.split())}"
+        for reason, rows in reasons.items()
+    ] or ["None."]
     lines += [""] + cpu_section()
     return "\n".join(lines) + "\n"
 

@@ -17,6 +17,7 @@ on one node says so, and the planner refuses layouts that cross nodes with it.
 On a CPU nobody publishes a peak, so the profile's peak is the best rate measured (GEMMs and
 attention); on a GPU the peak comes from devices.toml.
 """
+
 import dataclasses
 import json
 import math
@@ -29,9 +30,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-import torch.multiprocessing as mp
 
 from trillion.devices import lookup_device
 from trillion.kernels import attention
@@ -39,8 +40,10 @@ from trillion.models import Transformer
 from trillion.models.args import ModelArgs
 from trillion.parallel.tensor_parallel import apply_tensor_parallel
 
-SQUARE_GEMMS = {"cpu": ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024)),
-                "gpu": ((1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 8192))}
+SQUARE_GEMMS = {
+    "cpu": ((256, 256, 256), (512, 512, 512), (1024, 1024, 1024)),
+    "gpu": ((1024, 1024, 1024), (4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 8192)),
+}
 COLLECTIVE_BYTES = {"cpu": 16 * 2**20, "gpu": 256 * 2**20}
 WARMUP, REPEATS = 2, 5
 MIN_TIMING_S = {"cpu": 0.2, "cuda": 0.02}  # one timing loops fn at least this long: a scheduler slice is ~4 ms
@@ -75,8 +78,14 @@ def model_gemm_shapes(args: ModelArgs, tokens: int) -> list[tuple[int, int, int]
     h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
     shapes = set()
     for tp in (1, 2):
-        shapes |= {(tokens, h, q // tp), (tokens, h, kv // tp), (tokens, q // tp, h), (tokens, h, f // tp),
-                   (tokens, f // tp, h), (tokens, h, args.vocab_size // tp)}
+        shapes |= {
+            (tokens, h, q // tp),
+            (tokens, h, kv // tp),
+            (tokens, q // tp, h),
+            (tokens, h, f // tp),
+            (tokens, f // tp, h),
+            (tokens, h, args.vocab_size // tp),
+        }
     return sorted(shapes)
 
 
@@ -90,7 +99,9 @@ def measure_gemms(shapes, device: torch.device, dtype: torch.dtype) -> list[tupl
     return out
 
 
-def measure_attention(args: ModelArgs, micro_batch: int, seq_len: int, device: torch.device, dtype: torch.dtype) -> float:
+def measure_attention(
+    args: ModelArgs, micro_batch: int, seq_len: int, device: torch.device, dtype: torch.dtype
+) -> float:
     """FLOP/s of causal attention forward and backward, counted as the planner counts it:
     2 b s^2 q forward (half of the 4 b s^2 q of a full mask), 2.5 times that backward."""
     shape = (micro_batch, args.n_heads, seq_len, args.head_dim)
@@ -102,6 +113,7 @@ def measure_attention(args: ModelArgs, micro_batch: int, seq_len: int, device: t
 
     def step():
         attention(q, k, v, impl=args.attention_impl, causal=True).backward(grad)
+
     flops = 3.5 * 2.0 * micro_batch * seq_len * seq_len * args.n_heads * args.head_dim
     return flops / median_seconds(step, device)
 
@@ -141,8 +153,11 @@ def tp_collective_links(device: torch.device, world: int, args: ModelArgs, token
 
     def redistribute(kind: str, local: torch.Tensor):
         source = [Shard(0)] if kind == "all_gather" else [Partial()]
-        return lambda: DTensor.from_local(local, mesh, source, run_check=False).redistribute(
-            mesh, to_shard if kind == "reduce_scatter" else to_full).to_local()
+        return lambda: (
+            DTensor.from_local(local, mesh, source, run_check=False)
+            .redistribute(mesh, to_shard if kind == "reduce_scatter" else to_full)
+            .to_local()
+        )
 
     calls = 20  # every rank makes the same number of collectives
     activation = tokens * args.dim // world * world
@@ -158,7 +173,9 @@ def tp_collective_links(device: torch.device, world: int, args: ModelArgs, token
     return links
 
 
-def tp_layer_host_seconds(device: torch.device, world: int, args: ModelArgs, links: dict, group=None) -> tuple[float, float]:
+def tp_layer_host_seconds(
+    device: torch.device, world: int, args: ModelArgs, links: dict, group=None
+) -> tuple[float, float]:
     """(forward, backward) seconds of host work that tensor parallelism adds to one of the model's
     blocks beyond its collectives: DTensor's dispatch and sharding propagation of some 150 ops per
     block, a fixed cost per op. On a CPU the host's work is the step's; on a GPU it runs ahead of
@@ -173,8 +190,14 @@ def tp_layer_host_seconds(device: torch.device, world: int, args: ModelArgs, lin
     def per_block(parallel: bool) -> tuple[float, float]:
         timings = []
         for layers in (1, 5):
-            small = dataclasses.replace(args, n_layers=layers, dim=8 * args.n_heads, ffn_dim=16 * args.n_heads,
-                                        vocab_size=8 * world, max_seq_len=2 * world)
+            small = dataclasses.replace(
+                args,
+                n_layers=layers,
+                dim=8 * args.n_heads,
+                ffn_dim=16 * args.n_heads,
+                vocab_size=8 * world,
+                max_seq_len=2 * world,
+            )
             torch.manual_seed(0)
             model = Transformer(small).to(device)
             if parallel:
@@ -193,8 +216,9 @@ def tp_layer_host_seconds(device: torch.device, world: int, args: ModelArgs, lin
     return max(tp_forward - plain_forward - collectives, 0.0), max(tp_backward - plain_backward - collectives, 0.0)
 
 
-def measure_device(device: torch.device, shapes, args: ModelArgs | None, seq_len: int, micro_batch: int,
-                   barrier=lambda: None) -> dict:
+def measure_device(
+    device: torch.device, shapes, args: ModelArgs | None, seq_len: int, micro_batch: int, barrier=lambda: None
+) -> dict:
     """What one device delivers: GEMM rates per shape, attention, copy bandwidth, launch overhead.
     `barrier` lines the ranks up before each measurement, so each is taken with all of them busy,
     as they are in training (a CPU's cores share caches, memory and the machine's other load)."""
@@ -232,8 +256,12 @@ def measure_node(world: int, on_gpu: bool, plan: dict) -> dict:
     """measure_device and the all-reduce (bandwidth, latency) among `world` processes of this node."""
     with tempfile.TemporaryDirectory() as tmp:
         out_file = os.path.join(tmp, "measured.json")
-        mp.start_processes(_worker, nprocs=world, start_method="spawn",
-                           args=(world, os.path.join(tmp, "init"), "nccl" if on_gpu else "gloo", plan, out_file))
+        mp.start_processes(
+            _worker,
+            nprocs=world,
+            start_method="spawn",
+            args=(world, os.path.join(tmp, "init"), "nccl" if on_gpu else "gloo", plan, out_file),
+        )
         return json.loads(Path(out_file).read_text())
 
 
@@ -254,17 +282,21 @@ def measure_in_job(on_gpu: bool, plan: dict) -> tuple[int, dict] | None:
     inter = [dist.new_group(list(range(r, world, local))) for r in range(local)]
     measured["link"] = all_reduce_link(device, local, plan["nbytes"], intra[rank // local]) if local > 1 else (0.0, 0.0)
     if plan["args"] and local > 1:
-        measured["tp_links"] = tp_collective_links(device, local, plan["args"], plan["seq_len"] * plan["micro_batch"],
-                                                   intra[rank // local])
+        measured["tp_links"] = tp_collective_links(
+            device, local, plan["args"], plan["seq_len"] * plan["micro_batch"], intra[rank // local]
+        )
         if device.type == "cpu":
-            measured["tp_host"] = tp_layer_host_seconds(device, local, plan["args"], measured["tp_links"],
-                                                        intra[rank // local])
+            measured["tp_host"] = tp_layer_host_seconds(
+                device, local, plan["args"], measured["tp_links"], intra[rank // local]
+            )
     measured["network"] = all_reduce_link(device, nodes, plan["nbytes"], inter[rank % local])
     dist.destroy_process_group()
     return local, measured
 
 
-def calibrate(out: Path, args: ModelArgs | None = None, seq_len: int = 0, micro_batch: int = 1, processes: int = 2) -> Path:
+def calibrate(
+    out: Path, args: ModelArgs | None = None, seq_len: int = 0, micro_batch: int = 1, processes: int = 2
+) -> Path:
     """Measure this machine into a profile at `out`: a node of `processes` CPU processes (of all its
     GPUs on a GPU machine), each measured while all are busy. With a model, its own GEMM shapes and
     attention. Under a multi-node torchrun job every rank measures and rank 0 writes."""
@@ -272,10 +304,20 @@ def calibrate(out: Path, args: ModelArgs | None = None, seq_len: int = 0, micro_
     if on_gpu and "LOCAL_RANK" in os.environ:  # under torchrun: this rank's own GPU
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     kind = "gpu" if on_gpu else "cpu"
-    spec = lookup_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count) if on_gpu else None
+    spec = (
+        lookup_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count)
+        if on_gpu
+        else None
+    )
     shapes = list(SQUARE_GEMMS[kind]) + (model_gemm_shapes(args, micro_batch * seq_len) if args else [])
-    plan = {"shapes": shapes, "args": args, "seq_len": seq_len, "micro_batch": micro_batch, "nbytes": COLLECTIVE_BYTES[kind],
-            "min_timing": dict(MIN_TIMING_S)}
+    plan = {
+        "shapes": shapes,
+        "args": args,
+        "seq_len": seq_len,
+        "micro_batch": micro_batch,
+        "nbytes": COLLECTIVE_BYTES[kind],
+        "min_timing": dict(MIN_TIMING_S),
+    }
     job = measure_in_job(on_gpu, plan)
     if job is not None and int(os.environ["RANK"]) != 0:
         return out
@@ -283,31 +325,48 @@ def calibrate(out: Path, args: ModelArgs | None = None, seq_len: int = 0, micro_
         world, measured = job
     else:
         world = torch.cuda.device_count() if on_gpu else processes
-        measured = (measure_node(world, on_gpu, plan) if world > 1 else
-                    {**measure_device(torch.device("cuda" if on_gpu else "cpu"), shapes, args, seq_len, micro_batch),
-                     "link": (0.0, 0.0)})
+        measured = (
+            measure_node(world, on_gpu, plan)
+            if world > 1
+            else {
+                **measure_device(torch.device("cuda" if on_gpu else "cpu"), shapes, args, seq_len, micro_batch),
+                "link": (0.0, 0.0),
+            }
+        )
     gemms, attention_rate, copy, launch = measured["gemms"], measured["attention"], measured["copy"], measured["launch"]
     (bus, latency), (network, network_latency) = measured["link"], measured.get("network", (0.0, 0.0))
     # On a CPU the peak is the best rate measured, attention included: a small model's attention can
     # outrun its small GEMMs, and a share of peak above 1 would make the planner faster than measured.
     peak = spec.peak_tflops_bf16 * 1e12 if spec else max([rate for _, rate in gemms] + [attention_rate or 0.0])
     name = (spec.name if spec else "cpu") + "-calibrated"
-    kinds = "".join(f", {kind} = {{ bandwidth_gbs = {bandwidth / 1e9:.4f}, latency_us = {latency * 1e6:.2f} }}"
-                    for kind, (bandwidth, latency) in measured.get("tp_links", {}).items())
+    kinds = "".join(
+        f", {kind} = {{ bandwidth_gbs = {bandwidth / 1e9:.4f}, latency_us = {latency * 1e6:.2f} }}"
+        for kind, (bandwidth, latency) in measured.get("tp_links", {}).items()
+    )
     host = measured.get("tp_host")  # a CPU's only (tp_layer_host_seconds says why)
-    host_line = (f"tp_layer_host_us = {{ forward = {host[0] * 1e6:.1f}, backward = {host[1] * 1e6:.1f} }}  # measured: "
-                 "DTensor's host work per block under TP, beyond its collectives\n" if host else "")
+    host_line = (
+        f"tp_layer_host_us = {{ forward = {host[0] * 1e6:.1f}, backward = {host[1] * 1e6:.1f} }}  # measured: "
+        "DTensor's host work per block under TP, beyond its collectives\n"
+        if host
+        else ""
+    )
     curve = ", ".join(f"[{flops:.4g}, {min(rate / peak, 1.0):.4f}]" for flops, rate in gemms)
-    attention_line = (f"attention_efficiency = {attention_rate / peak:.4f}  # measured: {args.n_heads} heads of "
-                      f"{args.head_dim}, {micro_batch} x {seq_len} tokens, {args.attention_impl}" if args else
-                      f"attention_efficiency = {max(rate for _, rate in gemms) / peak / 2:.4f}  # not measured (no --model): half the best GEMM rate")
-    memory = (torch.cuda.get_device_properties(0).total_memory if on_gpu
-              else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    text = f"""# Written by `trillion plan --calibrate` on {socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')}): medians of
-# {REPEATS} timings after {WARMUP} warm-up runs. {'Peak from devices.toml' if spec else f'CPU: the peak is the best rate measured ({peak:.4g} FLOP/s)'}.
+    attention_line = (
+        f"attention_efficiency = {attention_rate / peak:.4f}  # measured: {args.n_heads} heads of "
+        f"{args.head_dim}, {micro_batch} x {seq_len} tokens, {args.attention_impl}"
+        if args
+        else f"attention_efficiency = {max(rate for _, rate in gemms) / peak / 2:.4f}  # not measured (no --model): half the best GEMM rate"
+    )
+    memory = (
+        torch.cuda.get_device_properties(0).total_memory
+        if on_gpu
+        else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    )
+    text = f"""# Written by `trillion plan --calibrate` on {socket.gethostname()} ({time.strftime("%Y-%m-%d %H:%M")}): medians of
+# {REPEATS} timings after {WARMUP} warm-up runs. {"Peak from devices.toml" if spec else f"CPU: the peak is the best rate measured ({peak:.4g} FLOP/s)"}.
 # node_bandwidth_gbs = 0: the network was not measured (one node), and the planner refuses layouts
 # that cross nodes with this profile; calibrate under a torchrun job of two or more nodes to measure it.
-description = "calibrated: {name}, {world} {'GPUs' if on_gpu else 'processes'}, all-reduce bus bandwidth {bus / 1e9:.3f} GB/s"
+description = "calibrated: {name}, {world} {"GPUs" if on_gpu else "processes"}, all-reduce bus bandwidth {bus / 1e9:.3f} GB/s"
 gpus_per_node = {world}
 # intra_node: the measured all-reduce bus bandwidth (0: one device); with a model, each collective kind
 # as TP issues them, DTensor redistributions of the model's activation (calibrate.tp_collective_links)
@@ -316,8 +375,8 @@ node_bandwidth_gbs = {network * world / 1e9:.4f}  # measured all-reduce bus band
 collective_efficiency = 1.0  # the bandwidth above is the achieved figure
 link_latency_us = {latency * 1e6:.2f}  # measured: a 4-byte all-reduce, per ring step
 network_latency_us = {network_latency * 1e6:.2f}
-compute_dtype = "{'bf16' if on_gpu else 'fp32'}"
-overlaps_collectives = {'true  # copy engines and NICs move the bytes' if on_gpu else 'false  # gloo moves the bytes on the cores that compute'}
+compute_dtype = "{"bf16" if on_gpu else "fp32"}"
+overlaps_collectives = {"true  # copy engines and NICs move the bytes" if on_gpu else "false  # gloo moves the bytes on the cores that compute"}
 {host_line}
 [device]
 name = "{name}"

@@ -37,6 +37,7 @@ then dp_shard, dp_replicate, pp, as the trainer's DeviceMesh does):
       in the mesh), never overlapped (parallel/context_parallel.py gathers before attention).
 Optimizer: AdamW and gradient clipping on the rank's shard, at memory bandwidth (work.py).
 """
+
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
@@ -46,10 +47,14 @@ from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.layout import Layout, bubble_slots
 from trillion.parallel.planner.memory import RankParams, pipeline_ranks, replicated_numel
 from trillion.parallel.planner.work import (
-    BACKWARD_ELEMENTWISE, CROSS_ENTROPY_BYTES_PER_LOGIT, FSDP_GATHER_COPY_BYTES, FSDP_REDUCE_COPY_BYTES,
-    OPTIMIZER_BYTES_PER_PARAM, elementwise_kernels, elementwise_per_token,
+    BACKWARD_ELEMENTWISE,
+    CROSS_ENTROPY_BYTES_PER_LOGIT,
+    FSDP_GATHER_COPY_BYTES,
+    FSDP_REDUCE_COPY_BYTES,
+    OPTIMIZER_BYTES_PER_PARAM,
+    elementwise_kernels,
+    elementwise_per_token,
 )
-
 
 # loss_parallel's cross-entropy all-reduces one fp32 number per token 3 times: the logits' max and
 # the sum of exponentials in log-softmax, the target's log-probability in nll_loss (a profiled tp 2 step)
@@ -59,6 +64,7 @@ LOSS_PARALLEL_ALL_REDUCES = 3
 @dataclass(frozen=True)
 class Passes:
     """Seconds of one pass on one GPU; tp is the TP communication inside them."""
+
     forward: float = 0.0
     input_grad: float = 0.0
     weight_grad: float = 0.0
@@ -116,8 +122,9 @@ def collective_time(hw: HardwareProfile, nbytes: float, group: int, span: int, k
 
 
 @lru_cache(maxsize=8192)
-def layer_passes(args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int, tp: int, compiled: bool,
-                 cp: int = 1) -> Passes:
+def layer_passes(
+    args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int, tp: int, compiled: bool, cp: int = 1
+) -> Passes:
     """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
     holding 1/cp of each sequence."""
     h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
@@ -131,16 +138,28 @@ def layer_passes(args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int,
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
     activation = tokens * h * hw.element_bytes
-    tp_comm = 2 * (collective_time(hw, activation, tp, tp, "all_gather")
-                   + collective_time(hw, activation, tp, tp, "reduce_scatter"))
+    tp_comm = 2 * (
+        collective_time(hw, activation, tp, tp, "all_gather")
+        + collective_time(hw, activation, tp, tp, "reduce_scatter")
+    )
     host_forward, host_backward = hw.tp_layer_host_s if tp > 1 else (0.0, 0.0)
     kv_bytes = 2 * batch * seq_len * kv / tp * hw.element_bytes  # the whole sequence's K and V
     cp_gather = collective_time(hw, kv_bytes, cp, tp * cp, "all_gather")
     cp_reduce = collective_time(hw, kv_bytes, cp, tp * cp, "reduce_scatter")
-    return Passes(forward=gemm + attention + elementwise + launches + tp_comm + host_forward + cp_gather,
-                  input_grad=gemm + 2.5 * attention + BACKWARD_ELEMENTWISE * (elementwise + launches) + tp_comm
-                  + host_backward + cp_reduce, weight_grad=gemm, tp_forward=tp_comm + host_forward,
-                  tp_backward=tp_comm + host_backward, cp_forward=cp_gather, cp_backward=cp_reduce)
+    return Passes(
+        forward=gemm + attention + elementwise + launches + tp_comm + host_forward + cp_gather,
+        input_grad=gemm
+        + 2.5 * attention
+        + BACKWARD_ELEMENTWISE * (elementwise + launches)
+        + tp_comm
+        + host_backward
+        + cp_reduce,
+        weight_grad=gemm,
+        tp_forward=tp_comm + host_forward,
+        tp_backward=tp_comm + host_backward,
+        cp_forward=cp_gather,
+        cp_backward=cp_reduce,
+    )
 
 
 @lru_cache(maxsize=8192)
@@ -148,16 +167,31 @@ def output_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) ->
     """Final norm, output projection (vocabulary-parallel) and cross-entropy."""
     gemm = _gemm(hw, tokens, args.dim, args.vocab_size // tp)
     loss = _memory_bound(hw, tokens * args.vocab_size / tp * CROSS_ENTROPY_BYTES_PER_LOGIT * hw.element_bytes / 2)
-    gather = (collective_time(hw, tokens * args.dim * hw.element_bytes, tp, tp, "all_gather")
-              + LOSS_PARALLEL_ALL_REDUCES * collective_time(hw, tokens * 4, tp, tp, "all_reduce"))
+    gather = collective_time(
+        hw, tokens * args.dim * hw.element_bytes, tp, tp, "all_gather"
+    ) + LOSS_PARALLEL_ALL_REDUCES * collective_time(hw, tokens * 4, tp, tp, "all_reduce")
     scatter = collective_time(hw, tokens * args.dim * hw.element_bytes, tp, tp, "reduce_scatter")
-    return Passes(forward=gemm + loss + gather, input_grad=gemm + loss + scatter, weight_grad=gemm,
-                  tp_forward=gather, tp_backward=scatter)
+    return Passes(
+        forward=gemm + loss + gather,
+        input_grad=gemm + loss + scatter,
+        weight_grad=gemm,
+        tp_forward=gather,
+        tp_backward=scatter,
+    )
 
 
 @lru_cache(maxsize=65536)
-def rank_passes(args: ModelArgs, hw: HardwareProfile, micro_batch_size: int, seq_len: int, tp: int,
-                activation_checkpoint: str, compiled: bool, rank: RankParams, cp: int = 1) -> tuple[Passes, Passes]:
+def rank_passes(
+    args: ModelArgs,
+    hw: HardwareProfile,
+    micro_batch_size: int,
+    seq_len: int,
+    tp: int,
+    activation_checkpoint: str,
+    compiled: bool,
+    rank: RankParams,
+    cp: int = 1,
+) -> tuple[Passes, Passes]:
     """(passes of one micro-batch through all of the rank's layers, the recomputed forwards)."""
     layer = layer_passes(args, hw, micro_batch_size, seq_len, tp, compiled, cp)
     total = layer * rank.layers
@@ -171,10 +205,14 @@ def fsdp_copies(hw: HardwareProfile, layout: Layout, tp_numel: int) -> float:
     """Seconds per step of FSDP2's copies out of all-gather and into reduce-scatter buffers."""
     if layout.dp_shard * layout.cp <= 1:
         return 0.0
-    per_microbatch = {"zero3": 2 * FSDP_GATHER_COPY_BYTES + FSDP_REDUCE_COPY_BYTES, "zero2": FSDP_REDUCE_COPY_BYTES,
-                      "zero1": 0}[layout.dp_shard_mode]
-    per_step = {"zero3": 0, "zero2": FSDP_GATHER_COPY_BYTES,
-                "zero1": FSDP_GATHER_COPY_BYTES + FSDP_REDUCE_COPY_BYTES}[layout.dp_shard_mode]
+    per_microbatch = {
+        "zero3": 2 * FSDP_GATHER_COPY_BYTES + FSDP_REDUCE_COPY_BYTES,
+        "zero2": FSDP_REDUCE_COPY_BYTES,
+        "zero1": 0,
+    }[layout.dp_shard_mode]
+    per_step = {"zero3": 0, "zero2": FSDP_GATHER_COPY_BYTES, "zero1": FSDP_GATHER_COPY_BYTES + FSDP_REDUCE_COPY_BYTES}[
+        layout.dp_shard_mode
+    ]
     return _memory_bound(hw, (layout.microbatches * per_microbatch + per_step) * tp_numel)
 
 
@@ -193,14 +231,27 @@ def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankPara
 
 
 @lru_cache(maxsize=65536)
-def _pipeline(args: ModelArgs, hw: HardwareProfile, seq_len: int, tp: int, pp: int, v: int, schedule_name: str,
-              micro_batch_size: int, activation_checkpoint: str, compiled: bool, cp: int = 1) -> tuple:
+def _pipeline(
+    args: ModelArgs,
+    hw: HardwareProfile,
+    seq_len: int,
+    tp: int,
+    pp: int,
+    v: int,
+    schedule_name: str,
+    micro_batch_size: int,
+    activation_checkpoint: str,
+    compiled: bool,
+    cp: int = 1,
+) -> tuple:
     """Per-micro-batch compute of the pipeline's ranks: (slowest rank index, its passes, its
     recompute, seconds of the slowest and of the mean rank, mean TP seconds, mean CP seconds).
     Independent of dp."""
     layout = Layout(tp, pp, 1, 1, "zero3", schedule_name, v, micro_batch_size, 1, activation_checkpoint)
-    timed = [rank_passes(args, hw, micro_batch_size, seq_len, tp, activation_checkpoint, compiled, rank, cp)
-             for rank in pipeline_ranks(args, layout)]
+    timed = [
+        rank_passes(args, hw, micro_batch_size, seq_len, tp, activation_checkpoint, compiled, rank, cp)
+        for rank in pipeline_ranks(args, layout)
+    ]
     per_rank = [ps.forward + rc.forward + ps.input_grad + ps.weight_grad for ps, rc in timed]
     slowest = max(range(pp), key=per_rank.__getitem__)
     tp_mean = sum(ps.tp_forward + ps.tp_backward + rc.tp_forward for ps, rc in timed) / pp
@@ -212,13 +263,29 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     slowest, passes, recompute, worst, mean, tp_mean, cp_mean = _pipeline(
-        args, hw, seq_len, layout.tp, p, v, layout.pp_schedule, layout.micro_batch_size, layout.activation_checkpoint,
-        layout.compile, layout.cp)
+        args,
+        hw,
+        seq_len,
+        layout.tp,
+        p,
+        v,
+        layout.pp_schedule,
+        layout.micro_batch_size,
+        layout.activation_checkpoint,
+        layout.compile,
+        layout.cp,
+    )
     chunk = (passes.forward / v, recompute.forward / v, passes.input_grad / v, passes.weight_grad / v)
     bubble = max(0.0, sum(s * c for s, c in zip(bubble_slots(schedule, p), chunk))) if p > 1 else 0.0
 
-    boundary_bytes = (layout.micro_batch_size * seq_len // layout.cp * args.dim
-                      / (layout.tp if layout.sequence_parallel else 1) * hw.element_bytes)
+    boundary_bytes = (
+        layout.micro_batch_size
+        * seq_len
+        // layout.cp
+        * args.dim
+        / (layout.tp if layout.sequence_parallel else 1)
+        * hw.element_bytes
+    )
     inner = layout.tp * layout.cp * layout.dp  # the ranks between two pipeline stages in the mesh
     crosses_nodes = inner >= hw.gpus_per_node
     bandwidth, latency = hw.collective_link(min(hw.gpus_per_node, 2 * inner), crosses_nodes)
@@ -230,9 +297,12 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     unhidden = m * v * per_mb / max(rank.layers, 1)
     tp_numel, shard_numel = rank.numel(args, layout.tp, layout.dp_shard * layout.cp)
     if hw.overlaps_collectives:
-        dp_exposed = (max(0.0, m * per_mb - m * worst) + unhidden
-                      + max(0.0, after_backward - (passes.input_grad + passes.weight_grad))
-                      + max(0.0, before_forward - passes.forward))
+        dp_exposed = (
+            max(0.0, m * per_mb - m * worst)
+            + unhidden
+            + max(0.0, after_backward - (passes.input_grad + passes.weight_grad))
+            + max(0.0, before_forward - passes.forward)
+        )
     else:
         dp_exposed = m * per_mb + after_backward + before_forward
     dp_exposed += fsdp_copies(hw, layout, tp_numel)
@@ -243,6 +313,13 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     replicated_grads = 0.0
     if layout.tp > 1 and layout.dp_shard * layout.cp * layout.dp_replicate == 1:  # without FSDP: once per step
         replicated_grads = collective_time(hw, 4 * replicated_numel(args, rank), layout.tp, layout.tp, "all_reduce")
-    return StepTime(compute=m * (mean - tp_mean - cp_mean), bubble=bubble, imbalance=m * (worst - mean),
-                    tp_exposed=m * tp_mean + replicated_grads, pp_exposed=pp_exposed, dp_exposed=dp_exposed, optimizer=optimizer,
-                    cp_exposed=m * cp_mean)
+    return StepTime(
+        compute=m * (mean - tp_mean - cp_mean),
+        bubble=bubble,
+        imbalance=m * (worst - mean),
+        tp_exposed=m * tp_mean + replicated_grads,
+        pp_exposed=pp_exposed,
+        dp_exposed=dp_exposed,
+        optimizer=optimizer,
+        cp_exposed=m * cp_mean,
+    )

@@ -4,6 +4,7 @@ price, in hardware_profiles/<name>.toml. Users add machines by putting TOML file
 named by TRILLION_HARDWARE_PATH (colon-separated) or by passing a file's path; `trillion plan
 --calibrate` writes one for the machine it runs on.
 """
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,24 +61,34 @@ class HardwareProfile:
         measured for that kind of collective when the link has them.
         """
         if span_nodes:
-            return (self.node_bandwidth_gbs / self.gpus_per_node * 1e9 * self.collective_efficiency,
-                    self.network_latency_us * 1e-6)
+            return (
+                self.node_bandwidth_gbs / self.gpus_per_node * 1e9 * self.collective_efficiency,
+                self.network_latency_us * 1e-6,
+            )
         link = next((l for l in sorted(self.intra_node, key=lambda l: l.group) if l.group >= group), None)
         if link is None:
-            raise ConfigError(f"Hardware profile {self.name!r}: no intra_node link holds a group of {group} GPUs "
-                              f"({self.gpus_per_node} per node).")
-        bandwidth_gbs, latency_us = next(((b, l) for k, b, l in link.kinds if k == kind),
-                                         (link.bandwidth_gbs, self.link_latency_us))
+            raise ConfigError(
+                f"Hardware profile {self.name!r}: no intra_node link holds a group of {group} GPUs "
+                f"({self.gpus_per_node} per node)."
+            )
+        bandwidth_gbs, latency_us = next(
+            ((b, l) for k, b, l in link.kinds if k == kind), (link.bandwidth_gbs, self.link_latency_us)
+        )
         return bandwidth_gbs * 1e9 * self.collective_efficiency, latency_us * 1e-6
 
 
 def _link(entry: dict, path: Path) -> Link:
-    kinds = tuple((kind, float(entry[kind]["bandwidth_gbs"]), float(entry[kind]["latency_us"]))
-                  for kind in COLLECTIVE_KINDS if kind in entry)
+    kinds = tuple(
+        (kind, float(entry[kind]["bandwidth_gbs"]), float(entry[kind]["latency_us"]))
+        for kind in COLLECTIVE_KINDS
+        if kind in entry
+    )
     unknown = set(entry) - {"group", "bandwidth_gbs", *COLLECTIVE_KINDS}
     if unknown:
-        raise ConfigError(f"{path}: intra_node entry has {', '.join(sorted(unknown))}; an entry holds group, "
-                          f"bandwidth_gbs and optionally {', '.join(COLLECTIVE_KINDS)} (each bandwidth_gbs, latency_us).")
+        raise ConfigError(
+            f"{path}: intra_node entry has {', '.join(sorted(unknown))}; an entry holds group, "
+            f"bandwidth_gbs and optionally {', '.join(COLLECTIVE_KINDS)} (each bandwidth_gbs, latency_us)."
+        )
     return Link(int(entry["group"]), float(entry["bandwidth_gbs"]), kinds)
 
 
@@ -94,10 +105,14 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     """A machine by name (searched in TRILLION_HARDWARE_PATH, then the shipped profiles) or by file path."""
     path = Path(name_or_path)
     if not (name_or_path.endswith(".toml") and path.is_file()):
-        path = next((d / f"{name_or_path}.toml" for d in _search_dirs() if (d / f"{name_or_path}.toml").is_file()), None)
+        path = next(
+            (d / f"{name_or_path}.toml" for d in _search_dirs() if (d / f"{name_or_path}.toml").is_file()), None
+        )
         if path is None or name_or_path == DEVICES_FILE.stem:
-            raise ConfigError(f"--hardware {name_or_path!r} is not a known hardware profile. Use one of: "
-                              f"{', '.join(profile_names())}, or the path of a profile TOML file.")
+            raise ConfigError(
+                f"--hardware {name_or_path!r} is not a known hardware profile. Use one of: "
+                f"{', '.join(profile_names())}, or the path of a profile TOML file."
+            )
     table = read_toml(path)
     device = table.get("device")
     if isinstance(device, dict):  # a calibrated profile carries its own measured device
@@ -108,20 +123,27 @@ def load_profile(name_or_path: str) -> HardwareProfile:
         raise ConfigError(f"{path}: device {device!r} is not in {DEVICES_FILE}. Known devices: {', '.join(DEVICES)}.")
     try:
         return HardwareProfile(
-            name=path.stem, description=table.get("description", ""), device=spec,
+            name=path.stem,
+            description=table.get("description", ""),
+            device=spec,
             gpus_per_node=int(table["gpus_per_node"]),
             intra_node=tuple(_link(l, path) for l in table["intra_node"]),
             node_bandwidth_gbs=float(table["node_bandwidth_gbs"]),
             link_latency_us=float(table.get("link_latency_us", 5.0)),
             network_latency_us=float(table.get("network_latency_us", 10.0)),
             collective_efficiency=float(table.get("collective_efficiency", 0.8)),
-            node_overhead_w=float(table.get("node_overhead_w", 0.0)), pue=float(table.get("pue", 1.0)),
-            price_per_gpu_hour=float(table.get("price_per_gpu_hour", 0.0)), source=str(path),
+            node_overhead_w=float(table.get("node_overhead_w", 0.0)),
+            pue=float(table.get("pue", 1.0)),
+            price_per_gpu_hour=float(table.get("price_per_gpu_hour", 0.0)),
+            source=str(path),
             compute_dtype=str(table.get("compute_dtype", "bf16")),
             overlaps_collectives=bool(table.get("overlaps_collectives", True)),
-            tp_layer_host_s=tuple(float(table.get("tp_layer_host_us", {}).get(p, 0.0)) * 1e-6
-                                  for p in ("forward", "backward")),
+            tp_layer_host_s=tuple(
+                float(table.get("tp_layer_host_us", {}).get(p, 0.0)) * 1e-6 for p in ("forward", "backward")
+            ),
         )
     except KeyError as missing:
-        raise ConfigError(f"{path}: a hardware profile needs {missing.args[0]!r} "
-                          f"(see {PROFILE_DIR / 'frontier.toml'} for an example).") from None
+        raise ConfigError(
+            f"{path}: a hardware profile needs {missing.args[0]!r} "
+            f"(see {PROFILE_DIR / 'frontier.toml'} for an example)."
+        ) from None

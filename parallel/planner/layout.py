@@ -2,10 +2,10 @@
 in micro-batches held in flight. The schedules, ZeRO modes and checkpointing modes, with their
 rules and bubble weights, are the trainer's own tables (parallel/modes.py).
 """
+
 from dataclasses import asdict, dataclass
 
-from trillion.errors import ConfigError
-from trillion.parallel.modes import CHECKPOINT_MODES, SCHEDULES, Schedule
+from trillion.parallel.modes import CHECKPOINT_MODES, Schedule
 
 # The checkpointing modes the search tries: selective:op keeps matmul outputs, which the memory
 # model (memory.py) does not count yet; selective:N (every N-th block) is the trainer's only.

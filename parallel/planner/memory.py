@@ -22,6 +22,7 @@ s / cp tokens, plus the whole sequence's K and V that attention gathers per bloc
 by every block that is not checkpointed, held once while one block runs. FSDP shards the states over
 dp_shard x cp (the cp ranks hold the same weights).
 """
+
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -49,8 +50,14 @@ def block_params(args: ModelArgs) -> list[ParamSpec]:
     specs = []
     for norm in ("attention_norm", "ffn_norm"):
         specs += norm_params(args, norm)
-    linears = [("attention.wq", q, h, 0), ("attention.wk", kv, h, 0), ("attention.wv", kv, h, 0),
-               ("attention.wo", h, q, 1), ("feed_forward.w1", f, h, 0), ("feed_forward.w2", h, f, 1)]
+    linears = [
+        ("attention.wq", q, h, 0),
+        ("attention.wk", kv, h, 0),
+        ("attention.wv", kv, h, 0),
+        ("attention.wo", h, q, 1),
+        ("feed_forward.w1", f, h, 0),
+        ("feed_forward.w2", h, f, 1),
+    ]
     if args.mlp == "swiglu":
         linears.append(("feed_forward.w3", f, h, 0))
     for name, out_features, in_features, tp_dim in linears:
@@ -116,7 +123,9 @@ class RankParams:
     def numel(self, args: ModelArgs, tp: int, dp_shard: int) -> tuple[int, int]:
         """(after TP, after TP and FSDP) parameter elements of this rank."""
         parts = [("block", self.layers), ("first", int(self.first)), ("last", int(self.last))]
-        totals = [(count * a, count * b) for part, count in parts if count for a, b in [_numel(args, part, tp, dp_shard)]]
+        totals = [
+            (count * a, count * b) for part, count in parts if count for a, b in [_numel(args, part, tp, dp_shard)]
+        ]
         return sum(t[0] for t in totals), sum(t[1] for t in totals)
 
 
@@ -133,8 +142,14 @@ def _pipeline_ranks(n_layers: int, pp: int, v: int, schedule_name: str) -> list[
     return [RankParams(sum(c), r == 0, r == last_rank, tuple(c)) for r, c in enumerate(chunks)]
 
 
-def layer_activation_bytes(args: ModelArgs, tokens: int, tp: int, sequence_parallel: bool, checkpointed: bool,
-                           dtype_bytes: int = ACTIVATION_BYTES) -> float:
+def layer_activation_bytes(
+    args: ModelArgs,
+    tokens: int,
+    tp: int,
+    sequence_parallel: bool,
+    checkpointed: bool,
+    dtype_bytes: int = ACTIVATION_BYTES,
+) -> float:
     """Bytes one layer keeps for backward for `tokens` (= micro-batch size x sequence length).
 
     Replicated over TP ranks (split by sequence parallelism): the two norm inputs. Always whole:
@@ -155,8 +170,9 @@ def layer_activation_bytes(args: ModelArgs, tokens: int, tp: int, sequence_paral
     return tokens * ((replicated + whole + sharded) * dtype_bytes + logsumexp)
 
 
-def output_activation_bytes(args: ModelArgs, tokens: int, tp: int, sequence_parallel: bool,
-                            dtype_bytes: int = ACTIVATION_BYTES) -> float:
+def output_activation_bytes(
+    args: ModelArgs, tokens: int, tp: int, sequence_parallel: bool, dtype_bytes: int = ACTIVATION_BYTES
+) -> float:
     """Final norm input and output, and the fp32 log-softmax the cross-entropy keeps."""
     split = tp if sequence_parallel else 1
     return tokens * ((args.dim / split + args.dim) * dtype_bytes + 4 * args.vocab_size / tp)
@@ -181,8 +197,10 @@ class Memory:
         return self.parameters + self.gradients + self.optimizer + self.activations + self.buffers
 
     def as_gb(self) -> dict:
-        return {k: round(getattr(self, k) / 1e9, 3) for k in ("parameters", "gradients", "optimizer", "activations",
-                                                             "buffers", "total")}
+        return {
+            k: round(getattr(self, k) / 1e9, 3)
+            for k in ("parameters", "gradients", "optimizer", "activations", "buffers", "total")
+        }
 
 
 def states_bytes(tp_numel: int, shard_numel: int, mode: str) -> tuple[float, float, float]:
@@ -203,8 +221,9 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     n_ckpt = rank.checkpointed(layout.activation_checkpoint)
     full_layer = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False)
     gathered_kv = 2 * ms * seq_len * args.kv_heads * args.head_dim / tp * ACTIVATION_BYTES if cp > 1 else 0
-    per_microbatch = (n_ckpt * layer_activation_bytes(args, tokens, tp, sp, checkpointed=True)
-                      + (rank.layers - n_ckpt) * (full_layer + gathered_kv))
+    per_microbatch = n_ckpt * layer_activation_bytes(args, tokens, tp, sp, checkpointed=True) + (
+        rank.layers - n_ckpt
+    ) * (full_layer + gathered_kv)
     activations = in_flight * per_microbatch + (output_activation_bytes(args, tokens, tp, sp) if rank.last else 0)
 
     layer_tp, _ = _numel(args, "block", tp, layout.dp_shard * cp)
@@ -212,7 +231,9 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     # zero3: two gathered blocks (in use, prefetched) and the held root; all modes: an fp32 block's reduce-scatter
     fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if mode == "zero3" else 0)
     recompute = full_layer if n_ckpt else 0  # one checkpointed layer's activations, rebuilt in backward
-    pipeline = 2 * layout.virtual_stages * tokens * args.dim / (tp if sp else 1) * ACTIVATION_BYTES if layout.pp > 1 else 0
+    pipeline = (
+        2 * layout.virtual_stages * tokens * args.dim / (tp if sp else 1) * ACTIVATION_BYTES if layout.pp > 1 else 0
+    )
     logits_grad = (4 + 2) * tokens * args.vocab_size / tp if rank.last else 0
     buffers = FRAMEWORK_BYTES + fsdp + recompute + pipeline + logits_grad + gathered_kv
     return Memory(parameters, gradients, optimizer, activations, buffers)

@@ -1,10 +1,11 @@
 """The planner's pictures: throughput against memory of every fitting layout, and weak and strong
 scaling curves. matplotlib is an optional dependency (`pip install trillion[plot]`), imported here
 only when a plot is asked for."""
+
 from pathlib import Path
 
-from trillion.parallel.planner.search import Request, SearchResult, metrics, scaling
 from trillion.errors import ConfigError
+from trillion.parallel.planner.search import Request, SearchResult, metrics, scaling
 
 
 def _pyplot():
@@ -14,6 +15,7 @@ def _pyplot():
         raise ConfigError("--plot needs matplotlib: pip install 'trillion[plot]'.") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -23,13 +25,22 @@ def plot_tradeoff(request: Request, result: SearchResult, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, marker in (("none", "o"), ("selective", "s"), ("full", "^")):
         chosen = [r for r in rows if r["activation_checkpoint"] == mode]
-        ax.scatter([r["memory_gb"] for r in chosen], [r["tokens_per_s"] for r in chosen], s=10, marker=marker,
-                   alpha=0.6, label=f"checkpointing {mode}")
+        ax.scatter(
+            [r["memory_gb"] for r in chosen],
+            [r["tokens_per_s"] for r in chosen],
+            s=10,
+            marker=marker,
+            alpha=0.6,
+            label=f"checkpointing {mode}",
+        )
     best = rows[0]
     ax.scatter([best["memory_gb"]], [best["tokens_per_s"]], s=120, facecolors="none", edgecolors="red", label="best")
     ax.axvline(request.hardware.device.memory_gb, color="grey", linestyle="--", label="device memory")
-    ax.set(xlabel="memory per GPU (GB)", ylabel="tokens/s",
-           title=f"{request.model} on {request.gpus} x {request.hardware.name}: layouts that fit")
+    ax.set(
+        xlabel="memory per GPU (GB)",
+        ylabel="tokens/s",
+        title=f"{request.model} on {request.gpus} x {request.hardware.name}: layouts that fit",
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -37,8 +48,12 @@ def plot_tradeoff(request: Request, result: SearchResult, path: Path) -> Path:
     return path
 
 
-def plot_scaling(curves: dict[str, list[tuple[int, float]]], path: Path, title: str,
-                 reference: dict[str, tuple[int, float]] | None = None) -> Path:
+def plot_scaling(
+    curves: dict[str, list[tuple[int, float]]],
+    path: Path,
+    title: str,
+    reference: dict[str, tuple[int, float]] | None = None,
+) -> Path:
     """curves: label -> [(gpus, efficiency)]; reference: label -> (gpus, efficiency) published points."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -61,13 +76,20 @@ def plot_request(request: Request, result: SearchResult, directory: Path) -> lis
     counts = [request.gpus // k for k in (8, 4, 2, 1) if request.gpus % k == 0 and request.global_batch % k == 0]
     weak = scaling(_at(request, counts[0]), counts, weak=True)
     strong = scaling(_at(request, counts[0]), counts, weak=False)
-    curves = {"weak (global batch grows with GPUs)": [(g, e) for g, e, _ in weak],
-              "strong (global batch fixed)": [(g, e) for g, e, _ in strong]}
-    return [plot_tradeoff(request, result, directory / "tradeoff.png"),
-            plot_scaling(curves, directory / "scaling.png", f"{request.model} on {request.hardware.name}: predicted scaling")]
+    curves = {
+        "weak (global batch grows with GPUs)": [(g, e) for g, e, _ in weak],
+        "strong (global batch fixed)": [(g, e) for g, e, _ in strong],
+    }
+    return [
+        plot_tradeoff(request, result, directory / "tradeoff.png"),
+        plot_scaling(
+            curves, directory / "scaling.png", f"{request.model} on {request.hardware.name}: predicted scaling"
+        ),
+    ]
 
 
 def _at(request: Request, gpus: int) -> Request:
     """The request scaled down to `gpus`, keeping the global batch per GPU (weak-scaling base)."""
     import dataclasses
+
     return dataclasses.replace(request, gpus=gpus, global_batch=request.global_batch * gpus // request.gpus)

@@ -13,23 +13,40 @@ smaller than TP's activation collectives, so it can also win at short sequences;
 long-sequence CP runs the planner is up to a quarter more optimistic about cp 4-8 than about cp 1-2:
 experiments/validation/CONTEXT_PARALLEL.md).
 """
+
 import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from trillion.models.flops import count_params, hardware_flops_per_token, megatron_flops_per_iteration, model_flops_per_token
+from trillion.errors import ConfigError
 from trillion.models.args import ModelArgs
+from trillion.models.flops import (
+    count_params,
+    hardware_flops_per_token,
+    megatron_flops_per_iteration,
+    model_flops_per_token,
+)
 from trillion.parallel import modes
-from trillion.parallel.planner.hardware import HardwareProfile
-from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES, check_schedule
+from trillion.parallel.planner.cost import StepTime, step_time
+from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES, Layout
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
-from trillion.errors import ConfigError
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
-LAYOUT_FIELDS = ("tp", "pp", "dp_replicate", "dp_shard", "dp_shard_mode", "pp_schedule", "virtual_stages",
-                 "micro_batch_size", "activation_checkpoint", "cp", "compile")
+LAYOUT_FIELDS = (
+    "tp",
+    "pp",
+    "dp_replicate",
+    "dp_shard",
+    "dp_shard_mode",
+    "pp_schedule",
+    "virtual_stages",
+    "micro_batch_size",
+    "activation_checkpoint",
+    "cp",
+    "compile",
+)
 
 
 @dataclass(frozen=True)
@@ -72,8 +89,11 @@ def _divisors(n: int) -> list[int]:
 
 def tp_degrees(args: ModelArgs, gpus_per_node: int) -> list[int]:
     """Degrees that split heads, key/value heads, the MLP and the vocabulary evenly, inside a node."""
-    return [t for t in _divisors(gpus_per_node)
-            if args.n_heads % t == 0 and args.kv_heads % t == 0 and args.ffn_hidden % t == 0 and args.vocab_size % t == 0]
+    return [
+        t
+        for t in _divisors(gpus_per_node)
+        if args.n_heads % t == 0 and args.kv_heads % t == 0 and args.ffn_hidden % t == 0 and args.vocab_size % t == 0
+    ]
 
 
 def _options(request: Request, name: str, default: list) -> list:
@@ -106,15 +126,21 @@ def layouts(request: Request):
 def _cp_degrees(request: Request, tp: int, ranks: int) -> list[int]:
     """1, and degrees that split the sequence into 2 cp chunks (each rank's share over tp) and keep the
     cp group inside a node with its tp group: the K/V exchange runs on every layer, unhidden."""
-    return [c for c in _divisors(ranks) if c == 1 or request.seq_len % (2 * c * tp) == 0
-            and c * tp <= request.hardware.gpus_per_node]
+    return [
+        c
+        for c in _divisors(ranks)
+        if c == 1 or request.seq_len % (2 * c * tp) == 0 and c * tp <= request.hardware.gpus_per_node
+    ]
 
 
 def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
     args = request.args
     replicate = request.fixed.get("dp_replicate")
-    shards = [dp // replicate] if replicate and "dp_shard" not in request.fixed else \
-        _options(request, "dp_shard", _dp_shard_options(dp, tp * cp, request.hardware.gpus_per_node))
+    shards = (
+        [dp // replicate]
+        if replicate and "dp_shard" not in request.fixed
+        else _options(request, "dp_shard", _dp_shard_options(dp, tp * cp, request.hardware.gpus_per_node))
+    )
     schedules = _options(request, "pp_schedule", list(SCHEDULES) if pp > 1 else ["1F1B"])
     for dp_shard in shards:
         if dp % dp_shard or (replicate and replicate * dp_shard != dp):
@@ -124,7 +150,9 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
             schedule = modes.schedule(name, "--pp-schedule")
             any_v = [request.fixed.get("virtual_stages", DEFAULT_VIRTUAL_STAGES)]
             for v in (schedule.virtual_stages or any_v) if pp > 1 else [1]:
-                if pp * v > args.n_layers or ("virtual_stages" in request.fixed and request.fixed["virtual_stages"] != v):
+                if pp * v > args.n_layers or (
+                    "virtual_stages" in request.fixed and request.fixed["virtual_stages"] != v
+                ):
                     continue
                 for mb in _options(request, "micro_batch_size", list(MICRO_BATCH_SIZES)):
                     if (request.global_batch // dp) % mb:
@@ -132,8 +160,20 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
                     m = request.global_batch // (dp * mb)
                     for ac in _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)):
                         for mode in zero_modes:
-                            yield Layout(tp, pp, dp // dp_shard, dp_shard, mode, name, v, mb, m, ac,
-                                         request.fixed.get("compile", False), cp)
+                            yield Layout(
+                                tp,
+                                pp,
+                                dp // dp_shard,
+                                dp_shard,
+                                mode,
+                                name,
+                                v,
+                                mb,
+                                m,
+                                ac,
+                                request.fixed.get("compile", False),
+                                cp,
+                            )
 
 
 @dataclass
@@ -151,8 +191,14 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     proposes what the trainer refuses (DualPipeV with fewer than 2 pp micro-batches, a
     split-backward schedule under compile, ...)."""
     try:
-        check_schedule(layout.pp_schedule, layout.pp, layout.microbatches, layout.virtual_stages, layout.compile,
-                       n_layers=args.n_layers)
+        check_schedule(
+            layout.pp_schedule,
+            layout.pp,
+            layout.microbatches,
+            layout.virtual_stages,
+            layout.compile,
+            n_layers=args.n_layers,
+        )
     except ConfigError as error:
         return str(error)
     return ""
@@ -187,29 +233,41 @@ def check_request(request: Request) -> None:
         if key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size", "cp") and value < 1:
             raise ConfigError(f"--{key.replace('_', '-')} {value} must be at least 1.")
     if "dp_shard_mode" in request.fixed and request.fixed["dp_shard_mode"] not in ZERO_MODES:
-        raise ConfigError(f"--dp-shard-mode {request.fixed['dp_shard_mode']!r} is not known. Use {', '.join(ZERO_MODES)}.")
-    if "activation_checkpoint" in request.fixed and request.fixed["activation_checkpoint"] not in SEARCHED_CHECKPOINT_MODES:
-        raise ConfigError(f"--activation-checkpoint {request.fixed['activation_checkpoint']!r} is not known. "
-                          f"Use {', '.join(SEARCHED_CHECKPOINT_MODES)}.")
+        raise ConfigError(
+            f"--dp-shard-mode {request.fixed['dp_shard_mode']!r} is not known. Use {', '.join(ZERO_MODES)}."
+        )
+    if (
+        "activation_checkpoint" in request.fixed
+        and request.fixed["activation_checkpoint"] not in SEARCHED_CHECKPOINT_MODES
+    ):
+        raise ConfigError(
+            f"--activation-checkpoint {request.fixed['activation_checkpoint']!r} is not known. "
+            f"Use {', '.join(SEARCHED_CHECKPOINT_MODES)}."
+        )
     if "pp_schedule" in request.fixed:
         modes.schedule(request.fixed["pp_schedule"], "--pp-schedule")
     if request.gpus < 1 or request.global_batch < 1:
         raise ConfigError(f"--gpus {request.gpus} and --global-batch {request.global_batch} must be at least 1.")
     if request.seq_len > args.max_seq_len and args.positions != "rope":  # rotary: train with --model.max_seq_len
-        raise ConfigError(f"--seq-len {request.seq_len} is longer than {request.model}'s max_seq_len {args.max_seq_len}.")
+        raise ConfigError(
+            f"--seq-len {request.seq_len} is longer than {request.model}'s max_seq_len {args.max_seq_len}."
+        )
     hw = request.hardware
     if request.gpus > hw.gpus_per_node and hw.node_bandwidth_gbs <= 0:
-        raise ConfigError(f"Hardware profile {hw.name!r} has no measured network (node_bandwidth_gbs = 0: it was "
-                          f"calibrated on one node), so it cannot plan {request.gpus} GPUs over nodes of "
-                          f"{hw.gpus_per_node}. Calibrate under a torchrun job of two or more nodes, or plan at most "
-                          f"{hw.gpus_per_node} GPUs.")
+        raise ConfigError(
+            f"Hardware profile {hw.name!r} has no measured network (node_bandwidth_gbs = 0: it was "
+            f"calibrated on one node), so it cannot plan {request.gpus} GPUs over nodes of "
+            f"{hw.gpus_per_node}. Calibrate under a torchrun job of two or more nodes, or plan at most "
+            f"{hw.gpus_per_node} GPUs."
+        )
     tps = tp_degrees(args, request.hardware.gpus_per_node)
     most = max(tps) * args.n_layers * request.global_batch
     if request.gpus > most:
         raise ConfigError(
             f"{request.model} cannot use {request.gpus} GPUs with --global-batch {request.global_batch}: at most "
             f"tp {max(tps)} x pp {args.n_layers} (one layer per stage) x dp {request.global_batch} (one sequence per "
-            f"data-parallel rank) = {most}. Use fewer GPUs or a larger global batch.")
+            f"data-parallel rank) = {most}. Use fewer GPUs or a larger global batch."
+        )
 
 
 def _no_layout_message(request: Request, result: SearchResult) -> str:
@@ -218,21 +276,27 @@ def _no_layout_message(request: Request, result: SearchResult) -> str:
     if result.considered == 0 and result.refusal:
         return f"No layout of {where}{' with ' + fixed if fixed else ''} runs in the trainer: {result.refusal}"
     if result.considered == 0:
-        return (f"No valid layout for {where} with --global-batch {request.global_batch}"
-                f"{' and ' + fixed if fixed else ''}: the data-parallel degree gpus / (tp x pp) must divide the global "
-                f"batch, tp must divide the heads ({request.args.n_heads}) and fit in a node, pp at most the layers "
-                f"({request.args.n_layers}), and pipelines other than GPipe need at least pp micro-batches. "
-                f"Try a global batch that is a multiple of {request.gpus // max(tp_degrees(request.args, request.hardware.gpus_per_node))}, or other fixed settings.")
+        return (
+            f"No valid layout for {where} with --global-batch {request.global_batch}"
+            f"{' and ' + fixed if fixed else ''}: the data-parallel degree gpus / (tp x pp) must divide the global "
+            f"batch, tp must divide the heads ({request.args.n_heads}) and fit in a node, pp at most the layers "
+            f"({request.args.n_layers}), and pipelines other than GPipe need at least pp micro-batches. "
+            f"Try a global batch that is a multiple of {request.gpus // max(tp_degrees(request.args, request.hardware.gpus_per_node))}, or other fixed settings."
+        )
     best = result.smallest_memory
-    return (f"No layout of {where}{' with ' + fixed if fixed else ''} fits in memory: of {result.considered} valid "
-            f"layouts the smallest needs {best.memory.total / 1e9:.1f} GB per GPU "
-            f"({_describe(best.layout)}), the device has {request.hardware.device.memory_gb:g} GB "
-            f"(the plan keeps {1 - MEMORY_HEADROOM:.0%} free). Use more GPUs, a smaller micro-batch, or release fixed settings.")
+    return (
+        f"No layout of {where}{' with ' + fixed if fixed else ''} fits in memory: of {result.considered} valid "
+        f"layouts the smallest needs {best.memory.total / 1e9:.1f} GB per GPU "
+        f"({_describe(best.layout)}), the device has {request.hardware.device.memory_gb:g} GB "
+        f"(the plan keeps {1 - MEMORY_HEADROOM:.0%} free). Use more GPUs, a smaller micro-batch, or release fixed settings."
+    )
 
 
 def _describe(layout: Layout) -> str:
-    return (f"tp {layout.tp}, pp {layout.pp}, dp {layout.dp_replicate}x{layout.dp_shard} {layout.dp_shard_mode}, cp {layout.cp}, "
-            f"micro-batch {layout.micro_batch_size}, checkpointing {layout.activation_checkpoint}")
+    return (
+        f"tp {layout.tp}, pp {layout.pp}, dp {layout.dp_replicate}x{layout.dp_shard} {layout.dp_shard_mode}, cp {layout.cp}, "
+        f"micro-batch {layout.micro_batch_size}, checkpointing {layout.activation_checkpoint}"
+    )
 
 
 def metrics(request: Request, candidate: Candidate) -> dict:
@@ -246,13 +310,21 @@ def metrics(request: Request, candidate: Candidate) -> dict:
     recompute = recompute_fraction(args, layout)
     hardware_flops = hardware_flops_per_token(args, request.seq_len, recompute) * tokens_per_s / request.gpus
     megatron = megatron_flops_per_iteration(args, request.global_batch, request.seq_len, recompute == 1.0)
-    out = {**layout.as_dict(), "dp": layout.dp,
-           "step_time_s": step, "tokens_per_s": tokens_per_s, "tflops_per_gpu": model_flops / 1e12,
-           "mfu": model_flops / peak, "hfu": hardware_flops / peak,
-           "megatron_share_of_peak": megatron / (step * request.gpus * peak),
-           "time_shares": candidate.step.shares(),
-           "memory_gb": candidate.memory.total / 1e9, "memory": candidate.memory.as_gb(),
-           "memory_capacity_gb": hw.device.memory_gb, "fits": candidate.fits}
+    out = {
+        **layout.as_dict(),
+        "dp": layout.dp,
+        "step_time_s": step,
+        "tokens_per_s": tokens_per_s,
+        "tflops_per_gpu": model_flops / 1e12,
+        "mfu": model_flops / peak,
+        "hfu": hardware_flops / peak,
+        "megatron_share_of_peak": megatron / (step * request.gpus * peak),
+        "time_shares": candidate.step.shares(),
+        "memory_gb": candidate.memory.total / 1e9,
+        "memory": candidate.memory.as_gb(),
+        "memory_capacity_gb": hw.device.memory_gb,
+        "fits": candidate.fits,
+    }
     if request.tokens > 0:
         out.update(budget(request, step))
     return out
@@ -273,15 +345,27 @@ def budget(request: Request, step_seconds: float) -> dict:
     gpu_hours = seconds * request.gpus / 3600
     watts_per_gpu = (hw.device.power_w + hw.node_overhead_w / hw.gpus_per_node) * hw.pue
     price = hw.price_per_gpu_hour if request.price_per_gpu_hour is None else request.price_per_gpu_hour
-    return {"steps": steps, "time_to_train_days": seconds / 86400, "gpu_hours": gpu_hours,
-            "energy_mwh": gpu_hours * watts_per_gpu / 1e6, "cost_usd": gpu_hours * price}
+    return {
+        "steps": steps,
+        "time_to_train_days": seconds / 86400,
+        "gpu_hours": gpu_hours,
+        "energy_mwh": gpu_hours * watts_per_gpu / 1e6,
+        "cost_usd": gpu_hours * price,
+    }
 
 
 def model_summary(request: Request) -> dict:
     params = count_params(request.args)
-    return {"model": request.model, "parameters": params.total, "hardware": request.hardware.name,
-            "device": request.hardware.device.name, "gpus": request.gpus, "global_batch": request.global_batch,
-            "seq_len": request.seq_len, "tokens": request.tokens}
+    return {
+        "model": request.model,
+        "parameters": params.total,
+        "hardware": request.hardware.name,
+        "device": request.hardware.device.name,
+        "gpus": request.gpus,
+        "global_batch": request.global_batch,
+        "seq_len": request.seq_len,
+        "tokens": request.tokens,
+    }
 
 
 def scaling(request: Request, gpu_counts: list[int], weak: bool) -> list[tuple[int, float, dict]]:

@@ -14,6 +14,7 @@ tests/planner/test_work.py):
 The backward pass of an element-wise op reads its saved input and the incoming gradient and writes
 the outgoing one: twice the forward's traffic (the count gives 2.1).
 """
+
 from trillion.models.args import ModelArgs
 
 BACKWARD_ELEMENTWISE = 2.0

@@ -1,5 +1,6 @@
 """The package's layers point one way: trillion.errors / trillion.devices <- kernels <- models <-
 parallel <- trainer. Read from the source (AST), so a lazy import inside a function counts too."""
+
 import ast
 import shutil
 import subprocess
@@ -65,10 +66,29 @@ def test_trillion_is_the_only_installed_top_level_name(tmp_path):
     # trillion/ or the distribution's metadata, so no `trainer` or `kernels` lands in site-packages.
     # Built from a copy, so setuptools' build/ folder never lands in the checkout.
     source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*.egg-info", "__pycache__",
-                                                               "outputs", "wandb", "tests", "experiments"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(tmp_path), str(source)], check=True, capture_output=True)
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(
+            ".git", ".venv", "build", "*.egg-info", "__pycache__", "outputs", "wandb", "tests", "experiments"
+        ),
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(tmp_path),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+    )
     (wheel,) = tmp_path.glob("trillion-*.whl")
     with zipfile.ZipFile(wheel) as archive:
         top = {name.split("/")[0] for name in archive.namelist()}
@@ -76,6 +96,11 @@ def test_trillion_is_the_only_installed_top_level_name(tmp_path):
         assert not top_level_txt or archive.read(top_level_txt[0]).decode().split() == ["trillion"]
         installed = archive.namelist()
     assert {t for t in top if not t.endswith(".dist-info")} == {"trillion"}, top
-    for module in ("trillion/__main__.py", "trillion/kernels/flash_attention_op.py", "trillion/trainer/tools/estimate/dry_run.py",
-                   "trillion/parallel/planner/hardware_profiles/frontier.toml", "trillion/devices.toml"):
+    for module in (
+        "trillion/__main__.py",
+        "trillion/kernels/flash_attention_op.py",
+        "trillion/trainer/tools/estimate/dry_run.py",
+        "trillion/parallel/planner/hardware_profiles/frontier.toml",
+        "trillion/devices.toml",
+    ):
         assert module in installed

@@ -1,5 +1,4 @@
 import pytest
-
 from runs import losses, run
 
 

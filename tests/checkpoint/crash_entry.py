@@ -1,5 +1,6 @@
 """`trillion train` under torchrun, except that on the first attempt rank 1 kills itself with
 SIGKILL in the middle of step CRASH_AT_STEP, as a failing node would."""
+
 import os
 import signal
 import sys

@@ -1,6 +1,7 @@
 """`trillion train`, except that the process kills itself with SIGKILL (a node lost, an OOM kill) while
 writing the KILL_ON_SAVE-th checkpoint, from whichever thread writes it (the async writer's too);
 the time of the kill goes to FAULT_STAMP."""
+
 import os
 import signal
 import sys

@@ -1,20 +1,25 @@
 """checkpoint.async_mode=async: training goes on while a checkpoint is written; the COMPLETE marker
 comes only after the write has finished; the next save and the end of training wait for it."""
+
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from runs import checkpoints, losses, run
 from torch.distributed.checkpoint import FileSystemWriter
 
 import trillion.trainer.checkpoint.manager
-from runs import checkpoints, losses, run
 
 
 def test_async_saves_overlap_training_and_publish_only_when_written(straight, tmp_path, monkeypatch):
     _, expected = straight
     events = []
-    finish, publish, write_marker = FileSystemWriter.finish, trillion.trainer.checkpoint.manager.CheckpointManager._publish, trillion.trainer.checkpoint.manager._write_synced
+    finish, publish, write_marker = (
+        FileSystemWriter.finish,
+        trillion.trainer.checkpoint.manager.CheckpointManager._publish,
+        trillion.trainer.checkpoint.manager._write_synced,
+    )
 
     def slow_finish(self, *args, **kwargs):  # the metadata, the last thing a save writes
         time.sleep(0.5)
@@ -57,8 +62,13 @@ def test_async_run_resumes_exactly(straight, tmp_path):
 def test_checkpoint_benchmark_smoke():
     """experiments/bench/checkpoint_io.py (the figures in RESULTS.md) runs in its smoke mode."""
     root = Path(__file__).resolve().parents[2]
-    result = subprocess.run([sys.executable, str(root / "experiments/bench/checkpoint_io.py"), "--smoke"],
-                            capture_output=True, text=True, timeout=300, cwd=root)
+    result = subprocess.run(
+        [sys.executable, str(root / "experiments/bench/checkpoint_io.py"), "--smoke"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert [row.split("|")[1].strip() for row in rows[1:]] == ["none", "sync", "async"]

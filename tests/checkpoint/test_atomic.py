@@ -1,14 +1,15 @@
 """A save that fails halfway leaves the last good checkpoint loadable and the run resumable, and
 the user reads one paragraph saying what happened and what to do (no space, unwritable folder)."""
+
 import errno
 import time
 from pathlib import Path
 
 import pytest
-from torch.distributed.checkpoint import FileSystemWriter
-
 from fault_record import first_step_time, report
 from runs import TINY, checkpoints, losses, run
+from torch.distributed.checkpoint import FileSystemWriter
+
 from trillion.trainer.checkpoint.manager import CheckpointError
 from trillion.trainer.cli.main import main
 
@@ -26,18 +27,29 @@ def fail_on_save(monkeypatch, method: str, error: Exception, after: int = 1):
     monkeypatch.setattr(FileSystemWriter, method, failing)
 
 
-@pytest.mark.parametrize("method, error, message", [
-    # the data files are written, the metadata is not: the middle of a save
-    ("finish", OSError(errno.ENOSPC, "No space left on device"), "No space left on the device while saving checkpoint step 4"),
-    ("write_data", RuntimeError("injected"), "Saving checkpoint step 4"),
-])
-def test_failed_save_keeps_the_last_checkpoint_and_the_run_resumes(straight, tmp_path, monkeypatch, method, error, message):
+@pytest.mark.parametrize(
+    "method, error, message",
+    [
+        # the data files are written, the metadata is not: the middle of a save
+        (
+            "finish",
+            OSError(errno.ENOSPC, "No space left on device"),
+            "No space left on the device while saving checkpoint step 4",
+        ),
+        ("write_data", RuntimeError("injected"), "Saving checkpoint step 4"),
+    ],
+)
+def test_failed_save_keeps_the_last_checkpoint_and_the_run_resumes(
+    straight, tmp_path, monkeypatch, method, error, message
+):
     _, expected = straight
     out = tmp_path / "run"
     fail_on_save(monkeypatch, method, error)
     with pytest.raises(CheckpointError, match=message) as failure:
         run(out, "--checkpoint.interval=2")
-    assert "step-00000002, is intact" in str(failure.value) and "run the same command again" in str(failure.value).lower()
+    assert (
+        "step-00000002, is intact" in str(failure.value) and "run the same command again" in str(failure.value).lower()
+    )
     assert checkpoints(out) == ["step-00000002"]  # the staging dir of step 4 is gone, step 2 untouched
     failed_at, reached = time.time(), losses(out)[-1][0]
 
@@ -45,14 +57,21 @@ def test_failed_save_keeps_the_last_checkpoint_and_the_run_resumes(straight, tmp
     run(out, "--checkpoint.interval=2")
     assert losses(out) == expected
     if method == "finish":
-        report("disk full mid-save", str(failure.value).split(" Free space")[0] + " (exit 1, no traceback)",
-               reached - 2, True, first_step_time(out / "metrics.jsonl", 3) - failed_at,
-               "ENOSPC from DCP's writer while saving step 4 (checkpoint.interval=2); the same command again")
+        report(
+            "disk full mid-save",
+            str(failure.value).split(" Free space")[0] + " (exit 1, no traceback)",
+            reached - 2,
+            True,
+            first_step_time(out / "metrics.jsonl", 3) - failed_at,
+            "ENOSPC from DCP's writer while saving step 4 (checkpoint.interval=2); the same command again",
+        )
 
 
 def test_no_space_is_one_paragraph_and_exit_status_1(tmp_path, monkeypatch, capsys):
     fail_on_save(monkeypatch, "finish", OSError(errno.ENOSPC, "No space left on device"), after=0)
-    assert main(["train", *TINY, "--training.steps=2", f"--job.output_dir={tmp_path / 'run'}"]) == 1  # a runtime failure
+    assert (
+        main(["train", *TINY, "--training.steps=2", f"--job.output_dir={tmp_path / 'run'}"]) == 1
+    )  # a runtime failure
     err = capsys.readouterr().err
     assert "No space left" in err and "--checkpoint.keep_latest=1" in err and "Traceback" not in err
 
@@ -69,4 +88,3 @@ def test_unwritable_directory_fails_before_training(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"checkpoints is not writable \(Permission denied\).*--job.output_dir"):
         run(tmp_path / "run")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before the first step
-

@@ -1,9 +1,11 @@
 """A data corpus changed under a resumed run (files added, removed, edited) is detected from the
 fingerprint saved in the checkpoint and refused, naming the files and the flag that accepts it."""
+
 import json
 import os
 
 from runs import TINY, run
+
 from trillion.trainer.cli.main import main
 
 

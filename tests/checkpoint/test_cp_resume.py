@@ -1,13 +1,13 @@
 """Context parallelism is a layout change like any other: a checkpoint saved with cp 2 (2 ranks)
 resumes in one process, and one saved in one process resumes with cp 2, each continuing on the
 one-process loss curve (gloo, fp32)."""
+
 import json
 import shutil
 import sys
 from pathlib import Path
 
 import torch
-
 from runs import losses, run
 from test_distributed import _as_launched
 
@@ -41,9 +41,14 @@ def test_cp2_checkpoint_resumes_in_one_process_and_back(tmp_path):
     for name in ("cp2", "one-then-cp2", "cp2-then-one"):
         got = losses(tmp_path / name)
         assert [step for step, _ in got] == [1, 2, 3, 4], name  # the resumed runs keep steps 1-2's records
-        torch.testing.assert_close([l for _, l in got], [l for _, l in reference], rtol=1e-5, atol=0,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            [l for _, l in got], [l for _, l in reference], rtol=1e-5, atol=0, msg=lambda m: f"{name}: {m}"
+        )
     for resumed, source in (("one-then-cp2", "one"), ("cp2-then-one", "cp2")):  # steps 3-4 trained again
-        records = [map(json.loads, (tmp_path / n / "metrics.jsonl").read_text().splitlines()) for n in (resumed, source)]
-        times = [[r["time"] for r in rs if "loss" in r] for rs in records]  # training records (step 0's holds eval only)
+        records = [
+            map(json.loads, (tmp_path / n / "metrics.jsonl").read_text().splitlines()) for n in (resumed, source)
+        ]
+        times = [
+            [r["time"] for r in rs if "loss" in r] for rs in records
+        ]  # training records (step 0's holds eval only)
         assert times[0][:2] == times[1][:2] and times[0][2] > times[1][3], resumed

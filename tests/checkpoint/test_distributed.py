@@ -2,6 +2,7 @@
 back a killed rank; a checkpoint saved at dp_shard 2 x tp 2 (4 ranks) loaded at dp_shard 2 (2 ranks)
 and in one process: model and optimizer equal after load, and training continues on the same loss
 curve."""
+
 import os
 import shutil
 import subprocess
@@ -10,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import trillion.trainer.train
 from fault_record import first_step_time, report
 from runs import TINY, losses, run
 from test_resume import read_checkpoint
+
+import trillion.trainer.train
 from trillion.trainer.cli.main import main
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
@@ -67,7 +68,10 @@ def _continue(root: Path, layout: list[str]) -> None:
 
 def _reload(root: Path, layout: list[str]) -> None:
     """A run whose step does nothing saves right away, which writes back exactly what was loaded."""
-    original, trillion.trainer.train.train_step = trillion.trainer.train.train_step, lambda *args, **kwargs: (torch.zeros(()), torch.zeros(()))
+    original, trillion.trainer.train.train_step = (
+        trillion.trainer.train.train_step,
+        lambda *args, **kwargs: (torch.zeros(()), torch.zeros(())),
+    )
     try:
         run(root / f"reloaded-{len(layout)}", *layout, steps=3)
     finally:
@@ -90,7 +94,9 @@ def _assert_reloaded_equal(root: Path) -> None:
         reloaded = read_checkpoint(root / f"reloaded-{len(layout)}", step=3)
         for name, value in saved.items():
             if name.startswith(("model.", "optimizer.")) and not name.endswith(".lr"):  # the LR moved on a step
-                assert torch.equal(reloaded[name], value) if isinstance(value, torch.Tensor) else reloaded[name] == value, (layout, name)
+                assert (
+                    torch.equal(reloaded[name], value) if isinstance(value, torch.Tensor) else reloaded[name] == value
+                ), (layout, name)
 
 
 def test_checkpoint_saved_on_4_ranks_reloads_bitwise_on_2_and_1(tmp_path):
@@ -128,13 +134,24 @@ def test_checkpoint_reshards_across_layouts(tmp_path):
 def test_torchrun_restarts_a_killed_rank_and_ends_on_the_same_loss(tmp_path):
     out = tmp_path / "crashed"
     args = [*TINY, f"--job.output_dir={out}", *FSDP, "--checkpoint.interval=2", "--training.steps=4"]
-    command = ["torchrun", "--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.5",
-               str(Path(__file__).with_name("crash_entry.py")), *args]
+    command = [
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--monitor-interval=0.5",
+        str(Path(__file__).with_name("crash_entry.py")),
+        *args,
+    ]
     # The restarted workers must not read the dead ones' addresses from torchrun's shared store
     # (pytorch/pytorch#135712); the README asks the same of every torchrun --max-restarts job.
-    env = {**os.environ, "CRASH_AT_STEP": "3", "PYTHONPATH": str(Path(__file__).parents[2]),
-           "FAULT_STAMP": str(tmp_path / "killed-at"),
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {
+        **os.environ,
+        "CRASH_AT_STEP": "3",
+        "PYTHONPATH": str(Path(__file__).parents[2]),
+        "FAULT_STAMP": str(tmp_path / "killed-at"),
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    }
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "exitcode: -9" in result.stderr  # rank 1 was killed ...
@@ -142,11 +159,15 @@ def test_torchrun_restarts_a_killed_rank_and_ends_on_the_same_loss(tmp_path):
 
     run_ranks(_straight, 2, tmp_path)
     assert losses(out) == losses(tmp_path / "straight")
-    report("SIGKILL of one rank mid-step (torchrun --max-restarts=1)",
-           "torchrun logs the worker's exitcode -9 and restarts the group; the new workers log 'resumed from "
-           ".../step-00000002'", 0, True,
-           first_step_time(out / "metrics.jsonl", 3) - float((tmp_path / "killed-at").read_text()),
-           "rank 1 of 2 (FSDP) kills itself in step 3, checkpoint.interval=2; compared with an unbroken 2-rank run")
+    report(
+        "SIGKILL of one rank mid-step (torchrun --max-restarts=1)",
+        "torchrun logs the worker's exitcode -9 and restarts the group; the new workers log 'resumed from "
+        ".../step-00000002'",
+        0,
+        True,
+        first_step_time(out / "metrics.jsonl", 3) - float((tmp_path / "killed-at").read_text()),
+        "rank 1 of 2 (FSDP) kills itself in step 3, checkpoint.interval=2; compared with an unbroken 2-rank run",
+    )
 
 
 def _straight(rank, world_size, root):

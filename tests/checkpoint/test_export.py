@@ -1,15 +1,15 @@
 """`trillion export` writes what transformers loads with our logits, for both families, and
 `--checkpoint.initial_load` takes that folder (or a step directory) back, bit for bit."""
+
 import pytest
 import torch
-
 from runs import FAMILIES, run, trained_and_exported
+
+from trillion.trainer.checkpoint.export import load_checkpoint_model
 from trillion.trainer.checkpoint.state import ModelParts, load_model_weights
 from trillion.trainer.cli.main import main
-from trillion.trainer.checkpoint.export import load_checkpoint_model
 
 transformers = pytest.importorskip("transformers")
-
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -1,16 +1,17 @@
 """`trillion generate`: the KV cache gives the logits of a full forward; greedy tokens equal transformers'
 greedy generation of the exported model for both families; sampling is seeded; errors name the fix."""
+
 import dataclasses
 import io
 
 import pytest
 import torch
-
 from runs import FAMILIES, run, trained_and_exported
+
 from trillion.models import PRESETS, Transformer
 from trillion.models.kv_cache import KVCache
-from trillion.trainer.cli.main import main
 from trillion.trainer.cli.generate import Sampling, generate, load_for_generation, next_token, stream_text
+from trillion.trainer.cli.main import main
 from trillion.trainer.data.tokenizer import ByteTokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -29,7 +30,9 @@ def test_kv_cache_gives_the_full_forward_logits(name):
     with torch.no_grad():
         full = model(tokens)
         cache = KVCache(args, 2, 20)
-        pieces = [model(tokens[:, :12], cache=cache)] + [model(tokens[:, i:i + 1], cache=cache) for i in range(12, 20)]
+        pieces = [model(tokens[:, :12], cache=cache)] + [
+            model(tokens[:, i : i + 1], cache=cache) for i in range(12, 20)
+        ]
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -55,9 +58,14 @@ def test_greedy_tokens_equal_transformers_generate_on_the_exported_model(family,
 
     theirs = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     vocab = theirs.config.vocab_size
-    expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                               eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.eos_id,
-                               suppress_tokens=list(range(tokenizer.vocab_size, vocab)))[0, len(prompt):].tolist()
+    expected = theirs.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=24,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.eos_id,
+        suppress_tokens=list(range(tokenizer.vocab_size, vocab)),
+    )[0, len(prompt) :].tolist()
     assert len(set(expected)) > 1  # a continuation that can tell a wrong position apart
 
     for path in (source, source / "checkpoints" / "step-00000002", out):  # run, step and exported folder
@@ -67,8 +75,22 @@ def test_greedy_tokens_equal_transformers_generate_on_the_exported_model(family,
         assert got == expected, path
 
     capsys.readouterr()
-    assert main(["generate", "--checkpoint", str(source), "--prompt", PROMPT, "--max-new-tokens", "24",
-                 "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--checkpoint",
+                str(source),
+                "--prompt",
+                PROMPT,
+                "--max-new-tokens",
+                "24",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == tokenizer.decode(expected) + "\n"
 
 

@@ -1,14 +1,15 @@
 """A step with a non-finite loss or gradient norm changes nothing and is counted; too many in a
 row stop the run with a message naming the setting. Config changes that would make a resumed run
 a different run are refused; a checkpoint of another model shape names the parameters."""
+
 import math
 
 import pytest
 import torch
-
-import trillion.trainer.train
 from fault_record import last_line, report
 from runs import TINY, run
+
+import trillion.trainer.train
 from trillion.trainer.cli.main import main
 from trillion.trainer.config.schema import ConfigError
 from trillion.trainer.resilience import TrainingDiverged
@@ -39,9 +40,15 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch, caplog):
     record = run(tmp_path / "run", steps=5)
     assert saved["updates"] == 3  # steps 2 and 3 did not update the weights
     assert record["step"] == 5 and record["skipped_steps"] == 2 and math.isfinite(record["loss"])
-    report("NaN gradient", last_line(caplog.text, "step 3: non-finite") + " (skipped_steps in metrics.jsonl)", 0, None,
-           0.0, "gradient norm NaN in steps 2 and 3: no update, counted; the run goes on (the final loss differs from "
-           "an unbroken run's by design: two updates fewer)")
+    report(
+        "NaN gradient",
+        last_line(caplog.text, "step 3: non-finite") + " (skipped_steps in metrics.jsonl)",
+        0,
+        None,
+        0.0,
+        "gradient norm NaN in steps 2 and 3: no update, counted; the run goes on (the final loss differs from "
+        "an unbroken run's by design: two updates fewer)",
+    )
 
 
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
@@ -65,18 +72,33 @@ def test_weights_of_another_shape_name_the_parameters(tmp_path):
     source = tmp_path / "source"
     run(source, steps=1)
     with pytest.raises(ConfigError) as error:
-        run(tmp_path / "new", f"--checkpoint.initial_load={source}/checkpoints/step-00000001", "--model.dim=32",
-            "--model.n_heads=2", "--model.n_kv_heads=1", steps=1)
+        run(
+            tmp_path / "new",
+            f"--checkpoint.initial_load={source}/checkpoints/step-00000001",
+            "--model.dim=32",
+            "--model.n_heads=2",
+            "--model.n_kv_heads=1",
+            steps=1,
+        )
     message = str(error.value)
     assert "tok_embeddings.weight is (320, 64) there but (320, 32) here" in message
     assert "--checkpoint.initial_load=" in message and "config.toml" in message
 
 
-@pytest.mark.parametrize("setting, message", [
-    ("--checkpoint.async_mode=background", "checkpoint.async_mode='background' is not known. Use one of: disabled, async"),
-    ("--checkpoint.initial_load=/no/such/weights", "checkpoint.initial_load='/no/such/weights' no such file or folder"),
-    ("--training.exit_after_minutes=-5", "training.exit_after_minutes=-5.0 is out of range: it must be at least 0"),
-])
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (
+            "--checkpoint.async_mode=background",
+            "checkpoint.async_mode='background' is not known. Use one of: disabled, async",
+        ),
+        (
+            "--checkpoint.initial_load=/no/such/weights",
+            "checkpoint.initial_load='/no/such/weights' no such file or folder",
+        ),
+        ("--training.exit_after_minutes=-5", "training.exit_after_minutes=-5.0 is out of range: it must be at least 0"),
+    ],
+)
 def test_checkpoint_settings_are_checked_before_any_work(tmp_path, setting, message, capsys):
     assert main(["train", *TINY, f"--job.output_dir={tmp_path}", setting]) == 2
     assert message in capsys.readouterr().err

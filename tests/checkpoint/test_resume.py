@@ -1,13 +1,14 @@
 """A restarted job continues exactly where its last checkpoint left it: bitwise the same losses
 as one unbroken run, metrics appended, interrupted saves cleaned up, early exits chained."""
+
 import json
 import logging
 
 import torch
 import torch.distributed.checkpoint as dcp
+from runs import checkpoints, losses, run
 from torch.distributed.checkpoint import FileSystemReader
 
-from runs import checkpoints, losses, run
 from trillion.trainer.checkpoint.manager import MARKER
 
 
@@ -49,13 +50,17 @@ def test_resume_restores_every_state(straight, tmp_path):
         assert torch.equal(ours[name], value) if isinstance(value, torch.Tensor) else ours[name] == value, name
     assert any(k.startswith("optimizer.state.") and k.endswith("exp_avg_sq") for k in reference)
     assert "rng.cpu" in reference and reference["training.counters.step"] == 6
-    assert (reference["training.data.doc_index"], reference["training.data.offset"]) != (0, 0) and reference["training.lr_scheduler.last_epoch"] == 6
+    assert (reference["training.data.doc_index"], reference["training.data.offset"]) != (0, 0) and reference[
+        "training.lr_scheduler.last_epoch"
+    ] == 6
 
 
 def read_checkpoint(run_dir, step: int = 6) -> dict:
     """Everything a checkpoint holds, flat: tensors full, other values (counters, schedule, data position) as saved."""
     folder = run_dir / "checkpoints" / f"step-{step:08d}"
     metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None for k, m in metadata.items()}
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None for k, m in metadata.items()
+    }
     dcp.load(state, checkpoint_id=str(folder), no_dist=True)
     return state

@@ -1,15 +1,16 @@
 """A checkpoint damaged after it was published (truncated shard, flipped bytes, missing .metadata) is
 reported by file and set aside; the run falls back to the newest intact one and ends bitwise where
 an unbroken run ends, or stops with one paragraph (exit 1) when none is intact."""
+
 import json
 import logging
 import shutil
 import time
 
 import pytest
-
 from fault_record import first_step_time, last_line, report
 from runs import TINY, checkpoints, losses, run
+
 from trillion.trainer.checkpoint.verify import MANIFEST, damaged_files
 from trillion.trainer.cli.main import main
 
@@ -30,12 +31,15 @@ def truncate(path):
 def flip(path):
     data = bytearray(path.read_bytes())
     start = len(data) // 3
-    data[start:start + 4096] = bytes(b ^ 0xFF for b in data[start:start + 4096])
+    data[start : start + 4096] = bytes(b ^ 0xFF for b in data[start : start + 4096])
     path.write_bytes(bytes(data))
 
 
-DAMAGE = {"truncated shard": ("__0_0.distcp", truncate), "flipped bytes": ("__0_0.distcp", flip),
-          "missing .metadata": (".metadata", lambda p: p.unlink())}
+DAMAGE = {
+    "truncated shard": ("__0_0.distcp", truncate),
+    "flipped bytes": ("__0_0.distcp", flip),
+    "missing .metadata": (".metadata", lambda p: p.unlink()),
+}
 
 
 @pytest.mark.parametrize("case", list(DAMAGE))
@@ -52,9 +56,14 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(case, saved, strai
     assert "resumed from" in caplog.text and "step 2" in caplog.text
     assert losses(out) == expected[:4]  # steps 3-4 again from step 2: the unbroken run's losses, bitwise
     assert (out / "checkpoints" / "damaged-step-00000004" / MANIFEST).is_file()  # kept for inspection
-    report(f"corrupted newest checkpoint: {case}", last_line(caplog.text, "IS DAMAGED").split(". Set aside")[0],
-           2, True, first_step_time(out / "metrics.jsonl", 3) - damaged_at,
-           f"{name} of step-00000004 damaged after a job stopped at step 4 (checkpoints at 2 and 4); same command again")
+    report(
+        f"corrupted newest checkpoint: {case}",
+        last_line(caplog.text, "IS DAMAGED").split(". Set aside")[0],
+        2,
+        True,
+        first_step_time(out / "metrics.jsonl", 3) - damaged_at,
+        f"{name} of step-00000004 damaged after a job stopped at step 4 (checkpoints at 2 and 4); same command again",
+    )
 
 
 def test_no_intact_checkpoint_is_one_paragraph_exit_1(saved, tmp_path, capsys):

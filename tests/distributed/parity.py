@@ -7,9 +7,10 @@ attention (kernels.attention backend; the reference runs sdpa);
 `check_cases` runs on every rank of a gloo group; rank 0 also runs the one-process reference (once
 per family, plain: no AC, no compile) and compares.
 """
+
 import contextlib
-import os
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -23,8 +24,9 @@ from trillion.trainer.data.loader import DataLoader
 from trillion.trainer.train import train_step
 
 FAMILIES = {
-    "llama": dataclasses.replace(PRESETS["debug"], n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96,
-                                 vocab_size=128, max_seq_len=32),
+    "llama": dataclasses.replace(
+        PRESETS["debug"], n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=32
+    ),
     "gpt": dataclasses.replace(PRESETS["debug-gpt"], n_layers=2, dim=64, n_heads=4, vocab_size=128, max_seq_len=32),
 }
 SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH, STEPS, SEED = 16, 8, 2, 3, 11
@@ -49,15 +51,26 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def train_case(case: dict, world_size: int) -> dict:
     """Run the case on all ranks of the current group (or alone when world_size is 1)."""
     args = dataclasses.replace(FAMILIES[case["family"]], attention_impl=case.get("attention", "sdpa"))
-    dims = ParallelDims(dp_replicate=case.get("dp_replicate", 1), dp_shard=case.get("dp_shard", -1),
-                        cp=case.get("cp", 1), tp=case.get("tp", 1), world_size=world_size)
+    dims = ParallelDims(
+        dp_replicate=case.get("dp_replicate", 1),
+        dp_shard=case.get("dp_shard", -1),
+        cp=case.get("cp", 1),
+        tp=case.get("tp", 1),
+        world_size=world_size,
+    )
     dims.validate(args, SEQ_LEN)
     dims.build_mesh("cpu")
     mode = case.get("mode", "zero3")
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize(model, dims, dp_shard_mode=mode, activation_checkpoint=case.get("ac", "none"),
-                compile=bool(case.get("compile")), compile_backend=case.get("compile") or "inductor")
+    parallelize(
+        model,
+        dims,
+        dp_shard_mode=mode,
+        activation_checkpoint=case.get("ac", "none"),
+        compile=bool(case.get("compile")),
+        compile_backend=case.get("compile") or "inductor",
+    )
     if "attend" in case:  # a replacement attention, for cases that must fail
         for block in model.layers.values():
             block.attention.attend = case["attend"]
@@ -67,14 +80,23 @@ def train_case(case: dict, world_size: int) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)
     grads = []
     optimizer.register_step_pre_hook(
-        lambda *_: grads.append({name: _full(p.grad) for name, p in model.named_parameters()}))
-    loader = DataLoader(RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, MICRO_BATCH,
-                        dims.dp_rank, dims.dp_size)
+        lambda *_: grads.append({name: _full(p.grad) for name, p in model.named_parameters()})
+    )
+    loader = DataLoader(
+        RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, MICRO_BATCH, dims.dp_rank, dims.dp_size
+    )
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     losses, norms = [], []
     for _ in range(STEPS):
-        loss, norm = train_step(MicroBatchLoop(model, dims.tp_enabled, mode), loader.next_batch(), optimizer, scaler,
-                                contextlib.nullcontext(), MAX_NORM, dims=dims)
+        loss, norm = train_step(
+            MicroBatchLoop(model, dims.tp_enabled, mode),
+            loader.next_batch(),
+            optimizer,
+            scaler,
+            contextlib.nullcontext(),
+            MAX_NORM,
+            dims=dims,
+        )
         losses.append(loss.item())
         norms.append(norm.item())
     return {"losses": losses, "norms": norms, "grads": grads, "initial": initial}

@@ -5,6 +5,7 @@ state leaks from pytest), rendezvous through a FileStore in a temporary folder, 
 `fn(rank, world_size, *args)` on each, and raises with the failing rank's traceback. Each rank
 uses one intra-op thread: the machine has few cores and results must not depend on threading.
 """
+
 import glob
 import os
 import tempfile

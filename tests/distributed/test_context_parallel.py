@@ -2,12 +2,13 @@
 whole sequence (forward and every input's gradient, on each backend), and cp layouts reproduce the
 one-process run (losses, gradient norms, every parameter's gradient) for both model families,
 alone and with FSDP, TP, activation checkpointing and compile. One spawn per world size."""
+
 import pytest
 import torch
 import torch.distributed as dist
-
 from parity import check_cases
 from spawn import run_ranks
+
 from trillion.kernels import attention
 from trillion.kernels.flash_attention_op import reference_attention
 from trillion.parallel.context_parallel import attention_across_shards, positions_of, shard_sequence
@@ -28,11 +29,21 @@ def _attention_matches_the_whole_sequence(rank: int, cp: int) -> None:
         mine = [shard_sequence(t, rank, cp, dim=2).float().requires_grad_() for t in (q, k, v)]
         out = attention_across_shards(*mine, group=dist.group.WORLD, rank=rank, cp=cp, impl=impl)
         out.backward(shard_sequence(grad, rank, cp, dim=2).float())
-        torch.testing.assert_close(out.double(), shard_sequence(reference, rank, cp, dim=2), rtol=1e-4, atol=1e-5,
-                                   msg=lambda m: f"{impl} output: {m}")
+        torch.testing.assert_close(
+            out.double(),
+            shard_sequence(reference, rank, cp, dim=2),
+            rtol=1e-4,
+            atol=1e-5,
+            msg=lambda m: f"{impl} output: {m}",
+        )
         for name, got, want in zip("qkv", mine, full):
-            torch.testing.assert_close(got.grad.double(), shard_sequence(want.grad, rank, cp, dim=2), rtol=1e-4,
-                                       atol=1e-5, msg=lambda m: f"{impl} d{name}: {m}")
+            torch.testing.assert_close(
+                got.grad.double(),
+                shard_sequence(want.grad, rank, cp, dim=2),
+                rtol=1e-4,
+                atol=1e-5,
+                msg=lambda m: f"{impl} d{name}: {m}",
+            )
 
 
 def _two_ranks(rank: int, world_size: int, cases: list[dict]) -> None:
@@ -55,11 +66,11 @@ def test_positions_and_shards_are_load_balanced():
 def test_cp2_equals_one_process():
     cases = [{"name": f"{f}-cp2", "family": f, "cp": 2} for f in FAMILIES]
     # attention that stays inside each rank's shard (global positions kept) must not pass for it
-    cases += [{"name": "llama-cp2-local-attention", "family": "llama", "cp": 2, "attend": attention,
-               "differs": True}]
-    cases += [{"name": "gpt-cp2-ac-full", "family": "gpt", "cp": 2, "ac": "full", "same_as": "gpt-cp2"},
-              {"name": "llama-cp2-ac-op-compile", "family": "llama", "cp": 2, "ac": "selective:op",
-               "compile": "aot_eager"}]
+    cases += [{"name": "llama-cp2-local-attention", "family": "llama", "cp": 2, "attend": attention, "differs": True}]
+    cases += [
+        {"name": "gpt-cp2-ac-full", "family": "gpt", "cp": 2, "ac": "full", "same_as": "gpt-cp2"},
+        {"name": "llama-cp2-ac-op-compile", "family": "llama", "cp": 2, "ac": "selective:op", "compile": "aot_eager"},
+    ]
     run_ranks(_two_ranks, 2, cases)
 
 
@@ -71,13 +82,27 @@ def test_cp2_with_fsdp_and_with_tensor_parallelism():
 
 @pytest.mark.slow
 def test_cp2_with_hsdp_and_zero_modes():
-    cases = [{"name": "llama-hsdp2xcp2-zero2", "family": "llama", "dp_replicate": 2, "dp_shard": 1, "cp": 2,
-              "mode": "zero2"},
-             {"name": "gpt-cp2xfsdp2-zero1", "family": "gpt", "cp": 2, "dp_shard": 2, "mode": "zero1"}]
+    cases = [
+        {
+            "name": "llama-hsdp2xcp2-zero2",
+            "family": "llama",
+            "dp_replicate": 2,
+            "dp_shard": 1,
+            "cp": 2,
+            "mode": "zero2",
+        },
+        {"name": "gpt-cp2xfsdp2-zero1", "family": "gpt", "cp": 2, "dp_shard": 2, "mode": "zero1"},
+    ]
     run_ranks(check_cases, 4, cases)
 
 
 @pytest.mark.slow  # the Triton kernel under the interpreter
 def test_cp2_on_the_triton_kernel():
-    run_ranks(check_cases, 2, [{"name": "llama-cp2-triton", "family": "llama", "cp": 2, "attention": "triton"},
-                               {"name": "gpt-cp2-triton", "family": "gpt", "cp": 2, "attention": "triton"}])
+    run_ranks(
+        check_cases,
+        2,
+        [
+            {"name": "llama-cp2-triton", "family": "llama", "cp": 2, "attention": "triton"},
+            {"name": "gpt-cp2-triton", "family": "gpt", "cp": 2, "attention": "triton"},
+        ],
+    )

@@ -2,6 +2,7 @@
 (each rank a share of every sequence) and at pp 2 x dp_shard 2 (torch's forward-only schedule): the trainer
 itself runs each layout on gloo, fp32, evaluating before the first step and after every step, and the
 pipeline's evaluations run no backward."""
+
 import json
 import os
 import random
@@ -17,20 +18,39 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spawn import run_ranks  # noqa: E402
 
 STEPS, EVAL_BATCHES = 2, 2
-TINY = ["--model.n_layers=2", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=96",
-        "--training.seq_len=32", "--training.global_batch_size=8", "--training.micro_batch_size=2",
-        f"--training.steps={STEPS}", "--lr_schedule.warmup_steps=1", "--metrics.log_freq=1", "--eval.interval=1",
-        f"--eval.steps={EVAL_BATCHES}", "--eval.held_out=0.25", "--checkpoint.interval=0",
-        "--checkpoint.save_final=false", "--logging.wandb=false", "--logging.progress_bar=lines"]
-LAYOUTS = {"2d": ["--parallel.dp_shard=2", "--parallel.tp=2"], "pp": ["--parallel.pp=2", "--parallel.dp_shard=2"],
-           "cp": ["--parallel.cp=2", "--parallel.dp_shard=2"]}
+TINY = [
+    "--model.n_layers=2",
+    "--model.dim=64",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.ffn_dim=96",
+    "--training.seq_len=32",
+    "--training.global_batch_size=8",
+    "--training.micro_batch_size=2",
+    f"--training.steps={STEPS}",
+    "--lr_schedule.warmup_steps=1",
+    "--metrics.log_freq=1",
+    "--eval.interval=1",
+    f"--eval.steps={EVAL_BATCHES}",
+    "--eval.held_out=0.25",
+    "--checkpoint.interval=0",
+    "--checkpoint.save_final=false",
+    "--logging.wandb=false",
+    "--logging.progress_bar=lines",
+]
+LAYOUTS = {
+    "2d": ["--parallel.dp_shard=2", "--parallel.tp=2"],
+    "pp": ["--parallel.pp=2", "--parallel.dp_shard=2"],
+    "cp": ["--parallel.cp=2", "--parallel.dp_shard=2"],
+}
 
 
 def _corpus(path: Path) -> Path:
     rng = random.Random(5)
     words = ["def", "return", "self", "import", "class", "for", "in", "if", "x", "y", "(", ")", ":", "\n    "]
-    path.write_text("".join(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(20, 120)))}) + "\n"
-                            for _ in range(200)))
+    path.write_text(
+        "".join(json.dumps({"text": " ".join(rng.choices(words, k=rng.randint(20, 120)))}) + "\n" for _ in range(200))
+    )
     return path
 
 
@@ -61,8 +81,9 @@ def _forward_only_pipeline_evaluation() -> dict:
             seen["evaluating"] = False
         assert not loss.requires_grad
         assert all(p.grad is None for part in self.parts for p in part.parameters()), "evaluation made gradients"
-        assert all(info.buffer is None for stage in self.stages for infos in stage.grad_recv_info.values()
-                   for info in infos), "a gradient receive buffer outlived the evaluation"
+        assert all(
+            info.buffer is None for stage in self.stages for infos in stage.grad_recv_info.values() for info in infos
+        ), "a gradient receive buffer outlived the evaluation"
         seen["evaluations"] += 1
         return loss
 

@@ -1,5 +1,6 @@
 """`trillion train` under torchrun, except that rank 1 stalls (as a hung GPU would) before the
 forward of step STALL_AT_STEP, for longer than the collective timeout."""
+
 import os
 import sys
 import time

@@ -9,6 +9,7 @@ gradients FSDP accumulated and the parameters it still holds gathered are read o
 the schedule's receive buffers are read off the stages. Activations are the peak of the storages
 created during a second step of the same schedule on TP-only stages (the first sets it up).
 """
+
 import contextlib
 import json
 import weakref
@@ -23,15 +24,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from trillion.models import Transformer
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
-from trillion.trainer.tools.estimate.dry_run import storage_bytes
-from trillion.trainer.tools.estimate.activations import measure_micro_batch
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline
 from trillion.parallel.tensor_parallel import apply_tensor_parallel, loss_context
+from trillion.trainer.assemble import batch_split, build_model_args, build_parallel_dims
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.launch.env import LaunchEnv
 from trillion.trainer.optim import build_optimizer
-from trillion.trainer.assemble import batch_split, build_model_args, build_parallel_dims
+from trillion.trainer.tools.estimate.activations import measure_micro_batch
+from trillion.trainer.tools.estimate.dry_run import storage_bytes
 from trillion.trainer.train import train_step
 
 
@@ -56,8 +57,12 @@ def _plain_rank(config, args, dims, micro_batches) -> dict:
     inputs, labels = micro_batches[0]
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize(model, dims, dp_shard_mode=config.parallel.dp_shard_mode,
-                activation_checkpoint=config.parallel.activation_checkpoint)
+    parallelize(
+        model,
+        dims,
+        dp_shard_mode=config.parallel.dp_shard_mode,
+        activation_checkpoint=config.parallel.activation_checkpoint,
+    )
     model.to_empty(device="cpu")
     model.init_weights(0)
     optimizer = build_optimizer(model, config.optimizer, "cpu")
@@ -66,8 +71,11 @@ def _plain_rank(config, args, dims, micro_batches) -> dict:
         F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum").backward()
     optimizer.step()
     params = list(model.parameters())
-    record = {"parameters": storage_bytes(params), "gradient_shards": storage_bytes([p.grad for p in params]),
-              "optimizer": _optimizer_bytes(optimizer)}
+    record = {
+        "parameters": storage_bytes(params),
+        "gradient_shards": storage_bytes([p.grad for p in params]),
+        "optimizer": _optimizer_bytes(optimizer),
+    }
 
     # 2. activations on real tensors: the same TP plan and checkpointing (FSDP does not change them)
     plain = _tp_only(Transformer(args), config, dims)
@@ -91,8 +99,15 @@ def _build_pipeline(config, args, dims, n_microbatches: int, layout) -> Pipeline
     """This rank's stages as trainer/train.py builds them, materialized and wrapped in the schedule."""
     with torch.device("meta"):
         model = Transformer(args)
-    pipeline = Pipeline(model, dims, config.parallel.pp_schedule, n_microbatches, torch.device("cpu"),
-                        virtual=config.parallel.pp_virtual_stages, parallelize_fn=layout)
+    pipeline = Pipeline(
+        model,
+        dims,
+        config.parallel.pp_schedule,
+        n_microbatches,
+        torch.device("cpu"),
+        virtual=config.parallel.pp_virtual_stages,
+        parallelize_fn=layout,
+    )
     for part in pipeline.parts:
         part.to_empty(device="cpu")
         part.init_weights(config.job.seed)
@@ -102,8 +117,13 @@ def _build_pipeline(config, args, dims, n_microbatches: int, layout) -> Pipeline
 
 def _pipeline_rank(config, args, dims, micro_batches) -> dict:
     p = config.parallel
-    trainer_layout = lambda part: parallelize(part, dims, dp_shard_mode=p.dp_shard_mode,  # noqa: E731
-                                              activation_checkpoint=p.activation_checkpoint, pp_schedule=p.pp_schedule)
+    trainer_layout = lambda part: parallelize(
+        part,
+        dims,
+        dp_shard_mode=p.dp_shard_mode,  # noqa: E731
+        activation_checkpoint=p.activation_checkpoint,
+        pp_schedule=p.pp_schedule,
+    )
     pipeline = _build_pipeline(config, args, dims, len(micro_batches), trainer_layout)
     model = pipeline.model
     optimizer = build_optimizer(model, config.optimizer, "cpu")
@@ -111,12 +131,26 @@ def _pipeline_rank(config, args, dims, micro_batches) -> dict:
     for stage in pipeline.stages:
         stage.perform_reduce_grad = _recording_before(stage.perform_reduce_grad, stage.submod, held)
     record = {}
-    optimizer.register_step_pre_hook(lambda *_: record.update(gradient_shards=storage_bytes(
-        [q.grad for q in model.parameters() if q.grad is not None])))
-    train_step(pipeline, micro_batches, optimizer, torch.amp.GradScaler("cpu", enabled=False), contextlib.nullcontext(),
-               config.training.max_grad_norm, dims)
-    record.update(parameters=storage_bytes(model.parameters()), optimizer=_optimizer_bytes(optimizer),
-                  pipeline_receive=storage_bytes(_receive_buffers(pipeline)), **held)
+    optimizer.register_step_pre_hook(
+        lambda *_: record.update(
+            gradient_shards=storage_bytes([q.grad for q in model.parameters() if q.grad is not None])
+        )
+    )
+    train_step(
+        pipeline,
+        micro_batches,
+        optimizer,
+        torch.amp.GradScaler("cpu", enabled=False),
+        contextlib.nullcontext(),
+        config.training.max_grad_norm,
+        dims,
+    )
+    record.update(
+        parameters=storage_bytes(model.parameters()),
+        optimizer=_optimizer_bytes(optimizer),
+        pipeline_receive=storage_bytes(_receive_buffers(pipeline)),
+        **held,
+    )
 
     # activations: the same schedule over TP-only stages, measured in its second step
     tp_pipeline = _build_pipeline(config, args, dims, len(micro_batches), lambda part: _tp_only(part, config, dims))
@@ -129,11 +163,20 @@ def _recording_before(reduce, module: nn.Module, held: dict):
     from torch.distributed.fsdp import FSDPModule
 
     def record(*args, **kwargs):
-        fsdp_params = [fp for m in module.modules() if isinstance(m, FSDPModule)
-                       for group in m._get_fsdp_state()._fsdp_param_groups for fp in group.fsdp_params]
+        fsdp_params = [
+            fp
+            for m in module.modules()
+            if isinstance(m, FSDPModule)
+            for group in m._get_fsdp_state()._fsdp_param_groups
+            for fp in group.fsdp_params
+        ]
         held["gradient_accumulation"] += storage_bytes(
-            [fp.unsharded_accumulated_grad if fp.unsharded_accumulated_grad is not None else fp.unsharded_param.grad
-             for fp in fsdp_params if fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None])
+            [
+                fp.unsharded_accumulated_grad if fp.unsharded_accumulated_grad is not None else fp.unsharded_param.grad
+                for fp in fsdp_params
+                if fp.unsharded_accumulated_grad is not None or fp.unsharded_param.grad is not None
+            ]
+        )
         held["fsdp_gathered"] += storage_bytes([fp.unsharded_param for fp in fsdp_params])
         return reduce(*args, **kwargs)
 
@@ -141,8 +184,12 @@ def _recording_before(reduce, module: nn.Module, held: dict):
 
 
 def _receive_buffers(pipeline: Pipeline) -> list[torch.Tensor]:
-    infos = [info for stage in pipeline.stages
-             for recv in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()) for info in recv]
+    infos = [
+        info
+        for stage in pipeline.stages
+        for recv in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+        for info in recv
+    ]
     return [info.buffer for info in infos if info.buffer is not None]
 
 
@@ -156,7 +203,9 @@ def _schedule_peak(pipeline: Pipeline, micro_batches) -> int:
     for q in params:
         q.grad = None
         q.register_post_accumulate_grad_hook(lambda q: setattr(q, "grad", None))
-    with _LiveBytes([*params, *(b for part in pipeline.parts for b in part.buffers()), *_receive_buffers(pipeline)]) as live:
+    with _LiveBytes(
+        [*params, *(b for part in pipeline.parts for b in part.buffers()), *_receive_buffers(pipeline)]
+    ) as live:
         pipeline.step(micro_batches, tokens)
     return live.peak
 

@@ -1,12 +1,18 @@
 """`trillion estimate` as a user meets it: the table, JSON, a layout that does not fit, refusals."""
+
 import json
 
 import pytest
 
 from trillion.trainer.cli.main import main
 
-SMALL = ["--config", "experiments/configs/debug_2d_cpu.toml", "--job.device=cpu", "--model.n_layers=2",
-         "--training.seq_len=64"]
+SMALL = [
+    "--config",
+    "experiments/configs/debug_2d_cpu.toml",
+    "--job.device=cpu",
+    "--model.n_layers=2",
+    "--training.seq_len=64",
+]
 
 
 def _tiny_device(tmp_path, gb: float) -> str:
@@ -23,7 +29,9 @@ def test_table_and_json_agree(capsys):
     assert main(["estimate", *SMALL, "--world-size", "4", "--ranks", "first,last", "--hardware", "frontier"]) == 0
     table = capsys.readouterr().out
     assert "dp_shard=1,tp=1" in table and "planner" in table and "yes" in table
-    assert main(["estimate", *SMALL, "--ranks", "all", "--format", "json", "--hardware", "frontier"]) == 0  # world from the comment
+    assert (
+        main(["estimate", *SMALL, "--ranks", "all", "--format", "json", "--hardware", "frontier"]) == 0
+    )  # world from the comment
     data = json.loads(capsys.readouterr().out)
     assert data["world_size"] == 4 and [r["rank"] for r in data["ranks"]] == [0, 1, 2, 3]
     assert all(r["fits"] and r["activations_source"] == "measured" for r in data["ranks"])
@@ -38,8 +46,16 @@ def test_layout_that_does_not_fit_names_rank_shortfall_and_fix(tmp_path, capsys)
     assert "Activations dominate" in err and "--parallel.activation_checkpoint=full" in err
 
 
-PIPELINE = [*SMALL, "--world-size", "4", "--parallel.pp=2", "--parallel.tp=1", "--parallel.dp_shard=2",
-            "--training.global_batch_size=256", "--training.micro_batch_size=1"]  # 128 micro-batches per pipeline
+PIPELINE = [
+    *SMALL,
+    "--world-size",
+    "4",
+    "--parallel.pp=2",
+    "--parallel.tp=1",
+    "--parallel.dp_shard=2",
+    "--training.global_batch_size=256",
+    "--training.micro_batch_size=1",
+]  # 128 micro-batches per pipeline
 
 
 def test_pipeline_stages_that_do_not_fit_name_the_stage_and_what_to_change(tmp_path, capsys):
@@ -61,13 +77,26 @@ def test_pipeline_stages_that_do_not_fit_name_the_stage_and_what_to_change(tmp_p
 def test_a_stage_with_more_than_its_share_of_layers_gets_stage_sizes_that_even_them_out(tmp_path, capsys):
     """debug's 4 layers on 4 stages: the automatic split (embedding and output count as a layer each)
     gives E | 2 | 2 | O; the advice sizes them E+1 | 1 | 1 | 1+O, which the trainer accepts."""
-    layout = [*SMALL[:2], "--job.device=cpu", "--training.seq_len=64", "--world-size", "4", "--parallel.pp=4",
-              "--parallel.tp=1", "--parallel.dp_shard=1", "--training.global_batch_size=8",
-              "--training.micro_batch_size=1", "--hardware", _tiny_device(tmp_path, 0.02)]
+    layout = [
+        *SMALL[:2],
+        "--job.device=cpu",
+        "--training.seq_len=64",
+        "--world-size",
+        "4",
+        "--parallel.pp=4",
+        "--parallel.tp=1",
+        "--parallel.dp_shard=1",
+        "--training.global_batch_size=8",
+        "--training.micro_batch_size=1",
+        "--hardware",
+        _tiny_device(tmp_path, 0.02),
+    ]
     assert main(["estimate", *layout]) == 1
     err = capsys.readouterr().err
     even = "--parallel.pp_layers_per_stage=1 --parallel.pp_first_stage_layers=1 --parallel.pp_last_stage_layers=1"
-    assert "rank 1 (pp 1) of 4" in err and f"this rank's stage holds 2 layers where an even split gives 1: {even}" in err
+    assert (
+        "rank 1 (pp 1) of 4" in err and f"this rank's stage holds 2 layers where an even split gives 1: {even}" in err
+    )
     assert main(["estimate", *layout, *even.split(), "--ranks", "all", "--format", "json"]) in (0, 1)
     data = json.loads(capsys.readouterr().out)
     assert [units for units in data["layout"]["stage_units"]] == [[0, 2], [2, 3], [3, 4], [4, 6]]
@@ -82,18 +111,38 @@ def test_refusals_are_one_paragraph(capsys):
     assert "--ranks" in capsys.readouterr().err
 
 
-NO_STAGE_SIZES = ["--parallel.pp_layers_per_stage=0", "--parallel.pp_first_stage_layers=-1",
-                  "--parallel.pp_last_stage_layers=-1"]  # the shipped 1T config sizes its pipeline stages
+NO_STAGE_SIZES = [
+    "--parallel.pp_layers_per_stage=0",
+    "--parallel.pp_first_stage_layers=-1",
+    "--parallel.pp_last_stage_layers=-1",
+]  # the shipped 1T config sizes its pipeline stages
 
 
 @pytest.mark.slow
 def test_gpt_1t_on_3072_ranks_fits_a_mi250x_gcd_under_zero3(capsys):
     """dp_shard 384 x tp 8, zero3, full checkpointing: under a minute, and it fits 64 GB."""
     import time
+
     start = time.perf_counter()
-    code = main(["estimate", "--config", "experiments/configs/gpt_1t_frontier.toml", "--world-size", "3072",
-                 "--parallel.pp=1", "--parallel.tp=8", "--parallel.dp_shard=384", "--parallel.dp_shard_mode=zero3",
-                 *NO_STAGE_SIZES, "--training.global_batch_size=1536", "--hardware", "frontier", "--format", "json"])
+    code = main(
+        [
+            "estimate",
+            "--config",
+            "experiments/configs/gpt_1t_frontier.toml",
+            "--world-size",
+            "3072",
+            "--parallel.pp=1",
+            "--parallel.tp=8",
+            "--parallel.dp_shard=384",
+            "--parallel.dp_shard_mode=zero3",
+            *NO_STAGE_SIZES,
+            "--training.global_batch_size=1536",
+            "--hardware",
+            "frontier",
+            "--format",
+            "json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and time.perf_counter() - start < 90
     first = data["ranks"][0]
@@ -106,10 +155,26 @@ def test_gpt_1t_on_3072_ranks_fits_a_mi250x_gcd_under_zero3(capsys):
 def test_steps_run_the_training_loop_as_the_first_and_last_rank(capsys):
     """dp_shard 2 x tp 2 with a vocabulary split unevenly over dp_shard (129 rows per tp rank): the last
     rank, simulated after the first in the same process, shards it its own way."""
-    assert main(["estimate", "--config", "experiments/configs/debug_2d_cpu.toml", "--job.device=cpu",
-                 "--steps", "2", "--format", "json"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--config",
+                "experiments/configs/debug_2d_cpu.toml",
+                "--job.device=cpu",
+                "--steps",
+                "2",
+                "--format",
+                "json",
+            ]
+        )
+        == 0
+    )
     runs = json.loads(capsys.readouterr().out)["steps"]
-    assert [(r["rank"], r["steps"], r["stopped"], r["failed"]) for r in runs] == [(0, 2, None, None), (3, 2, None, None)]
+    assert [(r["rank"], r["steps"], r["stopped"], r["failed"]) for r in runs] == [
+        (0, 2, None, None),
+        (3, 2, None, None),
+    ]
 
 
 def test_steps_with_a_pipeline_stop_at_the_schedule_and_say_why(capsys):
@@ -129,8 +194,19 @@ def test_paper_1t_layout_every_rank_in_under_a_minute(capsys):
     from trillion.models.presets import get_preset
 
     start = time.perf_counter()
-    main(["estimate", "--config", "experiments/configs/gpt_1t_frontier.toml", "--hardware", "frontier",
-          "--ranks", "all", "--format", "json"])
+    main(
+        [
+            "estimate",
+            "--config",
+            "experiments/configs/gpt_1t_frontier.toml",
+            "--hardware",
+            "frontier",
+            "--ranks",
+            "all",
+            "--format",
+            "json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert time.perf_counter() - start < 60
     assert [r["rank"] for r in data["ranks"]] == list(range(1024))
@@ -144,8 +220,18 @@ def test_context_parallelism_divides_each_ranks_activations(tmp_path, capsys):
     (measured, at equal world size), and the advice for activations that do not fit names cp. The excess
     over 1/cp is the block's gathered K/V, a sizeable term only in a model this small (K/V half as wide
     as the hidden state, a 320-token vocabulary): llama3-8b at 131072 tokens measures 1/cp exactly."""
-    long = [*SMALL[:-1], "--training.seq_len=1024", "--world-size", "4", "--parallel.tp=1", "--ranks", "first",
-            "--parallel.activation_checkpoint=full", "--training.global_batch_size=4", "--training.micro_batch_size=1"]
+    long = [
+        *SMALL[:-1],
+        "--training.seq_len=1024",
+        "--world-size",
+        "4",
+        "--parallel.tp=1",
+        "--ranks",
+        "first",
+        "--parallel.activation_checkpoint=full",
+        "--training.global_batch_size=4",
+        "--training.micro_batch_size=1",
+    ]
     peaks = {}
     for cp in (1, 4):
         assert main(["estimate", *long, f"--parallel.cp={cp}", f"--parallel.dp_shard={4 // cp}", "--format=json"]) == 0

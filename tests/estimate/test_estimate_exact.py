@@ -3,6 +3,7 @@ parameter, gradient and optimizer-state bytes per rank equal exactly (with pipel
 schedule's receive buffers and the parameters FSDP keeps gathered); the activation peak measured on
 meta tensors is within 10% of the same measurement on real tensors (with pipelining: of a real
 schedule step)."""
+
 import json
 import os
 import sys
@@ -10,15 +11,22 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
+from real_run import measure_rank  # noqa: E402
 from spawn import run_ranks  # noqa: E402
 
-from trillion.trainer.tools.estimate.dry_run import estimate  # noqa: E402
 from trillion.trainer.config.schema import load_config  # noqa: E402
-from real_run import measure_rank  # noqa: E402
+from trillion.trainer.tools.estimate.dry_run import estimate  # noqa: E402
 
 # fp32 on CPU; dp_shard 3 would not divide the vocabulary: 2, 4 and 8 ranks keep the runs short
-BASE = ["--job.device=cpu", "--model.name=debug", "--model.n_layers=2", "--training.seq_len=64",
-        "--training.global_batch_size=4", "--training.micro_batch_size=2", "--optimizer.implementation=foreach"]
+BASE = [
+    "--job.device=cpu",
+    "--model.name=debug",
+    "--model.n_layers=2",
+    "--training.seq_len=64",
+    "--training.global_batch_size=4",
+    "--training.micro_batch_size=2",
+    "--optimizer.implementation=foreach",
+]
 # pipelines: 4 micro-batches of 1 sequence per pipeline, so 1F1B keeps 2 in flight on the first stage
 PP = ["--parallel.pp=2", "--training.micro_batch_size=1"]
 LAYOUTS = {
@@ -26,24 +34,48 @@ LAYOUTS = {
     "tp2": (2, ["--parallel.dp_shard=1", "--parallel.tp=2"]),
     "dp_shard2xtp2": (4, ["--parallel.dp_shard=2", "--parallel.tp=2"]),
     "dp_shard2-ac-full": (2, ["--parallel.dp_shard=2", "--parallel.activation_checkpoint=full"]),
-    "tp2-ac-full-gpt": (2, ["--parallel.dp_shard=1", "--parallel.tp=2", "--parallel.activation_checkpoint=full",
-                            "--model.name=debug-gpt"]),
-    "dp_shard2xtp2-zero1-gpt": (4, ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.dp_shard_mode=zero1",
-                                    "--model.name=debug-gpt"]),
+    "tp2-ac-full-gpt": (
+        2,
+        ["--parallel.dp_shard=1", "--parallel.tp=2", "--parallel.activation_checkpoint=full", "--model.name=debug-gpt"],
+    ),
+    "dp_shard2xtp2-zero1-gpt": (
+        4,
+        ["--parallel.dp_shard=2", "--parallel.tp=2", "--parallel.dp_shard_mode=zero1", "--model.name=debug-gpt"],
+    ),
     "pp2": (2, [*PP, "--parallel.dp_shard=1"]),
     "pp2xdp_shard2": (4, [*PP, "--parallel.dp_shard=2", "--training.global_batch_size=8"]),
-    "pp2xdp_shard2-ac-full-zero1-gpt": (4, [*PP, "--parallel.dp_shard=2", "--training.global_batch_size=8",
-                                            "--parallel.activation_checkpoint=full", "--parallel.dp_shard_mode=zero1",
-                                            "--model.name=debug-gpt"]),
-    "pp2-gpipe-ac-full": (2, [*PP, "--parallel.dp_shard=1", "--parallel.pp_schedule=GPipe",
-                              "--parallel.activation_checkpoint=full"]),
-    "pp2xdp_replicate2": (4, [*PP, "--parallel.dp_shard=1", "--parallel.dp_replicate=2",
-                              "--training.global_batch_size=8"]),
+    "pp2xdp_shard2-ac-full-zero1-gpt": (
+        4,
+        [
+            *PP,
+            "--parallel.dp_shard=2",
+            "--training.global_batch_size=8",
+            "--parallel.activation_checkpoint=full",
+            "--parallel.dp_shard_mode=zero1",
+            "--model.name=debug-gpt",
+        ],
+    ),
+    "pp2-gpipe-ac-full": (
+        2,
+        [*PP, "--parallel.dp_shard=1", "--parallel.pp_schedule=GPipe", "--parallel.activation_checkpoint=full"],
+    ),
+    "pp2xdp_replicate2": (
+        4,
+        [*PP, "--parallel.dp_shard=1", "--parallel.dp_replicate=2", "--training.global_batch_size=8"],
+    ),
     "pp2-interleaved": (2, [*PP, "--parallel.dp_shard=1", "--parallel.pp_schedule=Interleaved1F1B"]),
     "pp2xdp_shard2xtp2": (8, [*PP, "--parallel.dp_shard=2", "--parallel.tp=2", "--training.global_batch_size=8"]),
-    "pp2xdp_shard2xtp2-ac-full-gpt": (8, [*PP, "--parallel.dp_shard=2", "--parallel.tp=2",
-                                          "--training.global_batch_size=8", "--parallel.activation_checkpoint=full",
-                                          "--model.name=debug-gpt"]),
+    "pp2xdp_shard2xtp2-ac-full-gpt": (
+        8,
+        [
+            *PP,
+            "--parallel.dp_shard=2",
+            "--parallel.tp=2",
+            "--training.global_batch_size=8",
+            "--parallel.activation_checkpoint=full",
+            "--model.name=debug-gpt",
+        ],
+    ),
 }
 EXACT = ("parameters", "gradient_shards", "optimizer")
 PIPELINE_EXACT = ("pipeline_receive", "fsdp_gathered", "gradient_accumulation")  # detail entries, pp > 1

@@ -2,6 +2,7 @@
 autotuning on, under torch.compile, against a float64 reference; and a short training run with
 Triton attention against SDPA. Under 5 minutes on one H100/H200; run by experiments/bench/device_check.sh.
 """
+
 import json
 import os
 import subprocess
@@ -12,9 +13,13 @@ import torch
 
 from trillion.kernels._triton_setup import interpreting
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available() or interpreting(),
-    reason="needs a GPU and the native Triton compiler: run `pytest -m gpu` on a GPU machine")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or interpreting(),
+        reason="needs a GPU and the native Triton compiler: run `pytest -m gpu` on a GPU machine",
+    ),
+]
 
 DTYPES = (torch.bfloat16, torch.float16)
 # (batch, q_heads, kv_heads, q_len, kv_len): grouped queries with sequence tails off every block
@@ -23,8 +28,13 @@ DTYPES = (torch.bfloat16, torch.float16)
 # interpreter tests (tests/kernels) cover the shapes, this tier the native code.
 SHAPES = ((2, 8, 2, 1000, 1000), (1, 4, 4, 128, 640))
 # (dtype, head_dim, causal): both dtypes, both head dims, both masks.
-ATTENTION_CASES = ((torch.bfloat16, 128, True), (torch.bfloat16, 64, True), (torch.bfloat16, 128, False),
-                   (torch.float16, 128, True), (torch.float16, 64, False))
+ATTENTION_CASES = (
+    (torch.bfloat16, 128, True),
+    (torch.bfloat16, 64, True),
+    (torch.bfloat16, 128, False),
+    (torch.float16, 128, True),
+    (torch.float16, 64, False),
+)
 
 
 def _attention_grads(fn, q, k, v, grad, dtype):
@@ -89,11 +99,24 @@ def test_norms_under_compile_match_float32(dtype, kind):
 
 def _train(tmp_path, attention: str) -> list[float]:
     out = tmp_path / attention
-    args = [sys.executable, "-m", "trillion", "train", f"--job.output_dir={out}", "--model.name=debug",
-            f"--kernels.attention={attention}", "--training.steps=30", "--training.seq_len=256",
-            "--metrics.log_freq=1", "--checkpoint.interval=0", "--logging.wandb=false", "--job.seed=7"]
-    result = subprocess.run(args, capture_output=True, text=True, timeout=240,
-                            env={**os.environ, "TRITON_INTERPRET": "0"})
+    args = [
+        sys.executable,
+        "-m",
+        "trillion",
+        "train",
+        f"--job.output_dir={out}",
+        "--model.name=debug",
+        f"--kernels.attention={attention}",
+        "--training.steps=30",
+        "--training.seq_len=256",
+        "--metrics.log_freq=1",
+        "--checkpoint.interval=0",
+        "--logging.wandb=false",
+        "--job.seed=7",
+    ]
+    result = subprocess.run(
+        args, capture_output=True, text=True, timeout=240, env={**os.environ, "TRITON_INTERPRET": "0"}
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["mfu"] is None or records[-1]["mfu"] > 0

@@ -28,10 +28,15 @@ def test_report_covers_every_shipped_config_and_every_row_passes_the_gates(recor
     data, by_key = record
     shipped = aot.cases(list(aot.ARCHS))
     missing = [c for c in shipped if aot.launch_key(c) not in by_key]
-    assert not missing, (f"{len(missing)} launches are not in {RECORD.name} (kernels or configs changed): regenerate it "
-                         f"with the command at the top of RESOURCES.md; first: {missing[0]}")
-    failing = [(c.arch, c.kernel, c.dtype, c.size, c.causal, c.label, by_key[aot.launch_key(c)]["problems"])
-               for c in shipped if by_key[aot.launch_key(c)]["problems"]]
+    assert not missing, (
+        f"{len(missing)} launches are not in {RECORD.name} (kernels or configs changed): regenerate it "
+        f"with the command at the top of RESOURCES.md; first: {missing[0]}"
+    )
+    failing = [
+        (c.arch, c.kernel, c.dtype, c.size, c.causal, c.label, by_key[aot.launch_key(c)]["problems"])
+        for c in shipped
+        if by_key[aot.launch_key(c)]["problems"]
+    ]
     assert not failing, failing
     for arch in aot.ARCHS:  # every attention kernel that multiplies matrices uses the matrix cores
         rows = [r for r in data["rows"] if r["arch"] == arch and r["kernel"] in ("fwd", "dkdv", "dq")]
@@ -52,14 +57,23 @@ def _compiler_process(code: str, tmp_path) -> dict:
 def test_the_report_is_what_this_compiler_produces(record, arch, tmp_path):
     """Recompiles (no cache) the quickest forward config of the report on each architecture."""
     data, by_key = record
-    quickest = min((c for c in aot.cases([arch], head_dims=(128,), dtypes=("bf16",), causal_modes=(True,), norms=False)
-                    if c.kernel == "fwd"), key=lambda c: by_key[aot.launch_key(c)]["compile_s"])
-    fresh = _compiler_process(f"""
+    quickest = min(
+        (
+            c
+            for c in aot.cases([arch], head_dims=(128,), dtypes=("bf16",), causal_modes=(True,), norms=False)
+            if c.kernel == "fwd"
+        ),
+        key=lambda c: by_key[aot.launch_key(c)]["compile_s"],
+    )
+    fresh = _compiler_process(
+        f"""
 import json
 from trillion.kernels import aot
 case = aot.{quickest!r}
 result = aot.compile_case(case, use_cache=False)
-print(json.dumps({{**result, "problems": aot.problems(case, result)}}))""", tmp_path)
+print(json.dumps({{**result, "problems": aot.problems(case, result)}}))""",
+        tmp_path,
+    )
     assert not fresh["problems"], fresh["problems"]
     if data["triton"] == triton.__version__:
         recorded = by_key[aot.launch_key(quickest)]
@@ -86,15 +100,24 @@ def test_the_launch_is_specialized_as_the_jit_does():
 
 
 def test_resources_are_read_from_ptxas_and_amdgpu_output():
-    log = ("ptxas info    : Function properties for attn_fwd\n    112 bytes stack frame, 108 bytes spill stores, "
-           "96 bytes spill loads\nptxas info    : Used 255 registers, used 1 barriers, 448 bytes cmem[0]\n")
+    log = (
+        "ptxas info    : Function properties for attn_fwd\n    112 bytes stack frame, 108 bytes spill stores, "
+        "96 bytes spill loads\nptxas info    : Used 255 registers, used 1 barriers, 448 bytes cmem[0]\n"
+    )
     assert aot._read_ptxas(log) == {"registers": 255, "spill_bytes": 108, "scratch_bytes": 112}
-    asm = ("\t.amdhsa_private_segment_fixed_size 292\n; Occupancy: 2\n  - .agpr_count:     4\n    .sgpr_count:     105\n"
-           "    .sgpr_spill_count: 0\n    .private_segment_fixed_size: 292\n    .vgpr_count:     256\n"
-           "    .vgpr_spill_count: 102\n")
+    asm = (
+        "\t.amdhsa_private_segment_fixed_size 292\n; Occupancy: 2\n  - .agpr_count:     4\n    .sgpr_count:     105\n"
+        "    .sgpr_spill_count: 0\n    .private_segment_fixed_size: 292\n    .vgpr_count:     256\n"
+        "    .vgpr_spill_count: 102\n"
+    )
     read = aot._read_amdgcn(asm)
     assert (read["registers"], read["sgprs"], read["vgpr_spills"], read["scratch_bytes"], read["occupancy"]) == (
-        256, 105, 102, 292, 2)
+        256,
+        105,
+        102,
+        292,
+        2,
+    )
 
 
 def test_gates_fail_spills_scratch_shared_memory_and_scalar_fallbacks():
@@ -111,13 +134,17 @@ def test_gates_fail_spills_scratch_shared_memory_and_scalar_fallbacks():
 
 def test_report_command_prints_json_and_writes_markdown(tmp_path):
     markdown = tmp_path / "RESOURCES.md"
-    printed = _compiler_process(f"""
+    printed = _compiler_process(
+        f"""
 from trillion.kernels import aot, report
 aot.NORM_WIDTHS, aot.WIDE_NORM_WIDTHS = (2048,), ()
 assert report.main(["--arch", "gfx90a", "--kernels", "norm", "--dtype", "fp16", "--format", "json",
-                    "--markdown", {str(markdown)!r}]) == 0""", tmp_path)
+                    "--markdown", {str(markdown)!r}]) == 0""",
+        tmp_path,
+    )
     assert {(r["kernel"], r["arch"], r["dtype"], r["size"]) for r in printed["rows"]} == {
-        (k, "gfx90a", "fp16", 2048) for k in aot.NORM_KERNELS}
+        (k, "gfx90a", "fp16", 2048) for k in aot.NORM_KERNELS
+    }
     assert all(r["registers"] > 0 and r["problems"] == [] for r in printed["rows"])
     assert "## gfx90a (0 of 4 failing)" in markdown.read_text()
 
@@ -131,10 +158,18 @@ def test_report_command_refuses_unknown_architectures():
 def test_every_shipped_config_compiles_without_spills_on_every_architecture():
     """The whole grid, compiled afresh here (TRILLION_AOT_CACHE, if set, is reused)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-m", "trillion.kernels.report", "--format", "json"], capture_output=True,
-                            text=True, env=env, timeout=6 * 3600)
-    failing = [(r["arch"], r["kernel"], r["dtype"], r["size"], r["causal"], r["config"], r["problems"])
-               for r in json.loads(result.stdout)["rows"] if r["problems"]]
+    result = subprocess.run(
+        [sys.executable, "-m", "trillion.kernels.report", "--format", "json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=6 * 3600,
+    )
+    failing = [
+        (r["arch"], r["kernel"], r["dtype"], r["size"], r["causal"], r["config"], r["problems"])
+        for r in json.loads(result.stdout)["rows"]
+        if r["problems"]
+    ]
     assert not failing and result.returncode == 0, failing
 
 
@@ -144,6 +179,7 @@ def test_search_covers_tiles_warps_stages_and_amd_occupancy():
     assert len(amd) == len(nvidia) * len(report.SEARCH_WAVES)
     assert {(c.kernel, c.arch, c.dtype, c.size, c.causal) for c in nvidia} == {("dkdv", "sm90", "bf16", 128, True)}
     assert all({"waves_per_eu", "matrix_instr_nonkdim"} <= dict(c.config).keys() for c in amd)
-    shipped = {c.config for c in aot.cases(["gfx942"], head_dims=(128,), dtypes=("bf16",), norms=False)
-               if c.kernel == "fwd"}
+    shipped = {
+        c.config for c in aot.cases(["gfx942"], head_dims=(128,), dtypes=("bf16",), norms=False) if c.kernel == "fwd"
+    }
     assert shipped <= {c.config for c in amd}  # the search spans the shipped forward configs

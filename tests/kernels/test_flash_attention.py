@@ -110,7 +110,7 @@ def test_causal_alignment_is_lower_right_like_torch():
 def _nan_view(shape, values, pad=(1, 2, 3, 5)):
     """`values` written into the middle of a larger NaN buffer, returned as a strided view."""
     buf = torch.full([n + p for n, p in zip(shape, pad)], float("nan"), dtype=values.dtype)
-    view = buf[1:1 + shape[0], 1:1 + shape[1], 2:2 + shape[2], 3:3 + shape[3]]
+    view = buf[1 : 1 + shape[0], 1 : 1 + shape[1], 2 : 2 + shape[2], 3 : 3 + shape[3]]
     view.copy_(values)
     return view
 

@@ -43,8 +43,15 @@ def test_triton_norm_modules_subclass_torch_ones():
 
 
 def _train_losses(preset: str, attention_impl: str, norm_impl: str, steps: int = 3) -> list[float]:
-    args = dataclasses.replace(get_preset(preset), n_layers=2, dim=64, n_heads=4, n_kv_heads=2 if preset == "debug" else None,
-                               attention_impl=attention_impl, norm_impl=norm_impl)
+    args = dataclasses.replace(
+        get_preset(preset),
+        n_layers=2,
+        dim=64,
+        n_heads=4,
+        n_kv_heads=2 if preset == "debug" else None,
+        attention_impl=attention_impl,
+        norm_impl=norm_impl,
+    )
     model = Transformer(args)
     model.init_weights(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -86,10 +93,24 @@ def test_trainer_with_triton_kernels_matches_sdpa_losses(tmp_path):
 
     def losses(attention_impl: str, norm_impl: str) -> list[float]:
         out = tmp_path / attention_impl
-        status = main(["train", f"--job.output_dir={out}", "--model.n_layers=2", "--model.dim=64", "--model.n_heads=4",
-                       "--model.n_kv_heads=2", "--training.steps=3", "--training.seq_len=32",
-                       "--training.global_batch_size=2", "--training.micro_batch_size=2", "--metrics.log_freq=1",
-                       "--checkpoint.interval=0", f"--kernels.attention={attention_impl}", f"--kernels.norm={norm_impl}"])
+        status = main(
+            [
+                "train",
+                f"--job.output_dir={out}",
+                "--model.n_layers=2",
+                "--model.dim=64",
+                "--model.n_heads=4",
+                "--model.n_kv_heads=2",
+                "--training.steps=3",
+                "--training.seq_len=32",
+                "--training.global_batch_size=2",
+                "--training.micro_batch_size=2",
+                "--metrics.log_freq=1",
+                "--checkpoint.interval=0",
+                f"--kernels.attention={attention_impl}",
+                f"--kernels.norm={norm_impl}",
+            ]
+        )
         assert status == 0
         records = map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
         return [r["loss"] for r in records if "loss" in r]  # the step-0 evaluation has none

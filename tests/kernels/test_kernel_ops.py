@@ -70,9 +70,11 @@ def test_dtensor_head_sharded_attention_runs_on_the_local_shard(fake_mesh_of_two
     q, k, v = (torch.randn(2, h, 24, 16, generator=gen) for h in (2, 1, 1))  # this rank's heads
 
     def local_grads(k_placement):
-        leaves = [DTensor.from_local(q, mesh, [Shard(1)]).requires_grad_(),
-                  DTensor.from_local(k, mesh, [k_placement]).requires_grad_(),
-                  DTensor.from_local(v, mesh, [k_placement]).requires_grad_()]
+        leaves = [
+            DTensor.from_local(q, mesh, [Shard(1)]).requires_grad_(),
+            DTensor.from_local(k, mesh, [k_placement]).requires_grad_(),
+            DTensor.from_local(v, mesh, [k_placement]).requires_grad_(),
+        ]
         out = flash_attention(*leaves)
         out.sum().backward()
         return out, leaves

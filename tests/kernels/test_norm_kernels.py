@@ -11,8 +11,13 @@ from trillion.kernels import norm as norm_module
 from trillion.kernels.norm import LayerNorm, RMSNorm, layer_norm, rms_norm
 
 # (kind, weight, bias): the affine variants each module can have.
-VARIANTS = [("rms", True, False), ("rms", False, False), ("layer", True, True), ("layer", True, False),
-            ("layer", False, False)]
+VARIANTS = [
+    ("rms", True, False),
+    ("rms", False, False),
+    ("layer", True, True),
+    ("layer", True, False),
+    ("layer", False, False),
+]
 
 
 def _torch_norm(kind, x, w, b, eps):
@@ -78,8 +83,10 @@ def test_strided_inputs_read_only_their_view():
 
 
 def test_modules_are_drop_in_replacements_for_torch_modules():
-    for ours, theirs in ((RMSNorm(48, eps=1e-6), torch.nn.RMSNorm(48, eps=1e-6)),
-                         (LayerNorm(48, bias=False), torch.nn.LayerNorm(48, bias=False))):
+    for ours, theirs in (
+        (RMSNorm(48, eps=1e-6), torch.nn.RMSNorm(48, eps=1e-6)),
+        (LayerNorm(48, bias=False), torch.nn.LayerNorm(48, bias=False)),
+    ):
         with torch.no_grad():
             ours.weight.normal_()
         theirs.load_state_dict(ours.state_dict())

@@ -3,6 +3,7 @@ itself: FSDP2 swaps a block's parameters for unsharded tensors while it holds th
 to DTensor shards when it reshards. zero3 reshards after every forward and backward; zero2 and zero1
 keep a block gathered from its first forward through every micro-batch until the last backward.
 Numerics cannot tell these apart (zero2 resharding like zero3 trains the same losses)."""
+
 import dataclasses
 import tempfile
 
@@ -31,8 +32,9 @@ def gathered(block) -> bool:
 
 @pytest.mark.parametrize(("mode", "held_through_the_step"), [("zero3", False), ("zero2", True), ("zero1", True)])
 def test_blocks_are_held_gathered_as_the_mode_says(mode, held_through_the_step, one_rank_mesh):
-    args = dataclasses.replace(get_preset("debug"), n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128,
-                               vocab_size=256)
+    args = dataclasses.replace(
+        get_preset("debug"), n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=256
+    )
     model = Transformer(args)
     model.init_weights(0)
     apply_fsdp(model, one_rank_mesh, mode)

@@ -1,18 +1,19 @@
 """Every invalid layout is refused up front with a ConfigError that names the setting and a fix."""
+
 import dataclasses
 import logging
 
 import pytest
 import torch
 
+from trillion.errors import ConfigError
 from trillion.models import PRESETS
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
-from trillion.parallel.modes import recompute_fraction, zero_mode
 from trillion.parallel.dims import ParallelDims
-from trillion.trainer.config.schema import Config
-from trillion.errors import ConfigError
-from trillion.trainer.launch.env import LaunchEnv
+from trillion.parallel.modes import recompute_fraction, zero_mode
 from trillion.trainer.assemble import build_parallel_dims, validate_training
+from trillion.trainer.config.schema import Config
+from trillion.trainer.launch.env import LaunchEnv
 
 LLAMA, GPT = PRESETS["debug"], PRESETS["debug-gpt"]  # 8 heads, 4 KV heads (Llama), ffn 704 / 1024, vocab 320
 
@@ -36,7 +37,13 @@ CASES = [
     ({"tp": 3}, 8, LLAMA, 256, ["does not divide the world size 8", "dp_shard=-1", "--parallel.tp=2"]),
     ({"tp": 0}, 1, LLAMA, 256, ["parallel.tp=0", "positive"]),
     ({"dp_shard": -2}, 1, LLAMA, 256, ["parallel.dp_shard=-2", "-1 to infer"]),
-    ({"pp": LLAMA.n_layers + 3}, LLAMA.n_layers + 3, LLAMA, 256, [f"parallel.pp={LLAMA.n_layers + 3}", f"--parallel.pp={LLAMA.n_layers + 2}"]),
+    (
+        {"pp": LLAMA.n_layers + 3},
+        LLAMA.n_layers + 3,
+        LLAMA,
+        256,
+        [f"parallel.pp={LLAMA.n_layers + 3}", f"--parallel.pp={LLAMA.n_layers + 2}"],
+    ),
     ({"cp": 3}, 3, LLAMA, 256, ["training.seq_len=256", "2 x parallel.cp=3", "--training.seq_len=252"]),
     ({"cp": 2, "tp": 4}, 8, LLAMA, 260, ["130 tokens per rank", "parallel.tp=4", "--training.seq_len=256"]),
 ]
@@ -75,12 +82,21 @@ def _config(**parallel) -> Config:
     return config
 
 
-@pytest.mark.parametrize("settings, world, words", [
-    ({"parallel__dp_shard": 4, "training__global_batch_size": 6, "training__micro_batch_size": 1}, 4,
-     ["training.global_batch_size=6", "4 data-parallel ranks", "--training.global_batch_size=4"]),
-    ({"parallel__dp_shard": 2, "training__global_batch_size": 12, "training__micro_batch_size": 4}, 2,
-     ["training.micro_batch_size=4", "--training.micro_batch_size=3"]),
-])
+@pytest.mark.parametrize(
+    "settings, world, words",
+    [
+        (
+            {"parallel__dp_shard": 4, "training__global_batch_size": 6, "training__micro_batch_size": 1},
+            4,
+            ["training.global_batch_size=6", "4 data-parallel ranks", "--training.global_batch_size=4"],
+        ),
+        (
+            {"parallel__dp_shard": 2, "training__global_batch_size": 12, "training__micro_batch_size": 4},
+            2,
+            ["training.micro_batch_size=4", "--training.micro_batch_size=3"],
+        ),
+    ],
+)
 def test_batch_that_does_not_split_over_data_parallel_ranks(settings, world, words):
     env = LaunchEnv(rank=0, world_size=world, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ConfigError) as error:
@@ -89,10 +105,13 @@ def test_batch_that_does_not_split_over_data_parallel_ranks(settings, world, wor
         assert word in str(error.value), f"{word!r} not in: {error.value}"
 
 
-@pytest.mark.parametrize("settings, words", [
-    ({"parallel__dp_shard_mode": "zero4"}, ["parallel.dp_shard_mode='zero4'", "zero1", "zero3"]),
-    ({"training__dtype": "fp16"}, ["training.dtype=fp16", "--training.dtype=bf16"]),
-])
+@pytest.mark.parametrize(
+    "settings, words",
+    [
+        ({"parallel__dp_shard_mode": "zero4"}, ["parallel.dp_shard_mode='zero4'", "zero1", "zero3"]),
+        ({"training__dtype": "fp16"}, ["training.dtype=fp16", "--training.dtype=bf16"]),
+    ],
+)
 def test_settings_refused_with_several_ranks(settings, words):
     env = LaunchEnv(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ConfigError) as error:

@@ -1,5 +1,6 @@
 """The tables of layout choices (parallel/modes.py): torch-free for the planner, and one refusal
 for the trainer and the planner alike."""
+
 import subprocess
 import sys
 
@@ -12,17 +13,23 @@ from trillion.trainer.config.schema import Parallel, help_text
 
 def test_the_tables_import_without_torch():
     code = "import sys, trillion.parallel.modes, trillion.parallel.planner.search; print('torch' in sys.modules)"
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+        == "False"
+    )
 
 
-@pytest.mark.parametrize("args, words", [
-    (("DualPipeV", 2, 3), ["DualPipeV", "2 x parallel.pp = 4"]),
-    (("1F1B", 4, 3), ["at least as many micro-batches", "GPipe"]),
-    (("Interleaved1F1B", 2, 5), ["rounds of pp=2", "4 or 6"]),
-    (("ZBVZeroBubble", 2, 4, 0, True), ["compile.enabled=false"]),
-    (("ZBVZeroBubble", 2, 4, 3), ["pp_virtual_stages=3", "two stages per rank"]),
-    (("Zigzag", 2, 4), ["pp_schedule='Zigzag'", "DualPipeV"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("DualPipeV", 2, 3), ["DualPipeV", "2 x parallel.pp = 4"]),
+        (("1F1B", 4, 3), ["at least as many micro-batches", "GPipe"]),
+        (("Interleaved1F1B", 2, 5), ["rounds of pp=2", "4 or 6"]),
+        (("ZBVZeroBubble", 2, 4, 0, True), ["compile.enabled=false"]),
+        (("ZBVZeroBubble", 2, 4, 3), ["pp_virtual_stages=3", "two stages per rank"]),
+        (("Zigzag", 2, 4), ["pp_schedule='Zigzag'", "DualPipeV"]),
+    ],
+)
 def test_refused_schedules(args, words):
     with pytest.raises(ConfigError) as error:
         check_schedule(*args)

@@ -3,6 +3,7 @@ a fake process group stands in for the other ranks, the model stays on the meta 
 sampled rank must hold 1/3072 of the parameters, up to FSDP's padding of uneven shards (FSDP splits
 dim 0 of each tensor-parallel shard in 384 torch.chunk pieces: wq's 3200 rows give 9 rows to the
 first ranks and none to the last ones, but every rank allocates the padded 9)."""
+
 import math
 
 import pytest

@@ -2,6 +2,7 @@
 them once, in one all-reduce, instead of letting every foreach op of clipping and AdamW all-reduce
 them again (4 per norm per step before). Fake process group, one process: counts collectives and
 placements, not values (the gloo parity tests compare the values with one process)."""
+
 import contextlib
 import dataclasses
 
@@ -21,8 +22,9 @@ SEQ_LEN = 16
 
 
 def _all_reduces_of_one_step(n_layers: int) -> tuple[int, list]:
-    args = dataclasses.replace(PRESETS["debug"], n_layers=n_layers, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96,
-                               vocab_size=128, max_seq_len=32)
+    args = dataclasses.replace(
+        PRESETS["debug"], n_layers=n_layers, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=32
+    )
     dims = ParallelDims(tp=2, world_size=2)
     dims.validate(args, SEQ_LEN)
     dims.build_mesh("cpu")
@@ -33,12 +35,20 @@ def _all_reduces_of_one_step(n_layers: int) -> tuple[int, list]:
     model.init_weights(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     placements = []
-    optimizer.register_step_pre_hook(lambda *_: placements.extend(
-        p.grad.placements for p in model.parameters() if isinstance(p.grad, DTensor)))
+    optimizer.register_step_pre_hook(
+        lambda *_: placements.extend(p.grad.placements for p in model.parameters() if isinstance(p.grad, DTensor))
+    )
     tokens = torch.randint(0, args.vocab_size, (2, SEQ_LEN + 1))
     with CommDebugMode() as comm:
-        train_step(MicroBatchLoop(model, True, "zero3"), [(tokens[:, :-1], tokens[:, 1:])], optimizer,
-                   torch.amp.GradScaler("cpu", enabled=False), contextlib.nullcontext(), 1.0, dims=dims)
+        train_step(
+            MicroBatchLoop(model, True, "zero3"),
+            [(tokens[:, :-1], tokens[:, 1:])],
+            optimizer,
+            torch.amp.GradScaler("cpu", enabled=False),
+            contextlib.nullcontext(),
+            1.0,
+            dims=dims,
+        )
     counts = comm.get_comm_counts()
     return sum(n for op, n in counts.items() if "all_reduce" in str(op) or "allreduce" in str(op)), placements
 

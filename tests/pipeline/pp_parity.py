@@ -1,6 +1,7 @@
 """Pipeline parity harness: the same small models, data and optimizer as tests/distributed/parity.py,
 split into pipeline stages; every rank's stage gradients are gathered by their global names and
 rank 0 compares them (and losses, norms, initial weights) with the one-process run."""
+
 import contextlib
 import sys
 from pathlib import Path
@@ -22,8 +23,13 @@ from trillion.trainer.train import train_step  # noqa: E402
 
 def train_pipeline_case(case: dict, world_size: int) -> dict:
     args = FAMILIES[case["family"]]
-    dims = ParallelDims(pp=case["pp"], dp_shard=case.get("dp_shard", -1), cp=case.get("cp", 1), tp=case.get("tp", 1),
-                        world_size=world_size)
+    dims = ParallelDims(
+        pp=case["pp"],
+        dp_shard=case.get("dp_shard", -1),
+        cp=case.get("cp", 1),
+        tp=case.get("tp", 1),
+        world_size=world_size,
+    )
     dims.validate(args, SEQ_LEN)
     dims.build_mesh("cpu")
     mode = case.get("mode", "zero3")
@@ -31,14 +37,27 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
         model = Transformer(args)
     micro = case.get("micro", MICRO_BATCH)
     n_micro = GLOBAL_BATCH // (micro * dims.dp_size)
-    layers = StageLayers(case.get("layers_per_stage", 0), case.get("first_stage_layers", -1),
-                         case.get("last_stage_layers", -1))
-    pipeline = Pipeline(model, dims, case["schedule"], n_micro, torch.device("cpu"),
-                        virtual=case.get("virtual", 0), layers=layers,
-                        parallelize_fn=lambda part: parallelize(part, dims, dp_shard_mode=mode, pp_schedule=case["schedule"],
-                                                                activation_checkpoint=case.get("ac", "none"),
-                                                                compile=bool(case.get("compile")),
-                                                                compile_backend=case.get("compile") or "inductor"))
+    layers = StageLayers(
+        case.get("layers_per_stage", 0), case.get("first_stage_layers", -1), case.get("last_stage_layers", -1)
+    )
+    pipeline = Pipeline(
+        model,
+        dims,
+        case["schedule"],
+        n_micro,
+        torch.device("cpu"),
+        virtual=case.get("virtual", 0),
+        layers=layers,
+        parallelize_fn=lambda part: parallelize(
+            part,
+            dims,
+            dp_shard_mode=mode,
+            pp_schedule=case["schedule"],
+            activation_checkpoint=case.get("ac", "none"),
+            compile=bool(case.get("compile")),
+            compile_backend=case.get("compile") or "inductor",
+        ),
+    )
     for part in pipeline.parts:
         part.to_empty(device="cpu")
         part.init_weights(SEED)
@@ -48,13 +67,13 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
     optimizer = torch.optim.AdamW([p for _, p in named], lr=3e-3, weight_decay=0.1, foreach=True)
     grads = []
     optimizer.register_step_pre_hook(lambda *_: grads.append({n: _full(p.grad) for n, p in named}))
-    loader = DataLoader(RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, micro,
-                        dims.dp_rank, dims.dp_size)
+    loader = DataLoader(RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, micro, dims.dp_rank, dims.dp_size)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     losses, norms = [], []
     for _ in range(STEPS):
-        loss, norm = train_step(pipeline, loader.next_batch(), optimizer, scaler, contextlib.nullcontext(),
-                                MAX_NORM, dims=dims)
+        loss, norm = train_step(
+            pipeline, loader.next_batch(), optimizer, scaler, contextlib.nullcontext(), MAX_NORM, dims=dims
+        )
         losses.append(loss.item())
         norms.append(norm.item())
     assert not any(stage.output_chunks for stage in pipeline.stages), "the last stage kept micro-batch logits"

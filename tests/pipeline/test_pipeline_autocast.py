@@ -1,6 +1,7 @@
 """Mixed precision reaches the stages: with training.dtype=bf16 every linear layer of every stage
 computes in bfloat16 under a pipeline schedule, as it does without one (parameters stay fp32 with
 pp alone, so only autocast can do it)."""
+
 import os
 import sys
 from pathlib import Path
@@ -18,10 +19,19 @@ def _linear_output_dtypes(rank, world_size, root):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     seen = set()
     hook = nn.modules.module.register_module_forward_hook(
-        lambda module, _, output: seen.add(output.dtype) if isinstance(module, nn.Linear) else None)
+        lambda module, _, output: seen.add(output.dtype) if isinstance(module, nn.Linear) else None
+    )
     try:
-        run(root, "--model.n_layers=2", "--parallel.pp=2", "--parallel.pp_schedule=1F1B", "--training.dtype=bf16",
-            "--checkpoint.interval=0", "--checkpoint.save_final=false", steps=1)
+        run(
+            root,
+            "--model.n_layers=2",
+            "--parallel.pp=2",
+            "--parallel.pp_schedule=1F1B",
+            "--training.dtype=bf16",
+            "--checkpoint.interval=0",
+            "--checkpoint.save_final=false",
+            steps=1,
+        )
     finally:
         hook.remove()
     assert seen == {torch.bfloat16}, f"rank {rank}: linear outputs in {seen}"

@@ -5,6 +5,7 @@ Two ranks, 8 micro-batches, a single-stage schedule (1F1B) and a V (ZBVZeroBubbl
 rank, split backward, one hand-over between stages on the same rank). Every buffer a receive posts
 into is followed by a weak reference, so the count alive after each stage action gives the peak of a
 step. Torch's own stage, the control, holds one per micro-batch and direction for good."""
+
 import json
 import sys
 import weakref
@@ -46,6 +47,7 @@ class ReceiveBuffers:
                     self.refs.setdefault(id(info.buffer), weakref.ref(info.buffer))
             self._count()
             return ops
+
         return call
 
     def _counting(self, action):
@@ -53,6 +55,7 @@ class ReceiveBuffers:
             result = action(*args, **kwargs)
             self._count()
             return result
+
         return call
 
     def _count(self) -> None:
@@ -61,9 +64,13 @@ class ReceiveBuffers:
         self.peak_bytes = max(self.peak_bytes, sum(b.numel() * b.element_size() for b in alive))
 
     def held(self) -> int:
-        return sum(info.buffer is not None for stage in self.stages
-                   for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
-                   for info in infos if not info.is_root_arg)
+        return sum(
+            info.buffer is not None
+            for stage in self.stages
+            for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+            for info in infos
+            if not info.is_root_arg
+        )
 
 
 def count_receive_buffers(rank: int, world_size: int, micro_batches: int, out: str) -> None:
@@ -104,5 +111,9 @@ def test_stages_hold_receive_buffers_only_for_micro_batches_in_flight(tmp_path):
             assert held >= MICRO_BATCHES and peak >= MICRO_BATCHES, (schedule, rank, held, peak)  # the control
             held, peak, _ = counts[f"{schedule} InFlightReceiveStage"]
             # at most PP micro-batches in flight per stage, each with an activation and a gradient coming in
-            assert held == 0 and peak <= 2 * PP * stages_per_rank < MICRO_BATCHES * stages_per_rank, \
-                (schedule, rank, held, peak)
+            assert held == 0 and peak <= 2 * PP * stages_per_rank < MICRO_BATCHES * stages_per_rank, (
+                schedule,
+                rank,
+                held,
+                peak,
+            )

@@ -7,6 +7,7 @@ the rank holds them (local shards). The stages' whole counts add up to the model
 local count is its stage over tp x dp, plus FSDP's padding of uneven shards (the dp rank 0 shown
 takes the larger chunk) and the few vectors TP replicates (norms, row-wise biases): under 1 %.
 Run with -s to see the per-rank table."""
+
 import contextlib
 
 import pytest
@@ -62,16 +63,19 @@ def test_gpt_1t_layout_builds_for_first_middle_and_last_stage(model, tp, pp, dp)
             dims = ParallelDims(pp=pp, dp_shard=dp, tp=tp, world_size=world)
             dims.validate(GPT_1T, SEQ_LEN)
             dims.build_mesh("cpu")
-            pipeline = Pipeline(model, dims, "1F1B", pp, torch.device("cpu"),
-                                parallelize_fn=lambda part: parallelize(part, dims))
+            pipeline = Pipeline(
+                model, dims, "1F1B", pp, torch.device("cpu"), parallelize_fn=lambda part: parallelize(part, dims)
+            )
             [part] = pipeline.parts
             assert pipeline.pp_rank == pp_rank
             whole, local = _whole(part), _local(part)
         assert whole == stage_counts[pp_rank]
         share = whole / (tp * dp)
         assert share <= local < 1.01 * share, (pp_rank, local, share)
-        rows.append(f"rank {rank:5d} (stage {pp_rank:3d}): stage {whole / 1e9:8.3f} B parameters, "
-                    f"this rank {local / 1e6:9.2f} M (stage / tp x dp = {share / 1e6:9.2f} M)")
+        rows.append(
+            f"rank {rank:5d} (stage {pp_rank:3d}): stage {whole / 1e9:8.3f} B parameters, "
+            f"this rank {local / 1e6:9.2f} M (stage / tp x dp = {share / 1e6:9.2f} M)"
+        )
     if pp == 128:  # 130 units over 128 stages: the first stage is the embedding alone
         assert stage_counts[0] == count_params(GPT_1T).embedding
     print(f"\ngpt-1t, tp {tp} x pp {pp} x dp {dp} = {world} ranks:\n" + "\n".join(rows))
@@ -84,8 +88,9 @@ def test_explicit_stage_sizes_reach_the_stages(model):
         with fake_rank(pp_rank * dp * tp, tp * pp * dp):
             dims = ParallelDims(pp=pp, dp_shard=dp, tp=tp, world_size=tp * pp * dp)
             dims.build_mesh("cpu")
-            pipeline = Pipeline(model, dims, "1F1B", pp, torch.device("cpu"),
-                                layers=StageLayers(per_stage=1, first=1, last=1))
+            pipeline = Pipeline(
+                model, dims, "1F1B", pp, torch.device("cpu"), layers=StageLayers(per_stage=1, first=1, last=1)
+            )
         [part] = pipeline.parts
         assert list(part.layers.keys()) == layers
         assert (part.tok_embeddings is not None, part.output is not None) == (pp_rank == 0, pp_rank == pp - 1)

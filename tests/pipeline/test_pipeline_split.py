@@ -1,18 +1,25 @@
 """Stage splitting (names stay global, balanced by layer count with embedding and output counted as
 layers, or sized explicitly), the bubble fraction, and every refused pipeline configuration with its
 reason and fix, from validate_pipeline and from the trainer's config check."""
-import dataclasses
+
 
 import pytest
 import torch
 
-from trillion.models import PRESETS, Transformer
-from trillion.parallel.pipeline import (StageLayers, bubble_fraction, describe_split, split_units, stage_indices, stage_module,
-                               validate_pipeline)
-from trillion.trainer.config.schema import load_config
 from trillion.errors import ConfigError
-from trillion.trainer.launch.env import LaunchEnv
+from trillion.models import PRESETS, Transformer
+from trillion.parallel.pipeline import (
+    StageLayers,
+    bubble_fraction,
+    describe_split,
+    split_units,
+    stage_indices,
+    stage_module,
+    validate_pipeline,
+)
 from trillion.trainer.assemble import build_parallel_dims
+from trillion.trainer.config.schema import load_config
+from trillion.trainer.launch.env import LaunchEnv
 
 LLAMA = PRESETS["debug"]  # 4 layers
 
@@ -106,15 +113,42 @@ def test_explicit_stage_sizes():
 
 # (n_layers, stages, StageLayers, words the message must contain)
 BAD_SIZES = [
-    (8, 4, StageLayers(3), ["pp_layers_per_stage=3", "10 transformer layers", "8 (model.n_layers)",
-                            "--parallel.pp_layers_per_stage=3 --parallel.pp_first_stage_layers=1 "
-                            "--parallel.pp_last_stage_layers=1"]),
-    (8, 4, StageLayers(5, first=0, last=0), ["10 transformer layers", "--parallel.pp_layers_per_stage=4 "
-                                             "--parallel.pp_first_stage_layers=0 --parallel.pp_last_stage_layers=0"]),
-    (8, 2, StageLayers(first=5, last=5), ["pp_first_stage_layers=5", "must equal 8",
-                                          "--parallel.pp_first_stage_layers=4 --parallel.pp_last_stage_layers=4"]),
-    (8, 4, StageLayers(first=8), ["leaving 1 for the other 3 stage(s)", "at least one",
-                                  "--parallel.pp_first_stage_layers=-1"]),
+    (
+        8,
+        4,
+        StageLayers(3),
+        [
+            "pp_layers_per_stage=3",
+            "10 transformer layers",
+            "8 (model.n_layers)",
+            "--parallel.pp_layers_per_stage=3 --parallel.pp_first_stage_layers=1 --parallel.pp_last_stage_layers=1",
+        ],
+    ),
+    (
+        8,
+        4,
+        StageLayers(5, first=0, last=0),
+        [
+            "10 transformer layers",
+            "--parallel.pp_layers_per_stage=4 --parallel.pp_first_stage_layers=0 --parallel.pp_last_stage_layers=0",
+        ],
+    ),
+    (
+        8,
+        2,
+        StageLayers(first=5, last=5),
+        [
+            "pp_first_stage_layers=5",
+            "must equal 8",
+            "--parallel.pp_first_stage_layers=4 --parallel.pp_last_stage_layers=4",
+        ],
+    ),
+    (
+        8,
+        4,
+        StageLayers(first=8),
+        ["leaving 1 for the other 3 stage(s)", "at least one", "--parallel.pp_first_stage_layers=-1"],
+    ),
     (8, 4, StageLayers(first=5, last=5), ["leaving 0 for the other 2 stage(s)"]),
     (8, 4, StageLayers(-1), ["parallel.pp_layers_per_stage=-1 must be 0 or more"]),
     (8, 4, StageLayers(last=-2), ["parallel.pp_last_stage_layers=-2 must be -1 or more"]),
@@ -132,14 +166,31 @@ def test_stage_sizes_that_do_not_fit_are_refused(n_layers, stages, layers, words
 # --section.field=value overrides, world size, words: the trainer refuses these before any work
 TRAINER_REFUSED = [
     (["--parallel.pp=7"], 7, ["parallel.pp=7", "4 layers", "--parallel.pp=6"]),
-    (["--parallel.pp=4", "--training.global_batch_size=4", "--training.micro_batch_size=2"], 4,
-     ["parallel.pp_schedule=1F1B", "2 < parallel.pp=4", "--parallel.pp_schedule=GPipe"]),
-    (["--parallel.pp=2", "--parallel.dp_shard=2", "--training.global_batch_size=6", "--training.micro_batch_size=2"],
-     4, ["training.global_batch_size=6", "2 data-parallel ranks", "--training.micro_batch_size=1"]),
-    (["--parallel.pp=2", "--parallel.pp_layers_per_stage=2", "--training.micro_batch_size=4"], 2,
-     ["parallel.pp_layers_per_stage=2", "must equal 4"]),
-    (["--parallel.pp=2", "--parallel.pp_schedule=Interleaved1F1B", "--parallel.pp_first_stage_layers=4",
-      "--training.micro_batch_size=4"], 2, ["pp_first_stage_layers=4", "leaving 1 for the other 3 stage(s)"]),
+    (
+        ["--parallel.pp=4", "--training.global_batch_size=4", "--training.micro_batch_size=2"],
+        4,
+        ["parallel.pp_schedule=1F1B", "2 < parallel.pp=4", "--parallel.pp_schedule=GPipe"],
+    ),
+    (
+        ["--parallel.pp=2", "--parallel.dp_shard=2", "--training.global_batch_size=6", "--training.micro_batch_size=2"],
+        4,
+        ["training.global_batch_size=6", "2 data-parallel ranks", "--training.micro_batch_size=1"],
+    ),
+    (
+        ["--parallel.pp=2", "--parallel.pp_layers_per_stage=2", "--training.micro_batch_size=4"],
+        2,
+        ["parallel.pp_layers_per_stage=2", "must equal 4"],
+    ),
+    (
+        [
+            "--parallel.pp=2",
+            "--parallel.pp_schedule=Interleaved1F1B",
+            "--parallel.pp_first_stage_layers=4",
+            "--training.micro_batch_size=4",
+        ],
+        2,
+        ["pp_first_stage_layers=4", "leaving 1 for the other 3 stage(s)"],
+    ),
     (["--parallel.pp_last_stage_layers=1"], 1, ["pp_last_stage_layers=1", "parallel.pp=1 runs none"]),
 ]
 

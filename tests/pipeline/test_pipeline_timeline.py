@@ -1,5 +1,6 @@
 """With profiling on, a pipeline run writes a per-stage timeline of the profiler's active steps:
 every stage's forward and backward of every micro-batch, one row per pipeline rank, no overlap."""
+
 import json
 import os
 import sys
@@ -24,9 +25,19 @@ def test_profiled_steps_follow_the_profiler_schedule():
 
 def _profiled_run(rank, world_size, root):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    run(root, "--model.n_layers=2", "--parallel.pp=2", "--parallel.pp_schedule=1F1B", "--profiling.enabled=true",
-        "--profiling.wait=1", "--profiling.warmup=0", "--profiling.active=1", "--checkpoint.interval=0",
-        "--checkpoint.save_final=false", steps=2)
+    run(
+        root,
+        "--model.n_layers=2",
+        "--parallel.pp=2",
+        "--parallel.pp_schedule=1F1B",
+        "--profiling.enabled=true",
+        "--profiling.wait=1",
+        "--profiling.warmup=0",
+        "--profiling.active=1",
+        "--checkpoint.interval=0",
+        "--checkpoint.save_final=false",
+        steps=2,
+    )
 
 
 def test_pipeline_run_writes_a_per_stage_timeline(tmp_path):

@@ -1,6 +1,7 @@
 """`torchrun --nproc-per-node 2 -m trillion train --parallel.pp=2` on the real data path logs the
 losses and gradient norms of the one-process run (the logging rank holds the first stage: the loss
 comes from the last stage over the pipeline group)."""
+
 import sys
 from pathlib import Path
 

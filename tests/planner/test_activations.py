@@ -1,4 +1,5 @@
 """Activation predictions against the bytes autograd actually keeps for backward, on CPU."""
+
 import dataclasses
 
 import pytest
@@ -35,8 +36,9 @@ def test_activation_bytes_within_25_percent(preset, batch, seq):
     tokens = torch.randint(0, args.vocab_size, (batch, seq))
     measured = saved_activation_bytes(model, tokens)
     n = batch * seq
-    predicted = (args.n_layers * layer_activation_bytes(args, n, tp=1, sequence_parallel=False, checkpointed=False, dtype_bytes=4)
-                 + output_activation_bytes(args, n, tp=1, sequence_parallel=False, dtype_bytes=4))
+    predicted = args.n_layers * layer_activation_bytes(
+        args, n, tp=1, sequence_parallel=False, checkpointed=False, dtype_bytes=4
+    ) + output_activation_bytes(args, n, tp=1, sequence_parallel=False, dtype_bytes=4)
     assert abs(predicted / measured - 1) < 0.25, (predicted, measured)
 
 
@@ -47,4 +49,6 @@ def test_sequence_parallel_and_checkpointing_shrink_activations():
     tp8 = layer_activation_bytes(args, 2048, tp=8, sequence_parallel=False, checkpointed=False)
     sp8 = layer_activation_bytes(args, 2048, tp=8, sequence_parallel=True, checkpointed=False)
     assert sp8 < tp8 < full
-    assert layer_activation_bytes(args, 2048, tp=8, sequence_parallel=True, checkpointed=True) == 2048 * args.dim * 2 / 8
+    assert (
+        layer_activation_bytes(args, 2048, tp=8, sequence_parallel=True, checkpointed=True) == 2048 * args.dim * 2 / 8
+    )

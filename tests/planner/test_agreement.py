@@ -1,6 +1,7 @@
 """The planner proposes exactly the pipeline layouts the trainer runs: for every schedule, pipeline
 degree, micro-batch count and compile setting, `trillion plan` with that layout fixed finds it
 valid if and only if the trainer's validate_pipeline accepts it."""
+
 import itertools
 
 import pytest
@@ -24,8 +25,16 @@ def _trainer_accepts(schedule: str, pp: int, microbatches: int, compile_enabled:
 
 
 def _planner_accepts(schedule: str, pp: int, microbatches: int, compile_enabled: bool) -> bool:
-    fixed = {"tp": 1, "pp": pp, "dp_shard": 1, "dp_replicate": 1, "micro_batch_size": 1, "pp_schedule": schedule,
-             "activation_checkpoint": "none", "compile": compile_enabled}
+    fixed = {
+        "tp": 1,
+        "pp": pp,
+        "dp_shard": 1,
+        "dp_replicate": 1,
+        "micro_batch_size": 1,
+        "pp_schedule": schedule,
+        "activation_checkpoint": "none",
+        "compile": compile_enabled,
+    }
     request = Request(MODEL, get_preset(MODEL), load_profile("dgx-h100"), pp, microbatches, 2048, fixed=fixed)
     try:
         return bool(search(request).ranked)
@@ -40,8 +49,13 @@ def test_planner_refuses_exactly_what_the_trainer_refuses(schedule):
     for pp, compile_enabled in itertools.product((2, 4), (False, True)):
         for microbatches in (pp - 1, pp, pp + 1, 2 * pp, 2 * pp + 1):
             trainer = _trainer_accepts(schedule, pp, microbatches, compile_enabled)
-            assert _planner_accepts(schedule, pp, microbatches, compile_enabled) == trainer, \
-                (schedule, pp, microbatches, compile_enabled, trainer)
+            assert _planner_accepts(schedule, pp, microbatches, compile_enabled) == trainer, (
+                schedule,
+                pp,
+                microbatches,
+                compile_enabled,
+                trainer,
+            )
             outcomes.add(trainer)
     # every schedule but GPipe (no rule on micro-batches or compile) has layouts on both sides
     assert outcomes == ({True} if schedule == "GPipe" else {True, False})

@@ -1,8 +1,9 @@
 """`trillion plan --calibrate` on this CPU: a profile the planner plans with, one node only."""
+
 import dataclasses
-import tomllib
 
 import pytest
+import tomllib
 
 from trillion.errors import ConfigError
 from trillion.models.presets import get_preset
@@ -26,7 +27,10 @@ def test_calibrated_profile_plans_one_node_and_refuses_more(tmp_path, monkeypatc
     assert profile.intra_node[0].bandwidth_gbs > 0
     # TP's collectives as the trainer issues them, each kind with its own measured figures
     assert {kind for kind, bandwidth, latency in profile.intra_node[0].kinds if bandwidth > 0 and latency > 0} == {
-        "all_gather", "reduce_scatter", "all_reduce"}
+        "all_gather",
+        "reduce_scatter",
+        "all_reduce",
+    }
     written = tomllib.loads(path.read_text())["tp_layer_host_us"]  # DTensor's host work per block, as read back
     assert profile.tp_layer_host_s == pytest.approx((written["forward"] * 1e-6, written["backward"] * 1e-6))
     for kind, bandwidth, latency in profile.intra_node[0].kinds:
@@ -39,10 +43,14 @@ def test_calibrated_profile_plans_one_node_and_refuses_more(tmp_path, monkeypatc
 def test_a_link_without_a_kind_follows_the_all_reduce_and_unknown_keys_are_refused(tmp_path):
     text = (PROFILE_DIR / "dgx-h100.toml").read_text()
     line = next(l for l in text.splitlines() if l.startswith("intra_node"))
-    kinds = line.replace("bandwidth_gbs = 450 }", "bandwidth_gbs = 450, reduce_scatter = { bandwidth_gbs = 100, latency_us = 50 } }")
+    kinds = line.replace(
+        "bandwidth_gbs = 450 }", "bandwidth_gbs = 450, reduce_scatter = { bandwidth_gbs = 100, latency_us = 50 } }"
+    )
     (tmp_path / "kinds.toml").write_text(text.replace(line, kinds))
     profile, stock = load_profile(str(tmp_path / "kinds.toml")), load_profile("dgx-h100")
-    assert profile.collective_link(8, False, "reduce_scatter") == pytest.approx((100e9 * profile.collective_efficiency, 50e-6))
+    assert profile.collective_link(8, False, "reduce_scatter") == pytest.approx(
+        (100e9 * profile.collective_efficiency, 50e-6)
+    )
     assert profile.collective_link(8, False, "all_gather") == stock.collective_link(8, False, "all_reduce")
     (tmp_path / "typo.toml").write_text(text.replace(line, line.replace("}", ", allgather = 1 }", 1)))
     with pytest.raises(ConfigError, match="allgather"):

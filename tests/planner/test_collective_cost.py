@@ -2,6 +2,7 @@
 work per block where a CPU calibration measured it, nothing of either on a profile that has
 neither (the published rows stay as they were), and no hiding behind compute where the cores
 that compute also move the bytes (a CPU)."""
+
 import dataclasses
 
 import pytest
@@ -20,13 +21,19 @@ SEQ = 4096
 def test_a_slower_reduce_scatter_costs_each_layer_its_four_reduce_scatters():
     stock = load_profile("dgx-h100")
     bandwidth = stock.intra_node[0].bandwidth_gbs
-    slow = dataclasses.replace(stock, intra_node=(Link(8, bandwidth, (("reduce_scatter", bandwidth / 2, stock.link_latency_us),)),))
+    slow = dataclasses.replace(
+        stock, intra_node=(Link(8, bandwidth, (("reduce_scatter", bandwidth / 2, stock.link_latency_us),)),)
+    )
     activation = SEQ * ARGS.dim * stock.element_bytes
-    extra = collective_time(slow, activation, 8, 8, "reduce_scatter") - collective_time(stock, activation, 8, 8, "reduce_scatter")
+    extra = collective_time(slow, activation, 8, 8, "reduce_scatter") - collective_time(
+        stock, activation, 8, 8, "reduce_scatter"
+    )
     assert extra > 0
     # per layer 2 reduce-scatters forward and 2 backward, the output's one backward
     expected = (4 * ARGS.n_layers + 1) * extra
-    assert step_time(ARGS, slow, TP8, SEQ).tp_exposed - step_time(ARGS, stock, TP8, SEQ).tp_exposed == pytest.approx(expected)
+    assert step_time(ARGS, slow, TP8, SEQ).tp_exposed - step_time(ARGS, stock, TP8, SEQ).tp_exposed == pytest.approx(
+        expected
+    )
 
 
 def test_dtensor_host_work_is_charged_per_block_and_pass_only_under_tp():

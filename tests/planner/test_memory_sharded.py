@@ -1,5 +1,6 @@
 """The planner's parameter, gradient and optimizer bytes equal those of the real model sharded by
 the trainer's own TP plan and FSDP2 on a fake process group (rank 0, the one holding the most)."""
+
 import dataclasses
 
 import pytest
@@ -20,6 +21,7 @@ from trillion.parallel.tensor_parallel import apply_tensor_parallel
 def fake_world():
     def start(world: int):
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
     yield start
     dist.destroy_process_group()
 
@@ -61,4 +63,8 @@ def test_states_match_fsdp_tp_on_fake_process_group(fake_world, preset, tp, dp_s
     # Gradients and AdamW moments have the shapes of the (sharded) parameters they belong to.
     assert states_bytes(predicted_tp, predicted_shard, "zero3") == (4 * measured, 4 * measured, 8 * measured)
     # zero1/zero2 add the gathered bf16 copy of the TP shard; zero1 keeps fp32 gradients that size.
-    assert states_bytes(predicted_tp, predicted_shard, "zero1") == (4 * measured + 2 * predicted_tp, 4 * predicted_tp, 8 * measured)
+    assert states_bytes(predicted_tp, predicted_shard, "zero1") == (
+        4 * measured + 2 * predicted_tp,
+        4 * predicted_tp,
+        8 * measured,
+    )

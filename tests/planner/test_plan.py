@@ -1,4 +1,5 @@
 """The planner end to end: the Frontier table, the search, the CLI's outputs and its errors."""
+
 import json
 import time
 from pathlib import Path
@@ -6,16 +7,31 @@ from pathlib import Path
 import pytest
 
 from experiments.frontier.report import PAPER_RUNS
-from trillion.models.presets import get_preset
 from trillion.devices import DEVICES, lookup_device
+from trillion.models.presets import get_preset
 from trillion.parallel.planner.hardware import load_profile, profile_names
-from trillion.parallel.planner.search import Request, evaluate, metrics, search
 from trillion.parallel.planner.layout import Layout
+from trillion.parallel.planner.search import Request, evaluate, metrics, search
 from trillion.trainer.cli.main import main as trillion
 from trillion.trainer.config.schema import load_config
 
-JSON_KEYS = {"tp", "pp", "dp_replicate", "dp_shard", "dp_shard_mode", "pp_schedule", "micro_batch_size", "microbatches",
-             "activation_checkpoint", "step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "hfu", "memory_gb"}
+JSON_KEYS = {
+    "tp",
+    "pp",
+    "dp_replicate",
+    "dp_shard",
+    "dp_shard_mode",
+    "pp_schedule",
+    "micro_batch_size",
+    "microbatches",
+    "activation_checkpoint",
+    "step_time_s",
+    "tokens_per_s",
+    "tflops_per_gpu",
+    "mfu",
+    "hfu",
+    "memory_gb",
+}
 
 
 def test_profiles_ship_and_feed_the_mfu_table():
@@ -37,17 +53,37 @@ def test_search_beats_the_papers_layout_and_fixed_flags_evaluate_one():
     request = Request(model, get_preset(model), load_profile("frontier"), gpus, batch, 2048)
     paper = evaluate(request, layout)
     assert search(request).ranked[0].step.total < paper.step.total
-    fixed = Request(model, get_preset(model), load_profile("frontier"), gpus, batch, 2048,
-                    fixed={k: getattr(layout, k) for k in ("tp", "pp", "dp_replicate", "dp_shard", "dp_shard_mode",
-                                                            "pp_schedule", "micro_batch_size", "activation_checkpoint")})
+    fixed = Request(
+        model,
+        get_preset(model),
+        load_profile("frontier"),
+        gpus,
+        batch,
+        2048,
+        fixed={
+            k: getattr(layout, k)
+            for k in (
+                "tp",
+                "pp",
+                "dp_replicate",
+                "dp_shard",
+                "dp_shard_mode",
+                "pp_schedule",
+                "micro_batch_size",
+                "activation_checkpoint",
+            )
+        },
+    )
     result = search(fixed)
     assert result.considered == 1 and result.ranked[0].step.total == paper.step.total
 
 
 def test_schedules_order_bubbles_and_memory():
     request = Request("gpt-175b", get_preset("gpt-175b"), load_profile("frontier"), 128, 64, 2048)
+
     def run(schedule, v):
         return evaluate(request, Layout(4, 16, 1, 2, "zero1", schedule, v, 1, 32, "full"))
+
     one, interleaved, zbv, gpipe = run("1F1B", 1), run("Interleaved1F1B", 2), run("ZBVZeroBubble", 2), run("GPipe", 1)
     assert zbv.step.bubble < interleaved.step.bubble < one.step.bubble == gpipe.step.bubble
     assert one.step.bubble / one.step.total == pytest.approx(15 / (32 + 15), rel=0.15)
@@ -58,8 +94,10 @@ def test_pipeline_stages_cost_zero1_whatever_the_mode():
     """A pipeline schedule defers gradient sync to the last micro-batch and keeps its stages
     gathered (measured by trillion estimate against gloo runs); without one, zero3 saves memory."""
     request = Request("gpt-175b", get_preset("gpt-175b"), load_profile("frontier"), 128, 64, 2048)
+
     def memory(pp, mode, schedule="1F1B", v=1):
         return evaluate(request, Layout(4, pp, 1, 32 // pp, mode, schedule, v, 1, 64 // (32 // pp), "full")).memory
+
     for schedule, v in (("1F1B", 1), ("ZBVZeroBubble", 2)):
         assert memory(8, "zero3", schedule, v).parameters == memory(8, "zero1", schedule, v).parameters
         assert memory(8, "zero3", schedule, v).gradients == memory(8, "zero1", schedule, v).gradients
@@ -75,31 +113,97 @@ def test_thirty_thousand_gpus_in_seconds():
 
 def test_cli_json_and_train_config(tmp_path, capsys):
     out = tmp_path / "best.toml"
-    assert trillion(["plan", "--model", "gpt-22b", "--hardware", "frontier", "--gpus", "16", "--global-batch", "640",
-                     "--tokens", "1e12", "--format", "json", "--top", "3", "--config-out", str(out)]) == 0
+    assert (
+        trillion(
+            [
+                "plan",
+                "--model",
+                "gpt-22b",
+                "--hardware",
+                "frontier",
+                "--gpus",
+                "16",
+                "--global-batch",
+                "640",
+                "--tokens",
+                "1e12",
+                "--format",
+                "json",
+                "--top",
+                "3",
+                "--config-out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     best = report["candidates"][0]
     assert JSON_KEYS <= set(best) and {"time_to_train_days", "gpu_hours", "energy_mwh", "cost_usd"} <= set(best)
     config = load_config(str(out))
-    assert (config.parallel.tp, config.parallel.pp, config.parallel.dp_shard, config.training.micro_batch_size) == \
-        (best["tp"], best["pp"], best["dp_shard"], best["micro_batch_size"])
+    assert (config.parallel.tp, config.parallel.pp, config.parallel.dp_shard, config.training.micro_batch_size) == (
+        best["tp"],
+        best["pp"],
+        best["dp_shard"],
+        best["micro_batch_size"],
+    )
 
 
 def test_cli_table_and_plots(tmp_path, capsys):
-    assert trillion(["plan", "--model", "gpt-1.4b", "--hardware", "dgx-h100", "--gpus", "16", "--global-batch", "64",
-                     "--top", "2", "--config-out", "", "--plot", str(tmp_path)]) == 0
+    assert (
+        trillion(
+            [
+                "plan",
+                "--model",
+                "gpt-1.4b",
+                "--hardware",
+                "dgx-h100",
+                "--gpus",
+                "16",
+                "--global-batch",
+                "64",
+                "--top",
+                "2",
+                "--config-out",
+                "",
+                "--plot",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     assert "tokens/s" in capsys.readouterr().out
     assert (tmp_path / "tradeoff.png").stat().st_size > 0 and (tmp_path / "scaling.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--model", "gpt-22b", "--hardware", "frontier", "--gpus", "100000", "--global-batch", "64"], "at most"),
-    (["--model", "gpt-22b", "--hardware", "frontier", "--gpus", "16", "--global-batch", "5", "--dp-shard", "2"], "global batch"),
-    (["--model", "gpt-1t", "--hardware", "frontier", "--gpus", "8", "--global-batch", "8"], "fits in memory"),
-    (["--model", "gpt-22b", "--hardware", "tpu-v9", "--gpus", "16", "--global-batch", "64"], "frontier"),
-    (["--model", "gpt-9t", "--hardware", "frontier", "--gpus", "16", "--global-batch", "64"], "gpt-1t"),
-    (["--model", "gpt-22b", "--hardware", "frontier", "--gpus", "16", "--global-batch", "64", "--pp-schedule", "X"], "1F1B"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model", "gpt-22b", "--hardware", "frontier", "--gpus", "100000", "--global-batch", "64"], "at most"),
+        (
+            ["--model", "gpt-22b", "--hardware", "frontier", "--gpus", "16", "--global-batch", "5", "--dp-shard", "2"],
+            "global batch",
+        ),
+        (["--model", "gpt-1t", "--hardware", "frontier", "--gpus", "8", "--global-batch", "8"], "fits in memory"),
+        (["--model", "gpt-22b", "--hardware", "tpu-v9", "--gpus", "16", "--global-batch", "64"], "frontier"),
+        (["--model", "gpt-9t", "--hardware", "frontier", "--gpus", "16", "--global-batch", "64"], "gpt-1t"),
+        (
+            [
+                "--model",
+                "gpt-22b",
+                "--hardware",
+                "frontier",
+                "--gpus",
+                "16",
+                "--global-batch",
+                "64",
+                "--pp-schedule",
+                "X",
+            ],
+            "1F1B",
+        ),
+    ],
+)
 def test_invalid_requests_are_one_paragraph_errors(argv, message, capsys):
     assert trillion(["plan", *argv, "--config-out", ""]) == 2
     err = capsys.readouterr().err
@@ -110,9 +214,12 @@ def test_hfu_counts_the_recompute_each_stage_does():
     """Each stage module checkpoints every second of its own blocks: with one layer per stage (or
     per virtual stage) selective recomputes every layer, so HFU counts all of them, not half."""
     from trillion.parallel.planner.search import recompute_fraction
+
     args = get_preset("gpt-1t")  # 128 layers
+
     def fraction(pp, schedule="1F1B", v=1):
         return recompute_fraction(args, Layout(4, pp, 1, 1, "zero1", schedule, v, 1, 2 * pp, "selective"))
+
     assert fraction(1) == 0.5 and fraction(64) == 0.5
     assert fraction(128) == 1.0 and fraction(64, "Interleaved1F1B", 2) == 1.0
     request = Request("gpt-1t", args, load_profile("frontier"), 1024, 1024, 2048)
@@ -138,6 +245,7 @@ def test_trainer_hfu_counts_the_recompute_each_stage_does():
     every stage under selective: 126 of 128 blocks, not the whole model's half."""
     from trillion.parallel.modes import recompute_fraction, stages_recompute_fraction
     from trillion.parallel.pipeline import split_units
+
     n_layers = 128
     blocks = [sum(1 for unit in r if 1 <= unit <= n_layers) for r in split_units(n_layers, 128)]
     assert (blocks.count(0), blocks.count(2), sum(blocks)) == (2, 2, n_layers)

@@ -1,4 +1,5 @@
 """The planner against published runs (experiments/validation): errors per row, the fit, the report."""
+
 import sys
 from pathlib import Path
 
@@ -38,13 +39,26 @@ def test_fitted_rows_are_marked_with_their_leave_one_out_error(records):
 def test_fitted_value_is_what_refitting_gives():
     runs = load_runs()
     for entry in fitted_constants():
-        assert refit(entry, [r for r in runs if r["id"] in entry["fitted_to"]]) == pytest.approx(entry["value"], abs=1e-3)
+        assert refit(entry, [r for r in runs if r["id"] in entry["fitted_to"]]) == pytest.approx(
+            entry["value"], abs=1e-3
+        )
 
 
 def test_every_run_names_its_source_and_setup():
     for run in load_runs():
-        assert {"id", "source", "model", "hardware", "gpus", "global_batch", "seq_len", "precision", "layout", "metric",
-                "published"} <= set(run), run["id"]
+        assert {
+            "id",
+            "source",
+            "model",
+            "hardware",
+            "gpus",
+            "global_batch",
+            "seq_len",
+            "precision",
+            "layout",
+            "metric",
+            "published",
+        } <= set(run), run["id"]
 
 
 def test_validation_md_is_what_the_script_writes(records):
@@ -55,6 +69,7 @@ def test_validation_md_is_what_the_script_writes(records):
 def test_readme_states_what_the_validation_shows(records):
     """README's planner section quotes the worst error and the ranges it names."""
     from validate import worst
+
     readme = (RUNS_FILE.parents[2] / "README.md").read_text()
     error, run_id = worst(records)
     assert f"+{100 * error:.1f}% ({run_id})" in readme
@@ -67,6 +82,7 @@ def test_readme_states_what_the_validation_shows(records):
 def test_readme_states_the_recorded_cpu_check():
     import tomllib
     from validate import CPU_FILE, CPU_TOLERANCE
+
     rows = {r["layout"]: r["predicted_s"] / r["measured_s"] - 1 for r in tomllib.loads(CPU_FILE.read_text())["row"]}
     readme = (RUNS_FILE.parents[2] / "README.md").read_text()
     assert set(rows) == {"1 process", "dp_shard 2 (FSDP, gloo)", "tp 2 (gloo)"}

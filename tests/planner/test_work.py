@@ -1,4 +1,5 @@
 """The planner's count of element-wise work against every aten op of a real block, forward and backward."""
+
 import dataclasses
 
 import pytest
@@ -11,11 +12,35 @@ from trillion.models.transformer import TransformerBlock, rope_cache
 from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, elementwise_per_token
 
 # GEMMs and attention are timed separately; views and allocations move no data
-_NOT_ELEMENTWISE = {"mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
-                    "_scaled_dot_product_flash_attention_for_cpu_backward", "view", "_unsafe_view", "t", "transpose",
-                    "expand", "detach", "permute", "unsqueeze", "squeeze", "split", "slice", "select", "alias",
-                    "as_strided", "empty", "empty_like", "ones_like", "zeros_like", "new_empty", "split_with_sizes",
-                    "unbind", "_reshape_alias"}
+_NOT_ELEMENTWISE = {
+    "mm",
+    "addmm",
+    "bmm",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "view",
+    "_unsafe_view",
+    "t",
+    "transpose",
+    "expand",
+    "detach",
+    "permute",
+    "unsqueeze",
+    "squeeze",
+    "split",
+    "slice",
+    "select",
+    "alias",
+    "as_strided",
+    "empty",
+    "empty_like",
+    "ones_like",
+    "zeros_like",
+    "new_empty",
+    "split_with_sizes",
+    "unbind",
+    "_reshape_alias",
+}
 
 
 class _ElementCount(TorchDispatchMode):

@@ -1,4 +1,5 @@
 """Token stores: what prepare-data writes, how ranks read it, the checks, the blend."""
+
 import base64
 import json
 import logging
@@ -8,8 +9,9 @@ import pytest
 import torch
 
 from trillion.errors import ConfigError, RunAborted
-from trillion.trainer.data import prepare as prepare_data, token_store
 from trillion.trainer.config.schema import Data, load_config
+from trillion.trainer.data import prepare as prepare_data
+from trillion.trainer.data import token_store
 from trillion.trainer.data.loader import build_data_loader, is_held_out
 from trillion.trainer.data.prepared import WindowPermutation, parse_prepared, read_held_out_windows
 from trillion.trainer.data.token_store import TokenStore
@@ -21,8 +23,17 @@ def docs_of(corpus):
 
 
 def loader(data: Data, *, seq_len=32, global_batch=8, micro=2, rank=0, size=1, seed=0, tokenizer=None, held_out=0.01):
-    return build_data_loader(data, tokenizer or ByteTokenizer(), seed=seed, seq_len=seq_len, global_batch_size=global_batch,
-                             micro_batch_size=micro, held_out=held_out, dp_rank=rank, dp_size=size)
+    return build_data_loader(
+        data,
+        tokenizer or ByteTokenizer(),
+        seed=seed,
+        seq_len=seq_len,
+        global_batch_size=global_batch,
+        micro_batch_size=micro,
+        held_out=held_out,
+        dp_rank=rank,
+        dp_size=size,
+    )
 
 
 def windows(batch) -> torch.Tensor:
@@ -96,8 +107,9 @@ def test_blend_shares_follow_the_weights(tmp_path, corpus, store, caplog):
     """Two stores 0.7 / 0.3: over 500 batches each source's share of the tokens is within 1% of its weight."""
     other_corpus, second = tmp_path / "non_ascii.jsonl", tmp_path / "second.tokens"
     # the second source's text is all non-ASCII (two UTF-8 bytes >= 0x80 a character), so a window tells its source
-    other_corpus.write_text("".join(json.dumps({"text": "".join(chr(0x100 + ord(c) % 256) for c in d)}) + "\n"
-                                    for d in docs_of(corpus)))
+    other_corpus.write_text(
+        "".join(json.dumps({"text": "".join(chr(0x100 + ord(c) % 256) for c in d)}) + "\n" for d in docs_of(corpus))
+    )
     prepare_data.prepare(load_config(None, [f"--data.path={other_corpus}"]), second, workers=1)
     with caplog.at_level(logging.INFO, logger="trillion"):
         blend = loader(Data(prepared=f"{store}:0.7,{second}:0.3"), seq_len=64, global_batch=16, micro=16)
@@ -119,7 +131,9 @@ def test_a_store_of_another_tokenizer_is_refused_naming_both(tmp_path, store):
     from trillion.trainer.config.schema import Tokenizer
 
     other = build_tokenizer(Tokenizer(kind="tiktoken", path=str(ranks)))
-    with pytest.raises(ConfigError, match=r"tokenized with byte \(257 ids.*this run's tokenizer is tiktoken .*bytes.tiktoken"):
+    with pytest.raises(
+        ConfigError, match=r"tokenized with byte \(257 ids.*this run's tokenizer is tiktoken .*bytes.tiktoken"
+    ):
         loader(Data(prepared=str(store)), tokenizer=other)
 
 
@@ -190,8 +204,9 @@ def test_interrupted_prepare_resumes_and_never_leaves_out_half_written(tmp_path,
         prepare_data.prepare(config, out, workers=1)
 
 
-@pytest.mark.parametrize("spec, message", [("a:0", "positive weight"), ("a:-1", "positive weight"),
-                                           ("/nowhere", "not a token store")])
+@pytest.mark.parametrize(
+    "spec, message", [("a:0", "positive weight"), ("a:-1", "positive weight"), ("/nowhere", "not a token store")]
+)
 def test_bad_prepared_settings_are_refused(spec, message):
     with pytest.raises(ConfigError, match=message):
         loader(Data(prepared=spec))
@@ -222,8 +237,10 @@ def test_held_out_documents_are_excluded_exactly_and_readable_for_evaluation(tmp
     from trillion.trainer.evaluate import read_eval_windows
 
     dealt = read_eval_windows(Eval(held_out=0.3, steps=3), Data(prepared=str(out), lanes=3), tok, 31, 4)
-    assert dealt.shape == (12, 32) and not torch.equal(dealt.flatten(), torch.tensor(stream[:12 * 32]))
-    assert torch.equal(dealt, read_eval_windows(Eval(held_out=0.3, steps=3), Data(path=str(corpus), lanes=3), tok, 31, 4))
+    assert dealt.shape == (12, 32) and not torch.equal(dealt.flatten(), torch.tensor(stream[: 12 * 32]))
+    assert torch.equal(
+        dealt, read_eval_windows(Eval(held_out=0.3, steps=3), Data(path=str(corpus), lanes=3), tok, 31, 4)
+    )
     on_the_fly = loader(Data(path=str(corpus), lanes=1), held_out=0.3)  # the loader's own split agrees
     prepared = loader(Data(prepared=str(out), shuffle=False), held_out=0.3)
     assert torch.equal(windows(prepared.next_batch()), windows(on_the_fly.next_batch()))

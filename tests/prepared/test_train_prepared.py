@@ -1,5 +1,6 @@
 """`trillion train --data.prepared=DIR` on a store of the default corpus: one process and two FSDP
 ranks under torchrun log the same losses (fp32), and a resumed run continues bitwise."""
+
 import json
 import os
 import shutil
@@ -12,22 +13,47 @@ from trillion.trainer.config.schema import load_config
 from trillion.trainer.train import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-TINY = ["--model.n_layers=1", "--model.dim=64", "--model.n_heads=4", "--model.n_kv_heads=2", "--model.ffn_dim=128",
-        "--training.seq_len=32", "--training.global_batch_size=4", "--training.micro_batch_size=2",
-        "--training.steps=4", "--training.dtype=fp32", "--lr_schedule.warmup_steps=2", "--metrics.log_freq=1",
-        "--logging.wandb=false", "--logging.progress_bar=lines"]
+TINY = [
+    "--model.n_layers=1",
+    "--model.dim=64",
+    "--model.n_heads=4",
+    "--model.n_kv_heads=2",
+    "--model.ffn_dim=128",
+    "--training.seq_len=32",
+    "--training.global_batch_size=4",
+    "--training.micro_batch_size=2",
+    "--training.steps=4",
+    "--training.dtype=fp32",
+    "--lr_schedule.warmup_steps=2",
+    "--metrics.log_freq=1",
+    "--logging.wandb=false",
+    "--logging.progress_bar=lines",
+]
 
 
 def losses(out) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-            if "loss" in r]  # the step-0 evaluation record has none
+    return [
+        (r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
+    ]  # the step-0 evaluation record has none
 
 
 def torchrun(out, store, *extra):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--no-python",
-               shutil.which("trillion") or "trillion", "train", *TINY, f"--data.prepared={store}",
-               f"--job.output_dir={out}", "--parallel.dp_shard=2", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "--no-python",
+        shutil.which("trillion") or "trillion",
+        "train",
+        *TINY,
+        f"--data.prepared={store}",
+        f"--job.output_dir={out}",
+        "--parallel.dp_shard=2",
+        *extra,
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     return losses(out)
@@ -56,8 +82,11 @@ def test_a_resumed_run_continues_bitwise(store, straight, tmp_path):
 
 @pytest.mark.slow  # another torchrun start (about 20 s on two cores)
 def test_a_one_process_checkpoint_resumes_on_two_ranks(store, straight, tmp_path):
-    train(load_config(None, [*TINY, f"--data.prepared={store}", f"--job.output_dir={tmp_path}",
-                             "--training.exit_interval=2"]))
+    train(
+        load_config(
+            None, [*TINY, f"--data.prepared={store}", f"--job.output_dir={tmp_path}", "--training.exit_interval=2"]
+        )
+    )
     resumed = torchrun(tmp_path, store)
     assert [step for step, _ in resumed] == [1, 2, 3, 4]
     for (_, one), (_, two) in zip(straight[2:], resumed[2:]):

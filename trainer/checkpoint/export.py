@@ -1,17 +1,18 @@
 """`trillion export --checkpoint DIR --format hf OUT`: a training checkpoint as a Hugging Face
 model folder (model.safetensors + config.json) that `transformers` loads as LlamaForCausalLM or
 GPT2LMHeadModel. `--checkpoint.initial_load=OUT` starts a new run from such a folder."""
+
 import dataclasses
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from trillion.errors import ConfigError
 from trillion.models import Transformer
 from trillion.trainer.checkpoint.manager import CONFIG_FILE, complete_checkpoints, is_complete
 from trillion.trainer.checkpoint.state import ModelParts
 from trillion.trainer.config.schema import load_config
-from trillion.errors import ConfigError
 
 RUN_CONFIG = "trillion_config.toml"  # the run's config beside the weights: `trillion generate` reads its tokenizer
 
@@ -21,13 +22,17 @@ def resolve_checkpoint(path: Path) -> Path:
     if is_complete(path):
         return path
     if path.name.startswith("step-") and path.is_dir():
-        raise ConfigError(f"--checkpoint {path} is not a complete checkpoint (no COMPLETE marker: its save was "
-                          f"interrupted). Use an earlier step directory.")
+        raise ConfigError(
+            f"--checkpoint {path} is not a complete checkpoint (no COMPLETE marker: its save was "
+            f"interrupted). Use an earlier step directory."
+        )
     for root in (path / "checkpoints", path):
         if found := complete_checkpoints(root):
             return found[-1]
-    raise ConfigError(f"--checkpoint {path}: no complete checkpoint there. Give a step directory "
-                      f"(<output_dir>/checkpoints/step-NNNNNNNN) or a run's output_dir.")
+    raise ConfigError(
+        f"--checkpoint {path}: no complete checkpoint there. Give a step directory "
+        f"(<output_dir>/checkpoints/step-NNNNNNNN) or a run's output_dir."
+    )
 
 
 def load_checkpoint_model(step: Path) -> Transformer:
@@ -51,11 +56,16 @@ def export_hf(step: Path, out: Path) -> Path:
 
     model = load_checkpoint_model(step)
     weights = to_hf_state_dict(model.state_dict(), model.args)
-    if model.args.tie_embeddings:  # transformers ties lm_head to the embedding itself; safetensors refuses shared storage
+    if (
+        model.args.tie_embeddings
+    ):  # transformers ties lm_head to the embedding itself; safetensors refuses shared storage
         weights.pop("lm_head.weight")
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().contiguous() for k, v in weights.items()},
+        str(out / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     hf_config(model.args).save_pretrained(str(out))
     (out / RUN_CONFIG).write_text((step / CONFIG_FILE).read_text())
     return out / "model.safetensors"

@@ -11,6 +11,7 @@ described, not gathered), so DCP re-slices them on load for any parallel layout;
 is layout-independent (trainer/data/loader.py). Model parts and optimizers are lists, so pipeline stages,
 which keep global parameter names, save into one checkpoint. What is saved: checkpoint_state.py.
 """
+
 import errno
 import logging
 import os
@@ -26,13 +27,19 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trillion.trainer.data import fingerprint as corpus_fingerprint
-from trillion.trainer.checkpoint.state import (ModelParts, Optimizers, RNGStates, TrainingState, load_model_weights,
-                                              saved_model_shapes)
-from trillion.trainer.checkpoint.verify import ChecksummedWriter, newest_intact, write_manifest
-from trillion.trainer.config.schema import Checkpoint as CheckpointConfig
 from trillion.errors import ConfigError, RunAborted
 from trillion.trainer.checkpoint.resume_check import check_resume_config, check_shapes, saved_config, trim_metrics
+from trillion.trainer.checkpoint.state import (
+    ModelParts,
+    Optimizers,
+    RNGStates,
+    TrainingState,
+    load_model_weights,
+    saved_model_shapes,
+)
+from trillion.trainer.checkpoint.verify import ChecksummedWriter, newest_intact, write_manifest
+from trillion.trainer.config.schema import Checkpoint as CheckpointConfig
+from trillion.trainer.data import fingerprint as corpus_fingerprint
 
 log = logging.getLogger("trillion")
 # DCP warns on every save and load in one process, also from the async writer's thread (which a
@@ -67,8 +74,11 @@ def remove_partial(root: Path) -> list[str]:
     """Delete what an interrupted save left behind: staging dirs and step dirs without the marker."""
     if not root.is_dir():
         return []
-    partial = [p for p in root.iterdir() if p.is_dir() and (p.name.startswith(PARTIAL_PREFIXES)
-                                                             or (p.name.startswith("step-") and not is_complete(p)))]
+    partial = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and (p.name.startswith(PARTIAL_PREFIXES) or (p.name.startswith("step-") and not is_complete(p)))
+    ]
     for path in partial:
         shutil.rmtree(path, ignore_errors=True)
     return sorted(p.name for p in partial)
@@ -81,13 +91,36 @@ class CheckpointManager:
     gloo group: it works beside NCCL, and an async save's background thread never interleaves
     with the training collectives on the default group."""
 
-    def __init__(self, output_dir: Path, cfg: CheckpointConfig, *, model_parts, optimizers, scheduler, loader,
-                 counters, config, model_args, device: torch.device, is_rank0: bool, whole_model: bool = True):
+    def __init__(
+        self,
+        output_dir: Path,
+        cfg: CheckpointConfig,
+        *,
+        model_parts,
+        optimizers,
+        scheduler,
+        loader,
+        counters,
+        config,
+        model_args,
+        device: torch.device,
+        is_rank0: bool,
+        whole_model: bool = True,
+    ):
         self.whole_model = whole_model  # False on a pipeline rank: its stages hold a share of the names
-        self.root, self.output_dir, self.cfg, self.is_rank0 = Path(output_dir) / "checkpoints", Path(output_dir), cfg, is_rank0
+        self.root, self.output_dir, self.cfg, self.is_rank0 = (
+            Path(output_dir) / "checkpoints",
+            Path(output_dir),
+            cfg,
+            is_rank0,
+        )
         self.config, self.model_args, self.counters, self.parts = config, model_args, counters, model_parts
-        self.states = {"model": ModelParts(model_parts), "optimizer": Optimizers(model_parts, optimizers),
-                       "training": TrainingState(counters, scheduler, loader), "rng": RNGStates(device)}
+        self.states = {
+            "model": ModelParts(model_parts),
+            "optimizer": Optimizers(model_parts, optimizers),
+            "training": TrainingState(counters, scheduler, loader),
+            "rng": RNGStates(device),
+        }
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.pending = None  # (future, staging dir, step, start time) of the async save in flight
         self.blocked_seconds = 0.0  # how long the async save in flight held training up
@@ -119,22 +152,33 @@ class CheckpointManager:
             except OSError as problem:
                 error = CheckpointError(
                     f"The checkpoint directory {self.root} is not writable ({problem.strerror or problem}). Point "
-                    f"--job.output_dir at a folder this job may write, or fix its permissions.")
+                    f"--job.output_dir at a folder this job may write, or fix its permissions."
+                )
         self._agree(error, f"write into {self.root}")
 
     # --- resume -----------------------------------------------------------------------------------
     def resume(self) -> int:
         """Load the newest complete checkpoint, else the `checkpoint.initial_load` weights; returns the step reached."""
         if self.is_rank0 and (removed := remove_partial(self.root)):
-            log.warning("removed %d unfinished checkpoint director%s in %s (a save was interrupted): %s", len(removed),
-                        "y" if len(removed) == 1 else "ies", self.root, ", ".join(removed))
+            log.warning(
+                "removed %d unfinished checkpoint director%s in %s (a save was interrupted): %s",
+                len(removed),
+                "y" if len(removed) == 1 else "ies",
+                self.root,
+                ", ".join(removed),
+            )
         self._barrier()
         checkpoints = complete_checkpoints(self.root)
         if not checkpoints:
             if self.cfg.initial_load:
                 start = time.perf_counter()
-                load_model_weights(Path(self.cfg.initial_load), self.parts, self.model_args, "--checkpoint.initial_load",
-                                   self.whole_model)
+                load_model_weights(
+                    Path(self.cfg.initial_load),
+                    self.parts,
+                    self.model_args,
+                    "--checkpoint.initial_load",
+                    self.whole_model,
+                )
                 log.info("initial weights from %s (%.2fs)", self.cfg.initial_load, time.perf_counter() - start)
             return 0
         latest = newest_intact(checkpoints, self.group, self.is_rank0)
@@ -145,19 +189,28 @@ class CheckpointManager:
         except ConfigError as changed:
             error = changed
         self._agree(error, "accept the data corpus")  # a node whose copy of the data differs stops every rank
-        check_shapes(saved_model_shapes(latest), self.states["model"].state_dict(), f"checkpoint {latest}",
-                     self.whole_model)
+        check_shapes(
+            saved_model_shapes(latest), self.states["model"].state_dict(), f"checkpoint {latest}", self.whole_model
+        )
         if self.cfg.initial_load:
             log.info("checkpoint.initial_load is ignored: the run resumes from its own checkpoint %s", latest)
         metadata = FileSystemReader(str(latest)).read_metadata().state_dict_metadata
         self.states["rng"].saved_keys = {k.split(".")[1] for k in metadata if k.startswith("rng.")}
         start = time.perf_counter()
         dcp.load(self.states, checkpoint_id=str(latest), process_group=self.group, no_dist=self.group is None)
-        log.info("resumed from %s: step %d, %d tokens seen (loaded in %.2fs)", latest, self.counters.step,
-                 self.counters.tokens, time.perf_counter() - start)
+        log.info(
+            "resumed from %s: step %d, %d tokens seen (loaded in %.2fs)",
+            latest,
+            self.counters.step,
+            self.counters.tokens,
+            time.perf_counter() - start,
+        )
         if self.is_rank0 and (dropped := trim_metrics(self.output_dir / "metrics.jsonl", self.counters.step)):
-            log.info("metrics.jsonl: dropped %d records logged after step %d; those steps run again", dropped,
-                     self.counters.step)
+            log.info(
+                "metrics.jsonl: dropped %d records logged after step %d; those steps run again",
+                dropped,
+                self.counters.step,
+            )
         return self.counters.step
 
     # --- save -------------------------------------------------------------------------------------
@@ -178,13 +231,21 @@ class CheckpointManager:
         self._agree(error, f"prepare checkpoint step {step}")
         try:
             if self.cfg.async_mode == "async" and not blocking:
-                future = dcp.async_save(self.states, storage_writer=ChecksummedWriter(staging),
-                                        process_group=self.group, no_dist=self.group is None)
+                future = dcp.async_save(
+                    self.states,
+                    storage_writer=ChecksummedWriter(staging),
+                    process_group=self.group,
+                    no_dist=self.group is None,
+                )
                 self.pending = (future, staging, step, start)
                 self.blocked_seconds = time.perf_counter() - start
                 return
-            dcp.save(self.states, storage_writer=ChecksummedWriter(staging), process_group=self.group,
-                     no_dist=self.group is None)
+            dcp.save(
+                self.states,
+                storage_writer=ChecksummedWriter(staging),
+                process_group=self.group,
+                no_dist=self.group is None,
+            )
         except SAVE_FAILURES as problem:
             self._abandon(staging)
             raise _save_error(problem, step, self.root) from problem
@@ -243,10 +304,15 @@ class CheckpointManager:
             staging.rename(final)
         _sync_dir(self.root)
         if self.cfg.keep_latest > 0:
-            for old in complete_checkpoints(self.root)[:-self.cfg.keep_latest]:
+            for old in complete_checkpoints(self.root)[: -self.cfg.keep_latest]:
                 shutil.rmtree(old)
-        log.info("saved checkpoint %s (training blocked %.2fs, written in %.2fs, checksummed in %.2fs)", final,
-                 blocked, time.perf_counter() - start, checksum_seconds)
+        log.info(
+            "saved checkpoint %s (training blocked %.2fs, written in %.2fs, checksummed in %.2fs)",
+            final,
+            blocked,
+            time.perf_counter() - start,
+            checksum_seconds,
+        )
 
     def _abandon(self, staging: Path) -> None:
         if self.is_rank0:
@@ -298,14 +364,18 @@ def _save_error(error: BaseException, step: int, root: Path) -> CheckpointError:
         return CheckpointError(
             f"No space left on the device while saving checkpoint step {step} into {root}. {kept} Free space there, "
             f"keep fewer checkpoints (--checkpoint.keep_latest=1) or point --job.output_dir at a larger filesystem, "
-            f"then run the same command again to resume.")
+            f"then run the same command again to resume."
+        )
     if os_error is not None and os_error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return CheckpointError(
             f"Cannot write checkpoint step {step} into {root} ({os_error.strerror}). {kept} Fix the permissions or "
-            f"point --job.output_dir at a writable folder, then run the same command again to resume.")
+            f"point --job.output_dir at a writable folder, then run the same command again to resume."
+        )
     cause = os_error or _first_failure(error)
-    return CheckpointError(f"Saving checkpoint step {step} into {root} failed ({type(cause).__name__}: {cause}). "
-                           f"{kept} Run the same command again to resume from it.")
+    return CheckpointError(
+        f"Saving checkpoint step {step} into {root} failed ({type(cause).__name__}: {cause}). "
+        f"{kept} Run the same command again to resume from it."
+    )
 
 
 def _first_failure(error: BaseException) -> BaseException:

@@ -1,11 +1,13 @@
 """May this checkpoint continue this run? Checks done before any tensor is read, so a mismatch
 ends with one paragraph naming the setting or the parameters, not a tensor-copy traceback."""
+
 import dataclasses
 import json
 import logging
 import os
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from trillion.errors import ConfigError
 
@@ -38,8 +40,11 @@ def saved_config(path: Path) -> dict:
 
 
 def _flatten(config) -> dict:
-    return {f"{section}.{name}": value for section, fields in dataclasses.asdict(config).items()
-            for name, value in fields.items()}
+    return {
+        f"{section}.{name}": value
+        for section, fields in dataclasses.asdict(config).items()
+        for name, value in fields.items()
+    }
 
 
 def check_resume_config(saved: dict, config, checkpoint: Path) -> None:
@@ -48,14 +53,19 @@ def check_resume_config(saved: dict, config, checkpoint: Path) -> None:
     if saved and not saved.get("data.prepared"):
         saved = {**ADDED_SINCE, **saved}
     changed = [(key, old, current[key]) for key, old in saved.items() if key in current and current[key] != old]
-    breaking = [(key, old, new, why) for key, old, new in changed
-                for prefix, why in BREAKS_RESUME.items() if key == prefix or (prefix.endswith(".") and key.startswith(prefix))]
+    breaking = [
+        (key, old, new, why)
+        for key, old, new in changed
+        for prefix, why in BREAKS_RESUME.items()
+        if key == prefix or (prefix.endswith(".") and key.startswith(prefix))
+    ]
     if breaking:
         details = "; ".join(f"{key} was {old!r} there and is {new!r} now ({why})" for key, old, new, why in breaking)
         restore = " ".join(f"--{key}={old}" for key, old, _, _ in breaking)
         raise ConfigError(
             f"Cannot resume from {checkpoint}: {details}. To continue that run, pass {restore}. To start a different "
-            f"run, use a new --job.output_dir (with --checkpoint.initial_load={checkpoint} to start from its weights).")
+            f"run, use a new --job.output_dir (with --checkpoint.initial_load={checkpoint} to start from its weights)."
+        )
     if changed:
         log.info("resuming with changed settings: %s", ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in changed))
 
@@ -64,8 +74,11 @@ def check_shapes(saved: dict[str, tuple], model_state: dict, source: str, whole_
     """Every parameter of the model is in `saved` with its global shape, and nothing else is (a
     pipeline rank, not the `whole_model`, holds only its stages' share)."""
     ours = {name: tuple(tensor.shape) for name, tensor in model_state.items()}
-    problems = [f"{name} is {tuple(saved[name])} there but {shape} here" for name, shape in ours.items()
-                if name in saved and tuple(saved[name]) != shape]
+    problems = [
+        f"{name} is {tuple(saved[name])} there but {shape} here"
+        for name, shape in ours.items()
+        if name in saved and tuple(saved[name]) != shape
+    ]
     missing, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
     if missing:
         problems.append(f"missing there: {_some(missing)}")
@@ -75,7 +88,8 @@ def check_shapes(saved: dict[str, tuple], model_state: dict, source: str, whole_
         raise ConfigError(
             f"{source} does not fit this model: {'; '.join(problems[:6])}{' ...' if len(problems) > 6 else ''}. Use the "
             f"model settings it was saved with (its config.toml: [model] and the preset), or start a fresh run in "
-            f"another --job.output_dir.")
+            f"another --job.output_dir."
+        )
 
 
 def _some(names: list[str], limit: int = 4) -> str:

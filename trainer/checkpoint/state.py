@@ -3,14 +3,20 @@ its optimizers keyed by global parameter names, so any layout loads them; the tr
 LR schedule, data position); the RNG states. And loading weights alone (a checkpoint or a Hugging
 Face folder) for checkpoint.initial_load and `trillion export`. Writing, publishing and resuming:
 checkpoint.py."""
+
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trillion.errors import ConfigError
@@ -40,7 +46,11 @@ class Optimizers(Stateful):
         self.pairs = list(zip(parts, optimizers, strict=True))
 
     def state_dict(self) -> dict:
-        return {k: v for part, opt in self.pairs for k, v in get_optimizer_state_dict(part, opt, options=OPTIMIZER_OPTIONS).items()}
+        return {
+            k: v
+            for part, opt in self.pairs
+            for k, v in get_optimizer_state_dict(part, opt, options=OPTIMIZER_OPTIONS).items()
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for part, opt in self.pairs:
@@ -54,8 +64,11 @@ class TrainingState(Stateful):
         self.counters, self.scheduler, self.loader = counters, scheduler, loader
 
     def state_dict(self) -> dict:
-        return {"counters": self.counters.state_dict(), "lr_scheduler": self.scheduler.state_dict(),
-                "data": self.loader.state_dict()}
+        return {
+            "counters": self.counters.state_dict(),
+            "lr_scheduler": self.scheduler.state_dict(),
+            "data": self.loader.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.counters.load_state_dict(state["counters"])
@@ -65,8 +78,9 @@ class TrainingState(Stateful):
         # what the uninterrupted run computes.
         schedule = {k: v for k, v in state["lr_scheduler"].items() if k not in ("base_lrs", "_last_lr", "lr_lambdas")}
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **schedule})
-        for group, base, factor in zip(self.scheduler.optimizer.param_groups, self.scheduler.base_lrs,
-                                       self.scheduler.lr_lambdas, strict=True):
+        for group, base, factor in zip(
+            self.scheduler.optimizer.param_groups, self.scheduler.base_lrs, self.scheduler.lr_lambdas, strict=True
+        ):
             group["initial_lr"], group["lr"] = base, base * factor(self.scheduler.last_epoch)
         self.scheduler._last_lr = [group["lr"] for group in self.scheduler.optimizer.param_groups]
 
@@ -91,8 +105,9 @@ class RNGStates(Stateful):
             torch.cuda.set_rng_state(state["cuda"], self.device)
 
 
-def load_model_weights(path: Path, parts: list[torch.nn.Module], model_args, setting: str,
-                       whole_model: bool = True) -> None:
+def load_model_weights(
+    path: Path, parts: list[torch.nn.Module], model_args, setting: str, whole_model: bool = True
+) -> None:
     """Weights only, from a checkpoint step directory or a Hugging Face folder (safetensors + config.json)."""
     model = ModelParts(parts)
     if (path / ".metadata").is_file():
@@ -101,9 +116,11 @@ def load_model_weights(path: Path, parts: list[torch.nn.Module], model_args, set
         return
     files = sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if not files:
-        raise ConfigError(f"{setting}={str(path)!r} is neither a checkpoint step directory (with .metadata) nor a "
-                          f"Hugging Face folder with *.safetensors. Point it at checkpoints/step-NNNNNNNN of a run or at "
-                          f"the folder `trillion export` wrote.")
+        raise ConfigError(
+            f"{setting}={str(path)!r} is neither a checkpoint step directory (with .metadata) nor a "
+            f"Hugging Face folder with *.safetensors. Point it at checkpoints/step-NNNNNNNN of a run or at "
+            f"the folder `trillion export` wrote."
+        )
     from safetensors.torch import load_file
 
     from trillion.models.hf import from_hf_state_dict
@@ -116,5 +133,8 @@ def load_model_weights(path: Path, parts: list[torch.nn.Module], model_args, set
 
 def saved_model_shapes(path: Path) -> dict[str, tuple]:
     metadata = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    return {k.removeprefix("model."): tuple(m.size) for k, m in metadata.items()
-            if k.startswith("model.") and hasattr(m, "size")}
+    return {
+        k.removeprefix("model."): tuple(m.size)
+        for k, m in metadata.items()
+        if k.startswith("model.") and hasattr(m, "size")
+    }

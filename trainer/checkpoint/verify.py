@@ -9,6 +9,7 @@ error when none is intact.
 Verification is split over the ranks (rank r reads files r, r + world, ...), so resuming reads each
 byte once whatever the world size; the verdict is agreed on the checkpoint's gloo group.
 """
+
 import json
 import logging
 import os
@@ -74,8 +75,11 @@ def damaged_files(folder: Path, rank: int = 0, world: int = 1) -> list[str]:
         if rank == 0 and not (folder / ".metadata").is_file():
             return [f"{MANIFEST} and .metadata are missing"]
         if rank == 0:
-            log.warning("Checkpoint %s has no %s (written before checkpoints carried checksums): loading it unverified.",
-                        folder, MANIFEST)
+            log.warning(
+                "Checkpoint %s has no %s (written before checkpoints carried checksums): loading it unverified.",
+                folder,
+                MANIFEST,
+            )
         return []
     except (OSError, ValueError) as error:
         return [f"{MANIFEST} is unreadable ({error})"] if rank == 0 else []
@@ -105,14 +109,20 @@ def newest_intact(checkpoints: list[Path], group, is_rank0: bool) -> Path | None
         if not problems:
             return folder
         if is_rank0:
-            log.warning("CHECKPOINT %s IS DAMAGED, not loading it: %s. Set aside as %s; falling back to an older "
-                        "checkpoint.", folder, "; ".join(problems), folder.with_name("damaged-" + folder.name).name)
+            log.warning(
+                "CHECKPOINT %s IS DAMAGED, not loading it: %s. Set aside as %s; falling back to an older checkpoint.",
+                folder,
+                "; ".join(problems),
+                folder.with_name("damaged-" + folder.name).name,
+            )
             folder.rename(folder.with_name("damaged-" + folder.name))
         if group is not None:
             dist.barrier(group=group)  # the rename is seen before anyone lists checkpoints again
     if checkpoints:
-        raise RunAborted(f"No intact checkpoint in {checkpoints[0].parent}: each one's files differ from its manifest "
-                         f"(see the warnings above; they are kept as damaged-step-*). Restore the files from a copy, or "
-                         f"start a fresh run with another --job.output_dir (--checkpoint.initial_load=DIR to start from "
-                         f"weights you trust).")
+        raise RunAborted(
+            f"No intact checkpoint in {checkpoints[0].parent}: each one's files differ from its manifest "
+            f"(see the warnings above; they are kept as damaged-step-*). Restore the files from a copy, or "
+            f"start a fresh run with another --job.output_dir (--checkpoint.initial_load=DIR to start from "
+            f"weights you trust)."
+        )
     return None

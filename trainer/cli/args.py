@@ -1,5 +1,6 @@
 """The one argument parser of every `trillion` command: a usage mistake is a user error (one paragraph
 naming the command's --help, exit 2), never argparse's own exit."""
+
 import argparse
 
 from trillion.errors import ConfigError

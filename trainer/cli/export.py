@@ -1,5 +1,6 @@
 """`trillion export --checkpoint DIR --format hf OUT`: a training checkpoint as a Hugging Face model folder
 (trainer/checkpoint/export.py writes it)."""
+
 from pathlib import Path
 
 from trillion.errors import ConfigError
@@ -11,8 +12,10 @@ FORMATS = ("hf",)
 
 def main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
-        print(USAGE + "\n\nWrites OUT/model.safetensors and OUT/config.json from a checkpoint step directory "
-              "(or the newest one of a run directory).")
+        print(
+            USAGE + "\n\nWrites OUT/model.safetensors and OUT/config.json from a checkpoint step directory "
+            "(or the newest one of a run directory)."
+        )
         return 0
     options, positional, args = {}, [], iter(argv)
     for arg in args:

@@ -6,6 +6,7 @@ when there is one) with a KV cache, so each new token passes through the model o
 continuation streams to stdout as it is sampled, and stops at the end-of-document token.
 The prompt is encoded with the run's own tokenizer (its config.toml).
 """
+
 import argparse
 import dataclasses
 import json
@@ -35,15 +36,22 @@ class Sampling:
 
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser("generate", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint", required=True, help="a run directory, a checkpoint step-NNNNNNNN directory, or "
-                   "an exported Hugging Face folder")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="a run directory, a checkpoint step-NNNNNNNN directory, or an exported Hugging Face folder",
+    )
     p.add_argument("--prompt", required=True, help="the text to continue")
     defaults = Sampling()
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=defaults.temperature, help="0 = greedy (the likeliest token)")
     p.add_argument("--top-k", type=int, default=defaults.top_k, help="sample among the k likeliest tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=defaults.top_p,
-                   help="sample among the likeliest tokens holding this much probability (1 = all)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=defaults.top_p,
+        help="sample among the likeliest tokens holding this much probability (1 = all)",
+    )
     p.add_argument("--seed", type=int, default=defaults.seed, help="seed of the sampling")
     p.add_argument("--device", default="auto", help="auto (the GPU when there is one) | cpu | cuda")
     return p
@@ -63,13 +71,15 @@ def sampling_from(ns: argparse.Namespace) -> Sampling:
 
 def load_for_generation(path: Path, device: torch.device):
     """(model in eval mode on `device`, tokenizer) from a run, step or exported Hugging Face folder."""
-    from trillion.trainer.checkpoint.manager import CONFIG_FILE
     from trillion.trainer.checkpoint.export import RUN_CONFIG, load_checkpoint_model, resolve_checkpoint
+    from trillion.trainer.checkpoint.manager import CONFIG_FILE
     from trillion.trainer.data.tokenizer import build_tokenizer
 
     if not path.exists():
-        raise ConfigError(f"--checkpoint {path}: no such file or folder. Give a run's output_dir, a checkpoint "
-                          "step-NNNNNNNN directory or a folder `trillion export` wrote.")
+        raise ConfigError(
+            f"--checkpoint {path}: no such file or folder. Give a run's output_dir, a checkpoint "
+            "step-NNNNNNNN directory or a folder `trillion export` wrote."
+        )
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         model = _load_hf_folder(path)
         config_file = path / RUN_CONFIG
@@ -98,7 +108,9 @@ def _load_hf_folder(path: Path):
     try:
         args = args_from_hf_config(json.loads((path / "config.json").read_text()))
     except (ValueError, KeyError) as error:
-        raise ConfigError(f"--checkpoint {path}: its config.json does not describe a Llama or GPT-2 model ({error}).") from None
+        raise ConfigError(
+            f"--checkpoint {path}: its config.json does not describe a Llama or GPT-2 model ({error})."
+        ) from None
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
@@ -116,12 +128,16 @@ def encode_prompt(tokenizer, prompt: str, model, max_new_tokens: int) -> list[in
     if not ids:
         raise ConfigError("--prompt encodes to no tokens: give some text to continue.")
     if max(ids) >= model.args.vocab_size:
-        raise ConfigError(f"--prompt: the tokenizer gives id {max(ids)}, beyond the model's {model.args.vocab_size} "
-                          "ids; this tokenizer is not the one the model was trained with.")
+        raise ConfigError(
+            f"--prompt: the tokenizer gives id {max(ids)}, beyond the model's {model.args.vocab_size} "
+            "ids; this tokenizer is not the one the model was trained with."
+        )
     context = model.args.max_seq_len
     if len(ids) >= context:
-        raise ConfigError(f"--prompt is {len(ids)} tokens; the model's context is {context} tokens, and the "
-                          "continuation needs room: shorten the prompt.")
+        raise ConfigError(
+            f"--prompt is {len(ids)} tokens; the model's context is {context} tokens, and the "
+            "continuation needs room: shorten the prompt."
+        )
     if len(ids) + max_new_tokens > context:
         log.info("stopping after %d new tokens, at the model's context of %d", context - len(ids), context)
     return ids
@@ -172,11 +188,11 @@ def stream_text(tokenizer, ids: Iterator[int], out=None) -> str:
         text = tokenizer.decode(generated)
         if text.endswith("\ufffd"):
             continue
-        out.write(text[len(shown):])
+        out.write(text[len(shown) :])
         out.flush()
         shown = text
     text = tokenizer.decode(generated)
-    out.write(text[len(shown):] + "\n")
+    out.write(text[len(shown) :] + "\n")
     out.flush()
     return text
 
@@ -188,7 +204,8 @@ def main(argv: list[str]) -> int:
     sampling = sampling_from(ns)
     model, tokenizer = load_for_generation(Path(ns.checkpoint), pick_device(ns.device, 0))
     prompt = encode_prompt(tokenizer, ns.prompt, model, sampling.max_new_tokens)
-    ids = generate(model, prompt, sampling, vocab_size=min(tokenizer.vocab_size, model.args.vocab_size),
-                   stop_id=tokenizer.eos_id)
+    ids = generate(
+        model, prompt, sampling, vocab_size=min(tokenizer.vocab_size, model.args.vocab_size), stop_id=tokenizer.eos_id
+    )
     stream_text(tokenizer, ids)
     return 0

@@ -1,5 +1,6 @@
 """The `trillion` command: `trillion <command> [args]`. User errors print one paragraph (no
 traceback) and exit with status 2."""
+
 import logging
 import os
 import sys
@@ -32,14 +33,14 @@ def entry_module(command: str):
 COMMANDS = {
     "train": "train a model: trillion train [--config FILE] [--section.field=value ...]",
     "prepare-data": "tokenize a corpus once into a token store: trillion prepare-data --out DIR "
-                     "[--workers N] [--data.path=...]",
+    "[--workers N] [--data.path=...]",
     "plan": "choose a parallel layout: trillion plan --model M --hardware H --gpus N --global-batch B",
     "tune": "measure the planner's best layouts: trillion tune --config FILE --nproc N --hardware H",
     "estimate": "check a layout's memory per rank at full scale on one CPU: trillion estimate "
-                 "--config FILE --world-size N",
+    "--config FILE --world-size N",
     "export": "a checkpoint as a Hugging Face model: trillion export --checkpoint DIR --format hf OUT",
     "generate": "continue a prompt: trillion generate --checkpoint RUN_DIR --prompt TEXT "
-                 "[--max-new-tokens N] [--temperature T] [--top-k K]",
+    "[--max-new-tokens N] [--temperature T] [--top-k K]",
 }
 
 
@@ -52,8 +53,11 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO if rank == "0" else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0

@@ -1,4 +1,5 @@
 """`trillion train [--config FILE] [--section.field=value ...]`."""
+
 import torch.distributed as dist
 
 from trillion.errors import ConfigError, RunAborted

@@ -5,6 +5,7 @@ values it refuses (`bad_values()`), so tests/test_config_validation.py can walk 
 section and prove that each one is refused with the setting named. A section's relations between
 its own fields live in its `check_relations` method; those spanning sections in Config's.
 """
+
 import math
 import os
 from pathlib import Path
@@ -23,8 +24,9 @@ class Range(Check):
     """low <= value <= high (either bound optional; `open_low` excludes low itself); `also` lists
     sentinel values accepted besides the range (0 = keep the preset's, -1 = automatic), with their meaning."""
 
-    def __init__(self, low=None, high=None, *, open_low: bool = False, open_high: bool = False,
-                 also: dict | None = None):
+    def __init__(
+        self, low=None, high=None, *, open_low: bool = False, open_high: bool = False, also: dict | None = None
+    ):
         self.low, self.high, self.open_low, self.open_high, self.also = low, high, open_low, open_high, also or {}
 
     def problem(self, value) -> str | None:

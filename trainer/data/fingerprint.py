@@ -4,6 +4,7 @@ and compared at resume. Files added, removed or edited since the save are named 
 refused (the saved position would count into other documents), unless
 `--checkpoint.accept_data_change=true` says the change is intended. Hub datasets (`data.name`) are
 not fingerprinted: their revision is the hub's to keep. Stat calls only: a few ms for thousands of files."""
+
 import json
 import logging
 from pathlib import Path
@@ -46,15 +47,21 @@ def check(checkpoint: Path, cfg, accept: bool) -> None:
     edited = sorted(p for p in set(now) & set(saved) if now[p] != saved[p])
     if not (added or removed or edited):
         return
-    change = "; ".join(f"{len(names)} {what} ({_some(names)})" for what, names in
-                       (("added", added), ("removed", removed), ("edited", edited)) if names)
+    change = "; ".join(
+        f"{len(names)} {what} ({_some(names)})"
+        for what, names in (("added", added), ("removed", removed), ("edited", edited))
+        if names
+    )
     if accept:
-        log.warning("the data changed since %s (%s); resuming anyway (checkpoint.accept_data_change=true)",
-                    checkpoint, change)
+        log.warning(
+            "the data changed since %s (%s); resuming anyway (checkpoint.accept_data_change=true)", checkpoint, change
+        )
         return
-    raise ConfigError(f"Cannot resume from {checkpoint}: the data files changed since it was saved: {change}. Its data "
-                      "position counts documents of the old corpus, so the run would not see the batches it would have "
-                      "seen. Restore the files, or pass --checkpoint.accept_data_change=true to resume on the new corpus.")
+    raise ConfigError(
+        f"Cannot resume from {checkpoint}: the data files changed since it was saved: {change}. Its data "
+        "position counts documents of the old corpus, so the run would not see the batches it would have "
+        "seen. Restore the files, or pass --checkpoint.accept_data_change=true to resume on the new corpus."
+    )
 
 
 def _some(names: list[str], limit: int = 3) -> str:

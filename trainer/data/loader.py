@@ -20,6 +20,7 @@ Held-out split: a document is held out for evaluation when a hash of its text fa
 `eval.held_out` share (`is_held_out`). That depends on nothing but the text, so the same documents
 are withheld whatever the seed, the order or the number of ranks, and training skips exactly them.
 """
+
 import hashlib
 import itertools
 import logging
@@ -31,9 +32,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trillion.errors import ConfigError
 from trillion.trainer.config.schema import Data as DataConfig
 from trillion.trainer.config.schema import Eval as EvalConfig
-from trillion.errors import ConfigError
 from trillion.trainer.data.prepared import build_prepared_loader
 
 log = logging.getLogger("trillion")
@@ -80,16 +81,20 @@ class HFDocuments:
             if cfg.path:
                 builder, files = _local_files(cfg.path)
                 kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-                self.dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split=cfg.split,
-                                                     streaming=cfg.streaming, **kwargs)
+                self.dataset = datasets.load_dataset(
+                    builder, data_files=[str(f) for f in files], split=cfg.split, streaming=cfg.streaming, **kwargs
+                )
             else:
-                self.dataset = datasets.load_dataset(cfg.name, cfg.config_name or None, split=cfg.split,
-                                                     streaming=cfg.streaming)
+                self.dataset = datasets.load_dataset(
+                    cfg.name, cfg.config_name or None, split=cfg.split, streaming=cfg.streaming
+                )
         except (datasets.exceptions.DatasetGenerationError, FileNotFoundError, ValueError) as error:
             source = f"data.path={cfg.path!r}" if cfg.path else f"data.name={cfg.name!r}"
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise ConfigError(f"{source} could not be read as a dataset ({first_line}). Check that its files share "
-                              "one format and one set of columns, and that data.split exists.") from None
+            raise ConfigError(
+                f"{source} could not be read as a dataset ({first_line}). Check that its files share "
+                "one format and one set of columns, and that data.split exists."
+            ) from None
         self.text_field = cfg.text_field
         columns = self.dataset.column_names
         if columns is not None and cfg.text_field not in columns:
@@ -121,12 +126,16 @@ class HFDocuments:
 def _local_files(path: str) -> tuple[str, list[Path]]:
     root = Path(path)
     if not root.exists():
-        raise ConfigError(f"data.path={path!r}: no such file or folder. Point it at a json, jsonl, txt or parquet file, "
-                          "or a folder of them (or leave it empty for the embedded default corpus).")
+        raise ConfigError(
+            f"data.path={path!r}: no such file or folder. Point it at a json, jsonl, txt or parquet file, "
+            "or a folder of them (or leave it empty for the embedded default corpus)."
+        )
     files = sorted(p for p in root.rglob("*") if p.suffix in SUFFIX_TO_BUILDER) if root.is_dir() else [root]
     builders = {SUFFIX_TO_BUILDER.get(f.suffix) for f in files}
     if not files or None in builders:
-        raise ConfigError(f"data.path={path!r} holds no readable data file. Use files ending in {', '.join(SUFFIX_TO_BUILDER)}.")
+        raise ConfigError(
+            f"data.path={path!r} holds no readable data file. Use files ending in {', '.join(SUFFIX_TO_BUILDER)}."
+        )
     if len(builders) > 1:
         raise ConfigError(f"data.path={path!r} mixes file kinds ({', '.join(sorted(builders))}); point it at one kind.")
     return builders.pop(), files
@@ -181,12 +190,16 @@ class PackedWindows:
                     yield epoch, index, skip, tokens[skip:]
             if not produced and first == self.lane:
                 if self.lanes > 1 and self._any_text():
-                    raise ConfigError(f"data.lanes={self.lanes}: lane {self.lane} (documents {self.lane}, "
-                                      f"{self.lane + self.lanes}, ... of the corpus order) holds no text: each of them "
-                                      "is empty or held out for evaluation. Lower --data.lanes (1 reads the documents "
-                                      "one after another).")
-                raise ConfigError("The dataset holds no text: every document is empty (or held out for evaluation, "
-                                  "see eval.held_out). Check data.path or data.name and data.text_field.")
+                    raise ConfigError(
+                        f"data.lanes={self.lanes}: lane {self.lane} (documents {self.lane}, "
+                        f"{self.lane + self.lanes}, ... of the corpus order) holds no text: each of them "
+                        "is empty or held out for evaluation. Lower --data.lanes (1 reads the documents "
+                        "one after another)."
+                    )
+                raise ConfigError(
+                    "The dataset holds no text: every document is empty (or held out for evaluation, "
+                    "see eval.held_out). Check data.path or data.name and data.text_field."
+                )
             epoch, first, offset = epoch + 1, self.lane, 0
 
     def _any_text(self) -> bool:
@@ -236,8 +249,9 @@ class LanedWindows:
     each lane's and the lane of the next window; with one lane it is that lane's, as saved before
     data.lanes existed."""
 
-    def __init__(self, documents, tokenizer, window: int, keep=lambda text: True, lanes: int = 1,
-                 setting: int | None = None):
+    def __init__(
+        self, documents, tokenizer, window: int, keep=lambda text: True, lanes: int = 1, setting: int | None = None
+    ):
         self.window, self.next_lane, self.setting = window, 0, setting or lanes  # setting: data.lanes
         self._lane = lambda lane, count: PackedWindows(documents, tokenizer, window, keep, lane, count)
         self.lanes = [self._lane(lane, lanes) for lane in range(lanes)]
@@ -258,19 +272,29 @@ class LanedWindows:
         if len(self.lanes) == 1:
             return self.lanes[0].state_dict()
         states = [lane.state_dict() for lane in self.lanes]
-        return {"lanes": len(self.lanes), "next_lane": self.next_lane,
-                **{key: [state[key] for state in states] for key in ("epoch", "doc_index", "offset")}}
+        return {
+            "lanes": len(self.lanes),
+            "next_lane": self.next_lane,
+            **{key: [state[key] for state in states] for key in ("epoch", "doc_index", "offset")},
+        }
 
     def load_state_dict(self, state: dict) -> None:
         saved = state.get("lanes", 1)
         if saved > self.setting:
-            raise ConfigError(f"The checkpoint being resumed read its documents in {saved} lanes but this run reads "
-                              f"at most {self.setting} (data.lanes). Resume with --data.lanes={saved}, or start a new "
-                              "--job.output_dir.")
+            raise ConfigError(
+                f"The checkpoint being resumed read its documents in {saved} lanes but this run reads "
+                f"at most {self.setting} (data.lanes). Resume with --data.lanes={saved}, or start a new "
+                "--job.output_dir."
+            )
         if saved != len(self.lanes):  # data.lanes is the same (resume_check): the number of documents changed
-            log.warning("data: the checkpoint read its documents in %d lanes; the changed corpus would give %d "
-                        "(data.lanes=%d, at most one per document): continuing in %d", saved, len(self.lanes),
-                        self.setting, saved)
+            log.warning(
+                "data: the checkpoint read its documents in %d lanes; the changed corpus would give %d "
+                "(data.lanes=%d, at most one per document): continuing in %d",
+                saved,
+                len(self.lanes),
+                self.setting,
+                saved,
+            )
             self.lanes = [self._lane(lane, saved) for lane in range(saved)]
         if saved == 1:
             self.lanes[0].load_state_dict(state)
@@ -325,8 +349,9 @@ def dealt_windows(token_documents, lanes: int, window: int, count: int) -> torch
 class DataLoader:
     """Yields, per optimizer step, this data-parallel rank's micro-batches as (inputs, labels)."""
 
-    def __init__(self, windows: LanedWindows, global_batch_size: int, micro_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1):
+    def __init__(
+        self, windows: LanedWindows, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1
+    ):
         self.windows = windows
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.local = global_batch_size // dp_size
@@ -344,15 +369,39 @@ class DataLoader:
         self.windows.load_state_dict(state)
 
 
-def build_data_loader(cfg: DataConfig, tokenizer, *, seed: int, seq_len: int, global_batch_size: int,
-                      micro_batch_size: int, held_out: float, dp_rank: int = 0, dp_size: int = 1) -> DataLoader:
+def build_data_loader(
+    cfg: DataConfig,
+    tokenizer,
+    *,
+    seed: int,
+    seq_len: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    held_out: float,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+) -> DataLoader:
     """The training stream; `held_out` (held_out_fraction of the eval section) is the share it skips."""
     if cfg.prepared:
-        return build_prepared_loader(cfg, tokenizer, seed=seed, seq_len=seq_len, global_batch_size=global_batch_size,
-                                     micro_batch_size=micro_batch_size, held_out=held_out, dp_rank=dp_rank,
-                                     dp_size=dp_size)
+        return build_prepared_loader(
+            cfg,
+            tokenizer,
+            seed=seed,
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            held_out=held_out,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+        )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     documents = build_documents(cfg, seed)
-    windows = LanedWindows(documents, tokenizer, seq_len + 1, keep=lambda text: not is_held_out(text, held_out),
-                           lanes=lane_count(documents, cfg.lanes), setting=cfg.lanes)
+    windows = LanedWindows(
+        documents,
+        tokenizer,
+        seq_len + 1,
+        keep=lambda text: not is_held_out(text, held_out),
+        lanes=lane_count(documents, cfg.lanes),
+        setting=cfg.lanes,
+    )
     return DataLoader(windows, global_batch_size, micro_batch_size, dp_rank, dp_size)

@@ -12,6 +12,7 @@ The documents of the evaluation split (`is_held_out` with eval.held_out, as the 
 decides) are left out of the store exactly and kept in DIR/held_out/, a store of its own, which
 evaluation reads (`prepared_loader.read_held_out_windows`).
 """
+
 import dataclasses
 import json
 import logging
@@ -26,7 +27,14 @@ import numpy as np
 
 from trillion.errors import ConfigError, RunAborted
 from trillion.trainer.data.loader import build_documents, held_out_fraction, is_held_out
-from trillion.trainer.data.token_store import HELD_OUT, MANIFEST, TokenStore, token_dtype, tokenizer_identity, write_store
+from trillion.trainer.data.token_store import (
+    HELD_OUT,
+    MANIFEST,
+    TokenStore,
+    token_dtype,
+    tokenizer_identity,
+    write_store,
+)
 from trillion.trainer.data.tokenizer import build_tokenizer
 
 log = logging.getLogger("trillion")
@@ -46,8 +54,10 @@ def prepare(config, out: Path, workers: int) -> dict:
     start = time.perf_counter()
     data = dataclasses.replace(config.data, streaming=False)  # shards need the number of documents
     if data.prepared:
-        raise ConfigError("data.prepared names stores to train from; prepare-data reads data.path or data.name (or "
-                          "the default corpus). Drop --data.prepared.")
+        raise ConfigError(
+            "data.prepared names stores to train from; prepare-data reads data.path or data.name (or "
+            "the default corpus). Drop --data.prepared."
+        )
     if out.exists():
         what = "a token store" if (out / MANIFEST).is_file() else "files"
         raise ConfigError(f"--out {out} already exists and holds {what}. Remove it or give another --out.")
@@ -56,14 +66,23 @@ def prepare(config, out: Path, workers: int) -> dict:
     documents = build_documents(data, config.job.seed)
     shard_documents = max(1, min(MAX_SHARD_DOCUMENTS, -(-len(documents) // (workers * SHARDS_PER_WORKER))))
     held_out = held_out_fraction(config.eval)
-    plan = {"source": source_of(data, config.job.seed), "tokenizer": tokenizer_identity(tokenizer),
-            "held_out": held_out, "n_source_documents": len(documents), "shard_documents": shard_documents}
+    plan = {
+        "source": source_of(data, config.job.seed),
+        "tokenizer": tokenizer_identity(tokenizer),
+        "held_out": held_out,
+        "n_source_documents": len(documents),
+        "shard_documents": shard_documents,
+    }
     staging = _staging(out, plan)
     shards = range(-(-len(documents) // shard_documents))
     todo = [i for i in shards if not _shard_file(staging, i).is_file()]
     if len(todo) < len(shards):
-        log.info("prepare-data: resuming %s, %d of %d shards already tokenized", staging, len(shards) - len(todo),
-                 len(shards))
+        log.info(
+            "prepare-data: resuming %s, %d of %d shards already tokenized",
+            staging,
+            len(shards) - len(todo),
+            len(shards),
+        )
     job = (documents, tokenizer, held_out, staging, shard_documents)
     with _Progress(len(shards), len(shards) - len(todo), "tokenize shards") as progress:
         if workers == 1:
@@ -81,20 +100,32 @@ def prepare(config, out: Path, workers: int) -> dict:
     store, dtype = staging / "store", token_dtype(tokenizer.vocab_size)
     shutil.rmtree(store, ignore_errors=True)  # a join interrupted earlier
     if held_out:  # inside the store, written before its manifest: published with it
-        write_store(store / HELD_OUT, (_load_shard(staging, i, "held_out_") for i in shards), dtype,
-                    {**plan, "split": "held_out"})
+        write_store(
+            store / HELD_OUT,
+            (_load_shard(staging, i, "held_out_") for i in shards),
+            dtype,
+            {**plan, "split": "held_out"},
+        )
     with _Progress(len(shards), 0, "join shards") as progress:  # one sequential copy: long for large corpora
         manifest = write_store(store, _joined(staging, shards, progress), dtype, {**plan, "split": "train"})
     if manifest["n_documents"] == 0:
-        raise ConfigError("The dataset holds no text: every document is empty. Check data.path or data.name and "
-                          "data.text_field.")
+        raise ConfigError(
+            "The dataset holds no text: every document is empty. Check data.path or data.name and data.text_field."
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(store, out)
     shutil.rmtree(staging)
     seconds = time.perf_counter() - start
-    log.info("prepare-data: %s holds %d tokens of %d documents (%s), %.1f s with %d workers: %.0f tokens/s", out,
-             manifest["n_tokens"], manifest["n_documents"], manifest["dtype"], seconds, workers,
-             manifest["n_tokens"] / seconds)
+    log.info(
+        "prepare-data: %s holds %d tokens of %d documents (%s), %.1f s with %d workers: %.0f tokens/s",
+        out,
+        manifest["n_tokens"],
+        manifest["n_documents"],
+        manifest["dtype"],
+        seconds,
+        workers,
+        manifest["n_tokens"] / seconds,
+    )
     return {**manifest, "seconds": seconds, "workers": workers}
 
 
@@ -111,8 +142,12 @@ def verify(path: Path) -> None:
                 progress.advance(min(store.chunk_tokens, store.n_tokens - chunk * store.chunk_tokens))
         if bad:
             raise RunAborted(f"{store.describe_chunks(bad)}. Prepare it again with `trillion prepare-data`.")
-        log.info("prepare-data --verify: %s, all %d chunks (%d tokens) match their hashes", where, store.n_chunks,
-                 store.n_tokens)
+        log.info(
+            "prepare-data --verify: %s, all %d chunks (%d tokens) match their hashes",
+            where,
+            store.n_chunks,
+            store.n_tokens,
+        )
 
 
 def _staging(out: Path, plan: dict) -> Path:
@@ -148,8 +183,14 @@ _WORKER = {}
 
 
 def _init_worker(documents, tokenizer, held_out, staging, shard_documents) -> None:
-    _WORKER.update(documents=documents, tokenizer=tokenizer, held_out=held_out, staging=staging,
-                   shard_documents=shard_documents, dtype=token_dtype(tokenizer.vocab_size))
+    _WORKER.update(
+        documents=documents,
+        tokenizer=tokenizer,
+        held_out=held_out,
+        staging=staging,
+        shard_documents=shard_documents,
+        dtype=token_dtype(tokenizer.vocab_size),
+    )
 
 
 def _tokenize_shard(index: int) -> int:
@@ -186,8 +227,13 @@ class _Progress:
         if sys.stderr.isatty():
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
+            self.bar = Progress(
+                TextColumn(what),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[rate]}"),
+                TimeRemainingColumn(),
+            )
             self.task = self.bar.add_task("tokenize", total=total, completed=done, rate="")
 
     def __enter__(self):

@@ -16,6 +16,7 @@ Shuffling needs no table: the permutation of an epoch is a Feistel network on th
 number of bits that holds K windows, seeded by (job.seed, source, epoch) and cycle-walked back into
 range, so it is computed per index in O(1) memory however large the store.
 """
+
 import logging
 from pathlib import Path
 
@@ -70,8 +71,10 @@ def parse_prepared(spec: str) -> list[tuple[str, float]]:
             path, weight = item, 1.0
         path = path or item
         if not path or not weight > 0 or weight == float("inf"):
-            raise ConfigError(f"data.prepared={spec!r}: {item!r} is not DIR or DIR:weight with a positive weight. "
-                              "Write e.g. --data.prepared=/data/web.tokens:0.7,/data/code.tokens:0.3.")
+            raise ConfigError(
+                f"data.prepared={spec!r}: {item!r} is not DIR or DIR:weight with a positive weight. "
+                "Write e.g. --data.prepared=/data/web.tokens:0.7,/data/code.tokens:0.3."
+            )
         sources.append((path, weight))
     return sources
 
@@ -79,8 +82,18 @@ def parse_prepared(spec: str) -> list[tuple[str, float]]:
 class PreparedLoader:
     """Yields, per optimizer step, this data-parallel rank's micro-batches as (inputs, labels)."""
 
-    def __init__(self, stores: list[TokenStore], weights: list[float], window: int, seed: int, shuffle: bool,
-                 global_batch_size: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1):
+    def __init__(
+        self,
+        stores: list[TokenStore],
+        weights: list[float],
+        window: int,
+        seed: int,
+        shuffle: bool,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ):
         self.stores, self.window, self.seed, self.shuffle = stores, window, seed, shuffle
         self.weights = np.asarray(weights, dtype=np.float64) / sum(weights)
         self.n_windows = [store.n_tokens // window for store in stores]
@@ -136,49 +149,92 @@ class PreparedLoader:
 
     def state_dict(self) -> dict:
         """The position; called at every checkpoint, which is when the shares so far are logged."""
-        log.info("data: %d samples so far, shares %s", self.position,
-                 ", ".join(f"{s.path.name} {100 * share:.2f}%" for s, share in zip(self.stores, self.shares())))
-        return {"kind": "prepared", "position": self.position, "consumed": self.consumed.tolist(),
-                "sources": self._identity()}
+        log.info(
+            "data: %d samples so far, shares %s",
+            self.position,
+            ", ".join(f"{s.path.name} {100 * share:.2f}%" for s, share in zip(self.stores, self.shares())),
+        )
+        return {
+            "kind": "prepared",
+            "position": self.position,
+            "consumed": self.consumed.tolist(),
+            "sources": self._identity(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "prepared":
-            raise ConfigError("The checkpoint being resumed was trained on data read on the fly (data.path / "
-                              "data.name), but this run sets data.prepared. Resume with the run's own data settings, "
-                              "or start a new --job.output_dir.")
+            raise ConfigError(
+                "The checkpoint being resumed was trained on data read on the fly (data.path / "
+                "data.name), but this run sets data.prepared. Resume with the run's own data settings, "
+                "or start a new --job.output_dir."
+            )
         if state["sources"] != self._identity():
-            raise ConfigError(f"The checkpoint being resumed was trained on other token stores than data.prepared="
-                              f"{','.join(str(s.path) for s in self.stores)} (their contents differ). Resume with the "
-                              "run's own data.prepared, or start a new --job.output_dir.")
+            raise ConfigError(
+                f"The checkpoint being resumed was trained on other token stores than data.prepared="
+                f"{','.join(str(s.path) for s in self.stores)} (their contents differ). Resume with the "
+                "run's own data.prepared, or start a new --job.output_dir."
+            )
         self.position, self.consumed = state["position"], np.asarray(state["consumed"], dtype=np.int64)
 
 
-def build_prepared_loader(cfg: DataConfig, tokenizer, *, seed: int, seq_len: int, global_batch_size: int,
-                          micro_batch_size: int, held_out: float, dp_rank: int = 0, dp_size: int = 1) -> PreparedLoader:
+def build_prepared_loader(
+    cfg: DataConfig,
+    tokenizer,
+    *,
+    seed: int,
+    seq_len: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    held_out: float,
+    dp_rank: int = 0,
+    dp_size: int = 1,
+) -> PreparedLoader:
     """The training loader over the stores; `held_out` (the run's held-out share) must be the one
     each store was prepared with, so the documents evaluation reads were never trained on."""
     if cfg.path or cfg.name:
-        raise ConfigError(f"data.prepared={cfg.prepared!r} and data.{'path' if cfg.path else 'name'} are both set; a run "
-                          "trains from one or the other. Drop data.path / data.name (the store records its source).")
+        raise ConfigError(
+            f"data.prepared={cfg.prepared!r} and data.{'path' if cfg.path else 'name'} are both set; a run "
+            "trains from one or the other. Drop data.path / data.name (the store records its source)."
+        )
     sources = parse_prepared(cfg.prepared)
     stores = [TokenStore(path, sample_seed=dp_rank) for path, _ in sources]  # ranks check different chunks
     window = seq_len + 1
     for store in stores:
         store.check_tokenizer(tokenizer)
         if held_out and store.manifest["held_out"] != held_out:
-            raise ConfigError(f"data.prepared: {str(store.path)!r} was prepared holding out eval.held_out="
-                              f"{store.manifest['held_out']:g} of its documents for evaluation, but this run holds out "
-                              f"{held_out:g}. Run with --eval.held_out={store.manifest['held_out']:g}, or prepare the data "
-                              f"again with --eval.held_out={held_out:g}.")
+            raise ConfigError(
+                f"data.prepared: {str(store.path)!r} was prepared holding out eval.held_out="
+                f"{store.manifest['held_out']:g} of its documents for evaluation, but this run holds out "
+                f"{held_out:g}. Run with --eval.held_out={store.manifest['held_out']:g}, or prepare the data "
+                f"again with --eval.held_out={held_out:g}."
+            )
         if store.n_tokens < window:
-            raise ConfigError(f"data.prepared: {str(store.path)!r} holds {store.n_tokens} tokens, fewer than one window "
-                              f"of training.seq_len + 1 = {window}. Use a larger store or a shorter training.seq_len.")
-    loader = PreparedLoader(stores, [w for _, w in sources], window, seed, cfg.shuffle, global_batch_size,
-                            micro_batch_size, dp_rank, dp_size)
+            raise ConfigError(
+                f"data.prepared: {str(store.path)!r} holds {store.n_tokens} tokens, fewer than one window "
+                f"of training.seq_len + 1 = {window}. Use a larger store or a shorter training.seq_len."
+            )
+    loader = PreparedLoader(
+        stores,
+        [w for _, w in sources],
+        window,
+        seed,
+        cfg.shuffle,
+        global_batch_size,
+        micro_batch_size,
+        dp_rank,
+        dp_size,
+    )
     for store, weight, windows in zip(stores, loader.weights, loader.n_windows):
-        log.info("data: %s, weight %.1f%% of the samples (%d tokens, %d windows of %d: an epoch every %.0f steps), %s",
-                 store.path, 100 * weight, store.n_tokens, windows, window, windows / (weight * global_batch_size),
-                 "shuffled" if cfg.shuffle else "in file order")
+        log.info(
+            "data: %s, weight %.1f%% of the samples (%d tokens, %d windows of %d: an epoch every %.0f steps), %s",
+            store.path,
+            100 * weight,
+            store.n_tokens,
+            windows,
+            window,
+            windows / (weight * global_batch_size),
+            "shuffled" if cfg.shuffle else "in file order",
+        )
     return loader
 
 

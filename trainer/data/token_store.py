@@ -14,6 +14,7 @@ of a sample of token chunks (the first, the last and a few more chosen by the re
 the data-parallel ranks together check different ones): a few MiB per rank, so a rank's cost stays
 its windows. Every chunk is checked by `trillion prepare-data --verify DIR`.
 """
+
 import hashlib
 import json
 import os
@@ -36,8 +37,13 @@ def token_dtype(vocab_size: int) -> np.dtype:
 
 def tokenizer_identity(tokenizer) -> dict:
     """What makes two tokenizers give the same ids: kind, the hash of its file, vocabulary, EOS."""
-    return {"kind": tokenizer.kind, "source": tokenizer.source, "sha256": tokenizer.fingerprint,
-            "vocab_size": tokenizer.vocab_size, "eos_id": tokenizer.eos_id}
+    return {
+        "kind": tokenizer.kind,
+        "source": tokenizer.source,
+        "sha256": tokenizer.fingerprint,
+        "vocab_size": tokenizer.vocab_size,
+        "eos_id": tokenizer.eos_id,
+    }
 
 
 def describe_tokenizer(identity: dict) -> str:
@@ -68,7 +74,7 @@ def write_store(out: Path, token_parts, dtype: np.dtype, manifest: dict) -> dict
             pending += data
             whole = len(pending) - len(pending) % CHUNK_BYTES
             for start in range(0, whole, CHUNK_BYTES):
-                chunks_file.write(hashlib.sha256(pending[start:start + CHUNK_BYTES]).digest())
+                chunks_file.write(hashlib.sha256(pending[start : start + CHUNK_BYTES]).digest())
             pending = pending[whole:]
         if pending:
             chunks_file.write(hashlib.sha256(pending).digest())
@@ -76,10 +82,20 @@ def write_store(out: Path, token_parts, dtype: np.dtype, manifest: dict) -> dict
             f.flush()
             os.fsync(f.fileno())
     np.save(out / DOCUMENTS, np.concatenate(offsets))
-    manifest = {"format": FORMAT, "version": VERSION, "dtype": dtype.name, "n_tokens": int(n_tokens),
-                "n_documents": int(sum(len(o) for o in offsets) - 1), "chunk_bytes": CHUNK_BYTES, **manifest,
-                "files": {name: {"bytes": (out / name).stat().st_size, "sha256": file_sha256(out / name)}
-                          for name in (DOCUMENTS, CHUNKS)} | {TOKENS: {"bytes": (out / TOKENS).stat().st_size}}}
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype.name,
+        "n_tokens": int(n_tokens),
+        "n_documents": int(sum(len(o) for o in offsets) - 1),
+        "chunk_bytes": CHUNK_BYTES,
+        **manifest,
+        "files": {
+            name: {"bytes": (out / name).stat().st_size, "sha256": file_sha256(out / name)}
+            for name in (DOCUMENTS, CHUNKS)
+        }
+        | {TOKENS: {"bytes": (out / TOKENS).stat().st_size}},
+    }
     staged = out / (MANIFEST + ".tmp")
     staged.write_text(json.dumps(manifest, indent=1))
     os.replace(staged, out / MANIFEST)
@@ -95,27 +111,39 @@ class TokenStore:
         self.path, self.setting = Path(path), setting
         manifest_file = self.path / MANIFEST
         if not manifest_file.is_file():
-            hint = (" (an interrupted prepare-data left its work in the .staging folder beside it: rerun the same "
-                    "command to finish)" if self.path.with_name(self.path.name + ".staging").is_dir() else "")
-            raise ConfigError(f"{setting}={str(self.path)!r} is not a token store: it has no {MANIFEST}{hint}. "
-                              f"Write one with `trillion prepare-data --out {self.path}` and the run's data and "
-                              "tokenizer settings.")
+            hint = (
+                " (an interrupted prepare-data left its work in the .staging folder beside it: rerun the same "
+                "command to finish)"
+                if self.path.with_name(self.path.name + ".staging").is_dir()
+                else ""
+            )
+            raise ConfigError(
+                f"{setting}={str(self.path)!r} is not a token store: it has no {MANIFEST}{hint}. "
+                f"Write one with `trillion prepare-data --out {self.path}` and the run's data and "
+                "tokenizer settings."
+            )
         try:
             self.manifest = json.loads(manifest_file.read_text())
         except json.JSONDecodeError as error:
-            raise ConfigError(f"{setting}={str(self.path)!r}: {MANIFEST} is not valid JSON ({error}); the store was "
-                              "edited or damaged. Prepare it again with `trillion prepare-data`.") from None
+            raise ConfigError(
+                f"{setting}={str(self.path)!r}: {MANIFEST} is not valid JSON ({error}); the store was "
+                "edited or damaged. Prepare it again with `trillion prepare-data`."
+            ) from None
         if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
-            raise ConfigError(f"{setting}={str(self.path)!r}: {MANIFEST} is not a version-{VERSION} token store "
-                              f"(format {self.manifest.get('format')!r}, version {self.manifest.get('version')!r}). "
-                              "Prepare it again with this version's `trillion prepare-data`.")
+            raise ConfigError(
+                f"{setting}={str(self.path)!r}: {MANIFEST} is not a version-{VERSION} token store "
+                f"(format {self.manifest.get('format')!r}, version {self.manifest.get('version')!r}). "
+                "Prepare it again with this version's `trillion prepare-data`."
+            )
         self._check_files()
         self.dtype = np.dtype(self.manifest["dtype"])
         self.n_tokens = self.manifest["n_tokens"]
         self.chunk_tokens = self.manifest["chunk_bytes"] // self.dtype.itemsize
         self._chunk_hashes = (self.path / CHUNKS).read_bytes()
         self.n_chunks = len(self._chunk_hashes) // 32
-        self._tokens = np.memmap(self.path / TOKENS, dtype=self.dtype, mode="r") if self.n_tokens else np.zeros(0, self.dtype)
+        self._tokens = (
+            np.memmap(self.path / TOKENS, dtype=self.dtype, mode="r") if self.n_tokens else np.zeros(0, self.dtype)
+        )
         if self.n_chunks and sample_seed is not None:
             self._check_sample(np.random.default_rng(sample_seed))
 
@@ -129,12 +157,18 @@ class TokenStore:
             file = self.path / name
             size = file.stat().st_size if file.is_file() else None
             if size != expected["bytes"]:
-                state = "is missing" if size is None else f"holds {size} bytes where the manifest says {expected['bytes']}"
-                raise ConfigError(f"{self.setting}={str(self.path)!r}: {name} {state}; the store is truncated or was "
-                                  "edited. Prepare it again with `trillion prepare-data`.")
+                state = (
+                    "is missing" if size is None else f"holds {size} bytes where the manifest says {expected['bytes']}"
+                )
+                raise ConfigError(
+                    f"{self.setting}={str(self.path)!r}: {name} {state}; the store is truncated or was "
+                    "edited. Prepare it again with `trillion prepare-data`."
+                )
             if "sha256" in expected and file_sha256(file) != expected["sha256"]:
-                raise ConfigError(f"{self.setting}={str(self.path)!r}: {name} does not match the sha256 in the manifest; "
-                                  "the store was edited or damaged. Prepare it again with `trillion prepare-data`.")
+                raise ConfigError(
+                    f"{self.setting}={str(self.path)!r}: {name} does not match the sha256 in the manifest; "
+                    "the store was edited or damaged. Prepare it again with `trillion prepare-data`."
+                )
 
     @property
     def tokenizer(self) -> dict:
@@ -143,24 +177,34 @@ class TokenStore:
     def check_tokenizer(self, tokenizer) -> None:
         """Refuse a store written by another tokenizer, naming both."""
         mine, theirs = tokenizer_identity(tokenizer), self.tokenizer
-        if {k: mine[k] for k in ("kind", "sha256", "vocab_size", "eos_id")} != \
-                {k: theirs[k] for k in ("kind", "sha256", "vocab_size", "eos_id")}:
-            raise ConfigError(f"{self.setting}={str(self.path)!r} was tokenized with {describe_tokenizer(theirs)}, but "
-                              f"this run's tokenizer is {describe_tokenizer(mine)}. Set the run's tokenizer.kind / "
-                              "tokenizer.path to the store's, or prepare the data again with this run's tokenizer.")
+        if {k: mine[k] for k in ("kind", "sha256", "vocab_size", "eos_id")} != {
+            k: theirs[k] for k in ("kind", "sha256", "vocab_size", "eos_id")
+        }:
+            raise ConfigError(
+                f"{self.setting}={str(self.path)!r} was tokenized with {describe_tokenizer(theirs)}, but "
+                f"this run's tokenizer is {describe_tokenizer(mine)}. Set the run's tokenizer.kind / "
+                "tokenizer.path to the store's, or prepare the data again with this run's tokenizer."
+            )
 
     def damaged_chunks(self, chunks) -> list[int]:
         """The chunks among `chunks` whose tokens do not match their hash."""
         size = self.chunk_tokens
-        return [c for c in chunks if hashlib.sha256(self._tokens[c * size:(c + 1) * size].tobytes()).digest()
-                != self._chunk_hashes[32 * c:32 * c + 32]]
+        return [
+            c
+            for c in chunks
+            if hashlib.sha256(self._tokens[c * size : (c + 1) * size].tobytes()).digest()
+            != self._chunk_hashes[32 * c : 32 * c + 32]
+        ]
 
     def describe_chunks(self, chunks: list[int]) -> str:
-        ranges = ", ".join(f"{c * self.chunk_tokens} to {min((c + 1) * self.chunk_tokens, self.n_tokens)}"
-                           for c in chunks[:5])
+        ranges = ", ".join(
+            f"{c * self.chunk_tokens} to {min((c + 1) * self.chunk_tokens, self.n_tokens)}" for c in chunks[:5]
+        )
         more = f" and {len(chunks) - 5} more chunks" if len(chunks) > 5 else ""
-        return (f"{self.setting}={str(self.path)!r}: tokens {ranges}{more} of {TOKENS} do not match their hash in "
-                f"{CHUNKS}; the store was edited or damaged")
+        return (
+            f"{self.setting}={str(self.path)!r}: tokens {ranges}{more} of {TOKENS} do not match their hash in "
+            f"{CHUNKS}; the store was edited or damaged"
+        )
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """tokens[start:stop] as int64, read from the memory map."""

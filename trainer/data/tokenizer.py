@@ -1,15 +1,14 @@
 """Tokenizers: byte-level (needs no files), Hugging Face `tokenizer.json`, tiktoken BPE ranks."""
+
 import base64
 import hashlib
 from pathlib import Path
 
-from trillion.trainer.config.schema import Tokenizer as TokenizerConfig
 from trillion.errors import ConfigError
+from trillion.trainer.config.schema import Tokenizer as TokenizerConfig
 
 # The pre-tokenization pattern of Llama 3 / cl100k, used for tiktoken ranks files.
-TIKTOKEN_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+TIKTOKEN_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 
 
 class ByteTokenizer:
@@ -61,8 +60,9 @@ class TiktokenTokenizer:
                 ranks[base64.b64decode(token)] = int(rank)
         eos = eos_token or "<|endoftext|>"
         self.eos_id = len(ranks)
-        self._enc = tiktoken.Encoding(Path(path).stem, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks,
-                                      special_tokens={eos: self.eos_id})
+        self._enc = tiktoken.Encoding(
+            Path(path).stem, pat_str=TIKTOKEN_PATTERN, mergeable_ranks=ranks, special_tokens={eos: self.eos_id}
+        )
         self.vocab_size = self.eos_id + 1
 
     def encode(self, text: str) -> list[int]:

@@ -8,6 +8,7 @@ a rank that cannot reach the store at all leaves the others to the rendezvous ti
 (job.collective_timeout_s), which stays long enough for thousands of ranks to start. torchrun
 needs none of this: its agent ends every worker as soon as one exits.
 """
+
 import datetime
 import logging
 import os
@@ -32,12 +33,20 @@ def join(rank: int, world_size: int, addr: str, port: int, timeout_s: float):
     raises the error another rank posted (ConfigError for a setting, RunAborted otherwise)."""
     global _store
     try:
-        _store = dist.TCPStore(addr, port, world_size=None, is_master=rank == 0,
-                               timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+        _store = dist.TCPStore(
+            addr,
+            port,
+            world_size=None,
+            is_master=rank == 0,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
     except (RuntimeError, OSError) as error:  # rank 0 never came up, or its port is taken
-        raise RunAborted(f"Rank {rank} of {world_size}: cannot {'host' if rank == 0 else 'reach'} the rendezvous at "
-                         f"{addr}:{port} ({str(error).splitlines()[0]}). Rank 0's log says why it did not start; if the "
-                         "port is taken by another job on the node, set MASTER_PORT to a free one.") from None
+        raise RunAborted(
+            f"Rank {rank} of {world_size}: cannot {'host' if rank == 0 else 'reach'} the rendezvous at "
+            f"{addr}:{port} ({str(error).splitlines()[0]}). Rank 0's log says why it did not start; if the "
+            "port is taken by another job on the node, set MASTER_PORT to a free one."
+        ) from None
     _store.add(ARRIVED, 1)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -46,9 +55,11 @@ def join(rank: int, world_size: int, addr: str, port: int, timeout_s: float):
         if arrived >= world_size:
             return _store
         if time.monotonic() > deadline:
-            raise RunAborted(f"Rank {rank} of {world_size}: only {arrived} ranks reached the rendezvous at {addr}:{port} "
-                             f"within job.collective_timeout_s={timeout_s:g} s; the others' logs say why (or they never "
-                             "started: check the task count of the launch).")
+            raise RunAborted(
+                f"Rank {rank} of {world_size}: only {arrived} ranks reached the rendezvous at {addr}:{port} "
+                f"within job.collective_timeout_s={timeout_s:g} s; the others' logs say why (or they never "
+                "started: check the task count of the launch)."
+            )
         time.sleep(POLL_S)
 
 
@@ -81,15 +92,22 @@ def post_startup_error(message: str, status: int) -> None:
     global _store
     try:
         if _store is None:
-            _store = dist.TCPStore(addr, port, world_size=None, is_master=rank == 0, wait_for_workers=False,
-                                   timeout=datetime.timedelta(seconds=POST_TIMEOUT_S))
+            _store = dist.TCPStore(
+                addr,
+                port,
+                world_size=None,
+                is_master=rank == 0,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=POST_TIMEOUT_S),
+            )
         _store.compare_set(FAILED, "", f"{status} Rank {rank} of {world_size}: {message}")  # the first error wins
         _store.add(SEEN, 1)
         if rank == 0:
             _linger(world_size)
     except (RuntimeError, OSError) as error:  # the rendezvous host is gone or unreachable
-        log.warning("could not tell the other ranks why rank %d stops (%s); they stop at the rendezvous timeout",
-                    rank, error)
+        log.warning(
+            "could not tell the other ranks why rank %d stops (%s); they stop at the rendezvous timeout", rank, error
+        )
 
 
 def _launch_variables() -> tuple[int, int, str, int] | None:

@@ -4,6 +4,7 @@
 SLURM_NTASKS and SLURM_STEP_NODELIST (or SLURM_NODELIST) set, but none of torchrun's RANK,
 WORLD_SIZE or MASTER_ADDR; the rendezvous host is the first node of the step.
 """
+
 import re
 
 from trillion.errors import ConfigError
@@ -34,7 +35,7 @@ def _expand_one(pattern: str) -> list[str]:
     match = re.search(r"\[([^\]]*)\]", pattern)
     if match is None:
         return [pattern]
-    prefix, suffix = pattern[: match.start()], pattern[match.end():]
+    prefix, suffix = pattern[: match.start()], pattern[match.end() :]
     names = []
     for part in match.group(1).split(","):
         low, _, high = part.partition("-")
@@ -53,20 +54,25 @@ def torch_env_from_slurm(environ: dict) -> dict[str, str]:
     """
     missing = [name for name in ("SLURM_PROCID", "SLURM_NTASKS") if name not in environ]
     if missing:
-        raise ConfigError(f"Launched under SLURM without {', '.join(missing)}: start the trainer with `srun` "
-                          "(one task per GPU), not plain `sbatch` or `salloc`.")
+        raise ConfigError(
+            f"Launched under SLURM without {', '.join(missing)}: start the trainer with `srun` "
+            "(one task per GPU), not plain `sbatch` or `salloc`."
+        )
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if not nodelist and "MASTER_ADDR" not in environ:
-        raise ConfigError("SLURM set no node list (SLURM_STEP_NODELIST / SLURM_NODELIST), so the rendezvous host is "
-                          "unknown: set MASTER_ADDR (and MASTER_PORT) to the first node of the job.")
+        raise ConfigError(
+            "SLURM set no node list (SLURM_STEP_NODELIST / SLURM_NODELIST), so the rendezvous host is "
+            "unknown: set MASTER_ADDR (and MASTER_PORT) to the first node of the job."
+        )
     tasks_per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or ""
     derived = {
         "RANK": environ["SLURM_PROCID"],
         # The step's own task count: a batch script's shell is a one-task step inside a bigger job.
         "WORLD_SIZE": environ.get("SLURM_STEP_NUM_TASKS", environ["SLURM_NTASKS"]),
         "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
-        "LOCAL_WORLD_SIZE": (_first_count(tasks_per_node) or environ.get("SLURM_NTASKS_PER_NODE")
-                             or _one_node_tasks(environ) or "1"),
+        "LOCAL_WORLD_SIZE": (
+            _first_count(tasks_per_node) or environ.get("SLURM_NTASKS_PER_NODE") or _one_node_tasks(environ) or "1"
+        ),
         "MASTER_ADDR": expand_hostlist(nodelist)[0] if nodelist else "",
         "MASTER_PORT": str(DEFAULT_PORT_BASE + int(environ.get("SLURM_JOB_ID", "0")) % 10000),
     }

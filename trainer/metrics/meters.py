@@ -1,5 +1,6 @@
 """Per-step metrics (loss, grad norm, LR, tokens/s, TFLOP/s, MFU/HFU, memory, data wait) and
 where they go: metrics.jsonl always, Weights & Biases and TensorBoard when enabled, the console."""
+
 import json
 import logging
 import os
@@ -11,8 +12,8 @@ from pathlib import Path
 import torch
 
 from trillion.devices import lookup_device
-from trillion.trainer.config.schema import Logging as LoggingConfig
 from trillion.errors import ConfigError
+from trillion.trainer.config.schema import Logging as LoggingConfig
 
 log = logging.getLogger("trillion")
 
@@ -27,8 +28,11 @@ def device_peak_flops(device: torch.device, configured_tflops: float) -> float |
     name = torch.cuda.get_device_name(device)
     spec = lookup_device(name, torch.cuda.get_device_properties(device).multi_processor_count)
     if spec is None:
-        log.warning("MFU is not reported: device %r is not in the peak table (trillion/devices.toml), or names "
-                    "two parts its compute-unit count does not tell apart; set --metrics.peak_tflops.", name)
+        log.warning(
+            "MFU is not reported: device %r is not in the peak table (trillion/devices.toml), or names "
+            "two parts its compute-unit count does not tell apart; set --metrics.peak_tflops.",
+            name,
+        )
         return None
     return spec.peak_tflops_bf16 * 1e12
 
@@ -122,18 +126,30 @@ def _start_wandb(output_dir: Path, cfg: LoggingConfig, resolved_config: dict, re
     id_file = output_dir / "wandb_run_id"
     run_id = id_file.read_text().strip() if resume and id_file.is_file() else None
     options = dict(
-        project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "trillion", entity=cfg.wandb_entity or None,
-        name=cfg.wandb_run_name or output_dir.name, group=cfg.wandb_group or None,
-        tags=[t.strip() for t in cfg.wandb_tags.split(",") if t.strip()] or None, dir=str(output_dir),
-        config=resolved_config, id=run_id, resume="allow" if run_id else None,
+        project=cfg.wandb_project or os.environ.get("WANDB_PROJECT") or "trillion",
+        entity=cfg.wandb_entity or None,
+        name=cfg.wandb_run_name or output_dir.name,
+        group=cfg.wandb_group or None,
+        tags=[t.strip() for t in cfg.wandb_tags.split(",") if t.strip()] or None,
+        dir=str(output_dir),
+        config=resolved_config,
+        id=run_id,
+        resume="allow" if run_id else None,
     )
     for attempt_mode in dict.fromkeys([mode, "offline"]):
         try:
-            run = wandb.init(mode=attempt_mode, settings=wandb.Settings(
-                init_timeout=cfg.wandb_init_timeout_s, silent=True, console="off"), **options)
+            run = wandb.init(
+                mode=attempt_mode,
+                settings=wandb.Settings(init_timeout=cfg.wandb_init_timeout_s, silent=True, console="off"),
+                **options,
+            )
         except Exception as error:
-            log.warning("W&B did not start in %s mode (%s)%s", attempt_mode, str(error).splitlines()[0],
-                        "; writing the run offline instead." if attempt_mode != "offline" else "; metrics.jsonl only.")
+            log.warning(
+                "W&B did not start in %s mode (%s)%s",
+                attempt_mode,
+                str(error).splitlines()[0],
+                "; writing the run offline instead." if attempt_mode != "offline" else "; metrics.jsonl only.",
+            )
             continue
         id_file.write_text(run.id)
         return run
@@ -144,8 +160,10 @@ def _start_tensorboard(output_dir: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
-                          "(or set --logging.tensorboard=false).") from None
+        raise ConfigError(
+            "logging.tensorboard=true needs the tensorboard package: pip install tensorboard "
+            "(or set --logging.tensorboard=false)."
+        ) from None
     return SummaryWriter(str(output_dir / "tensorboard"))
 
 
@@ -160,8 +178,13 @@ class Progress:
             from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
             from rich.progress import Progress as RichProgress
 
-            self.bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                    TextColumn("{task.fields[status]}"), TimeRemainingColumn())
+            self.bar = RichProgress(
+                TextColumn("train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeRemainingColumn(),
+            )
             self.task = self.bar.add_task("train", total=total_steps, completed=first_step, status="")
             self.bar.start()
 

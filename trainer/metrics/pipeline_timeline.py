@@ -6,6 +6,7 @@ next to the configured bubble (p-1)/(v m+p-1).
 Recorded on the profiler's active steps only (profiling.enabled): every action then waits for the
 device at both ends, so a bar is that action's compute and a gap is time spent waiting on the
 neighbouring stages (the bubble plus point-to-point transfers)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,9 @@ def _action_name(method: str, kwargs: dict) -> str:
 class PipelineTimeline:
     """Times the actions of `pipeline.stages` (parallel.pipeline.Pipeline) on profiled steps."""
 
-    def __init__(self, pipeline, cfg: ProfilingConfig, first_step: int, device: torch.device, trace_dir: Path,
-                 bubble: float):
+    def __init__(
+        self, pipeline, cfg: ProfilingConfig, first_step: int, device: torch.device, trace_dir: Path, bubble: float
+    ):
         self.pipeline, self.device, self.trace_dir, self.bubble = pipeline, device, trace_dir, bubble
         self.cfg, self.first_step = cfg, first_step
         self.events: list[tuple[str, int, int, float, float]] = []  # (action, stage, micro-batch, start, end)
@@ -66,6 +68,7 @@ class PipelineTimeline:
             self._sync()
             self.events.append((_action_name(method, kwargs), stage_index, micro_batch, start, time.perf_counter()))
             return result
+
         return timed
 
     @contextlib.contextmanager
@@ -88,28 +91,50 @@ class PipelineTimeline:
         Returns {pipeline rank: idle fraction} there, None elsewhere."""
         self._sync()
         self.timing, wall = False, time.perf_counter() - self.step_start
-        mine = {"rank": self.pipeline.pp_rank, "wall": wall,
-                "events": [(a, s, m, t0 - self.step_start, t1 - self.step_start) for a, s, m, t0, t1 in self.events]}
+        mine = {
+            "rank": self.pipeline.pp_rank,
+            "wall": wall,
+            "events": [(a, s, m, t0 - self.step_start, t1 - self.step_start) for a, s, m, t0, t1 in self.events],
+        }
         everyone = [None] * self.pipeline.pp
         dist.all_gather_object(everyone, mine, group=self.pipeline.pp_group)
         if self.pipeline.pp_rank != 0:
             return None
         idle = {r["rank"]: 1 - sum(t1 - t0 for *_, t0, t1 in r["events"]) / r["wall"] for r in everyone}
         self._write(step, everyone)
-        log.info("pipeline timeline step %d: idle %s (configured bubble %.1f%%); %s", step,
-                 ", ".join(f"pp rank {r} {100 * share:.1f}%" for r, share in sorted(idle.items())), 100 * self.bubble,
-                 self.trace_dir / f"pipeline-step{step}.json")
+        log.info(
+            "pipeline timeline step %d: idle %s (configured bubble %.1f%%); %s",
+            step,
+            ", ".join(f"pp rank {r} {100 * share:.1f}%" for r, share in sorted(idle.items())),
+            100 * self.bubble,
+            self.trace_dir / f"pipeline-step{step}.json",
+        )
         return idle
 
     def _write(self, step: int, everyone: list[dict]) -> None:
         trace = []
         for record in everyone:
-            trace.append({"ph": "M", "name": "process_name", "pid": record["rank"],
-                          "args": {"name": f"pipeline rank {record['rank']}"}})
-            trace += [{"ph": "X", "name": f"{action} {micro_batch}", "cat": action, "pid": record["rank"],
-                       "tid": f"stage {stage}", "ts": 1e6 * t0, "dur": 1e6 * (t1 - t0),
-                       "args": {"stage": stage, "micro_batch": micro_batch}}
-                      for action, stage, micro_batch, t0, t1 in record["events"]]
+            trace.append(
+                {
+                    "ph": "M",
+                    "name": "process_name",
+                    "pid": record["rank"],
+                    "args": {"name": f"pipeline rank {record['rank']}"},
+                }
+            )
+            trace += [
+                {
+                    "ph": "X",
+                    "name": f"{action} {micro_batch}",
+                    "cat": action,
+                    "pid": record["rank"],
+                    "tid": f"stage {stage}",
+                    "ts": 1e6 * t0,
+                    "dur": 1e6 * (t1 - t0),
+                    "args": {"stage": stage, "micro_batch": micro_batch},
+                }
+                for action, stage, micro_batch, t0, t1 in record["events"]
+            ]
         self.trace_dir.mkdir(parents=True, exist_ok=True)
         path = self.trace_dir / f"pipeline-step{step}.json"
         staging = path.with_suffix(".json.tmp")

@@ -1,5 +1,6 @@
 """torch.profiler traces per rank on a wait/warmup/active schedule, CUDA memory snapshots (at a
 step, and when a step runs out of memory), and the time of each phase of a step."""
+
 import contextlib
 import logging
 import pickle
@@ -28,8 +29,13 @@ class StepProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(
                 activities=activities,
-                schedule=torch.profiler.schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat),
-                on_trace_ready=self._write_trace, record_shapes=True, profile_memory=True, with_stack=False,
+                schedule=torch.profiler.schedule(
+                    wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=cfg.repeat
+                ),
+                on_trace_ready=self._write_trace,
+                record_shapes=True,
+                profile_memory=True,
+                with_stack=False,
             )
             self.profiler.start()
         if self.snapshots:

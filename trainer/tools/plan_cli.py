@@ -7,19 +7,20 @@ memory, time-to-train, energy and cost, and write the best one as a `trillion tr
   trillion plan --calibrate [--model M --seq-len S --micro-batch-size B] [--calibrate-out FILE]
       (measure this machine into a profile: M's own GEMM shapes and attention, memory, collectives)
 """
+
 import argparse
 import json
 import sys
 from pathlib import Path
 
-from trillion.models.presets import PRESETS, get_preset
-from trillion.parallel.planner.hardware import load_profile, profile_names
-from trillion.parallel.planner.search import LAYOUT_FIELDS, Request, metrics, model_summary, search
-from trillion.parallel.modes import SCHEDULES, ZERO_MODES
-from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
-from trillion.trainer.config.schema import Config, load_config, to_toml
 from trillion.errors import ConfigError
+from trillion.models.presets import PRESETS, get_preset
+from trillion.parallel.modes import SCHEDULES, ZERO_MODES
+from trillion.parallel.planner.hardware import load_profile, profile_names
+from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
+from trillion.parallel.planner.search import LAYOUT_FIELDS, Request, metrics, model_summary, search
 from trillion.trainer.cli.args import CommandParser
+from trillion.trainer.config.schema import Config, load_config, to_toml
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,34 +34,76 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--price-per-gpu-hour", type=float, default=None, help="USD (default: the hardware profile's)")
     p.add_argument("--top", type=int, default=10, help="rows of the table / candidates in the JSON")
     p.add_argument("--format", choices=("table", "json"), default="table")
-    p.add_argument("--config-out", default=None,
-                   help="where to write the best layout as a `trillion train` config (default: outputs/plan/<model>-<hardware>-<gpus>.toml; '' = do not write)")
+    p.add_argument(
+        "--config-out",
+        default=None,
+        help="where to write the best layout as a `trillion train` config (default: outputs/plan/<model>-<hardware>-<gpus>.toml; '' = do not write)",
+    )
     p.add_argument("--plot", metavar="DIR", default=None, help="write tradeoff.png and scaling.png there")
-    p.add_argument("--calibrate", action="store_true", help="measure this machine (GEMMs of --model's shapes, attention, memory, collectives) into a profile")
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine (GEMMs of --model's shapes, attention, memory, collectives) into a profile",
+    )
     p.add_argument("--calibrate-out", default="outputs/plan/calibrated.toml", help="profile file --calibrate writes")
-    p.add_argument("--calibrate-processes", type=int, default=2,
-                   help="on a CPU: processes (ranks) per node the profile describes, measured all busy at once")
+    p.add_argument(
+        "--calibrate-processes",
+        type=int,
+        default=2,
+        help="on a CPU: processes (ranks) per node the profile describes, measured all busy at once",
+    )
     fixed = p.add_argument_group("layout settings (each one given is fixed; the rest are searched)")
-    for name, kind, choices in (("tp", int, None), ("pp", int, None), ("dp_replicate", int, None), ("dp_shard", int, None),
-                                ("dp_shard_mode", str, ZERO_MODES), ("pp_schedule", str, tuple(SCHEDULES)),
-                                ("virtual_stages", int, None), ("micro_batch_size", int, None),
-                                ("activation_checkpoint", str, SEARCHED_CHECKPOINT_MODES), ("cp", int, None)):
-        fixed.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
-                           help=f"one of {', '.join(choices)}" if choices else None)
-    fixed.add_argument("--compile", action="store_const", const=True, default=None,
-                       help="plan for torch.compile of each block (fused element-wise kernels; the trainer's compile.enabled)")
+    for name, kind, choices in (
+        ("tp", int, None),
+        ("pp", int, None),
+        ("dp_replicate", int, None),
+        ("dp_shard", int, None),
+        ("dp_shard_mode", str, ZERO_MODES),
+        ("pp_schedule", str, tuple(SCHEDULES)),
+        ("virtual_stages", int, None),
+        ("micro_batch_size", int, None),
+        ("activation_checkpoint", str, SEARCHED_CHECKPOINT_MODES),
+        ("cp", int, None),
+    ):
+        fixed.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            type=kind,
+            default=None,
+            help=f"one of {', '.join(choices)}" if choices else None,
+        )
+    fixed.add_argument(
+        "--compile",
+        action="store_const",
+        const=True,
+        default=None,
+        help="plan for torch.compile of each block (fused element-wise kernels; the trainer's compile.enabled)",
+    )
     return p
 
 
 def request_from(ns: argparse.Namespace) -> Request:
-    missing = [f"--{k.replace('_', '-')}" for k in ("model", "hardware", "gpus", "global_batch") if getattr(ns, k) is None]
+    missing = [
+        f"--{k.replace('_', '-')}" for k in ("model", "hardware", "gpus", "global_batch") if getattr(ns, k) is None
+    ]
     if missing:
-        raise ConfigError(f"trillion plan needs {', '.join(missing)}, e.g. `trillion plan --model gpt-1t --hardware "
-                          f"frontier --gpus 3072 --global-batch 1024 --tokens 20e12`.")
+        raise ConfigError(
+            f"trillion plan needs {', '.join(missing)}, e.g. `trillion plan --model gpt-1t --hardware "
+            f"frontier --gpus 3072 --global-batch 1024 --tokens 20e12`."
+        )
     args = get_preset(ns.model)
     fixed = {k: getattr(ns, k) for k in LAYOUT_FIELDS if getattr(ns, k) is not None}
-    return Request(ns.model, args, load_profile(ns.hardware), ns.gpus, ns.global_batch, ns.seq_len or args.max_seq_len,
-                   ns.tokens, ns.price_per_gpu_hour, fixed)
+    return Request(
+        ns.model,
+        args,
+        load_profile(ns.hardware),
+        ns.gpus,
+        ns.global_batch,
+        ns.seq_len or args.max_seq_len,
+        ns.tokens,
+        ns.price_per_gpu_hour,
+        fixed,
+    )
 
 
 def train_config_toml(request: Request, row: dict) -> str:
@@ -75,10 +118,13 @@ def train_config_toml(request: Request, row: dict) -> str:
     for key in ("dp_replicate", "dp_shard", "dp_shard_mode", "tp", "pp", "pp_schedule", "activation_checkpoint", "cp"):
         setattr(config.parallel, key, row[key])
     config.compile.enabled = row["compile"]
-    header = [f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} ({request.hardware.device.name})",
-              f"# predicted: {row['step_time_s']:.2f} s/step, {row['tokens_per_s']:,.0f} tokens/s, "
-              f"MFU {row['mfu']:.1%}, {row['memory_gb']:.1f} of {row['memory_capacity_gb']:g} GB per GPU",
-              f"# pipeline chunks per rank (virtual stages): {row['virtual_stages']}", ""]
+    header = [
+        f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} ({request.hardware.device.name})",
+        f"# predicted: {row['step_time_s']:.2f} s/step, {row['tokens_per_s']:,.0f} tokens/s, "
+        f"MFU {row['mfu']:.1%}, {row['memory_gb']:.1f} of {row['memory_capacity_gb']:g} GB per GPU",
+        f"# pipeline chunks per rank (virtual stages): {row['virtual_stages']}",
+        "",
+    ]
     return "\n".join(header) + to_toml(config)
 
 
@@ -88,28 +134,39 @@ def _pct(x: float) -> str:
 
 def format_table(request: Request, rows: list[dict], considered: int, fitting: int) -> str:
     s = model_summary(request)
-    lines = [f"{request.model} ({s['parameters'] / 1e9:.1f}B parameters) on {request.gpus} x {request.hardware.name} "
-             f"({request.hardware.device.name}, {request.hardware.device.memory_gb:g} GB), global batch "
-             f"{request.global_batch} x {request.seq_len} tokens: {considered} layouts considered, {fitting} fit in memory.",
-             "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp/cp = exposed communication. "
-             "Memory GB per GPU: params/grads/optim/activations/buffers.", ""]
+    lines = [
+        f"{request.model} ({s['parameters'] / 1e9:.1f}B parameters) on {request.gpus} x {request.hardware.name} "
+        f"({request.hardware.device.name}, {request.hardware.device.memory_gb:g} GB), global batch "
+        f"{request.global_batch} x {request.seq_len} tokens: {considered} layouts considered, {fitting} fit in memory.",
+        "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp/cp = exposed communication. "
+        "Memory GB per GPU: params/grads/optim/activations/buffers.",
+        "",
+    ]
     budget = request.tokens > 0
-    head = (f"{'#':>3} {'tp':>2} {'pp':>3} {'cp':>2} {'dp (rep x shard)':>18} {'schedule':>22} {'mb':>2} {'m':>5} {'ckpt':>9} "
-            f"{'step s':>7} {'tokens/s':>10} {'TF/GPU':>6} {'MFU%':>5} {'HFU%':>5} {'bub%':>5} {'imb%':>5} {'tp%':>4} "
-            f"{'pp%':>4} {'dp%':>4} {'cp%':>4} {'memory GB (P/G/O/A/B)':>28}")
+    head = (
+        f"{'#':>3} {'tp':>2} {'pp':>3} {'cp':>2} {'dp (rep x shard)':>18} {'schedule':>22} {'mb':>2} {'m':>5} {'ckpt':>9} "
+        f"{'step s':>7} {'tokens/s':>10} {'TF/GPU':>6} {'MFU%':>5} {'HFU%':>5} {'bub%':>5} {'imb%':>5} {'tp%':>4} "
+        f"{'pp%':>4} {'dp%':>4} {'cp%':>4} {'memory GB (P/G/O/A/B)':>28}"
+    )
     if budget:
         head += f" {'days':>6} {'GPU-h':>9} {'MWh':>7} {'cost $':>10}"
     lines += [head, "-" * len(head)]
     for i, r in enumerate(rows, 1):
         sh, mem = r["time_shares"], r["memory"]
         dp = f"{r['dp_replicate']}x{r['dp_shard']} {r['dp_shard_mode']}"
-        sched = r["pp_schedule"] + (f" v{r['virtual_stages']}" if r["virtual_stages"] > 1 else "") if r["pp"] > 1 else "-"
-        breakdown = "/".join(f"{mem[k]:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "buffers"))
-        line = (f"{i:>3} {r['tp']:>2} {r['pp']:>3} {r['cp']:>2} {dp:>18} {sched:>22} {r['micro_batch_size']:>2} {r['microbatches']:>5} "
-                f"{r['activation_checkpoint']:>9} {r['step_time_s']:>7.2f} {r['tokens_per_s']:>10,.0f} "
-                f"{r['tflops_per_gpu']:>6.1f} {_pct(r['mfu']):>5} {_pct(r['hfu']):>5} {_pct(sh['bubble']):>5} "
-                f"{_pct(sh['imbalance']):>5} {_pct(sh['tp_exposed']):>4} {_pct(sh['pp_exposed']):>4} {_pct(sh['dp_exposed']):>4} {_pct(sh['cp_exposed']):>4} "
-                f"{breakdown + ' = ' + format(r['memory_gb'], '.1f'):>28}")
+        sched = (
+            r["pp_schedule"] + (f" v{r['virtual_stages']}" if r["virtual_stages"] > 1 else "") if r["pp"] > 1 else "-"
+        )
+        breakdown = "/".join(
+            f"{mem[k]:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "buffers")
+        )
+        line = (
+            f"{i:>3} {r['tp']:>2} {r['pp']:>3} {r['cp']:>2} {dp:>18} {sched:>22} {r['micro_batch_size']:>2} {r['microbatches']:>5} "
+            f"{r['activation_checkpoint']:>9} {r['step_time_s']:>7.2f} {r['tokens_per_s']:>10,.0f} "
+            f"{r['tflops_per_gpu']:>6.1f} {_pct(r['mfu']):>5} {_pct(r['hfu']):>5} {_pct(sh['bubble']):>5} "
+            f"{_pct(sh['imbalance']):>5} {_pct(sh['tp_exposed']):>4} {_pct(sh['pp_exposed']):>4} {_pct(sh['dp_exposed']):>4} {_pct(sh['cp_exposed']):>4} "
+            f"{breakdown + ' = ' + format(r['memory_gb'], '.1f'):>28}"
+        )
         if budget:
             line += f" {r['time_to_train_days']:>6.1f} {r['gpu_hours']:>9.3g} {r['energy_mwh']:>7.3g} {r['cost_usd']:>10.3g}"
         lines.append(line)
@@ -120,6 +177,7 @@ def main(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     if ns.calibrate:
         from trillion.parallel.planner.calibrate import calibrate
+
         args = get_preset(ns.model) if ns.model else None
         seq_len = ns.seq_len or (args.max_seq_len if args else 0)
         out = calibrate(Path(ns.calibrate_out), args, seq_len, ns.micro_batch_size or 1, ns.calibrate_processes)
@@ -129,12 +187,24 @@ def main(argv: list[str]) -> int:
     result = search(request)
     rows = [metrics(request, c) for c in result.ranked[: max(ns.top, 1)]]
     if ns.format == "json":
-        json.dump({"request": model_summary(request), "considered": result.considered, "fitting": len(result.ranked),
-                   "candidates": rows}, sys.stdout, indent=1)
+        json.dump(
+            {
+                "request": model_summary(request),
+                "considered": result.considered,
+                "fitting": len(result.ranked),
+                "candidates": rows,
+            },
+            sys.stdout,
+            indent=1,
+        )
         print()
     else:
         print(format_table(request, rows, result.considered, len(result.ranked)))
-    out = ns.config_out if ns.config_out is not None else f"outputs/plan/{request.model}-{request.hardware.name}-{request.gpus}.toml"
+    out = (
+        ns.config_out
+        if ns.config_out is not None
+        else f"outputs/plan/{request.model}-{request.hardware.name}-{request.gpus}.toml"
+    )
     if out:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,6 +213,7 @@ def main(argv: list[str]) -> int:
         print(f"wrote the best layout to {path} (run it with `trillion train --config {path}`)", file=sys.stderr)
     if ns.plot:
         from trillion.parallel.planner.plot import plot_request
+
         for written in plot_request(request, result, Path(ns.plot)):
             print(f"wrote {written}", file=sys.stderr)
     return 0

@@ -9,6 +9,7 @@ node and keeps the fastest 1/eta by measured tokens/s, until a round leaves one.
 logged to metrics.jsonl (and W&B when enabled) in the tune directory; the winner is written as a
 `trillion train` config.
 """
+
 import argparse
 import dataclasses
 import json
@@ -17,24 +18,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+from trillion.errors import ConfigError
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.planner.hardware import load_profile, profile_names
-from trillion.parallel.planner.search import Request, search
 from trillion.parallel.planner.layout import Layout
-from trillion.trainer.config.schema import load_config, to_toml
-from trillion.errors import ConfigError
-from trillion.trainer.cli.args import CommandParser
-from trillion.trainer.metrics.meters import MetricsSink
-from trillion.trainer.data.tokenizer import build_tokenizer
+from trillion.parallel.planner.search import Request, search
 from trillion.trainer.assemble import build_model_args
+from trillion.trainer.cli.args import CommandParser
+from trillion.trainer.config.schema import load_config, to_toml
+from trillion.trainer.data.tokenizer import build_tokenizer
+from trillion.trainer.metrics.meters import MetricsSink
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = CommandParser("tune", description=__doc__)
     p.add_argument("--config", required=True, help="the run to tune (a `trillion train` config)")
     p.add_argument("--nproc", type=int, required=True, help="processes (GPUs) on this node to run each trial on")
-    p.add_argument("--hardware", required=True, help=f"planner profile ranking the candidates: {', '.join(profile_names())}, "
-                   "or a file from `trillion plan --calibrate`")
+    p.add_argument(
+        "--hardware",
+        required=True,
+        help=f"planner profile ranking the candidates: {', '.join(profile_names())}, "
+        "or a file from `trillion plan --calibrate`",
+    )
     p.add_argument("--candidates", type=int, default=8, help="planner candidates measured in the first round")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps of a first-round trial (the first is warm-up)")
     p.add_argument("--eta", type=int, default=2, help="keep the fastest 1/eta each round, run them eta times longer")
@@ -50,8 +55,13 @@ def runnable_candidates(request: Request, config, count: int) -> list[Layout]:
     for candidate in search(request).ranked:
         layout = candidate.layout
         try:
-            dims = ParallelDims(pp=layout.pp, dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard,
-                                tp=layout.tp, world_size=request.gpus)
+            dims = ParallelDims(
+                pp=layout.pp,
+                dp_replicate=layout.dp_replicate,
+                dp_shard=layout.dp_shard,
+                tp=layout.tp,
+                world_size=request.gpus,
+            )
             dims.validate(request.args, request.seq_len, gpus_per_node=request.gpus)
         except ConfigError:
             continue
@@ -62,25 +72,49 @@ def runnable_candidates(request: Request, config, count: int) -> list[Layout]:
         if len(chosen) == count:
             break
     if not chosen:
-        raise ConfigError(f"None of the planner's layouts for {request.gpus} processes can run in this trainer; "
-                          "check the config's model and batch against `trillion plan`.")
+        raise ConfigError(
+            f"None of the planner's layouts for {request.gpus} processes can run in this trainer; "
+            "check the config's model and batch against `trillion plan`."
+        )
     return chosen
 
 
 def layout_overrides(layout: Layout) -> list[str]:
-    return [f"--parallel.tp={layout.tp}", f"--parallel.pp={layout.pp}", f"--parallel.dp_replicate={layout.dp_replicate}",
-            f"--parallel.dp_shard={layout.dp_shard}", f"--parallel.dp_shard_mode={layout.dp_shard_mode}",
-            f"--parallel.pp_schedule={layout.pp_schedule}", f"--parallel.activation_checkpoint={layout.activation_checkpoint}",
-            f"--training.micro_batch_size={layout.micro_batch_size}"]
+    return [
+        f"--parallel.tp={layout.tp}",
+        f"--parallel.pp={layout.pp}",
+        f"--parallel.dp_replicate={layout.dp_replicate}",
+        f"--parallel.dp_shard={layout.dp_shard}",
+        f"--parallel.dp_shard_mode={layout.dp_shard_mode}",
+        f"--parallel.pp_schedule={layout.pp_schedule}",
+        f"--parallel.activation_checkpoint={layout.activation_checkpoint}",
+        f"--training.micro_batch_size={layout.micro_batch_size}",
+    ]
 
 
 def run_trial(config_path: Path, layout: Layout, steps: int, nproc: int, run_dir: Path, timeout: float) -> dict:
     """Train `steps` steps in a fresh run directory; tokens/s over all steps but the first."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "trillion", "train", "--config", str(config_path), *layout_overrides(layout),
-               f"--training.steps={steps}", f"--metrics.log_freq={steps}", f"--job.output_dir={run_dir}",
-               "--checkpoint.interval=0", "--checkpoint.save_final=false", "--logging.wandb=false",
-               "--logging.progress_bar=lines", "--eval.interval=0"]  # timed steps only: no evaluation
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "trillion",
+        "train",
+        "--config",
+        str(config_path),
+        *layout_overrides(layout),
+        f"--training.steps={steps}",
+        f"--metrics.log_freq={steps}",
+        f"--job.output_dir={run_dir}",
+        "--checkpoint.interval=0",
+        "--checkpoint.save_final=false",
+        "--logging.wandb=false",
+        "--logging.progress_bar=lines",
+        "--eval.interval=0",
+    ]  # timed steps only: no evaluation
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -96,8 +130,10 @@ def run_trial(config_path: Path, layout: Layout, steps: int, nproc: int, run_dir
 def main(argv: list[str]) -> int:
     ns = build_parser().parse_args(argv)
     if ns.steps < 2 or ns.eta < 2 or ns.candidates < 1 or ns.nproc < 1:
-        raise ConfigError("trillion tune needs --steps >= 2 (the first step is warm-up), --eta >= 2, --candidates >= 1 "
-                          "and --nproc >= 1.")
+        raise ConfigError(
+            "trillion tune needs --steps >= 2 (the first step is warm-up), --eta >= 2, --candidates >= 1 "
+            "and --nproc >= 1."
+        )
     config = load_config(ns.config, ns.overrides)
     t = config.training
     args = build_model_args(config, build_tokenizer(config.tokenizer).vocab_size)
@@ -108,27 +144,42 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base_config = out / "base.toml"
     base_config.write_text(to_toml(config))
-    sink = MetricsSink(out, dataclasses.replace(config.logging, wandb_run_name=config.logging.wandb_run_name or "tune"),
-                       {"config": dataclasses.asdict(config), "tune": vars(ns)})
+    sink = MetricsSink(
+        out,
+        dataclasses.replace(config.logging, wandb_run_name=config.logging.wandb_run_name or "tune"),
+        {"config": dataclasses.asdict(config), "tune": vars(ns)},
+    )
     trials, steps, round_index = [], ns.steps, 0
     try:
         while True:
             measured = []
             for index, layout in enumerate(survivors):
                 run_dir = out / f"round{round_index}-trial{index}"
-                print(f"round {round_index}, trial {index + 1}/{len(survivors)}: {steps} steps of "
-                      f"{' '.join(layout_overrides(layout))}", file=sys.stderr, flush=True)
+                print(
+                    f"round {round_index}, trial {index + 1}/{len(survivors)}: {steps} steps of "
+                    f"{' '.join(layout_overrides(layout))}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 result = run_trial(base_config, layout, steps, ns.nproc, run_dir, ns.timeout)
                 tokens = t.global_batch_size * t.seq_len
-                row = {"step": len(trials) + 1, "round": round_index, "steps": steps, **layout.as_dict(), **result,
-                       "tokens_per_s": tokens / result["seconds_per_step"] if "seconds_per_step" in result else None}
+                row = {
+                    "step": len(trials) + 1,
+                    "round": round_index,
+                    "steps": steps,
+                    **layout.as_dict(),
+                    **result,
+                    "tokens_per_s": tokens / result["seconds_per_step"] if "seconds_per_step" in result else None,
+                }
                 trials.append(row)
                 sink.write(row)
                 if row["tokens_per_s"] is not None:
                     measured.append((row["tokens_per_s"], layout))
             if not measured:
-                raise ConfigError(f"Every trial of round {round_index} failed (see {out}/metrics.jsonl), "
-                                  f"e.g.: {trials[-1].get('error')}")
+                raise ConfigError(
+                    f"Every trial of round {round_index} failed (see {out}/metrics.jsonl), "
+                    f"e.g.: {trials[-1].get('error')}"
+                )
             measured.sort(key=lambda pair: -pair[0])
             keep = math.ceil(len(measured) / ns.eta)
             if keep == 1:  # the winner is decided: a longer run of it alone would measure nothing new
@@ -140,18 +191,24 @@ def main(argv: list[str]) -> int:
 
     best = measured[0][1]
     best_config = load_config(str(base_config), layout_overrides(best))
-    (out / "best.toml").write_text(f"# trillion tune: fastest measured layout, {measured[0][0]:,.0f} tokens/s on "
-                                   f"{ns.nproc} processes\n" + to_toml(best_config))
+    (out / "best.toml").write_text(
+        f"# trillion tune: fastest measured layout, {measured[0][0]:,.0f} tokens/s on "
+        f"{ns.nproc} processes\n" + to_toml(best_config)
+    )
     print(format_trials(trials))
     print(f"best: {' '.join(layout_overrides(best))} ({measured[0][0]:,.0f} tokens/s); wrote {out / 'best.toml'}")
     return 0
 
 
 def format_trials(trials: list[dict]) -> str:
-    lines = [f"{'round':>5} {'steps':>5} {'tp':>3} {'pp':>3} {'dp':>7} {'mode':>6} {'mb':>3} {'ckpt':>10} {'tokens/s':>12}  error"]
+    lines = [
+        f"{'round':>5} {'steps':>5} {'tp':>3} {'pp':>3} {'dp':>7} {'mode':>6} {'mb':>3} {'ckpt':>10} {'tokens/s':>12}  error"
+    ]
     for r in trials:
         speed = f"{r['tokens_per_s']:>12,.0f}" if r["tokens_per_s"] is not None else f"{'-':>12}"
-        lines.append(f"{r['round']:>5} {r['steps']:>5} {r['tp']:>3} {r['pp']:>3} {r['dp_replicate']:>3}x{r['dp_shard']:<3} "
-                     f"{r['dp_shard_mode']:>6} {r['micro_batch_size']:>3} {r['activation_checkpoint']:>10} {speed}  "
-                     f"{r.get('error', '')}")
+        lines.append(
+            f"{r['round']:>5} {r['steps']:>5} {r['tp']:>3} {r['pp']:>3} {r['dp_replicate']:>3}x{r['dp_shard']:<3} "
+            f"{r['dp_shard_mode']:>6} {r['micro_batch_size']:>3} {r['activation_checkpoint']:>10} {speed}  "
+            f"{r.get('error', '')}"
+        )
     return "\n".join(lines)

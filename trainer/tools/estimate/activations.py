@@ -4,6 +4,7 @@ estimate (trainer/tools/estimate/dry_run.py), on real tensors for the checks aga
 The model given is already tensor-parallel and activation-checkpointed, without FSDP: FSDP changes
 where parameters live, not what forward and backward keep.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,6 +26,7 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
 class MicroBatchMemory:
     """One micro-batch through one stage (the whole model without pipelining): bytes above what
     existed before it (parameters, the stage input, the gradient arriving for its output)."""
+
     held: int  # from the end of its forward (loss included on the last stage) until its backward
     forward_peak: int
     peak: int  # forward and backward
@@ -32,12 +34,17 @@ class MicroBatchMemory:
 
     def scaled(self, other: "MicroBatchMemory", factor: float) -> "MicroBatchMemory":
         """self + factor x (other - self), field by field: extrapolation in depth."""
-        return MicroBatchMemory(**{f: int(round(getattr(self, f) + factor * (getattr(other, f) - getattr(self, f))))
-                                   for f in self.__dataclass_fields__})
+        return MicroBatchMemory(
+            **{
+                f: int(round(getattr(self, f) + factor * (getattr(other, f) - getattr(self, f))))
+                for f in self.__dataclass_fields__
+            }
+        )
 
 
-def measure_micro_batch(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, tp_enabled: bool,
-                        last: bool) -> MicroBatchMemory:
+def measure_micro_batch(
+    model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, tp_enabled: bool, last: bool
+) -> MicroBatchMemory:
     """Forward and backward of one micro-batch under MemTracker. `inputs`: tokens, or the hidden state a
     later stage receives; `target`: the labels on the `last` stage (its loss is the trainer's), else
     the gradient the next stage sends back for the output. Both exist before tracking starts, as the
@@ -96,13 +103,20 @@ def _flash_on_meta():
     def eager_on_meta(q, k, v, *, causal=True, softmax_scale=None):
         if q.device.type != "meta":
             return eager(q, k, v, causal=causal, softmax_scale=softmax_scale)
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False,
-                                                                  scale=softmax_scale)[0]
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=softmax_scale)[0]
 
     def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if q.device.type != "meta" or attn_mask is not None or dropout_p:
-            return plain(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                         enable_gqa=enable_gqa)
+            return plain(
+                q,
+                k,
+                v,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[0]
 
     F.scaled_dot_product_attention, kernels.eager_attention = flash, eager_on_meta
@@ -114,7 +128,6 @@ def _flash_on_meta():
 
 def _device_total(snapshot: dict, device: str) -> int:
     return sum(stats["Total"] for dev, stats in snapshot.items() if torch.device(dev).type == device)
-
 
 
 DIRECT_LAYERS = 8  # deeper stages are measured at 2 and 3 checkpointing periods and extrapolated

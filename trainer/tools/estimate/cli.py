@@ -10,31 +10,42 @@ device's capacity and the planner's prediction; exits 1 with a message naming th
 shortfall, what dominates and which setting to change when a rank does not fit. `--steps N` also
 runs the training loop for N steps of a tiny model of the layout (trainer/tools/estimate/steps.py).
 """
-import argparse
+
 import json
 import re
 import sys
 
-from trillion.trainer.tools.estimate.dry_run import DEFAULT_RANKS, KINDS, Estimate, estimate, shortfall_message
-from trillion.trainer.tools.estimate.steps import run_steps, summary
-from trillion.trainer.config.schema import load_config
 from trillion.errors import ConfigError
 from trillion.trainer.cli.args import CommandParser
+from trillion.trainer.config.schema import load_config
+from trillion.trainer.tools.estimate.dry_run import DEFAULT_RANKS, KINDS, Estimate, estimate, shortfall_message
+from trillion.trainer.tools.estimate.steps import run_steps, summary
 
 
 def parse(argv: list[str]):
     p = CommandParser("estimate", description=__doc__.split("\n")[0])
     p.add_argument("--config", required=True, help="a config `trillion train` accepts")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="processes of the run (default: the config's `# world_size = N` comment)")
-    p.add_argument("--ranks", default=DEFAULT_RANKS,
-                   help=f"first, middle, last, max (most parameters), all, or rank numbers (default {DEFAULT_RANKS})")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="processes of the run (default: the config's `# world_size = N` comment)",
+    )
+    p.add_argument(
+        "--ranks",
+        default=DEFAULT_RANKS,
+        help=f"first, middle, last, max (most parameters), all, or rank numbers (default {DEFAULT_RANKS})",
+    )
     p.add_argument("--hardware", default=None, help="hardware profile whose device capacity to compare (e.g. frontier)")
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--no-measure", action="store_true", help="skip the meta activation run; use the planner's figure")
-    p.add_argument("--steps", type=int, default=0,
-                   help="also run N training steps of a tiny model of the same layout on the fake backend, as the "
-                        "first and the last simulated rank (see trainer/tools/estimate/steps.py)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="also run N training steps of a tiny model of the same layout on the fake backend, as the "
+        "first and the last simulated rank (see trainer/tools/estimate/steps.py)",
+    )
     ns, overrides = p.parse_known_args(argv)
     return ns, overrides
 
@@ -55,30 +66,60 @@ def table(result: Estimate) -> str:
     lay = result.layout
     pipelined = lay["pp"] > 1
     cp = f"cp {lay['cp']} x " if lay["cp"] > 1 else ""
-    lines = [f"# trillion estimate: {result.config_model} on {result.world_size} ranks "
-             f"(pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x {cp}tp {lay['tp']}, "
-             f"{lay['dp_shard_mode']}, activation_checkpoint {lay['activation_checkpoint']}, micro-batch "
-             f"{lay['micro_batch_size']} x {lay['seq_len']} tokens, {lay['microbatches']} per step, {lay['compute_dtype']})",
-             f"# device: {result.device or 'unknown (pass --hardware)'}; simulated {len(result.ranks)} rank(s) "
-             f"in {result.seconds:.1f} s; GB = 1e9 bytes"]
+    lines = [
+        f"# trillion estimate: {result.config_model} on {result.world_size} ranks "
+        f"(pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x {cp}tp {lay['tp']}, "
+        f"{lay['dp_shard_mode']}, activation_checkpoint {lay['activation_checkpoint']}, micro-batch "
+        f"{lay['micro_batch_size']} x {lay['seq_len']} tokens, {lay['microbatches']} per step, {lay['compute_dtype']})",
+        f"# device: {result.device or 'unknown (pass --hardware)'}; simulated {len(result.ranks)} rank(s) "
+        f"in {result.seconds:.1f} s; GB = 1e9 bytes",
+    ]
     if pipelined:
-        receives = ("receive buffers live while their micro-batch is in flight (counted in activations)"
-                    if lay["pp_receive_buffers"] == "in flight" else "buffers hold the schedule's receive buffers "
-                    "(an activation and a gradient for every micro-batch of the step)")
-        lines.append(f"# pipeline: {lay['pp_schedule']}, {len(lay['stage_units'])} stages ({lay['pp_virtual_stages']} "
-                     f"per rank); {receives}; buffers hold the stages FSDP keeps gathered through the step")
+        receives = (
+            "receive buffers live while their micro-batch is in flight (counted in activations)"
+            if lay["pp_receive_buffers"] == "in flight"
+            else "buffers hold the schedule's receive buffers "
+            "(an activation and a gradient for every micro-batch of the step)"
+        )
+        lines.append(
+            f"# pipeline: {lay['pp_schedule']}, {len(lay['stage_units'])} stages ({lay['pp_virtual_stages']} "
+            f"per rank); {receives}; buffers hold the stages FSDP keeps gathered through the step"
+        )
     header = ["rank", "coords", *(("stages", "in flight") if pipelined else ()), *KINDS, "total", "usable", "fits"]
     rows = [header]
     for r in result.ranks:
         act = gb(r.activations) + ("" if r.activations_source == "measured" else " (predicted)")
         stages = (",".join(map(str, r.detail["stages"])), str(r.detail["in_flight"] or "-")) if pipelined else ()
-        rows.append([str(r.rank), ",".join(f"{k}={v}" for k, v in r.coords.items()) or "-", *stages, gb(r.parameters),
-                     gb(r.gradients), gb(r.optimizer), act, gb(r.buffers), gb(r.framework), gb(r.total), gb(r.usable),
-                     {True: "yes", False: "NO", None: "?"}[r.fits]])
+        rows.append(
+            [
+                str(r.rank),
+                ",".join(f"{k}={v}" for k, v in r.coords.items()) or "-",
+                *stages,
+                gb(r.parameters),
+                gb(r.gradients),
+                gb(r.optimizer),
+                act,
+                gb(r.buffers),
+                gb(r.framework),
+                gb(r.total),
+                gb(r.usable),
+                {True: "yes", False: "NO", None: "?"}[r.fits],
+            ]
+        )
     planner = result.ranks[0].planner if result.ranks else None
     if planner:
-        rows.append(["planner", "(its fullest rank)", *(("", "") if pipelined else ()), *(gb(planner[k]) for k in KINDS[:5]),
-                     "(in buffers)", gb(planner["total"]), gb(result.ranks[0].usable), ""])
+        rows.append(
+            [
+                "planner",
+                "(its fullest rank)",
+                *(("", "") if pipelined else ()),
+                *(gb(planner[k]) for k in KINDS[:5]),
+                "(in buffers)",
+                gb(planner["total"]),
+                gb(result.ranks[0].usable),
+                "",
+            ]
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines += [f"# note: {n}" for n in result.notes]
@@ -89,16 +130,17 @@ def main(argv: list[str]) -> int:
     ns, overrides = parse(argv)
     world = ns.world_size or world_from_comment(ns.config)
     if world is None:
-        raise ConfigError(f"trillion estimate needs --world-size N (the config {ns.config} has no "
-                          "`# world_size = N` comment), e.g. --world-size 3072.")
+        raise ConfigError(
+            f"trillion estimate needs --world-size N (the config {ns.config} has no "
+            "`# world_size = N` comment), e.g. --world-size 3072."
+        )
     config = load_config(ns.config, overrides)
 
     def progress(done, total, rank):
         if total > 8 and ns.format == "table":
             print(f"\rsimulated rank {rank} ({done}/{total})", end="" if done < total else "\n", file=sys.stderr)
 
-    result = estimate(config, world, ranks=ns.ranks, hardware=ns.hardware, measure=not ns.no_measure,
-                      progress=progress)
+    result = estimate(config, world, ranks=ns.ranks, hardware=ns.hardware, measure=not ns.no_measure, progress=progress)
     message = shortfall_message(result)
     runs, model = [], ""
     if ns.steps > 0:
@@ -106,8 +148,9 @@ def main(argv: list[str]) -> int:
         runs, model = run_steps(config, world, ns.steps, sorted({ranks[0], ranks[-1]}))
     failed = next((run for run in runs if run.failed), None)
     if failed:
-        message = " ".join(x for x in (message, f"With --steps, the training loop failed as rank {failed.rank}: "
-                                                f"{failed.failed}") if x)
+        message = " ".join(
+            x for x in (message, f"With --steps, the training loop failed as rank {failed.rank}: {failed.failed}") if x
+        )
     if ns.format == "json":
         print(json.dumps({**result.as_dict(), "error": message, "steps": [run.as_dict() for run in runs]}, indent=1))
     else:

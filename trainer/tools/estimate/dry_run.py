@@ -32,6 +32,7 @@ measures one micro-batch):
 Ranks that hold the same stages at the same dp_shard coordinate hold the same bytes, so `--ranks
 all` builds each such group once (trainer/tools/estimate/rank.py says why).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,20 +42,48 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trillion.errors import ConfigError
 from trillion.models import ModelArgs
 from trillion.parallel.dims import ParallelDims
-from trillion.trainer.tools.estimate.activations import local_tensor
-from trillion.trainer.tools.estimate.rank import (REDUCE_DTYPE, StagePlan, StageSource, coords_of, fake_world,
-                                    gathered_and_reduce_bytes, hidden_state, in_flight_peak, item_bytes, meshed_dims,
-                                    micro_batch_data, quiet, rank_parts, receive_bytes, schedule_of, stage_facts,
-                                    state_bytes, storage_bytes, target_device, target_dtype, with_receives)
-from trillion.trainer.tools.estimate.advice import KINDS, advice, shortfall_message
 from trillion.trainer.assemble import batch_split, build_model_args, build_parallel_dims, validate_training
 from trillion.trainer.config.schema import Config
-from trillion.errors import ConfigError
+from trillion.trainer.tools.estimate.activations import local_tensor
+from trillion.trainer.tools.estimate.advice import KINDS, advice, shortfall_message
+from trillion.trainer.tools.estimate.rank import (
+    REDUCE_DTYPE,
+    StagePlan,
+    StageSource,
+    coords_of,
+    fake_world,
+    gathered_and_reduce_bytes,
+    hidden_state,
+    in_flight_peak,
+    item_bytes,
+    meshed_dims,
+    micro_batch_data,
+    quiet,
+    rank_parts,
+    receive_bytes,
+    schedule_of,
+    stage_facts,
+    state_bytes,
+    storage_bytes,
+    target_device,
+    target_dtype,
+    with_receives,
+)
 
-__all__ = ["Estimate", "RankEstimate", "estimate", "select_ranks", "shortfall_message", "advice", "storage_bytes",
-           "KINDS", "DEFAULT_RANKS"]
+__all__ = [
+    "Estimate",
+    "RankEstimate",
+    "estimate",
+    "select_ranks",
+    "shortfall_message",
+    "advice",
+    "storage_bytes",
+    "KINDS",
+    "DEFAULT_RANKS",
+]
 log = logging.getLogger("trillion")
 DEFAULT_RANKS = "first,middle,last,max"
 
@@ -62,6 +91,7 @@ DEFAULT_RANKS = "first,middle,last,max"
 @dataclass
 class RankEstimate:
     """The bytes one rank holds at its peak, by kind; `activations_source` says how that figure was got."""
+
     rank: int
     coords: dict  # mesh axis -> this rank's coordinate (axes of size > 1)
     stage: int  # pipeline rank, its pp coordinate (0 while pp == 1)
@@ -103,9 +133,15 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"model": self.config_model, "world_size": self.world_size, "layout": self.layout,
-                "device": self.device, "seconds": round(self.seconds, 2), "notes": self.notes,
-                "ranks": [r.as_dict() for r in self.ranks]}
+        return {
+            "model": self.config_model,
+            "world_size": self.world_size,
+            "layout": self.layout,
+            "device": self.device,
+            "seconds": round(self.seconds, 2),
+            "notes": self.notes,
+            "ranks": [r.as_dict() for r in self.ranks],
+        }
 
 
 # --- set-up ----------------------------------------------------------------------------------------
@@ -115,8 +151,15 @@ def layout_dims(config: Config, world_size: int, model_args: ModelArgs) -> Paral
     from trillion.trainer.launch.env import LaunchEnv
 
     env = LaunchEnv(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"))
-    validate_training(dataclasses.replace(config, training=dataclasses.replace(
-        config.training, dtype="bf16" if config.training.dtype == "fp16" else config.training.dtype)), env)
+    validate_training(
+        dataclasses.replace(
+            config,
+            training=dataclasses.replace(
+                config.training, dtype="bf16" if config.training.dtype == "fp16" else config.training.dtype
+            ),
+        ),
+        env,
+    )
     with fake_world(0, world_size):
         dims = build_parallel_dims(config, env, model_args)
     dims.mesh = None
@@ -133,8 +176,17 @@ class _Simulation:
     """One layout's ranks, each built as `rank` of a fake world; what ranks of the same stage shapes
     (and dp_shard coordinate, for the sharded states) share is built once."""
 
-    def __init__(self, config: Config, model_args: ModelArgs, dims: ParallelDims, micro_batch: int,
-                 microbatches: int, measure: bool, prediction: dict | None, notes: list[str]):
+    def __init__(
+        self,
+        config: Config,
+        model_args: ModelArgs,
+        dims: ParallelDims,
+        micro_batch: int,
+        microbatches: int,
+        measure: bool,
+        prediction: dict | None,
+        notes: list[str],
+    ):
         self.config, self.dims, self.micro_batch, self.microbatches = config, dims, micro_batch, microbatches
         self.measure, self.prediction, self.notes = measure, prediction, notes
         self.plan = StagePlan(config, model_args.n_layers, dims.pp)
@@ -172,15 +224,25 @@ class _Simulation:
     def _stage_facts(self, shape, dims, hidden):
         index = self.plan.index_of(shape)
         inputs, target = micro_batch_data(self.config, shape, hidden, self.micro_batch, self.dims.cp)
-        run = lambda measure: stage_facts(self.config, self.source, dims, self.plan.ranges[index], shape,  # noqa: E731
-                                          inputs, target, measure)
+        run = lambda measure: stage_facts(
+            self.config,
+            self.source,
+            dims,
+            self.plan.ranges[index],
+            shape,  # noqa: E731
+            inputs,
+            target,
+            measure,
+        )
         if self.measure:
             try:
                 return run(True)
             except Exception as error:  # a fake/meta run that cannot be trusted is not reported as measured
                 self.measure = False
-                self.notes.append(f"activation run on meta tensors failed ({type(error).__name__}: "
-                                  f"{str(error)[:200]}); the activation figure is the planner's prediction")
+                self.notes.append(
+                    f"activation run on meta tensors failed ({type(error).__name__}: "
+                    f"{str(error)[:200]}); the activation figure is the planner's prediction"
+                )
                 log.warning("estimate: %s", self.notes[-1])
         return run(False)
 
@@ -205,17 +267,38 @@ class _Simulation:
         memory = {index: self.facts[self.plan.shape(index)].memory for index in self.plan.indices(pp_rank)}
         shards, accumulation = self._gradients(states, facts)
         activations, source, in_flight = self._activations(pp_rank, memory)
-        gathered, reduce = (gathered_and_reduce_bytes(facts, pipelined, self.config.parallel.dp_shard_mode,
-                                                      target_dtype(self.config)) if self.dims.fsdp_enabled else (0, 0))
-        receive = (receive_bytes(self.plan, pp_rank, self.microbatches, self.hidden_bytes)
-                   if pipelined and not self.schedule.receives_in_flight else 0)
-        return dict(rank=rank, coords=coords, stage=pp_rank, parameters=states.parameters,
-                    gradients=max(shards, accumulation), optimizer=states.optimizer, activations=activations,
-                    activations_source=source, buffers=gathered + reduce + receive, parameter_count=states.count,
-                    detail={"stages": self.plan.indices(pp_rank), "tp_local_parameters": sum(f.numel for f in facts),
-                            "gradient_shards": shards, "gradient_accumulation": accumulation,
-                            "fsdp_gathered": gathered, "reduce_scatter": reduce, "pipeline_receive": receive,
-                            "in_flight": in_flight})
+        gathered, reduce = (
+            gathered_and_reduce_bytes(facts, pipelined, self.config.parallel.dp_shard_mode, target_dtype(self.config))
+            if self.dims.fsdp_enabled
+            else (0, 0)
+        )
+        receive = (
+            receive_bytes(self.plan, pp_rank, self.microbatches, self.hidden_bytes)
+            if pipelined and not self.schedule.receives_in_flight
+            else 0
+        )
+        return dict(
+            rank=rank,
+            coords=coords,
+            stage=pp_rank,
+            parameters=states.parameters,
+            gradients=max(shards, accumulation),
+            optimizer=states.optimizer,
+            activations=activations,
+            activations_source=source,
+            buffers=gathered + reduce + receive,
+            parameter_count=states.count,
+            detail={
+                "stages": self.plan.indices(pp_rank),
+                "tp_local_parameters": sum(f.numel for f in facts),
+                "gradient_shards": shards,
+                "gradient_accumulation": accumulation,
+                "fsdp_gathered": gathered,
+                "reduce_scatter": reduce,
+                "pipeline_receive": receive,
+                "in_flight": in_flight,
+            },
+        )
 
     def _gradients(self, states, facts) -> tuple[int, int]:
         """(the gradients the optimizer steps on, the unsharded fp32 ones accumulated through the step)."""
@@ -231,9 +314,11 @@ class _Simulation:
         """(peak, "measured" or "predicted", micro-batch chunks in flight)."""
         if None in memory.values():
             if self.prediction is None:
-                raise ConfigError("The activation peak could not be measured and the planner has no model of "
-                                  "this layout's activation checkpointing; use --parallel.activation_checkpoint="
-                                  "none, selective or full.")
+                raise ConfigError(
+                    "The activation peak could not be measured and the planner has no model of "
+                    "this layout's activation checkpointing; use --parallel.activation_checkpoint="
+                    "none, selective or full."
+                )
             return int(self.prediction["activations"]), "predicted", None
         if self.dims.pp == 1:
             return memory[0].peak, "measured", 1
@@ -244,8 +329,14 @@ class _Simulation:
 
 
 # --- the dry run ----------------------------------------------------------------------------------------------
-def estimate(config: Config, world_size: int, ranks: str = DEFAULT_RANKS, hardware: str | None = None,
-             measure: bool = True, progress=None) -> Estimate:
+def estimate(
+    config: Config,
+    world_size: int,
+    ranks: str = DEFAULT_RANKS,
+    hardware: str | None = None,
+    measure: bool = True,
+    progress=None,
+) -> Estimate:
     """Per-rank memory of `config`'s layout at `world_size`, simulating each selected rank in turn."""
     from trillion.parallel.planner.memory import FRAMEWORK_BYTES, MEMORY_HEADROOM
 
@@ -260,21 +351,38 @@ def estimate(config: Config, world_size: int, ranks: str = DEFAULT_RANKS, hardwa
     result = Estimate(config.model.name, world_size, {}, device_name)
     simulation = _Simulation(config, model_args, dims, micro_batch, microbatches, measure, None, result.notes)
     plan = simulation.plan
-    simulation.prediction = prediction = planner_prediction(config, model_args, dims, micro_batch, microbatches,
-                                                            plan.virtual)
-    result.layout = {"pp": dims.pp, "dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "cp": dims.cp,
-                     "tp": dims.tp, "dp_shard_mode": config.parallel.dp_shard_mode,
-                     "activation_checkpoint": config.parallel.activation_checkpoint, "micro_batch_size": micro_batch,
-                     "microbatches": microbatches, "seq_len": t.seq_len, "global_batch_size": t.global_batch_size,
-                     "compute_dtype": str(target_dtype(config)).removeprefix("torch."),
-                     "pp_schedule": plan.schedule if dims.pp > 1 else None, "pp_virtual_stages": plan.virtual,
-                     "stage_units": [[u.start, u.stop] for u in plan.ranges] if dims.pp > 1 else None}
+    simulation.prediction = prediction = planner_prediction(
+        config, model_args, dims, micro_batch, microbatches, plan.virtual
+    )
+    result.layout = {
+        "pp": dims.pp,
+        "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard,
+        "cp": dims.cp,
+        "tp": dims.tp,
+        "dp_shard_mode": config.parallel.dp_shard_mode,
+        "activation_checkpoint": config.parallel.activation_checkpoint,
+        "micro_batch_size": micro_batch,
+        "microbatches": microbatches,
+        "seq_len": t.seq_len,
+        "global_batch_size": t.global_batch_size,
+        "compute_dtype": str(target_dtype(config)).removeprefix("torch."),
+        "pp_schedule": plan.schedule if dims.pp > 1 else None,
+        "pp_virtual_stages": plan.virtual,
+        "stage_units": [[u.start, u.stop] for u in plan.ranges] if dims.pp > 1 else None,
+    }
     selected = select_ranks(ranks, world_size, dims.pp, simulation.most_parameters_rank)
     framework = int(FRAMEWORK_BYTES) if target_device(config) == "cuda" else 0
     for index, rank in enumerate(selected):
-        result.ranks.append(RankEstimate(**simulation.rank(rank), framework=framework, capacity=capacity,
-                                         usable=None if capacity is None else capacity * MEMORY_HEADROOM,
-                                         planner=prediction))
+        result.ranks.append(
+            RankEstimate(
+                **simulation.rank(rank),
+                framework=framework,
+                capacity=capacity,
+                usable=None if capacity is None else capacity * MEMORY_HEADROOM,
+                planner=prediction,
+            )
+        )
         if progress is not None:
             progress(index + 1, len(selected), rank)
     if simulation.schedule is not None:
@@ -284,17 +392,27 @@ def estimate(config: Config, world_size: int, ranks: str = DEFAULT_RANKS, hardwa
 
 
 # --- the planner's prediction ------------------------------------------------------------------------------
-def planner_prediction(config: Config, model_args: ModelArgs, dims: ParallelDims, micro_batch: int,
-                       microbatches: int, virtual: int = 1) -> dict | None:
+def planner_prediction(
+    config: Config, model_args: ModelArgs, dims: ParallelDims, micro_batch: int, microbatches: int, virtual: int = 1
+) -> dict | None:
     """The planner's per-GPU bytes for this layout (its fullest rank), or None where it has no model of it."""
     from trillion.parallel.planner.layout import Layout
     from trillion.parallel.planner.memory import layout_memory
 
     p = config.parallel
-    layout = Layout(tp=dims.tp, pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard,
-                    dp_shard_mode=p.dp_shard_mode, pp_schedule=p.pp_schedule, virtual_stages=virtual,
-                    micro_batch_size=micro_batch, microbatches=microbatches, activation_checkpoint=p.activation_checkpoint,
-                    cp=dims.cp)
+    layout = Layout(
+        tp=dims.tp,
+        pp=dims.pp,
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+        dp_shard_mode=p.dp_shard_mode,
+        pp_schedule=p.pp_schedule,
+        virtual_stages=virtual,
+        micro_batch_size=micro_batch,
+        microbatches=microbatches,
+        activation_checkpoint=p.activation_checkpoint,
+        cp=dims.cp,
+    )
     try:
         memory = layout_memory(model_args, layout, config.training.seq_len)
     except (KeyError, ConfigError):  # e.g. selective:op, which the planner does not model
@@ -310,8 +428,12 @@ def select_ranks(spec: str, world_size: int, pp: int = 1, most_parameters=lambda
     parameters: `most_parameters()`), all, or rank numbers, comma-separated; duplicates dropped."""
     if spec.strip() == "all":
         return list(range(world_size))
-    named = {"first": lambda: 0, "middle": lambda: pp // 2 * (world_size // pp), "last": lambda: world_size - 1,
-             "max": most_parameters}
+    named = {
+        "first": lambda: 0,
+        "middle": lambda: pp // 2 * (world_size // pp),
+        "last": lambda: world_size - 1,
+        "max": most_parameters,
+    }
     ranks = []
     for item in (s.strip() for s in spec.split(",") if s.strip()):
         if item in named:
@@ -319,8 +441,10 @@ def select_ranks(spec: str, world_size: int, pp: int = 1, most_parameters=lambda
         elif item.isdigit() and int(item) < world_size:
             rank = int(item)
         else:
-            raise ConfigError(f"--ranks {spec!r}: {item!r} is not first, middle, last, max, all or a rank below the "
-                              f"world size {world_size}. E.g. --ranks first,last or --ranks 0,17,{world_size - 1}.")
+            raise ConfigError(
+                f"--ranks {spec!r}: {item!r} is not first, middle, last, max, all or a rank below the "
+                f"world size {world_size}. E.g. --ranks first,last or --ranks 0,17,{world_size - 1}."
+            )
         if rank not in ranks:
             ranks.append(rank)
     if not ranks:

@@ -25,6 +25,7 @@ tests/estimate measure it:
   the warm-up PyTorch's list holds ((v-1) pp + 2 (pp-1-r) + 1 chunks on rank r when m is a
   multiple of pp).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -38,11 +39,16 @@ from torch import nn
 
 from trillion.models import ModelArgs, Transformer
 from trillion.parallel.dims import AXES, ParallelDims
-from trillion.trainer.tools.estimate.activations import MicroBatchMemory, local_tensor, measure_in_depth, measure_micro_batch
 from trillion.parallel.modes import checkpoint_mode, schedule, stages_per_rank
 from trillion.parallel.pipeline import Pipeline, StageLayers, split_units, stage_indices, stage_module
 from trillion.trainer.assemble import build_model, compute_dtype, layout_fn
 from trillion.trainer.config.schema import Config
+from trillion.trainer.tools.estimate.activations import (
+    MicroBatchMemory,
+    local_tensor,
+    measure_in_depth,
+    measure_micro_batch,
+)
 
 REDUCE_DTYPE = torch.float32  # parallel/fsdp.py: gradients are reduced (and kept) in fp32
 ADAMW_STATES = 2  # exp_avg, exp_avg_sq
@@ -112,8 +118,14 @@ def coords_of(dims: ParallelDims, rank: int) -> dict:
 
 def meshed_dims(dims: ParallelDims) -> ParallelDims:
     """A copy of `dims` with its mesh built in the current (fake) world."""
-    copy = ParallelDims(pp=dims.pp, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp=dims.cp, tp=dims.tp,
-                        world_size=dims.world_size)
+    copy = ParallelDims(
+        pp=dims.pp,
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+        cp=dims.cp,
+        tp=dims.tp,
+        world_size=dims.world_size,
+    )
     copy.build_mesh("cpu")
     return copy
 
@@ -138,6 +150,7 @@ def apply_layout(part: nn.Module, config: Config, dims: ParallelDims, fsdp: bool
 @dataclass(frozen=True)
 class StageShape:
     """What a stage holds; stages of the same shape hold the same bytes."""
+
     first: bool  # the embeddings
     layers: int
     last: bool  # the final norm and the output projection
@@ -173,7 +186,9 @@ class StagePlan:
         return next(i for i in range(len(self.ranges)) if self.shape(i) == shape)
 
 
-def rank_parts(config: Config, model: nn.Module, dims: ParallelDims, microbatches: int) -> tuple[list[nn.Module], Pipeline | None]:
+def rank_parts(
+    config: Config, model: nn.Module, dims: ParallelDims, microbatches: int
+) -> tuple[list[nn.Module], Pipeline | None]:
     """This rank's parts (the model, parallelized in place, or its stages) and Pipeline, built by the
     trainer's own assemble.build_model (compile off)."""
     return build_model(config, dims, model, microbatches, torch.device("cpu"), target_dtype(config), compile=False)
@@ -253,10 +268,16 @@ def state_bytes(parts: list[nn.Module]) -> States:
     fsdp = any(hasattr(m, "_get_fsdp_state") for part in parts for m in part.modules())
     grad_numel = sum(_padded_local_numel(p) if fsdp else local_tensor(p).numel() for p in params if p.requires_grad)
     grad_item = item_bytes(REDUCE_DTYPE) if fsdp else params[0].element_size()
-    optimizer = sum(ADAMW_STATES * local_tensor(p).numel() * p.element_size() + ADAMW_STEP_BYTES
-                    for p in params if p.requires_grad)
-    return States(storage_bytes(params), grad_numel * grad_item, grad_item, optimizer,
-                  sum(local_tensor(p).numel() for p in params))
+    optimizer = sum(
+        ADAMW_STATES * local_tensor(p).numel() * p.element_size() + ADAMW_STEP_BYTES for p in params if p.requires_grad
+    )
+    return States(
+        storage_bytes(params),
+        grad_numel * grad_item,
+        grad_item,
+        optimizer,
+        sum(local_tensor(p).numel() for p in params),
+    )
 
 
 def tp_local_numel(module: nn.Module) -> int:
@@ -266,14 +287,23 @@ def tp_local_numel(module: nn.Module) -> int:
 @dataclass(frozen=True)
 class StageFacts:
     """One stage shape, TP-sharded: its parameter elements, its largest block's, what one micro-batch costs."""
+
     numel: int
     block_numel: int
     blocks: int
     memory: MicroBatchMemory | None  # None: not measured
 
 
-def stage_facts(config: Config, source: StageSource, dims: ParallelDims, units: range, shape: StageShape,
-                inputs: torch.Tensor, target: torch.Tensor, measure: bool) -> StageFacts:
+def stage_facts(
+    config: Config,
+    source: StageSource,
+    dims: ParallelDims,
+    units: range,
+    shape: StageShape,
+    inputs: torch.Tensor,
+    target: torch.Tensor,
+    measure: bool,
+) -> StageFacts:
     """Element counts of the TP-only stage and (if `measure`) one micro-batch through it on meta."""
     part = apply_layout(source.stage(units), config, dims, fsdp=False)
     blocks = [tp_local_numel(b) for b in part.layers.values()]
@@ -285,12 +315,14 @@ def stage_facts(config: Config, source: StageSource, dims: ParallelDims, units: 
         return measure_micro_batch(cut, inputs, target, dims.tp_enabled, last=shape.last)
 
     period = checkpoint_mode(config.parallel.activation_checkpoint).period
-    return StageFacts(tp_local_numel(part), max(blocks, default=0), len(blocks),
-                      measure_in_depth(run, shape.layers, period))
+    return StageFacts(
+        tp_local_numel(part), max(blocks, default=0), len(blocks), measure_in_depth(run, shape.layers, period)
+    )
 
 
-def micro_batch_data(config: Config, shape: StageShape, hidden: torch.Tensor | None, micro_batch: int,
-                     cp: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def micro_batch_data(
+    config: Config, shape: StageShape, hidden: torch.Tensor | None, micro_batch: int, cp: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, target) of one micro-batch on meta, this cp rank's share of the sequence: tokens or the
     received hidden state in; labels (last stage) or the gradient received for the output."""
     tokens = torch.zeros(micro_batch, config.training.seq_len // cp, dtype=torch.long, device="meta")
@@ -298,8 +330,9 @@ def micro_batch_data(config: Config, shape: StageShape, hidden: torch.Tensor | N
     return inputs, tokens if shape.last else torch.empty_like(hidden)
 
 
-def gathered_and_reduce_bytes(facts: list[StageFacts], pipelined: bool, mode: str,
-                              dtype: torch.dtype) -> tuple[int, int]:
+def gathered_and_reduce_bytes(
+    facts: list[StageFacts], pipelined: bool, mode: str, dtype: torch.dtype
+) -> tuple[int, int]:
     """(FSDP's gathered parameters in the compute dtype, one block's fp32 reduce-scatter input).
     zero3 without pipelining: two blocks (the one in use and the prefetched one) plus the root, which
     is never resharded after forward; otherwise the whole of the rank's stages (see the module doc)."""
@@ -330,14 +363,19 @@ def schedule_of(pipeline: Pipeline) -> Schedule:
     return Schedule(pipeline.schedule.pipeline_order, in_flight)
 
 
-def with_receives(memory: dict[int, MicroBatchMemory], last_index: int, hidden_bytes: int) -> dict[int, MicroBatchMemory]:
+def with_receives(
+    memory: dict[int, MicroBatchMemory], last_index: int, hidden_bytes: int
+) -> dict[int, MicroBatchMemory]:
     """One micro-batch per stage with its receive buffers, when they live only while it is in flight:
     the activation's (all but the first stage) from its forward to its backward, the gradient's (all
     but the last) during its backward. The measurement made both before it started."""
+
     def one(index: int, m: MicroBatchMemory) -> MicroBatchMemory:
         activation, gradient = hidden_bytes * (index > 0), hidden_bytes * (index < last_index)
-        return dataclasses.replace(m, held=m.held + activation, forward_peak=m.forward_peak + activation,
-                                   peak=m.peak + activation + gradient)
+        return dataclasses.replace(
+            m, held=m.held + activation, forward_peak=m.forward_peak + activation, peak=m.peak + activation + gradient
+        )
+
     return {index: one(index, m) for index, m in memory.items()}
 
 
@@ -376,4 +414,6 @@ def _compute_actions(actions: list):
 def receive_bytes(plan: StagePlan, pp_rank: int, microbatches: int, hidden_bytes: int) -> int:
     """The schedule's receive buffers: per micro-batch, the activation in (all but the first stage)
     and the gradient in (all but the last), each the local shard of one micro-batch's hidden state."""
-    return sum(microbatches * hidden_bytes * ((index > 0) + (index < plan.last_index)) for index in plan.indices(pp_rank))
+    return sum(
+        microbatches * hidden_bytes * ((index > 0) + (index < plan.last_index)) for index in plan.indices(pp_rank)
+    )

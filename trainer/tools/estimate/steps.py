@@ -22,6 +22,7 @@ recv_object_list reads an uninitialized length and tries to allocate it (139 TB 
 With pp > 1 the run goes as far as the schedule's first step (stages split, parallelized and
 initialized, PipelineStages and the schedule built, the optimizer made) and says so.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,16 +35,18 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from trillion.trainer.tools.estimate.rank import fake_world, quiet, target_dtype
 from trillion.parallel.modes import checkpoint_mode
 from trillion.parallel.pipeline import Pipeline
 from trillion.trainer.assemble import build_model_args
 from trillion.trainer.config.schema import Config
 from trillion.trainer.data.tokenizer import ByteTokenizer
+from trillion.trainer.tools.estimate.rank import fake_world, quiet, target_dtype
 
-SCHEDULE_ON_FAKE = ("the pipeline schedule cannot step on the fake backend: torch.distributed.pipelining exchanges a "
-                    "vote and the stages' tensor metadata by point-to-point receives before the first micro-batch, "
-                    "and fake receives return nothing (the metadata's length reads as garbage)")
+SCHEDULE_ON_FAKE = (
+    "the pipeline schedule cannot step on the fake backend: torch.distributed.pipelining exchanges a "
+    "vote and the stages' tensor metadata by point-to-point receives before the first micro-batch, "
+    "and fake receives return nothing (the metadata's length reads as garbage)"
+)
 
 
 class _ScheduleNotRun(Exception):
@@ -74,21 +77,35 @@ def tiny_config(config: Config, dims, steps: int, output_dir: str) -> Config:
     period = checkpoint_mode(config.parallel.activation_checkpoint).period
     layers = args.n_layers if dims.pp > 1 else min(args.n_layers, 2 * period)
     r = dataclasses.replace
-    return r(config,
-             job=r(config.job, output_dir=output_dir, device="cpu"),
-             model=r(config.model, n_layers=layers, dim=dim, ffn_dim=4 * dim,
-                     vocab_size=math.ceil(ByteTokenizer.vocab_size / dims.tp) * dims.tp),
-             data=r(config.data, path="", name=""),
-             tokenizer=r(config.tokenizer, kind="byte", path=""),
-             training=r(config.training, steps=steps, seq_len=4 * dims.tp, micro_batch_size=1, exit_interval=0,
-                        global_batch_size=microbatches * dims.dp_size, exit_after_minutes=0.0,
-                        dtype="bf16" if config.training.dtype == "fp16" else config.training.dtype),
-             checkpoint=r(config.checkpoint, interval=0, save_final=False),
-             eval=r(config.eval, interval=0),  # the training step is measured; a fake pipeline could not evaluate either
-             compile=r(config.compile, enabled=False),
-             logging=r(config.logging, wandb=False, tensorboard=False, progress_bar="lines"),
-             metrics=r(config.metrics, log_freq=1),
-             profiling=r(config.profiling, enabled=False))
+    return r(
+        config,
+        job=r(config.job, output_dir=output_dir, device="cpu"),
+        model=r(
+            config.model,
+            n_layers=layers,
+            dim=dim,
+            ffn_dim=4 * dim,
+            vocab_size=math.ceil(ByteTokenizer.vocab_size / dims.tp) * dims.tp,
+        ),
+        data=r(config.data, path="", name=""),
+        tokenizer=r(config.tokenizer, kind="byte", path=""),
+        training=r(
+            config.training,
+            steps=steps,
+            seq_len=4 * dims.tp,
+            micro_batch_size=1,
+            exit_interval=0,
+            global_batch_size=microbatches * dims.dp_size,
+            exit_after_minutes=0.0,
+            dtype="bf16" if config.training.dtype == "fp16" else config.training.dtype,
+        ),
+        checkpoint=r(config.checkpoint, interval=0, save_final=False),
+        eval=r(config.eval, interval=0),  # the training step is measured; a fake pipeline could not evaluate either
+        compile=r(config.compile, enabled=False),
+        logging=r(config.logging, wandb=False, tensorboard=False, progress_bar="lines"),
+        metrics=r(config.metrics, log_freq=1),
+        profiling=r(config.profiling, enabled=False),
+    )
 
 
 def run_steps(config: Config, world_size: int, steps: int, ranks: list[int]) -> tuple[list[StepsRun], str]:
@@ -103,8 +120,13 @@ def run_steps(config: Config, world_size: int, steps: int, ranks: list[int]) -> 
         tiny = tiny_config(config, dims, steps, folder)
         for rank in ranks:
             start, stopped, failed, record = time.perf_counter(), None, None, {}
-            with (fake_world(rank, dims.world_size), _launched_as(rank, dims.world_size), _every_group_fake(),
-                  _no_schedule_step(), quiet()):
+            with (
+                fake_world(rank, dims.world_size),
+                _launched_as(rank, dims.world_size),
+                _every_group_fake(),
+                _no_schedule_step(),
+                quiet(),
+            ):
                 try:
                     record = train(tiny)
                 except _ScheduleNotRun:
@@ -114,19 +136,28 @@ def run_steps(config: Config, world_size: int, steps: int, ranks: list[int]) -> 
             runs.append(StepsRun(rank, record.get("step", 0), time.perf_counter() - start, stopped, failed, record))
     args = model_args_for(tiny)
     t = tiny.training
-    model = (f"a tiny {config.model.name} ({args.n_layers} layers, {args.n_heads} heads of {args.head_dim}, vocabulary "
-             f"{args.vocab_size}), {t.global_batch_size // dims.dp_size} micro-batches of {t.seq_len} tokens per "
-             f"pipeline, {str(target_dtype(tiny)).removeprefix('torch.')}")
+    model = (
+        f"a tiny {config.model.name} ({args.n_layers} layers, {args.n_heads} heads of {args.head_dim}, vocabulary "
+        f"{args.vocab_size}), {t.global_batch_size // dims.dp_size} micro-batches of {t.seq_len} tokens per "
+        f"pipeline, {str(target_dtype(tiny)).removeprefix('torch.')}"
+    )
     return runs, model
 
 
 def summary(runs: list[StepsRun], model: str) -> list[str]:
     """What the runs showed, a line each, for people."""
-    lines = [f"steps: trainer/train.py's loop with {model}, on the fake backend (values are meaningless there: "
-             "collectives move no data)"]
+    lines = [
+        f"steps: trainer/train.py's loop with {model}, on the fake backend (values are meaningless there: "
+        "collectives move no data)"
+    ]
     for run in runs:
-        outcome = (f"failed: {run.failed}" if run.failed else f"stopped before its first step: {run.stopped}"
-                   if run.stopped else f"ran {run.steps} step(s)")
+        outcome = (
+            f"failed: {run.failed}"
+            if run.failed
+            else f"stopped before its first step: {run.stopped}"
+            if run.stopped
+            else f"ran {run.steps} step(s)"
+        )
         lines.append(f"steps: as rank {run.rank}: {outcome} ({run.seconds:.1f} s)")
     return lines
 
@@ -163,6 +194,7 @@ def _every_group_fake():
 @contextlib.contextmanager
 def _no_schedule_step():
     """Pipeline.step raises _ScheduleNotRun instead of starting a schedule the fake backend cannot run."""
+
     def refuse(self, micro_batches, tokens):
         raise _ScheduleNotRun()
 
