@@ -10,7 +10,10 @@ gradients over ranks changes nothing: it is the mean over every target token of 
 not a mean of per-micro-batch means.
 """
 
+from typing import Protocol
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -31,6 +34,18 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor 
 def target_tokens(micro_batches) -> torch.Tensor:
     """The target tokens of this rank's micro-batches (labels not IGNORE_INDEX)."""
     return sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches)
+
+
+class Runner(Protocol):
+    """What the training step needs of a way to run the micro-batches: the module holding this rank's
+    parameters (to clip and to optimize), the process group its gradient norm spans beyond the sharded
+    layout (the pipeline ranks; None without a pipeline), and the forward and backward of one step
+    returning this rank's summed loss. MicroBatchLoop and pipeline.Pipeline are the two."""
+
+    model: nn.Module
+    clip_group: dist.ProcessGroup | None
+
+    def forward_backward(self, micro_batches, tokens: torch.Tensor, autocast, scaler) -> torch.Tensor: ...
 
 
 class MicroBatchLoop:

@@ -11,8 +11,9 @@ from torch import nn
 
 from trillion.errors import ConfigError
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
-from trillion.models import ModelArgs, get_preset
+from trillion.models import ModelArgs, Transformer, get_preset
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
 from trillion.trainer.config.schema import Config, Training, divisor_near, validate_config
@@ -124,6 +125,29 @@ def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -
     )
     dims.build_mesh(env.device.type)
     return dims
+
+
+def build_runner(
+    config: Config,
+    dims: ParallelDims,
+    model_args: ModelArgs,
+    n_microbatches: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[Runner, Pipeline | None]:
+    """(runner, its Pipeline or None): the model built on meta, parallelized (split into this rank's
+    stages with pp > 1), then materialized on `device` with the seed's weights (the same values
+    whatever the layout)."""
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    parts, pipeline = build_model(config, dims, model, n_microbatches, device, dtype)
+    for part in parts:
+        part.to_empty(device=device)
+        part.init_weights(config.job.seed)
+    if pipeline is not None:
+        pipeline.build()
+        return pipeline, pipeline
+    return MicroBatchLoop(parts[0], dims.tp_enabled, config.parallel.dp_shard_mode), None
 
 
 def layout_fn(config: Config, dims: ParallelDims, dtype: torch.dtype, *, compile: bool | None = None):

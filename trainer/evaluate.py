@@ -178,18 +178,27 @@ class BestEval:
         return {"best_eval_loss": self.best["eval_loss"], "best_eval_step": self.best["step"]}
 
 
-def build_evaluator(config, tokenizer, dims, micro_batch_size: int, device: torch.device) -> Evaluator | None:
+def build_evaluator(
+    cfg: EvalConfig,
+    data: DataConfig,
+    tokenizer,
+    dims,
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    device: torch.device,
+) -> Evaluator | None:
     """The run's evaluator, or None when eval.interval is 0."""
-    cfg, t = config.eval, config.training
     if not cfg.interval:
         return None
-    batch_size = eval_batch_size(cfg, t.global_batch_size, dims.dp_size, micro_batch_size, dims.pp)
-    windows = read_eval_windows(cfg, config.data, tokenizer, t.seq_len, batch_size)
+    batch_size = eval_batch_size(cfg, global_batch_size, dims.dp_size, micro_batch_size, dims.pp)
+    windows = read_eval_windows(cfg, data, tokenizer, seq_len, batch_size)
     source = cfg.path or cfg.name or f"eval.held_out={cfg.held_out:g} of the documents"
     batches = len(windows) // batch_size
     if batches == 0:
         message = (
-            f"{source} holds less than one evaluation batch ({batch_size} windows of {t.seq_len + 1} tokens)"
+            f"{source} holds less than one evaluation batch ({batch_size} windows of {seq_len + 1} tokens)"
             f"; {'raise --eval.held_out' if not (cfg.path or cfg.name) else 'give a larger set'} or lower "
             "--eval.batch_size"
         )
@@ -199,5 +208,5 @@ def build_evaluator(config, tokenizer, dims, micro_batch_size: int, device: torc
         return None
     if batches < cfg.steps:
         log.info("the evaluation set holds %d of the eval.steps=%d batches: evaluating on those", batches, cfg.steps)
-    log.info("evaluation every %d steps on %d windows of %d tokens (%s)", cfg.interval, len(windows), t.seq_len, source)
+    log.info("evaluation every %d steps on %d windows of %d tokens (%s)", cfg.interval, len(windows), seq_len, source)
     return Evaluator(windows, batch_size, micro_batch_size, dims.dp_rank, dims.dp_size, device, cfg.interval)

@@ -14,6 +14,7 @@ from trillion.models import ModelArgs
 from trillion.parallel.modes import schedule, stages_per_rank
 from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import pipeline_ranks, states_bytes
+from trillion.trainer.config.schema import Parallel as ParallelConfig
 
 
 def states_per_rank(model_args: ModelArgs, parallel, dims, micro_batch_size: int) -> tuple[float, float, float]:
@@ -54,20 +55,29 @@ def memory_available(device: torch.device, local_processes: int) -> tuple[float,
     )
 
 
-def check_memory(config, model_args: ModelArgs, dims, env, micro_batch_size: int) -> None:
-    parameters, gradients, optimizer = states_per_rank(model_args, config.parallel, dims, micro_batch_size)
+def check_memory(
+    p: ParallelConfig,
+    model_args: ModelArgs,
+    dims,
+    env,
+    micro_batch_size: int,
+    *,
+    model_name: str,
+    global_batch_size: int,
+) -> None:
+    """Refuse a layout whose weights, gradients and optimizer states alone overflow a rank's memory."""
+    parameters, gradients, optimizer = states_per_rank(model_args, p, dims, micro_batch_size)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)) if env.device.type == "cpu" else 1
     available, where = memory_available(env.device, max(1, local))
     needed = parameters + gradients + optimizer
     if needed <= available:
         return
-    p = config.parallel
     raise ConfigError(
-        f"model {config.model.name!r} does not fit this layout: its fullest rank would hold {parameters / 1e9:.1f} GB of "
+        f"model {model_name!r} does not fit this layout: its fullest rank would hold {parameters / 1e9:.1f} GB of "
         f"parameters, {gradients / 1e9:.1f} GB of gradients and {optimizer / 1e9:.1f} GB of optimizer states "
         f"({needed / 1e9:.1f} GB before any activation), but a rank has {available / 1e9:.1f} GB ({where}) at "
         f"parallel.tp={dims.tp} pp={dims.pp} dp_shard={dims.dp_shard} ({p.dp_shard_mode}) on {env.world_size} "
         f"process(es). Shard it over more devices, or find a layout that fits with `trillion plan --model "
-        f"{config.model.name} --hardware HARDWARE --gpus N --global-batch {config.training.global_batch_size}` "
+        f"{model_name} --hardware HARDWARE --gpus N --global-batch {global_batch_size}` "
         f"(HARDWARE: frontier, dgx-a100, dgx-h100, dgx-h200, mi300x), or pick a smaller --model.name."
     )

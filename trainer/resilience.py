@@ -77,8 +77,8 @@ class NonFiniteGuard:
         if self.max_consecutive > 0 and run >= self.max_consecutive:
             raise TrainingDiverged(
                 f"Training diverged: {run} steps in a row up to step {step} had a non-finite {self.last_reason} "
-                f"(training.max_nonfinite_skips={self.max_consecutive}). Resume from an earlier checkpoint with a lower "
-                f"--optimizer.lr, a tighter --training.max_grad_norm or --training.dtype=bf16/fp32; raise "
+                f"(training.max_nonfinite_skips={self.max_consecutive}). Resume from an earlier checkpoint with a "
+                f"lower --optimizer.lr, a tighter --training.max_grad_norm or --training.dtype=bf16/fp32; raise "
                 f"training.max_nonfinite_skips (0 = never stop) only if the spikes are known to pass."
             )
 

@@ -1,38 +1,43 @@
-"""`trillion train`: config -> launch env -> data -> model -> optimizer -> steps -> metrics, checkpoints."""
+"""`trillion train`: `set_up` builds a Run (config -> launch env -> data -> model -> optimizer ->
+checkpoints and metrics, in shared/DESIGN.md's order, every check before any work); `train_loop`
+steps it; `train` is both."""
 
 import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from trillion.errors import RunAborted
-from trillion.models import Transformer
 from trillion.models.flops import count_params, hardware_flops_per_token, model_flops_per_token
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.context_parallel import shard_batch
 from trillion.parallel.dims import ParallelDims
-from trillion.parallel.forward_backward import MicroBatchLoop, target_tokens
+from trillion.parallel.forward_backward import Runner, target_tokens
 from trillion.parallel.modes import recompute_fraction, stages_recompute_fraction
-from trillion.parallel.pipeline import bubble_fraction
+from trillion.parallel.pipeline import Pipeline, bubble_fraction
 from trillion.parallel.tensor_parallel import reduce_partial_grads
 from trillion.trainer.assemble import (
     batch_split,
-    build_model,
     build_model_args,
     build_parallel_dims,
+    build_runner,
     compute_dtype,
     validate_training,
 )
-from trillion.trainer.checkpoint.manager import CheckpointManager
-from trillion.trainer.config.schema import Config, to_toml
-from trillion.trainer.data.loader import build_data_loader, held_out_fraction
-from trillion.trainer.data.tokenizer import build_tokenizer
-from trillion.trainer.evaluate import build_evaluator
-from trillion.trainer.launch.env import check_same_config, init_launch_env
-from trillion.trainer.metrics.meters import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
+from trillion.trainer.checkpoint import CheckpointManager
+from trillion.trainer.checkpoint.manager import RunRecord
+from trillion.trainer.checkpoint.state import RunStates
+from trillion.trainer.config import Config, to_toml
+from trillion.trainer.config.schema import Training
+from trillion.trainer.data import build_data_loader, build_tokenizer, held_out_fraction
+from trillion.trainer.evaluate import Evaluator, build_evaluator
+from trillion.trainer.launch import LaunchEnv, check_same_config, init_launch_env
+from trillion.trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
+from trillion.trainer.metrics.meters import StepLog
 from trillion.trainer.metrics.pipeline_timeline import PipelineTimeline
 from trillion.trainer.metrics.profiling import PhaseTimer, StepProfiler
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
@@ -43,7 +48,7 @@ log = logging.getLogger("trillion")
 
 
 def train_step(
-    runner,
+    runner: Runner,
     micro_batches,
     optimizer,
     scaler,
@@ -52,16 +57,16 @@ def train_step(
     dims: ParallelDims | None = None,
     guard: NonFiniteGuard | None = None,
     timer: PhaseTimer | None = None,
+    *,
+    clip=clip_grad_norm_,
 ):
     """One optimizer step: count tokens -> forward/backward -> reduce -> clip -> guard -> optimizer step.
 
     `runner` runs the micro-batches' forwards and backwards with the one loss, the mean over every
-    target token of the global batch: parallel.forward_backward.MicroBatchLoop (gradient
-    accumulation) or parallel.pipeline.Pipeline (its schedule). Its `model` holds the parameters to
-    clip, and the norm spans its `clip_group` (the pipeline ranks) beyond the exact global one of
-    the sharded layout. Under context parallelism each rank takes its share of every sequence first;
-    token count and reported loss are summed over the ranks holding other tokens (data-parallel x cp,
-    `dims`; FSDP sums the gradients)."""
+    target token of the global batch (parallel.forward_backward.Runner). The gradient norm spans its
+    `clip_group` (the pipeline ranks) beyond the exact global one of the sharded layout. Under context
+    parallelism each rank takes its share of every sequence first; token count and reported loss are
+    summed over the ranks holding other tokens (data-parallel x cp, `dims`; FSDP sums the gradients)."""
     dims = dims or ParallelDims(world_size=1)
     micro_batches = shard_batch(micro_batches, dims.cp_mesh)  # this cp rank's share of every sequence
     tokens = dims.all_reduce_dp(target_tokens(micro_batches))
@@ -70,7 +75,7 @@ def train_step(
     if timer is not None:
         timer.mark("forward_backward")
     scaler.unscale_(optimizer)
-    grad_norm = clip_grad_norm_(runner.model.parameters(), max_grad_norm, runner.clip_group)
+    grad_norm = clip(runner.model.parameters(), max_grad_norm, runner.clip_group)
     if guard is None or guard.allows_update(loss_sum, grad_norm, scaler):
         scaler.step(optimizer)
     scaler.update()
@@ -80,18 +85,251 @@ def train_step(
     return loss_sum, grad_norm
 
 
-def train(config: Config) -> dict:
+@dataclasses.dataclass
+class RunHooks:
+    """The documented seam for changing what a step does without patching this module: `step` runs one
+    optimizer step (train_step's signature), `clip` clips the gradients (clip_grad_norm_'s). The
+    fault-injection tests wrap them to crash, stall or signal in the middle of a step, or to make a
+    gradient norm non-finite; the defaults are the real thing."""
+
+    step: Callable = train_step
+    clip: Callable = clip_grad_norm_
+
+
+@dataclasses.dataclass
+class Run:
+    """A run set up and ready to step: everything the loop reads, each built once by `set_up`."""
+
+    env: LaunchEnv
+    dims: ParallelDims
+    training: Training
+    loader: object
+    first_batch: list
+    evaluator: Evaluator | None
+    runner: Runner
+    pipeline: Pipeline | None
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    scaler: torch.amp.GradScaler
+    autocast: object
+    counters: RunCounters
+    checkpointer: CheckpointManager
+    guard: NonFiniteGuard
+    stop: StopPolicy
+    meter: ThroughputMeter
+    log: StepLog
+    profiler: StepProfiler
+    timeline: PipelineTimeline | None
+    hooks: RunHooks
+
+    def close(self) -> None:
+        self.stop.close()
+        self.profiler.close()
+        self.checkpointer.close()
+        self.log.close()
+
+
+@dataclasses.dataclass
+class StepDone:
+    """One step's outputs as the loop reads them: loss and norm stay on the device until logged."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    tokens_per_device: float
+    start: float  # perf_counter when the step's compute began
+    data_seconds: float
+    timer: PhaseTimer
+
+
+def train(config: Config, *, hooks: RunHooks | None = None) -> dict:
     """Run the configured training; returns the last logged metrics record."""
+    run = set_up(config, hooks or RunHooks())
+    try:
+        return train_loop(run)
+    except RuntimeError as error:  # torch.distributed.DistError included
+        if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
+            raise
+        raise RunAborted(
+            f"Rank {run.env.rank} of {run.env.world_size}: a collective did not complete within "
+            f"job.collective_timeout_s={config.job.collective_timeout_s:g} s in step {run.counters.step + 1}; another "
+            "rank is stuck or has died (its own log says why). The newest complete checkpoint is intact, and the same "
+            "command resumes from it."
+        ) from None
+    finally:
+        run.close()
+
+
+def train_loop(run: Run) -> dict:
+    """The steps from where the run stands to where this job stops; returns the last logged record."""
+    record, checkpoint_seconds = {}, 0.0
+    if run.evaluator is not None and run.counters.step == 0:  # as nanoGPT at iteration 0: the untrained model
+        run.log.write({"step": 0, **evaluate(run, 0), "time": time.time()})
+    for step in range(run.counters.step + 1, run.training.steps + 1):
+        done = one_step(run, step)
+        last = run.stop.should_stop(step)
+        evaluated = run.evaluator is not None and run.evaluator.due(step, last)
+        logged = run.log.should_log(step, last, evaluated)
+        values = (done.loss.item(), done.grad_norm.item()) if logged else None  # the only host syncs of a step
+        run.meter.add(done.tokens_per_device, time.perf_counter() - done.start, done.data_seconds)
+        evaluation = evaluate(run, step) if evaluated else {}
+        if logged:
+            record = step_record(run, step, done, values, evaluation, checkpoint_seconds)
+            run.log.write(record)
+            checkpoint_seconds = 0.0
+        else:
+            run.log.tick(step)
+        checkpoint_seconds += run.checkpointer.maybe_save(step, last=last, stopping_early=bool(run.stop.reason))
+        if last:
+            if run.stop.reason:
+                log.info("%s: checkpoint saved, exiting; the same command continues the run", run.stop.reason)
+            break
+    return record
+
+
+def one_step(run: Run, step: int) -> StepDone:
+    """Read the step's batch, run it, advance the counters and the LR schedule."""
+    data_start = time.perf_counter()
+    timer = PhaseTimer(run.env.device, sync=run.log.planned(step))
+    batch = run.first_batch if step == run.log.first_step else run.loader.next_batch()
+    device = run.env.device
+    micro_batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batch]
+    timer.mark("data")
+    start = time.perf_counter()
+    recording = run.timeline.recording(step) if run.timeline else contextlib.nullcontext()
+    with run.profiler.snapshot_on_oom(), recording:
+        t = run.training
+        loss, grad_norm = run.hooks.step(
+            run.runner,
+            micro_batches,
+            run.optimizer,
+            run.scaler,
+            run.autocast,
+            t.max_grad_norm,
+            run.dims,
+            run.guard,
+            timer,
+            clip=run.hooks.clip,
+        )
+    run.profiler.step(step)
+    run.guard.check(step)
+    run.counters.step, run.counters.tokens = step, run.counters.tokens + t.global_batch_size * t.seq_len
+    lr = run.scheduler.get_last_lr()[0]
+    run.scheduler.step()
+    tokens_per_device = sum(x.numel() for x, _ in batch) * run.dims.dp_size / run.env.world_size
+    return StepDone(loss, grad_norm, lr, tokens_per_device, start, start - data_start, timer)
+
+
+def evaluate(run: Run, step: int) -> dict:
+    return run.evaluator.run(step, run.runner.model, run.dims, run.autocast, run.pipeline)
+
+
+def step_record(run: Run, step: int, done: StepDone, values, evaluation: dict, checkpoint_seconds: float) -> dict:
+    """The metrics.jsonl record of a logged step."""
+    loss, grad_norm = values
+    return {
+        "step": step,
+        "loss": loss,
+        "grad_norm": grad_norm,
+        "lr": done.lr,
+        **run.meter.report(),
+        "memory_gb": peak_memory_gb(run.env.device),
+        "time": time.time(),
+        "skipped_steps": run.counters.skipped_steps,
+        **{f"time_{phase}_s": seconds for phase, seconds in done.timer.seconds.items()},
+        "time_checkpoint_s": checkpoint_seconds,
+        **evaluation,
+    }
+
+
+def set_up(config: Config, hooks: RunHooks) -> Run:
+    """Launch env, layout and data first (a bad setting or an unreadable dataset fails before any model
+    work), then the model, optimizer and checkpoints (resuming if the run has one), then the meters."""
     job_start = time.monotonic()  # training.exit_after_minutes counts set-up and loading too
     env = init_launch_env(config.job.device, config.job.collective_timeout_s)
     check_same_config(config)
     validate_training(config, env)
+    t = config.training
     tokenizer = build_tokenizer(config.tokenizer)
     model_args = build_model_args(config, tokenizer.vocab_size)
-    t = config.training
     dims = build_parallel_dims(config, env, model_args)
     micro_batch_size, n_microbatches = batch_split(t, dims.dp_size)
-    check_memory(config, model_args, dims, env, micro_batch_size)  # before any allocation or file
+    check_memory(
+        config.parallel,
+        model_args,
+        dims,
+        env,
+        micro_batch_size,
+        model_name=config.model.name,
+        global_batch_size=t.global_batch_size,
+    )  # before any allocation or file
+    loader, first_batch, evaluator = read_data(config, tokenizer, dims, micro_batch_size, env.device)
+    output_dir = Path(config.job.output_dir)
+    if env.is_logging_rank:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.toml").write_text(to_toml(config))
+    dtype = compute_dtype(t.dtype, env.device.type)
+    runner, pipeline, optimizer, scheduler, counters, checkpointer = build_training(
+        config, env, model_args, dims, n_microbatches, loader, dtype
+    )
+    if counters.step > 0:  # the data position moved on: the batch read up front is not the next one
+        first_batch = loader.next_batch()
+    autocast = torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    return Run(
+        env,
+        dims,
+        t,
+        loader,
+        first_batch,
+        evaluator,
+        runner,
+        pipeline,
+        optimizer,
+        scheduler,
+        torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16),
+        autocast,
+        counters,
+        checkpointer,
+        NonFiniteGuard(t.max_nonfinite_skips, counters),
+        StopPolicy(t, counters.step, env.device, job_start),
+        *observers(config, env, model_args, pipeline, counters, evaluator, dtype, n_microbatches),
+        hooks,
+    )
+
+
+def build_training(config: Config, env: LaunchEnv, model_args, dims: ParallelDims, n_microbatches: int, loader, dtype):
+    """(runner, pipeline, optimizer, LR schedule, counters, checkpointer): the model materialized and
+    parallelized, its optimizer, and the run's newest checkpoint loaded into them if it has one."""
+    runner, pipeline = build_runner(config, dims, model_args, n_microbatches, env.device, dtype)
+    torch.manual_seed(config.job.seed)
+    optimizer = build_optimizer(runner.model, config.optimizer, env.device.type)
+    scheduler = build_lr_scheduler(optimizer, config.lr_schedule, config.training.steps)
+    counters = RunCounters()
+    states = RunStates(
+        [runner.model], [optimizer], scheduler, loader, counters, env.device, model_args, pipeline is None
+    )
+    checkpointer = CheckpointManager(
+        Path(config.job.output_dir),
+        config.checkpoint,
+        states,
+        RunRecord(to_toml(config), config.data),
+        is_rank0=env.is_logging_rank,
+    )
+    checkpointer.resume()
+    if counters.step >= config.training.steps:
+        log.info(
+            "%s already holds a run finished at step %d (training.steps=%d): nothing to train. Raise "
+            "--training.steps to continue it, or give a new --job.output_dir for a fresh run.",
+            config.job.output_dir,
+            counters.step,
+            config.training.steps,
+        )
+    return runner, pipeline, optimizer, scheduler, counters, checkpointer
+
+
+def read_data(config: Config, tokenizer, dims: ParallelDims, micro_batch_size: int, device: torch.device):
+    """(loader, first batch, evaluator): an empty or unreadable dataset, or evaluation set, fails here."""
+    t = config.training
     if micro_batch_size < t.micro_batch_size:
         log.info(
             "training.micro_batch_size=%d is more than the %d sequences of each of the %d data-parallel ranks; "
@@ -113,60 +351,22 @@ def train(config: Config) -> dict:
         dp_size=dims.dp_size,
     )
     first_batch = loader.next_batch()  # an empty or unreadable dataset fails here, before any model work
-    evaluator = build_evaluator(config, tokenizer, dims, micro_batch_size, env.device)  # and its evaluation set
+    evaluator = build_evaluator(
+        config.eval,
+        config.data,
+        tokenizer,
+        dims,
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=micro_batch_size,
+        device=device,
+    )  # and its evaluation set
+    return loader, first_batch, evaluator
 
-    output_dir = Path(config.job.output_dir)
-    if env.is_logging_rank:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.toml").write_text(to_toml(config))
 
-    dtype = compute_dtype(t.dtype, env.device.type)
-    with torch.device("meta"):
-        model = Transformer(model_args)
-    parts, pipeline = build_model(config, dims, model, n_microbatches, env.device, dtype)
-    for part in parts:
-        part.to_empty(device=env.device)
-        part.init_weights(config.job.seed)
-    if pipeline is not None:
-        pipeline.build()
-    runner = (
-        pipeline if pipeline is not None else MicroBatchLoop(parts[0], dims.tp_enabled, config.parallel.dp_shard_mode)
-    )
-    model = runner.model
-    torch.manual_seed(config.job.seed)
-
-    autocast = torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
-    scaler = torch.amp.GradScaler(env.device.type, enabled=dtype == torch.float16)
-    optimizer = build_optimizer(model, config.optimizer, env.device.type)
-    scheduler = build_lr_scheduler(optimizer, config.lr_schedule, t.steps)
-    counters = RunCounters()
-    checkpointer = CheckpointManager(
-        output_dir,
-        config.checkpoint,
-        model_parts=[model],
-        optimizers=[optimizer],
-        scheduler=scheduler,
-        loader=loader,
-        counters=counters,
-        config=config,
-        model_args=model_args,
-        device=env.device,
-        is_rank0=env.is_logging_rank,
-        whole_model=pipeline is None,
-    )
-    if checkpointer.resume():  # the data position moved on: the batch read up front is not the next one
-        first_batch = loader.next_batch()
-    if counters.step >= t.steps:
-        log.info(
-            "%s already holds a run finished at step %d (training.steps=%d): nothing to train. Raise "
-            "--training.steps to continue it, or give a new --job.output_dir for a fresh run.",
-            output_dir,
-            counters.step,
-            t.steps,
-        )
-    guard, stop = NonFiniteGuard(t.max_nonfinite_skips, counters), StopPolicy(t, counters.step, env.device, job_start)
-
-    params = count_params(model_args)
+def observers(config: Config, env: LaunchEnv, model_args, pipeline, counters, evaluator, dtype, n_microbatches):
+    """(throughput meter, step log, profiler, pipeline timeline) of a run about to continue from `counters.step`."""
+    t, output_dir = config.training, Path(config.job.output_dir)
     mode = config.parallel.activation_checkpoint  # each pipeline stage checkpoints its own blocks
     recompute = (
         recompute_fraction(mode, model_args.n_layers)
@@ -178,6 +378,7 @@ def train(config: Config) -> dict:
         hardware_flops_per_token(model_args, t.seq_len, recompute),
         device_peak_flops(env.device, config.metrics.peak_tflops),
     )
+    params = count_params(model_args)
     log.info(
         "model %s: %.1fM parameters (%.1fM without embeddings), %s on %s, %d micro-batches per step",
         config.model.name,
@@ -187,12 +388,16 @@ def train(config: Config) -> dict:
         env.device,
         n_microbatches,
     )
+    resumed = counters.step > 0
     sink = (
-        MetricsSink(output_dir, config.logging, {"config": dataclasses.asdict(config)}, resume=counters.step > 0)
+        MetricsSink(output_dir, config.logging, {"config": dataclasses.asdict(config)}, resume=resumed)
         if env.is_logging_rank
         else None
     )
     progress = Progress(t.steps, counters.step, config.logging.progress_bar) if env.is_logging_rank else None
+    if evaluator is not None and env.is_logging_rank:
+        evaluator.keep_best(output_dir, counters.step)
+    step_log = StepLog(config.metrics.log_freq, counters.step + 1, t.steps, sink, progress)
     profiler = StepProfiler(config.profiling, output_dir, env.rank, env.device)
     timeline = (
         PipelineTimeline(
@@ -206,89 +411,4 @@ def train(config: Config) -> dict:
         if pipeline is not None and config.profiling.enabled
         else None
     )
-
-    record, first_step, checkpoint_seconds = {}, counters.step + 1, 0.0
-    batch = first_batch
-    if evaluator is not None and env.is_logging_rank:
-        evaluator.keep_best(output_dir, counters.step)
-    if evaluator is not None and counters.step == 0:  # as nanoGPT at iteration 0: the untrained model's eval loss
-        evaluation = {"step": 0, **evaluator.run(0, model, dims, autocast, pipeline), "time": time.time()}
-        if sink is not None:
-            sink.write(evaluation)
-            progress.update(0, evaluation)
-    try:
-        for step in range(first_step, t.steps + 1):
-            data_start = time.perf_counter()
-            timer = PhaseTimer(env.device, sync=step % config.metrics.log_freq == 0 or step in (first_step, t.steps))
-            batch = batch if step == first_step else loader.next_batch()
-            micro_batches = [
-                (x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)) for x, y in batch
-            ]
-            timer.mark("data")
-            step_start = time.perf_counter()
-            with profiler.snapshot_on_oom(), timeline.recording(step) if timeline else contextlib.nullcontext():
-                loss, grad_norm = train_step(
-                    runner, micro_batches, optimizer, scaler, autocast, t.max_grad_norm, dims, guard, timer
-                )
-            profiler.step(step)
-            guard.check(step)
-            counters.step, counters.tokens = step, counters.tokens + t.global_batch_size * t.seq_len
-            lr = scheduler.get_last_lr()[0]
-            scheduler.step()
-            last = stop.should_stop(step)
-            evaluate = evaluator is not None and evaluator.due(step, last)
-            if step % config.metrics.log_freq == 0 or step == first_step or last or evaluate:
-                loss_value, grad_value = loss.item(), grad_norm.item()  # host syncs beyond the guard's one
-            end = time.perf_counter()
-            tokens_per_device = sum(x.numel() for x, _ in batch) * dims.dp_size / env.world_size
-            meter.add(tokens_per_device, end - step_start, step_start - data_start)
-            evaluation = evaluator.run(step, model, dims, autocast, pipeline) if evaluate else {}
-            if step % config.metrics.log_freq == 0 or step == first_step or last or evaluate:
-                record = {
-                    "step": step,
-                    "loss": loss_value,
-                    "grad_norm": grad_value,
-                    "lr": lr,
-                    **meter.report(),
-                    "memory_gb": peak_memory_gb(env.device),
-                    "time": time.time(),
-                    "skipped_steps": counters.skipped_steps,
-                    **{f"time_{phase}_s": seconds for phase, seconds in timer.seconds.items()},
-                    "time_checkpoint_s": checkpoint_seconds,
-                    **evaluation,
-                }
-                checkpoint_seconds = 0.0
-                if sink is not None:
-                    sink.write(record)
-                    progress.update(step, record)
-            elif progress is not None:
-                progress.update(step, None)
-            periodic = config.checkpoint.interval > 0 and step % config.checkpoint.interval == 0
-            save_start = time.perf_counter()
-            if periodic or (last and (config.checkpoint.save_final or stop.reason)):
-                checkpointer.save(step, blocking=last)
-            else:
-                checkpointer.poll()
-            checkpoint_seconds += time.perf_counter() - save_start
-            if last:
-                if stop.reason:
-                    log.info("%s: checkpoint saved, exiting; the same command continues the run", stop.reason)
-                break
-    except RuntimeError as error:  # torch.distributed.DistError included
-        if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
-            raise
-        raise RunAborted(
-            f"Rank {env.rank} of {env.world_size}: a collective did not complete within "
-            f"job.collective_timeout_s={config.job.collective_timeout_s:g} s in step {step}; another rank "
-            "is stuck or has died (its own log says why). The newest complete checkpoint is intact, and "
-            "the same command resumes from it."
-        ) from None
-    finally:
-        stop.close()
-        profiler.close()
-        checkpointer.close()
-        if progress is not None:
-            progress.close()
-        if sink is not None:
-            sink.close()
-    return record
+    return meter, step_log, profiler, timeline

@@ -19,6 +19,7 @@ import shutil
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,17 +29,17 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trillion.errors import ConfigError, RunAborted
-from trillion.trainer.checkpoint.resume_check import check_resume_config, check_shapes, saved_config, trim_metrics
-from trillion.trainer.checkpoint.state import (
-    ModelParts,
-    Optimizers,
-    RNGStates,
-    TrainingState,
-    load_model_weights,
-    saved_model_shapes,
+from trillion.trainer.checkpoint.resume_check import (
+    check_resume_config,
+    check_shapes,
+    saved_config,
+    settings,
+    trim_metrics,
 )
+from trillion.trainer.checkpoint.state import RunStates, load_model_weights, saved_model_shapes
 from trillion.trainer.checkpoint.verify import ChecksummedWriter, newest_intact, write_manifest
 from trillion.trainer.config.schema import Checkpoint as CheckpointConfig
+from trillion.trainer.config.schema import Data as DataConfig
 from trillion.trainer.data import fingerprint as corpus_fingerprint
 
 log = logging.getLogger("trillion")
@@ -84,6 +85,15 @@ def remove_partial(root: Path) -> list[str]:
     return sorted(p.name for p in partial)
 
 
+@dataclass(frozen=True)
+class RunRecord:
+    """What a checkpoint keeps of the run beside its tensors, and a resume checks against: the resolved
+    config as config.toml holds it, and the data section whose corpus the fingerprint describes."""
+
+    config_toml: str
+    data: DataConfig
+
+
 class CheckpointManager:
     """Saves (sync or async), publishes, prunes and resumes one run's checkpoints.
 
@@ -91,36 +101,15 @@ class CheckpointManager:
     gloo group: it works beside NCCL, and an async save's background thread never interleaves
     with the training collectives on the default group."""
 
-    def __init__(
-        self,
-        output_dir: Path,
-        cfg: CheckpointConfig,
-        *,
-        model_parts,
-        optimizers,
-        scheduler,
-        loader,
-        counters,
-        config,
-        model_args,
-        device: torch.device,
-        is_rank0: bool,
-        whole_model: bool = True,
-    ):
-        self.whole_model = whole_model  # False on a pipeline rank: its stages hold a share of the names
+    def __init__(self, output_dir: Path, cfg: CheckpointConfig, run: RunStates, record: RunRecord, *, is_rank0: bool):
         self.root, self.output_dir, self.cfg, self.is_rank0 = (
             Path(output_dir) / "checkpoints",
             Path(output_dir),
             cfg,
             is_rank0,
         )
-        self.config, self.model_args, self.counters, self.parts = config, model_args, counters, model_parts
-        self.states = {
-            "model": ModelParts(model_parts),
-            "optimizer": Optimizers(model_parts, optimizers),
-            "training": TrainingState(counters, scheduler, loader),
-            "rng": RNGStates(device),
-        }
+        self.run, self.record, self.counters = run, record, run.counters
+        self.states = run.stateful()
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.pending = None  # (future, staging dir, step, start time) of the async save in flight
         self.blocked_seconds = 0.0  # how long the async save in flight held training up
@@ -174,23 +163,23 @@ class CheckpointManager:
                 start = time.perf_counter()
                 load_model_weights(
                     Path(self.cfg.initial_load),
-                    self.parts,
-                    self.model_args,
+                    self.run.model_parts,
+                    self.run.model_args,
                     "--checkpoint.initial_load",
-                    self.whole_model,
+                    self.run.whole_model,
                 )
                 log.info("initial weights from %s (%.2fs)", self.cfg.initial_load, time.perf_counter() - start)
             return 0
         latest = newest_intact(checkpoints, self.group, self.is_rank0)
-        check_resume_config(saved_config(latest / CONFIG_FILE), self.config, latest)
+        check_resume_config(saved_config(latest / CONFIG_FILE), settings(self.record.config_toml), latest)
         error = None
         try:
-            corpus_fingerprint.check(latest, self.config.data, self.cfg.accept_data_change)
+            corpus_fingerprint.check(latest, self.record.data, self.cfg.accept_data_change)
         except ConfigError as changed:
             error = changed
         self._agree(error, "accept the data corpus")  # a node whose copy of the data differs stops every rank
         check_shapes(
-            saved_model_shapes(latest), self.states["model"].state_dict(), f"checkpoint {latest}", self.whole_model
+            saved_model_shapes(latest), self.states["model"].state_dict(), f"checkpoint {latest}", self.run.whole_model
         )
         if self.cfg.initial_load:
             log.info("checkpoint.initial_load is ignored: the run resumes from its own checkpoint %s", latest)
@@ -224,8 +213,8 @@ class CheckpointManager:
             try:
                 shutil.rmtree(staging, ignore_errors=True)
                 staging.mkdir(parents=True)
-                (staging / CONFIG_FILE).write_text(self._config_toml())
-                corpus_fingerprint.write(staging, self.config.data)
+                (staging / CONFIG_FILE).write_text(self.record.config_toml)
+                corpus_fingerprint.write(staging, self.record.data)
             except OSError as problem:
                 error = _save_error(problem, step, self.root)
         self._agree(error, f"prepare checkpoint step {step}")
@@ -252,6 +241,18 @@ class CheckpointManager:
         # dcp.save returns on a rank only after the coordinator has gathered every rank's write
         # results and written the metadata, so the checkpoint is whole: publish without a barrier.
         self._publish(staging, step, start, time.perf_counter() - start)
+
+    def maybe_save(self, step: int, *, last: bool, stopping_early: bool) -> float:
+        """Save every checkpoint.interval steps and after the job's last step (with checkpoint.save_final,
+        and always when the job stops early); otherwise let an async save in flight move on. The last
+        save blocks until written. Returns the seconds spent here."""
+        start = time.perf_counter()
+        periodic = self.cfg.interval > 0 and step % self.cfg.interval == 0
+        if periodic or (last and (self.cfg.save_final or stopping_early)):
+            self.save(step, blocking=last)
+        else:
+            self.poll()
+        return time.perf_counter() - start
 
     def poll(self) -> None:
         """Publish the async save in flight if its write has finished; never blocks."""
@@ -317,11 +318,6 @@ class CheckpointManager:
     def _abandon(self, staging: Path) -> None:
         if self.is_rank0:
             shutil.rmtree(staging, ignore_errors=True)
-
-    def _config_toml(self) -> str:
-        from trillion.trainer.config.schema import to_toml
-
-        return to_toml(self.config)
 
 
 def _write_synced(path: Path, text: str) -> None:

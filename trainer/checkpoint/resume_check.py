@@ -1,7 +1,6 @@
 """May this checkpoint continue this run? Checks done before any tensor is read, so a mismatch
 ends with one paragraph naming the setting or the parameters, not a tensor-copy traceback."""
 
-import dataclasses
 import json
 import logging
 import os
@@ -31,25 +30,20 @@ BREAKS_RESUME = {
 ADDED_SINCE = {"data.lanes": 1}
 
 
-def saved_config(path: Path) -> dict:
-    """The resolved config a checkpoint was saved with, as {"section.field": value} ({} if absent)."""
-    if not path.is_file():
-        return {}
-    table = tomllib.loads(path.read_text())
+def settings(config_toml: str) -> dict:
+    """A resolved config's TOML text as {"section.field": value}: the run's and a checkpoint's alike."""
+    table = tomllib.loads(config_toml)
     return {f"{section}.{name}": value for section, fields in table.items() for name, value in fields.items()}
 
 
-def _flatten(config) -> dict:
-    return {
-        f"{section}.{name}": value
-        for section, fields in dataclasses.asdict(config).items()
-        for name, value in fields.items()
-    }
+def saved_config(path: Path) -> dict:
+    """The resolved config a checkpoint was saved with, as {"section.field": value} ({} if absent)."""
+    return settings(path.read_text()) if path.is_file() else {}
 
 
-def check_resume_config(saved: dict, config, checkpoint: Path) -> None:
-    """Raise if a setting that defines the run changed since the checkpoint; log the harmless changes."""
-    current = _flatten(config)
+def check_resume_config(saved: dict, current: dict, checkpoint: Path) -> None:
+    """Raise if a setting that defines the run changed since the checkpoint (`saved` and `current` as
+    `settings` gives them); log the harmless changes."""
     if saved and not saved.get("data.prepared"):
         saved = {**ADDED_SINCE, **saved}
     changed = [(key, old, current[key]) for key, old in saved.items() if key in current and current[key] != old]
@@ -86,9 +80,9 @@ def check_shapes(saved: dict[str, tuple], model_state: dict, source: str, whole_
         problems.append(f"not in this model: {_some(unexpected)}")
     if problems:
         raise ConfigError(
-            f"{source} does not fit this model: {'; '.join(problems[:6])}{' ...' if len(problems) > 6 else ''}. Use the "
-            f"model settings it was saved with (its config.toml: [model] and the preset), or start a fresh run in "
-            f"another --job.output_dir."
+            f"{source} does not fit this model: {'; '.join(problems[:6])}{' ...' if len(problems) > 6 else ''}. "
+            "Use the model settings it was saved with (its config.toml: [model] and the preset), "
+            "or start a fresh run in another --job.output_dir."
         )
 
 

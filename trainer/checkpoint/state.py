@@ -4,6 +4,7 @@ LR schedule, data position); the RNG states. And loading weights alone (a checkp
 Face folder) for checkpoint.initial_load and `trillion export`. Writing, publishing and resuming:
 checkpoint.py."""
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +24,31 @@ from trillion.errors import ConfigError
 from trillion.trainer.checkpoint.resume_check import check_shapes
 
 OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed by parameter name: any layout
+
+
+@dataclass
+class RunStates:
+    """What a checkpoint saves of a run, and what a resume loads into: the model parts (the model, or
+    this rank's pipeline stages: not the `whole_model`, a share of the names), their optimizers, the
+    LR schedule, the data loader's position, the run's counters and the RNG states of `device`;
+    `model_args` check weights loaded from elsewhere (checkpoint.initial_load)."""
+
+    model_parts: list
+    optimizers: list
+    scheduler: object
+    loader: object
+    counters: object
+    device: torch.device
+    model_args: object
+    whole_model: bool = True
+
+    def stateful(self) -> dict:
+        return {
+            "model": ModelParts(self.model_parts),
+            "optimizer": Optimizers(self.model_parts, self.optimizers),
+            "training": TrainingState(self.counters, self.scheduler, self.loader),
+            "rng": RNGStates(self.device),
+        }
 
 
 class ModelParts(Stateful):

@@ -50,7 +50,8 @@ def usage() -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, hooks=None) -> int:
+    """`trillion ARGV`; `hooks` (a trillion.trainer.train.RunHooks) reach `trillion train` only."""
     argv = sys.argv[1:] if argv is None else argv
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     logging.basicConfig(
@@ -65,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trillion: unknown command {argv[0]!r}.\n\n{usage()}", file=sys.stderr)
         return 2
     try:
-        return entry_module(argv[0]).main(argv[1:])
+        module = entry_module(argv[0])
+        return module.main(argv[1:], hooks) if hooks is not None else module.main(argv[1:])
     except (ConfigError, RunAborted) as error:
         status = 2 if isinstance(error, ConfigError) else 1
         print(f"trillion {argv[0]}: {error}", file=sys.stderr)

@@ -4,12 +4,13 @@ import torch.distributed as dist
 
 from trillion.errors import ConfigError, RunAborted
 from trillion.trainer.config.schema import help_text, load_config
-from trillion.trainer.train import train
+from trillion.trainer.train import RunHooks, train
 
 USAGE = "usage: trillion train [--config FILE] [--section.field=value ...]\n\n"
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], hooks: RunHooks | None = None) -> int:
+    """`hooks`: see trillion.trainer.train.RunHooks (tests inject faults through them)."""
     if "-h" in argv or "--help" in argv:
         print(USAGE + help_text())
         return 0
@@ -22,7 +23,7 @@ def main(argv: list[str]) -> int:
         else:
             overrides.append(arg)
     try:
-        train(load_config(config_path, overrides))
+        train(load_config(config_path, overrides), hooks=hooks)
     except (ConfigError, RunAborted):
         # Leave the process group before the error reaches the CLI: a rank that exits with gloo's
         # threads still attached to a peer that has gone can abort in C++ (exit -6) instead of 2 or 1.

@@ -167,6 +167,40 @@ def _start_tensorboard(output_dir: Path):
     return SummaryWriter(str(output_dir / "tensorboard"))
 
 
+class StepLog:
+    """Which steps are logged, and where their records go (metrics.jsonl and trackers through the sink,
+    the progress bar); the sink and bar exist on the logging rank only, None elsewhere.
+
+    A step is planned for logging every metrics.log_freq steps, and at the job's first step and the
+    schedule's last; it is logged if planned, if it ends the job or if it was evaluated."""
+
+    def __init__(self, log_freq: int, first_step: int, total_steps: int, sink, progress):
+        self.log_freq, self.first_step, self.total_steps = log_freq, first_step, total_steps
+        self.sink, self.progress = sink, progress
+
+    def planned(self, step: int) -> bool:
+        return step % self.log_freq == 0 or step in (self.first_step, self.total_steps)
+
+    def should_log(self, step: int, last: bool, evaluated: bool) -> bool:
+        return self.planned(step) or last or evaluated
+
+    def write(self, record: dict) -> None:
+        if self.sink is not None:
+            self.sink.write(record)
+            self.progress.update(record["step"], record)
+
+    def tick(self, step: int) -> None:
+        """A step that was not logged moves the progress bar."""
+        if self.progress is not None:
+            self.progress.update(step, None)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.close()
+        if self.sink is not None:
+            self.sink.close()
+
+
 class Progress:
     """A live bar with loss, tokens/s and ETA on a terminal; plain log lines elsewhere (SLURM logs, CI)."""
 
