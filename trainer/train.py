@@ -247,7 +247,7 @@ def set_up(config: Config, hooks: RunHooks) -> Run:
     work), then the model, optimizer and checkpoints (resuming if the run has one), then the meters."""
     job_start = time.monotonic()  # training.exit_after_minutes counts set-up and loading too
     env = init_launch_env(config.job.device, config.job.collective_timeout_s)
-    check_same_config(config)
+    check_same_config(to_toml(config))
     validate_training(config, env)
     t = config.training
     tokenizer = build_tokenizer(config.tokenizer)

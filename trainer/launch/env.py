@@ -2,12 +2,12 @@
 (torchrun's RANK / WORLD_SIZE / LOCAL_RANK, or srun's SLURM_* variables; a single process when
 neither is set)."""
 
-import dataclasses
 import datetime
 import hashlib
 import os
 from dataclasses import dataclass
 
+import tomllib
 import torch
 import torch.distributed as dist
 
@@ -96,26 +96,24 @@ def init_launch_env(requested_device: str, collective_timeout_s: float = 600.0) 
     return LaunchEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def check_same_config(config) -> None:
-    """Every rank must run the same resolved config (a rank started with another flag or file would
-    train another model or layout and hang or diverge later); the differing settings are named."""
+def check_same_config(config_toml: str) -> None:
+    """Every rank must run the same resolved config (`config_toml`, as config.toml holds it: a rank started
+    with another flag or file would train another model or layout and hang or diverge later); the
+    differing settings are named."""
     if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return  # the dry run's simulated ranks share one config, and fake collectives carry no data
-    from trillion.trainer.config.schema import to_toml
-
-    text = to_toml(config)
     digests = [None] * dist.get_world_size()
-    dist.all_gather_object(digests, hashlib.sha256(text.encode()).hexdigest())
+    dist.all_gather_object(digests, hashlib.sha256(config_toml.encode()).hexdigest())
     if len(set(digests)) == 1:
         return
     everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, dataclasses.asdict(config))
+    dist.all_gather_object(everyone, tomllib.loads(config_toml))
     ours, rank = everyone[0], dist.get_rank()
     differ = [
         f"{section}.{name}"
         for section, fields in ours.items()
         for name, value in fields.items()
-        if any(other[section][name] != value for other in everyone)
+        if any(other[section].get(name) != value for other in everyone)
     ]
     odd = [r for r, digest in enumerate(digests) if digest != digests[0]]
     raise ConfigError(
