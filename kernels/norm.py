@@ -77,9 +77,10 @@ def kernel_args(
     interpreter: bool | None = None,
 ) -> tuple[tuple, dict]:
     """(positional arguments, constexprs) of one launch of `kernel` ("fwd" or "bwd") on rows x2; for
-    "bwd", `out` is dx, `grad` dy, and `bias` only says whether there is one. The launchers below and the ahead-of-time report
-    (kernels/report.py) both build their launches here, so the report compiles what runs. The tile
-    is the interpreter's when `interpreter` (default: whether Triton interprets here), else a GPU's."""
+    "bwd", `out` is dx, `grad` dy, and `bias` only says whether there is one. The launchers below and
+    the ahead-of-time report (kernels/report.py) both build their launches here, so the report
+    compiles what runs. The tile is the interpreter's when `interpreter` (default: whether Triton
+    interprets here), else a GPU's."""
     rows, n = x2.shape
     block_m, block_n, warps = _tile(rows, n, interpreting() if interpreter is None else interpreter)
     meta = dict(

@@ -2,7 +2,8 @@
 for sm80 (A100), sm90 (H100), gfx90a (MI250X) and gfx942 (MI300X) on a machine without a GPU.
 
     python -m trillion.kernels.report --arch gfx90a,gfx942,sm80,sm90 --format json
-    python -m trillion.kernels.report --markdown experiments/kernels/RESOURCES.md --json experiments/kernels/resources.json
+    python -m trillion.kernels.report --markdown experiments/kernels/RESOURCES.md \
+--json experiments/kernels/resources.json
     python -m trillion.kernels.report --search dkdv:sm90:128     # every candidate tile of one kernel
 
 Attention (forward, delta, dK/dV, dQ) at head dims 64 and 128 (--all: 32 to 256), bf16 and fp16,
@@ -67,7 +68,10 @@ def _short(instruction: str) -> str:
 
 def _table(rows: list[dict]) -> list[str]:
     lines = [
-        "| kernel | dtype | size | causal | config | regs | spill B | scratch B | shared B | occupancy | matrix instr. | gate |",
+        (
+            "| kernel | dtype | size | causal | config | regs | spill B | scratch B | shared B | occupancy "
+            "| matrix instr. | gate |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:

@@ -64,8 +64,9 @@ class ParallelDims:
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ConfigError(
-                    f"parallel.pp * dp_replicate * cp * tp = {others} does not divide the world size {self.world_size}, "
-                    f"so parallel.dp_shard=-1 cannot be inferred. Pick degrees whose product divides {self.world_size} "
+                    f"parallel.pp * dp_replicate * cp * tp = {others} does not divide the world size "
+                    f"{self.world_size}, so parallel.dp_shard=-1 cannot be inferred. "
+                    f"Pick degrees whose product divides {self.world_size} "
                     f"(e.g. --parallel.tp={_largest_divisor_at_most(self.world_size, self.tp)})."
                 )
             self.dp_shard = self.world_size // others
@@ -73,8 +74,9 @@ class ParallelDims:
         if product != self.world_size:
             raise ConfigError(
                 f"parallel degrees pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
-                f"cp={self.cp} x tp={self.tp} = {product}, but the world size is {self.world_size}. Make the product "
-                f"equal the number of processes, e.g. --parallel.dp_shard=-1 to infer it, or launch {product} processes."
+                f"cp={self.cp} x tp={self.tp} = {product}, but the world size is {self.world_size}. "
+                "Make the product equal the number of processes, e.g. --parallel.dp_shard=-1 to infer it, "
+                f"or launch {product} processes."
             )
 
     # --- what is on -----------------------------------------------------------------------------

@@ -4,13 +4,16 @@ Every mode keeps the optimizer state and the fp32 master parameters sharded over
 are the bulk of the memory: 12-16 bytes per parameter). What differs is what stays gathered
 between uses, traded against communication, per optimizer step of M micro-batches:
 
-The modes' rules are the table in modes.py (ZERO_MODES); what they cost:
+The modes' rules are the table in modes.py (ZERO_MODES); what they cost, per dp_shard_mode:
 
-| dp_shard_mode | parameters between uses | gradients | communication per step |
-|---|---|---|---|
-| zero3 | resharded after forward and after backward | reduce-scattered every micro-batch | 2 all-gathers + 1 reduce-scatter per micro-batch |
-| zero2 | kept gathered from forward to backward, and across micro-batches until the last | reduce-scattered every micro-batch (sharded gradient accumulates) | 1 all-gather per step + 1 reduce-scatter per micro-batch |
-| zero1 | kept gathered for the whole step | accumulated unsharded, reduce-scattered once on the last micro-batch | 1 all-gather + 1 reduce-scatter per step |
+- zero3: parameters resharded after forward and after backward; gradients reduce-scattered every
+  micro-batch; communication per step: 2 all-gathers + 1 reduce-scatter per micro-batch.
+- zero2: parameters kept gathered from forward to backward, and across micro-batches until the
+  last; gradients reduce-scattered every micro-batch (sharded gradient accumulates);
+  communication per step: 1 all-gather per step + 1 reduce-scatter per micro-batch.
+- zero1: parameters kept gathered for the whole step; gradients accumulated unsharded,
+  reduce-scattered once on the last micro-batch; communication per step: 1 all-gather + 1
+  reduce-scatter per step.
 
 zero3 holds 1/dp_shard of the parameters outside a block's use; zero2 and zero1 hold the full
 parameters (in compute dtype) through the step, and zero1 also the full gradients. With one

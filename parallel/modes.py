@@ -128,7 +128,8 @@ def check_schedule(
         raise ConfigError(
             f"parallel.pp_schedule={s.name} needs at least as many micro-batches per step as pipeline stages "
             f"(2 x parallel.pp = {stages}), but global / (micro x data-parallel ranks) = {n_microbatches}. Raise "
-            f"training.global_batch_size or lower training.micro_batch_size, or use --parallel.pp_schedule=ZBVZeroBubble."
+            "training.global_batch_size or lower training.micro_batch_size, or use "
+            "--parallel.pp_schedule=ZBVZeroBubble."
         )
     rounds = max(1, n_microbatches // pp)
     if s.rounds and n_microbatches % rounds:

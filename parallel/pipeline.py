@@ -332,7 +332,9 @@ class Pipeline:
         with loss_context(self.dims.tp_enabled):  # the last stage's loss forward and backward
             # return_outputs=False: the last stage would otherwise keep every micro-batch's logits
             schedule_step(*((inputs,) if first else ()), target=labels, losses=losses, return_outputs=False)
-        losses = [l.to_local() if isinstance(l, DTensor) else l for l in losses]
-        loss = torch.stack([l.detach() for l in losses]).sum() if losses else torch.zeros((), device=inputs.device)
+        losses = [part.to_local() if isinstance(part, DTensor) else part for part in losses]
+        loss = (
+            torch.stack([part.detach() for part in losses]).sum() if losses else torch.zeros((), device=inputs.device)
+        )
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds it: the others add zero
         return loss

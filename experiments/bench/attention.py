@@ -22,6 +22,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -117,6 +118,22 @@ def _fp32_reference(q, k, v, grad):
         torch.backends.cuda.matmul.allow_tf32 = allow_tf32
 
 
+def _time_attention_passes(fn, q, k, v, grad, cfg, device) -> Iterator[tuple[str, float, float]]:
+    """(pass, FLOPs as a multiple of the forward's, median seconds) of the forward, the backward
+    alone (through one saved forward's graph, kept for the repeats) and both, each as it is timed.
+    The saved graph lives in this generator only: freed once it is done or has failed."""
+    import torch
+
+    saved = fn(q, k, v)
+    passes = {
+        "fwd": (lambda: fn(q, k, v), 1.0),
+        "bwd": (lambda: torch.autograd.grad(saved, (q, k, v), grad, retain_graph=True), 2.5),
+        "fwd+bwd": (lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad), 3.5),
+    }
+    for name, (step, flop_factor) in passes.items():
+        yield name, flop_factor, median_seconds(step, device, warmup=cfg["warmup"], repeats=cfg["repeats"])
+
+
 def _bench_attention_shape(seq, head_dim, cfg, dtype, device) -> list[dict]:
     import torch
 
@@ -139,14 +156,7 @@ def _bench_attention_shape(seq, head_dim, cfg, dtype, device) -> list[dict]:
             max_err = _max_rel_err((out, *torch.autograd.grad(out, (q, k, v), grad)), reference)
             del out
             _check(max_err, dtype)
-            saved = fn(q, k, v)
-            passes = {
-                "fwd": (lambda: fn(q, k, v), 1.0),
-                "bwd": (lambda: torch.autograd.grad(saved, (q, k, v), grad, retain_graph=True), 2.5),
-                "fwd+bwd": (lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad), 3.5),
-            }
-            for name, (step, flop_factor) in passes.items():
-                seconds = median_seconds(step, device, warmup=cfg["warmup"], repeats=cfg["repeats"])
+            for name, flop_factor, seconds in _time_attention_passes(fn, q, k, v, grad, cfg, device):
                 rows.append(
                     {
                         "name": f"attention {name} {impl} {shape}",
@@ -155,7 +165,6 @@ def _bench_attention_shape(seq, head_dim, cfg, dtype, device) -> list[dict]:
                         "max_err": max_err,
                     }
                 )
-            del saved
         except Exception as error:  # one failing case (e.g. eager out of memory) must not hide the rest
             rows.append({"name": f"attention {impl} {shape}", "error": f"{type(error).__name__}: {error}"[:300]})
         if device.type == "cuda":

@@ -159,7 +159,8 @@ def main(argv: list[str]) -> int:
             f"{os.getloadavg()[0]:.1f} after it)\n"
         )
         print(
-            "| tokenizer | workers | tokens | seconds | CPU seconds (all processes) | tokens/s | tokens per CPU second |"
+            "| tokenizer | workers | tokens | seconds | CPU seconds (all processes) | tokens/s "
+            "| tokens per CPU second |"
         )
         print("|---|---|---|---|---|---|---|")
         for row in prepared:

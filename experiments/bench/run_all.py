@@ -145,17 +145,41 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
     """The trainer's own step (train_step, AdamW, its AC and compile) on fresh random tokens."""
     import torch
 
-    from trillion.devices import lookup_device
-    from trillion.models import Transformer
-    from trillion.models.flops import hardware_flops_per_token, model_flops_per_token
-    from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
-    from trillion.parallel.compile import apply_compile
-    from trillion.parallel.forward_backward import MicroBatchLoop
-    from trillion.parallel.modes import recompute_fraction
+    seq_len, batch = (32, 2) if smoke else (2048, 4)
+    config, args = _step_config(model_name, attention, seq_len, smoke)
+    start_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    step = _trainer_step(config, args, checkpointing, compiled, device)
+
+    def fresh():
+        tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), device=device)
+        return ([(tokens[:, :-1], tokens[:, 1:])],)
+
+    # The check: four steps on one batch give finite losses that fall (the model starts to learn it).
+    (batch_once,) = fresh()
+    losses = [step(batch_once)[0].item() for _ in range(4)]
+    if not all(map(math.isfinite, losses)) or not losses[-1] < losses[0]:
+        raise AssertionError(f"four training steps on one batch gave losses {losses}, not finite and falling")
+    seconds = median_seconds(step, device, warmup=2, repeats=3 if smoke else 10, fresh_inputs=fresh)
+    return _step_row(
+        device,
+        args,
+        name=f"{model_name} {attention} compile={compiled} ac={checkpointing}",
+        checkpointing=checkpointing,
+        seq_len=seq_len,
+        tokens=batch * seq_len,
+        seconds=seconds,
+        losses=losses,
+        start_bytes=start_bytes,
+        gemm_tflops=gemm_tflops,
+    )
+
+
+def _step_config(model_name: str, attention: str, seq_len: int, smoke: bool) -> tuple:
+    """(config, model args) of one case, as the trainer reads and builds them; tiny in smoke mode."""
     from trillion.trainer.assemble import build_model_args
     from trillion.trainer.config.schema import load_config
-    from trillion.trainer.optim import build_optimizer
-    from trillion.trainer.train import train_step
 
     shrink = [
         "--model.n_layers=2",
@@ -165,7 +189,6 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
         "--model.ffn_dim=128",
         "--model.vocab_size=512",
     ]
-    seq_len, batch = (32, 2) if smoke else (2048, 4)
     config = load_config(
         None,
         [
@@ -175,10 +198,21 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
             *(shrink if smoke else []),
         ],
     )
-    args = build_model_args(config, tokenizer_vocab=0)
-    start_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    return config, build_model_args(config, tokenizer_vocab=0)
+
+
+def _trainer_step(config, args, checkpointing: str, compiled: bool, device):
+    """The model as the trainer makes it (on meta, AC, compile, then materialized and initialized)
+    with its AdamW; returns one optimizer step on a list of micro-batches (train_step)."""
+    import torch
+
+    from trillion.models import Transformer
+    from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
+    from trillion.parallel.compile import apply_compile
+    from trillion.parallel.forward_backward import MicroBatchLoop
+    from trillion.trainer.optim import build_optimizer
+    from trillion.trainer.train import train_step
+
     with torch.device("meta"):
         model = Transformer(args)
     apply_activation_checkpointing(model, checkpointing)
@@ -190,25 +224,24 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     autocast = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
     scaler = torch.amp.GradScaler(device.type, enabled=False)
-
-    def fresh():
-        tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), device=device)
-        return ([(tokens[:, :-1], tokens[:, 1:])],)
-
     runner = MicroBatchLoop(model)
-    # The check: four steps on one batch give finite losses that fall (the model starts to learn it).
-    (batch_once,) = fresh()
-    losses = [train_step(runner, batch_once, optimizer, scaler, autocast, 1.0)[0].item() for _ in range(4)]
-    if not all(map(math.isfinite, losses)) or not losses[-1] < losses[0]:
-        raise AssertionError(f"four training steps on one batch gave losses {losses}, not finite and falling")
-    seconds = median_seconds(
-        lambda mb: train_step(runner, mb, optimizer, scaler, autocast, 1.0),
-        device,
-        warmup=2,
-        repeats=3 if smoke else 10,
-        fresh_inputs=fresh,
-    )
-    tokens_per_s = batch * seq_len / seconds
+
+    def step(micro_batches):
+        return train_step(runner, micro_batches, optimizer, scaler, autocast, 1.0)
+
+    return step
+
+
+def _step_row(device, args, *, name, checkpointing, seq_len, tokens, seconds, losses, start_bytes, gemm_tflops) -> dict:
+    """The case's row: tokens/s, model TFLOP/s, peak memory above the case's start and, on a GPU
+    devices.toml knows, MFU and HFU against its peak; against the measured GEMM ceiling when given."""
+    import torch
+
+    from trillion.devices import lookup_device
+    from trillion.models.flops import hardware_flops_per_token, model_flops_per_token
+    from trillion.parallel.modes import recompute_fraction
+
+    tokens_per_s = tokens / seconds
     tflops = tokens_per_s * model_flops_per_token(args, seq_len) / 1e12
     hardware = (
         tokens_per_s * hardware_flops_per_token(args, seq_len, recompute_fraction(checkpointing, args.n_layers)) / 1e12
@@ -217,7 +250,7 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
     peak = (torch.cuda.max_memory_allocated(device) - start_bytes) / 1e9 if device.type == "cuda" else None
     row = {
         "part": "step",
-        "name": f"{model_name} {attention} compile={compiled} ac={checkpointing}",
+        "name": name,
         "seconds": seconds,
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,

@@ -86,15 +86,18 @@ def section_table(lines: list[str]) -> None:
         "",
         "Share of the MI250X GCD's 191.5 TFLOP/s, counted as the paper does (Megatron eq. 3 with k = 4).",
         "",
-        "| model | GCDs | layout | paper % | predicted % | error | bubble / imbalance / TP / PP / DP % of step | memory GB |",
+        (
+            "| model | GCDs | layout | paper % | predicted % | error "
+            "| bubble / imbalance / TP / PP / DP % of step | memory GB |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for run in PAPER_RUNS:
         r = paper_prediction(run)
         pred = 100 * r["megatron_share_of_peak"]
         lines.append(
-            f"| {run[0]} | {run[1]} | {_layout_text(r)} | {run[4]:.2f} | {pred:.2f} | {100 * (pred / run[4] - 1):+.1f}% "
-            f"| {_shares(r)} | {r['memory_gb']:.1f} |"
+            f"| {run[0]} | {run[1]} | {_layout_text(r)} | {run[4]:.2f} | {pred:.2f} "
+            f"| {100 * (pred / run[4] - 1):+.1f}% | {_shares(r)} | {r['memory_gb']:.1f} |"
         )
     rows = [paper_prediction(run) for run in PAPER_RUNS]
     share = {run[0]: r["time_shares"] for run, r in zip(PAPER_RUNS, rows)}
@@ -142,7 +145,10 @@ def section_search(lines: list[str]) -> None:
         "",
         "Same model, GCD count and global batch; the search may change everything else (Trillion's layouts).",
         "",
-        "| model | layout | tokens/s | TFLOP/s per GCD (model) | MFU | bubble / imbalance / TP / PP / DP % | memory GB |",
+        (
+            "| model | layout | tokens/s | TFLOP/s per GCD (model) | MFU "
+            "| bubble / imbalance / TP / PP / DP % | memory GB |"
+        ),
         "|---|---|---|---|---|---|---|",
     ]
     for run in PAPER_RUNS:

@@ -55,7 +55,10 @@ def main() -> int:
         "fault into a short run (6 steps unless said otherwise), restarts it with the same command where a restart is "
         "the recovery, and asserts the outcome; the figures are what that run measured.",
         "",
-        "- *steps lost*: completed steps that had to be trained again (at most those since the last intact checkpoint).",
+        (
+            "- *steps lost*: completed steps that had to be trained again "
+            "(at most those since the last intact checkpoint)."
+        ),
         "- *loss equal*: every logged loss of the recovered run, the final one included, equals the unbroken run's "
         "bitwise (n/a: the run does not restart, or the fault changes training by design).",
         "- *time to recover*: from the fault to the restarted run's first trained step, the test restarting at once "

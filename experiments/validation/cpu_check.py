@@ -143,26 +143,31 @@ def main() -> None:
                 )
                 loads.append(os.getloadavg()[0])
                 print(
-                    f"repeat {repeat} {name}: predicted {predicted[name][-1]:.3f} s, measured {measured[name][-1]:.3f} s",
+                    f"repeat {repeat} {name}: "
+                    f"predicted {predicted[name][-1]:.3f} s, measured {measured[name][-1]:.3f} s",
                     flush=True,
                 )
     summary = "; ".join(f"repeat {i // 2}, {s}" for i, s in enumerate(summaries))
     rows = [
-        f'[[row]]\nlayout = "{name}"\nprocesses = {LAYOUTS[name][0]}\npredicted_s = {statistics.median(predicted[name]):.4f}\n'
-        f"measured_s = {statistics.median(times):.4f}\nmeasured_min_s = {min(times):.4f}\nmeasured_max_s = {max(times):.4f}\n"
-        f"predicted_by_repeat = {[round(p, 4) for p in predicted[name]]}\nmeasured_by_repeat = {[round(t, 4) for t in times]}\n"
+        f'[[row]]\nlayout = "{name}"\nprocesses = {LAYOUTS[name][0]}\n'
+        f"predicted_s = {statistics.median(predicted[name]):.4f}\n"
+        f"measured_s = {statistics.median(times):.4f}\n"
+        f"measured_min_s = {min(times):.4f}\nmeasured_max_s = {max(times):.4f}\n"
+        f"predicted_by_repeat = {[round(p, 4) for p in predicted[name]]}\n"
+        f"measured_by_repeat = {[round(t, 4) for t in times]}\n"
         for name, times in measured.items()
     ]
     text = (
         f'command = "nice -n 10 python experiments/validation/cpu_check.py --repeats {ns.repeats} --steps {ns.steps}"\n'
-        f'machine = "{socket.gethostname()}, {os.cpu_count()} cores"\ndate = "{time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}"\n'
+        f'machine = "{socket.gethostname()}, {os.cpu_count()} cores"\n'
+        f'date = "{time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}"\n'
         f"repeats = {ns.repeats}\n"
-        f'load = "Load average (1 min) during the runs: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores (a machine '
-        f'shared with other work; each rank and the calibration run one thread)."\n'
+        f'load = "Load average (1 min) during the runs: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores '
+        '(a machine shared with other work; each rank and the calibration run one thread)."\n'
         f'profile_summary = "{summary}"\n'
-        f'note = "Debug model ({MODEL}), global batch {GLOBAL_BATCH} x {SEQ_LEN} tokens, no checkpointing, eager, fp32. Measured: '
-        f"the trainer's step_time_s, median of steps {SKIP_STEPS + 1}-{ns.steps} of each run, then the median of the runs.\"\n\n"
-        + "\n".join(rows)
+        f'note = "Debug model ({MODEL}), global batch {GLOBAL_BATCH} x {SEQ_LEN} tokens, no checkpointing, eager, '
+        "fp32. Measured: the trainer's step_time_s, "
+        f'median of steps {SKIP_STEPS + 1}-{ns.steps} of each run, then the median of the runs."\n\n' + "\n".join(rows)
     )
     (HERE / "cpu_results.toml").write_text(text)
     sys.path.insert(0, str(HERE))

@@ -190,7 +190,10 @@ def render(records: list[dict]) -> str:
         f"rows within ±{TOLERANCE:.0%}: {sum(abs(r.get('loo_error', r['error'])) <= TOLERANCE for r in records)} "
         f"of {len(records)}.",
         "",
-        "| run | model | machine | layout | GPUs | batch x seq | published | predicted | error | fitted: leave-one-out error |",
+        (
+            "| run | model | machine | layout | GPUs | batch x seq | published | predicted | error "
+            "| fitted: leave-one-out error |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:

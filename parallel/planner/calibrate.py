@@ -202,7 +202,10 @@ def tp_layer_host_seconds(
             model = Transformer(small).to(device)
             if parallel:
                 apply_tensor_parallel(model, mesh)
-            logits = lambda: model(tokens)
+
+            def logits():
+                return model(tokens)
+
             local = (lambda out: out.to_local()) if parallel else (lambda out: out)
             forward = median_seconds(logits, device, calls=10)
             both = median_seconds(lambda: local(logits()).sum().backward(), device, calls=10)
@@ -303,14 +306,26 @@ def calibrate(
     on_gpu = torch.cuda.is_available()
     if on_gpu and "LOCAL_RANK" in os.environ:  # under torchrun: this rank's own GPU
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    kind = "gpu" if on_gpu else "cpu"
     spec = (
         lookup_device(torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).multi_processor_count)
         if on_gpu
         else None
     )
+    plan = _measurement_plan(on_gpu, args, seq_len, micro_batch)
+    node = _measure(on_gpu, plan, processes)
+    if node is None:
+        return out
+    world, measured = node
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(_profile_toml(measured, world, on_gpu, spec, args, seq_len, micro_batch))
+    return out
+
+
+def _measurement_plan(on_gpu: bool, args: ModelArgs | None, seq_len: int, micro_batch: int) -> dict:
+    """What every measuring process needs: GEMM shapes (the model's with one), sizes and timing floors."""
+    kind = "gpu" if on_gpu else "cpu"
     shapes = list(SQUARE_GEMMS[kind]) + (model_gemm_shapes(args, micro_batch * seq_len) if args else [])
-    plan = {
+    return {
         "shapes": shapes,
         "args": args,
         "seq_len": seq_len,
@@ -318,21 +333,49 @@ def calibrate(
         "nbytes": COLLECTIVE_BYTES[kind],
         "min_timing": dict(MIN_TIMING_S),
     }
+
+
+def _measure(on_gpu: bool, plan: dict, processes: int) -> tuple[int, dict] | None:
+    """(devices per node, what they measured): across a multi-node torchrun job, else among this
+    node's GPUs or `processes` CPU processes, else on this one device; None on the ranks of a job
+    other than 0, which write nothing."""
     job = measure_in_job(on_gpu, plan)
     if job is not None and int(os.environ["RANK"]) != 0:
-        return out
+        return None
     if job:
-        world, measured = job
-    else:
-        world = torch.cuda.device_count() if on_gpu else processes
-        measured = (
-            measure_node(world, on_gpu, plan)
-            if world > 1
-            else {
-                **measure_device(torch.device("cuda" if on_gpu else "cpu"), shapes, args, seq_len, micro_batch),
-                "link": (0.0, 0.0),
-            }
+        return job
+    world = torch.cuda.device_count() if on_gpu else processes
+    if world > 1:
+        return world, measure_node(world, on_gpu, plan)
+    device = torch.device("cuda" if on_gpu else "cpu")
+    measured = measure_device(device, plan["shapes"], plan["args"], plan["seq_len"], plan["micro_batch"])
+    return world, {**measured, "link": (0.0, 0.0)}
+
+
+def _tp_host_line(host) -> str:
+    """The profile's tp_layer_host_us line, when measured (a CPU's only: tp_layer_host_seconds says why)."""
+    if not host:
+        return ""
+    return (
+        f"tp_layer_host_us = {{ forward = {host[0] * 1e6:.1f}, backward = {host[1] * 1e6:.1f} }}  # measured: "
+        "DTensor's host work per block under TP, beyond its collectives\n"
+    )
+
+
+def _attention_line(args: ModelArgs | None, attention_rate: float, gemms, peak: float, seq_len, micro_batch) -> str:
+    if args:
+        return (
+            f"attention_efficiency = {attention_rate / peak:.4f}  # measured: {args.n_heads} heads of "
+            f"{args.head_dim}, {micro_batch} x {seq_len} tokens, {args.attention_impl}"
         )
+    return (
+        f"attention_efficiency = {max(rate for _, rate in gemms) / peak / 2:.4f}  "
+        "# not measured (no --model): half the best GEMM rate"
+    )
+
+
+def _profile_toml(measured: dict, world: int, on_gpu: bool, spec, args, seq_len: int, micro_batch: int) -> str:
+    """The hardware profile's TOML text from what the node measured."""
     gemms, attention_rate, copy, launch = measured["gemms"], measured["attention"], measured["copy"], measured["launch"]
     (bus, latency), (network, network_latency) = measured["link"], measured.get("network", (0.0, 0.0))
     # On a CPU the peak is the best rate measured, attention included: a small model's attention can
@@ -343,30 +386,27 @@ def calibrate(
         f", {kind} = {{ bandwidth_gbs = {bandwidth / 1e9:.4f}, latency_us = {latency * 1e6:.2f} }}"
         for kind, (bandwidth, latency) in measured.get("tp_links", {}).items()
     )
-    host = measured.get("tp_host")  # a CPU's only (tp_layer_host_seconds says why)
-    host_line = (
-        f"tp_layer_host_us = {{ forward = {host[0] * 1e6:.1f}, backward = {host[1] * 1e6:.1f} }}  # measured: "
-        "DTensor's host work per block under TP, beyond its collectives\n"
-        if host
-        else ""
-    )
+    host_line = _tp_host_line(measured.get("tp_host"))
     curve = ", ".join(f"[{flops:.4g}, {min(rate / peak, 1.0):.4f}]" for flops, rate in gemms)
-    attention_line = (
-        f"attention_efficiency = {attention_rate / peak:.4f}  # measured: {args.n_heads} heads of "
-        f"{args.head_dim}, {micro_batch} x {seq_len} tokens, {args.attention_impl}"
-        if args
-        else f"attention_efficiency = {max(rate for _, rate in gemms) / peak / 2:.4f}  # not measured (no --model): half the best GEMM rate"
-    )
+    attention_line = _attention_line(args, attention_rate, gemms, peak, seq_len, micro_batch)
     memory = (
         torch.cuda.get_device_properties(0).total_memory
         if on_gpu
         else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     )
-    text = f"""# Written by `trillion plan --calibrate` on {socket.gethostname()} ({time.strftime("%Y-%m-%d %H:%M")}): medians of
-# {REPEATS} timings after {WARMUP} warm-up runs. {"Peak from devices.toml" if spec else f"CPU: the peak is the best rate measured ({peak:.4g} FLOP/s)"}.
+    written = f"{socket.gethostname()} ({time.strftime('%Y-%m-%d %H:%M')})"
+    peak_note = "Peak from devices.toml" if spec else f"CPU: the peak is the best rate measured ({peak:.4g} FLOP/s)"
+    units = "GPUs" if on_gpu else "processes"
+    overlaps = (
+        "true  # copy engines and NICs move the bytes"
+        if on_gpu
+        else "false  # gloo moves the bytes on the cores that compute"
+    )
+    return f"""# Written by `trillion plan --calibrate` on {written}: medians of
+# {REPEATS} timings after {WARMUP} warm-up runs. {peak_note}.
 # node_bandwidth_gbs = 0: the network was not measured (one node), and the planner refuses layouts
 # that cross nodes with this profile; calibrate under a torchrun job of two or more nodes to measure it.
-description = "calibrated: {name}, {world} {"GPUs" if on_gpu else "processes"}, all-reduce bus bandwidth {bus / 1e9:.3f} GB/s"
+description = "calibrated: {name}, {world} {units}, all-reduce bus bandwidth {bus / 1e9:.3f} GB/s"
 gpus_per_node = {world}
 # intra_node: the measured all-reduce bus bandwidth (0: one device); with a model, each collective kind
 # as TP issues them, DTensor redistributions of the model's activation (calibrate.tp_collective_links)
@@ -376,7 +416,7 @@ collective_efficiency = 1.0  # the bandwidth above is the achieved figure
 link_latency_us = {latency * 1e6:.2f}  # measured: a 4-byte all-reduce, per ring step
 network_latency_us = {network_latency * 1e6:.2f}
 compute_dtype = "{"bf16" if on_gpu else "fp32"}"
-overlaps_collectives = {"true  # copy engines and NICs move the bytes" if on_gpu else "false  # gloo moves the bytes on the cores that compute"}
+overlaps_collectives = {overlaps}
 {host_line}
 [device]
 name = "{name}"
@@ -388,6 +428,3 @@ kernel_overhead_us = {launch * 1e6:.2f}  # measured: one tiny kernel
 {attention_line}
 gemm_efficiency = [{curve}]
 """
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    return out

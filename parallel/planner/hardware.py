@@ -65,14 +65,14 @@ class HardwareProfile:
                 self.node_bandwidth_gbs / self.gpus_per_node * 1e9 * self.collective_efficiency,
                 self.network_latency_us * 1e-6,
             )
-        link = next((l for l in sorted(self.intra_node, key=lambda l: l.group) if l.group >= group), None)
+        link = next((c for c in sorted(self.intra_node, key=lambda c: c.group) if c.group >= group), None)
         if link is None:
             raise ConfigError(
                 f"Hardware profile {self.name!r}: no intra_node link holds a group of {group} GPUs "
                 f"({self.gpus_per_node} per node)."
             )
         bandwidth_gbs, latency_us = next(
-            ((b, l) for k, b, l in link.kinds if k == kind), (link.bandwidth_gbs, self.link_latency_us)
+            ((b, lat) for k, b, lat in link.kinds if k == kind), (link.bandwidth_gbs, self.link_latency_us)
         )
         return bandwidth_gbs * 1e9 * self.collective_efficiency, latency_us * 1e-6
 
@@ -127,7 +127,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
             description=table.get("description", ""),
             device=spec,
             gpus_per_node=int(table["gpus_per_node"]),
-            intra_node=tuple(_link(l, path) for l in table["intra_node"]),
+            intra_node=tuple(_link(entry, path) for entry in table["intra_node"]),
             node_bandwidth_gbs=float(table["node_bandwidth_gbs"]),
             link_latency_us=float(table.get("link_latency_us", 5.0)),
             network_latency_us=float(table.get("network_latency_us", 10.0)),

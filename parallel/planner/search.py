@@ -281,21 +281,23 @@ def _no_layout_message(request: Request, result: SearchResult) -> str:
             f"{' and ' + fixed if fixed else ''}: the data-parallel degree gpus / (tp x pp) must divide the global "
             f"batch, tp must divide the heads ({request.args.n_heads}) and fit in a node, pp at most the layers "
             f"({request.args.n_layers}), and pipelines other than GPipe need at least pp micro-batches. "
-            f"Try a global batch that is a multiple of {request.gpus // max(tp_degrees(request.args, request.hardware.gpus_per_node))}, or other fixed settings."
+            "Try a global batch that is a multiple of "
+            f"{request.gpus // max(tp_degrees(request.args, request.hardware.gpus_per_node))}, or other fixed settings."
         )
     best = result.smallest_memory
     return (
         f"No layout of {where}{' with ' + fixed if fixed else ''} fits in memory: of {result.considered} valid "
         f"layouts the smallest needs {best.memory.total / 1e9:.1f} GB per GPU "
         f"({_describe(best.layout)}), the device has {request.hardware.device.memory_gb:g} GB "
-        f"(the plan keeps {1 - MEMORY_HEADROOM:.0%} free). Use more GPUs, a smaller micro-batch, or release fixed settings."
+        f"(the plan keeps {1 - MEMORY_HEADROOM:.0%} free). "
+        "Use more GPUs, a smaller micro-batch, or release fixed settings."
     )
 
 
 def _describe(layout: Layout) -> str:
     return (
-        f"tp {layout.tp}, pp {layout.pp}, dp {layout.dp_replicate}x{layout.dp_shard} {layout.dp_shard_mode}, cp {layout.cp}, "
-        f"micro-batch {layout.micro_batch_size}, checkpointing {layout.activation_checkpoint}"
+        f"tp {layout.tp}, pp {layout.pp}, dp {layout.dp_replicate}x{layout.dp_shard} {layout.dp_shard_mode}, "
+        f"cp {layout.cp}, micro-batch {layout.micro_batch_size}, checkpointing {layout.activation_checkpoint}"
     )
 
 

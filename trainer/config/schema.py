@@ -65,7 +65,8 @@ class Job:
     )
     collective_timeout_s: float = doc(
         600.0,
-        "A collective that waits longer than this ends the job with a message naming the rank and step, instead of hanging.",
+        "A collective that waits longer than this ends the job with a message naming the rank and step, instead of "
+        "hanging.",
         Range(0, open_low=True),
     )
 
@@ -74,7 +75,8 @@ class Job:
 class Model:
     name: str = doc(
         "debug",
-        "Preset: debug, debug-gpt, gpt-125m, gpt-1.4b, gpt-22b, gpt-175b, gpt-1t, llama3-1b, llama3-8b, llama3-70b, llama3-405b.",
+        "Preset: debug, debug-gpt, gpt-125m, gpt-1.4b, gpt-22b, gpt-175b, gpt-1t, llama3-1b, llama3-8b, llama3-70b, "
+        "llama3-405b.",
         OneOf(preset_names),
     )
     n_layers: int = doc(0, "Override the preset's layer count (0 = keep).", Range(1, also=KEEP))
@@ -87,7 +89,8 @@ class Model:
     )
     max_seq_len: int = doc(
         0,
-        "Override the preset's longest sequence (0 = keep), e.g. 131072 for Llama 3.1's long-context training; sizes the rotary cache or learned position table.",
+        "Override the preset's longest sequence (0 = keep), e.g. 131072 for Llama 3.1's long-context training; sizes "
+        "the rotary cache or learned position table.",
         Range(1, also=KEEP),
     )
 
@@ -96,9 +99,11 @@ class Model:
 class Data:
     path: str = doc(
         "",
-        "Local file or folder (json, jsonl, txt, parquet). Empty with no `name`: the embedded default corpus (this Python's standard-library sources).",
+        "Local file or folder (json, jsonl, txt, parquet). Empty with no `name`: the embedded default corpus (this "
+        "Python's standard-library sources).",
         ExistingPath(
-            "Point it at a json, jsonl, txt or parquet file or a folder of them, or leave it empty for the default corpus."
+            "Point it at a json, jsonl, txt or parquet file or a folder of them, or leave it empty for the default "
+            "corpus."
         ),
     )
     name: str = doc("", "Hugging Face hub dataset name (needs a network), e.g. allenai/c4.", Text())
@@ -110,7 +115,8 @@ class Data:
     )
     prepared: str = doc(
         "",
-        "Train from token stores written by `trillion prepare-data --out DIR` (same data and tokenizer settings): DIR, or DIR:weight,DIR:weight,... blended by weight. Instead of data.path / data.name.",
+        "Train from token stores written by `trillion prepare-data --out DIR` (same data and tokenizer settings): "
+        "DIR, or DIR:weight,DIR:weight,... blended by weight. Instead of data.path / data.name.",
         Text(),
     )
     shuffle: bool = doc(
@@ -118,7 +124,10 @@ class Data:
     )
     lanes: int = doc(
         8,
-        "Documents read side by side (data.path / data.name and the default corpus): lane j packs documents j, j+L, j+2L, ... of the seeded order into its own stream and window k of the run comes from lane k mod L, so consecutive windows come from different documents (at most the number of documents; 1 = one document after another). The evaluation set deals its documents over as many lanes.",
+        "Documents read side by side (data.path / data.name and the default corpus): lane j packs documents j, j+L, "
+        "j+2L, ... of the seeded order into its own stream and window k of the run comes from lane k mod L, so "
+        "consecutive windows come from different documents (at most the number of documents; 1 = one document after "
+        "another). The evaluation set deals its documents over as many lanes.",
         POSITIVE,
     )
 
@@ -134,7 +143,8 @@ class Tokenizer:
         "",
         "tokenizer.json for hf, the .tiktoken ranks file for tiktoken.",
         ExistingPath(
-            "Give the tokenizer.json (hf) or .tiktoken file (tiktoken), or use --tokenizer.kind=byte, which needs no files."
+            "Give the tokenizer.json (hf) or .tiktoken file (tiktoken), or use --tokenizer.kind=byte, which needs no "
+            "files."
         ),
     )
     eos_token: str = doc(
@@ -155,7 +165,8 @@ class Training:
     global_batch_size: int = doc(8, "Sequences per optimizer step, summed over all data-parallel ranks.", POSITIVE)
     micro_batch_size: int = doc(
         8,
-        "Sequences per forward/backward on one data-parallel rank; micro-batches per step = global / (micro * data-parallel ranks).",
+        "Sequences per forward/backward on one data-parallel rank; micro-batches per step = global / (micro * "
+        "data-parallel ranks).",
         POSITIVE,
     )
     seq_len: int = doc(256, "Tokens per sequence (at most the model's max_seq_len).", POSITIVE)
@@ -170,12 +181,14 @@ class Training:
     )
     exit_after_minutes: float = doc(
         0.0,
-        "Stop cleanly (checkpoint, exit 0) once this job has run this long (0 = no limit); leave room for one save before the allocation ends.",
+        "Stop cleanly (checkpoint, exit 0) once this job has run this long (0 = no limit); leave room for one save "
+        "before the allocation ends.",
         NONNEGATIVE,
     )
     max_nonfinite_skips: int = doc(
         10,
-        "A step with a non-finite loss or gradient norm is skipped (no update); stop with an error after this many in a row (0 = never stop).",
+        "A step with a non-finite loss or gradient norm is skipped (no update); stop with an error after this many in "
+        "a row (0 = never stop).",
         NONNEGATIVE,
     )
 
@@ -229,13 +242,15 @@ class Checkpoint:
     )
     initial_load: str = doc(
         "",
-        "Start a new run from these weights: a checkpoint step directory or a Hugging Face folder (`trillion export` writes one); ignored when the run resumes.",
+        "Start a new run from these weights: a checkpoint step directory or a Hugging Face folder (`trillion export` "
+        "writes one); ignored when the run resumes.",
         ExistingPath("Give a checkpoint step directory or a Hugging Face folder (`trillion export` writes one)."),
     )
     save_final: bool = doc(True, "Save a checkpoint after the last step.", Flag())
     accept_data_change: bool = doc(
         False,
-        "Resume although the data files changed since the checkpoint (added, removed or edited; detected from the fingerprint each checkpoint keeps): the saved data position then counts into the new corpus.",
+        "Resume although the data files changed since the checkpoint (added, removed or edited; detected from the "
+        "fingerprint each checkpoint keeps): the saved data position then counts into the new corpus.",
         Flag(),
     )
 
@@ -280,7 +295,8 @@ def _names(**rule) -> str:
 
 SCHEDULE_DOC = (
     f"Pipeline schedule from torch.distributed.pipelining: {' | '.join(SCHEDULES)}; each has a parity test. "
-    f"All but {_names(min_microbatches='')} need at least pp micro-batches per step, {_names(min_microbatches='stages')} "
+    f"All but {_names(min_microbatches='')} need at least pp micro-batches per step, "
+    f"{_names(min_microbatches='stages')} "
     f"2 pp. The zero-bubble ones ({_names(split_backward=True)}) split the backward and refuse compile."
 )
 
@@ -301,32 +317,39 @@ class Parallel:
     pp_schedule: str = doc("1F1B", SCHEDULE_DOC, OneOf(tuple(SCHEDULES), case_sensitive=False))
     pp_virtual_stages: int = doc(
         0,
-        f"Pipeline stages per rank for looped schedules ({_names(placement='looped')}); 0 = {DEFAULT_VIRTUAL_STAGES}. One for {_names(placement='single')}; two for {_names(placement='v')}.",
+        f"Pipeline stages per rank for looped schedules ({_names(placement='looped')}); 0 = {DEFAULT_VIRTUAL_STAGES}. "
+        f"One for {_names(placement='single')}; two for {_names(placement='v')}.",
         Range(1, also={0: "the schedule's default"}),
     )
     pp_layers_per_stage: int = doc(
         0,
-        "Transformer layers on each pipeline stage (0 = split automatically, balanced, counting the embedding and the output as one layer each). First + (stages - 2) x this + last must equal model.n_layers; stages = pp x virtual stages.",
+        "Transformer layers on each pipeline stage (0 = split automatically, balanced, counting the embedding and the "
+        "output as one layer each). First + (stages - 2) x this + last must equal model.n_layers; stages = pp x "
+        "virtual stages.",
         Range(1, also={0: "automatic"}),
     )
     pp_first_stage_layers: int = doc(
         -1,
-        "Transformer layers on the first pipeline stage, beside the embedding (-1 = pp_layers_per_stage - 1, as the embedding counts as a layer; automatic when that is 0 too). 0 = the embedding alone.",
+        "Transformer layers on the first pipeline stage, beside the embedding (-1 = pp_layers_per_stage - 1, as the "
+        "embedding counts as a layer; automatic when that is 0 too). 0 = the embedding alone.",
         Range(0, also={-1: "from pp_layers_per_stage"}),
     )
     pp_last_stage_layers: int = doc(
         -1,
-        "Transformer layers on the last pipeline stage, beside the final norm and output (-1 = pp_layers_per_stage - 1; automatic when that is 0 too). 0 = the output alone.",
+        "Transformer layers on the last pipeline stage, beside the final norm and output (-1 = pp_layers_per_stage - "
+        "1; automatic when that is 0 too). 0 = the output alone.",
         Range(0, also={-1: "from pp_layers_per_stage"}),
     )
     cp: int = doc(
         1,
-        "Context-parallel degree: each rank holds 1/cp of every sequence (a head and a tail chunk, balanced for causal attention); training.seq_len must divide by 2 cp (x tp).",
+        "Context-parallel degree: each rank holds 1/cp of every sequence (a head and a tail chunk, balanced for "
+        "causal attention); training.seq_len must divide by 2 cp (x tp).",
         POSITIVE,
     )
     activation_checkpoint: str = doc(
         "none",
-        f"{' | '.join(CHECKPOINT_MODES)} | selective:N (every N-th block): which blocks recompute their activations in backward (selective: every {SELECTIVE_EVERY}nd; selective:op: every block, saving matmul outputs).",
+        f"{' | '.join(CHECKPOINT_MODES)} | selective:N (every N-th block): which blocks recompute their activations "
+        f"in backward (selective: every {SELECTIVE_EVERY}nd; selective:op: every block, saving matmul outputs).",
         OneOf((*CHECKPOINT_MODES, "selective:N")),
     )
 
@@ -335,7 +358,8 @@ class Parallel:
 class Kernels:
     attention: str = doc(
         "auto",
-        "auto (triton on GPUs, sdpa on CPU) | triton (our flash attention; falls back to sdpa, saying why, where Triton cannot run) | sdpa (PyTorch scaled_dot_product_attention) | eager (plain reference).",
+        "auto (triton on GPUs, sdpa on CPU) | triton (our flash attention; falls back to sdpa, saying why, where "
+        "Triton cannot run) | sdpa (PyTorch scaled_dot_product_attention) | eager (plain reference).",
         OneOf(attention_impls, extra=("auto",)),
     )
     norm: str = doc(
@@ -382,12 +406,14 @@ class Eval:
     )
     held_out: float = doc(
         0.01,
-        "Share of the training documents held out for evaluation (and never trained on), chosen by a hash of each document's text: the same documents whatever the seed, order or ranks. Unused with eval.path or eval.name.",
+        "Share of the training documents held out for evaluation (and never trained on), chosen by a hash of each "
+        "document's text: the same documents whatever the seed, order or ranks. Unused with eval.path or eval.name.",
         Range(0, 1, open_high=True),
     )
     path: str = doc(
         "",
-        "A separate evaluation set: local file or folder (json, jsonl, txt, parquet), read with data.text_field. Then no training document is held out.",
+        "A separate evaluation set: local file or folder (json, jsonl, txt, parquet), read with data.text_field. Then "
+        "no training document is held out.",
         ExistingPath("Point it at a json, jsonl, txt or parquet file or a folder of them, or leave it empty."),
     )
     name: str = doc(
@@ -529,7 +555,8 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
     for item in overrides:
         if not item.startswith("--") or "=" not in item:
             raise ConfigError(
-                f"Cannot read the argument {item!r}: write overrides as --section.field=value, e.g. --training.steps=100."
+                f"Cannot read the argument {item!r}: write overrides as --section.field=value, e.g. "
+                "--training.steps=100."
             )
         key, _, value = item[2:].partition("=")
         _set(config, key, value)

@@ -1,5 +1,5 @@
-"""`trillion prepare-data` (trainer/cli/prepare_data.py): tokenize a corpus once, in parallel, into a token store (trainer/data/token_store.py) that
-`trillion train --data.prepared=DIR` reads by memory map.
+"""`trillion prepare-data` (trainer/cli/prepare_data.py): tokenize a corpus once, in parallel, into a
+token store (trainer/data/token_store.py) that `trillion train --data.prepared=DIR` reads by memory map.
 
 It reads any source `trillion train` reads (data.path, data.name, or the embedded default corpus)
 with the same tokenizer settings. The documents are cut into shards of consecutive documents;

@@ -8,7 +8,10 @@ from trillion.errors import ConfigError
 from trillion.trainer.config.schema import Tokenizer as TokenizerConfig
 
 # The pre-tokenization pattern of Llama 3 / cl100k, used for tiktoken ranks files.
-TIKTOKEN_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+TIKTOKEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 class ByteTokenizer:

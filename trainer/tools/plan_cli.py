@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--config-out",
         default=None,
-        help="where to write the best layout as a `trillion train` config (default: outputs/plan/<model>-<hardware>-<gpus>.toml; '' = do not write)",
+        help="where to write the best layout as a `trillion train` config "
+        "(default: outputs/plan/<model>-<hardware>-<gpus>.toml; '' = do not write)",
     )
     p.add_argument("--plot", metavar="DIR", default=None, help="write tradeoff.png and scaling.png there")
     p.add_argument(
@@ -119,7 +120,8 @@ def train_config_toml(request: Request, row: dict) -> str:
         setattr(config.parallel, key, row[key])
     config.compile.enabled = row["compile"]
     header = [
-        f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} ({request.hardware.device.name})",
+        f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} "
+        f"({request.hardware.device.name})",
         f"# predicted: {row['step_time_s']:.2f} s/step, {row['tokens_per_s']:,.0f} tokens/s, "
         f"MFU {row['mfu']:.1%}, {row['memory_gb']:.1f} of {row['memory_capacity_gb']:g} GB per GPU",
         f"# pipeline chunks per rank (virtual stages): {row['virtual_stages']}",
@@ -144,9 +146,9 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
     ]
     budget = request.tokens > 0
     head = (
-        f"{'#':>3} {'tp':>2} {'pp':>3} {'cp':>2} {'dp (rep x shard)':>18} {'schedule':>22} {'mb':>2} {'m':>5} {'ckpt':>9} "
-        f"{'step s':>7} {'tokens/s':>10} {'TF/GPU':>6} {'MFU%':>5} {'HFU%':>5} {'bub%':>5} {'imb%':>5} {'tp%':>4} "
-        f"{'pp%':>4} {'dp%':>4} {'cp%':>4} {'memory GB (P/G/O/A/B)':>28}"
+        f"{'#':>3} {'tp':>2} {'pp':>3} {'cp':>2} {'dp (rep x shard)':>18} {'schedule':>22} {'mb':>2} {'m':>5} "
+        f"{'ckpt':>9} {'step s':>7} {'tokens/s':>10} {'TF/GPU':>6} {'MFU%':>5} {'HFU%':>5} {'bub%':>5} {'imb%':>5} "
+        f"{'tp%':>4} {'pp%':>4} {'dp%':>4} {'cp%':>4} {'memory GB (P/G/O/A/B)':>28}"
     )
     if budget:
         head += f" {'days':>6} {'GPU-h':>9} {'MWh':>7} {'cost $':>10}"
@@ -161,14 +163,18 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
             f"{mem[k]:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "buffers")
         )
         line = (
-            f"{i:>3} {r['tp']:>2} {r['pp']:>3} {r['cp']:>2} {dp:>18} {sched:>22} {r['micro_batch_size']:>2} {r['microbatches']:>5} "
-            f"{r['activation_checkpoint']:>9} {r['step_time_s']:>7.2f} {r['tokens_per_s']:>10,.0f} "
-            f"{r['tflops_per_gpu']:>6.1f} {_pct(r['mfu']):>5} {_pct(r['hfu']):>5} {_pct(sh['bubble']):>5} "
-            f"{_pct(sh['imbalance']):>5} {_pct(sh['tp_exposed']):>4} {_pct(sh['pp_exposed']):>4} {_pct(sh['dp_exposed']):>4} {_pct(sh['cp_exposed']):>4} "
+            f"{i:>3} {r['tp']:>2} {r['pp']:>3} {r['cp']:>2} {dp:>18} {sched:>22} {r['micro_batch_size']:>2} "
+            f"{r['microbatches']:>5} {r['activation_checkpoint']:>9} {r['step_time_s']:>7.2f} "
+            f"{r['tokens_per_s']:>10,.0f} {r['tflops_per_gpu']:>6.1f} {_pct(r['mfu']):>5} {_pct(r['hfu']):>5} "
+            f"{_pct(sh['bubble']):>5} {_pct(sh['imbalance']):>5} {_pct(sh['tp_exposed']):>4} "
+            f"{_pct(sh['pp_exposed']):>4} {_pct(sh['dp_exposed']):>4} {_pct(sh['cp_exposed']):>4} "
             f"{breakdown + ' = ' + format(r['memory_gb'], '.1f'):>28}"
         )
         if budget:
-            line += f" {r['time_to_train_days']:>6.1f} {r['gpu_hours']:>9.3g} {r['energy_mwh']:>7.3g} {r['cost_usd']:>10.3g}"
+            line += (
+                f" {r['time_to_train_days']:>6.1f} {r['gpu_hours']:>9.3g} "
+                f"{r['energy_mwh']:>7.3g} {r['cost_usd']:>10.3g}"
+            )
         lines.append(line)
     return "\n".join(lines)
 

@@ -202,7 +202,8 @@ def main(argv: list[str]) -> int:
 
 def format_trials(trials: list[dict]) -> str:
     lines = [
-        f"{'round':>5} {'steps':>5} {'tp':>3} {'pp':>3} {'dp':>7} {'mode':>6} {'mb':>3} {'ckpt':>10} {'tokens/s':>12}  error"
+        f"{'round':>5} {'steps':>5} {'tp':>3} {'pp':>3} {'dp':>7} {'mode':>6} {'mb':>3} "
+        f"{'ckpt':>10} {'tokens/s':>12}  error"
     ]
     for r in trials:
         speed = f"{r['tokens_per_s']:>12,.0f}" if r["tokens_per_s"] is not None else f"{'-':>12}"

@@ -224,16 +224,10 @@ class _Simulation:
     def _stage_facts(self, shape, dims, hidden):
         index = self.plan.index_of(shape)
         inputs, target = micro_batch_data(self.config, shape, hidden, self.micro_batch, self.dims.cp)
-        run = lambda measure: stage_facts(
-            self.config,
-            self.source,
-            dims,
-            self.plan.ranges[index],
-            shape,  # noqa: E731
-            inputs,
-            target,
-            measure,
-        )
+
+        def run(measure):
+            return stage_facts(self.config, self.source, dims, self.plan.ranges[index], shape, inputs, target, measure)
+
         if self.measure:
             try:
                 return run(True)

@@ -9,8 +9,9 @@ the LR schedule, train_step with its data-parallel token count, clipping and opt
 metrics. The model keeps the preset's heads (so the same TP splits and FSDP groups exist) and, with
 pipelining, its layers (the same stages); without, two activation-checkpointing periods of blocks.
 It has two dimensions per head, a vocabulary just large enough for the byte tokenizer and divisible
-by tp, and sequences of 4 tp tokens; each pipeline takes max(2, pp) micro-batches of one sequence. Off for the run: compile, checkpoints, W&B. fp16 becomes bf16 (the trainer refuses
-fp16 across ranks). Collectives on the fake backend complete without moving data, so losses and
+by tp, and sequences of 4 tp tokens; each pipeline takes max(2, pp) micro-batches of one sequence.
+Off for the run: compile, checkpoints, W&B. fp16 becomes bf16 (the trainer refuses fp16 across
+ranks). Collectives on the fake backend complete without moving data, so losses and
 norms are meaningless; what is shown is that every call of the loop runs with this mesh, these
 shard shapes and this checkpointing.
 
