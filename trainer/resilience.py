@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from trillion.errors import RunAborted
+from trillion.errors import Interrupted, RunAborted
 from trillion.trainer.config.schema import Training as TrainingConfig
 
 log = logging.getLogger("trillion")
@@ -83,16 +83,18 @@ class NonFiniteGuard:
             )
 
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # a scheduler's kill and SLURM's warning (--signal=USR1@T)
+# a scheduler's kill, SLURM's warning (--signal=USR1@T) and Ctrl-C
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopPolicy:
     """Where this job stops. The schedule always follows training.steps; an early stop only ends
     this job (after a checkpoint), so a chain of jobs equals one unbroken run.
 
-    SIGTERM and SIGUSR1 only set a flag: the step in progress finishes, every rank agrees to stop
-    after the same step (one rank may be signalled before the others), the checkpoint is saved and
-    the job exits 0. `close` restores the previous handlers."""
+    SIGTERM, SIGUSR1 and a first Ctrl-C (SIGINT) only set a flag: the step in progress finishes, every
+    rank agrees to stop after the same step (one rank may be signalled before the others), the
+    checkpoint is saved and the job exits (0, or 130 after Ctrl-C: `interrupted`). A second Ctrl-C
+    stops at once (Interrupted, exit 130). `close` restores the previous handlers."""
 
     def __init__(self, cfg: TrainingConfig, first_step: int, device: torch.device, job_start: float):
         self.steps = cfg.steps
@@ -102,11 +104,19 @@ class StopPolicy:
         self.reason, self.signalled = "", ""
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
-            self.previous = {sig: signal.signal(sig, self._on_signal) for sig in PREEMPTION_SIGNALS}
+            self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether the user stopped this job with Ctrl-C."""
+        return self.signalled == "SIGINT"
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.interrupted:
+            raise Interrupted("interrupted again (Ctrl-C): stopped at once, without saving this step")
         self.signalled = signal.Signals(signum).name
-        log.warning("%s received: saving a checkpoint after the current step, then exiting", self.signalled)
+        again = " (Ctrl-C again stops at once)" if self.interrupted else ""
+        log.warning("%s received: saving a checkpoint after the current step, then exiting%s", self.signalled, again)
 
     def close(self) -> None:
         for sig, handler in self.previous.items():

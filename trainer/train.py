@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from trillion.errors import RunAborted
+from trillion.errors import Interrupted, RunAborted
 from trillion.models.flops import count_params, hardware_flops_per_token, model_flops_per_token
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.context_parallel import shard_batch
@@ -29,13 +29,13 @@ from trillion.trainer.assemble import (
     validate_training,
 )
 from trillion.trainer.checkpoint import CheckpointManager
-from trillion.trainer.checkpoint.manager import RunRecord
+from trillion.trainer.checkpoint.manager import RunRecord, check_run_directory, write_run_config
 from trillion.trainer.checkpoint.state import RunStates
 from trillion.trainer.config import Config, to_toml
 from trillion.trainer.config.schema import Training
 from trillion.trainer.data import build_data_loader, build_tokenizer, held_out_fraction
 from trillion.trainer.evaluate import Evaluator, build_evaluator
-from trillion.trainer.launch import LaunchEnv, check_same_config, init_launch_env
+from trillion.trainer.launch import LaunchEnv, RunDirectoryLock, check_same_config, init_launch_env, restarted
 from trillion.trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
 from trillion.trainer.metrics.meters import StepLog
 from trillion.trainer.metrics.pipeline_timeline import PipelineTimeline
@@ -121,12 +121,15 @@ class Run:
     profiler: StepProfiler
     timeline: PipelineTimeline | None
     hooks: RunHooks
+    lock: RunDirectoryLock | None  # rank 0's hold on the run directory
 
     def close(self) -> None:
         self.stop.close()
         self.profiler.close()
         self.checkpointer.close()
         self.log.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
 @dataclasses.dataclass
@@ -146,7 +149,7 @@ def train(config: Config, *, hooks: RunHooks | None = None) -> dict:
     """Run the configured training; returns the last logged metrics record."""
     run = set_up(config, hooks or RunHooks())
     try:
-        return train_loop(run)
+        record = train_loop(run)
     except RuntimeError as error:  # torch.distributed.DistError included
         if "timed out" not in str(error).lower() and "timeout" not in str(error).lower():
             raise
@@ -158,6 +161,12 @@ def train(config: Config, *, hooks: RunHooks | None = None) -> dict:
         ) from None
     finally:
         run.close()
+    if run.stop.interrupted:
+        raise Interrupted(
+            f"interrupted (Ctrl-C) after step {run.counters.step} of {run.training.steps}: its checkpoint is saved, "
+            "and the same command continues the run."
+        )
+    return record
 
 
 def train_loop(run: Run) -> dict:
@@ -244,11 +253,27 @@ def step_record(run: Run, step: int, done: StepDone, values, evaluation: dict, c
 
 def set_up(config: Config, hooks: RunHooks) -> Run:
     """Launch env, layout and data first (a bad setting or an unreadable dataset fails before any model
-    work), then the model, optimizer and checkpoints (resuming if the run has one), then the meters."""
+    work), then the model, optimizer and checkpoints (resuming if the run has one), then the meters.
+    Rank 0 holds the run directory's lock from here to Run.close."""
     job_start = time.monotonic()  # training.exit_after_minutes counts set-up and loading too
     env = init_launch_env(config.job.device, config.job.collective_timeout_s)
     check_same_config(to_toml(config))
     validate_training(config, env)
+    output_dir, lock = Path(config.job.output_dir), None
+    if env.is_logging_rank:
+        lock = RunDirectoryLock(output_dir)
+        lock.acquire()
+    try:
+        if lock is not None:
+            check_run_directory(output_dir, overwrite=config.job.overwrite, restarted=restarted())
+        return _set_up_locked(config, hooks, env, job_start, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: float, lock) -> Run:
     t = config.training
     tokenizer = build_tokenizer(config.tokenizer)
     model_args = build_model_args(config, tokenizer.vocab_size)
@@ -264,10 +289,6 @@ def set_up(config: Config, hooks: RunHooks) -> Run:
         global_batch_size=t.global_batch_size,
     )  # before any allocation or file
     loader, first_batch, evaluator = read_data(config, tokenizer, dims, micro_batch_size, env.device)
-    output_dir = Path(config.job.output_dir)
-    if env.is_logging_rank:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.toml").write_text(to_toml(config))
     dtype = compute_dtype(t.dtype, env.device.type)
     runner, pipeline, optimizer, scheduler, counters, checkpointer = build_training(
         config, env, model_args, dims, n_microbatches, loader, dtype
@@ -294,6 +315,7 @@ def set_up(config: Config, hooks: RunHooks) -> Run:
         StopPolicy(t, counters.step, env.device, job_start),
         *observers(config, env, model_args, pipeline, counters, evaluator, dtype, n_microbatches),
         hooks,
+        lock,
     )
 
 
@@ -316,6 +338,8 @@ def build_training(config: Config, env: LaunchEnv, model_args, dims: ParallelDim
         is_rank0=env.is_logging_rank,
     )
     checkpointer.resume()
+    if env.is_logging_rank:  # the run is accepted: its resolved settings become the directory's record
+        write_run_config(Path(config.job.output_dir), to_toml(config))
     if counters.step >= config.training.steps:
         log.info(
             "%s already holds a run finished at step %d (training.steps=%d): nothing to train. Raise "

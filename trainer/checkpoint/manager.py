@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -69,6 +70,41 @@ def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.glob("step-*") if is_complete(p))
+
+
+def check_run_directory(output_dir: Path, *, overwrite: bool, restarted: bool) -> None:
+    """Refuse, before any work, a run directory this run would damage: a config.toml that does not
+    parse (the record of an earlier run's settings, never silently replaced), or an earlier run's
+    metrics with no checkpoint to continue from (a fresh start would replace them; job.overwrite
+    allows it, and a restart of the same job continues its own records)."""
+    config_file = output_dir / CONFIG_FILE
+    if config_file.is_file():
+        try:
+            tomllib.loads(config_file.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+            raise ConfigError(
+                f"{config_file} does not parse ({error}): it records the settings of the run in "
+                f"job.output_dir={output_dir}. Repair or remove it, or give another --job.output_dir."
+            ) from None
+    metrics = output_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size and not complete_checkpoints(output_dir / "checkpoints"):
+        if overwrite or restarted:
+            log.warning(
+                "%s holds an earlier run's metrics and no checkpoint: starting afresh, replacing them", output_dir
+            )
+            return
+        raise ConfigError(
+            f"job.output_dir={output_dir} holds the metrics of an earlier run but no checkpoint to continue it from; "
+            "a fresh start would replace them. Give a new --job.output_dir, or pass --job.overwrite=true to start "
+            "afresh there."
+        )
+
+
+def write_run_config(output_dir: Path, config_toml: str) -> None:
+    """config.toml, once the run is accepted (after the resume checks), replaced atomically."""
+    staged = output_dir / f".{CONFIG_FILE}.staging"
+    _write_synced(staged, config_toml)
+    os.replace(staged, output_dir / CONFIG_FILE)
 
 
 def remove_partial(root: Path) -> list[str]:

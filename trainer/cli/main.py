@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None, *, hooks=None) -> int:
     try:
         module = entry_module(argv[0])
         return module.main(argv[1:], hooks) if hooks is not None else module.main(argv[1:])
+    except KeyboardInterrupt as error:  # Ctrl-C: one line, no traceback, the shell's status for SIGINT
+        print(f"trillion {argv[0]}: {error or 'interrupted (Ctrl-C)'}", file=sys.stderr)
+        return 130
     except (ConfigError, RunAborted) as error:
         status = 2 if isinstance(error, ConfigError) else 1
         print(f"trillion {argv[0]}: {error}", file=sys.stderr)

@@ -24,7 +24,7 @@ def main(argv: list[str], hooks: RunHooks | None = None) -> int:
             overrides.append(arg)
     try:
         train(load_config(config_path, overrides), hooks=hooks)
-    except (ConfigError, RunAborted):
+    except (ConfigError, RunAborted, KeyboardInterrupt):
         # Leave the process group before the error reaches the CLI: a rank that exits with gloo's
         # threads still attached to a peer that has gone can abort in C++ (exit -6) instead of 2 or 1.
         if dist.is_available() and dist.is_initialized():

@@ -69,6 +69,12 @@ class Job:
         "hanging.",
         Range(0, open_low=True),
     )
+    overwrite: bool = doc(
+        False,
+        "Start afresh in a job.output_dir that holds an earlier run's metrics but no checkpoint to resume from (its "
+        "metrics.jsonl is replaced); without it such a start is refused.",
+        Flag(),
+    )
 
 
 @dataclass

@@ -36,6 +36,12 @@ def _env_int(name: str, default: int) -> int:
         raise ConfigError(f"Environment variable {name}={value!r} must be an integer; check the launcher.") from None
 
 
+def restarted() -> bool:
+    """Whether this process is a restart of its job (torchrun --max-restarts, a SLURM requeue): the run
+    directory's records are then the same job's own."""
+    return _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 or _env_int("SLURM_RESTART_COUNT", 0) > 0
+
+
 def pick_device(requested: str, local_rank: int) -> torch.device:
     """auto: the GPU of this local rank when there is one (CUDA or ROCm), else the CPU."""
     if requested not in ("auto", "cpu", "cuda"):
