@@ -41,7 +41,16 @@ def test_every_field_declares_its_check():
 
 
 def test_defaults_pass_their_own_checks():
-    load_config(None, [])
+    defaults = Config()
+    refused = []
+    for section, f in fields():
+        value, check = getattr(getattr(defaults, section), f.name), f.metadata.get("check")
+        problem = check.problem(value) if check is not None else None
+        if problem:
+            refused.append(f"{section}.{f.name}={value!r} {problem}")
+    assert not refused
+    # and together: no flag at all loads the declared defaults, relations between fields checked too
+    assert load_config(None, []) == defaults
 
 
 @pytest.mark.parametrize(("key", "value"), list(bad_cases()))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trillion.errors import ConfigError
-from trillion.trainer.checkpoint.resume_check import check_resume_config
-from trillion.trainer.config.schema import Data, load_config
+from trillion.trainer.checkpoint.resume_check import check_resume_config, settings
+from trillion.trainer.config.schema import Data, load_config, to_toml
 from trillion.trainer.data.loader import build_data_loader, dealt_windows
 from trillion.trainer.data.tokenizer import ByteTokenizer
 
@@ -140,9 +140,9 @@ def test_a_checkpoint_from_before_lanes_resumes_only_with_one_lane(tmp_path):
     refused with the flag that continues it, and --data.lanes=1 resumes."""
     saved = {"data.path": "", "data.prepared": "", "eval.held_out": 0.01}
     with pytest.raises(ConfigError, match=r"data.lanes was 1 there and is 8 now .*--data.lanes=1"):
-        check_resume_config(saved, load_config(), tmp_path)
-    check_resume_config(saved, load_config(None, ["--data.lanes=1"]), tmp_path)
-    check_resume_config({**saved, "data.lanes": 8}, load_config(), tmp_path)
+        check_resume_config(saved, settings(to_toml(load_config())), tmp_path)
+    check_resume_config(saved, settings(to_toml(load_config(None, ["--data.lanes=1"]))), tmp_path)
+    check_resume_config({**saved, "data.lanes": 8}, settings(to_toml(load_config())), tmp_path)
 
 
 def test_held_out_documents_never_reach_a_lane(jsonl):
@@ -208,7 +208,10 @@ def test_dealt_windows_span_the_documents_and_never_repeat_one():
     docs = [[d * 100 + t for t in range(n)] for d, n in enumerate([9, 3, 20, 8])]
     windows = dealt_windows(iter(docs), 2, 4, 100).tolist()
     lane0, lane1 = docs[0] + docs[2], docs[1] + docs[3]  # 29 and 11 tokens: 7 and 2 whole windows
-    cut = lambda tokens: [tokens[i : i + 4] for i in range(0, len(tokens) - 3, 4)]
+
+    def cut(tokens):
+        return [tokens[i : i + 4] for i in range(0, len(tokens) - 3, 4)]
+
     assert windows == [cut(lane0)[0], cut(lane1)[0], cut(lane0)[1], cut(lane1)[1], *cut(lane0)[2:]]
     assert dealt_windows(iter(docs), 2, 4, 3).tolist() == windows[:3]
     joined = [t for doc in docs for t in doc]

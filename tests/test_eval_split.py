@@ -94,10 +94,12 @@ def test_default_corpus_split_is_seed_independent():
 
 def test_changing_the_split_refuses_to_resume(tmp_path):
     from trillion.errors import ConfigError
-    from trillion.trainer.checkpoint.resume_check import check_resume_config
-    from trillion.trainer.config.schema import load_config
+    from trillion.trainer.checkpoint.resume_check import check_resume_config, settings
+    from trillion.trainer.config.schema import load_config, to_toml
+
+    current = settings(to_toml(load_config()))
 
     saved = {"eval.held_out": 0.01, "eval.path": "", "eval.name": "", "eval.interval": 50, "data.lanes": 8}
-    check_resume_config({**saved, "eval.interval": 10}, load_config(), tmp_path)  # how often: no new run
+    check_resume_config({**saved, "eval.interval": 10}, current, tmp_path)  # how often: no new run
     with pytest.raises(ConfigError, match=r"eval.held_out was 0.02 there .* \(which documents training skips\)"):
-        check_resume_config({**saved, "eval.held_out": 0.02}, load_config(), tmp_path)
+        check_resume_config({**saved, "eval.held_out": 0.02}, current, tmp_path)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.flags import TINY_BATCH, with_flags
 from trillion.errors import ConfigError
 from trillion.models import PRESETS, Transformer
 from trillion.parallel.dims import ParallelDims
@@ -20,7 +21,7 @@ from trillion.trainer.data.tokenizer import ByteTokenizer
 from trillion.trainer.evaluate import build_evaluator, eval_batch_size
 
 DOCS = [f"<doc {i:03d}> " + "text " * (i % 9 + 3) for i in range(200)]
-SMALL = ["--training.seq_len=16", "--training.global_batch_size=4", "--training.micro_batch_size=2"]
+SMALL = with_flags(TINY_BATCH, "--training.seq_len=16")
 
 
 @pytest.fixture
@@ -32,7 +33,17 @@ def corpus(tmp_path):
 
 def evaluator(corpus, *extra):
     config = load_config(None, [f"--data.path={corpus}", *SMALL, *extra])
-    return build_evaluator(config, ByteTokenizer(), ParallelDims(world_size=1), 2, torch.device("cpu"))
+    t = config.training
+    return build_evaluator(
+        config.eval,
+        config.data,
+        ByteTokenizer(),
+        ParallelDims(world_size=1),
+        seq_len=t.seq_len,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=2,
+        device=torch.device("cpu"),
+    )
 
 
 def dealt(docs, lanes, window=17):

@@ -9,9 +9,10 @@ import sys
 import time
 
 import pytest
-from fault_record import report
-from test_launch import TINY, clean_env
 
+from tests.helpers.fault_record import report
+from tests.helpers.flags import LAUNCH
+from tests.helpers.launch import clean_env
 from trillion.errors import RunAborted
 from trillion.trainer.launch import rendezvous
 
@@ -26,7 +27,7 @@ def srun(per_rank_args: list[list[str]], tmp_path, **env):
                 "-m",
                 "trillion",
                 "train",
-                *TINY,
+                *LAUNCH,
                 f"--job.output_dir={tmp_path / 'run'}",
                 "--job.collective_timeout_s=300",
                 *args,

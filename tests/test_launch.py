@@ -6,30 +6,10 @@ import random
 import subprocess
 import sys
 
-from fault_record import report
-from wandb_records import offline_run
-
-TINY = [
-    "--model.n_layers=1",
-    "--model.dim=64",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.ffn_dim=128",
-    "--training.seq_len=32",
-    "--training.global_batch_size=4",
-    "--training.micro_batch_size=2",
-    "--training.steps=4",
-    "--metrics.log_freq=2",
-    "--parallel.dp_shard=2",
-    "--job.device=cpu",
-]
-
-
-def clean_env(**extra):
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))
-    }
-    return {**env, "WANDB_MODE": "offline", **extra}
+from tests.helpers.fault_record import report
+from tests.helpers.flags import LAUNCH
+from tests.helpers.launch import clean_env
+from tests.helpers.wandb_records import offline_run
 
 
 def test_srun_style_launch_trains_and_logs_from_one_rank(tmp_path):
@@ -38,7 +18,7 @@ def test_srun_style_launch_trains_and_logs_from_one_rank(tmp_path):
     job = str(random.randint(1000, 9999))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "trillion", "train", *TINY, f"--job.output_dir={out}"],
+            [sys.executable, "-m", "trillion", "train", *LAUNCH, f"--job.output_dir={out}"],
             env=clean_env(
                 SLURM_PROCID=str(rank),
                 SLURM_LOCALID=str(rank),
@@ -75,7 +55,7 @@ def test_torchrun_launch_with_profiling_writes_a_trace_per_rank(tmp_path):
             "-m",
             "trillion",
             "train",
-            *TINY,
+            *LAUNCH,
             f"--job.output_dir={out}",
             "--logging.wandb=false",
             "--profiling.enabled=true",
@@ -95,9 +75,15 @@ def test_torchrun_launch_with_profiling_writes_a_trace_per_rank(tmp_path):
         events = json.loads(trace.read_text())["traceEvents"]
         assert any(e.get("name", "").startswith("ProfilerStep#") for e in events)
         assert any(e.get("name") == "aten::mm" or e.get("name") == "aten::addmm" for e in events)
-    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    for phase in ("data", "forward_backward", "optimizer", "checkpoint"):
-        assert last[f"time_{phase}_s"] >= 0
+    # Records of steps 1, 2 and 4 (log_freq 2). Step 4's phases were timed inside step 4, which the
+    # record's step_time_s + data_wait_s average over with step 3; the checkpoint time is that of
+    # steps 2 and 3's saves (a poll each), between the writes of the step-2 and step-4 records.
+    previous, last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()[-2:]]
+    assert (previous["step"], last["step"]) == (2, 4)
+    phases = {phase: last[f"time_{phase}_s"] for phase in ("data", "forward_backward", "optimizer")}
+    assert all(seconds > 0 for seconds in phases.values()), phases
+    assert sum(phases.values()) <= 2 * (last["step_time_s"] + last["data_wait_s"]), (phases, last)
+    assert 0 < last["time_checkpoint_s"] <= last["time"] - previous["time"], last
     assert last["time_forward_backward_s"] > last["time_data_s"]
 
 
@@ -113,7 +99,7 @@ def test_a_hung_rank_ends_the_job_with_the_step_and_rank(tmp_path):
             "--standalone",
             "--nproc-per-node=2",
             entry,
-            *TINY,
+            *LAUNCH,
             f"--job.output_dir={out}",
             "--logging.wandb=false",
             "--job.collective_timeout_s=5",

@@ -2,8 +2,7 @@
 
 from pathlib import Path
 
-from wandb_records import offline_run
-
+from tests.helpers.wandb_records import offline_run
 from trillion.trainer.config.schema import Logging
 from trillion.trainer.metrics.meters import MetricsSink
 

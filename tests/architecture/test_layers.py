@@ -1,12 +1,14 @@
 """The package's layers point one way: trillion.errors / trillion.devices <- kernels <- models <-
-parallel <- trainer. Read from the source (AST), so a lazy import inside a function counts too."""
+parallel <- trainer. Read from the source (AST), so a lazy import inside a function counts too, and
+so does a module named in a string (`importlib.import_module("trillion.trainer...")`, see source_graph.py)."""
 
-import ast
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from tests.architecture.source_graph import imports_of
 
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"trillion": 0, "kernels": 1, "models": 2, "parallel": 3, "trainer": 4}  # folder -> layer
@@ -22,43 +24,68 @@ def layer_of_module(name: str) -> int | None:
     return LAYER_OF_PACKAGE.get(parts[1], 0) if len(parts) > 1 else 0
 
 
-def imported_modules(path: Path) -> list[tuple[int, str]]:
-    found = []
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.append((node.lineno, node.module))
-    return found
-
-
-def upward_edges() -> list[str]:
+def upward_edges(root: Path) -> list[str]:
     edges = []
     for folder, layer in FOLDERS.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            if str(path.relative_to(ROOT)) in ENTRY_POINTS:
+        for path in sorted((root / folder).rglob("*.py")):
+            where = path.relative_to(root)
+            if str(where) in ENTRY_POINTS:
                 continue
-            for line, module in imported_modules(path):
-                if module.split(".")[0] in LAYER_OF_PACKAGE:
-                    edges.append(f"{path.relative_to(ROOT)}:{line} imports {module} outside the trillion namespace")
-                target = layer_of_module(module)
+            for found in imports_of(root, path):
+                if found.module.split(".")[0] in LAYER_OF_PACKAGE:
+                    edges.append(f"{where}:{found.line} imports {found.module} outside the trillion namespace")
+                target = layer_of_module(found.module)
                 if target is not None and target > layer:
-                    edges.append(f"{path.relative_to(ROOT)}:{line} imports {module} (layer {target} > {layer})")
+                    edges.append(f"{where}:{found.line} {found.how} {found.module} (layer {target} > {layer})")
     return edges
 
 
 def test_no_module_imports_a_higher_layer():
-    assert upward_edges() == []
+    assert upward_edges(ROOT) == []
 
 
-def test_the_check_sees_an_upward_import(tmp_path, monkeypatch):
-    # The walk must notice a planted upward edge, or the test above proves nothing.
-    fake_root = tmp_path
+def plant(root: Path, files: dict[str, str]) -> Path:
     for folder in FOLDERS:
-        (fake_root / folder).mkdir()
-    (fake_root / "models" / "bad.py").write_text("def f():\n    from trillion.trainer.config.schema import Config\n")
-    monkeypatch.setattr(__import__(__name__), "ROOT", fake_root)
-    assert upward_edges() == ["models/bad.py:2 imports trillion.trainer.config.schema (layer 4 > 2)"]
+        (root / folder).mkdir(exist_ok=True)
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    # The walk must notice a planted upward edge, or the test above proves nothing.
+    root = plant(tmp_path, {"models/bad.py": "def f():\n    from trillion.trainer.config.schema import Config\n"})
+    assert upward_edges(root) == ["models/bad.py:2 imports trillion.trainer.config.schema (layer 4 > 2)"]
+
+
+def test_the_check_sees_a_module_named_in_a_string(tmp_path):
+    # import_module, a "module:NAME" entry and a patched "module.attribute" all name a module (the
+    # longest prefix with a file: models/hf.py is absent here); a docstring that mentions one does not.
+    root = plant(
+        tmp_path,
+        {
+            "trainer/__init__.py": "",
+            "trainer/train.py": "def train(): ...\n",
+            "models/__init__.py": "",
+            "parallel/__init__.py": "",
+            "parallel/mesh.py": "def build_mesh(): ...\n",
+            "kernels/bad.py": (
+                '"""Called by trillion.trainer.train, the layer above."""\n'
+                "import importlib\n"
+                "def f():\n"
+                '    """Not trillion.models either."""\n'
+                '    return importlib.import_module("trillion.trainer.train")\n'
+                'ENTRY = "trillion.models.hf:to_hf_state_dict"\n'
+                'PATCHED = ("trillion.parallel.mesh.build_mesh", "trillion.errors.ConfigError")\n'
+            ),
+        },
+    )
+    assert upward_edges(root) == [
+        "kernels/bad.py:5 names 'trillion.trainer.train', so imports trillion.trainer.train (layer 4 > 1)",
+        "kernels/bad.py:6 names 'trillion.models.hf', so imports trillion.models (layer 2 > 1)",
+        "kernels/bad.py:7 names 'trillion.parallel.mesh.build_mesh', so imports trillion.parallel.mesh (layer 3 > 1)",
+    ]
 
 
 def test_trillion_is_the_only_installed_top_level_name(tmp_path):

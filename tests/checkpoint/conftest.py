@@ -1,5 +1,6 @@
 import pytest
-from runs import losses, run
+
+from tests.helpers.runs import losses, run
 
 
 def pytest_collection_modifyitems(items):

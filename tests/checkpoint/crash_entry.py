@@ -6,11 +6,12 @@ import signal
 import sys
 import time
 
-import trillion.trainer.train
 from trillion.trainer.cli.main import main
+from trillion.trainer.train import RunHooks, train_step
 
+hooks = None
 if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
-    original, calls = trillion.trainer.train.train_step, []
+    calls = []
 
     def dying_train_step(*args, **kwargs):
         calls.append(1)
@@ -19,8 +20,8 @@ if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK"
                 with open(os.environ["FAULT_STAMP"], "w") as stamp:
                     stamp.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
-        return original(*args, **kwargs)
+        return train_step(*args, **kwargs)
 
-    trillion.trainer.train.train_step = dying_train_step
+    hooks = RunHooks(step=dying_train_step)
 
-sys.exit(main(["train", *sys.argv[1:]]))
+sys.exit(main(["train", *sys.argv[1:]], hooks=hooks))

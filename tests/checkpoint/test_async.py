@@ -6,10 +6,10 @@ import sys
 import time
 from pathlib import Path
 
-from runs import checkpoints, losses, run
 from torch.distributed.checkpoint import FileSystemWriter
 
 import trillion.trainer.checkpoint.manager
+from tests.helpers.runs import checkpoints, losses, run
 
 
 def test_async_saves_overlap_training_and_publish_only_when_written(straight, tmp_path, monkeypatch):

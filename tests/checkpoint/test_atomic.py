@@ -6,10 +6,11 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_record import first_step_time, report
-from runs import TINY, checkpoints, losses, run
 from torch.distributed.checkpoint import FileSystemWriter
 
+from tests.helpers.fault_record import first_step_time, report
+from tests.helpers.flags import TINY
+from tests.helpers.runs import checkpoints, losses, run
 from trillion.trainer.checkpoint.manager import CheckpointError
 from trillion.trainer.cli.main import main
 

@@ -4,8 +4,8 @@ fingerprint saved in the checkpoint and refused, naming the files and the flag t
 import json
 import os
 
-from runs import TINY, run
-
+from tests.helpers.flags import TINY
+from tests.helpers.runs import run
 from trillion.trainer.cli.main import main
 
 

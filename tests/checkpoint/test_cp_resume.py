@@ -4,15 +4,12 @@ one-process loss curve (gloo, fp32)."""
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import torch
-from runs import losses, run
-from test_distributed import _as_launched
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
-from spawn import run_ranks  # noqa: E402
+from tests.helpers.runs import losses, run
+from tests.helpers.spawn import as_launched, run_ranks
 
 CP = ["--parallel.cp=2", "--parallel.dp_shard=1"]
 SAVE = ["--checkpoint.interval=2", "--checkpoint.keep_latest=0"]
@@ -24,7 +21,7 @@ def _step_2_of(source: Path, target: Path) -> None:
 
 
 def _cp_runs(rank, world_size, root):
-    _as_launched(rank, world_size)
+    as_launched(rank, world_size)
     run(root / "cp2", *CP, *SAVE, steps=4)
     run(root / "one-then-cp2", *CP, steps=4)
 
@@ -42,7 +39,7 @@ def test_cp2_checkpoint_resumes_in_one_process_and_back(tmp_path):
         got = losses(tmp_path / name)
         assert [step for step, _ in got] == [1, 2, 3, 4], name  # the resumed runs keep steps 1-2's records
         torch.testing.assert_close(
-            [l for _, l in got], [l for _, l in reference], rtol=1e-5, atol=0, msg=lambda m: f"{name}: {m}"
+            [loss for _, loss in got], [loss for _, loss in reference], rtol=1e-5, atol=0, msg=lambda m: f"{name}: {m}"
         )
     for resumed, source in (("one-then-cp2", "one"), ("cp2-then-one", "cp2")):  # steps 3-4 trained again
         records = [

@@ -6,32 +6,24 @@ curve."""
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from fault_record import first_step_time, report
-from runs import TINY, losses, run
-from test_resume import read_checkpoint
 
-import trillion.trainer.train
+from tests.helpers.fault_record import first_step_time, report
+from tests.helpers.flags import TINY
+from tests.helpers.runs import losses, read_checkpoint, run
+from tests.helpers.spawn import as_launched, run_ranks
 from trillion.trainer.cli.main import main
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
-from spawn import run_ranks  # noqa: E402
+from trillion.trainer.train import RunHooks
 
 FSDP = ["--parallel.dp_shard=2"]
 FSDP_TP = ["--parallel.dp_shard=2", "--parallel.tp=2"]
 
 
-def _as_launched(rank: int, world_size: int) -> None:
-    """What torchrun would have set: train() then joins the group the harness already made."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-
-
 def _exact_resume(rank, world_size, root):
-    _as_launched(rank, world_size)
+    as_launched(rank, world_size)
     run(root / "straight", *FSDP, steps=4)
     saving = ["--checkpoint.async_mode=async", "--checkpoint.interval=1"]  # async writes beside FSDP's collectives
     run(root / "chained", *FSDP, *saving, "--training.exit_interval=2", steps=4)
@@ -51,12 +43,12 @@ def test_fsdp_resume_is_exact_and_starts_from_hf_weights(tmp_path):
 
 
 def _save_fsdp_tp(rank, world_size, root):
-    _as_launched(rank, world_size)
+    as_launched(rank, world_size)
     run(root / "4ranks", *FSDP_TP, "--checkpoint.interval=2", "--checkpoint.keep_latest=0", steps=3)
 
 
 def _continue_and_reload(rank, world_size, root, layout):
-    _as_launched(rank, world_size)
+    as_launched(rank, world_size)
     _continue(root, layout)
 
 
@@ -68,23 +60,20 @@ def _continue(root: Path, layout: list[str]) -> None:
 
 def _reload(root: Path, layout: list[str]) -> None:
     """A run whose step does nothing saves right away, which writes back exactly what was loaded."""
-    original, trillion.trainer.train.train_step = (
-        trillion.trainer.train.train_step,
-        lambda *args, **kwargs: (torch.zeros(()), torch.zeros(())),
-    )
-    try:
-        run(root / f"reloaded-{len(layout)}", *layout, steps=3)
-    finally:
-        trillion.trainer.train.train_step = original
+
+    def no_step(*args, **kwargs):
+        return torch.zeros(()), torch.zeros(())
+
+    run(root / f"reloaded-{len(layout)}", *layout, steps=3, hooks=RunHooks(step=no_step))
 
 
 def _reload_on(rank, world_size, root, layout):
-    _as_launched(rank, world_size)
+    as_launched(rank, world_size)
     _reload(root, layout)
 
 
 def _save_step_2(rank, world_size, root):
-    _as_launched(rank, world_size)
+    as_launched(rank, world_size)
     run(root / "4ranks", *FSDP_TP, steps=2)
 
 
@@ -171,5 +160,5 @@ def test_torchrun_restarts_a_killed_rank_and_ends_on_the_same_loss(tmp_path):
 
 
 def _straight(rank, world_size, root):
-    _as_launched(rank, world_size)
+    as_launched(rank, world_size)
     run(root / "straight", *FSDP, "--checkpoint.interval=2", steps=4)

@@ -3,8 +3,8 @@
 
 import pytest
 import torch
-from runs import FAMILIES, run, trained_and_exported
 
+from tests.helpers.runs import FAMILIES, run, trained_and_exported
 from trillion.trainer.checkpoint.export import load_checkpoint_model
 from trillion.trainer.checkpoint.state import ModelParts, load_model_weights
 from trillion.trainer.cli.main import main

@@ -1,7 +1,7 @@
 """The fault matrix, part 1 (one process): preemption by SIGTERM or SIGUSR1 mid-step, SIGKILL during
 a synchronous and during an async save, an unreachable W&B server. Each run is restarted by the same
 command and must end on the unbroken run's losses bitwise, losing at most the steps since the last
-checkpoint; each reports to the matrix (tests/fault_record.py). The other faults report from their
+checkpoint; each reports to the matrix (tests/helpers/fault_record.py). The other faults report from their
 own tests: test_verify (corrupted checkpoint), test_atomic (disk full), test_guards (NaN gradient),
 test_distributed (a rank killed under torchrun), tests/test_launch.py (a stalled rank),
 tests/test_fail_fast.py (a rank failing at start)."""
@@ -15,30 +15,30 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_record import first_step_time, last_line, report
-from runs import TINY, checkpoints, losses, run
 
-import trillion.trainer.train
+from tests.helpers.fault_record import first_step_time, last_line, report
+from tests.helpers.flags import TINY
+from tests.helpers.runs import checkpoints, losses, run
 from trillion.trainer.cli.main import main
+from trillion.trainer.train import RunHooks, train_step
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_preemption_signal_saves_after_the_step_and_exits_0(signum, straight, tmp_path, monkeypatch, caplog):
     _, expected = straight
-    out, original, calls, sent = tmp_path / "run", trillion.trainer.train.train_step, [], []
+    out, calls, sent = tmp_path / "run", [], []
 
     def signalled_step(*args, **kwargs):  # the scheduler's signal arrives in the middle of step 3
         calls.append(1)
         if len(calls) == 3:
             sent.append(time.time())
             os.kill(os.getpid(), signum)
-        return original(*args, **kwargs)
+        return train_step(*args, **kwargs)
 
-    monkeypatch.setattr(trillion.trainer.train, "train_step", signalled_step)
     with caplog.at_level(logging.INFO, logger="trillion"):
-        assert main(["train", *TINY, "--training.steps=6", f"--job.output_dir={out}"]) == 0
+        hooks = RunHooks(step=signalled_step)
+        assert main(["train", *TINY, "--training.steps=6", f"--job.output_dir={out}"], hooks=hooks) == 0
     assert checkpoints(out) == ["step-00000003"] and losses(out) == expected[:3]
-    monkeypatch.undo()
     run(out)  # the same command resumes
     assert losses(out) == expected
     report(

@@ -6,8 +6,8 @@ import io
 
 import pytest
 import torch
-from runs import FAMILIES, run, trained_and_exported
 
+from tests.helpers.runs import FAMILIES, run, trained_and_exported
 from trillion.models import PRESETS, Transformer
 from trillion.models.kv_cache import KVCache
 from trillion.trainer.cli.generate import Sampling, generate, load_for_generation, next_token, stream_text

@@ -6,25 +6,27 @@ import math
 
 import pytest
 import torch
-from fault_record import last_line, report
-from runs import TINY, run
 
-import trillion.trainer.train
+from tests.helpers.fault_record import last_line, report
+from tests.helpers.flags import TINY
+from tests.helpers.runs import run
+from trillion.parallel.clip import clip_grad_norm_
 from trillion.trainer.cli.main import main
 from trillion.trainer.config.schema import ConfigError
 from trillion.trainer.resilience import TrainingDiverged
+from trillion.trainer.train import RunHooks
 
 
-def poison_steps(monkeypatch, bad_steps: set[int]):
-    """The gradient norm of these steps (1-based) comes out NaN, as after an overflow."""
-    original, calls = trillion.trainer.train.clip_grad_norm_, []
+def poisoned(bad_steps: set[int]) -> RunHooks:
+    """Hooks under which the gradient norm of these steps (1-based) comes out NaN, as after an overflow."""
+    calls = []
 
     def clip(parameters, max_norm, *args):
         calls.append(1)
-        norm = original(parameters, max_norm, *args)
+        norm = clip_grad_norm_(parameters, max_norm, *args)
         return torch.full_like(norm, math.nan) if len(calls) in bad_steps else norm
 
-    monkeypatch.setattr(trillion.trainer.train, "clip_grad_norm_", clip)
+    return RunHooks(clip=clip)
 
 
 def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch, caplog):
@@ -36,8 +38,7 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch, caplog):
         return original_step(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", counting_step)
-    poison_steps(monkeypatch, {2, 3})
-    record = run(tmp_path / "run", steps=5)
+    record = run(tmp_path / "run", steps=5, hooks=poisoned({2, 3}))
     assert saved["updates"] == 3  # steps 2 and 3 did not update the weights
     assert record["step"] == 5 and record["skipped_steps"] == 2 and math.isfinite(record["loss"])
     report(
@@ -51,10 +52,9 @@ def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch, caplog):
     )
 
 
-def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path, monkeypatch):
-    poison_steps(monkeypatch, {2, 3, 4})
+def test_too_many_nonfinite_steps_in_a_row_stop_the_run(tmp_path):
     with pytest.raises(TrainingDiverged, match=r"3 steps in a row up to step 4.*training.max_nonfinite_skips=3"):
-        run(tmp_path / "run", "--training.max_nonfinite_skips=3", steps=6)
+        run(tmp_path / "run", "--training.max_nonfinite_skips=3", steps=6, hooks=poisoned({2, 3, 4}))
 
 
 def test_settings_that_change_the_run_are_refused_on_resume(tmp_path):

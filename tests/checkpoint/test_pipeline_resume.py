@@ -2,17 +2,12 @@
 bitwise where the unbroken one went, the checkpoint holds the whole model and optimizer under the
 one-process names, and one process continues from it on the same loss curve."""
 
-import os
 import shutil
-import sys
-from pathlib import Path
 
 import torch
-from runs import losses, run
-from test_resume import read_checkpoint
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
-from spawn import run_ranks  # noqa: E402
+from tests.helpers.runs import losses, read_checkpoint, run
+from tests.helpers.spawn import as_launched, run_ranks
 
 TWO_LAYERS = ["--model.n_layers=2"]  # 4 units: embedding, 2 layers, output -> one per stage
 LOOPED_PP = [
@@ -26,7 +21,7 @@ LOOPED_PP = [
 
 
 def _straight_and_chained(rank, world_size, root):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    as_launched(rank, world_size)
     run(root / "straight", *LOOPED_PP, steps=4)
     run(root / "chained", *LOOPED_PP, "--training.exit_interval=2", steps=4)
     run(root / "chained", *LOOPED_PP, steps=4)

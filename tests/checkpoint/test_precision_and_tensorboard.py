@@ -5,7 +5,8 @@ files hold the logged metrics."""
 import math
 
 import torch
-from runs import losses, run
+
+from tests.helpers.runs import losses, run
 
 
 def test_fp16_loss_scaling_follows_the_fp32_run(straight, tmp_path, monkeypatch):

@@ -5,10 +5,8 @@ import json
 import logging
 
 import torch
-import torch.distributed.checkpoint as dcp
-from runs import checkpoints, losses, run
-from torch.distributed.checkpoint import FileSystemReader
 
+from tests.helpers.runs import checkpoints, losses, read_checkpoint, run
 from trillion.trainer.checkpoint.manager import MARKER
 
 
@@ -53,14 +51,3 @@ def test_resume_restores_every_state(straight, tmp_path):
     assert (reference["training.data.doc_index"], reference["training.data.offset"]) != (0, 0) and reference[
         "training.lr_scheduler.last_epoch"
     ] == 6
-
-
-def read_checkpoint(run_dir, step: int = 6) -> dict:
-    """Everything a checkpoint holds, flat: tensors full, other values (counters, schedule, data position) as saved."""
-    folder = run_dir / "checkpoints" / f"step-{step:08d}"
-    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
-    state = {
-        k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None for k, m in metadata.items()
-    }
-    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
-    return state

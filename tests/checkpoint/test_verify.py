@@ -8,9 +8,10 @@ import shutil
 import time
 
 import pytest
-from fault_record import first_step_time, last_line, report
-from runs import TINY, checkpoints, losses, run
 
+from tests.helpers.fault_record import first_step_time, last_line, report
+from tests.helpers.flags import TINY
+from tests.helpers.runs import checkpoints, losses, run
 from trillion.trainer.checkpoint.verify import MANIFEST, damaged_files
 from trillion.trainer.cli.main import main
 

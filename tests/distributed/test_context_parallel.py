@@ -6,9 +6,9 @@ alone and with FSDP, TP, activation checkpointing and compile. One spawn per wor
 import pytest
 import torch
 import torch.distributed as dist
-from parity import check_cases
-from spawn import run_ranks
 
+from tests.helpers.parity import check_cases
+from tests.helpers.spawn import run_ranks
 from trillion.kernels import attention
 from trillion.kernels.flash_attention_op import reference_attention
 from trillion.parallel.context_parallel import attention_across_shards, positions_of, shard_sequence

@@ -4,40 +4,25 @@ itself runs each layout on gloo, fp32, evaluating before the first step and afte
 pipeline's evaluations run no backward."""
 
 import json
-import os
 import random
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.flags import QUIET, SMALL, with_flags
+from tests.helpers.spawn import as_launched, run_ranks
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.train import train
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spawn import run_ranks  # noqa: E402
-
 STEPS, EVAL_BATCHES = 2, 2
-TINY = [
-    "--model.n_layers=2",
-    "--model.dim=64",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.ffn_dim=96",
-    "--training.seq_len=32",
-    "--training.global_batch_size=8",
-    "--training.micro_batch_size=2",
+TINY = with_flags(
+    SMALL,
     f"--training.steps={STEPS}",
-    "--lr_schedule.warmup_steps=1",
-    "--metrics.log_freq=1",
     "--eval.interval=1",
     f"--eval.steps={EVAL_BATCHES}",
     "--eval.held_out=0.25",
-    "--checkpoint.interval=0",
-    "--checkpoint.save_final=false",
-    "--logging.wandb=false",
-    "--logging.progress_bar=lines",
-]
+    *QUIET,
+)
 LAYOUTS = {
     "2d": ["--parallel.dp_shard=2", "--parallel.tp=2"],
     "pp": ["--parallel.pp=2", "--parallel.dp_shard=2"],
@@ -92,7 +77,7 @@ def _forward_only_pipeline_evaluation() -> dict:
 
 
 def _layouts(rank, world_size, root, corpus):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    as_launched(rank, world_size)
     _run(root / "2d", corpus, *LAYOUTS["2d"])
     _run(root / "cp", corpus, *LAYOUTS["cp"])
     seen = _forward_only_pipeline_evaluation()

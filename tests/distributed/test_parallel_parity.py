@@ -7,8 +7,9 @@ composition can break, without inductor's C++ build time on two cores); the slow
 inductor itself."""
 
 import pytest
-from parity import check_cases
-from spawn import run_ranks
+
+from tests.helpers.parity import check_cases
+from tests.helpers.spawn import run_ranks
 
 FAMILIES = ("llama", "gpt")
 

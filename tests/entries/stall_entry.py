@@ -5,18 +5,19 @@ import os
 import sys
 import time
 
-import trillion.trainer.train
 from trillion.trainer.cli.main import main
+from trillion.trainer.train import RunHooks, train_step
 
+hooks = None
 if os.environ.get("RANK") == "1":
-    original, calls = trillion.trainer.train.train_step, []
+    calls = []
 
     def stalling_train_step(*args, **kwargs):
         calls.append(1)
         if len(calls) == int(os.environ["STALL_AT_STEP"]):
             time.sleep(120)
-        return original(*args, **kwargs)
+        return train_step(*args, **kwargs)
 
-    trillion.trainer.train.train_step = stalling_train_step
+    hooks = RunHooks(step=stalling_train_step)
 
-sys.exit(main(["train", *sys.argv[1:]]))
+sys.exit(main(["train", *sys.argv[1:]], hooks=hooks))

@@ -4,15 +4,11 @@ import json
 
 import pytest
 
+from tests.helpers.flags import DEBUG_SMALL, with_flags, without
 from trillion.trainer.cli.main import main
 
-SMALL = [
-    "--config",
-    "experiments/configs/debug_2d_cpu.toml",
-    "--job.device=cpu",
-    "--model.n_layers=2",
-    "--training.seq_len=64",
-]
+DEBUG_2D = ["--config", "experiments/configs/debug_2d_cpu.toml"]  # world_size 4: dp_shard 2 x tp 2
+SMALL = [*DEBUG_2D, *DEBUG_SMALL]
 
 
 def _tiny_device(tmp_path, gb: float) -> str:
@@ -78,9 +74,7 @@ def test_a_stage_with_more_than_its_share_of_layers_gets_stage_sizes_that_even_t
     """debug's 4 layers on 4 stages: the automatic split (embedding and output count as a layer each)
     gives E | 2 | 2 | O; the advice sizes them E+1 | 1 | 1 | 1+O, which the trainer accepts."""
     layout = [
-        *SMALL[:2],
-        "--job.device=cpu",
-        "--training.seq_len=64",
+        *without(SMALL, "--model.n_layers"),
         "--world-size",
         "4",
         "--parallel.pp=4",
@@ -221,8 +215,7 @@ def test_context_parallelism_divides_each_ranks_activations(tmp_path, capsys):
     over 1/cp is the block's gathered K/V, a sizeable term only in a model this small (K/V half as wide
     as the hidden state, a 320-token vocabulary): llama3-8b at 131072 tokens measures 1/cp exactly."""
     long = [
-        *SMALL[:-1],
-        "--training.seq_len=1024",
+        *with_flags(SMALL, "--training.seq_len=1024"),
         "--world-size",
         "4",
         "--parallel.tp=1",

@@ -5,24 +5,19 @@ meta tensors is within 10% of the same measurement on real tensors (with pipelin
 schedule step)."""
 
 import json
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "distributed"))
-from real_run import measure_rank  # noqa: E402
-from spawn import run_ranks  # noqa: E402
-
-from trillion.trainer.config.schema import load_config  # noqa: E402
-from trillion.trainer.tools.estimate.dry_run import estimate  # noqa: E402
+from tests.helpers.flags import DEBUG_SMALL
+from tests.helpers.real_run import measure_rank
+from tests.helpers.spawn import run_ranks
+from trillion.trainer.config.schema import load_config
+from trillion.trainer.tools.estimate.dry_run import estimate
 
 # fp32 on CPU; dp_shard 3 would not divide the vocabulary: 2, 4 and 8 ranks keep the runs short
 BASE = [
-    "--job.device=cpu",
+    *DEBUG_SMALL,
     "--model.name=debug",
-    "--model.n_layers=2",
-    "--training.seq_len=64",
     "--training.global_batch_size=4",
     "--training.micro_batch_size=2",
     "--optimizer.implementation=foreach",

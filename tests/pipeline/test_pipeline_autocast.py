@@ -2,21 +2,15 @@
 computes in bfloat16 under a pipeline schedule, as it does without one (parameters stay fp32 with
 pp alone, so only autocast can do it)."""
 
-import os
-import sys
-from pathlib import Path
-
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
-sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
-from runs import run  # noqa: E402
-from spawn import run_ranks  # noqa: E402
+from tests.helpers.runs import run
+from tests.helpers.spawn import as_launched, run_ranks
 
 
 def _linear_output_dtypes(rank, world_size, root):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    as_launched(rank, world_size)
     seen = set()
     hook = nn.modules.module.register_module_forward_hook(
         lambda module, _, output: seen.add(output.dtype) if isinstance(module, nn.Linear) else None

@@ -1,15 +1,10 @@
 """Pipeline stages hand on the cp-sharded hidden state: pp x cp (x tp) reproduce the one-process run,
-every parameter's gradient included, fp32 on gloo (harness: pp_parity.py)."""
-
-import sys
-from pathlib import Path
+every parameter's gradient included, fp32 on gloo (harness: tests/helpers/pp_parity.py)."""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pp_parity import check_pipeline_cases  # noqa: E402
-from spawn import run_ranks  # noqa: E402
+from tests.helpers.pp_parity import check_pipeline_cases
+from tests.helpers.spawn import run_ranks
 
 
 def test_pp2_x_cp2():

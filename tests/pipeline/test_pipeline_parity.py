@@ -9,15 +9,10 @@ input- and weight-gradient passes; under FSDP zero3 they once dropped the weight
 micro-batch whose input pass ran while a block was resharded (parallel/pipeline.py explains why):
 the pp 2 x FSDP 2 zero3 cases are the regression tests."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from pp_parity import check_pipeline_cases  # noqa: E402
-from spawn import run_ranks  # noqa: E402
+from tests.helpers.pp_parity import check_pipeline_cases
+from tests.helpers.spawn import run_ranks
 
 
 def test_two_stages_gpipe_and_1f1b():

@@ -7,21 +7,18 @@ into is followed by a weak reference, so the count alive after each stage action
 step. Torch's own stage, the control, holds one per micro-batch and direction for good."""
 
 import json
-import sys
 import weakref
 from pathlib import Path
 
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from parity import FAMILIES, SEED, SEQ_LEN, RandomWindows  # noqa: E402
-from spawn import run_ranks  # noqa: E402
-
-import trillion.parallel.pipeline_stage  # noqa: E402
-from trillion.models import Transformer  # noqa: E402
-from trillion.parallel.dims import ParallelDims  # noqa: E402
-from trillion.parallel.pipeline import Pipeline  # noqa: E402
+import trillion.parallel.pipeline_stage
+from tests.helpers.parity import FAMILIES, SEED, SEQ_LEN, RandomWindows
+from tests.helpers.spawn import run_ranks
+from trillion.models import Transformer
+from trillion.parallel.dims import ParallelDims
+from trillion.parallel.pipeline import Pipeline
 
 PP, MICRO_BATCHES = 2, 8
 SCHEDULES = {"1F1B": 1, "ZBVZeroBubble": 2}  # stages per rank

@@ -2,7 +2,6 @@
 layers, or sized explicitly), the bubble fraction, and every refused pipeline configuration with its
 reason and fix, from validate_pipeline and from the trainer's config check."""
 
-
 import pytest
 import torch
 

@@ -2,19 +2,13 @@
 every stage's forward and backward of every micro-batch, one row per pipeline rank, no overlap."""
 
 import json
-import os
-import sys
-from pathlib import Path
 
+from tests.helpers.runs import run
+from tests.helpers.spawn import as_launched, run_ranks
 from trillion.trainer.config.schema import Profiling
 from trillion.trainer.metrics.pipeline_timeline import is_profiled_step
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "checkpoint"))
-sys.path.insert(0, str(Path(__file__).parents[1] / "distributed"))
-from runs import run  # noqa: E402
-from spawn import run_ranks  # noqa: E402
-
-MICRO_BATCHES = 2  # runs.TINY: global batch 4 in micro-batches of 2
+MICRO_BATCHES = 2  # flags.TINY: global batch 4 in micro-batches of 2
 
 
 def test_profiled_steps_follow_the_profiler_schedule():
@@ -24,7 +18,7 @@ def test_profiled_steps_follow_the_profiler_schedule():
 
 
 def _profiled_run(rank, world_size, root):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    as_launched(rank, world_size)
     run(
         root,
         "--model.n_layers=2",

@@ -42,7 +42,7 @@ def test_calibrated_profile_plans_one_node_and_refuses_more(tmp_path, monkeypatc
 
 def test_a_link_without_a_kind_follows_the_all_reduce_and_unknown_keys_are_refused(tmp_path):
     text = (PROFILE_DIR / "dgx-h100.toml").read_text()
-    line = next(l for l in text.splitlines() if l.startswith("intra_node"))
+    line = next(row for row in text.splitlines() if row.startswith("intra_node"))
     kinds = line.replace(
         "bandwidth_gbs = 450 }", "bandwidth_gbs = 450, reduce_scatter = { bandwidth_gbs = 100, latency_us = 50 } }"
     )

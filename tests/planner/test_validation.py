@@ -1,13 +1,8 @@
 """The planner against published runs (experiments/validation): errors per row, the fit, the report."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parents[2] / "experiments" / "validation"))
-from validate import RUNS_FILE, TOLERANCE, evaluate_all, load_runs, refit, render  # noqa: E402
-
+from experiments.validation.validate import RUNS_FILE, TOLERANCE, evaluate_all, load_runs, refit, render
 from trillion.devices import fitted_constants
 
 OUTSIDE_BOUND = 0.35  # rows explained as outside TOLERANCE must still not drift further
@@ -68,20 +63,24 @@ def test_validation_md_is_what_the_script_writes(records):
 
 def test_readme_states_what_the_validation_shows(records):
     """README's planner section quotes the worst error and the ranges it names."""
-    from validate import worst
+    from experiments.validation.validate import worst
 
     readme = (RUNS_FILE.parents[2] / "README.md").read_text()
     error, run_id = worst(records)
     assert f"+{100 * error:.1f}% ({run_id})" in readme
     frontier = [abs(r.get("loo_error", r["error"])) for r in records if r["run"]["id"].startswith("frontier")]
-    titan = [r["error"] for r in records if r["run"]["id"].startswith("torchtitan")]
+    # the bf16 rows the README quotes; the float8 rows' errors are VALIDATION.md's (tests/planner/test_float8_plan.py)
+    titan = [
+        r["error"] for r in records if r["run"]["id"].startswith("torchtitan") and not r["run"]["layout"].get("float8")
+    ]
     assert max(frontier) < 0.08 and "within 8%" in readme
     assert (round(100 * min(titan)), round(100 * max(titan))) == (26, 31) and "26-31% fast" in readme
 
 
 def test_readme_states_the_recorded_cpu_check():
     import tomllib
-    from validate import CPU_FILE, CPU_TOLERANCE
+
+    from experiments.validation.validate import CPU_FILE, CPU_TOLERANCE
 
     rows = {r["layout"]: r["predicted_s"] / r["measured_s"] - 1 for r in tomllib.loads(CPU_FILE.read_text())["row"]}
     readme = (RUNS_FILE.parents[2] / "README.md").read_text()

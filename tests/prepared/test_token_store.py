@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trillion.errors import ConfigError, RunAborted
+from trillion.trainer.cli import prepare_data as prepare_data_cli
 from trillion.trainer.config.schema import Data, load_config
 from trillion.trainer.data import prepare as prepare_data
 from trillion.trainer.data import token_store
@@ -168,13 +169,13 @@ def test_verify_finds_an_edit_in_any_chunk(tmp_path, corpus, monkeypatch, caplog
     out = tmp_path / "small-chunks.tokens"
     prepare_data.prepare(load_config(None, [f"--data.path={corpus}"]), out, workers=1)
     with caplog.at_level(logging.INFO, logger="trillion"):
-        assert prepare_data.main(["--verify", str(out)]) == 0
+        assert prepare_data_cli.main(["--verify", str(out)]) == 0
     assert "match their hashes" in caplog.text
     with open(out / "tokens.bin", "r+b") as f:
         f.seek(4096 * 3 + 10)
         f.write(b"\x07\x00")
     with pytest.raises(RunAborted, match="tokens 6144 to 8192 of tokens.bin do not match"):
-        prepare_data.main(["--verify", str(out)])
+        prepare_data_cli.main(["--verify", str(out)])
 
 
 def test_interrupted_prepare_resumes_and_never_leaves_out_half_written(tmp_path, corpus, store, monkeypatch, caplog):

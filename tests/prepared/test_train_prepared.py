@@ -1,7 +1,6 @@
 """`trillion train --data.prepared=DIR` on a store of the default corpus: one process and two FSDP
 ranks under torchrun log the same losses (fp32), and a resumed run continues bitwise."""
 
-import json
 import os
 import shutil
 import subprocess
@@ -9,32 +8,13 @@ import sys
 
 import pytest
 
+from tests.helpers import flags
+from tests.helpers.runs import losses
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.train import train
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-TINY = [
-    "--model.n_layers=1",
-    "--model.dim=64",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.ffn_dim=128",
-    "--training.seq_len=32",
-    "--training.global_batch_size=4",
-    "--training.micro_batch_size=2",
-    "--training.steps=4",
-    "--training.dtype=fp32",
-    "--lr_schedule.warmup_steps=2",
-    "--metrics.log_freq=1",
-    "--logging.wandb=false",
-    "--logging.progress_bar=lines",
-]
-
-
-def losses(out) -> list[tuple[int, float]]:
-    return [
-        (r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r
-    ]  # the step-0 evaluation record has none
+TINY = flags.with_flags(flags.TINY, "--training.steps=4", "--training.dtype=fp32")  # 4 steps in fp32
 
 
 def torchrun(out, store, *extra):

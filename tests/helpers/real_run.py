@@ -117,13 +117,16 @@ def _build_pipeline(config, args, dims, n_microbatches: int, layout) -> Pipeline
 
 def _pipeline_rank(config, args, dims, micro_batches) -> dict:
     p = config.parallel
-    trainer_layout = lambda part: parallelize(
-        part,
-        dims,
-        dp_shard_mode=p.dp_shard_mode,  # noqa: E731
-        activation_checkpoint=p.activation_checkpoint,
-        pp_schedule=p.pp_schedule,
-    )
+
+    def trainer_layout(part):
+        return parallelize(
+            part,
+            dims,
+            dp_shard_mode=p.dp_shard_mode,
+            activation_checkpoint=p.activation_checkpoint,
+            pp_schedule=p.pp_schedule,
+        )
+
     pipeline = _build_pipeline(config, args, dims, len(micro_batches), trainer_layout)
     model = pipeline.model
     optimizer = build_optimizer(model, config.optimizer, "cpu")

@@ -1,24 +1,30 @@
-"""Pipeline parity harness: the same small models, data and optimizer as tests/distributed/parity.py,
+"""Pipeline parity harness: the same small models, data and optimizer as tests/helpers/parity.py,
 split into pipeline stages; every rank's stage gradients are gathered by their global names and
 rank 0 compares them (and losses, norms, initial weights) with the one-process run."""
 
 import contextlib
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-import parity  # noqa: E402
-from parity import FAMILIES, GLOBAL_BATCH, MAX_NORM, MICRO_BATCH, SEED, SEQ_LEN, STEPS, RandomWindows, _full  # noqa: E402
-
-from trillion.models import Transformer  # noqa: E402
-from trillion.parallel.dims import ParallelDims  # noqa: E402
-from trillion.parallel.parallelize import parallelize  # noqa: E402
-from trillion.parallel.pipeline import Pipeline, StageLayers  # noqa: E402
-from trillion.trainer.data.loader import DataLoader  # noqa: E402
-from trillion.trainer.train import train_step  # noqa: E402
+from tests.helpers import parity
+from tests.helpers.parity import (
+    FAMILIES,
+    GLOBAL_BATCH,
+    MAX_NORM,
+    MICRO_BATCH,
+    SEED,
+    SEQ_LEN,
+    STEPS,
+    RandomWindows,
+    _full,
+)
+from trillion.models import Transformer
+from trillion.parallel.dims import ParallelDims
+from trillion.parallel.parallelize import parallelize
+from trillion.parallel.pipeline import Pipeline, StageLayers
+from trillion.trainer.data.loader import DataLoader
+from trillion.trainer.train import train_step
 
 
 def train_pipeline_case(case: dict, world_size: int) -> dict:

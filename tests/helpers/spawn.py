@@ -4,6 +4,9 @@
 state leaks from pytest), rendezvous through a FileStore in a temporary folder, runs
 `fn(rank, world_size, *args)` on each, and raises with the failing rank's traceback. Each rank
 uses one intra-op thread: the machine has few cores and results must not depend on threading.
+`fn` must be importable by name (a module-level function of a module under `tests`): the children
+get pytest's sys.path, the repository root on it. A rank that runs the trainer calls `as_launched`
+first, so that `train()` joins the group the harness already made.
 """
 
 import glob
@@ -15,6 +18,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.multiprocessing.spawn import ProcessException
+
+
+def as_launched(rank: int, world_size: int) -> None:
+    """What torchrun would have set: train() then joins the group the harness already made."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
 
 
 def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None:

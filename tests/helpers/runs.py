@@ -1,33 +1,24 @@
-"""Tiny in-process training runs for the checkpoint tests: one layer, 64 wide, 32-token windows."""
+"""Tiny in-process training runs (flags.TINY: one layer, 64 wide, 32-token windows) and what they leave:
+logged losses, checkpoints, a Hugging Face export."""
 
 import json
 from pathlib import Path
 
-from trillion.trainer.config.schema import load_config
-from trillion.trainer.train import train
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 
-TINY = [
-    "--model.n_layers=1",
-    "--model.dim=64",
-    "--model.n_heads=4",
-    "--model.n_kv_heads=2",
-    "--model.ffn_dim=128",
-    "--training.seq_len=32",
-    "--training.global_batch_size=4",
-    "--training.micro_batch_size=2",
-    "--lr_schedule.warmup_steps=2",
-    "--metrics.log_freq=1",
-    "--logging.wandb=false",
-    "--logging.progress_bar=lines",
-]
+from tests.helpers.flags import TINY
+from trillion.trainer.config.schema import load_config
+from trillion.trainer.train import RunHooks, train
 
 
 def config(out: Path, *extra: str, steps: int = 6):
     return load_config(None, [*TINY, f"--training.steps={steps}", f"--job.output_dir={out}", *extra])
 
 
-def run(out: Path, *extra: str, steps: int = 6) -> dict:
-    return train(config(out, *extra, steps=steps))
+def run(out: Path, *extra: str, steps: int = 6, hooks: RunHooks | None = None) -> dict:
+    return train(config(out, *extra, steps=steps), hooks=hooks)
 
 
 FAMILIES = {  # extra flags on top of TINY for each model family Hugging Face export supports
@@ -55,3 +46,14 @@ def losses(out: Path) -> list[tuple[int, float]]:
 
 def checkpoints(out: Path) -> list[str]:
     return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+def read_checkpoint(run_dir, step: int = 6) -> dict:
+    """Everything a checkpoint holds, flat: tensors full, other values (counters, schedule, data position) as saved."""
+    folder = run_dir / "checkpoints" / f"step-{step:08d}"
+    metadata = FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None for k, m in metadata.items()
+    }
+    dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+    return state

@@ -1,0 +1,1 @@
+"""The architecture checks, read from the source: layers, components, sizes."""
