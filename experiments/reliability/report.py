@@ -1,6 +1,6 @@
 """Writes experiments/reliability/REPORT.md: runs the fault-matrix tests (each injects one fault into a
 small run, restarts it with the same command and checks the outcome) with TRILLION_FAULT_REPORT set,
-and tabulates what each recorded (tests/fault_record.py). About 10 minutes on two CPU cores.
+and tabulates what each recorded (tests/helpers/fault_record.py). About 10 minutes on two CPU cores.
 
     python experiments/reliability/report.py
 """
@@ -17,6 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = [
     "tests/checkpoint/test_faults.py",
+    "tests/checkpoint/test_run_directory.py::test_a_second_job_on_a_run_directory_exits_2_naming_the_first",
+    "tests/checkpoint/test_run_directory.py::test_ctrl_c_saves_after_the_step_exits_130_and_the_same_command_resumes",
+    "tests/checkpoint/test_run_directory.py::test_a_refused_resume_leaves_config_toml_as_it_was",
     "tests/checkpoint/test_distributed.py::test_torchrun_restarts_a_killed_rank_and_ends_on_the_same_loss",
     "tests/checkpoint/test_verify.py::test_damaged_newest_checkpoint_falls_back_to_the_previous",
     "tests/checkpoint/test_atomic.py::test_failed_save_keeps_the_last_checkpoint_and_the_run_resumes",

@@ -121,10 +121,21 @@ def test_a_refused_resume_leaves_config_toml_as_it_was(tmp_path, capsys):
     out = tmp_path / "run"
     run(out, steps=2)
     before = (out / "config.toml").read_text()
+    start = time.monotonic()
     assert main(["train", *TINY, "--training.steps=4", f"--job.output_dir={out}", "--model.n_layers=2"]) == 2
-    assert "Cannot resume" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Cannot resume" in err
     assert (out / "config.toml").read_text() == before
     assert main(["train", "--config", str(out / "config.toml"), "--training.steps=3"]) == 0  # the rerun recipe
+    report(
+        "Refused resume",
+        err.strip().split(". ")[0].replace(str(out), "<output_dir>") + "; config.toml unchanged (exit 2)",
+        0,
+        None,
+        time.monotonic() - start,
+        "a finished 2-step run started again with --model.n_layers=2, then `trillion train --config RUN/config.toml` "
+        "(recover: the refused start to the rerun's end)",
+    )
 
 
 def test_a_config_toml_that_does_not_parse_is_named_not_replaced(tmp_path, capsys):
