@@ -4,7 +4,6 @@ that skips updates with a non-finite loss or gradient norm, and the clean early 
 preempted jobs that chain."""
 
 import logging
-import math
 import signal
 import threading
 import time
@@ -41,48 +40,64 @@ class RunCounters:
 
 
 class NonFiniteGuard:
-    """Decides, once the gradients are clipped, whether this step may update the weights.
+    """Keeps a step whose loss or gradient norm is not finite from changing anything, without the host.
 
-    Loss and gradient norm are already reduced over all ranks, so every rank takes the same
-    decision without another collective. Under fp16 the GradScaler owns overflowing gradients
-    (it skips and lowers the scale), so only a non-finite loss counts there."""
+    `flag` turns the step's (already all-reduced, so equal on every rank) loss and gradient norm into
+    a flag on the device; the optimizer step is masked by it (fused AdamW's found_inf, as GradScaler
+    does: no weight, no optimizer state, no optimizer step count moves). The flags pile up on the
+    device and `check` reads them at the next logging step or save, in one read: it counts the
+    skipped steps, logs which they were, and stops the run once training.max_nonfinite_skips came in
+    a row. Under fp16 the GradScaler owns overflowing gradients (it skips and lowers the scale), so
+    only a non-finite loss counts there."""
 
     def __init__(self, max_consecutive: int, counters: RunCounters):
         self.max_consecutive, self.counters = max_consecutive, counters
-        self.last_skipped, self.last_reason = False, ""
+        self.pending: list[torch.Tensor] = []  # per step since the last check: (loss bad, norm bad)
 
-    def allows_update(self, loss: torch.Tensor, grad_norm: torch.Tensor, scaler) -> bool:
-        watched = loss if scaler.is_enabled() else torch.stack([loss.float(), grad_norm.float()])
-        self.last_skipped = not bool(torch.isfinite(watched).all())  # the one host sync this guard adds
-        if self.last_skipped:
-            self.last_reason = "loss" if not math.isfinite(loss.item()) else "gradient norm"
-            self.counters.skipped_steps += 1
-            self.counters.consecutive_skips += 1
-        else:
-            self.counters.consecutive_skips = 0
-        return not self.last_skipped or scaler.is_enabled()
+    def flag(self, loss: torch.Tensor, grad_norm: torch.Tensor, scaler) -> torch.Tensor:
+        """1.0 on the device if this step must not update (0.0 otherwise); remembered for `check`."""
+        norm_bad = torch.zeros_like(grad_norm, dtype=torch.float32) if scaler.is_enabled() else grad_norm
+        bad = ~torch.isfinite(torch.stack([loss.float(), norm_bad.float()]))
+        self.pending.append(bad)
+        return bad.any().float()
 
     def check(self, step: int) -> None:
-        """Log a skipped step; stop the run after too many in a row."""
-        if not self.last_skipped:
+        """Read the flags of the steps up to `step` (one host read), count and log the skipped ones,
+        stop the run after too many in a row."""
+        if not self.pending:
             return
-        run = self.counters.consecutive_skips
-        log.warning(
-            "step %d: non-finite %s, update skipped (%d in a row, %d in this run)",
-            step,
-            self.last_reason,
-            run,
-            self.counters.skipped_steps,
-        )
-        if self.max_consecutive > 0 and run >= self.max_consecutive:
-            raise TrainingDiverged(
-                f"Training diverged: {run} steps in a row up to step {step} had a non-finite {self.last_reason} "
-                f"(training.max_nonfinite_skips={self.max_consecutive}). Resume from an earlier checkpoint with a "
-                f"lower --optimizer.lr, a tighter --training.max_grad_norm or --training.dtype=bf16/fp32; raise "
-                f"training.max_nonfinite_skips (0 = never stop) only if the spikes are known to pass."
+        first, flags = step - len(self.pending) + 1, torch.stack(self.pending).tolist()
+        self.pending = []
+        skipped = []
+        for at, (loss_bad, norm_bad) in enumerate(flags, start=first):
+            if not (loss_bad or norm_bad):
+                self.counters.consecutive_skips = 0
+                continue
+            reason = "loss" if loss_bad else "gradient norm"
+            skipped.append(f"{at} ({reason})")
+            self.counters.skipped_steps += 1
+            self.counters.consecutive_skips += 1
+            run = self.counters.consecutive_skips
+            if self.max_consecutive > 0 and run >= self.max_consecutive:
+                raise TrainingDiverged(
+                    f"Training diverged: {run} steps in a row up to step {at} had a non-finite {reason} "
+                    f"(training.max_nonfinite_skips={self.max_consecutive}). Resume from an earlier checkpoint with "
+                    f"a lower --optimizer.lr, a tighter --training.max_grad_norm or --training.dtype=bf16/fp32; raise "
+                    f"training.max_nonfinite_skips (0 = never stop) only if the spikes are known to pass."
+                )
+        if skipped:
+            log.warning(
+                "non-finite step%s, update skipped: %s (%d in a row, %d in this run)",
+                "s" if len(skipped) > 1 else "",
+                ", ".join(skipped),
+                self.counters.consecutive_skips,
+                self.counters.skipped_steps,
             )
 
 
+# The stop flags live in host memory (a gloo group): reading them never waits for a device. Read through
+# the method as torch defines it, so metrics.profiling.HostReadCounter (which wraps it) counts device reads.
+READ_HOST_TENSOR = torch.Tensor.tolist
 # a scheduler's kill, SLURM's warning (--signal=USR1@T) and Ctrl-C
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -96,12 +111,14 @@ class StopPolicy:
     checkpoint is saved and the job exits (0, or 130 after Ctrl-C: `interrupted`). A second Ctrl-C
     stops at once (Interrupted, exit 130). `close` restores the previous handlers."""
 
-    def __init__(self, cfg: TrainingConfig, first_step: int, device: torch.device, job_start: float):
+    def __init__(self, cfg: TrainingConfig, first_step: int, job_start: float):
         self.steps = cfg.steps
         self.last_step = min(cfg.steps, first_step + cfg.exit_interval) if cfg.exit_interval > 0 else cfg.steps
         self.budget_s = cfg.exit_after_minutes * 60
-        self.device, self.start = device, job_start
+        self.start = job_start
         self.reason, self.signalled = "", ""
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.in_flight = None  # (flags, work) of the all-reduce started at the last step
         self.previous = {}
         if threading.current_thread() is threading.main_thread():  # Python delivers signals to the main thread only
             self.previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
@@ -122,6 +139,9 @@ class StopPolicy:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
         self.previous = {}
+        if self.in_flight is not None:  # no collective left running when the group goes
+            self.in_flight[1].wait()
+            self.in_flight = None
 
     def should_stop(self, step: int) -> bool:
         """True after the step that ends this job; `reason` says why when it is an early stop."""
@@ -143,9 +163,17 @@ class StopPolicy:
 
     def _agree(self, time_up: bool, signalled: bool) -> tuple[bool, bool]:
         # Clocks drift and signals arrive at different moments: every rank must stop after the same step.
-        if not dist.is_initialized():
+        # This step's flags are all-reduced in the background on a gloo group (host values: no device
+        # work, no wait); the flags acted on are the previous step's, so a distributed job stops one
+        # step after the signal or the deadline.
+        if self.group is None:
             return time_up, signalled
-        flags = torch.tensor([float(time_up), float(signalled)], device=self.device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        time_up, signalled = flags.tolist()
+        agreed, self.in_flight = self.in_flight, None
+        flags = torch.tensor([float(time_up), float(signalled)])
+        self.in_flight = (flags, dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        if agreed is None:
+            return False, False
+        flags, work = agreed
+        work.wait()
+        time_up, signalled = READ_HOST_TENSOR(flags)
         return bool(time_up), bool(signalled)

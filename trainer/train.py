@@ -76,8 +76,10 @@ def train_step(
         timer.mark("forward_backward")
     scaler.unscale_(optimizer)
     grad_norm = clip(runner.model.parameters(), max_grad_norm, runner.clip_group)
-    if guard is None or guard.allows_update(loss_sum, grad_norm, scaler):
+    if guard is None:
         scaler.step(optimizer)
+    else:
+        step_unless_flagged(optimizer, scaler, guard.flag(loss_sum, grad_norm, scaler))
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     if timer is not None:
@@ -85,15 +87,34 @@ def train_step(
     return loss_sum, grad_norm
 
 
+def step_unless_flagged(optimizer, scaler, flagged: torch.Tensor) -> None:
+    """The optimizer step, masked on the device by `flagged` (1.0: change nothing) where the optimizer
+    takes a found-inf tensor (fused AdamW, as GradScaler drives it), so the host never waits for the
+    flag; the foreach and for-loop implementations cannot be masked and read it on the host instead.
+    Under fp16 the GradScaler masks the step itself (a non-finite loss makes the gradients non-finite)."""
+    if scaler.is_enabled():
+        scaler.step(optimizer)
+    elif getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.defaults.get("fused"):
+        optimizer.grad_scale, optimizer.found_inf = None, flagged
+        try:
+            optimizer.step()
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+    elif not flagged.item():  # a host read each step: optimizer.implementation=foreach or for-loop
+        optimizer.step()
+
+
 @dataclasses.dataclass
 class RunHooks:
     """The documented seam for changing what a step does without patching this module: `step` runs one
-    optimizer step (train_step's signature), `clip` clips the gradients (clip_grad_norm_'s). The
-    fault-injection tests wrap them to crash, stall or signal in the middle of a step, or to make a
-    gradient norm non-finite; the defaults are the real thing."""
+    optimizer step (train_step's signature), `clip` clips the gradients (clip_grad_norm_'s),
+    `iteration(step)` is a context around each loop iteration. The fault-injection tests wrap them to
+    crash, stall or signal in the middle of a step, or to make a gradient norm non-finite; the
+    host-read counter opens one per step; the defaults are the real thing."""
 
     step: Callable = train_step
     clip: Callable = clip_grad_norm_
+    iteration: Callable = lambda step: contextlib.nullcontext()  # noqa: E731 (wraps each loop iteration)
 
 
 @dataclasses.dataclass
@@ -175,22 +196,26 @@ def train_loop(run: Run) -> dict:
     if run.evaluator is not None and run.counters.step == 0:  # as nanoGPT at iteration 0: the untrained model
         run.log.write({"step": 0, **evaluate(run, 0), "time": time.time()})
     for step in range(run.counters.step + 1, run.training.steps + 1):
-        done = one_step(run, step)
-        last = run.stop.should_stop(step)
-        evaluated = run.evaluator is not None and run.evaluator.due(step, last)
-        logged = run.log.should_log(step, last, evaluated)
-        values = (done.loss.item(), done.grad_norm.item()) if logged else None  # the only host syncs of a step
-        run.meter.add(done.tokens_per_device, time.perf_counter() - done.start, done.data_seconds)
-        evaluation = evaluate(run, step) if evaluated else {}
-        if logged:
-            record = step_record(run, step, done, values, evaluation, checkpoint_seconds)
-            run.log.write(record)
-            checkpoint_seconds = 0.0
-        else:
-            run.log.tick(step)
-        checkpoint_seconds += run.checkpointer.maybe_save(step, last=last, stopping_early=bool(run.stop.reason))
+        with run.hooks.iteration(step):
+            done = one_step(run, step)
+            last = run.stop.should_stop(step)
+            stopping_early = bool(run.stop.reason)
+            evaluated = run.evaluator is not None and run.evaluator.due(step, last)
+            logged = run.log.should_log(step, last, evaluated)
+            if logged or run.checkpointer.due(step, last=last, stopping_early=stopping_early):
+                run.guard.check(step)  # the skipped-step flags since the last check, in one read
+            values = (done.loss.item(), done.grad_norm.item()) if logged else None  # a logged step's host reads
+            run.meter.add(done.tokens_per_device, time.perf_counter() - done.start, done.data_seconds)
+            evaluation = evaluate(run, step) if evaluated else {}
+            if logged:
+                record = step_record(run, step, done, values, evaluation, checkpoint_seconds)
+                run.log.write(record)
+                checkpoint_seconds = 0.0
+            else:
+                run.log.tick(step)
+            checkpoint_seconds += run.checkpointer.maybe_save(step, last=last, stopping_early=stopping_early)
         if last:
-            if run.stop.reason:
+            if stopping_early:
                 log.info("%s: checkpoint saved, exiting; the same command continues the run", run.stop.reason)
             break
     return record
@@ -202,6 +227,8 @@ def one_step(run: Run, step: int) -> StepDone:
     timer = PhaseTimer(run.env.device, sync=run.log.planned(step))
     batch = run.first_batch if step == run.log.first_step else run.loader.next_batch()
     device = run.env.device
+    if device.type == "cuda":  # a copy from pageable memory would wait for the device; pinned memory does not
+        batch = [(x.pin_memory(), y.pin_memory()) for x, y in batch]
     micro_batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batch]
     timer.mark("data")
     start = time.perf_counter()
@@ -221,7 +248,6 @@ def one_step(run: Run, step: int) -> StepDone:
             clip=run.hooks.clip,
         )
     run.profiler.step(step)
-    run.guard.check(step)
     run.counters.step, run.counters.tokens = step, run.counters.tokens + t.global_batch_size * t.seq_len
     lr = run.scheduler.get_last_lr()[0]
     run.scheduler.step()
@@ -312,7 +338,7 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
         counters,
         checkpointer,
         NonFiniteGuard(t.max_nonfinite_skips, counters),
-        StopPolicy(t, counters.step, env.device, job_start),
+        StopPolicy(t, counters.step, job_start),
         *observers(config, env, model_args, pipeline, counters, evaluator, dtype, n_microbatches),
         hooks,
         lock,

@@ -278,13 +278,17 @@ class CheckpointManager:
         # results and written the metadata, so the checkpoint is whole: publish without a barrier.
         self._publish(staging, step, start, time.perf_counter() - start)
 
+    def due(self, step: int, *, last: bool, stopping_early: bool) -> bool:
+        """Whether `maybe_save` saves after `step`."""
+        periodic = self.cfg.interval > 0 and step % self.cfg.interval == 0
+        return periodic or (last and (self.cfg.save_final or stopping_early))
+
     def maybe_save(self, step: int, *, last: bool, stopping_early: bool) -> float:
         """Save every checkpoint.interval steps and after the job's last step (with checkpoint.save_final,
         and always when the job stops early); otherwise let an async save in flight move on. The last
         save blocks until written. Returns the seconds spent here."""
         start = time.perf_counter()
-        periodic = self.cfg.interval > 0 and step % self.cfg.interval == 0
-        if periodic or (last and (self.cfg.save_final or stopping_early)):
+        if self.due(step, last=last, stopping_early=stopping_early):
             self.save(step, blocking=last)
         else:
             self.poll()

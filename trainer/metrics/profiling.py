@@ -2,9 +2,11 @@
 step, and when a step runs out of memory), and the time of each phase of a step."""
 
 import contextlib
+import functools
 import logging
 import pickle
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -96,3 +98,49 @@ class PhaseTimer:
         now = time.perf_counter()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
         self._last = now
+
+
+# The Tensor methods through which the host reads a value; on a GPU each one waits for the device.
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy")
+
+
+class HostReadCounter:
+    """Counts the host's reads of tensor values in each loop iteration of a run, for tests and benchmarks:
+    pass `counter.iteration` as RunHooks.iteration; `reads` maps step -> count. On a CPU it wraps the
+    Tensor methods that read values (HOST_READS); with `cuda` it counts the synchronisations
+    torch.cuda.set_sync_debug_mode("warn") reports instead."""
+
+    def __init__(self, cuda: bool = False):
+        self.cuda, self.reads = cuda, {}
+
+    @contextlib.contextmanager
+    def iteration(self, step: int):
+        counted = [0]
+        if self.cuda:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    yield
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            counted[0] = sum("synchroniz" in str(w.message) for w in caught)
+        else:
+            originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+            for name, method in originals.items():
+                setattr(torch.Tensor, name, _counting(method, counted))
+            try:
+                yield
+            finally:
+                for name, method in originals.items():
+                    setattr(torch.Tensor, name, method)
+        self.reads[step] = counted[0]
+
+
+def _counting(method, counted: list):
+    @functools.wraps(method)
+    def counting(*args, **kwargs):
+        counted[0] += 1
+        return method(*args, **kwargs)
+
+    return counting
