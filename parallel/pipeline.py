@@ -29,6 +29,15 @@ rebuilds it on its own tp mesh (`_mesh`); gradients travel back the same way.
 
 Stages are InFlightReceiveStage (pipeline_stage.py): torch's PipelineStage keeps a receive buffer for
 every micro-batch of the step (2 m hidden states per stage); ours holds them only while in flight.
+
+Evaluation runs on stage objects of its own (over the same stage modules) and a schedule of its own,
+forward-only: torch's `schedule.eval` runs the training schedule's actions with `has_backward` off,
+which its runtime (the looped and V schedules) does not survive everywhere: a V schedule hands a
+micro-batch's input gradient from a rank's second stage to its first locally (get_local_bwd_output),
+which asserts a backward, so every ZBVZeroBubble or DualPipeV run crashed in its step-0 evaluation.
+A separate schedule also leaves the training stages as training left them: sharing them, every
+switch between evaluation and training re-ran torch's stage set-up (metadata inference, receive
+buffers with or without requires_grad) on the training stages.
 """
 
 from __future__ import annotations
@@ -267,6 +276,7 @@ class Pipeline:
         self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)
         self.tokens = None
         self.dims = dims
+        self.eval_stages, self._eval_schedule = [], None  # made by the first evaluation
         log.info(
             "pipeline: %s, %d stages (%d per rank) over pp=%d, %d micro-batches, bubble (p-1)/(v m+p-1) = %.1f%%; "
             "layers per stage: %s",
@@ -313,13 +323,30 @@ class Pipeline:
 
     @torch.no_grad()
     def evaluate(self, micro_batches) -> torch.Tensor:
-        """Forward only, by torch's schedule.eval (no backward, receive buffers that need no gradient):
-        the summed token loss of the micro-batches on every pp rank (before the data-parallel sum).
-        The stages then drop what the forwards left (outputs kept for a backward, receive buffers)."""
-        loss = self._run(self.schedule.eval, micro_batches, torch.ones((), device=micro_batches[0][0].device))
-        for stage in self.stages:
+        """Forward only: the summed token loss of the micro-batches on every pp rank (before the
+        data-parallel sum). It runs on the evaluation's own stages and schedule (`eval_schedule`), so
+        the training stages and schedule are left as they were; the evaluation stages then drop what
+        the forwards left (outputs, receive buffers)."""
+        schedule = self.eval_schedule()
+        loss = self._run(schedule.eval, micro_batches, torch.ones((), device=micro_batches[0][0].device))
+        for stage in self.eval_stages:
             stage.clear_runtime_states()
         return loss
+
+    def eval_schedule(self):
+        """The evaluation's schedule, made on first use (on every pp rank at once, as evaluation runs):
+        the training schedule's class over new stage objects wrapping the same stage modules, its actions
+        cut to the forwards (`forward_only`), run by torch's `schedule.eval` (no backward, receive buffers
+        that need no gradient, no loss scaling)."""
+        if self._eval_schedule is None:
+            from trillion.parallel.pipeline_stage import forward_only
+
+            indices = stage_indices(self.pp_rank, self.pp, self.virtual, self.name)
+            self.eval_stages = [self._make_stage(part, index) for part, index in zip(self.parts, indices)]
+            stages = self.eval_stages[0] if self._single else self.eval_stages
+            schedule = self._schedule_cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
+            self._eval_schedule = forward_only(schedule)
+        return self._eval_schedule
 
     def _run(self, schedule_step, micro_batches, tokens: torch.Tensor) -> torch.Tensor:
         if len(micro_batches) != self.n_microbatches:

@@ -1,4 +1,5 @@
-"""The PipelineStage our pipelines run: torch's, holding receive buffers only for micro-batches in flight.
+"""The PipelineStage our pipelines run: torch's, holding receive buffers only for micro-batches in flight;
+and the forward-only cut of a schedule that evaluation runs.
 
 Its own module so that importing parallel.pipeline (config checks, the planner, the estimate) does not
 import torch.distributed.pipelining, which takes a second or more.
@@ -12,6 +13,46 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import _make_tensor_from_meta
+from torch.distributed.pipelining.schedules import _ComputationType, _PipelineScheduleRuntime
+
+# What a forward-only run of a lowered schedule keeps: the forwards, their sends and receives, and FSDP's
+# gathering of a stage's parameters around them (parallel/pipeline.py Pipeline.eval_schedule).
+FORWARD_ACTIONS = frozenset(
+    {
+        _ComputationType.FORWARD,
+        _ComputationType.SEND_F,
+        _ComputationType.RECV_F,
+        _ComputationType.UNSHARD,
+        _ComputationType.RESHARD,
+    }
+)
+
+
+def forward_only(schedule):
+    """`schedule` (not yet run), for evaluation: the action lists of torch's schedule runtime (the looped
+    and V schedules) cut to the forwards, so `schedule.eval` runs no backward action at all. torch's
+    eval runs the whole list with `has_backward` off, the backward actions returning at once, except
+    that a V schedule's local hand-over of an input gradient between a rank's two stages
+    (get_local_bwd_output / set_local_bwd_input) asserts a backward. An overlapped forward + backward
+    (DualPipeV) keeps its forward. What is left keeps each rank's order, so it cannot deadlock where the
+    whole schedule did not: every wait left (a forward's receive) waits on a forward. Single-stage
+    schedules (GPipe, 1F1B) check `has_backward` themselves and are returned as they are.
+
+    Relies on `_PipelineScheduleRuntime.pipeline_order_with_comms` (rank -> the lowered `_Action`s,
+    communication included, that `_step_microbatches` runs) and `_Action.sub_actions`."""
+    if not isinstance(schedule, _PipelineScheduleRuntime):
+        return schedule
+    lowered = {}
+    for rank, actions in schedule.pipeline_order_with_comms.items():
+        kept = []
+        for action in actions:
+            if action.computation_type == _ComputationType.OVERLAP_F_B:
+                kept.extend(a for a in action.sub_actions or () if a.computation_type == _ComputationType.FORWARD)
+            elif action.computation_type in FORWARD_ACTIONS:
+                kept.append(action)
+        lowered[rank] = kept
+    schedule.pipeline_order_with_comms = lowered
+    return schedule
 
 
 class InFlightReceiveStage(PipelineStage):

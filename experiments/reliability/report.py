@@ -20,6 +20,7 @@ TESTS = [
     "tests/checkpoint/test_run_directory.py::test_a_second_job_on_a_run_directory_exits_2_naming_the_first",
     "tests/checkpoint/test_run_directory.py::test_ctrl_c_saves_after_the_step_exits_130_and_the_same_command_resumes",
     "tests/checkpoint/test_run_directory.py::test_a_refused_resume_leaves_config_toml_as_it_was",
+    "tests/pipeline/test_pipeline_eval_schedules.py::test_eval_then_train_under_every_schedule",
     "tests/checkpoint/test_distributed.py::test_torchrun_restarts_a_killed_rank_and_ends_on_the_same_loss",
     "tests/checkpoint/test_verify.py::test_damaged_newest_checkpoint_falls_back_to_the_previous",
     "tests/checkpoint/test_atomic.py::test_failed_save_keeps_the_last_checkpoint_and_the_run_resumes",
