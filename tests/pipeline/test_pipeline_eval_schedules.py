@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers.fault_record import report
 from tests.helpers.parity import (
     FAMILIES,
     GLOBAL_BATCH,
@@ -29,7 +30,6 @@ from tests.helpers.parity import (
     _compare,
     _full,
 )
-from tests.helpers.fault_record import report
 from tests.helpers.spawn import run_ranks
 from trillion.models import Transformer
 from trillion.parallel.dims import ParallelDims
