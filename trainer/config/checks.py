@@ -8,6 +8,7 @@ its own fields live in its `check_relations` method; those spanning sections in 
 
 import math
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -117,7 +118,8 @@ class ExistingPath(Check):
         self.hint = hint
 
     def problem(self, value) -> str | None:
-        return None if not value or Path(value).exists() else f"no such file or folder. {self.hint}"
+        # the hint is a sentence; validate_config ends the problem with its own period
+        return None if not value or Path(value).exists() else f"no such file or folder. {self.hint.rstrip('.')}"
 
     def bad_values(self) -> tuple:
         return ("/nonexistent/trillion-check",)
@@ -140,3 +142,18 @@ class CreatableDir(Check):
 
     def bad_values(self) -> tuple:
         return ("", "/dev/null/run")
+
+
+def creatable_problem(path: str | Path) -> str | None:
+    """Why `path` (a file or folder not made yet) cannot be made, or None: the nearest existing folder
+    above it takes a new folder (tried: one is made and removed; os.access says yes to root on /proc)."""
+    existing = Path(path).absolute().parent
+    while not existing.exists():  # folders this user makes below the nearest existing one are its own
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".trillion-", suffix=".probe", dir=existing))
+    except OSError as error:
+        return f"making a folder in {existing} fails ({error.strerror or error})"
+    return None

@@ -21,8 +21,11 @@ Held-out split: a document is held out for evaluation when a hash of its text fa
 are withheld whatever the seed, the order or the number of ranks, and training skips exactly them.
 """
 
+import codecs
+import contextlib
 import hashlib
 import itertools
+import json
 import logging
 import os
 import random
@@ -32,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trillion.errors import ConfigError
+from trillion.errors import ConfigError, RunAborted
 from trillion.trainer.config.schema import Data as DataConfig
 from trillion.trainer.config.schema import Eval as EvalConfig
 from trillion.trainer.data.prepared import build_prepared_loader
@@ -56,6 +59,8 @@ def default_corpus_files(seed: int) -> list[Path]:
 class FileDocuments:
     """Each file is one document."""
 
+    source = "The default corpus"
+
     def __init__(self, files: list[Path]):
         self.files = files
 
@@ -71,37 +76,76 @@ class FileDocuments:
 
 
 class HFDocuments:
-    """Documents from a Hugging Face `datasets` dataset (local files or a hub name)."""
+    """Documents from a Hugging Face `datasets` dataset (local files or a hub name). A file that cannot
+    be read is named with its cause (bad_file_problem); the library's own error lines are kept quiet."""
 
     def __init__(self, cfg: DataConfig):
         import datasets
 
         datasets.disable_progress_bars()
+        self.source = f"data.path={cfg.path!r}" if cfg.path else f"data.name={cfg.name!r}"
+        self.text_field, self.files, self.builder = cfg.text_field, [], ""
         try:
-            if cfg.path:
-                builder, files = _local_files(cfg.path)
-                kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
-                self.dataset = datasets.load_dataset(
-                    builder, data_files=[str(f) for f in files], split=cfg.split, streaming=cfg.streaming, **kwargs
-                )
-            else:
-                self.dataset = datasets.load_dataset(
-                    cfg.name, cfg.config_name or None, split=cfg.split, streaming=cfg.streaming
-                )
-        except (datasets.exceptions.DatasetGenerationError, FileNotFoundError, ValueError) as error:
-            source = f"data.path={cfg.path!r}" if cfg.path else f"data.name={cfg.name!r}"
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise ConfigError(
-                f"{source} could not be read as a dataset ({first_line}). Check that its files share "
-                "one format and one set of columns, and that data.split exists."
+            with _quiet(datasets):
+                if cfg.path:
+                    self.builder, files = _local_files(cfg.path)
+                    self.files = [f for f in files if f.stat().st_size > 0]  # an empty file holds no document
+                    if not self.files:
+                        raise ConfigError(_empty_message(cfg.path, files))
+                    kwargs = {"sample_by": "paragraph"} if self.builder == "text" else {}
+                    self.dataset = datasets.load_dataset(
+                        self.builder,
+                        data_files=[str(f) for f in self.files],
+                        split=cfg.split,
+                        streaming=cfg.streaming,
+                        **kwargs,
+                    )
+                else:
+                    self.dataset = datasets.load_dataset(
+                        cfg.name, cfg.config_name or None, split=cfg.split, streaming=cfg.streaming
+                    )
+        except ConfigError:
+            raise
+        except ConnectionError as error:  # the hub, unreachable: not a mistake in the settings
+            raise RunAborted(
+                f"{self.source} could not be fetched: {_root_cause(error)}. The Hugging Face hub is not reachable "
+                "from here (or HF_HUB_OFFLINE / HF_DATASETS_OFFLINE is set): run where it is, or download the "
+                "dataset and point data.path at its files."
             ) from None
-        self.text_field = cfg.text_field
+        except Exception as error:  # a file the library cannot read: its traceback would not say which, or why
+            if not cfg.path and not isinstance(
+                error, (datasets.exceptions.DatasetGenerationError, FileNotFoundError, ValueError)
+            ):
+                raise
+            raise ConfigError(self._read_failure(error)) from None
         columns = self.dataset.column_names
         if columns is not None and cfg.text_field not in columns:
             raise ConfigError(
-                f"data.text_field={cfg.text_field!r} is not a column of the dataset ({', '.join(columns)}). "
-                f"Set --data.text_field to the column holding the text."
+                f"data.text_field={cfg.text_field!r} is not a column of {self.source} (its columns: "
+                f"{', '.join(columns)}). Set --data.text_field to the column holding the text."
             )
+        feature = (self.dataset.features or {}).get(cfg.text_field)
+        if isinstance(feature, datasets.Value) and feature.dtype not in ("string", "large_string", "null"):
+            raise ConfigError(self._not_text(f"holds {feature.dtype} values"))
+
+    def _read_failure(self, error: Exception) -> str:
+        """The message for a dataset the library failed to read: the bad file and its cause when one is found."""
+        if self.files and (problem := bad_file_problem(self.builder, self.files)):
+            return f"{self.source}: {problem}"
+        cause = _root_cause(error)
+        if "split" in cause.lower():
+            advice = "Check that data.split exists."
+        elif not self.files:
+            advice = "Check data.name, data.config_name and data.split."
+        elif len(self.files) > 1:
+            advice = "Check that its files share one format and one set of columns."
+        else:
+            advice = "Check the file's contents."
+        kind = f" as {self.builder} data" if self.builder else " as a dataset"
+        return f"{self.source} could not be read{kind} ({cause}). {advice}"
+
+    def _not_text(self, what: str, fix: str = "Set --data.text_field to the column holding the document text.") -> str:
+        return f"{self.source}: data.text_field={self.text_field!r} {what}, not text. {fix}"
 
     def __len__(self) -> int:
         return len(self.dataset)  # not for a streamed dataset
@@ -115,12 +159,187 @@ class HFDocuments:
     def iterate(self, start: int, stop: int | None = None, step: int = 1):  # stop: not for a streamed dataset
         import datasets
 
-        if isinstance(self.dataset, datasets.IterableDataset):  # a stream read by L lanes is read L times
+        streamed = isinstance(self.dataset, datasets.IterableDataset)
+        if streamed:  # a stream read by L lanes is read L times
             rows = itertools.islice(self.dataset.skip(start), 0, None, step)
         else:
             rows = self.dataset.select(range(start, len(self.dataset) if stop is None else stop, step))
-        for row in rows:
-            yield row[self.text_field] or ""
+        try:
+            for index, row in zip(itertools.count(start, step), rows):
+                text = row[self.text_field]
+                if text is None:
+                    text = ""
+                elif not isinstance(text, str):
+                    raise ConfigError(
+                        self._not_text(
+                            f"of row {index} (counting from 0) holds {text!r:.40} ({type(text).__name__})",
+                            "Every document's text must be a string (or null for none): fix that record.",
+                        )
+                    )
+                yield text
+        except ConfigError:
+            raise
+        except Exception as error:  # a streamed file is read only now
+            if not streamed:
+                raise
+            raise ConfigError(self._read_failure(error)) from None
+
+
+@contextlib.contextmanager
+def _quiet(datasets):
+    """The library logs a failing file's error before raising it; the ConfigError says it once, in full."""
+    level = datasets.logging.get_verbosity()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+
+
+def _root_cause(error: BaseException) -> str:
+    """The first line of the innermost exception's message (the library wraps the real cause)."""
+    seen = {id(error)}
+    while (inner := error.__cause__ or error.__context__) is not None and id(inner) not in seen:
+        error = inner
+        seen.add(id(error))
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def _empty_message(path: str, files: list[Path]) -> str:
+    what = f"{files[0]} is empty" if len(files) == 1 else f"all {len(files)} of its data files are empty (0 bytes)"
+    return f"data.path={path!r} holds no text: {what}. Point it at a file or folder holding the documents."
+
+
+def bad_file_problem(builder: str, files: list[Path]) -> str | None:
+    """What is wrong with the first unreadable file among `files` (read as `builder` data), or None:
+    bytes that are not UTF-8 (byte offset and line), a JSON line that does not parse or is not a record
+    (file:line), a Parquet file that is not one, or files with nothing but blank lines. Reads the files
+    through: called only once the library has failed, to say why."""
+    for file in files:
+        try:
+            problem = _parquet_problem(file) if builder == "parquet" else _utf8_problem(file)
+            if not problem and builder == "json":
+                problem = _json_problem(file)
+        except OSError as error:
+            problem = f"{file} cannot be read ({error.strerror or error}). Check its permissions."
+        if problem:
+            return problem
+    if builder == "json" and not any(_has_text(f) for f in files):
+        what = f"{files[0]} holds" if len(files) == 1 else f"its {len(files)} data files hold"
+        return f"{what} no records, only blank lines. Point data.path at a file or folder holding the documents."
+    return None
+
+
+def _utf8_problem(file: Path) -> str | None:
+    """The first byte of `file` that is not UTF-8, as its offset, line and value."""
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(file, "rb") as f:
+        while True:
+            block = f.read(1 << 20)
+            carried = len(decoder.getstate()[0])  # the start of a character split across blocks
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as error:
+                at = offset - carried + error.start
+                byte = error.object[error.start]
+                return (
+                    f"{file} is not UTF-8 text: byte offset {at} (line {_line_of(file, at)}) is 0x{byte:02X}, "
+                    f"which UTF-8 does not allow there ({error.reason}). Data files are read in the UTF-8 encoding: "
+                    "convert this one, e.g. `iconv -f latin1 -t utf-8` for Latin-1 text."
+                )
+            if not block:
+                return None
+            offset += len(block)
+
+
+def _line_of(file: Path, offset: int) -> int:
+    lines = 1
+    with open(file, "rb") as f:
+        while offset > 0 and (block := f.read(min(offset, 1 << 20))):
+            lines, offset = lines + block.count(b"\n"), offset - len(block)
+    return lines
+
+
+def _has_text(file: Path) -> bool:
+    with open(file, "rb") as f:
+        return any(block.strip() for block in iter(lambda: f.read(1 << 20), b""))
+
+
+JSON_KINDS = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "true/false"}
+
+
+def _json_kind(value) -> str:
+    return "null" if value is None else JSON_KINDS.get(type(value), type(value).__name__)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _json_problem(file: Path) -> str | None:
+    """A JSON Lines file needs one record (a JSON object) per non-blank line; a .json file may instead be one
+    JSON document (an array of records, or an object of columns), which the reader accepts too."""
+    problem = None
+    with open(file, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line.rstrip("\r\n"), parse_constant=_reject_constant)
+            except ValueError as error:
+                reason = f"{error.msg}, column {error.colno}" if isinstance(error, json.JSONDecodeError) else error
+                problem = (
+                    f"{file}:{number} is not valid JSON ({reason}). Each line of a JSON Lines file is one record: "
+                    "fix or remove that line."
+                )
+                break
+            if not isinstance(value, dict):
+                problem = (
+                    f"{file}:{number} is a JSON {_json_kind(value)}, where each line must be one record: a JSON "
+                    "object holding the document's text. Fix or remove that line."
+                )
+                break
+    if problem is None:
+        return None
+    text = file.read_text(encoding="utf-8")
+    try:
+        whole = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as error:
+        if not text.lstrip().startswith("[") or not isinstance(error, json.JSONDecodeError):
+            return problem  # JSON Lines: the first bad line
+        return (
+            f"{file}:{error.lineno} is not valid JSON ({error.msg}, column {error.colno}): the file is read as one "
+            "JSON array of records. Fix it there."
+        )
+    if isinstance(whole, list):
+        bad = next((i for i, item in enumerate(whole) if not isinstance(item, dict)), None)
+        return (
+            None
+            if bad is None
+            else f"{file}: item {bad} of its JSON array is a {_json_kind(whole[bad])}, where each item must be one "
+            "record: a JSON object holding the document's text. Fix or remove that item."
+        )
+    if isinstance(whole, dict):
+        return None  # columns: the reader's own error says what it refused
+    return (
+        f"{file} holds one JSON {_json_kind(whole)}, not records. Give JSON Lines (one JSON object per line) or "
+        "a JSON array of objects, each holding a document's text."
+    )
+
+
+def _parquet_problem(file: Path) -> str | None:
+    import pyarrow.parquet
+
+    try:
+        pyarrow.parquet.read_metadata(file)
+    except Exception as error:  # pyarrow's errors are ArrowInvalid, OSError, ...
+        text = str(error).strip()
+        return (
+            f"{file} is not a readable Parquet file ({text.splitlines()[0] if text else type(error).__name__}). "
+            "Write it again as Parquet, or move it out of data.path."
+        )
+    return None
 
 
 def _local_files(path: str) -> tuple[str, list[Path]]:
@@ -130,12 +349,20 @@ def _local_files(path: str) -> tuple[str, list[Path]]:
             f"data.path={path!r}: no such file or folder. Point it at a json, jsonl, txt or parquet file, "
             "or a folder of them (or leave it empty for the embedded default corpus)."
         )
-    files = sorted(p for p in root.rglob("*") if p.suffix in SUFFIX_TO_BUILDER) if root.is_dir() else [root]
-    builders = {SUFFIX_TO_BUILDER.get(f.suffix) for f in files}
-    if not files or None in builders:
+    if root.is_file() and root.suffix not in SUFFIX_TO_BUILDER:
         raise ConfigError(
-            f"data.path={path!r} holds no readable data file. Use files ending in {', '.join(SUFFIX_TO_BUILDER)}."
+            f"data.path={path!r} is not a data file this reader knows (by its name: {root.suffix or 'no suffix'}). "
+            f"Use a file ending in {', '.join(SUFFIX_TO_BUILDER)}."
         )
+    files = (
+        sorted(p for p in root.rglob("*") if p.suffix in SUFFIX_TO_BUILDER and p.is_file()) if root.is_dir() else [root]
+    )
+    if not files:
+        raise ConfigError(
+            f"data.path={path!r} is a folder with no data file in it (none ends in {', '.join(SUFFIX_TO_BUILDER)}). "
+            "Point it at the folder holding the documents, or at one file."
+        )
+    builders = {SUFFIX_TO_BUILDER[f.suffix] for f in files}
     if len(builders) > 1:
         raise ConfigError(f"data.path={path!r} mixes file kinds ({', '.join(sorted(builders))}); point it at one kind.")
     return builders.pop(), files
@@ -196,9 +423,10 @@ class PackedWindows:
                         "is empty or held out for evaluation. Lower --data.lanes (1 reads the documents "
                         "one after another)."
                     )
+                source = getattr(self.documents, "source", "The dataset")
                 raise ConfigError(
-                    "The dataset holds no text: every document is empty (or held out for evaluation, "
-                    "see eval.held_out). Check data.path or data.name and data.text_field."
+                    f"{source} holds no text: every document is empty (or held out for evaluation, see "
+                    "eval.held_out). Check data.path or data.name and data.text_field."
                 )
             epoch, first, offset = epoch + 1, self.lane, 0
 

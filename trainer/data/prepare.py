@@ -13,19 +13,23 @@ decides) are left out of the store exactly and kept in DIR/held_out/, a store of
 evaluation reads (`prepared_loader.read_held_out_windows`).
 """
 
+import ctypes
 import dataclasses
 import json
 import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from trillion.errors import ConfigError, RunAborted
+from trillion.errors import ConfigError, Interrupted, RunAborted
+from trillion.trainer.config.checks import creatable_problem
 from trillion.trainer.data.loader import build_documents, held_out_fraction, is_held_out
 from trillion.trainer.data.token_store import (
     HELD_OUT,
@@ -58,9 +62,7 @@ def prepare(config, out: Path, workers: int) -> dict:
             "data.prepared names stores to train from; prepare-data reads data.path or data.name (or "
             "the default corpus). Drop --data.prepared."
         )
-    if out.exists():
-        what = "a token store" if (out / MANIFEST).is_file() else "files"
-        raise ConfigError(f"--out {out} already exists and holds {what}. Remove it or give another --out.")
+    check_out(out)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: --workers sets the parallelism
     tokenizer = build_tokenizer(config.tokenizer)
     documents = build_documents(data, config.job.seed)
@@ -83,20 +85,7 @@ def prepare(config, out: Path, workers: int) -> dict:
             len(shards) - len(todo),
             len(shards),
         )
-    job = (documents, tokenizer, held_out, staging, shard_documents)
-    with _Progress(len(shards), len(shards) - len(todo), "tokenize shards") as progress:
-        if workers == 1:
-            _init_worker(*job)
-            for i in todo:
-                progress.advance(_tokenize_shard(i))
-        else:
-            # fork: workers start in milliseconds, without re-importing torch, and inherit the opened
-            # documents and tokenizer; the parent has run no tokenizer or torch threads (tokenizers'
-            # parallelism is off), which is what makes fork safe
-            context = multiprocessing.get_context("fork")
-            with context.Pool(workers, initializer=_init_worker, initargs=job) as pool:
-                for tokens in pool.imap_unordered(_tokenize_shard, todo):
-                    progress.advance(tokens)
+    _tokenize_shards((documents, tokenizer, held_out, staging, shard_documents), shards, todo, workers)
     store, dtype = staging / "store", token_dtype(tokenizer.vocab_size)
     shutil.rmtree(store, ignore_errors=True)  # a join interrupted earlier
     if held_out:  # inside the store, written before its manifest: published with it
@@ -109,8 +98,10 @@ def prepare(config, out: Path, workers: int) -> dict:
     with _Progress(len(shards), 0, "join shards") as progress:  # one sequential copy: long for large corpora
         manifest = write_store(store, _joined(staging, shards, progress), dtype, {**plan, "split": "train"})
     if manifest["n_documents"] == 0:
+        source = getattr(documents, "source", "The dataset")
         raise ConfigError(
-            "The dataset holds no text: every document is empty. Check data.path or data.name and data.text_field."
+            f"{source} holds no text: every document is empty (or held out for evaluation, see eval.held_out). "
+            "Check data.path or data.name and data.text_field."
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     os.replace(store, out)
@@ -127,6 +118,42 @@ def prepare(config, out: Path, workers: int) -> dict:
         manifest["n_tokens"] / seconds,
     )
     return {**manifest, "seconds": seconds, "workers": workers}
+
+
+def check_out(out: Path) -> None:
+    """--out must not exist, and its folder must take the store and its .staging sibling: checked
+    before any work, so a bad --out costs no tokenizing. Nothing is created here."""
+    if out.exists():
+        what = "is a file" if out.is_file() else "holds a token store" if (out / MANIFEST).is_file() else "holds files"
+        raise ConfigError(f"--out {out} already exists and {what}. Remove it or give another --out.")
+    if problem := creatable_problem(out):
+        raise ConfigError(
+            f"--out {out} cannot be created: {problem}. Give an --out in a folder this user can create and write."
+        )
+
+
+def _tokenize_shards(job: tuple, shards: range, todo: list[int], workers: int) -> None:
+    """Tokenize the shards not yet in staging, in `workers` processes; each finished shard is kept."""
+    staging = job[3]
+    with _Progress(len(shards), len(shards) - len(todo), "tokenize shards") as progress:
+        try:
+            if workers == 1:
+                _init_worker(*job)
+                for i in todo:
+                    progress.advance(_tokenize_shard(i))
+            else:
+                # fork: workers start in milliseconds, without re-importing torch, and inherit the opened
+                # documents and tokenizer; the parent has run no tokenizer or torch threads (tokenizers'
+                # parallelism is off), which is what makes fork safe
+                context = multiprocessing.get_context("fork")
+                with context.Pool(workers, initializer=_init_pool_worker, initargs=(os.getpid(), *job)) as pool:
+                    for tokens in pool.imap_unordered(_tokenize_shard, todo):
+                        progress.advance(tokens)
+        except KeyboardInterrupt:  # the pool's exit has stopped the workers; finished shards are kept
+            raise Interrupted(
+                f"interrupted (Ctrl-C) with {progress.done} of {len(shards)} shards tokenized, kept in {staging}: "
+                "the same command resumes from them."
+            ) from None
 
 
 def verify(path: Path) -> None:
@@ -180,6 +207,37 @@ def _joined(staging: Path, shards: range, progress):
 
 
 _WORKER = {}
+
+
+def _init_pool_worker(parent: int, *job) -> None:
+    """A pool worker: Ctrl-C (sent to the whole process group) is the parent's to handle, which then
+    stops the pool; and a worker whose parent is killed ends at once, quietly, instead of finishing its
+    shard and failing to send the result (a BrokenPipeError traceback per worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _exit_with_parent(parent)
+    _init_worker(*job)
+
+
+def _exit_with_parent(parent: int) -> None:
+    """SIGTERM (its default action: the process ends, no traceback) when `parent` dies: the kernel's
+    PR_SET_PDEATHSIG on Linux, a watching thread elsewhere."""
+    if sys.platform.startswith("linux"):
+        try:
+            set_death_signal = ctypes.c_int(1), ctypes.c_ulong(signal.SIGTERM)  # PR_SET_PDEATHSIG, the signal
+            if ctypes.CDLL(None, use_errno=True).prctl(*set_death_signal, *[ctypes.c_ulong(0)] * 3) == 0:
+                if os.getppid() != parent:  # it died before the call
+                    os._exit(0)
+                return
+        except (OSError, AttributeError):
+            pass
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    os._exit(0)
 
 
 def _init_worker(documents, tokenizer, held_out, staging, shard_documents) -> None:
