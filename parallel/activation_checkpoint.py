@@ -27,6 +27,7 @@ _SAVE_OPS = {
     _aten.addmm.default,
     _aten.bmm.default,
     _aten.linear.default,
+    _aten._scaled_mm.default,  # the float8 GEMM (parallel/float8.py), as torchtitan saves it
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,

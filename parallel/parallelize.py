@@ -1,11 +1,14 @@
 """The one place a meta-device model becomes a parallel one, in a fixed order:
 
-    context parallelism -> tensor parallelism -> activation checkpointing -> torch.compile -> FSDP2
+    float8 swap -> context parallelism -> tensor parallelism -> activation checkpointing -> torch.compile
+    -> FSDP2
 
-CP first: it only swaps each block's attention for attention across sequence shards and passes
-the rank's token positions, so everything after wraps the same modules. TP next, because it
-changes what a parameter is (a DTensor over the tp axis) and inserts the collectives the later
-wrappers must see; AC next, so recomputation replays those collectives;
+The float8 swap first (float8.py): it replaces the blocks' nn.Linear modules by torchao's Float8Linear,
+which TP then shards with float8-aware styles and FSDP gathers in float8; everything after must see
+the swapped modules (torchtitan's order). CP next: it only swaps each block's attention for attention
+across sequence shards and passes the rank's token positions, so everything after wraps the same
+modules. TP next, because it changes what a parameter is (a DTensor over the tp axis) and inserts
+the collectives the later wrappers must see; AC next, so recomputation replays those collectives;
 compile then traces the parallel blocks; FSDP last, so it shards the TP shards again over dp and
 its hooks wrap everything. Call it before `to_empty` + `init_weights`, which then give the same
 values whatever the layout (see models.transformer.Transformer.init_weights).
@@ -18,6 +21,8 @@ from trillion.parallel.activation_checkpoint import apply_activation_checkpointi
 from trillion.parallel.compile import apply_compile
 from trillion.parallel.context_parallel import apply_context_parallel
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.float8 import Float8Training
+from trillion.parallel.float8 import convert as convert_to_float8
 from trillion.parallel.fsdp import apply_fsdp
 from trillion.parallel.modes import schedule, zero_mode
 from trillion.parallel.tensor_parallel import apply_tensor_parallel
@@ -33,15 +38,18 @@ def parallelize(
     compile_backend: str = "inductor",
     param_dtype: torch.dtype = torch.float32,
     pp_schedule: str = "1F1B",
+    float8: Float8Training | None = None,
 ) -> nn.Module:
     """Apply the layout of `dims` (whose mesh is built) to `model`, in place; returns it. With pp > 1
     `model` is a pipeline stage and `pp_schedule` its schedule: under one that splits the backward no
-    block reshards after forward (pipeline.py says why)."""
+    block reshards after forward (pipeline.py says why). `float8`: train the linears in float8."""
     zero_mode(dp_shard_mode)
+    if float8 is not None:
+        convert_to_float8(model, float8, tp=dims.tp_mesh.size() if dims.tp_enabled else 1)
     if dims.cp > 1:
         apply_context_parallel(model, dims.cp_mesh)
     if dims.tp_enabled:
-        apply_tensor_parallel(model, dims.tp_mesh)
+        apply_tensor_parallel(model, dims.tp_mesh, float8_tp=float8 is not None and float8.float8_tp)
     apply_activation_checkpointing(model, activation_checkpoint)
     if compile:
         apply_compile(model, backend=compile_backend)

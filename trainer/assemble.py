@@ -5,6 +5,7 @@ parallelized, on the meta device. train.py materializes it and runs the loop; th
 it as simulated ranks of a fake world."""
 
 import dataclasses
+import logging
 
 import torch
 from torch import nn
@@ -12,12 +13,15 @@ from torch import nn
 from trillion.errors import ConfigError
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.models import ModelArgs, Transformer, get_preset
+from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
 from trillion.trainer.config.schema import Config, Training, divisor_near, validate_config
 from trillion.trainer.launch.env import LaunchEnv
+
+log = logging.getLogger("trillion")
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -91,6 +95,20 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
             "training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "
             "decision is not agreed across ranks. Use --training.dtype=bf16 with parallel layouts."
         )
+    if config.float8.enabled:  # the device first: on an A100 the answer is no whether torchao is there or not
+        float8.check_device(env.device, config.float8.emulate)
+        float8.require_torchao()
+        if not config.float8.emulate and not config.compile.enabled:
+            log.info(
+                "float8 without --compile.enabled=true: torchao's casts and scales run as separate kernels, which "
+                "costs most of float8's speed-up (the published figures are compiled)"
+            )
+
+
+def float8_training(config: Config, dims: ParallelDims) -> float8.Float8Training | None:
+    """float8.* as parallelize applies it (None: off); FSDP float8 all-gather only where FSDP shards."""
+    f = config.float8
+    return float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, dims.fsdp_enabled) if f.enabled else None
 
 
 def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -> ParallelDims:
@@ -161,6 +179,7 @@ def layout_fn(config: Config, dims: ParallelDims, dtype: torch.dtype, *, compile
         compile=config.compile.enabled if compile is None else compile,
         param_dtype=dtype,
         pp_schedule=p.pp_schedule,
+        float8=float8_training(config, dims),
     )
 
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from trillion.errors import ConfigError
+from trillion.parallel.float8 import register_scale_precompute
 from trillion.trainer.config.schema import LRSchedule as LRScheduleConfig
 from trillion.trainer.config.schema import Optimizer as OptimizerConfig
 
@@ -25,20 +26,22 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, device_type: str) ->
     if cfg.name != "adamw":
         raise ConfigError(f"optimizer.name={cfg.name!r} is not supported. Use adamw.")
     implementation = cfg.implementation
-    if implementation == "auto":
-        implementation = "fused" if device_type == "cuda" else "foreach"
+    if implementation == "auto":  # fused: a non-finite step is masked on the device (no host read per step)
+        implementation = "fused" if device_type in ("cuda", "cpu") else "foreach"
     flags = {"fused": {"fused": True}, "foreach": {"foreach": True}, "for-loop": {"foreach": False}}
     if implementation not in flags:
         raise ConfigError(
             f"optimizer.implementation={cfg.implementation!r} is not known. Use auto, fused, foreach or for-loop."
         )
-    return torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(
         parameter_groups(model, cfg.weight_decay),
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
         **flags[implementation],
     )
+    register_scale_precompute(optimizer, model)  # FSDP float8 all-gather: the next step's weight scales, per step
+    return optimizer
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: LRScheduleConfig) -> float:

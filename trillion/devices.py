@@ -32,6 +32,7 @@ class DeviceSpec:
     memory_bandwidth_gbs: float = 0.0
     power_w: float = 0.0
     gemm_efficiency: tuple[tuple[float, float], ...] = ()  # (flops of one GEMM, share of peak), ascending
+    fp8_gemm_efficiency: tuple[tuple[float, float], ...] = ()  # the same for float8 GEMMs, of the fp8 peak
     attention_efficiency: float = 0.0
     memory_efficiency: float = 0.0
     kernel_overhead_us: float = 0.0
@@ -41,21 +42,25 @@ class DeviceSpec:
     def peak_tflops_bf16(self) -> float:
         return self.peak_tflops["bf16"]
 
-    def gemm_share_of_peak(self, flops: float) -> float:
-        """Achieved share of peak for one GEMM of `flops`, interpolated in log(flops), clamped at the ends."""
-        if not self.gemm_efficiency:
+    def gemm_share_of_peak(self, flops: float, dtype: str = "bf16") -> float:
+        """Achieved share of the `dtype` peak (bf16, or fp8 from fp8_gemm_efficiency) for one GEMM of
+        `flops`, interpolated in log(flops), clamped at the ends."""
+        curve = self.fp8_gemm_efficiency if dtype == "fp8" else self.gemm_efficiency
+        if not curve:
+            field = "fp8_gemm_efficiency" if dtype == "fp8" else "gemm_efficiency"
+            how = "" if dtype == "fp8" else " or measure it with `trillion plan --calibrate`"
             raise ConfigError(
-                f"Device {self.name!r} has no gemm_efficiency curve, so it cannot be planned for. "
-                f"Add one to its profile or measure it with `trillion plan --calibrate`."
+                f"Device {self.name!r} has no {field} curve, so it cannot be planned for"
+                f"{' with float8' if dtype == 'fp8' else ''}. Add one to its profile{how}."
             )
-        sizes = [math.log(s) for s, _ in self.gemm_efficiency]
+        sizes = [math.log(s) for s, _ in curve]
         x = math.log(max(flops, 1.0))
         i = bisect.bisect_left(sizes, x)
         if i == 0:
-            return self.gemm_efficiency[0][1]
+            return curve[0][1]
         if i == len(sizes):
-            return self.gemm_efficiency[-1][1]
-        (x0, (_, e0)), (x1, (_, e1)) = (sizes[i - 1], self.gemm_efficiency[i - 1]), (sizes[i], self.gemm_efficiency[i])
+            return curve[-1][1]
+        (x0, (_, e0)), (x1, (_, e1)) = (sizes[i - 1], curve[i - 1]), (sizes[i], curve[i])
         return e0 + (e1 - e0) * (x - x0) / (x1 - x0)
 
 
@@ -81,6 +86,7 @@ def device_from_table(table: dict, where: str) -> DeviceSpec:
             memory_bandwidth_gbs=float(table.get("memory_bandwidth_gbs", 0.0)),
             power_w=float(table.get("power_w", 0.0)),
             gemm_efficiency=tuple(sorted((float(s), float(e)) for s, e in table.get("gemm_efficiency", ()))),
+            fp8_gemm_efficiency=tuple(sorted((float(s), float(e)) for s, e in table.get("fp8_gemm_efficiency", ()))),
             attention_efficiency=float(table.get("attention_efficiency", 0.0)),
             memory_efficiency=float(table.get("memory_efficiency", 0.0)),
             kernel_overhead_us=float(table.get("kernel_overhead_us", 0.0)),

@@ -10,7 +10,8 @@ knows). The first row is Table 1's FSDP + torch.compile run (bf16, seq 8192, no 
 error without CP, against which the CP rows' errors are read.
 
 Float8 (torchao, on nn.Linear): the linear layers' GEMMs run on FP8 tensor cores (twice the bf16
-peak on H100), attention stays bf16. The planner models bf16 only, so a published figure may exceed
+peak on H100), attention stays bf16. This table predicts in bf16 (the planner's float8 model,
+layout.float8, is checked against the float8 rows of VALIDATION.md), so a published figure may exceed
 its prediction by at most 1 / (1 - g / 2), g the linear layers' share of the FLOPs, which falls as
 the sequence grows (attention is quadratic): the bound is given per row. Memory barely moves with
 Float8 (weights stay bf16/fp32; FSDP's float8 all-gather halves only the gathered copy).

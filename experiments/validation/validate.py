@@ -62,6 +62,8 @@ def run_layout(run: dict, gpus: int) -> Layout:
         microbatches,
         spec["activation_checkpoint"],
         spec.get("compile", False),
+        float8=spec.get("float8", False),
+        float8_all_gather=spec.get("float8_all_gather", True),
     )
 
 
@@ -135,7 +137,14 @@ def _layout(spec: dict) -> str:
     return (
         f"tp {spec['tp']}, pp {spec['pp']}, {dp}, {spec['pp_schedule']}, mb {spec['micro_batch_size']}, "
         f"ckpt {spec['activation_checkpoint']}{', compile' if spec.get('compile') else ''}"
+        f"{_float8(spec)}"
     )
+
+
+def _float8(spec: dict) -> str:
+    if not spec.get("float8"):
+        return ""
+    return ", float8" + (" (float8 all-gather)" if spec.get("float8_all_gather", True) else "")
 
 
 def worst(records: list[dict]) -> tuple[float, str]:
@@ -233,11 +242,12 @@ def render(records: list[dict]) -> str:
     reasons = {}
     for r in outside:  # rows sharing a reason are listed together
         reasons.setdefault(r["run"].get("outside_reason", "no reason found yet."), []).append(r)
-    lines += [
+    paragraphs = [
         ", ".join(f"**{r['run']['id']}** ({100 * r.get('loo_error', r['error']):+.1f}%)" for r in rows)
         + f": {' '.join(reason.split())}"
         for reason, rows in reasons.items()
-    ] or ["None."]
+    ]
+    lines += ["\n\n".join(paragraphs) or "None."]  # one paragraph per reason
     lines += [""] + cpu_section()
     return "\n".join(lines) + "\n"
 

@@ -36,6 +36,18 @@ then dp_shard, dp_replicate, pp, as the trainer's DeviceMesh does):
       reduce-scatter of their gradients backward, on the cp group's links (cp sits just outside tp
       in the mesh), never overlapped (parallel/context_parallel.py gathers before attention).
 Optimizer: AdamW and gradient clipping on the rank's shard, at memory bandwidth (work.py).
+
+Float8 (layout.float8, `trillion plan --float8`; tensorwise scaling, as the trainer's default recipe and
+torchao's Float8Linear): every linear of the blocks whose features on a TP rank are multiples of 16
+(memory.tp_local_linears) runs its three GEMMs (output, input gradient, weight gradient) at the device's
+dense fp8 peak times its fp8 large-GEMM plateau (devices.toml peak_tflops.fp8, fp8_gemm_efficiency), or
+at the bandwidth its fp8 operands and bf16 output need if slower; the output projection and attention
+stay bf16. Its casts are element-wise traffic at memory bandwidth, one launch each (work.py
+FLOAT8_CAST_BYTES: the forward casts input and weight, Bi the output's gradient and the weight, Bw the
+saved input). TP's activation collectives stay bf16 (tensorwise TP all-gathers in float8: not modelled).
+With FSDP's float8 all-gather (layout.float8_all_gather) the converted weights are gathered at 1 byte
+instead of 2, and FSDP's copy out of the gather buffer moves 1-byte elements; gradients stay fp32.
+Memory is not changed by float8 (the saved activations stay bf16; the gathered fp8 copies are not counted).
 """
 
 from dataclasses import dataclass, fields
@@ -43,12 +55,21 @@ from functools import lru_cache
 
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
-from trillion.parallel.planner.hardware import HardwareProfile
+from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
 from trillion.parallel.planner.layout import Layout, bubble_slots
-from trillion.parallel.planner.memory import RankParams, pipeline_ranks, replicated_numel
+from trillion.parallel.planner.memory import (
+    RankParams,
+    float8_numel,
+    pipeline_ranks,
+    replicated_numel,
+    tp_local_linears,
+)
 from trillion.parallel.planner.work import (
     BACKWARD_ELEMENTWISE,
     CROSS_ENTROPY_BYTES_PER_LOGIT,
+    FLOAT8_BYTES,
+    FLOAT8_CAST_BYTES,
+    FSDP_FLOAT8_GATHER_COPY_BYTES,
     FSDP_GATHER_COPY_BYTES,
     FSDP_REDUCE_COPY_BYTES,
     OPTIMIZER_BYTES_PER_PARAM,
@@ -99,12 +120,25 @@ class StepTime:
         return {f.name: getattr(self, f.name) / self.total for f in fields(self)}
 
 
-def _gemm(hw: HardwareProfile, m: int, k: int, n: int) -> float:
+def _gemm(hw: HardwareProfile, m: int, k: int, n: int, float8: bool = False) -> float:
     flops = 2.0 * m * k * n
     device = hw.device
-    compute = flops / (device.peak_tflops_bf16 * 1e12 * device.gemm_share_of_peak(flops))
-    operands = _memory_bound(hw, hw.element_bytes * (m * k + k * n + m * n))
+    if float8:  # fp8 operands, output in the compute dtype
+        compute = flops / (float8_peak_tflops(hw) * 1e12 * device.gemm_share_of_peak(flops, "fp8"))
+        operands = _memory_bound(hw, FLOAT8_BYTES * (m * k + k * n) + hw.element_bytes * m * n)
+    else:
+        compute = flops / (device.peak_tflops_bf16 * 1e12 * device.gemm_share_of_peak(flops))
+        operands = _memory_bound(hw, hw.element_bytes * (m * k + k * n + m * n))
     return max(compute, operands) + device.kernel_overhead_us * 1e-6
+
+
+def float8_casts(hw: HardwareProfile, tokens: int, k: int, n: int) -> tuple[float, float, float]:
+    """Seconds of one converted linear's casts to fp8 in (forward, input gradient, weight gradient)."""
+    launch = hw.device.kernel_overhead_us * 1e-6
+    forward = _memory_bound(hw, FLOAT8_CAST_BYTES * (tokens * k + k * n)) + 2 * launch  # input, weight
+    input_grad = _memory_bound(hw, FLOAT8_CAST_BYTES * (tokens * n + k * n)) + 2 * launch  # output's gradient, weight
+    weight_grad = _memory_bound(hw, FLOAT8_CAST_BYTES * tokens * k) + launch  # the saved input
+    return forward, input_grad, weight_grad
 
 
 def _memory_bound(hw: HardwareProfile, nbytes: float) -> float:
@@ -123,16 +157,24 @@ def collective_time(hw: HardwareProfile, nbytes: float, group: int, span: int, k
 
 @lru_cache(maxsize=8192)
 def layer_passes(
-    args: ModelArgs, hw: HardwareProfile, batch: int, seq_len: int, tp: int, compiled: bool, cp: int = 1
+    args: ModelArgs,
+    hw: HardwareProfile,
+    batch: int,
+    seq_len: int,
+    tp: int,
+    compiled: bool,
+    cp: int = 1,
+    float8: bool = False,
 ) -> Passes:
     """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
-    holding 1/cp of each sequence."""
-    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
+    holding 1/cp of each sequence; with float8, its converted linears in fp8 (the module docstring)."""
+    h, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     tokens = batch * seq_len // cp
-    gemms = [(h, q // tp), (h, kv // tp), (h, kv // tp), (q // tp, h), (h, f // tp), (f // tp, h)]
-    if args.mlp == "swiglu":
-        gemms.append((h, f // tp))
-    gemm = sum(_gemm(hw, tokens, k, n) for k, n in gemms)
+    # (k, n, in fp8) of each linear on this rank: the GEMM is tokens x k x n
+    shapes = [(k, n, float8 and converted) for k, n, converted in tp_local_linears(args, tp)]
+    gemm = sum(_gemm(hw, tokens, k, n, fp8) for k, n, fp8 in shapes)
+    casts = [float8_casts(hw, tokens, k, n) for k, n, fp8 in shapes if fp8]
+    cast_forward, cast_input_grad, cast_weight_grad = (sum(c[i] for c in casts) for i in range(3))
     attention_flops = 2.0 * tokens * seq_len * q / tp
     attention = attention_flops / (hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency)
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled) * hw.element_bytes)
@@ -147,14 +189,15 @@ def layer_passes(
     cp_gather = collective_time(hw, kv_bytes, cp, tp * cp, "all_gather")
     cp_reduce = collective_time(hw, kv_bytes, cp, tp * cp, "reduce_scatter")
     return Passes(
-        forward=gemm + attention + elementwise + launches + tp_comm + host_forward + cp_gather,
+        forward=gemm + attention + elementwise + launches + tp_comm + host_forward + cp_gather + cast_forward,
         input_grad=gemm
         + 2.5 * attention
         + BACKWARD_ELEMENTWISE * (elementwise + launches)
         + tp_comm
         + host_backward
-        + cp_reduce,
-        weight_grad=gemm,
+        + cp_reduce
+        + cast_input_grad,
+        weight_grad=gemm + cast_weight_grad,
         tp_forward=tp_comm + host_forward,
         tp_backward=tp_comm + host_backward,
         cp_forward=cp_gather,
@@ -191,9 +234,10 @@ def rank_passes(
     compiled: bool,
     rank: RankParams,
     cp: int = 1,
+    float8: bool = False,
 ) -> tuple[Passes, Passes]:
     """(passes of one micro-batch through all of the rank's layers, the recomputed forwards)."""
-    layer = layer_passes(args, hw, micro_batch_size, seq_len, tp, compiled, cp)
+    layer = layer_passes(args, hw, micro_batch_size, seq_len, tp, compiled, cp, float8)
     total = layer * rank.layers
     if rank.last:
         total = total + output_passes(args, hw, micro_batch_size * seq_len // cp, tp)
@@ -201,19 +245,23 @@ def rank_passes(
     return total, recompute * rank.checkpointed(activation_checkpoint)
 
 
-def fsdp_copies(hw: HardwareProfile, layout: Layout, tp_numel: int) -> float:
-    """Seconds per step of FSDP2's copies out of all-gather and into reduce-scatter buffers."""
+def float8_gathered(args: ModelArgs, layout: Layout, rank: RankParams) -> int:
+    """Elements FSDP all-gathers in float8 on this rank (0 without float8 or its all-gather)."""
+    if not (layout.float8 and layout.float8_all_gather):
+        return 0
+    return float8_numel(args, rank.layers, layout.tp)
+
+
+def fsdp_copies(hw: HardwareProfile, layout: Layout, tp_numel: int, fp8_numel: int = 0) -> float:
+    """Seconds per step of FSDP2's copies out of all-gather and into reduce-scatter buffers; `fp8_numel`
+    of the gathered elements arrive in float8."""
     if layout.dp_shard * layout.cp <= 1:
         return 0.0
-    per_microbatch = {
-        "zero3": 2 * FSDP_GATHER_COPY_BYTES + FSDP_REDUCE_COPY_BYTES,
-        "zero2": FSDP_REDUCE_COPY_BYTES,
-        "zero1": 0,
-    }[layout.dp_shard_mode]
-    per_step = {"zero3": 0, "zero2": FSDP_GATHER_COPY_BYTES, "zero1": FSDP_GATHER_COPY_BYTES + FSDP_REDUCE_COPY_BYTES}[
-        layout.dp_shard_mode
-    ]
-    return _memory_bound(hw, (layout.microbatches * per_microbatch + per_step) * tp_numel)
+    gather = FSDP_GATHER_COPY_BYTES * (tp_numel - fp8_numel) + FSDP_FLOAT8_GATHER_COPY_BYTES * fp8_numel
+    reduce = FSDP_REDUCE_COPY_BYTES * tp_numel
+    per_microbatch = {"zero3": 2 * gather + reduce, "zero2": reduce, "zero1": 0}[layout.dp_shard_mode]
+    per_step = {"zero3": 0, "zero2": gather, "zero1": gather + reduce}[layout.dp_shard_mode]
+    return _memory_bound(hw, layout.microbatches * per_microbatch + per_step)
 
 
 def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankParams) -> tuple[float, float, float]:
@@ -221,7 +269,9 @@ def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankPara
     d, r, tp = layout.dp_shard * layout.cp, layout.dp_replicate, layout.tp
     tp_numel, shard_numel = rank.numel(args, tp, d)
     mode = layout.dp_shard_mode
-    gather = collective_time(hw, hw.element_bytes * tp_numel, d, tp * d, "all_gather")
+    fp8 = float8_gathered(args, layout, rank)  # gathered at 1 byte instead of element_bytes
+    gathered_bytes = hw.element_bytes * (tp_numel - fp8) + FLOAT8_BYTES * fp8
+    gather = collective_time(hw, gathered_bytes, d, tp * d, "all_gather")
     reduce = collective_time(hw, 4 * tp_numel, d, tp * d, "reduce_scatter")
     per_microbatch = {"zero3": 2 * gather + reduce, "zero2": reduce, "zero1": 0.0}[mode]
     replicate = collective_time(hw, 4 * shard_numel, r, tp * d * r, "all_reduce")
@@ -243,13 +293,14 @@ def _pipeline(
     activation_checkpoint: str,
     compiled: bool,
     cp: int = 1,
+    float8: bool = False,
 ) -> tuple:
     """Per-micro-batch compute of the pipeline's ranks: (slowest rank index, its passes, its
     recompute, seconds of the slowest and of the mean rank, mean TP seconds, mean CP seconds).
     Independent of dp."""
     layout = Layout(tp, pp, 1, 1, "zero3", schedule_name, v, micro_batch_size, 1, activation_checkpoint)
     timed = [
-        rank_passes(args, hw, micro_batch_size, seq_len, tp, activation_checkpoint, compiled, rank, cp)
+        rank_passes(args, hw, micro_batch_size, seq_len, tp, activation_checkpoint, compiled, rank, cp, float8)
         for rank in pipeline_ranks(args, layout)
     ]
     per_rank = [ps.forward + rc.forward + ps.input_grad + ps.weight_grad for ps, rc in timed]
@@ -274,6 +325,7 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
         layout.activation_checkpoint,
         layout.compile,
         layout.cp,
+        layout.float8,
     )
     chunk = (passes.forward / v, recompute.forward / v, passes.input_grad / v, passes.weight_grad / v)
     bubble = max(0.0, sum(s * c for s, c in zip(bubble_slots(schedule, p), chunk))) if p > 1 else 0.0
@@ -305,7 +357,7 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
         )
     else:
         dp_exposed = m * per_mb + after_backward + before_forward
-    dp_exposed += fsdp_copies(hw, layout, tp_numel)
+    dp_exposed += fsdp_copies(hw, layout, tp_numel, float8_gathered(args, layout, rank))
 
     copy_back = 2 * tp_numel if layout.dp_shard_mode in ("zero1", "zero2") else 0
     optimizer = _memory_bound(hw, OPTIMIZER_BYTES_PER_PARAM * shard_numel + copy_back)

@@ -77,6 +77,25 @@ class HardwareProfile:
         return bandwidth_gbs * 1e9 * self.collective_efficiency, latency_us * 1e-6
 
 
+def float8_peak_tflops(hw: HardwareProfile) -> float:
+    """The device's dense float8 peak (devices.toml peak_tflops.fp8), checked to come with its fp8 GEMM
+    plateau; a ConfigError naming the hardware where float8 cannot be planned (no float8 tensor cores)."""
+    device = hw.device
+    peak = device.peak_tflops.get("fp8", 0.0)
+    if peak <= 0:
+        raise ConfigError(
+            f"--float8: hardware profile {hw.name!r} ({device.name}) has no float8 tensor cores (no fp8 peak in "
+            f"{DEVICES_FILE} or its profile), so its linears cannot run in float8. Plan it without --float8, or "
+            f"on hardware with an fp8 peak ({', '.join(n for n, d in DEVICES.items() if d.peak_tflops.get('fp8'))})."
+        )
+    if not device.fp8_gemm_efficiency:
+        raise ConfigError(
+            f"--float8: hardware profile {hw.name!r} ({device.name}) has an fp8 peak but no fp8_gemm_efficiency "
+            f"(the large fp8 GEMM's share of that peak); add one to its device table, with its source."
+        )
+    return float(peak)
+
+
 def _link(entry: dict, path: Path) -> Link:
     kinds = tuple(
         (kind, float(entry[kind]["bandwidth_gbs"]), float(entry[kind]["latency_us"]))

@@ -26,6 +26,8 @@ class Layout:
     activation_checkpoint: str
     compile: bool = False  # torch.compile of each block: fuses its element-wise kernels
     cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence; FSDP shards over dp_shard x cp
+    float8: bool = False  # the blocks' linears compute in float8 (cost.py); the output projection stays bf16
+    float8_all_gather: bool = True  # with float8 and FSDP: the converted weights are all-gathered in float8
 
     @property
     def dp(self) -> int:

@@ -44,12 +44,9 @@ class ParamSpec:
     tp_dim: int | None  # dimension tensor parallelism splits; None = replicated
 
 
-def block_params(args: ModelArgs) -> list[ParamSpec]:
-    """Parameters of one transformer block, named as in models/transformer.py."""
+def block_linears(args: ModelArgs) -> list[tuple[str, int, int, int]]:
+    """(name, out_features, in_features, dimension of the weight TP splits) of one block's linears."""
     h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
-    specs = []
-    for norm in ("attention_norm", "ffn_norm"):
-        specs += norm_params(args, norm)
     linears = [
         ("attention.wq", q, h, 0),
         ("attention.wk", kv, h, 0),
@@ -60,7 +57,35 @@ def block_params(args: ModelArgs) -> list[ParamSpec]:
     ]
     if args.mlp == "swiglu":
         linears.append(("feed_forward.w3", f, h, 0))
-    for name, out_features, in_features, tp_dim in linears:
+    return linears
+
+
+# float8 converts a block's linear whose in and out features, as each TP rank holds them, are multiples
+# of this (the fp8 GEMM's constraint; parallel/float8.py); the output projection and embeddings never
+FLOAT8_DIM_MULTIPLE = 16
+
+
+def tp_local_linears(args: ModelArgs, tp: int) -> list[tuple[int, int, bool]]:
+    """(in_features, out_features, converted by float8) of each block linear on one of `tp` ranks."""
+    local = []
+    for _, out_f, in_f, tp_dim in block_linears(args):
+        k, n = math.ceil(in_f / tp) if tp_dim == 1 else in_f, math.ceil(out_f / tp) if tp_dim == 0 else out_f
+        local.append((k, n, k % FLOAT8_DIM_MULTIPLE == 0 and n % FLOAT8_DIM_MULTIPLE == 0))
+    return local
+
+
+def float8_numel(args: ModelArgs, layers: int, tp: int) -> int:
+    """Weight elements (after TP) of the float8-converted linears of `layers` blocks: what FSDP's
+    float8 all-gather gathers at 1 byte (their biases and every other parameter stay bf16)."""
+    return layers * sum(k * n for k, n, converted in tp_local_linears(args, tp) if converted)
+
+
+def block_params(args: ModelArgs) -> list[ParamSpec]:
+    """Parameters of one transformer block, named as in models/transformer.py."""
+    specs = []
+    for norm in ("attention_norm", "ffn_norm"):
+        specs += norm_params(args, norm)
+    for name, out_features, in_features, tp_dim in block_linears(args):
         specs.append(ParamSpec(f"{name}.weight", (out_features, in_features), tp_dim))
         if args.bias:  # a column-parallel bias is split with its rows; a row-parallel one is replicated
             specs.append(ParamSpec(f"{name}.bias", (out_features,), 0 if tp_dim == 0 else None))

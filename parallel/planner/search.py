@@ -29,7 +29,7 @@ from trillion.models.flops import (
 from trillion.parallel import modes
 from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES, check_schedule
 from trillion.parallel.planner.cost import StepTime, step_time
-from trillion.parallel.planner.hardware import HardwareProfile
+from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES, Layout
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
 
@@ -46,6 +46,7 @@ LAYOUT_FIELDS = (
     "activation_checkpoint",
     "cp",
     "compile",
+    "float8",
 )
 
 
@@ -173,6 +174,7 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
                                 ac,
                                 request.fixed.get("compile", False),
                                 cp,
+                                float8=request.fixed.get("float8", False),
                             )
 
 
@@ -253,6 +255,8 @@ def check_request(request: Request) -> None:
             f"--seq-len {request.seq_len} is longer than {request.model}'s max_seq_len {args.max_seq_len}."
         )
     hw = request.hardware
+    if request.fixed.get("float8"):
+        float8_peak_tflops(hw)  # refuses hardware without float8 tensor cores, naming it
     if request.gpus > hw.gpus_per_node and hw.node_bandwidth_gbs <= 0:
         raise ConfigError(
             f"Hardware profile {hw.name!r} has no measured network (node_bandwidth_gbs = 0: it was "
@@ -302,7 +306,9 @@ def _describe(layout: Layout) -> str:
 
 
 def metrics(request: Request, candidate: Candidate) -> dict:
-    """The figures of one candidate, as the table and `--format json` show them."""
+    """The figures of one candidate, as the table and `--format json` show them. MFU and HFU are shares
+    of the bf16 peak, with float8 too (its GEMMs' FLOPs counted as they are, so both can pass what bf16
+    reaches)."""
     args, layout, hw = request.args, candidate.layout, request.hardware
     step = candidate.step.total
     tokens_per_step = request.global_batch * request.seq_len
@@ -367,6 +373,7 @@ def model_summary(request: Request) -> dict:
         "global_batch": request.global_batch,
         "seq_len": request.seq_len,
         "tokens": request.tokens,
+        "float8": bool(request.fixed.get("float8", False)),
     }
 
 

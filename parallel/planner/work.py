@@ -30,6 +30,17 @@ OPTIMIZER_BYTES_PER_PARAM = 40
 # torch.distributed.fsdp._fully_shard._fsdp_collectives
 FSDP_GATHER_COPY_BYTES = 4
 FSDP_REDUCE_COPY_BYTES = 6
+# Float8 (`trillion plan --float8`): each cast to fp8 of a converted linear's operand reads it in bf16 and
+# writes it in fp8, 3 bytes per element, one kernel. A simple model, an assumption rather than a count: the
+# forward casts the input and the weight, the backward the output's gradient and again the saved input and
+# weight (tensorwise scaling saves them in bf16 and casts them for the input- and weight-gradient GEMMs); the
+# amax reduction that sets each scale is taken as fused into the cast or into the kernel that produced the
+# operand, and is not charged.
+FLOAT8_CAST_BYTES = 3
+# an fp8 GEMM reads its operands at 1 byte per element (the roofline in cost.py); FSDP's float8 all-gather
+# gathers the converted weights at 1 byte and its copy out of the gather buffer reads and writes 1 byte each
+FLOAT8_BYTES = 1
+FSDP_FLOAT8_GATHER_COPY_BYTES = 2
 # cross-entropy over the vocabulary, per logit: the bf16 logits read, an fp32 copy written and
 # read by log-softmax, its output written and read by the loss, the gradient written (2+4+4+4+4+4)
 CROSS_ENTROPY_BYTES_PER_LOGIT = 22

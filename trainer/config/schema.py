@@ -16,7 +16,16 @@ from pathlib import Path
 import tomllib
 
 from trillion.errors import ConfigError
-from trillion.parallel.modes import CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SCHEDULES, SELECTIVE_EVERY, ZERO_MODES
+from trillion.parallel.modes import (
+    CHECKPOINT_MODES,
+    DEFAULT_VIRTUAL_STAGES,
+    FLOAT8_ALL_GATHER,
+    FLOAT8_RECIPES,
+    SCHEDULES,
+    SELECTIVE_EVERY,
+    ZERO_MODES,
+    float8_recipe,
+)
 from trillion.trainer.config.checks import Check, CreatableDir, ExistingPath, Flag, OneOf, Range, Text
 
 
@@ -219,7 +228,8 @@ class Optimizer:
     )
     implementation: str = doc(
         "auto",
-        "auto (fused on GPUs, foreach otherwise) | fused | foreach | for-loop.",
+        "auto (fused on GPUs and CPUs) | fused | foreach | for-loop. Fused masks a non-finite step on the device; "
+        "foreach and for-loop read the step's finite flag on the host every step.",
         OneOf(("auto", "fused", "foreach", "for-loop")),
     )
 
@@ -381,6 +391,41 @@ class Compile:
 
 
 @dataclass
+class Float8:
+    enabled: bool = doc(
+        False,
+        "Train the blocks' linears in float8 with torchao (`pip install torchao`): GPUs with float8 matrix units "
+        "(NVIDIA sm89 and later: L40S, H100, H200, B200; AMD gfx942 and later: MI300X); refused on A100 and MI250X, "
+        "and on a CPU without float8.emulate. The output projection, routers and linears whose dimensions are not "
+        "multiples of 16 stay in high precision, and so do the master weights and checkpoints. Pair with "
+        "compile.enabled: torchao's casts are fused only under torch.compile.",
+        Flag(),
+    )
+    recipe: str = doc(
+        "tensorwise",
+        "tensorwise (one scale per tensor: fastest; FSDP and TP all-gather in float8) | rowwise (one power-of-two "
+        "scale per row: more accurate, slower) | rowwise_with_gw_hp (rowwise, weight gradients in high precision).",
+        OneOf(tuple(FLOAT8_RECIPES)),
+    )
+    emulate: bool = doc(
+        False,
+        "Emulate float8: the same quantisation with high-precision matmuls; runs anywhere, a CPU included, but is "
+        "not faster (for tests and debugging).",
+        Flag(),
+    )
+    fsdp_all_gather: str = doc(
+        "auto",
+        "auto | on | off: FSDP2 all-gathers the float8 weights (half bf16's bytes), their scales precomputed once "
+        "per step; torchao supports it for tensorwise only (auto: on for tensorwise under FSDP, off otherwise).",
+        OneOf(FLOAT8_ALL_GATHER),
+    )
+
+    def check_relations(self) -> None:
+        if self.enabled:
+            float8_recipe(self.recipe, self.fsdp_all_gather)
+
+
+@dataclass
 class Profiling:
     enabled: bool = doc(
         False, "Write torch.profiler traces (Chrome/Perfetto JSON) per rank under <output_dir>/profiles.", Flag()
@@ -461,6 +506,7 @@ class Config:
     parallel: Parallel = field(default_factory=Parallel)
     kernels: Kernels = field(default_factory=Kernels)
     compile: Compile = field(default_factory=Compile)
+    float8: Float8 = field(default_factory=Float8)
     profiling: Profiling = field(default_factory=Profiling)
     eval: Eval = field(default_factory=Eval)
 

@@ -10,6 +10,7 @@ memory, time-to-train, energy and cost, and write the best one as a `trillion tr
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
 from trillion.parallel.planner.search import LAYOUT_FIELDS, Request, metrics, model_summary, search
 from trillion.trainer.cli.args import CommandParser
+from trillion.trainer.config.checks import creatable_problem
 from trillion.trainer.config.schema import Config, load_config, to_toml
 
 
@@ -80,24 +82,76 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="plan for torch.compile of each block (fused element-wise kernels; the trainer's compile.enabled)",
     )
+    fixed.add_argument(
+        "--float8",
+        action="store_const",
+        const=True,
+        default=None,
+        help="plan the blocks' linears in float8 (fp8 GEMMs and their casts; FSDP all-gathers their weights in "
+        "float8); refused on hardware without float8 tensor cores",
+    )
     return p
 
 
-def request_from(ns: argparse.Namespace) -> Request:
+DEFAULT_CONFIG_OUT = "outputs/plan/{model}-{hardware}-{gpus}.toml"
+EXAMPLE = "`trillion plan --model gpt-1t --hardware frontier --gpus 3072 --global-batch 1024 --tokens 20e12`"
+
+
+def argument_problems(ns: argparse.Namespace) -> tuple[list[str], object]:
+    """Every problem of the arguments themselves, not only the first (a missing --global-batch does not
+    hide an unknown --model), and the hardware profile when it loads."""
+    problems, profile = [], None
     missing = [
         f"--{k.replace('_', '-')}" for k in ("model", "hardware", "gpus", "global_batch") if getattr(ns, k) is None
     ]
     if missing:
-        raise ConfigError(
-            f"trillion plan needs {', '.join(missing)}, e.g. `trillion plan --model gpt-1t --hardware "
-            f"frontier --gpus 3072 --global-batch 1024 --tokens 20e12`."
+        problems.append(f"it needs {', '.join(missing)}")
+    if ns.model is not None and ns.model not in PRESETS:
+        problems.append(f"--model {ns.model!r} is not a known preset (use one of: {', '.join(PRESETS)})")
+    if ns.hardware is not None:
+        try:
+            profile = load_profile(ns.hardware)
+        except ConfigError as error:
+            problems.append(str(error).rstrip("."))
+    for flag, value in (("--gpus", ns.gpus), ("--global-batch", ns.global_batch)):
+        if value is not None and value < 1:
+            problems.append(f"{flag} {value} must be at least 1")
+    for key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size", "cp"):
+        if getattr(ns, key) is not None and getattr(ns, key) < 1:
+            problems.append(f"--{key.replace('_', '-')} {getattr(ns, key)} must be at least 1")
+    if ns.seq_len < 0:
+        problems.append(f"--seq-len {ns.seq_len} must be positive (or 0: the model's max_seq_len)")
+    if not math.isfinite(ns.tokens) or ns.tokens < 0:
+        problems.append(f"--tokens {ns.tokens:g} must be a number of tokens, 0 or more (0: no budget)")
+    if ns.price_per_gpu_hour is not None and not (math.isfinite(ns.price_per_gpu_hour) and ns.price_per_gpu_hour >= 0):
+        problems.append(f"--price-per-gpu-hour {ns.price_per_gpu_hour:g} must be 0 or more (USD)")
+    config_out = DEFAULT_CONFIG_OUT if ns.config_out is None else ns.config_out  # checked before the search
+    for flag, value, wanted in (("--config-out", config_out, "file"), ("--plot", ns.plot, "folder")):
+        if not value:
+            continue
+        if Path(value).exists() and Path(value).is_dir() != (wanted == "folder"):
+            problems.append(f"{flag} {value} is a {'file' if wanted == 'folder' else 'folder'}; give a {wanted}")
+        elif not Path(value).exists() and (problem := creatable_problem(value)):
+            problems.append(f"{flag} {value} cannot be written: {problem}")
+    return problems, profile
+
+
+def request_from(ns: argparse.Namespace) -> Request:
+    problems, profile = argument_problems(ns)
+    if problems:
+        listed = (
+            problems[0]
+            if len(problems) == 1
+            else f"{len(problems)} problems: " + "; ".join(f"({i}) {problem}" for i, problem in enumerate(problems, 1))
         )
+        example = f" For example: {EXAMPLE}." if any(problem.startswith("it needs") for problem in problems) else ""
+        raise ConfigError(f"{listed}.{example}")
     args = get_preset(ns.model)
     fixed = {k: getattr(ns, k) for k in LAYOUT_FIELDS if getattr(ns, k) is not None}
     return Request(
         ns.model,
         args,
-        load_profile(ns.hardware),
+        profile,
         ns.gpus,
         ns.global_batch,
         ns.seq_len or args.max_seq_len,
@@ -119,6 +173,7 @@ def train_config_toml(request: Request, row: dict) -> str:
     for key in ("dp_replicate", "dp_shard", "dp_shard_mode", "tp", "pp", "pp_schedule", "activation_checkpoint", "cp"):
         setattr(config.parallel, key, row[key])
     config.compile.enabled = row["compile"]
+    config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather on (auto): what the plan timed
     header = [
         f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} "
         f"({request.hardware.device.name})",
@@ -139,7 +194,9 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
     lines = [
         f"{request.model} ({s['parameters'] / 1e9:.1f}B parameters) on {request.gpus} x {request.hardware.name} "
         f"({request.hardware.device.name}, {request.hardware.device.memory_gb:g} GB), global batch "
-        f"{request.global_batch} x {request.seq_len} tokens: {considered} layouts considered, {fitting} fit in memory.",
+        f"{request.global_batch} x {request.seq_len} tokens"
+        f"{', float8 linears' if request.fixed.get('float8') else ''}: {considered} layouts considered, "
+        f"{fitting} fit in memory.",
         "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp/cp = exposed communication. "
         "Memory GB per GPU: params/grads/optim/activations/buffers.",
         "",
@@ -184,6 +241,8 @@ def main(argv: list[str]) -> int:
     if ns.calibrate:
         from trillion.parallel.planner.calibrate import calibrate
 
+        if ns.model and ns.model not in PRESETS:
+            raise ConfigError(f"--model {ns.model!r} is not a known preset. Use one of: {', '.join(PRESETS)}.")
         args = get_preset(ns.model) if ns.model else None
         seq_len = ns.seq_len or (args.max_seq_len if args else 0)
         out = calibrate(Path(ns.calibrate_out), args, seq_len, ns.micro_batch_size or 1, ns.calibrate_processes)
@@ -209,7 +268,7 @@ def main(argv: list[str]) -> int:
     out = (
         ns.config_out
         if ns.config_out is not None
-        else f"outputs/plan/{request.model}-{request.hardware.name}-{request.gpus}.toml"
+        else DEFAULT_CONFIG_OUT.format(model=request.model, hardware=request.hardware.name, gpus=request.gpus)
     )
     if out:
         path = Path(out)
