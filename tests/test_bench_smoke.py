@@ -22,6 +22,44 @@ def test_trainer_overhead_smoke():
     assert "trainer overhead:" in lines[3]
 
 
+def test_trainer_overhead_two_ranks_smoke():
+    """--ranks 2: the trainer at dp_shard=2 and a hand-written FSDP2 loop on 2 gloo processes, from the
+    same weights and batches (the script fails if their first losses differ)."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments/bench/trainer_overhead.py"), "--smoke", "--ranks", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("trainer") and lines[2].startswith("hand loop")
+    assert float(lines[1].split()[1]) > 0 and float(lines[2].split()[2]) > 0
+    assert "trainer overhead:" in lines[3] and "2 ranks" in lines[3] and "--parallel.dp_shard=2" in lines[3]
+    assert lines[4].startswith("first-step loss:")
+
+
+def test_host_syncs_smoke(tmp_path):
+    """Both models at log_freq 1, 10 and 100: a read at every logged step, none at the others."""
+    import json
+
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments/bench/host_syncs.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in next(tmp_path.glob("host_syncs-*.jsonl")).read_text().splitlines()]
+    assert [row["log_freq"] for row in rows] == [1, 10, 100, 1, 10, 100]
+    assert all(row["wall_ms"] > 0 and row["cpu_ms"] > 0 and row["reads_logged"] > 0 for row in rows)
+    assert all(row["reads_unlogged"] is None for row in rows if row["log_freq"] == 1)  # every step logged
+    assert all(row["reads_unlogged"] == 0 for row in rows if row["log_freq"] > 1), rows
+    assert next(tmp_path.glob("host_syncs-*.md")).read_text().count("\n| ") == len(rows) + 1
+
+
 def test_run_all_smoke(tmp_path):
     """Every part runs and passes its correctness check on CPU (the step's: four steps on one batch
     give a finite, falling loss); each row is on disk as a JSON line, and the table as .md."""
@@ -85,10 +123,13 @@ def test_device_check_smoke_runs_each_part_and_keeps_its_results(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     parts = dict(line.split("\t")[:2] for line in (tmp_path / "summary.tsv").read_text().splitlines())
-    assert parts == {"install": "ok", "gpu_tests": "ok", "bench_ceiling": "ok"}
+    assert parts == {"install": "ok", "gpu_tests": "ok", "bench_ceiling": "ok", "bench_float8": "ok", "host_syncs": "ok"}
     assert "skipped" in (tmp_path / "gpu_tests.log").read_text()
     rows = [json.loads(line) for line in next((tmp_path / "bench").glob("*.jsonl")).read_text().splitlines()]
     assert {row["name"].split()[0] for row in rows} == {"gemm", "copy"} and not any("error" in r for r in rows)
     section = (tmp_path / "RESULTS-section.md").read_text()
     assert "| install | ok |" in section and "| ceiling | gemm" in section
+    syncs = [json.loads(line) for line in next((tmp_path / "syncs").glob("*.jsonl")).read_text().splitlines()]
+    assert syncs and all(row["reads_unlogged"] in (None, 0) for row in syncs)
+    assert "| debug, 1 layer | 100 |" in section  # the host-syncs table is in the section
     assert len(result.stdout.splitlines()) < 40  # the summary stays short: only the output's tail comes back

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device check on one GPU, under 8 minutes on an H100/H200, installing nothing from a registry:
+# One device check on one GPU, under 12 minutes on an H100/H200, installing nothing from a registry:
 # the GPU test tier, the benchmarks and the planner's calibration, each part its own process with
 # its own time limit (a GPU fault poisons only its own CUDA context, a timeout loses only its part),
 # every result row on disk as soon as it is measured, a short summary at the end.
@@ -7,8 +7,8 @@
 #   bash experiments/bench/device_check.sh [RESULTS_DIR]     # default experiments/bench/results/device-<time>
 #   bash experiments/bench/device_check.sh --smoke [DIR]     # CPU, tiny sizes, a minute: the test of this script
 #
-# Part limits (seconds; 470 in all with the set-up) can be changed through the environment:
-# LIMIT_TESTS, LIMIT_CEILING, LIMIT_KERNELS, LIMIT_STEPS, LIMIT_CALIBRATE. A part cut short by its
+# Part limits (seconds; 710 in all with the set-up) can be changed through the environment: LIMIT_TESTS,
+# LIMIT_CEILING, LIMIT_KERNELS, LIMIT_STEPS, LIMIT_FLOAT8, LIMIT_SYNCS, LIMIT_CALIBRATE. A part cut short by its
 # limit keeps the rows it measured. The machine's own torch and triton are used (the package is
 # installed with --no-deps --no-build-isolation into a virtual environment that sees them); wandb
 # and datasets are optional. experiments/bench/results/ is git-ignored: copy the section appended
@@ -47,7 +47,7 @@ import importlib, sys
 import torch
 gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda, "hip", torch.version.hip, "gpu", gpu)
-for name in ("triton", "wandb", "datasets", "transformers"):  # wandb and datasets are optional
+for name in ("triton", "wandb", "datasets", "transformers", "torchao"):  # wandb, datasets, torchao are optional
     try:
         print(name, importlib.import_module(name).__version__)
     except ImportError:
@@ -65,13 +65,20 @@ export WANDB_MODE=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 if [ $SMOKE -eq 1 ]; then
     # CPU: the interpreter runs the kernels; the GPU tier must skip itself, not fail.
     export TRITON_INTERPRET=1
-    part gpu_tests 300 "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+    part gpu_tests 300 "$PY" -m pytest -q -m gpu tests/gpu tests/float8 -p no:cacheprovider
     part bench_ceiling 120 "$PY" experiments/bench/run_all.py --smoke --only gemm,copy --out "$OUT/bench"
+    # float8's code path in emulation (torchao on CPU; not a speed figure)
+    part bench_float8 240 "$PY" experiments/bench/run_all.py --smoke --only float8 --out "$OUT/float8"
+    part host_syncs 120 "$PY" experiments/bench/host_syncs.py --smoke --out "$OUT/syncs"
 else
-    part gpu_tests "${LIMIT_TESTS:-210}" "$PY" -m pytest -q -m gpu tests/gpu -p no:cacheprovider
+    part gpu_tests "${LIMIT_TESTS:-240}" "$PY" -m pytest -q -m gpu tests/gpu tests/float8 -p no:cacheprovider
     part bench_ceiling "${LIMIT_CEILING:-30}" "$PY" experiments/bench/run_all.py --only gemm,copy --out "$OUT/bench"
     part bench_kernels "${LIMIT_KERNELS:-75}" "$PY" experiments/bench/run_all.py --only kernels --out "$OUT/bench"
     part bench_steps "${LIMIT_STEPS:-100}" "$PY" experiments/bench/run_all.py --only step --out "$OUT/bench"
+    # a step of llama3-1b in bf16 vs float8 (tensorwise, rowwise), compiled: the float8 speed-up
+    part bench_float8 "${LIMIT_FLOAT8:-120}" "$PY" experiments/bench/run_all.py --only float8 --out "$OUT/float8"
+    # the trainer's step at metrics.log_freq 1 / 10 / 100 (debug model, then llama3-1b), its syncs counted per step
+    part host_syncs "${LIMIT_SYNCS:-90}" "$PY" experiments/bench/host_syncs.py --device cuda --out "$OUT/syncs"
     part calibrate "${LIMIT_CALIBRATE:-30}" "$PY" -m trillion plan --calibrate --calibrate-out "$OUT/calibrated.toml"
 fi
 
@@ -86,14 +93,14 @@ fi
     sed 's/\t/ | /g; s/^/| /; s/$/ |/' "$SUMMARY"
     echo
     echo "pytest -m gpu: $(tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null)"
-    for table in "$OUT"/bench/*.md; do [ -f "$table" ] && { echo; tail -n +3 "$table"; }; done
+    for table in "$OUT"/bench/*.md "$OUT"/float8/*.md "$OUT"/syncs/*.md; do [ -f "$table" ] && { echo; tail -n +3 "$table"; }; done
 } > "$OUT/RESULTS-section.md"
 [ $SMOKE -eq 0 ] && { echo; cat "$OUT/RESULTS-section.md"; } >> "$ROOT/experiments/bench/RESULTS.md"
 
 # The short summary: parts, then the measured rows with an error, then where everything is.
 echo "== device check: $OUT"
 column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
-grep -h '"error"' "$OUT"/bench/*.jsonl 2>/dev/null | cut -c1-300 | head -20
+grep -h '"error"' "$OUT"/bench/*.jsonl "$OUT"/float8/*.jsonl "$OUT"/syncs/*.jsonl 2>/dev/null | cut -c1-300 | head -20
 tail -n 3 "$OUT/gpu_tests.log" 2>/dev/null
 echo "rows: $(cat "$OUT"/bench/*.jsonl 2>/dev/null | wc -l) in $OUT/bench/*.jsonl; logs: $OUT/*.log"
 ! grep -qv $'\tok\t' "$SUMMARY"

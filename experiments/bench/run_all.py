@@ -1,9 +1,11 @@
 """Everything users compare trainers by, in one GPU call: the machine's ceilings, attention and
-norm kernels, and one-GPU training steps (tokens/s, TFLOP/s, MFU, HFU, peak memory).
+norm kernels, and one-GPU training steps (tokens/s, TFLOP/s, MFU, HFU, peak memory); on request
+(`--only float8`) a step in bf16 against float8 (tensorwise and rowwise, compiled) and its speed-up.
 
     python experiments/bench/run_all.py                 # on a GPU: under 8 minutes on an H100/H200
     python experiments/bench/run_all.py --smoke         # CPU, tiny sizes, seconds (tested)
     python experiments/bench/run_all.py --only gemm,step
+    python experiments/bench/run_all.py --only float8   # device_check.sh's float8 part
 
 Each figure is the median of repeated timed runs after warm-up, on fresh random inputs, timed
 with synchronized wall clocks; each result is checked for correctness before it is timed. A part
@@ -128,6 +130,33 @@ def bench_training_steps(device, smoke: bool, gemm_tflops: float | None, record)
         record(row)
 
 
+FLOAT8_CASES = [None, "tensorwise", "rowwise"]  # bf16, then each float8 recipe; all compiled on a GPU
+
+
+def bench_float8(device, smoke: bool, record) -> None:
+    """One training step of llama3-1b (16 layers of 2048, 4 x 2048 tokens) in bf16 and in float8 (torchao,
+    tensorwise and rowwise), compiled, each row with its speed-up over the bf16 row (fp32 on a CPU). On a
+    GPU without float8 units the float8 rows carry the trainer's refusal. Smoke mode: the same code path on
+    CPU, the tiny model, float8 emulated (not faster), eager (inductor takes minutes on two cores)."""
+    baseline, plain = None, "bf16" if device.type == "cuda" else "fp32"
+    for recipe in FLOAT8_CASES:
+        name = f"llama3-1b {plain if recipe is None else 'float8 ' + recipe} compile={not smoke}"
+        try:
+            row = bench_one_step(device, smoke, "llama3-1b", "sdpa", not smoke, "none", None, float8=recipe)
+            row.update(part="float8", name=name)
+            if recipe is None:
+                baseline = row["seconds"]
+            elif baseline:
+                row["speedup_vs_bf16"] = baseline / row["seconds"]
+            if smoke and recipe is not None:
+                row["note"] = "emulated: not a speed figure"
+        except Exception as error:
+            row = {"part": "float8", "name": name, "error": f"{type(error).__name__}: {error}"[:300]}
+        finally:
+            _release(device)
+        record(row)
+
+
 def _release(device) -> None:
     """Frees the last case's model, optimizer and compiled graphs (reference cycles through the
     checkpoint closures and compile keep blocks alive), so the next case starts from an empty device."""
@@ -141,8 +170,11 @@ def _release(device) -> None:
         torch.cuda.empty_cache()
 
 
-def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing, gemm_tflops) -> dict:
-    """The trainer's own step (train_step, AdamW, its AC and compile) on fresh random tokens."""
+def bench_one_step(
+    device, smoke, model_name, attention, compiled, checkpointing, gemm_tflops, float8: str | None = None
+) -> dict:
+    """The trainer's own step (train_step, AdamW, its AC and compile) on fresh random tokens; `float8`: the
+    linears in float8 with that torchao recipe (emulated on a CPU), after the trainer's device check."""
     import torch
 
     seq_len, batch = (32, 2) if smoke else (2048, 4)
@@ -150,7 +182,7 @@ def bench_one_step(device, smoke, model_name, attention, compiled, checkpointing
     start_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    step = _trainer_step(config, args, checkpointing, compiled, device)
+    step = _trainer_step(config, args, checkpointing, compiled, device, float8=float8)
 
     def fresh():
         tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), device=device)
@@ -201,12 +233,13 @@ def _step_config(model_name: str, attention: str, seq_len: int, smoke: bool) -> 
     return config, build_model_args(config, tokenizer_vocab=0)
 
 
-def _trainer_step(config, args, checkpointing: str, compiled: bool, device):
-    """The model as the trainer makes it (on meta, AC, compile, then materialized and initialized)
-    with its AdamW; returns one optimizer step on a list of micro-batches (train_step)."""
+def _trainer_step(config, args, checkpointing: str, compiled: bool, device, float8: str | None = None):
+    """The model as the trainer makes it (on meta, float8 swap, AC, compile, then materialized and
+    initialized) with its AdamW; returns one optimizer step on a list of micro-batches (train_step)."""
     import torch
 
     from trillion.models import Transformer
+    from trillion.parallel import float8 as float8_training
     from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
     from trillion.parallel.compile import apply_compile
     from trillion.parallel.forward_backward import MicroBatchLoop
@@ -215,6 +248,10 @@ def _trainer_step(config, args, checkpointing: str, compiled: bool, device):
 
     with torch.device("meta"):
         model = Transformer(args)
+    if float8 is not None:
+        emulate = device.type == "cpu"
+        float8_training.check_device(device, emulate)  # an A100 or MI250X: the trainer's refusal, as the row's error
+        float8_training.convert(model, float8_training.resolve(float8, emulate, "auto", fsdp_enabled=False))
     apply_activation_checkpointing(model, checkpointing)
     if compiled:
         apply_compile(model)
@@ -276,7 +313,7 @@ def markdown(rows: list[dict], header: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="CPU-sized inputs (seconds); Triton under its interpreter")
-    parser.add_argument("--only", default="gemm,copy,kernels,step", help="comma-separated parts")
+    parser.add_argument("--only", default="gemm,copy,kernels,step", help="comma-separated parts (and float8)")
     parser.add_argument("--out", default=str(HERE / "results"), help="folder for the .md and .jsonl files")
     opts = parser.parse_args(argv)
     if opts.smoke:
@@ -319,6 +356,8 @@ def main(argv=None) -> int:
     gemm_tflops = next((r["tflops"] for r in rows if r["part"] == "ceiling" and "tflops" in r), None)
     if "step" in parts:
         bench_training_steps(device, opts.smoke, gemm_tflops, record)
+    if "float8" in parts:
+        bench_float8(device, opts.smoke, record)
     table = markdown(rows, header)  # again: the kernel rows' speed-ups are known only at the end
     base.with_suffix(".md").write_text(table)
     print(table)
