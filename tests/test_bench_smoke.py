@@ -123,7 +123,13 @@ def test_device_check_smoke_runs_each_part_and_keeps_its_results(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     parts = dict(line.split("\t")[:2] for line in (tmp_path / "summary.tsv").read_text().splitlines())
-    assert parts == {"install": "ok", "gpu_tests": "ok", "bench_ceiling": "ok", "bench_float8": "ok", "host_syncs": "ok"}
+    assert parts == {
+        "install": "ok",
+        "gpu_tests": "ok",
+        "bench_ceiling": "ok",
+        "bench_float8": "ok",
+        "host_syncs": "ok",
+    }
     assert "skipped" in (tmp_path / "gpu_tests.log").read_text()
     rows = [json.loads(line) for line in next((tmp_path / "bench").glob("*.jsonl")).read_text().splitlines()]
     assert {row["name"].split()[0] for row in rows} == {"gemm", "copy"} and not any("error" in r for r in rows)
