@@ -22,25 +22,9 @@ import triton.language as tl
 
 @triton.jit
 def _fwd_inner(
-    acc,
-    l_i,
-    m_i,
-    q,
-    k_ptrs,
-    v_ptrs,
-    step_k,
-    step_v,
-    lo,
-    hi,
-    kv_len,
-    diag,
-    qk_scale,
-    offs_m,
-    offs_n,
-    d_ok,
-    BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    MASKED: tl.constexpr,
+    acc, l_i, m_i, q, k_ptrs, v_ptrs, step_k, step_v,
+    lo, hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok,
+    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
 ):
     # k_ptrs and v_ptrs point at key row `lo` and advance one block per step.
     for start_n in range(lo, hi, BLOCK_N):
@@ -70,37 +54,14 @@ def _fwd_inner(
 
 @triton.jit
 def attn_fwd(
-    Q,
-    K,
-    V,
-    O,  # noqa: E741 (FlashAttention's name for the output; the AOT report and its test name the argument)
-    LSE,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    q_heads,
-    group,
-    q_len,
-    kv_len,
-    qk_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    q_heads, group, q_len, kv_len, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -113,11 +74,8 @@ def attn_fwd(
     d_ok = offs_d[None, :] < HEAD_DIM
     row_ok = (offs_m[:, None] < q_len) & d_ok
 
-    q = tl.load(
-        Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-        mask=row_ok,
-        other=0.0,
-    )
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_ok, other=0.0)
 
     diag = kv_len - q_len
     if IS_CAUSAL:
@@ -134,48 +92,13 @@ def attn_fwd(
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_ptrs,
-        v_ptrs,
-        BLOCK_N * stride_kn,
-        BLOCK_N * stride_vn,
-        0,
-        full_hi,
-        kv_len,
-        diag,
-        qk_scale,
-        offs_m,
-        offs_n,
-        d_ok,
-        BLOCK_N,
-        IS_CAUSAL,
-        False,
-    )
-    acc, l_i, m_i = _fwd_inner(
-        acc,
-        l_i,
-        m_i,
-        q,
-        k_ptrs + full_hi * stride_kn,
-        v_ptrs + full_hi * stride_vn,
-        BLOCK_N * stride_kn,
-        BLOCK_N * stride_vn,
-        full_hi,
-        hi,
-        kv_len,
-        diag,
-        qk_scale,
-        offs_m,
-        offs_n,
-        d_ok,
-        BLOCK_N,
-        IS_CAUSAL,
-        True,
-    )
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, BLOCK_N * stride_kn, BLOCK_N * stride_vn,
+                               0, full_hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok,
+                               BLOCK_N, IS_CAUSAL, False)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs + full_hi * stride_kn, v_ptrs + full_hi * stride_vn,
+                               BLOCK_N * stride_kn, BLOCK_N * stride_vn,
+                               full_hi, hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok,
+                               BLOCK_N, IS_CAUSAL, True)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
@@ -188,22 +111,11 @@ def attn_fwd(
 
 @triton.jit
 def attn_bwd_delta(
-    O,  # noqa: E741 (as in attn_fwd)
-    DO,
-    DELTA,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    q_heads,
-    q_len,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    O, DO, DELTA,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    q_heads, q_len,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     bh = tl.program_id(1)
@@ -211,42 +123,19 @@ def attn_bwd_delta(
     off_h = (bh % q_heads).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     ok = (offs_m[:, None] < q_len) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(
-        O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-        mask=ok,
-        other=0.0,
-    )
-    do = tl.load(
-        DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-        mask=ok,
-        other=0.0,
-    )
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                mask=ok, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * q_len + offs_m, delta, mask=offs_m < q_len)
 
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk,
-    dv,
-    k,
-    v,
-    q_ptrs,
-    do_ptrs,
-    lse_base,
-    delta_base,
-    step_q,
-    step_do,
-    lo,
-    hi,
-    q_len,
-    diag,
-    qk_scale,
-    cols,
-    offs_m,
-    d_ok,
-    BLOCK_M: tl.constexpr,
-    MASKED: tl.constexpr,
+    dk, dv, k, v, q_ptrs, do_ptrs, lse_base, delta_base, step_q, step_do,
+    lo, hi, q_len, diag, qk_scale, cols, offs_m, d_ok,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
 ):
     # Works on transposed scores (keys x queries) so that dK and dV accumulate along rows.
     # q_ptrs and do_ptrs point at query row `lo`.
@@ -272,50 +161,16 @@ def _bwd_dkdv_inner(
 
 @triton.jit
 def attn_bwd_dkdv(
-    Q,
-    K,
-    V,
-    DO,
-    DK,
-    DV,
-    LSE,
-    DELTA,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    stride_dkb,
-    stride_dkh,
-    stride_dkn,
-    stride_dkd,
-    stride_dvb,
-    stride_dvh,
-    stride_dvn,
-    stride_dvd,
-    q_heads,
-    kv_heads,
-    group,
-    q_len,
-    kv_len,
-    qk_scale,
-    softmax_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, DO, DK, DV, LSE, DELTA,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    q_heads, kv_heads, group, q_len, kv_len, qk_scale, softmax_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (key block, kv head, batch); it loops over the kv head's group of query
     heads, so grouped-query attention sums dK/dV in registers, without atomics (deterministic)."""
@@ -329,16 +184,10 @@ def attn_bwd_dkdv(
     d_ok = offs_d[None, :] < HEAD_DIM
     col_ok = (cols[:, None] < kv_len) & d_ok
 
-    k = tl.load(
-        K + off_b * stride_kb + off_hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-        mask=col_ok,
-        other=0.0,
-    )
-    v = tl.load(
-        V + off_b * stride_vb + off_hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-        mask=col_ok,
-        other=0.0,
-    )
+    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=col_ok, other=0.0)
+    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=col_ok, other=0.0)
 
     diag = kv_len - q_len
     if IS_CAUSAL:
@@ -359,50 +208,12 @@ def attn_bwd_dkdv(
         lse_base = LSE + (off_b * q_heads + off_h) * q_len
         delta_base = DELTA + (off_b * q_heads + off_h) * q_len
         if IS_CAUSAL:
-            dk, dv = _bwd_dkdv_inner(
-                dk,
-                dv,
-                k,
-                v,
-                q_ptrs + lo * stride_qm,
-                do_ptrs + lo * stride_dom,
-                lse_base,
-                delta_base,
-                BLOCK_M * stride_qm,
-                BLOCK_M * stride_dom,
-                lo,
-                mask_hi,
-                q_len,
-                diag,
-                qk_scale,
-                cols,
-                offs_m,
-                d_ok,
-                BLOCK_M,
-                True,
-            )
-        dk, dv = _bwd_dkdv_inner(
-            dk,
-            dv,
-            k,
-            v,
-            q_ptrs + full_lo * stride_qm,
-            do_ptrs + full_lo * stride_dom,
-            lse_base,
-            delta_base,
-            BLOCK_M * stride_qm,
-            BLOCK_M * stride_dom,
-            full_lo,
-            q_len,
-            q_len,
-            diag,
-            qk_scale,
-            cols,
-            offs_m,
-            d_ok,
-            BLOCK_M,
-            False,
-        )
+            dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs + lo * stride_qm, do_ptrs + lo * stride_dom,
+                                     lse_base, delta_base, BLOCK_M * stride_qm, BLOCK_M * stride_dom,
+                                     lo, mask_hi, q_len, diag, qk_scale, cols, offs_m, d_ok, BLOCK_M, True)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs + full_lo * stride_qm, do_ptrs + full_lo * stride_dom,
+                                 lse_base, delta_base, BLOCK_M * stride_qm, BLOCK_M * stride_dom,
+                                 full_lo, q_len, q_len, diag, qk_scale, cols, offs_m, d_ok, BLOCK_M, False)
 
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
@@ -412,26 +223,9 @@ def attn_bwd_dkdv(
 
 @triton.jit
 def _bwd_dq_inner(
-    dq,
-    q,
-    do,
-    lse2,
-    delta,
-    k_ptrs,
-    v_ptrs,
-    step_k,
-    step_v,
-    lo,
-    hi,
-    kv_len,
-    diag,
-    qk_scale,
-    offs_m,
-    offs_n,
-    d_ok,
-    BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    MASKED: tl.constexpr,
+    dq, q, do, lse2, delta, k_ptrs, v_ptrs, step_k, step_v,
+    lo, hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok,
+    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
 ):
     # k_ptrs and v_ptrs point at key row `lo`.
     for start_n in range(lo, hi, BLOCK_N):
@@ -459,44 +253,15 @@ def _bwd_dq_inner(
 
 @triton.jit
 def attn_bwd_dq(
-    Q,
-    K,
-    V,
-    DO,
-    DQ,
-    LSE,
-    DELTA,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_dob,
-    stride_doh,
-    stride_dom,
-    stride_dod,
-    stride_dqb,
-    stride_dqh,
-    stride_dqm,
-    stride_dqd,
-    q_heads,
-    group,
-    q_len,
-    kv_len,
-    qk_scale,
-    softmax_scale,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, DO, DQ, LSE, DELTA,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    q_heads, group, q_len, kv_len, qk_scale, softmax_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (query block, query head, batch), walking the keys like the forward."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -510,16 +275,10 @@ def attn_bwd_dq(
     d_ok = offs_d[None, :] < HEAD_DIM
     row_ok = (offs_m[:, None] < q_len) & d_ok
 
-    q = tl.load(
-        Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-        mask=row_ok,
-        other=0.0,
-    )
-    do = tl.load(
-        DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-        mask=row_ok,
-        other=0.0,
-    )
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=row_ok, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=row_ok, other=0.0)
     row_base = bh.to(tl.int64) * q_len
     lse2 = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < q_len, other=0.0)
@@ -536,49 +295,10 @@ def attn_bwd_dq(
     k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _bwd_dq_inner(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_ptrs,
-        v_ptrs,
-        BLOCK_N * stride_kn,
-        BLOCK_N * stride_vn,
-        0,
-        full_hi,
-        kv_len,
-        diag,
-        qk_scale,
-        offs_m,
-        offs_n,
-        d_ok,
-        BLOCK_N,
-        IS_CAUSAL,
-        False,
-    )
-    dq = _bwd_dq_inner(
-        dq,
-        q,
-        do,
-        lse2,
-        delta,
-        k_ptrs + full_hi * stride_kn,
-        v_ptrs + full_hi * stride_vn,
-        BLOCK_N * stride_kn,
-        BLOCK_N * stride_vn,
-        full_hi,
-        hi,
-        kv_len,
-        diag,
-        qk_scale,
-        offs_m,
-        offs_n,
-        d_ok,
-        BLOCK_N,
-        IS_CAUSAL,
-        True,
-    )
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, BLOCK_N * stride_kn, BLOCK_N * stride_vn,
+                       0, full_hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok, BLOCK_N, IS_CAUSAL, False)
+    dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs + full_hi * stride_kn, v_ptrs + full_hi * stride_vn,
+                       BLOCK_N * stride_kn, BLOCK_N * stride_vn,
+                       full_hi, hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok, BLOCK_N, IS_CAUSAL, True)
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=row_ok)

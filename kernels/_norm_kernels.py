@@ -6,24 +6,9 @@ import triton.language as tl
 
 
 @triton.jit
-def norm_fwd(
-    X,
-    W,
-    B,
-    Y,
-    MEAN,
-    RSTD,
-    stride_x,
-    stride_y,
-    n_rows,
-    n_cols,
-    eps,
-    IS_RMS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def norm_fwd(X, W, B, Y, MEAN, RSTD, stride_x, stride_y, n_rows, n_cols, eps,
+             IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     row_ok = rows < n_rows
@@ -47,27 +32,9 @@ def norm_fwd(
 
 
 @triton.jit
-def norm_bwd(
-    X,
-    W,
-    DY,
-    DX,
-    DW,
-    DB,
-    MEAN,
-    RSTD,
-    stride_x,
-    stride_dy,
-    stride_dx,
-    n_rows,
-    n_cols,
-    rows_per_program,
-    IS_RMS: tl.constexpr,
-    HAS_WEIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
+def norm_bwd(X, W, DY, DX, DW, DB, MEAN, RSTD, stride_x, stride_dy, stride_dx, n_rows, n_cols, rows_per_program,
+             IS_RMS: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Each program takes a run of rows (a multiple of BLOCK_M), writes their dx, and one partial
     row of dw and db."""
     pid = tl.program_id(0)
