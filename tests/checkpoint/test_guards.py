@@ -2,6 +2,7 @@
 row stop the run with a message naming the setting. Config changes that would make a resumed run
 a different run are refused; a checkpoint of another model shape names the parameters."""
 
+import logging
 import math
 
 import pytest
@@ -9,12 +10,12 @@ import torch
 
 from tests.helpers.fault_record import last_line, report
 from tests.helpers.flags import TINY
-from tests.helpers.runs import run
+from tests.helpers.runs import read_checkpoint, run
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.trainer.cli.main import main
 from trillion.trainer.config.schema import ConfigError
 from trillion.trainer.resilience import TrainingDiverged
-from trillion.trainer.train import RunHooks
+from trillion.trainer.train import RunHooks, train_step
 
 
 def poisoned(bad_steps: set[int]) -> RunHooks:
@@ -29,26 +30,35 @@ def poisoned(bad_steps: set[int]) -> RunHooks:
     return RunHooks(clip=clip)
 
 
-def test_nonfinite_steps_are_skipped_and_counted(tmp_path, monkeypatch, caplog):
-    saved = {}
-    original_step = torch.optim.AdamW.step
+def test_nonfinite_steps_are_skipped_and_counted(tmp_path, caplog):
+    """Steps 2 and 3 (NaN gradient norm) change no weight and no optimizer state, its step count
+    included: the fused AdamW step is masked on the device, not left out by the host."""
+    hooks, unchanged = poisoned({2, 3}), []
 
-    def counting_step(self, *args, **kwargs):
-        saved["updates"] = saved.get("updates", 0) + 1
-        return original_step(self, *args, **kwargs)
+    def watched_step(runner, *args, **kwargs):
+        before = [p.detach().clone() for p in runner.model.parameters()]
+        out = train_step(runner, *args, **kwargs)
+        unchanged.append(all(torch.equal(b, p) for b, p in zip(before, runner.model.parameters())))
+        return out
 
-    monkeypatch.setattr(torch.optim.AdamW, "step", counting_step)
-    record = run(tmp_path / "run", steps=5, hooks=poisoned({2, 3}))
-    assert saved["updates"] == 3  # steps 2 and 3 did not update the weights
+    hooks.step = watched_step
+    with caplog.at_level(logging.WARNING, logger="trillion"):
+        record = run(tmp_path / "run", steps=5, hooks=hooks)
+    assert unchanged == [False, True, True, False, False]
+    state = read_checkpoint(tmp_path / "run", step=5)
+    counts = {k: float(v) for k, v in state.items() if k.startswith("optimizer.state.") and k.endswith(".step")}
+    assert counts and set(counts.values()) == {3.0}  # AdamW counted three updates, not five
     assert record["step"] == 5 and record["skipped_steps"] == 2 and math.isfinite(record["loss"])
+    assert "update skipped: 3 (gradient norm) (2 in a row, 2 in this run)" in caplog.text
     report(
         "NaN gradient",
-        last_line(caplog.text, "step 3: non-finite") + " (skipped_steps in metrics.jsonl)",
+        last_line(caplog.text, "update skipped: 3") + " (skipped_steps in metrics.jsonl)",
         0,
         None,
         0.0,
-        "gradient norm NaN in steps 2 and 3: no update, counted; the run goes on (the final loss differs from "
-        "an unbroken run's by design: two updates fewer)",
+        "gradient norm NaN in steps 2 and 3: weights and optimizer state untouched (the fused step masked on the "
+        "device), counted and logged at the next logging step; the run goes on (the final loss differs from an "
+        "unbroken run's by design: two updates fewer)",
     )
 
 
