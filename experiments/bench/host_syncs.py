@@ -152,7 +152,7 @@ def markdown(rows: list[dict], header: str, note: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--log-freqs", default="", help="comma-separated (default 1,100 on a CPU, 1,10,100 on a GPU)")
@@ -167,7 +167,40 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny models, 12 steps, 1 repeat (seconds)")
     parser.add_argument("--out", default=str(HERE / "results"), help="folder for the .md and .jsonl files")
     parser.add_argument("overrides", nargs="*", help="more trainer overrides for every run, after --")
-    opts = parser.parse_args(argv)
+    return parser
+
+
+def model_rows(model: str, flags_line: str, steps: int, repeats: int, runs: dict, loads: list, cost: float) -> list:
+    """One row per log_freq of a model's runs (`runs`: log_freq -> timed runs), medians over the repeats."""
+    log_freqs, rows = list(runs), []
+    wall_1 = statistics.median(r["wall_s"] for r in runs[log_freqs[0]])
+    cpu_1 = statistics.median(r["cpu_s"] for r in runs[log_freqs[0]])
+    for f in log_freqs:
+        wall = statistics.median(r["wall_s"] for r in runs[f])
+        cpu_s = statistics.median(r["cpu_s"] for r in runs[f])
+        row = {
+            "model": model,
+            "flags": flags_line,
+            "log_freq": f,
+            "steps": steps,
+            "repeats": repeats,
+            "wall_ms": 1e3 * wall,
+            "vs_log_freq_1": "-" if f == log_freqs[0] else f"{100 * (wall / wall_1 - 1):+.1f}%",
+            "repeats_ms": ", ".join(f"{1e3 * r['wall_s']:.1f}" for r in runs[f]),
+            "cpu_ms": 1e3 * cpu_s,
+            "cpu_vs_log_freq_1": "-" if f == log_freqs[0] else f"{100 * (cpu_s / cpu_1 - 1):+.1f}%",
+            "host_ms": 1e3 * statistics.median(r["host_s"] for r in runs[f]),
+            **{k: runs[f][0][k] for k in ("reads_per_step", "reads_unlogged", "reads_logged")},
+            "reads_same_in_every_repeat": len({r["reads_per_step"] for r in runs[f]}) == 1,
+            "load_before_after": loads,
+            "counter_cost_us": 1e6 * cost,
+        }
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    opts = build_parser().parse_args(argv)
     cuda = opts.device == "cuda" and not opts.smoke
     if cuda and not torch.cuda.is_available():
         raise SystemExit("--device cuda: this torch sees no GPU")
@@ -228,28 +261,9 @@ def main(argv=None) -> int:
                 )
                 continue
             load_after = os.getloadavg()[0]
-            wall_1 = statistics.median(r["wall_s"] for r in runs[log_freqs[0]])
-            cpu_1 = statistics.median(r["cpu_s"] for r in runs[log_freqs[0]])
-            for f in log_freqs:
-                wall = statistics.median(r["wall_s"] for r in runs[f])
-                cpu_s = statistics.median(r["cpu_s"] for r in runs[f])
-                row = {
-                    "model": model,
-                    "flags": " ".join([*base, *flags]),
-                    "log_freq": f,
-                    "steps": steps,
-                    "repeats": repeats,
-                    "wall_ms": 1e3 * wall,
-                    "vs_log_freq_1": "-" if f == log_freqs[0] else f"{100 * (wall / wall_1 - 1):+.1f}%",
-                    "repeats_ms": ", ".join(f"{1e3 * r['wall_s']:.1f}" for r in runs[f]),
-                    "cpu_ms": 1e3 * cpu_s,
-                    "cpu_vs_log_freq_1": "-" if f == log_freqs[0] else f"{100 * (cpu_s / cpu_1 - 1):+.1f}%",
-                    "host_ms": 1e3 * statistics.median(r["host_s"] for r in runs[f]),
-                    **{k: runs[f][0][k] for k in ("reads_per_step", "reads_unlogged", "reads_logged")},
-                    "reads_same_in_every_repeat": len({r["reads_per_step"] for r in runs[f]}) == 1,
-                    "load_before_after": [load_before, load_after],
-                    "counter_cost_us": 1e6 * cost,
-                }
+            for row in model_rows(
+                model, " ".join([*base, *flags]), steps, repeats, runs, [load_before, load_after], cost
+            ):
                 record(row)
             print(f"{model}: load average {load_before:.2f} before, {load_after:.2f} after", flush=True)
     print(markdown(rows, header, note))
