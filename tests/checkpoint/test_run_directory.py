@@ -60,7 +60,8 @@ def test_a_second_job_on_a_run_directory_exits_2_naming_the_first(tmp_path):
     assert (out / ".trillion.lock").read_text() == ""  # a clean exit leaves no holder
     report(
         "Two jobs on one run directory",
-        second.stderr.strip().splitlines()[-1].split(" (host ")[0] + " (host, PID, start time); exit 2",
+        second.stderr.strip().splitlines()[-1].split(" (host ")[0].replace(str(out), "<output_dir>")
+        + " (host, PID, start time); exit 2",
         0,
         None,
         refused_s,
