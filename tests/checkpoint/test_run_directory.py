@@ -20,12 +20,6 @@ from trillion.trainer.cli.main import main
 ENTRIES = Path(__file__).resolve().parents[1] / "entries"
 
 
-def trillion(*args: str, **popen) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "trillion", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen
-    )
-
-
 def wait_for_step(out: Path, step: int, process: subprocess.Popen, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -42,13 +36,21 @@ def wait_for_step(out: Path, step: int, process: subprocess.Popen, timeout_s: fl
 def test_a_second_job_on_a_run_directory_exits_2_naming_the_first(tmp_path):
     out, steps = tmp_path / "run", 12
     args = [*TINY, f"--training.steps={steps}", "--checkpoint.interval=4", f"--job.output_dir={out}"]
-    first = trillion("train", *args)
+    release = tmp_path / "release"  # the first job waits in step 3 until the second has been refused
+    first = subprocess.Popen(
+        [sys.executable, str(ENTRIES / "hold_entry.py"), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HOLD_AT_STEP": "3", "RELEASE_FILE": str(release)},
+    )
     wait_for_step(out, 1, first)
     start = time.monotonic()
     second = subprocess.run(
         [sys.executable, "-m", "trillion", "train", *args], capture_output=True, text=True, timeout=120
     )
     refused_s = time.monotonic() - start
+    release.touch()
     assert second.returncode == 2, second.stderr[-2000:]
     assert "Traceback" not in second.stderr
     assert "is in use by another job" in second.stderr and f"PID {first.pid}" in second.stderr

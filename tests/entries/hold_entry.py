@@ -1,0 +1,23 @@
+"""`trillion train`, except that step HOLD_AT_STEP waits, before its forward, until the file RELEASE_FILE
+exists (at most 300 s): a test holds a job in the middle of training for as long as it needs."""
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from trillion.trainer.cli.main import main
+from trillion.trainer.train import RunHooks, train_step
+
+hold_at, release, calls = int(os.environ["HOLD_AT_STEP"]), Path(os.environ["RELEASE_FILE"]), []
+
+
+def held_step(*args, **kwargs):
+    calls.append(1)
+    deadline = time.monotonic() + 300
+    while len(calls) == hold_at and not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return train_step(*args, **kwargs)
+
+
+sys.exit(main(["train", *sys.argv[1:]], hooks=RunHooks(step=held_step)))
