@@ -3,6 +3,29 @@ without paying for a torch import)."""
 
 from dataclasses import dataclass
 
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """A mixture-of-experts feed-forward (models/moe.py): E routed SwiGLU experts of which each token
+    reaches top_k, optional shared experts every token passes, and the first n_dense_layers blocks dense."""
+
+    n_experts: int
+    top_k: int
+    expert_ffn_dim: int  # each routed expert's hidden width
+    n_shared_experts: int = 0  # shared experts' hidden width: n_shared_experts * expert_ffn_dim
+    n_dense_layers: int = 0  # the first blocks keep the dense feed-forward (ModelArgs.ffn_dim)
+    score_func: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    route_norm: bool = True  # renormalise the chosen experts' scores to sum to one
+    route_scale: float = 1.0  # multiplies the routed output (DeepSeek-V3's routed_scaling_factor)
+    n_groups: int = 1  # group-limited routing: experts in n_groups groups, tokens choose among topk_groups
+    topk_groups: int = 1
+    capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(cf * tokens * top_k / E) tokens
+    aux_loss_coef: float = 0.0  # Switch/Mixtral load-balancing loss (0 = off)
+    bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing bias step (0 = off)
+    experts_impl: str = "auto"  # filled from kernels.grouped_gemm: auto | torch | loop
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -23,6 +46,9 @@ class ModelArgs:
     init_std: float = 0.02
     attention_impl: str = "sdpa"  # filled from the `kernels` config section
     norm_impl: str = "torch"  # torch | triton (kernels/norm.py: same parameters, fused kernels)
+    explicit_head_dim: int | None = None  # None: dim // n_heads (Qwen3 sets it wider)
+    qk_norm: bool = False  # RMSNorm over each query and key head before rotary positions (Qwen3)
+    moe: MoEArgs | None = None  # None: every block dense
 
     @property
     def kv_heads(self) -> int:
@@ -30,7 +56,10 @@ class ModelArgs:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.explicit_head_dim or self.dim // self.n_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and index >= self.moe.n_dense_layers
 
     @property
     def ffn_hidden(self) -> int:

@@ -14,31 +14,51 @@ from trillion.models.args import ModelArgs
 class ParamCount:
     total: int
     embedding: int  # token and learned-position tables: lookups, no matmul FLOPs
+    inactive: int = 0  # routed experts a token does not reach: (E - top_k) experts per MoE layer
 
     @property
     def non_embedding(self) -> int:
         return self.total - self.embedding
 
+    @property
+    def active(self) -> int:
+        """What one token's forward touches: every parameter but the routed experts it skips."""
+        return self.total - self.inactive
+
 
 def count_params(args: ModelArgs) -> ParamCount:
     """Exact parameter count of `Transformer(args)`, without building it."""
-    d, kv = args.dim, args.kv_heads * args.head_dim
+    d, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     bias = args.bias
-    attention = d * d + 2 * d * kv + d * d + (d + 2 * kv + d if bias else 0)
-    n_mlp_in = 2 if args.mlp == "swiglu" else 1
-    mlp = (n_mlp_in + 1) * d * args.ffn_hidden + ((n_mlp_in * args.ffn_hidden + d) if bias else 0)
+    attention = 2 * d * q + 2 * d * kv + (q + 2 * kv + d if bias else 0) + (2 * args.head_dim if args.qk_norm else 0)
     norm = d * (2 if args.norm == "layernorm" and bias else 1)
-    block = attention + mlp + 2 * norm
+    blocks = inactive = 0
+    for index in range(args.n_layers):
+        blocks += attention + 2 * norm
+        if args.is_moe_layer(index):
+            moe = args.moe
+            expert = 3 * d * moe.expert_ffn_dim
+            blocks += moe.n_experts * expert + d * moe.n_experts + _mlp(args, moe.n_shared_experts * moe.expert_ffn_dim)
+            inactive += (moe.n_experts - moe.top_k) * expert
+        else:
+            blocks += _mlp(args, args.ffn_hidden)
     embedding = args.vocab_size * d + (args.max_seq_len * d if args.positions == "learned" else 0)
     output = 0 if args.tie_embeddings else args.vocab_size * d
-    return ParamCount(total=args.n_layers * block + embedding + norm + output, embedding=embedding)
+    return ParamCount(total=blocks + embedding + norm + output, embedding=embedding, inactive=inactive)
+
+
+def _mlp(args: ModelArgs, hidden: int) -> int:
+    n_in = 2 if args.mlp == "swiglu" else 1
+    return (n_in + 1) * args.dim * hidden + ((n_in * hidden + args.dim) if args.bias else 0)
 
 
 def model_flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Forward + backward FLOPs per token. A tied output matrix still costs its matmul."""
+    """Forward + backward FLOPs per token, from the active parameters (a token's top_k routed experts,
+    the shared experts and the router; torchtitan's and Megatron's MoE convention). A tied output
+    matrix still costs its matmul."""
     params = count_params(args)
-    matmul_params = params.non_embedding + (args.vocab_size * args.dim if args.tie_embeddings else 0)
-    return 6 * matmul_params + 12 * args.n_layers * args.dim * seq_len
+    matmul_params = params.non_embedding - params.inactive + (args.vocab_size * args.dim if args.tie_embeddings else 0)
+    return 6 * matmul_params + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
 def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute_fraction: float) -> float:
@@ -50,15 +70,17 @@ def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute_fraction: 
     non-reentrant checkpoint stops recomputing once the saved tensors backward needs are back,
     so it skips each block's last matmul and the true figure is slightly lower.
     """
-    block_forward = 2 * count_blocks_matmul_params(args) + 4 * args.n_layers * args.dim * seq_len
+    attention_scores = 4 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    block_forward = 2 * count_blocks_matmul_params(args) + attention_scores
     return model_flops_per_token(args, seq_len) + recompute_fraction * block_forward
 
 
 def count_blocks_matmul_params(args: ModelArgs) -> int:
+    """The blocks' parameters one token's forward multiplies by (active ones only)."""
     params = count_params(args)
     output = args.vocab_size * args.dim
     final_norm = args.dim * (2 if args.norm == "layernorm" and args.bias else 1)
-    return params.non_embedding - final_norm - (0 if args.tie_embeddings else output)
+    return params.non_embedding - params.inactive - final_norm - (0 if args.tie_embeddings else output)
 
 
 def megatron_flops_per_iteration(args: ModelArgs, batch: int, seq_len: int, recompute: bool) -> float:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from trillion.kernels import attention
 from trillion.models.args import ModelArgs
 from trillion.models.kv_cache import KVCache, LayerKV
+from trillion.models.moe import MoE, reset_moe_state
 
 
 def build_norm(args: ModelArgs) -> nn.Module:
@@ -61,6 +62,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.bias)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.bias)
+        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
         # context parallelism (parallel/context_parallel.py) puts attention across sequence shards here
         self.attend = attention
 
@@ -70,6 +73,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:  # generation: attend to the cached positions too (causal aligns lower right)
@@ -79,14 +84,16 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU (w2(silu(w1 x) * w3 x)) or GELU (w2(gelu(w1 x))); w3 exists only for SwiGLU."""
+    """SwiGLU (w2(silu(w1 x) * w3 x)) or GELU (w2(gelu(w1 x))); w3 exists only for SwiGLU. `hidden`:
+    the width, args.ffn_hidden unless given (an MoE layer's shared experts)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, hidden: int | None = None):
         super().__init__()
         self.gated = args.mlp == "swiglu"
-        self.w1 = nn.Linear(args.dim, args.ffn_hidden, bias=args.bias)
-        self.w2 = nn.Linear(args.ffn_hidden, args.dim, bias=args.bias)
-        self.w3 = nn.Linear(args.dim, args.ffn_hidden, bias=args.bias) if self.gated else None
+        hidden = hidden or args.ffn_hidden
+        self.w1 = nn.Linear(args.dim, hidden, bias=args.bias)
+        self.w2 = nn.Linear(hidden, args.dim, bias=args.bias)
+        self.w3 = nn.Linear(args.dim, hidden, bias=args.bias) if self.gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
@@ -94,13 +101,22 @@ class FeedForward(nn.Module):
         return self.w2(F.gelu(self.w1(x), approximate="tanh"))
 
 
+def build_feed_forward(args: ModelArgs, index: int) -> nn.Module:
+    """Block `index`'s feed-forward: dense, or a mixture of experts past the preset's dense blocks."""
+    if not args.is_moe_layer(index):
+        return FeedForward(args)
+    moe = args.moe
+    shared = FeedForward(args, hidden=moe.n_shared_experts * moe.expert_ffn_dim) if moe.n_shared_experts else None
+    return MoE(args.dim, moe, shared_experts=shared)
+
+
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
         self.attention_norm = build_norm(args)
         self.attention = Attention(args)
         self.ffn_norm = build_norm(args)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = build_feed_forward(args, index)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope, cache=cache)  # a keyword: TP plans list positional inputs
@@ -119,7 +135,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.pos_embeddings = nn.Embedding(args.max_seq_len, args.dim) if args.positions == "learned" else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm = build_norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -174,8 +190,10 @@ class Transformer(nn.Module):
                     seed * 1_000_003 + zlib.crc32(name.encode())
                 )
                 full = torch.empty(param.shape, dtype=param.dtype, device=param.device)
-                full.normal_(0.0, out_std if name.endswith(("wo.weight", "w2.weight")) else std, generator=generator)
+                residual_out = name.endswith(("wo.weight", "w2.weight", "experts.w2"))
+                full.normal_(0.0, out_std if residual_out else std, generator=generator)
                 _copy_full_into(param, full)
+        reset_moe_state(self)
         if self.rope is not None:
             self.rope = rope_cache(
                 self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=self.rope.device

@@ -1,0 +1,205 @@
+"""The mixture-of-experts feed-forward: a router picks each token's top_k of E routed SwiGLU experts,
+the tokens are permuted into expert order (no per-token Python), the experts run as one grouped
+matrix product per projection (kernels/grouped_gemm.py), and the outputs return to token order,
+weighted by the router's scores; shared experts, if any, see every token.
+
+Where the experts live is not this file's business: `MoE.dispatch` takes the expert-sorted tokens and
+their per-expert counts and returns the experts' outputs in the same order. Here it runs the local
+experts; expert parallelism (parallel/expert_parallel.py) replaces it by all-to-alls around them.
+
+Balancing, both kinds on the router's choices: the auxiliary loss (Switch/Mixtral: E * sum_e f_e P_e,
+f_e the share of tokens choosing e, P_e the mean score of e) enters the backward through
+`_AuxLossGrad`, so the model still returns only logits; the auxiliary-loss-free bias (DeepSeek-V3)
+is added to the scores for selection only and moved by `balance_experts` after each optimizer step.
+Each MoE layer tallies its loads over the step in `load_tally` for both and for the statistics.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from trillion.kernels.grouped_gemm import grouped_mm
+from trillion.models.args import MoEArgs
+
+# load_tally holds E loads, then these three
+DROPPED, AUX_TIMES_TOKENS, TOKENS = range(-3, 0)
+
+
+class Router(nn.Module):
+    """x (tokens, dim) -> scores (tokens, E) in float32, the chosen experts (tokens, top_k) and their
+    weights (tokens, top_k). `expert_bias` (with bias_update_rate > 0) steers the choice only."""
+
+    def __init__(self, dim: int, moe: MoEArgs):
+        super().__init__()
+        self.moe = moe
+        self.gate = nn.Linear(dim, moe.n_experts, bias=False)
+        if moe.bias_update_rate > 0:
+            self.register_buffer("expert_bias", torch.zeros(moe.n_experts))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        moe = self.moe
+        logits = self.gate(x).float()
+        scores = logits.softmax(dim=-1) if moe.score_func == "softmax" else logits.sigmoid()
+        choice = scores.detach() if self.expert_bias is None else scores.detach() + self.expert_bias
+        if moe.n_groups > 1:  # DeepSeek-V3: a group scores the sum of its best two; keep the best topk_groups
+            grouped = choice.view(x.shape[0], moe.n_groups, -1)
+            best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(moe.topk_groups, dim=-1).indices
+            allowed = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+            choice = grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).flatten(1)
+        chosen = choice.topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(1, chosen)
+        if moe.route_norm:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores, chosen, weights * moe.route_scale
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights: w1, w3 (E, dim, hidden), w2 (E, hidden, dim). Under expert
+    parallelism each is a DTensor sharded on its first dimension and this rank runs its own experts."""
+
+    def __init__(self, dim: int, moe: MoEArgs):
+        super().__init__()
+        self.impl = moe.experts_impl
+        self.w1 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
+        self.w3 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
+        self.w2 = nn.Parameter(torch.empty(moe.n_experts, moe.expert_ffn_dim, dim))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x (rows, dim) sorted by expert, `counts` rows per expert of this rank (rows past them: zeros)."""
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        offsets = counts.cumsum(0).to(torch.int32)
+        hidden = F.silu(grouped_mm(x, w1, offsets, self.impl)) * grouped_mm(x, w3, offsets, self.impl)
+        return grouped_mm(hidden, w2, offsets, self.impl)
+
+
+class MoE(nn.Module):
+    """(batch, seq, dim) -> (batch, seq, dim). `shared_experts`: a dense feed-forward every token passes."""
+
+    def __init__(self, dim: int, moe: MoEArgs, shared_experts: nn.Module | None = None):
+        super().__init__()
+        self.moe = moe
+        self.router = Router(dim, moe)
+        self.experts = RoutedExperts(dim, moe)
+        self.shared_experts = shared_experts
+        self.register_buffer("load_tally", torch.zeros(moe.n_experts + 3), persistent=False)
+        self.token_scale: torch.Tensor | None = None  # set_aux_loss_scale: 1 / the step's target tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe, shape = self.moe, x.shape
+        x = x.reshape(-1, shape[-1])
+        scores, chosen, weights = self.router(x)
+        slots = chosen.flatten()  # token t's j-th choice is slot t * top_k + j
+        kept = self._capacity_mask(slots)
+        if kept is not None:  # a dropped slot goes to a sentinel expert E, sorted last and never run
+            slots = slots.masked_fill(~kept, moe.n_experts)
+        order = slots.argsort(stable=True)
+        counts = torch.bincount(slots, minlength=moe.n_experts + 1)[: moe.n_experts]
+        self._tally(counts, slots.numel() - counts.sum(), scores, chosen)
+        routed = self.dispatch(x[order // moe.top_k], counts)
+        unsorted = routed[torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))]
+        out = (unsorted.view(-1, moe.top_k, shape[-1]) * weights.unsqueeze(-1).to(x.dtype)).sum(dim=1)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if moe.aux_loss_coef > 0 and torch.is_grad_enabled():
+            out = _AuxLossGrad.apply(out, self._aux_loss(scores, counts), self._aux_weight(x.shape[0]))
+        return out.view(shape)
+
+    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Expert-sorted tokens -> the experts' outputs, same order. Expert parallelism replaces this."""
+        return self.experts(x, counts)
+
+    def _capacity_mask(self, slots: torch.Tensor) -> torch.Tensor | None:
+        """With a capacity factor: which slots their expert takes (the first `capacity` in token order)."""
+        moe = self.moe
+        if moe.capacity_factor <= 0:
+            return None
+        capacity = math.ceil(moe.capacity_factor * slots.numel() / moe.n_experts)
+        one_hot = F.one_hot(slots, moe.n_experts)
+        position_in_expert = (one_hot.cumsum(dim=0) * one_hot).sum(dim=1)  # 1-based, in token order
+        return position_in_expert <= capacity
+
+    def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """E * sum_e (tokens choosing e / tokens) * mean score of e (1.0 when perfectly even, for top-1)."""
+        return self.moe.n_experts * (counts.float() / scores.shape[0] * scores.mean(dim=0)).sum()
+
+    def _aux_weight(self, tokens: int) -> torch.Tensor | float:
+        """The auxiliary loss's weight in the step's loss: its coefficient times this micro-batch's share of
+        the step's tokens (set by set_aux_loss_scale), or the coefficient alone outside a training step."""
+        share = tokens * self.token_scale if self.token_scale is not None else 1.0
+        return self.moe.aux_loss_coef * share
+
+    @torch.compiler.disable
+    def _tally(self, counts, dropped, scores, chosen) -> None:
+        # A recomputed forward (activation checkpointing, inside the backward) routes as the first did: count once.
+        if torch._C._current_graph_task_id() != -1 or not self.training:
+            return
+        with torch.no_grad():
+            self.load_tally[: self.moe.n_experts] += counts
+            self.load_tally[DROPPED] += dropped
+            self.load_tally[TOKENS] += scores.shape[0]
+            if self.moe.aux_loss_coef > 0:
+                self.load_tally[AUX_TIMES_TOKENS] += self._aux_loss(scores, counts) * scores.shape[0]
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """Identity on the layer's output whose backward also sends `weight` as the gradient of the auxiliary
+    loss (Megatron's approach): the loss joins the backward without changing what the model returns."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor, weight) -> torch.Tensor:
+        ctx.weight = weight
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        weight = ctx.weight
+        aux_grad = weight.detach().reshape(()) if isinstance(weight, torch.Tensor) else torch.tensor(weight)
+        return grad, aux_grad.to(device=grad.device, dtype=torch.float32), None
+
+
+def moe_layers(model: nn.Module) -> dict[int, MoE]:
+    """This module's MoE layers by block index (a pipeline stage holds some of them)."""
+    return {int(name.split(".")[1]): m for name, m in model.named_modules() if isinstance(m, MoE)}
+
+
+def set_aux_loss_scale(model: nn.Module, token_scale: torch.Tensor) -> None:
+    """Before a step's forward: 1 / its target tokens (times a gradient scaler's scale), so that each
+    micro-batch's auxiliary loss weighs by its share of the step's tokens, as the token loss does."""
+    for layer in moe_layers(model).values():
+        layer.token_scale = token_scale
+
+
+@torch.no_grad()
+def balance_experts(model: nn.Module, n_layers: int, n_experts: int, sum_over_ranks) -> torch.Tensor | None:
+    """After a step: the loads summed over the ranks by `sum_over_ranks` (an in-place all-reduce over
+    every rank, each stage filling its own layers' rows), the bias moved toward equal load, the tallies
+    zeroed. Returns the step's (n_layers, E + 3) tally (rows of dense layers zero), None without MoE."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    device = next(iter(layers.values())).load_tally.device
+    tally = torch.zeros(n_layers, n_experts + 3, device=device)
+    for index, layer in layers.items():
+        tally[index] = layer.load_tally
+        layer.load_tally.zero_()
+    sum_over_ranks(tally)
+    for index, layer in layers.items():
+        bias, rate = layer.router.expert_bias, layer.moe.bias_update_rate
+        if bias is not None:
+            loads = tally[index, :n_experts]
+            step = rate * torch.sign(loads.mean() - loads)
+            bias += step - step.mean()
+    return tally
+
+
+def reset_moe_state(model: nn.Module) -> None:
+    """Zero the balancing bias and the tallies (init_weights: buffers built on the meta device hold garbage)."""
+    for layer in moe_layers(model).values():
+        layer.load_tally.zero_()
+        if layer.router.expert_bias is not None:
+            layer.router.expert_bias.zero_()
