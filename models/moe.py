@@ -88,6 +88,7 @@ class MoE(nn.Module):
         self.shared_experts = shared_experts
         self.register_buffer("load_tally", torch.zeros(moe.n_experts + 3), persistent=False)
         self.token_scale: torch.Tensor | None = None  # set_aux_loss_scale: 1 / the step's target tokens
+        self.last_step_tally: torch.Tensor | None = None  # balance_experts: the last step's, summed over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe, shape = self.moe, x.shape
@@ -98,7 +99,9 @@ class MoE(nn.Module):
         if kept is not None:  # a dropped slot goes to a sentinel expert E, sorted last and never run
             slots = slots.masked_fill(~kept, moe.n_experts)
         order = slots.argsort(stable=True)
-        counts = torch.bincount(slots, minlength=moe.n_experts + 1)[: moe.n_experts]
+        # scatter_add, not bincount: bincount reads its input's maximum on the host under CUDA
+        counts = torch.zeros(moe.n_experts + 1, dtype=torch.long, device=x.device)
+        counts = counts.scatter_add_(0, slots, torch.ones_like(slots))[: moe.n_experts]
         self._tally(counts, slots.numel() - counts.sum(), scores, chosen)
         routed = self.dispatch(x[order // moe.top_k], counts)
         unsorted = routed[torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))]
@@ -163,8 +166,13 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 def moe_layers(model: nn.Module) -> dict[int, MoE]:
-    """This module's MoE layers by block index (a pipeline stage holds some of them)."""
-    return {int(name.split(".")[1]): m for name, m in model.named_modules() if isinstance(m, MoE)}
+    """This module's MoE layers by block index (a pipeline stage holds some of them), in index order."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, MoE):
+            parts = name.split(".")
+            found[int(parts[parts.index("layers") + 1])] = module
+    return dict(sorted(found.items()))
 
 
 def set_aux_loss_scale(model: nn.Module, token_scale: torch.Tensor) -> None:
@@ -175,26 +183,45 @@ def set_aux_loss_scale(model: nn.Module, token_scale: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def balance_experts(model: nn.Module, n_layers: int, n_experts: int, sum_over_ranks) -> torch.Tensor | None:
-    """After a step: the loads summed over the ranks by `sum_over_ranks` (an in-place all-reduce over
-    every rank, each stage filling its own layers' rows), the bias moved toward equal load, the tallies
-    zeroed. Returns the step's (n_layers, E + 3) tally (rows of dense layers zero), None without MoE."""
+def balance_experts(model: nn.Module, sum_over_ranks) -> None:
+    """After a step: each MoE layer's tally summed by `sum_over_ranks` (in place, over the ranks that hold
+    other tokens of the same layers: data-parallel x cp) into its `last_step_tally` (E loads, then dropped
+    slots, auxiliary loss x tokens, tokens; on the device), the balancing bias moved toward equal load
+    (the same on every such rank), the tallies zeroed. One small all-reduce; nothing read on the host."""
     layers = moe_layers(model)
     if not layers:
-        return None
-    device = next(iter(layers.values())).load_tally.device
-    tally = torch.zeros(n_layers, n_experts + 3, device=device)
-    for index, layer in layers.items():
-        tally[index] = layer.load_tally
-        layer.load_tally.zero_()
+        return
+    tally = torch.stack([layer.load_tally for layer in layers.values()])
     sum_over_ranks(tally)
-    for index, layer in layers.items():
-        bias, rate = layer.router.expert_bias, layer.moe.bias_update_rate
+    for row, layer in zip(tally, layers.values()):
+        layer.load_tally.zero_()
+        layer.last_step_tally = row
+        bias, loads = layer.router.expert_bias, row[: layer.moe.n_experts]
         if bias is not None:
-            loads = tally[index, :n_experts]
-            step = rate * torch.sign(loads.mean() - loads)
+            step = layer.moe.bias_update_rate * torch.sign(loads.mean() - loads)
             bias += step - step.mean()
-    return tally
+
+
+def load_statistics(model: nn.Module) -> dict:
+    """The last step's per-layer statistics, read on the host (a logged step's): tokens per expert, max/mean
+    load (1 = even), the share of token-expert slots the capacity dropped, the auxiliary loss, the bias
+    spread (max - min)."""
+    stats = {}
+    for index, layer in moe_layers(model).items():
+        if layer.last_step_tally is None:
+            continue
+        values, moe = layer.last_step_tally.tolist(), layer.moe
+        loads, tokens = values[: moe.n_experts], max(values[TOKENS], 1.0)
+        prefix = f"moe/layer{index}/"
+        stats[prefix + "tokens_per_expert"] = [int(load) for load in loads]
+        stats[prefix + "max_mean"] = max(loads) / max(sum(loads) / len(loads), 1e-9)
+        stats[prefix + "dropped"] = values[DROPPED] / (tokens * moe.top_k)
+        if moe.aux_loss_coef > 0:
+            stats[prefix + "aux_loss"] = values[AUX_TIMES_TOKENS] / tokens
+        bias = layer.router.expert_bias
+        if bias is not None:
+            stats[prefix + "bias_spread"] = (bias.max() - bias.min()).item()
+    return stats
 
 
 def reset_moe_state(model: nn.Module) -> None:

@@ -12,13 +12,14 @@ from torch import nn
 
 from trillion.errors import ConfigError
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
+from trillion.kernels.grouped_gemm import grouped_mm_unavailable
 from trillion.models import ModelArgs, Transformer, get_preset
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
-from trillion.trainer.config.schema import Config, Training, divisor_near, validate_config
+from trillion.trainer.config.schema import Config, Model, Moe, Training, divisor_near, validate_config
 from trillion.trainer.launch.env import LaunchEnv
 
 log = logging.getLogger("trillion")
@@ -59,6 +60,7 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
         else ("triton" if on_gpu and config.parallel.tp == 1 else "torch")
     )
     args = dataclasses.replace(get_preset(cfg.name), attention_impl=attention_impl, norm_impl=norm_impl, **overrides)
+    args = with_moe_settings(args, cfg, config.moe, config.kernels.grouped_gemm)
     if args.dim % args.n_heads:
         raise ConfigError(
             f"model.n_heads={args.n_heads} does not divide model.dim={args.dim}; "
@@ -86,6 +88,46 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
     if norm_impl not in NORM_IMPLS:
         raise ConfigError(f"kernels.norm={norm_impl!r} is not known. Use auto, {', '.join(NORM_IMPLS)}.")
     return args
+
+
+def with_moe_settings(args: ModelArgs, model: Model, moe: Moe, grouped_gemm: str) -> ModelArgs:
+    """The preset's MoE block with the model.* and moe.* overrides, checked (dense presets take none)."""
+    overrides = {k: v for k, v in (("n_experts", model.n_experts), ("top_k", model.top_k)) if v > 0}
+    overrides |= {k: v for k in ("aux_loss_coef", "bias_update_rate", "capacity_factor") if (v := getattr(moe, k)) >= 0}
+    if args.moe is None:
+        if overrides:
+            raise ConfigError(
+                f"{', '.join(sorted(overrides))} set, but model.name={model.name!r} is dense (no experts). Use an MoE "
+                "preset (debug-moe, mixtral-8x7b, mixtral-8x22b, qwen3-30b-a3b, qwen3-235b-a22b) or drop the settings."
+            )
+        return args
+    routing = dataclasses.replace(args.moe, experts_impl=grouped_gemm, **overrides)
+    if routing.top_k > routing.n_experts:
+        raise ConfigError(
+            f"model.top_k={routing.top_k} is more than the model's {routing.n_experts} experts: each token picks "
+            f"top_k distinct experts. Use --model.top_k={routing.n_experts} or less."
+        )
+    group_size = routing.n_experts // routing.n_groups
+    if routing.n_experts % routing.n_groups or routing.topk_groups * group_size < routing.top_k:
+        raise ConfigError(
+            f"model.n_experts={routing.n_experts} does not split into the preset's {routing.n_groups} routing groups "
+            f"with top_k={routing.top_k} choices among {routing.topk_groups} of them. Keep n_experts a multiple of "
+            f"{routing.n_groups} and top_k at most {routing.topk_groups} groups' experts."
+        )
+    return dataclasses.replace(args, moe=routing)
+
+
+def check_grouped_gemm(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> None:
+    """kernels.grouped_gemm=torch where torch._grouped_mm cannot run: refused before any work."""
+    if args.moe is None or args.moe.experts_impl != "torch":
+        return
+    x = torch.empty(0, args.dim, device=device, dtype=dtype)
+    why = grouped_mm_unavailable(x, torch.empty(0, 0, args.moe.expert_ffn_dim, device="meta"))
+    if why is not None:
+        raise ConfigError(
+            f"kernels.grouped_gemm=torch cannot run here: {why}. Use --kernels.grouped_gemm=auto (it falls back to "
+            "one matmul per expert) or --kernels.grouped_gemm=loop."
+        )
 
 
 def validate_training(config: Config, env: LaunchEnv) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from trillion.errors import Interrupted, RunAborted
 from trillion.models.flops import count_params, hardware_flops_per_token, model_flops_per_token
+from trillion.models.moe import balance_experts, load_statistics, set_aux_loss_scale
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.context_parallel import shard_batch
 from trillion.parallel.dims import ParallelDims
@@ -70,6 +71,7 @@ def train_step(
     dims = dims or ParallelDims(world_size=1)
     micro_batches = shard_batch(micro_batches, dims.cp_mesh)  # this cp rank's share of every sequence
     tokens = dims.all_reduce_dp(target_tokens(micro_batches))
+    set_aux_loss_scale(runner.model, scaler.scale(1.0 / tokens))
     loss_sum = dims.all_reduce_dp(runner.forward_backward(micro_batches, tokens, autocast, scaler))
     reduce_partial_grads(runner.model.parameters())
     if timer is not None:
@@ -82,6 +84,7 @@ def train_step(
         step_unless_flagged(optimizer, scaler, guard.flag(loss_sum, grad_norm, scaler))
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
+    balance_experts(runner.model, dims.all_reduce_dp)
     if timer is not None:
         timer.mark("optimizer")
     return loss_sum, grad_norm
@@ -273,6 +276,7 @@ def step_record(run: Run, step: int, done: StepDone, values, evaluation: dict, c
         "skipped_steps": run.counters.skipped_steps,
         **{f"time_{phase}_s": seconds for phase, seconds in done.timer.seconds.items()},
         "time_checkpoint_s": checkpoint_seconds,
+        **load_statistics(run.runner.model),
         **evaluation,
     }
 
@@ -430,10 +434,11 @@ def observers(config: Config, env: LaunchEnv, model_args, pipeline, counters, ev
     )
     params = count_params(model_args)
     log.info(
-        "model %s: %.1fM parameters (%.1fM without embeddings), %s on %s, %d micro-batches per step",
+        "model %s: %.1fM parameters (%.1fM without embeddings%s), %s on %s, %d micro-batches per step",
         config.model.name,
         params.total / 1e6,
         params.non_embedding / 1e6,
+        f", {params.active / 1e6:.1f}M active per token" if params.inactive else "",
         dtype,
         env.device,
         n_microbatches,

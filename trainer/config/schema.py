@@ -48,6 +48,12 @@ def norm_impls() -> tuple:
     return NORM_IMPLS
 
 
+def grouped_gemm_impls() -> tuple:
+    from trillion.kernels import GROUPED_GEMM_IMPLS
+
+    return GROUPED_GEMM_IMPLS
+
+
 def doc(default, text: str, check: Check | None = None):
     """A dataclass field with a default, the help text `--help` shows and the check of its values
     (tests/test_config_validation.py fails for a field declared without one)."""
@@ -91,7 +97,7 @@ class Model:
     name: str = doc(
         "debug",
         "Preset: debug, debug-gpt, gpt-125m, gpt-1.4b, gpt-22b, gpt-175b, gpt-1t, llama3-1b, llama3-8b, llama3-70b, "
-        "llama3-405b.",
+        "llama3-405b; mixtures of experts: debug-moe, mixtral-8x7b, mixtral-8x22b, qwen3-30b-a3b, qwen3-235b-a22b.",
         OneOf(preset_names),
     )
     n_layers: int = doc(0, "Override the preset's layer count (0 = keep).", Range(1, also=KEEP))
@@ -107,6 +113,33 @@ class Model:
         "Override the preset's longest sequence (0 = keep), e.g. 131072 for Llama 3.1's long-context training; sizes "
         "the rotary cache or learned position table.",
         Range(1, also=KEEP),
+    )
+    n_experts: int = doc(0, "Override an MoE preset's routed experts (0 = keep).", Range(1, also=KEEP))
+    top_k: int = doc(0, "Override an MoE preset's experts per token (0 = keep).", Range(1, also=KEEP))
+
+
+PRESET_VALUE = {-1.0: "keep the preset's"}
+
+
+@dataclass
+class Moe:
+    aux_loss_coef: float = doc(
+        -1.0,
+        "Weight of the Switch/Mixtral load-balancing loss E * sum_e f_e P_e in the training loss (0 = off, -1 = the "
+        "preset's).",
+        Range(0, also=PRESET_VALUE),
+    )
+    bias_update_rate: float = doc(
+        -1.0,
+        "DeepSeek-V3's auxiliary-loss-free balancing: each step every expert's selection bias moves by this much "
+        "toward equal load (0 = off, -1 = the preset's).",
+        Range(0, also=PRESET_VALUE),
+    )
+    capacity_factor: float = doc(
+        -1.0,
+        "Tokens an expert takes per step, as a multiple of an even share (tokens x top_k / experts); the rest are "
+        "dropped and counted. 0 = dropless (every token reaches its top_k), -1 = the preset's.",
+        Range(1, also={0.0: "dropless", **PRESET_VALUE}),
     )
 
 
@@ -329,6 +362,12 @@ class Parallel:
         "zero3", f"{' | '.join(ZERO_MODES)}: what FSDP keeps sharded between uses.", OneOf(tuple(ZERO_MODES))
     )
     tp: int = doc(1, "Tensor-parallel degree (keep inside a node).", POSITIVE)
+    ep: int = doc(
+        1,
+        "Expert-parallel degree (MoE models): the routed experts are split over ep ranks taken from the "
+        "data-parallel ones (ep divides dp_shard x cp and the expert count); tokens reach them by all-to-all.",
+        POSITIVE,
+    )
     pp: int = doc(1, "Pipeline-parallel degree.", POSITIVE)
     pp_schedule: str = doc("1F1B", SCHEDULE_DOC, OneOf(tuple(SCHEDULES), case_sensitive=False))
     pp_virtual_stages: int = doc(
@@ -382,6 +421,12 @@ class Kernels:
         "auto",
         "auto (triton on GPUs, torch on CPU) | triton (fused RMSNorm/LayerNorm kernels) | torch (PyTorch's modules).",
         OneOf(norm_impls, extra=("auto",)),
+    )
+    grouped_gemm: str = doc(
+        "auto",
+        "The routed experts' matmuls: auto (torch where it runs, else loop) | torch (torch._grouped_mm: CUDA sm90+ "
+        "in bf16, CPU with rows of 16-byte multiples) | loop (one matmul per expert).",
+        OneOf(grouped_gemm_impls),
     )
 
 
@@ -495,6 +540,7 @@ class Eval:
 class Config:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    moe: Moe = field(default_factory=Moe)
     data: Data = field(default_factory=Data)
     tokenizer: Tokenizer = field(default_factory=Tokenizer)
     training: Training = field(default_factory=Training)

@@ -246,6 +246,10 @@ def _status(record: dict) -> str:
         text += f"  mfu {100 * record['mfu']:.1f}%"
     if "eval_loss" in record:
         text += f"  eval {record['eval_loss']:.4f}"
+    if loads := [v for k, v in record.items() if k.startswith("moe/") and k.endswith("/max_mean")]:
+        text += f"  experts max/mean {max(loads):.2f}"  # the worst layer's load against an even share
+    if dropped := sum(v for k, v in record.items() if k.startswith("moe/") and k.endswith("/dropped")):
+        text += f"  dropped {100 * dropped / len(loads):.1f}%"
     return text.strip()
 
 
