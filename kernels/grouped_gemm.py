@@ -22,7 +22,12 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, imp
     group (a running sum of the group sizes; the last may be short of `rows`, the rest are zeros)."""
     if impl == "loop" or (impl == "auto" and grouped_mm_unavailable(x, weight) is not None):
         return loop_grouped_mm(x, weight, offsets)
-    return _ContiguousGrad.apply(torch._grouped_mm(x, weight, offs=offsets))
+    # torch._grouped_mm leaves rows past the last group unwritten (garbage, in forward and backward): the
+    # last group runs them, and they are zeroed after, so nothing reads memory it never wrote
+    all_rows = torch.cat([offsets[:-1], offsets.new_full((1,), x.shape[0])])
+    out = _ContiguousGrad.apply(torch._grouped_mm(x, weight, offs=all_rows))
+    past_the_groups = torch.arange(x.shape[0], device=x.device) >= offsets[-1]
+    return out.masked_fill(past_the_groups.unsqueeze(1), 0)
 
 
 def loop_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         moe = self.moe
-        logits = self.gate(x).float()
+        logits = self.gate(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 at least, float64 kept
         scores = logits.softmax(dim=-1) if moe.score_func == "softmax" else logits.sigmoid()
         choice = scores.detach() if self.expert_bias is None else scores.detach() + self.expert_bias
         if moe.n_groups > 1:  # DeepSeek-V3: a group scores the sum of its best two; keep the best topk_groups

@@ -26,6 +26,7 @@ from trillion.trainer.assemble import (
     build_model_args,
     build_parallel_dims,
     build_runner,
+    check_grouped_gemm,
     compute_dtype,
     validate_training,
 )
@@ -307,6 +308,7 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
     t = config.training
     tokenizer = build_tokenizer(config.tokenizer)
     model_args = build_model_args(config, tokenizer.vocab_size)
+    check_grouped_gemm(model_args, env.device, compute_dtype(t.dtype, env.device.type))
     dims = build_parallel_dims(config, env, model_args)
     micro_batch_size, n_microbatches = batch_split(t, dims.dp_size)
     check_memory(
