@@ -1,5 +1,6 @@
 """Hugging Face `transformers` adapters: configs and parameter names for LlamaForCausalLM and
-GPT2LMHeadModel, so weights move both ways without changing a value."""
+GPT2LMHeadModel, and (models/hf_moe.py) MixtralForCausalLM and Qwen3MoeForCausalLM, so weights move
+both ways without changing a value."""
 
 import torch
 
@@ -7,7 +8,13 @@ from trillion.models.args import ModelArgs
 
 
 def hf_config(args: ModelArgs):
-    """The transformers config that describes the same network as `args`."""
+    """The transformers config that describes the same network as `args` (ValueError naming what it cannot)."""
+    if args.moe is not None:
+        from trillion.models.hf_moe import hf_moe_config
+
+        return hf_moe_config(args)
+    if args.qk_norm:
+        raise ValueError("model.qk_norm without experts: LlamaForCausalLM has no query and key norms")
     if args.mlp == "swiglu":
         from transformers import LlamaConfig
 
@@ -43,8 +50,18 @@ def hf_config(args: ModelArgs):
     )
 
 
-def to_hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """Our parameter names and layouts -> the transformers model's."""
+def to_hf_state_dict(
+    state: dict[str, torch.Tensor], args: ModelArgs, layout: str = "legacy"
+) -> dict[str, torch.Tensor]:
+    """Our parameter names and layouts -> the transformers model's. `layout`, for a mixture of experts:
+    "legacy" (one matrix per expert, as Hub checkpoints and save_pretrained have them) or "fused"
+    (transformers' in-memory gate_up_proj / down_proj); from_pretrained loads either."""
+    if args.moe is not None:
+        from trillion.models.hf_moe import moe_to_hf
+
+        return moe_to_hf(state, args, layout)
+    if args.qk_norm:
+        raise ValueError("model.qk_norm without experts: LlamaForCausalLM has no query and key norms")
     return (_llama_from_ours if args.mlp == "swiglu" else _gpt2_from_ours)(state, args)
 
 
@@ -52,8 +69,14 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[
     """The transformers model's parameter names and layouts -> ours (the inverse of to_hf_state_dict).
 
     A tied checkpoint stores no lm_head; our output then reads the embedding table. Names this
-    family does not have are returned unchanged, so the caller's key check can name them."""
-    ours = (_llama_to_ours if args.mlp == "swiglu" else _gpt2_to_ours)(dict(state), args)
+    family does not have are returned unchanged, so the caller's key check can name them. Experts may
+    come in either layout (per expert or fused)."""
+    if args.moe is not None:
+        from trillion.models.hf_moe import moe_from_hf
+
+        ours = moe_from_hf(dict(state), args)
+    else:
+        ours = (_llama_to_ours if args.mlp == "swiglu" else _gpt2_to_ours)(dict(state), args)
     if args.tie_embeddings:
         ours.setdefault("output.weight", ours["tok_embeddings.weight"])
     return ours
@@ -176,6 +199,10 @@ def _gpt2_to_ours(state, args):
 
 def args_from_hf_config(config: dict) -> ModelArgs:
     """The ModelArgs of a transformers config.json (the inverse of hf_config), for a folder with no run config."""
+    if config.get("model_type") in ("mixtral", "qwen3_moe"):
+        from trillion.models.hf_moe import args_from_moe_config
+
+        return args_from_moe_config(config)
     if config.get("model_type") == "llama":
         rope = config.get("rope_parameters") or {}
         return ModelArgs(
@@ -209,4 +236,6 @@ def args_from_hf_config(config: dict) -> ModelArgs:
             bias=True,
             tie_embeddings=config.get("tie_word_embeddings", False),
         )
-    raise ValueError(f"model_type {config.get('model_type')!r}: only llama and gpt2 map onto this transformer")
+    raise ValueError(
+        f"model_type {config.get('model_type')!r}: only llama, gpt2, mixtral and qwen3_moe map onto this transformer"
+    )

@@ -139,8 +139,9 @@ class MoE(nn.Module):
 
     @torch.compiler.disable
     def _tally(self, counts, dropped, scores, chosen) -> None:
-        # A recomputed forward (activation checkpointing, inside the backward) routes as the first did: count once.
-        if torch._C._current_graph_task_id() != -1 or not self.training:
+        # Training forwards only (evaluation runs without gradients); a recomputed forward (activation
+        # checkpointing, inside the backward) routes as the first did: count once.
+        if not (self.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
             return
         with torch.no_grad():
             self.load_tally[: self.moe.n_experts] += counts

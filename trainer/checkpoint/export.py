@@ -1,6 +1,8 @@
 """`trillion export --checkpoint DIR --format hf OUT`: a training checkpoint as a Hugging Face
-model folder (model.safetensors + config.json) that `transformers` loads as LlamaForCausalLM or
-GPT2LMHeadModel. `--checkpoint.initial_load=OUT` starts a new run from such a folder."""
+model folder (model.safetensors + config.json) that `transformers` loads as LlamaForCausalLM,
+GPT2LMHeadModel, MixtralForCausalLM or Qwen3MoeForCausalLM (experts one matrix per expert, the layout
+of Hub checkpoints and of save_pretrained; models/hf_moe.py). `--checkpoint.initial_load=OUT` starts
+a new run from such a folder."""
 
 import dataclasses
 from pathlib import Path
@@ -55,7 +57,14 @@ def export_hf(step: Path, out: Path) -> Path:
     from trillion.models.hf import hf_config, to_hf_state_dict
 
     model = load_checkpoint_model(step)
-    weights = to_hf_state_dict(model.state_dict(), model.args)
+    try:  # before anything is written: a model no transformers family expresses (debug-moe's shared expert)
+        config = hf_config(model.args)
+        weights = to_hf_state_dict(model.state_dict(), model.args)
+    except ValueError as error:
+        raise ConfigError(
+            f"--checkpoint {step} cannot be exported to Hugging Face: {error} Train a model a transformers "
+            "family expresses (a Llama, GPT-2, Mixtral or Qwen3-MoE preset)."
+        ) from None
     if (
         model.args.tie_embeddings
     ):  # transformers ties lm_head to the embedding itself; safetensors refuses shared storage
@@ -66,6 +75,6 @@ def export_hf(step: Path, out: Path) -> Path:
         str(out / "model.safetensors"),
         metadata={"format": "pt"},
     )
-    hf_config(model.args).save_pretrained(str(out))
+    config.save_pretrained(str(out))
     (out / RUN_CONFIG).write_text((step / CONFIG_FILE).read_text())
     return out / "model.safetensors"

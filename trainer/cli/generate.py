@@ -109,7 +109,8 @@ def _load_hf_folder(path: Path):
         args = args_from_hf_config(json.loads((path / "config.json").read_text()))
     except (ValueError, KeyError) as error:
         raise ConfigError(
-            f"--checkpoint {path}: its config.json does not describe a Llama or GPT-2 model ({error})."
+            f"--checkpoint {path}: its config.json does not describe a Llama, GPT-2, Mixtral or Qwen3-MoE "
+            f"model ({error})."
         ) from None
     with torch.device("meta"):
         model = Transformer(args)
