@@ -129,6 +129,7 @@ def test_device_check_smoke_runs_each_part_and_keeps_its_results(tmp_path):
         "bench_ceiling": "ok",
         "bench_float8": "ok",
         "host_syncs": "ok",
+        "bench_moe": "ok",
     }
     assert "skipped" in (tmp_path / "gpu_tests.log").read_text()
     rows = [json.loads(line) for line in next((tmp_path / "bench").glob("*.jsonl")).read_text().splitlines()]
@@ -138,4 +139,8 @@ def test_device_check_smoke_runs_each_part_and_keeps_its_results(tmp_path):
     syncs = [json.loads(line) for line in next((tmp_path / "syncs").glob("*.jsonl")).read_text().splitlines()]
     assert syncs and all(row["reads_unlogged"] in (None, 0) for row in syncs)
     assert "| debug, 1 layer | 100 |" in section  # the host-syncs table is in the section
+    moe = [json.loads(line) for line in next((tmp_path / "moe").glob("*.jsonl")).read_text().splitlines()]
+    assert [row["part"] for row in moe] == ["grouped_gemm", "moe_layer", "moe_layer", "training", "training"]
+    assert all(row.get("torch_ms", 1) > 0 and 0 < row.get("dispatch_share", 0.5) < 1.5 for row in moe)
+    assert "grouped_gemm:" in section and "| debug-moe |" in section
     assert len(result.stdout.splitlines()) < 40  # the summary stays short: only the output's tail comes back

@@ -48,6 +48,13 @@ def test_one_process_reads_nothing_between_logging_steps(tmp_path):
     assert all(counted[step] > 0 for step in LOGGED)  # the logged steps read loss and norm: the counter sees
 
 
+def test_a_mixture_of_experts_reads_nothing_between_logging_steps(tmp_path):
+    """Routing, the grouped GEMM, the load tally and the balancing bias's step all stay on the device
+    (expert parallelism reads its all-to-all split sizes on the host: that is not this layout)."""
+    counted = reads(tmp_path / "moe", "--model.name=debug-moe", "--kernels.grouped_gemm=torch")
+    assert {step: counted[step] for step in STEADY} == dict.fromkeys(STEADY, 0), counted
+
+
 def test_a_planted_item_in_the_step_is_counted(tmp_path):
     def step_with_a_read(*args, **kwargs):
         loss, grad_norm = train_step(*args, **kwargs)
