@@ -8,7 +8,8 @@ Modes (`parallel.activation_checkpoint`, the table in modes.py):
 - selective:op: every block, but an op-level policy saves the outputs of matmuls, attention and
   tensor-parallel reduce-scatters and recomputes only the cheap elementwise work (norms,
   activations, rotary, residual adds) - most of full's savings on the big intermediates at a
-  few percent of its recompute.
+  few percent of its recompute. (Expert parallelism's dispatch stays outside the policy and is
+  recomputed whole: expert_parallel.py.)
 
 Applied from outside by wrapping each block's forward in place, so parameter names do not change
 (checkpoint_wrapper would add a prefix to them), and before compile and FSDP (parallelize.py).

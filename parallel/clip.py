@@ -6,6 +6,11 @@ mesh (sums of squares over shards, nothing over replicas), so the total is the n
 logical gradient, whatever the layout. Plain tensors (one process) and DTensors on different meshes
 are grouped separately and combined as squares. Pipeline stages each hold different parameters:
 pass the pipeline process group and the stage totals are summed (as squares) across it.
+
+Under expert parallelism the routed experts' gradients live on another mesh (ep with the
+data-parallel ranks it leaves) than the rest (FSDP's): each mesh's group is reduced on its own mesh,
+and the scaling multiplies each group's local shards by the one global coefficient (DTensor will
+not mix meshes in one foreach op).
 """
 
 import math
@@ -15,12 +20,16 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 
-def total_grad_norm(parameters, pp_group=None) -> torch.Tensor:
-    grads = [p.grad for p in parameters if p.grad is not None]
+def _by_mesh(grads) -> dict:
     groups: dict = {}
     for grad in grads:
         key = grad.device_mesh if isinstance(grad, DTensor) else None
         groups.setdefault(key, []).append(grad)
+    return groups
+
+
+def total_grad_norm(parameters, pp_group=None) -> torch.Tensor:
+    groups = _by_mesh(p.grad for p in parameters if p.grad is not None)
     squares = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
@@ -38,5 +47,12 @@ def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     parameters = [p for p in parameters if p.grad is not None]
     total = total_grad_norm(parameters, pp_group)
     if max_norm > 0 and not math.isinf(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+        groups = _by_mesh(p.grad for p in parameters)
+        if len(groups) == 1:
+            torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+        else:  # as clip_grads_with_norm_ does, on each mesh's local shards
+            coefficient = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            for group in groups.values():
+                local = [g.to_local() if isinstance(g, DTensor) else g for g in group]
+                torch._foreach_mul_(local, coefficient.to(local[0].device))
     return total

@@ -14,6 +14,14 @@ Sub-meshes other code needs:
   sequences and each keeps its share of them).
 - `all_reduce_dp`: sums over every rank holding other tokens of the global batch (dp x cp): the
   token count and the loss.
+
+Expert parallelism (`ep`, parallel/expert_parallel.py) is carved out of dp_shard x cp, as torchtitan
+does: with ep > 1 the flattened dp_replicate x dp_shard x cp ranks of each (pp, tp) coordinate are
+viewed a second time as (dp_replicate, efsdp, ep), ep innermost (so ep = the inner dp_shard ranks
+x cp). `ep_mesh` spreads the routed experts; `expert_fsdp_mesh` is what FSDP2 shards them over, the
+data-parallel ranks left: (dp_replicate, efsdp) for HSDP, else efsdp (kept even of size 1, so the
+experts have their own FSDP group). Everything else is placed as without ep. With ep = 1 none of this
+exists: no extra mesh, no extra process group.
 """
 
 from __future__ import annotations
@@ -49,8 +57,10 @@ class ParallelDims:
     dp_shard: int = -1  # -1: what the world size leaves
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # expert parallelism, within dp_shard x cp (not a mesh axis of its own)
     world_size: int = 1
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in AXES:
@@ -78,6 +88,20 @@ class ParallelDims:
                 "Make the product equal the number of processes, e.g. --parallel.dp_shard=-1 to infer it, "
                 f"or launch {product} processes."
             )
+        self._check_ep()
+
+    def _check_ep(self) -> None:
+        if self.ep < 1:
+            raise ConfigError(f"parallel.ep={self.ep} must be a positive degree; use 1 to turn it off.")
+        region = self.dp_shard * self.cp
+        if region % self.ep:
+            valid = ", ".join(map(str, _divisors(region)))
+            raise ConfigError(
+                f"parallel.ep={self.ep} does not divide parallel.dp_shard x cp = {self.dp_shard} x {self.cp} = "
+                f"{region}: the expert-parallel ranks are taken from the sharded data-parallel ones (and the "
+                f"context-parallel ones). Use an ep that divides {region} (valid: {valid}), or raise "
+                "--parallel.dp_shard."
+            )
 
     # --- what is on -----------------------------------------------------------------------------
     @property
@@ -92,6 +116,15 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def efsdp(self) -> int:
+        """The sharded data-parallel ranks left to the routed experts: dp_shard x cp / ep."""
+        return self.dp_shard * self.cp // self.ep
+
     # --- checks against the model and the run ----------------------------------------------------
     def validate(self, model_args, seq_len: int, gpus_per_node: int | None = None) -> None:
         """Raise ConfigError for a layout this model or this build cannot run; warn on slow ones."""
@@ -102,6 +135,7 @@ class ParallelDims:
                 f"Use --parallel.pp={model_args.n_layers + 2} or less."
             )  # schedules: parallel/pipeline.py
         check_sequence(self.cp, self.tp, seq_len)
+        self._validate_ep(model_args)
         tp = self.tp
         if tp == 1:
             return
@@ -144,6 +178,24 @@ class ParallelDims:
                 node,
             )
 
+    def _validate_ep(self, model_args) -> None:
+        if self.ep == 1:
+            return
+        moe = getattr(model_args, "moe", None)
+        if moe is None:
+            raise ConfigError(
+                f"parallel.ep={self.ep}, but the model is dense (no experts to spread). Use --parallel.ep=1, or an "
+                "MoE preset (e.g. --model.name=debug-moe)."
+            )
+        if moe.n_experts % self.ep:
+            valid = [d for d in _divisors(moe.n_experts) if (self.dp_shard * self.cp) % d == 0]
+            raise ConfigError(
+                f"parallel.ep={self.ep} does not divide the model's {moe.n_experts} routed experts "
+                "(model.n_experts): each expert-parallel rank holds the same number of whole experts. Use an ep "
+                f"that divides both n_experts and dp_shard x cp (valid: {', '.join(map(str, valid))}), or set "
+                "--model.n_experts to a multiple of ep."
+            )
+
     # --- the mesh ------------------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
         """The named mesh of all axes of size > 1 (None in one process); call after init_process_group."""
@@ -159,7 +211,19 @@ class ParallelDims:
                 present = tuple(n for n in axes if n in names)
                 if len(present) > 1:
                     self.mesh[present]._flatten(flat)
+        if self.ep > 1:
+            self._build_expert_mesh()
         return self.mesh
+
+    def _build_expert_mesh(self) -> None:
+        """(dp_replicate, efsdp, ep) viewed on the flattened data-parallel x cp ranks of each (pp, tp)."""
+        present = [n for n in ("dp_replicate", "dp_shard", "cp") if n in self.mesh.mesh_dim_names]
+        flat = {("dp_replicate", "dp_shard"): "dp", ("dp_shard", "cp"): "dp_shard_cp"}.get(tuple(present), "dp_cp")
+        region = present[0] if len(present) == 1 else flat
+        sizes, names = (self.efsdp, self.ep), ("efsdp", "ep")
+        if self.dp_replicate > 1:
+            sizes, names = (self.dp_replicate, *sizes), ("edp_replicate", *names)
+        self.expert_mesh = self.mesh[region]._unflatten(0, sizes, names)
 
     def _axis(self, *names: str) -> DeviceMesh | None:
         present = tuple(n for n in names if getattr(self, n) > 1)
@@ -189,6 +253,20 @@ class ParallelDims:
         if self.dp_replicate > 1:
             return self.mesh["dp_replicate", shard]
         return self.mesh[shard]
+
+    @property
+    def ep_mesh(self) -> DeviceMesh | None:
+        """The 1-D mesh the routed experts are split over (None with ep = 1)."""
+        return self.expert_mesh["ep"] if self.expert_mesh is not None else None
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh | None:
+        """FSDP2's mesh for the routed experts under ep: the data-parallel ranks ep leaves."""
+        if self.expert_mesh is None:
+            return None
+        if self.dp_replicate > 1:
+            return self.expert_mesh["edp_replicate", "efsdp"]
+        return self.expert_mesh["efsdp"]
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:

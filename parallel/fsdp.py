@@ -24,6 +24,11 @@ dp_replicate > 1 gives HSDP: shards within a dp_shard group, replicas across gro
 all-reduce of the sharded gradients). Gradients are summed, not averaged, over data-parallel
 ranks: the loss is already normalized by the token count of the global batch.
 
+Expert parallelism: the routed experts of a block, DTensors on the ep mesh, are an FSDP group of their
+own over `expert_mesh` (ParallelDims.expert_fsdp_mesh: the data-parallel ranks ep leaves; HSDP when
+2-D), wrapped before their block, which then leaves them alone; each ep rank's experts are sharded
+on the expert dimension, or on the next one when there are fewer local experts than shards.
+
 Mixed precision: parameters are gathered in the compute dtype (bf16 on GPUs) and gradients are
 reduced in fp32; on CPU everything is fp32.
 """
@@ -31,7 +36,9 @@ reduced in fp32; on CPU everything is fp32.
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
+from trillion.parallel.expert_parallel import expert_parallel_modules
 from trillion.parallel.modes import zero_mode
 
 
@@ -42,12 +49,21 @@ def apply_fsdp(
     param_dtype: torch.dtype = torch.float32,
     *,
     keep_gathered_after_forward: bool = False,
+    expert_mesh=None,
 ) -> None:
     """`keep_gathered_after_forward`: no block reshards after forward whatever the mode (pipeline
-    stages under split-backward schedules, see pipeline.py)."""
+    stages under split-backward schedules, see pipeline.py). `expert_mesh`: the routed experts' (ep > 1)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     reshard_after_forward = zero_mode(mode).reshard_after_forward and not keep_gathered_after_forward
     for block in model.layers.values():
+        for experts in expert_parallel_modules(block) if expert_mesh is not None else ():
+            fully_shard(
+                experts,
+                mesh=expert_mesh,
+                mp_policy=policy,
+                reshard_after_forward=reshard_after_forward,
+                shard_placement_fn=_expert_placement(expert_mesh.size(expert_mesh.ndim - 1)),
+            )
         fully_shard(block, mesh=fsdp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     # The root holds embeddings, final norm and output; its parameters are needed first in backward,
     # so it is never resharded after forward.
@@ -56,6 +72,11 @@ def apply_fsdp(
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)  # sum over ranks; the loss carries the 1/tokens
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+
+
+def _expert_placement(shards: int):
+    """Each ep rank's experts sharded on the expert dimension, or on the next when too few to split evenly."""
+    return lambda param: Shard(0) if param.to_local().shape[0] % shards == 0 else Shard(1)
 
 
 def set_micro_batch(model: nn.Module, mode: str, is_last: bool) -> None:

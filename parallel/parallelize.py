@@ -1,17 +1,20 @@
 """The one place a meta-device model becomes a parallel one, in a fixed order:
 
-    float8 swap -> context parallelism -> tensor parallelism -> activation checkpointing -> torch.compile
-    -> FSDP2
+    float8 swap -> context parallelism -> tensor parallelism -> expert parallelism -> activation
+    checkpointing -> torch.compile -> FSDP2
 
 The float8 swap first (float8.py): it replaces the blocks' nn.Linear modules by torchao's Float8Linear,
 which TP then shards with float8-aware styles and FSDP gathers in float8; everything after must see
 the swapped modules (torchtitan's order). CP next: it only swaps each block's attention for attention
 across sequence shards and passes the rank's token positions, so everything after wraps the same
 modules. TP next, because it changes what a parameter is (a DTensor over the tp axis) and inserts
-the collectives the later wrappers must see; AC next, so recomputation replays those collectives;
+the collectives the later wrappers must see; expert parallelism next (expert_parallel.py: the routed
+experts become DTensors on the ep mesh, whole on their rank, and the dispatch all-to-alls; the
+shared experts and attention keep TP's layout); AC next, so recomputation replays those collectives;
 compile then traces the parallel blocks; FSDP last, so it shards the TP shards again over dp and
-its hooks wrap everything. Call it before `to_empty` + `init_weights`, which then give the same
-values whatever the layout (see models.transformer.Transformer.init_weights).
+its hooks wrap everything (the routed experts under ep apart, over the data-parallel ranks ep
+leaves). Call it before `to_empty` + `init_weights`, which then give the same values whatever the
+layout (see models.transformer.Transformer.init_weights).
 """
 
 import torch
@@ -21,10 +24,11 @@ from trillion.parallel.activation_checkpoint import apply_activation_checkpointi
 from trillion.parallel.compile import apply_compile
 from trillion.parallel.context_parallel import apply_context_parallel
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.expert_parallel import apply_expert_parallel, cache_routes_for_recompute
 from trillion.parallel.float8 import Float8Training
 from trillion.parallel.float8 import convert as convert_to_float8
 from trillion.parallel.fsdp import apply_fsdp
-from trillion.parallel.modes import schedule, zero_mode
+from trillion.parallel.modes import checkpointed_blocks, schedule, zero_mode
 from trillion.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -44,16 +48,35 @@ def parallelize(
     `model` is a pipeline stage and `pp_schedule` its schedule: under one that splits the backward no
     block reshards after forward (pipeline.py says why). `float8`: train the linears in float8."""
     zero_mode(dp_shard_mode)
+    ep_mesh = getattr(dims, "ep_mesh", None)  # (the estimate's stand-in dims have none)
     if float8 is not None:
         convert_to_float8(model, float8, tp=dims.tp_mesh.size() if dims.tp_enabled else 1)
     if dims.cp > 1:
         apply_context_parallel(model, dims.cp_mesh)
     if dims.tp_enabled:
-        apply_tensor_parallel(model, dims.tp_mesh, float8_tp=float8 is not None and float8.float8_tp)
+        apply_tensor_parallel(
+            model,
+            dims.tp_mesh,
+            float8_tp=float8 is not None and float8.float8_tp,
+            expert_parallel=ep_mesh is not None,
+        )
+    if ep_mesh is not None:
+        apply_expert_parallel(model, ep_mesh)
     apply_activation_checkpointing(model, activation_checkpoint)
+    if ep_mesh is not None:
+        blocks = list(model.layers.values())
+        for index in checkpointed_blocks(activation_checkpoint, len(blocks)):
+            cache_routes_for_recompute(blocks[index])
     if compile:
         apply_compile(model, backend=compile_backend)
     if dims.fsdp_enabled:
         split_backward = dims.pp > 1 and schedule(pp_schedule).split_backward
-        apply_fsdp(model, dims.fsdp_mesh, dp_shard_mode, param_dtype, keep_gathered_after_forward=split_backward)
+        apply_fsdp(
+            model,
+            dims.fsdp_mesh,
+            dp_shard_mode,
+            param_dtype,
+            keep_gathered_after_forward=split_backward,
+            expert_mesh=dims.expert_fsdp_mesh if ep_mesh is not None else None,
+        )
     return model

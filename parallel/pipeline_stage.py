@@ -55,6 +55,21 @@ def forward_only(schedule):
     return schedule
 
 
+@contextlib.contextmanager
+def _without_moe_traces(module):
+    from trillion.models.moe import moe_layers
+    from trillion.parallel.expert_parallel import forget_routes
+
+    layers = moe_layers(module).values()
+    tallies = [layer.load_tally.clone() for layer in layers]
+    try:
+        yield
+    finally:
+        for layer, tally in zip(layers, tallies):
+            layer.load_tally.copy_(tally)
+        forget_routes(module)
+
+
 class InFlightReceiveStage(PipelineStage):
     """A PipelineStage that holds a micro-batch's receive buffers only while that micro-batch is in flight.
 
@@ -81,7 +96,19 @@ class InFlightReceiveStage(PipelineStage):
       which rebind `buffer`), and read no buffer of that micro-batch after its backward_one_chunk;
     - the loss backward_one_chunk gets is the schedule's `_internal_losses` entry, needed after that
       backward only for its value (handed to `step(losses=...)`).
+
+    torch's metadata inference (the first step's forward and backward on empty tensors, to learn the
+    shapes) leaves no trace in a mixture-of-experts stage: its loads are not tallied (balancing and the
+    statistics see only real tokens) and the routes it cached for a recompute are dropped.
     """
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with _without_moe_traces(self.submod):
+            return super()._forward_metadata_inference(*args, **kwargs)
+
+    def _backward_metadata_inference(self, *args, **kwargs):
+        with _without_moe_traces(self.submod):
+            return super()._backward_metadata_inference(*args, **kwargs)
 
     def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:
         with self._buffers_on_meta():

@@ -18,6 +18,12 @@ compile.py: with plain tensors at the boundary the compiled backward crashed or,
 the embedding a wrong gradient), and what a pipeline stage sends: PipelineStage passes the local
 shard and the next stage rebuilds the same DTensor, whichever part of the model a stage begins with.
 
+Mixture-of-experts blocks (models/moe.py): the MoE layer takes its input all-gathered (every TP rank
+routes the same tokens, so the router, its balancing tallies and the auxiliary loss are the one-process
+ones), the router and the routed experts stay whole and replicated over tp (under expert parallelism
+each ep rank's experts, expert_parallel.py), the shared experts are column/row-wise with an all-reduce
+out, and the layer's output is handed back sequence-parallel (a local slice, no communication).
+
 Output: column-wise over the vocabulary with the logits left as a DTensor sharded on the vocab
 dimension; the cross-entropy then runs under `loss_parallel()` and never gathers the full logits
 (batch x seq x vocab would be the largest activation of the model).
@@ -28,21 +34,25 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
 
+from trillion.models.moe import MoE
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, *, float8_tp: bool = False) -> None:
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, *, float8_tp: bool = False, expert_parallel: bool = False) -> None:
     """Shard `model` (built from models.transformer) over the 1-D `tp_mesh`, in place. `float8_tp`: the
     blocks' float8 linears (parallel/float8.py, tensorwise) take torchao's float8 styles, which cast the
-    activations to float8 before the all-gather (half the bytes, one cast for q, k and v)."""
+    activations to float8 before the all-gather (half the bytes, one cast for q, k and v).
+    `expert_parallel`: the routed experts go to the ep mesh next (not replicated over tp here)."""
     top = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(
@@ -73,15 +83,60 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, float8_tp: bool = False)
             "attention.wv": style.colwise("attention.wv"),
             "attention.wo": style.rowwise("attention.wo", output_layouts=Shard(1), use_local_output=False),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": style.prepare(
-                "feed_forward", ("w1", "w3"), input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            ),
-            "feed_forward.w1": style.colwise("feed_forward.w1"),
-            "feed_forward.w2": style.rowwise("feed_forward.w2", output_layouts=Shard(1), use_local_output=False),
         }
-        if block.feed_forward.w3 is not None:
-            plan["feed_forward.w3"] = style.colwise("feed_forward.w3")
+        plan |= _moe_plan(block.feed_forward) if isinstance(block.feed_forward, MoE) else _mlp_plan(block, style)
         parallelize_module(block, tp_mesh, plan)
+        if isinstance(block.feed_forward, MoE):
+            _replicate_routing(block.feed_forward, tp_mesh, experts=not expert_parallel)
+
+
+def _replicate_routing(moe: MoE, tp_mesh, experts: bool) -> None:
+    """The router (and the routed experts, unless expert-parallel) as DTensors replicated over tp, so
+    that every parameter is a DTensor (foreach optimizers take no mix); they compute on local tensors."""
+    distribute_module(
+        moe.router.gate,
+        tp_mesh,
+        input_fn=lambda _module, inputs, mesh: tuple(
+            DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs
+        ),
+        output_fn=lambda _module, output, _mesh: output.to_local(),
+    )
+    if experts:  # RoutedExperts reads its weights' local tensors
+        distribute_module(moe.experts, tp_mesh)
+
+
+def _mlp_plan(block: nn.Module, style) -> dict:
+    plan = {
+        "feed_forward": style.prepare(
+            "feed_forward", ("w1", "w3"), input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w1": style.colwise("feed_forward.w1"),
+        "feed_forward.w2": style.rowwise("feed_forward.w2", output_layouts=Shard(1), use_local_output=False),
+    }
+    if block.feed_forward.w3 is not None:
+        plan["feed_forward.w3"] = style.colwise("feed_forward.w3")
+    return plan
+
+
+def _moe_plan(moe: MoE) -> dict:
+    """All-gathered in, sequence-parallel out; router and routed experts replicated; shared experts TP."""
+    plan = {
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+            use_local_output=False,
+        )
+    }
+    shared = moe.shared_experts
+    if shared is not None:
+        plan["feed_forward.shared_experts.w1"] = ColwiseParallel()
+        plan["feed_forward.shared_experts.w2"] = RowwiseParallel(output_layouts=Replicate())
+        if shared.w3 is not None:
+            plan["feed_forward.shared_experts.w3"] = ColwiseParallel()
+    return plan
 
 
 class _Styles:

@@ -157,7 +157,13 @@ def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -
     """The layout, checked against the world, the model and the batch, with its mesh built."""
     p, t = config.parallel, config.training
     dims = ParallelDims(
-        pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, world_size=env.world_size
+        pp=p.pp,
+        dp_replicate=p.dp_replicate,
+        dp_shard=p.dp_shard,
+        cp=p.cp,
+        tp=p.tp,
+        ep=p.ep,
+        world_size=env.world_size,
     )
     dims.validate(model_args, t.seq_len)
     per_rank = t.global_batch_size // dims.dp_size

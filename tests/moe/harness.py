@@ -1,0 +1,223 @@
+"""Expert-parallel parity harness: a tiny MoE model trained a few steps under a layout (ep with FSDP,
+HSDP, TP, CP, PP, activation checkpointing, compile) against one process, same seed, fp32, gloo.
+
+Compared with the one-process run (rank 0): losses, gradient norms, every gradient (full_tensor,
+gathered by name across pipeline stages), the initial weights, each step's expert loads summed over
+ranks (the router's choices in aggregate, exactly), the router's chosen experts for every token of a
+fixed batch after training (layouts whose forward takes whole sequences: not cp, not pp), and each
+MoE layer's balancing bias, which must also be bit-equal on every rank.
+"""
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from tests.helpers.parity import GLOBAL_BATCH, MICRO_BATCH, SEED, SEQ_LEN, RandomWindows, _compare, _full
+from trillion.models import PRESETS, Transformer
+from trillion.models.moe import moe_layers
+from trillion.parallel.dims import ParallelDims
+from trillion.parallel.expert_parallel import ExpertAllToAll
+from trillion.parallel.forward_backward import MicroBatchLoop
+from trillion.parallel.parallelize import parallelize
+from trillion.parallel.pipeline import Pipeline
+from trillion.trainer.data.loader import DataLoader
+from trillion.trainer.train import train_step
+
+BASE = dataclasses.replace(
+    PRESETS["debug-moe"], n_layers=3, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=32
+)
+BASE = dataclasses.replace(
+    BASE,
+    moe=dataclasses.replace(
+        BASE.moe, n_experts=8, top_k=2, expert_ffn_dim=32, n_shared_experts=1, n_dense_layers=1, bias_update_rate=0.0
+    ),
+)
+VARIANTS = {  # MoE settings on top of BASE.moe
+    "plain": {},
+    "aux": {"aux_loss_coef": 0.01},
+    "bias": {"bias_update_rate": 1e-3},
+}
+LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+
+
+def model_args(variant: str):
+    return dataclasses.replace(BASE, moe=dataclasses.replace(BASE.moe, **VARIANTS[variant]))
+
+
+def _dims(case: dict, world_size: int, args) -> ParallelDims:
+    layout = {k: case[k] for k in LAYOUT_KEYS if k in case}
+    dims = ParallelDims(**{"dp_shard": -1, **layout}, world_size=world_size)
+    dims.validate(args, SEQ_LEN)
+    dims.build_mesh("cpu")
+    return dims
+
+
+def _build(case: dict, dims: ParallelDims, args):
+    """(runner, the model parts on this rank)."""
+    mode = case.get("mode", "zero3")
+
+    def layout(part):
+        return parallelize(
+            part,
+            dims,
+            dp_shard_mode=mode,
+            activation_checkpoint=case.get("ac", "none"),
+            compile=bool(case.get("compile")),
+            compile_backend=case.get("compile") or "inductor",
+            pp_schedule=case.get("schedule", "1F1B"),
+        )
+
+    with torch.device("meta"):
+        model = Transformer(args)
+    if dims.pp == 1:
+        layout(model)
+        model.to_empty(device="cpu")
+        model.init_weights(SEED)
+        return MicroBatchLoop(model, dims.tp_enabled, mode), [model]
+    n_micro = GLOBAL_BATCH // (MICRO_BATCH * dims.dp_size)
+    pipeline = Pipeline(model, dims, case.get("schedule", "1F1B"), n_micro, torch.device("cpu"), parallelize_fn=layout)
+    for part in pipeline.parts:
+        part.to_empty(device="cpu")
+        part.init_weights(SEED)
+    pipeline.build()
+    return pipeline, pipeline.parts
+
+
+def train_case(case: dict, world_size: int) -> dict:
+    args = model_args(case.get("variant", "plain"))
+    dims = _dims(case, world_size, args)
+    runner, parts = _build(case, dims, args)
+    named = [(n, p) for part in parts for n, p in part.named_parameters()]
+    initial = {n: _full(p) for n, p in named}
+    optimizer = torch.optim.AdamW([p for _, p in named], lr=3e-3, weight_decay=0.1, foreach=True)
+    grads = []
+    optimizer.register_step_pre_hook(lambda *_: grads.append({n: _full(p.grad) for n, p in named}))
+    loader = DataLoader(
+        RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, MICRO_BATCH, dims.dp_rank, dims.dp_size
+    )
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    losses, norms, loads = [], [], []
+    layers = {i: layer for part in parts for i, layer in moe_layers(part).items()}
+    for _ in range(case.get("steps", 3)):
+        loss, norm = train_step(
+            runner, loader.next_batch(), optimizer, scaler, contextlib.nullcontext(), 0.5, dims=dims
+        )
+        losses.append(loss.item())
+        norms.append(norm.item())
+        loads.append({i: layer.last_step_tally.clone() for i, layer in layers.items()})
+    result = {
+        "losses": losses,
+        "norms": norms,
+        "grads": grads,
+        "initial": initial,
+        "loads": loads,
+        "bias": {i: _bias(layer) for i, layer in layers.items()},
+        "host_reads": {i: _host_reads(layer) for i, layer in layers.items()},
+    }
+    if dims.pp == 1 and dims.cp == 1:
+        result["choices"] = router_choices(parts[0], args)
+    if dims.pp > 1:
+        result = _merge_stages(result, world_size)
+    return result
+
+
+def _bias(layer) -> torch.Tensor | None:
+    bias = layer.router.expert_bias
+    return None if bias is None else bias.clone()
+
+
+def _host_reads(layer) -> int:
+    return layer.dispatch.host_reads if isinstance(layer.dispatch, ExpertAllToAll) else 0
+
+
+def router_choices(model, args) -> dict:
+    """Each MoE layer's chosen experts for every token of one fixed batch (the same on every rank)."""
+    tokens = torch.randint(0, args.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(SEED + 1))
+    chosen, hooks = {}, []
+    for index, layer in moe_layers(model).items():
+        hooks.append(
+            layer.router.register_forward_hook(lambda _m, _i, out, index=index: chosen.update({index: out[1]}))
+        )
+    with torch.no_grad():
+        model(tokens)
+    for hook in hooks:
+        hook.remove()
+    return {i: c.sort(dim=-1).values for i, c in chosen.items()}
+
+
+def _merge_stages(result: dict, world_size: int) -> dict:
+    """Every stage's per-layer and per-name entries merged (the pipeline ranks hold different layers)."""
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, {k: result[k] for k in ("initial", "grads", "loads", "bias", "host_reads")})
+    merged = dict(result, initial={}, grads=[{} for _ in result["grads"]], loads=[{} for _ in result["loads"]])
+    merged["bias"], merged["host_reads"] = {}, {}
+    for other in gathered:
+        merged["initial"].update(other["initial"])
+        merged["bias"].update(other["bias"])
+        merged["host_reads"].update(other["host_reads"])
+        for mine, theirs in zip(merged["grads"], other["grads"]):
+            mine.update(theirs)
+        for mine, theirs in zip(merged["loads"], other["loads"]):
+            mine.update(theirs)
+    return merged
+
+
+def _compare_routing(name: str, actual: dict, expected: dict) -> None:
+    for step, (got, want) in enumerate(zip(actual["loads"], expected["loads"])):
+        assert got.keys() == want.keys(), name
+        for index in want:  # E loads, dropped slots, aux loss x tokens (a float sum), tokens
+            counts, want_counts = (
+                got[index][[*range(-len(want[index]), -2), -1]],
+                want[index][[*range(-len(want[index]), -2), -1]],
+            )
+            assert torch.equal(counts, want_counts), f"{name}: step {step} layer {index} loads {got[index]}"
+            torch.testing.assert_close(got[index][-2], want[index][-2], rtol=1e-5, atol=1e-6)
+    if "choices" in actual:
+        for index, want in expected["choices"].items():
+            assert torch.equal(actual["choices"][index], want), f"{name}: layer {index} router choices differ"
+    for index, want in expected["bias"].items():
+        if want is not None:
+            torch.testing.assert_close(actual["bias"][index], want, rtol=0, atol=1e-7, msg=f"{name}: bias {index}")
+
+
+def _check_bias_same_on_every_rank(name: str, result: dict, world_size: int) -> None:
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, result["bias"])
+    for other in gathered:
+        for index, bias in result["bias"].items():
+            if bias is not None and index in other:
+                assert torch.equal(other[index], bias), f"{name}: layer {index} bias differs across ranks"
+
+
+def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
+    """Entry point for run_ranks: every case against one process (rank 0 runs it and compares)."""
+    references, results = {}, {}
+    for case in cases:
+        name = case["name"]
+        result = results[name] = train_case(case, world_size)
+        _check_bias_same_on_every_rank(name, result, world_size)
+        if rank == 0:
+            key = (case.get("variant", "plain"), case.get("steps", 3))
+            if key not in references:
+                references[key] = train_case({"variant": key[0], "steps": key[1]}, world_size=1)
+            _compare_stepwise(name, result, references[key])
+            _compare_routing(name, result, references[key])
+            if "same_as" in case:
+                _compare_stepwise(f"{name} vs {case['same_as']}", result, results[case["same_as"]], exact=True)
+            if "host_reads" in case:
+                assert set(result["host_reads"].values()) == {case["host_reads"]}, (name, result["host_reads"])
+            print("PASSED", name, flush=True)
+        dist.barrier()
+
+
+def _compare_stepwise(name: str, actual: dict, expected: dict, exact: bool = False) -> None:
+    """parity._compare for any number of steps (it checks parity.STEPS)."""
+    from tests.helpers import parity
+
+    steps, parity.STEPS = parity.STEPS, len(expected["grads"])
+    try:
+        _compare(name, actual, expected, exact=exact)
+    finally:
+        parity.STEPS = steps

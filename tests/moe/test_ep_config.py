@@ -1,0 +1,74 @@
+"""Expert-parallel layouts refused up front, one paragraph naming the setting and the fix; ep = 1 adds
+nothing to the mesh."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from trillion.errors import ConfigError
+from trillion.models import PRESETS
+from trillion.parallel.dims import ParallelDims
+from trillion.trainer.assemble import build_parallel_dims
+from trillion.trainer.config.schema import Config
+from trillion.trainer.launch.env import LaunchEnv
+
+MOE, DENSE = PRESETS["debug-moe"], PRESETS["debug"]  # debug-moe: 8 routed experts
+
+
+def _config(**parallel) -> Config:
+    config = Config()
+    for key, value in parallel.items():
+        setattr(config.parallel, key, value)
+    return config
+
+
+@pytest.mark.parametrize(
+    "parallel, world, args, words",
+    [
+        (
+            {"dp_shard": 4, "ep": 3},
+            4,
+            MOE,
+            ["parallel.ep=3", "dp_shard x cp = 4 x 1 = 4", "valid: 1, 2, 4"],
+        ),
+        ({"dp_shard": 2, "cp": 2, "ep": 8}, 4, MOE, ["parallel.ep=8", "dp_shard x cp = 2 x 2 = 4"]),
+        (
+            {"dp_shard": 6, "ep": 3},
+            6,
+            MOE,
+            ["parallel.ep=3", "8 routed experts", "model.n_experts", "valid: 1, 2"],
+        ),
+        ({"dp_shard": 2, "ep": 2}, 2, DENSE, ["parallel.ep=2", "dense", "--parallel.ep=1", "debug-moe"]),
+    ],
+)
+def test_bad_expert_parallel_degree_is_refused_with_the_fix(parallel, world, args, words):
+    env = LaunchEnv(rank=0, world_size=world, local_rank=0, device=torch.device("cpu"))
+    config = _config(**parallel)
+    config.training.global_batch_size = 24
+    with pytest.raises(ConfigError) as error:
+        build_parallel_dims(config, env, args)
+    message = str(error.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, f"{word!r} not in: {message}"
+
+
+def test_ep_divides_experts_of_an_overridden_model():
+    args = dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, n_experts=6))
+    with pytest.raises(ConfigError, match="6 routed experts"):
+        ParallelDims(dp_shard=4, ep=4, world_size=4).validate(args, 64)
+
+
+def test_ep1_builds_no_expert_mesh():
+    dims = ParallelDims(world_size=1)
+    assert dims.ep == 1 and not dims.ep_enabled and dims.build_mesh("cpu") is None
+    assert dims.ep_mesh is None and dims.expert_fsdp_mesh is None and dims.efsdp == 1
+
+
+def test_the_cli_refuses_ep_on_one_process(capsys):
+    from trillion.trainer.cli.main import main
+
+    assert main(["train", "--model.name=debug-moe", "--parallel.ep=2", "--training.steps=1"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.ep=2" in err and "Traceback" not in err

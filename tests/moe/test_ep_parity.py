@@ -1,0 +1,53 @@
+"""Expert parallelism reproduces one process (tests/moe/harness.py): losses, gradient norms, every
+gradient, the initial weights, the router's choices and per-step loads, the balancing bias (equal on
+every rank), fp32 on gloo. Cases share a process group to amortize start-up."""
+
+import pytest
+
+from tests.helpers.spawn import run_ranks
+from tests.moe.harness import check_cases
+
+# one split-size read per layer per forward: 2 micro-batches per rank x 3 steps
+READS = 2 * 3
+
+
+def test_two_ranks_ep2_checkpointing_aux_loss_and_cp():
+    run_ranks(
+        check_cases,
+        2,
+        [
+            {"name": "ep2", "dp_shard": 2, "ep": 2, "host_reads": READS},
+            # the recompute routes as the first forward did, from its cached route: no second exchange
+            {"name": "ep2-ac-full", "dp_shard": 2, "ep": 2, "ac": "full", "same_as": "ep2", "host_reads": READS},
+            {"name": "ep2-ac-op", "dp_shard": 2, "ep": 2, "ac": "selective:op", "host_reads": READS},
+            {"name": "ep2-aux-loss-zero2", "dp_shard": 2, "ep": 2, "variant": "aux", "mode": "zero2"},
+            {"name": "ep2-zero1", "dp_shard": 2, "ep": 2, "mode": "zero1"},
+            {"name": "ep2xcp2", "dp_shard": 1, "cp": 2, "ep": 2},
+            {"name": "tp2-ep1", "dp_shard": 1, "tp": 2},  # an MoE model under TP alone
+            # the balancing bias after 10 steps: equal on both ranks and to one process's
+            {"name": "ep2-bias", "dp_shard": 2, "ep": 2, "variant": "bias", "steps": 10},
+        ],
+    )
+
+
+def test_four_ranks_ep2_x_tp2():
+    run_ranks(check_cases, 4, [{"name": "ep2xtp2", "dp_shard": 2, "tp": 2, "ep": 2}])
+
+
+@pytest.mark.slow  # about two minutes on two cores
+def test_four_ranks_fsdp_hsdp_pp_with_ep2():
+    run_ranks(
+        check_cases,
+        4,
+        [
+            {"name": "fsdp4-ep2", "dp_shard": 4, "ep": 2},  # the experts FSDP-sharded over the other 2
+            {"name": "hsdp2x2-ep2", "dp_replicate": 2, "dp_shard": 2, "ep": 2, "mode": "zero1"},
+            {"name": "ep2xpp2", "pp": 2, "dp_shard": 2, "ep": 2},
+            {"name": "ep2xpp2-ac-full", "pp": 2, "dp_shard": 2, "ep": 2, "ac": "full", "same_as": "ep2xpp2"},
+        ],
+    )
+
+
+@pytest.mark.slow  # compile on two cores
+def test_ep2_compiled_per_block():
+    run_ranks(check_cases, 2, [{"name": "ep2-compile", "dp_shard": 2, "ep": 2, "compile": "aot_eager"}])
