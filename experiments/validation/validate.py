@@ -64,6 +64,7 @@ def run_layout(run: dict, gpus: int) -> Layout:
         spec.get("compile", False),
         float8=spec.get("float8", False),
         float8_all_gather=spec.get("float8_all_gather", True),
+        ep=spec.get("ep", 1),
     )
 
 
@@ -137,8 +138,12 @@ def _layout(spec: dict) -> str:
     return (
         f"tp {spec['tp']}, pp {spec['pp']}, {dp}, {spec['pp_schedule']}, mb {spec['micro_batch_size']}, "
         f"ckpt {spec['activation_checkpoint']}{', compile' if spec.get('compile') else ''}"
-        f"{_float8(spec)}"
+        f"{_float8(spec)}{_ep(spec)}"
     )
+
+
+def _ep(spec: dict) -> str:
+    return f", ep {spec['ep']}" if spec.get("ep", 1) > 1 else ""
 
 
 def _float8(spec: dict) -> str:
@@ -147,9 +152,15 @@ def _float8(spec: dict) -> str:
     return ", float8" + (" (float8 all-gather)" if spec.get("float8_all_gather", True) else "")
 
 
+def comparable(record: dict) -> bool:
+    """False for a published layout Trillion's trainer cannot express (`expressible = false` in runs.toml, with its
+    reason): reported beside the validation, not counted in it."""
+    return record["run"].get("expressible", True)
+
+
 def worst(records: list[dict]) -> tuple[float, str]:
     """The largest error the planner makes on a row no constant was fitted to (leave-one-out for fitted rows)."""
-    errors = [(abs(r.get("loo_error", r["error"])), r["run"]["id"]) for r in records]
+    errors = [(abs(r.get("loo_error", r["error"])), r["run"]["id"]) for r in records if comparable(r)]
     return max(errors)
 
 
@@ -188,6 +199,8 @@ def cpu_section() -> list[str]:
 
 def render(records: list[dict]) -> str:
     worst_error, worst_id = worst(records)
+    apart = [r for r in records if not comparable(r)]
+    records = [r for r in records if comparable(r)]
     lines = [
         "# The planner against published training runs",
         "",
@@ -248,8 +261,35 @@ def render(records: list[dict]) -> str:
         for reason, rows in reasons.items()
     ]
     lines += ["\n\n".join(paragraphs) or "None."]  # one paragraph per reason
-    lines += [""] + cpu_section()
+    lines += [""] + inexpressible_section(apart) + cpu_section()
     return "\n".join(lines) + "\n"
+
+
+def inexpressible_section(records: list[dict]) -> list[str]:
+    """Published runs in layouts Trillion's trainer cannot express, planned at the nearest layout it can."""
+    if not records:
+        return []
+    lines = [
+        "## Published layouts the trainer cannot express (reported, not validated)",
+        "",
+        "Planned at the nearest layout Trillion runs; the error is that layout's prediction against the published "
+        "run, not the planner's error on the run's own layout.",
+        "",
+        "| run | model | machine | planned as | GPUs | batch x seq | published | predicted | error |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in records:
+        run = r["run"]
+        lines.append(
+            f"| {run['id']} | {run['model']} | {run['hardware']} | {_layout(run['layout'])} | {run['gpus']} "
+            f"| {run['global_batch']} x {run['seq_len']} | {_figure(run['metric'], run['published'])} "
+            f"| {_figure(run['metric'], r['predicted'])} | {100 * r['error']:+.1f}% |"
+        )
+    reasons = {}
+    for r in records:
+        reasons.setdefault(r["run"]["outside_reason"], []).append(r["run"]["id"])
+    lines += [""] + [f"{', '.join(f'**{i}**' for i in ids)}: {' '.join(text.split())}" for text, ids in reasons.items()]
+    return lines + [""]
 
 
 def main() -> None:

@@ -35,6 +35,9 @@ then dp_shard, dp_replicate, pp, as the trainer's DeviceMesh does):
       1/cp of its FLOPs); per layer an all-gather of K and V forward (again when recomputing) and a
       reduce-scatter of their gradients backward, on the cp group's links (cp sits just outside tp
       in the mesh), never overlapped (parallel/context_parallel.py gathers before attention).
+  EP: an MoE layer (moe.py) is its attention and shared experts as a dense block, plus the router, the
+      routed experts at their per-expert shapes and the dispatch and combine all-to-alls, forward and
+      backward, never overlapped; with ep > 1 the experts' FSDP traffic runs over the dp_shard x cp / ep ranks.
 Optimizer: AdamW and gradient clipping on the rank's shard, at memory bandwidth (work.py).
 
 Float8 (layout.float8, `trillion plan --float8`; tensorwise scaling, as the trainer's default recipe and
@@ -55,20 +58,29 @@ from functools import lru_cache
 
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
-from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
+from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.layout import Layout, bubble_slots
 from trillion.parallel.planner.memory import (
     RankParams,
     float8_numel,
     pipeline_ranks,
     replicated_numel,
+    shared_hidden,
     tp_local_linears,
+)
+from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, expert_numel, moe_passes
+from trillion.parallel.planner.timing import (  # noqa: F401 (collective_time, Passes: the planner's names here)
+    Passes,
+    _gemm,
+    _memory_bound,
+    all_to_all_time,
+    collective_time,
+    float8_casts,
 )
 from trillion.parallel.planner.work import (
     BACKWARD_ELEMENTWISE,
     CROSS_ENTROPY_BYTES_PER_LOGIT,
     FLOAT8_BYTES,
-    FLOAT8_CAST_BYTES,
     FSDP_FLOAT8_GATHER_COPY_BYTES,
     FSDP_GATHER_COPY_BYTES,
     FSDP_REDUCE_COPY_BYTES,
@@ -83,25 +95,6 @@ LOSS_PARALLEL_ALL_REDUCES = 3
 
 
 @dataclass(frozen=True)
-class Passes:
-    """Seconds of one pass on one GPU; tp is the TP communication inside them."""
-
-    forward: float = 0.0
-    input_grad: float = 0.0
-    weight_grad: float = 0.0
-    tp_forward: float = 0.0
-    tp_backward: float = 0.0
-    cp_forward: float = 0.0
-    cp_backward: float = 0.0
-
-    def __add__(self, other: "Passes") -> "Passes":
-        return Passes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Passes)))
-
-    def __mul__(self, k: float) -> "Passes":
-        return Passes(*(getattr(self, f.name) * k for f in fields(Passes)))
-
-
-@dataclass(frozen=True)
 class StepTime:
     compute: float
     bubble: float
@@ -111,6 +104,7 @@ class StepTime:
     dp_exposed: float
     optimizer: float
     cp_exposed: float = 0.0
+    ep_exposed: float = 0.0  # expert parallelism's all-to-alls (moe.py)
 
     @property
     def total(self) -> float:
@@ -118,41 +112,6 @@ class StepTime:
 
     def shares(self) -> dict:
         return {f.name: getattr(self, f.name) / self.total for f in fields(self)}
-
-
-def _gemm(hw: HardwareProfile, m: int, k: int, n: int, float8: bool = False) -> float:
-    flops = 2.0 * m * k * n
-    device = hw.device
-    if float8:  # fp8 operands, output in the compute dtype
-        compute = flops / (float8_peak_tflops(hw) * 1e12 * device.gemm_share_of_peak(flops, "fp8"))
-        operands = _memory_bound(hw, FLOAT8_BYTES * (m * k + k * n) + hw.element_bytes * m * n)
-    else:
-        compute = flops / (device.peak_tflops_bf16 * 1e12 * device.gemm_share_of_peak(flops))
-        operands = _memory_bound(hw, hw.element_bytes * (m * k + k * n + m * n))
-    return max(compute, operands) + device.kernel_overhead_us * 1e-6
-
-
-def float8_casts(hw: HardwareProfile, tokens: int, k: int, n: int) -> tuple[float, float, float]:
-    """Seconds of one converted linear's casts to fp8 in (forward, input gradient, weight gradient)."""
-    launch = hw.device.kernel_overhead_us * 1e-6
-    forward = _memory_bound(hw, FLOAT8_CAST_BYTES * (tokens * k + k * n)) + 2 * launch  # input, weight
-    input_grad = _memory_bound(hw, FLOAT8_CAST_BYTES * (tokens * n + k * n)) + 2 * launch  # output's gradient, weight
-    weight_grad = _memory_bound(hw, FLOAT8_CAST_BYTES * tokens * k) + launch  # the saved input
-    return forward, input_grad, weight_grad
-
-
-def _memory_bound(hw: HardwareProfile, nbytes: float) -> float:
-    return nbytes / (hw.device.memory_bandwidth_gbs * 1e9 * hw.device.memory_efficiency)
-
-
-def collective_time(hw: HardwareProfile, nbytes: float, group: int, span: int, kind: str) -> float:
-    """Seconds of a ring collective of `nbytes` (the full, unsharded payload) among `group` GPUs
-    whose ranks span `span` consecutive GPUs. kind: all_reduce | all_gather | reduce_scatter."""
-    if group <= 1:
-        return 0.0
-    bandwidth, latency = hw.collective_link(group if span <= hw.gpus_per_node else span, span > hw.gpus_per_node, kind)
-    factor = 2.0 if kind == "all_reduce" else 1.0
-    return factor * ((group - 1) / group * nbytes / bandwidth + (group - 1) * latency)
 
 
 @lru_cache(maxsize=8192)
@@ -165,19 +124,21 @@ def layer_passes(
     compiled: bool,
     cp: int = 1,
     float8: bool = False,
+    ffn_hidden: int | None = None,
 ) -> Passes:
     """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
-    holding 1/cp of each sequence; with float8, its converted linears in fp8 (the module docstring)."""
+    holding 1/cp of each sequence; with float8, its converted linears in fp8 (the module docstring); its MLP
+    `ffn_hidden` wide (default the dense one; an MoE layer's shared experts, moe.py adds the rest)."""
     h, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     tokens = batch * seq_len // cp
     # (k, n, in fp8) of each linear on this rank: the GEMM is tokens x k x n
-    shapes = [(k, n, float8 and converted) for k, n, converted in tp_local_linears(args, tp)]
+    shapes = [(k, n, float8 and converted) for k, n, converted in tp_local_linears(args, tp, ffn_hidden)]
     gemm = sum(_gemm(hw, tokens, k, n, fp8) for k, n, fp8 in shapes)
     casts = [float8_casts(hw, tokens, k, n) for k, n, fp8 in shapes if fp8]
     cast_forward, cast_input_grad, cast_weight_grad = (sum(c[i] for c in casts) for i in range(3))
     attention_flops = 2.0 * tokens * seq_len * q / tp
     attention = attention_flops / (hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency)
-    elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled) * hw.element_bytes)
+    elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled, ffn_hidden) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
     activation = tokens * h * hw.element_bytes
     tp_comm = 2 * (
@@ -235,13 +196,26 @@ def rank_passes(
     rank: RankParams,
     cp: int = 1,
     float8: bool = False,
+    ep: int = 1,
+    imbalance: float = MOE_LOAD_IMBALANCE,
 ) -> tuple[Passes, Passes]:
     """(passes of one micro-batch through all of the rank's layers, the recomputed forwards)."""
     layer = layer_passes(args, hw, micro_batch_size, seq_len, tp, compiled, cp, float8)
-    total = layer * rank.layers
+    dense = rank.layers - rank.moe_layers
+    total = layer * dense
+    forward_sum = layer * dense
+    if rank.moe_layers:
+        moe_layer = layer_passes(
+            args, hw, micro_batch_size, seq_len, tp, compiled, cp, float8, shared_hidden(args)
+        ) + moe_passes(args, hw, micro_batch_size * seq_len // cp, tp, ep, imbalance)
+        total = total + moe_layer * rank.moe_layers
+        forward_sum = forward_sum + moe_layer * rank.moe_layers
     if rank.last:
         total = total + output_passes(args, hw, micro_batch_size * seq_len // cp, tp)
-    recompute = Passes(forward=layer.forward, tp_forward=layer.tp_forward, cp_forward=layer.cp_forward)
+    mean = forward_sum * (1 / max(rank.layers, 1))  # a recomputed layer: the mean of the rank's layers
+    recompute = Passes(
+        forward=mean.forward, tp_forward=mean.tp_forward, cp_forward=mean.cp_forward, ep_forward=mean.ep_forward
+    )
     return total, recompute * rank.checkpointed(activation_checkpoint)
 
 
@@ -249,7 +223,7 @@ def float8_gathered(args: ModelArgs, layout: Layout, rank: RankParams) -> int:
     """Elements FSDP all-gathers in float8 on this rank (0 without float8 or its all-gather)."""
     if not (layout.float8 and layout.float8_all_gather):
         return 0
-    return float8_numel(args, rank.layers, layout.tp)
+    return float8_numel(args, rank.layers, layout.tp, rank.moe_layers)
 
 
 def fsdp_copies(hw: HardwareProfile, layout: Layout, tp_numel: int, fp8_numel: int = 0) -> float:
@@ -266,13 +240,18 @@ def fsdp_copies(hw: HardwareProfile, layout: Layout, tp_numel: int, fp8_numel: i
 
 def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankParams) -> tuple[float, float, float]:
     """(seconds per micro-batch, per-step seconds hidden by a backward, by a forward) of data parallelism."""
-    d, r, tp = layout.dp_shard * layout.cp, layout.dp_replicate, layout.tp
-    tp_numel, shard_numel = rank.numel(args, tp, d)
+    d, r, tp, ep = layout.dp_shard * layout.cp, layout.dp_replicate, layout.tp, layout.ep
+    tp_numel, shard_numel = rank.numel(args, tp, d, ep)
+    # with ep > 1 the routed experts' FSDP group is the d / ep ranks outside the ep group (moe.py), spanning d x tp
+    experts = expert_numel(args, rank.moe_layers, tp, ep, d // ep)[0] if ep > 1 else 0
     mode = layout.dp_shard_mode
     fp8 = float8_gathered(args, layout, rank)  # gathered at 1 byte instead of element_bytes
-    gathered_bytes = hw.element_bytes * (tp_numel - fp8) + FLOAT8_BYTES * fp8
+    gathered_bytes = hw.element_bytes * (tp_numel - experts - fp8) + FLOAT8_BYTES * fp8
     gather = collective_time(hw, gathered_bytes, d, tp * d, "all_gather")
-    reduce = collective_time(hw, 4 * tp_numel, d, tp * d, "reduce_scatter")
+    reduce = collective_time(hw, 4 * (tp_numel - experts), d, tp * d, "reduce_scatter")
+    if experts:
+        gather += collective_time(hw, hw.element_bytes * experts, d // ep, tp * d, "all_gather")
+        reduce += collective_time(hw, 4 * experts, d // ep, tp * d, "reduce_scatter")
     per_microbatch = {"zero3": 2 * gather + reduce, "zero2": reduce, "zero1": 0.0}[mode]
     replicate = collective_time(hw, 4 * shard_numel, r, tp * d * r, "all_reduce")
     after_backward = replicate + (reduce if mode == "zero1" else 0.0)
@@ -294,26 +273,32 @@ def _pipeline(
     compiled: bool,
     cp: int = 1,
     float8: bool = False,
+    ep: int = 1,
+    imbalance: float = MOE_LOAD_IMBALANCE,
 ) -> tuple:
     """Per-micro-batch compute of the pipeline's ranks: (slowest rank index, its passes, its
-    recompute, seconds of the slowest and of the mean rank, mean TP seconds, mean CP seconds).
+    recompute, seconds of the slowest and of the mean rank, mean TP, CP and EP seconds).
     Independent of dp."""
     layout = Layout(tp, pp, 1, 1, "zero3", schedule_name, v, micro_batch_size, 1, activation_checkpoint)
     timed = [
-        rank_passes(args, hw, micro_batch_size, seq_len, tp, activation_checkpoint, compiled, rank, cp, float8)
+        rank_passes(
+            args, hw, micro_batch_size, seq_len, tp, activation_checkpoint, compiled, rank, cp, float8, ep, imbalance
+        )
         for rank in pipeline_ranks(args, layout)
     ]
     per_rank = [ps.forward + rc.forward + ps.input_grad + ps.weight_grad for ps, rc in timed]
     slowest = max(range(pp), key=per_rank.__getitem__)
     tp_mean = sum(ps.tp_forward + ps.tp_backward + rc.tp_forward for ps, rc in timed) / pp
     cp_mean = sum(ps.cp_forward + ps.cp_backward + rc.cp_forward for ps, rc in timed) / pp
-    return slowest, timed[slowest][0], timed[slowest][1], per_rank[slowest], sum(per_rank) / pp, tp_mean, cp_mean
+    ep_mean = sum(ps.ep_forward + ps.ep_backward + rc.ep_forward for ps, rc in timed) / pp
+    worst, mean = per_rank[slowest], sum(per_rank) / pp
+    return slowest, timed[slowest][0], timed[slowest][1], worst, mean, tp_mean, cp_mean, ep_mean
 
 
 def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int) -> StepTime:
     schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
-    slowest, passes, recompute, worst, mean, tp_mean, cp_mean = _pipeline(
+    slowest, passes, recompute, worst, mean, tp_mean, cp_mean, ep_mean = _pipeline(
         args,
         hw,
         seq_len,
@@ -326,6 +311,8 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
         layout.compile,
         layout.cp,
         layout.float8,
+        layout.ep,
+        layout.moe_load_imbalance,
     )
     chunk = (passes.forward / v, recompute.forward / v, passes.input_grad / v, passes.weight_grad / v)
     bubble = max(0.0, sum(s * c for s, c in zip(bubble_slots(schedule, p), chunk))) if p > 1 else 0.0
@@ -347,7 +334,7 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     rank = pipeline_ranks(args, layout)[slowest]
     per_mb, after_backward, before_forward = dp_comm(args, hw, layout, rank)
     unhidden = m * v * per_mb / max(rank.layers, 1)
-    tp_numel, shard_numel = rank.numel(args, layout.tp, layout.dp_shard * layout.cp)
+    tp_numel, shard_numel = rank.numel(args, layout.tp, layout.dp_shard * layout.cp, layout.ep)
     if hw.overlaps_collectives:
         dp_exposed = (
             max(0.0, m * per_mb - m * worst)
@@ -366,7 +353,7 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     if layout.tp > 1 and layout.dp_shard * layout.cp * layout.dp_replicate == 1:  # without FSDP: once per step
         replicated_grads = collective_time(hw, 4 * replicated_numel(args, rank), layout.tp, layout.tp, "all_reduce")
     return StepTime(
-        compute=m * (mean - tp_mean - cp_mean),
+        compute=m * (mean - tp_mean - cp_mean - ep_mean),
         bubble=bubble,
         imbalance=m * (worst - mean),
         tp_exposed=m * tp_mean + replicated_grads,
@@ -374,4 +361,5 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
         dp_exposed=dp_exposed,
         optimizer=optimizer,
         cp_exposed=m * cp_mean,
+        ep_exposed=m * ep_mean,
     )

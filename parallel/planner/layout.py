@@ -6,6 +6,7 @@ rules and bubble weights, are the trainer's own tables (parallel/modes.py).
 from dataclasses import asdict, dataclass
 
 from trillion.parallel.modes import CHECKPOINT_MODES, Schedule
+from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
 
 # The checkpointing modes the search tries: selective:op keeps matmul outputs, which the memory
 # model (memory.py) does not count yet; selective:N (every N-th block) is the trainer's only.
@@ -28,6 +29,8 @@ class Layout:
     cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence; FSDP shards over dp_shard x cp
     float8: bool = False  # the blocks' linears compute in float8 (cost.py); the output projection stays bf16
     float8_all_gather: bool = True  # with float8 and FSDP: the converted weights are all-gathered in float8
+    ep: int = 1  # expert parallelism: routed experts over ep of the dp_shard x cp ranks (moe.py)
+    moe_load_imbalance: float = MOE_LOAD_IMBALANCE  # the busiest rank's routed tokens over the mean (moe.py)
 
     @property
     def dp(self) -> int:

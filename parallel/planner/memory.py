@@ -25,12 +25,13 @@ dp_shard x cp (the cp ranks hold the same weights).
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
 from trillion.parallel.modes import checkpointed_blocks
-from trillion.parallel.planner.layout import Layout, in_flight_microbatches, stage_layers
+from trillion.parallel.planner.layout import Layout, in_flight_microbatches, rank_of_virtual_stage, stage_layers
+from trillion.parallel.planner.moe import expert_numel, moe_activation_bytes
 
 ACTIVATION_BYTES = 2  # bf16
 FRAMEWORK_BYTES = 1e9  # CUDA/HIP context, BLAS workspaces
@@ -44,19 +45,21 @@ class ParamSpec:
     tp_dim: int | None  # dimension tensor parallelism splits; None = replicated
 
 
-def block_linears(args: ModelArgs) -> list[tuple[str, int, int, int]]:
-    """(name, out_features, in_features, dimension of the weight TP splits) of one block's linears."""
-    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
+def block_linears(args: ModelArgs, ffn_hidden: int | None = None) -> list[tuple[str, int, int, int]]:
+    """(name, out_features, in_features, dimension of the weight TP splits) of one block's linears; the MLP
+    `ffn_hidden` wide (default the dense one; an MoE layer's shared experts, 0 for none: moe.py)."""
+    h, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    f = args.ffn_hidden if ffn_hidden is None else ffn_hidden
     linears = [
         ("attention.wq", q, h, 0),
         ("attention.wk", kv, h, 0),
         ("attention.wv", kv, h, 0),
         ("attention.wo", h, q, 1),
-        ("feed_forward.w1", f, h, 0),
-        ("feed_forward.w2", h, f, 1),
     ]
-    if args.mlp == "swiglu":
-        linears.append(("feed_forward.w3", f, h, 0))
+    if f:
+        linears += [("feed_forward.w1", f, h, 0), ("feed_forward.w2", h, f, 1)]
+        if args.mlp == "swiglu":
+            linears.append(("feed_forward.w3", f, h, 0))
     return linears
 
 
@@ -65,27 +68,41 @@ def block_linears(args: ModelArgs) -> list[tuple[str, int, int, int]]:
 FLOAT8_DIM_MULTIPLE = 16
 
 
-def tp_local_linears(args: ModelArgs, tp: int) -> list[tuple[int, int, bool]]:
+def tp_local_linears(args: ModelArgs, tp: int, ffn_hidden: int | None = None) -> list[tuple[int, int, bool]]:
     """(in_features, out_features, converted by float8) of each block linear on one of `tp` ranks."""
     local = []
-    for _, out_f, in_f, tp_dim in block_linears(args):
+    for _, out_f, in_f, tp_dim in block_linears(args, ffn_hidden):
         k, n = math.ceil(in_f / tp) if tp_dim == 1 else in_f, math.ceil(out_f / tp) if tp_dim == 0 else out_f
         local.append((k, n, k % FLOAT8_DIM_MULTIPLE == 0 and n % FLOAT8_DIM_MULTIPLE == 0))
     return local
 
 
-def float8_numel(args: ModelArgs, layers: int, tp: int) -> int:
-    """Weight elements (after TP) of the float8-converted linears of `layers` blocks: what FSDP's
-    float8 all-gather gathers at 1 byte (their biases and every other parameter stay bf16)."""
-    return layers * sum(k * n for k, n, converted in tp_local_linears(args, tp) if converted)
+def float8_numel(args: ModelArgs, layers: int, tp: int, moe_layers: int = 0) -> int:
+    """Weight elements (after TP) of the float8-converted linears of `layers` blocks (`moe_layers` of them
+    MoE: their shared experts' linears; routed experts stay bf16): what FSDP's float8 all-gather gathers at
+    1 byte (their biases and every other parameter stay bf16)."""
+    kinds = ((layers - moe_layers, None), (moe_layers, shared_hidden(args)))
+    return sum(
+        count * sum(k * n for k, n, converted in tp_local_linears(args, tp, f) if converted) for count, f in kinds
+    )
 
 
-def block_params(args: ModelArgs) -> list[ParamSpec]:
-    """Parameters of one transformer block, named as in models/transformer.py."""
+def shared_hidden(args: ModelArgs) -> int:
+    """The width of an MoE layer's shared experts (0: none, or a dense model)."""
+    return args.moe.n_shared_experts * args.moe.expert_ffn_dim if args.moe else 0
+
+
+def block_params(args: ModelArgs, moe: bool = False) -> list[ParamSpec]:
+    """Parameters of one transformer block, named as in models/transformer.py; of an MoE block (`moe`) all
+    but the routed experts (moe.py): the router, replicated over TP as torchtitan's, and the shared experts."""
     specs = []
     for norm in ("attention_norm", "ffn_norm"):
         specs += norm_params(args, norm)
-    for name, out_features, in_features, tp_dim in block_linears(args):
+    if args.qk_norm:
+        specs += [ParamSpec(f"attention.{n}.weight", (args.head_dim,), None) for n in ("q_norm", "k_norm")]
+    if moe:
+        specs.append(ParamSpec("feed_forward.router.gate.weight", (args.moe.n_experts, args.dim), None))
+    for name, out_features, in_features, tp_dim in block_linears(args, shared_hidden(args) if moe else None):
         specs.append(ParamSpec(f"{name}.weight", (out_features, in_features), tp_dim))
         if args.bias:  # a column-parallel bias is split with its rows; a row-parallel one is replicated
             specs.append(ParamSpec(f"{name}.bias", (out_features,), 0 if tp_dim == 0 else None))
@@ -123,14 +140,19 @@ def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> tuple[int, int]:
 
 @lru_cache(maxsize=4096)
 def _numel(args: ModelArgs, part: str, tp: int, dp_shard: int) -> tuple[int, int]:
-    specs = {"block": block_params, "first": first_stage_params, "last": last_stage_params}[part](args)
+    parts = {"block": block_params, "moe_block": partial(block_params, moe=True)}
+    specs = {**parts, "first": first_stage_params, "last": last_stage_params}[part](args)
     pairs = [local_numel(s, tp, dp_shard) for s in specs]
     return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
 def replicated_numel(args: ModelArgs, rank: "RankParams") -> int:
-    """Elements of the parameters TP replicates (norms, row-parallel biases) on this rank."""
-    specs = block_params(args) * rank.layers + (last_stage_params(args) if rank.last else [])
+    """Elements of the parameters TP replicates (norms, row-parallel biases, routers) on this rank."""
+    specs = (
+        block_params(args) * (rank.layers - rank.moe_layers)
+        + (block_params(args, moe=True) * rank.moe_layers if rank.moe_layers else [])
+        + (last_stage_params(args) if rank.last else [])
+    )
     return sum(math.prod(s.shape) for s in specs if s.tp_dim is None)
 
 
@@ -140,31 +162,57 @@ class RankParams:
     first: bool  # holds the embeddings
     last: bool  # holds the final norm and the output layer
     chunks: tuple[int, ...] = ()  # layers of each of its pipeline chunks (stage modules); () = one of `layers`
+    moe_layers: int = 0  # of its layers, those with routed experts (moe.py)
 
     def checkpointed(self, mode: str) -> int:
         """Layers checkpointed: the trainer applies the mode to each stage module's own blocks."""
         return sum(checkpointed_layers(mode, c) for c in (self.chunks or (self.layers,)))
 
-    def numel(self, args: ModelArgs, tp: int, dp_shard: int) -> tuple[int, int]:
-        """(after TP, after TP and FSDP) parameter elements of this rank."""
-        parts = [("block", self.layers), ("first", int(self.first)), ("last", int(self.last))]
-        totals = [
-            (count * a, count * b) for part, count in parts if count for a, b in [_numel(args, part, tp, dp_shard)]
-        ]
-        return sum(t[0] for t in totals), sum(t[1] for t in totals)
+    def numel(self, args: ModelArgs, tp: int, dp_shard: int, ep: int = 1) -> tuple[int, int]:
+        """(after TP, after TP and FSDP) parameter elements of this rank; `dp_shard` the FSDP ranks (dp_shard x
+        cp), the routed experts over ep of them and sharded over the other dp_shard / ep (moe.py)."""
+        return _rank_numel(args, self.layers, self.moe_layers, self.first, self.last, tp, dp_shard, ep)
+
+
+@lru_cache(maxsize=65536)
+def _rank_numel(
+    args: ModelArgs, layers: int, moe_layers: int, first: bool, last: bool, tp: int, dp_shard: int, ep: int
+) -> tuple[int, int]:
+    parts = [("block", layers - moe_layers), ("moe_block", moe_layers), ("first", int(first)), ("last", int(last))]
+    totals = [(count * a, count * b) for part, count in parts if count for a, b in [_numel(args, part, tp, dp_shard)]]
+    experts = expert_numel(args, moe_layers, tp, ep, dp_shard // ep)
+    return sum(t[0] for t in totals) + experts[0], sum(t[1] for t in totals) + experts[1]
 
 
 def pipeline_ranks(args: ModelArgs, layout: Layout) -> list[RankParams]:
     """What each pipeline rank holds; V schedules put the first and the last stage on rank 0."""
-    return _pipeline_ranks(args.n_layers, layout.pp, layout.virtual_stages, layout.pp_schedule)
+    dense = args.moe.n_dense_layers if args.moe else args.n_layers
+    return _pipeline_ranks(args.n_layers, layout.pp, layout.virtual_stages, layout.pp_schedule, dense)
 
 
 @lru_cache(maxsize=4096)
-def _pipeline_ranks(n_layers: int, pp: int, v: int, schedule_name: str) -> list[RankParams]:
+def _pipeline_ranks(n_layers: int, pp: int, v: int, schedule_name: str, dense_layers: int = -1) -> list[RankParams]:
+    """`dense_layers`: the first layers without routed experts (-1: all)."""
     schedule = modes.schedule(schedule_name, "--pp-schedule")
     chunks = stage_layers(n_layers, pp, v, schedule)
     last_rank = 0 if schedule.v_shape and pp > 1 else pp - 1
-    return [RankParams(sum(c), r == 0, r == last_rank, tuple(c)) for r, c in enumerate(chunks)]
+    first_moe = n_layers if dense_layers < 0 else dense_layers
+    starts = _virtual_stage_starts(n_layers, pp, v, schedule)
+    ranks = []
+    for r, c in enumerate(chunks):
+        moe = sum(max(0, start + count - max(first_moe, start)) for start, count in zip(starts[r], c))
+        ranks.append(RankParams(sum(c), r == 0, r == last_rank, tuple(c), moe))
+    return ranks
+
+
+def _virtual_stage_starts(n_layers: int, pp: int, v: int, schedule) -> list[list[int]]:
+    """First layer index of each rank's chunks, in the order stage_layers lists them."""
+    stages = pp * v
+    counts = [n_layers // stages + (1 if k < n_layers % stages else 0) for k in range(stages)]
+    starts: list[list[int]] = [[] for _ in range(pp)]
+    for k in range(stages):
+        starts[rank_of_virtual_stage(k, pp, schedule)].append(sum(counts[:k]))
+    return starts
 
 
 def layer_activation_bytes(
@@ -174,6 +222,7 @@ def layer_activation_bytes(
     sequence_parallel: bool,
     checkpointed: bool,
     dtype_bytes: int = ACTIVATION_BYTES,
+    ffn_hidden: int | None = None,
 ) -> float:
     """Bytes one layer keeps for backward for `tokens` (= micro-batch size x sequence length).
 
@@ -182,9 +231,11 @@ def layer_activation_bytes(
     Split by TP: q, k, v and the attention output (kept by flash attention), the output
     projection's input, the MLP's hidden activations (GELU: input and output; SwiGLU: w1 and w3
     outputs, silu output, product). Flash attention adds an fp32 log-sum-exp per head.
-    A checkpointed layer keeps only its input.
+    A checkpointed layer keeps only its input. `ffn_hidden`: the MLP's width (default the dense one; an MoE
+    layer's shared experts, whose routed experts moe.moe_activation_bytes counts).
     """
-    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
+    h, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    f = args.ffn_hidden if ffn_hidden is None else ffn_hidden
     split = tp if sequence_parallel else 1
     if checkpointed:
         return tokens * h / split * dtype_bytes
@@ -239,29 +290,53 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     tp, ms, cp = layout.tp, layout.micro_batch_size, layout.cp
     tokens = ms * seq_len // cp
     sp = layout.sequence_parallel
-    tp_numel, shard_numel = rank.numel(args, tp, layout.dp_shard * cp)
+    tp_numel, shard_numel = rank.numel(args, tp, layout.dp_shard * cp, layout.ep)
     mode = "zero1" if layout.pp > 1 else layout.dp_shard_mode
     parameters, gradients, optimizer = states_bytes(tp_numel, shard_numel, mode)
 
     n_ckpt = rank.checkpointed(layout.activation_checkpoint)
-    full_layer = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False)
+    dense_layer, moe_layer, kept = _layer_bytes(args, tokens, tp, sp, layout.ep, layout.moe_load_imbalance)
+    full_layer = (dense_layer * (rank.layers - rank.moe_layers) + moe_layer * rank.moe_layers) / max(rank.layers, 1)
     gathered_kv = 2 * ms * seq_len * args.kv_heads * args.head_dim / tp * ACTIVATION_BYTES if cp > 1 else 0
-    per_microbatch = n_ckpt * layer_activation_bytes(args, tokens, tp, sp, checkpointed=True) + (
-        rank.layers - n_ckpt
-    ) * (full_layer + gathered_kv)
+    per_microbatch = n_ckpt * kept + (rank.layers - n_ckpt) * (full_layer + gathered_kv)
     activations = in_flight * per_microbatch + (output_activation_bytes(args, tokens, tp, sp) if rank.last else 0)
 
-    layer_tp, _ = _numel(args, "block", tp, layout.dp_shard * cp)
-    root_tp = RankParams(0, rank.first, rank.last).numel(args, tp, layout.dp_shard * cp)[0]
+    d = layout.dp_shard * cp
+    layer_tp = _gathered_block(args, rank.layers > rank.moe_layers, rank.moe_layers > 0, tp, d, layout.ep)
+    root_tp = _rank_numel(args, 0, 0, rank.first, rank.last, tp, d, 1)[0]
     # zero3: two gathered blocks (in use, prefetched) and the held root; all modes: an fp32 block's reduce-scatter
     fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if mode == "zero3" else 0)
-    recompute = full_layer if n_ckpt else 0  # one checkpointed layer's activations, rebuilt in backward
+    recompute = max(dense_layer, moe_layer if rank.moe_layers else 0) if n_ckpt else 0  # one layer, rebuilt
     pipeline = (
         2 * layout.virtual_stages * tokens * args.dim / (tp if sp else 1) * ACTIVATION_BYTES if layout.pp > 1 else 0
     )
     logits_grad = (4 + 2) * tokens * args.vocab_size / tp if rank.last else 0
     buffers = FRAMEWORK_BYTES + fsdp + recompute + pipeline + logits_grad + gathered_kv
     return Memory(parameters, gradients, optimizer, activations, buffers)
+
+
+@lru_cache(maxsize=65536)
+def _layer_bytes(
+    args: ModelArgs, tokens: int, tp: int, sp: bool, ep: int, imbalance: float
+) -> tuple[float, float, float]:
+    """(a dense layer's, an MoE layer's activations kept for backward, a checkpointed layer's input)."""
+    dense = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False)
+    kept = layer_activation_bytes(args, tokens, tp, sp, checkpointed=True)
+    if args.moe is None:
+        return dense, 0.0, kept
+    moe = layer_activation_bytes(
+        args, tokens, tp, sp, checkpointed=False, ffn_hidden=shared_hidden(args)
+    ) + moe_activation_bytes(args, tokens, tp, ep, imbalance, ACTIVATION_BYTES)
+    return dense, moe, kept
+
+
+@lru_cache(maxsize=4096)
+def _gathered_block(args: ModelArgs, dense: bool, moe: bool, tp: int, d: int, ep: int) -> int:
+    """Elements of the largest block FSDP gathers on a rank: a dense one, or an MoE one with its E / ep experts."""
+    return max(
+        _numel(args, "block", tp, d)[0] if dense else 0,
+        _numel(args, "moe_block", tp, d)[0] + expert_numel(args, 1, tp, ep, d // ep)[0] if moe else 0,
+    )
 
 
 def layout_memory(args: ModelArgs, layout: Layout, seq_len: int) -> Memory:

@@ -32,6 +32,7 @@ from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES, Layout
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
+from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, ep_degrees
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 LAYOUT_FIELDS = (
@@ -47,6 +48,8 @@ LAYOUT_FIELDS = (
     "cp",
     "compile",
     "float8",
+    "ep",
+    "moe_load_imbalance",
 )
 
 
@@ -147,35 +150,43 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
         if dp % dp_shard or (replicate and replicate * dp_shard != dp):
             continue
         zero_modes = _options(request, "dp_shard_mode", list(ZERO_MODES) if dp_shard * cp > 1 else ["zero3"])
-        for name in schedules:
-            schedule = modes.schedule(name, "--pp-schedule")
-            any_v = [request.fixed.get("virtual_stages", DEFAULT_VIRTUAL_STAGES)]
-            for v in (schedule.virtual_stages or any_v) if pp > 1 else [1]:
-                if pp * v > args.n_layers or (
-                    "virtual_stages" in request.fixed and request.fixed["virtual_stages"] != v
-                ):
+        for ep in _options(request, "ep", ep_degrees(args, dp_shard * cp)):
+            if ep in ep_degrees(args, dp_shard * cp):
+                yield from _schedules_for(request, tp, pp, dp, cp, dp_shard, ep, schedules, zero_modes)
+
+
+def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shard: int, ep: int, schedules, zero_modes):
+    """The layouts of one (tp, pp, dp, cp, dp_shard, ep): schedules, micro-batch sizes, checkpointing, ZeRO modes."""
+    args = request.args
+    for name in schedules:
+        schedule = modes.schedule(name, "--pp-schedule")
+        any_v = [request.fixed.get("virtual_stages", DEFAULT_VIRTUAL_STAGES)]
+        for v in (schedule.virtual_stages or any_v) if pp > 1 else [1]:
+            if pp * v > args.n_layers or ("virtual_stages" in request.fixed and request.fixed["virtual_stages"] != v):
+                continue
+            for mb in _options(request, "micro_batch_size", list(MICRO_BATCH_SIZES)):
+                if (request.global_batch // dp) % mb:
                     continue
-                for mb in _options(request, "micro_batch_size", list(MICRO_BATCH_SIZES)):
-                    if (request.global_batch // dp) % mb:
-                        continue
-                    m = request.global_batch // (dp * mb)
-                    for ac in _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)):
-                        for mode in zero_modes:
-                            yield Layout(
-                                tp,
-                                pp,
-                                dp // dp_shard,
-                                dp_shard,
-                                mode,
-                                name,
-                                v,
-                                mb,
-                                m,
-                                ac,
-                                request.fixed.get("compile", False),
-                                cp,
-                                float8=request.fixed.get("float8", False),
-                            )
+                m = request.global_batch // (dp * mb)
+                for ac in _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)):
+                    for mode in zero_modes:
+                        yield Layout(
+                            tp,
+                            pp,
+                            dp // dp_shard,
+                            dp_shard,
+                            mode,
+                            name,
+                            v,
+                            mb,
+                            m,
+                            ac,
+                            request.fixed.get("compile", False),
+                            cp,
+                            float8=request.fixed.get("float8", False),
+                            ep=ep,
+                            moe_load_imbalance=request.fixed.get("moe_load_imbalance", MOE_LOAD_IMBALANCE),
+                        )
 
 
 @dataclass
@@ -232,8 +243,20 @@ def search(request: Request) -> SearchResult:
 def check_request(request: Request) -> None:
     args = request.args
     for key, value in request.fixed.items():
-        if key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size", "cp") and value < 1:
+        if (
+            key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size", "cp", "ep")
+            and value < 1
+        ):
             raise ConfigError(f"--{key.replace('_', '-')} {value} must be at least 1.")
+    if request.fixed.get("ep", 1) > 1 and args.moe is None:
+        raise ConfigError(
+            f"--ep {request.fixed['ep']}: {request.model} has no routed experts; use --ep 1 or leave it out."
+        )
+    if request.fixed.get("moe_load_imbalance", 1.0) < 1.0:
+        raise ConfigError(
+            f"--moe-load-imbalance {request.fixed['moe_load_imbalance']:g} must be at least 1 (the busiest rank's "
+            "routed tokens over the mean)."
+        )
     if "dp_shard_mode" in request.fixed and request.fixed["dp_shard_mode"] not in ZERO_MODES:
         raise ConfigError(
             f"--dp-shard-mode {request.fixed['dp_shard_mode']!r} is not known. Use {', '.join(ZERO_MODES)}."
@@ -301,7 +324,8 @@ def _no_layout_message(request: Request, result: SearchResult) -> str:
 def _describe(layout: Layout) -> str:
     return (
         f"tp {layout.tp}, pp {layout.pp}, dp {layout.dp_replicate}x{layout.dp_shard} {layout.dp_shard_mode}, "
-        f"cp {layout.cp}, micro-batch {layout.micro_batch_size}, checkpointing {layout.activation_checkpoint}"
+        f"cp {layout.cp}, ep {layout.ep}, micro-batch {layout.micro_batch_size}, "
+        f"checkpointing {layout.activation_checkpoint}"
     )
 
 

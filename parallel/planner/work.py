@@ -50,10 +50,12 @@ def _family(args: ModelArgs) -> str:
     return "llama" if args.mlp == "swiglu" else "gpt"
 
 
-def elementwise_per_token(args: ModelArgs, tp: int, compiled: bool) -> float:
+def elementwise_per_token(args: ModelArgs, tp: int, compiled: bool, ffn_hidden: int | None = None) -> float:
     """Elements read and written per token by one layer's forward on one of `tp` ranks (the
-    sequence-parallel parts, norms and residuals, are split over them too)."""
-    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
+    sequence-parallel parts, norms and residuals, are split over them too); `ffn_hidden` the MLP's width
+    (an MoE layer's shared experts, 0 for none; moe.py counts the routed experts' work)."""
+    h, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    f = args.ffn_hidden if ffn_hidden is None else ffn_hidden
     rope = args.positions == "rope"
     swiglu = args.mlp == "swiglu"
     if compiled:

@@ -17,8 +17,10 @@ from pathlib import Path
 from trillion.errors import ConfigError
 from trillion.models.presets import PRESETS, get_preset
 from trillion.parallel.modes import SCHEDULES, ZERO_MODES
+from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
+from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
 from trillion.parallel.planner.search import LAYOUT_FIELDS, Request, metrics, model_summary, search
 from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.checks import creatable_problem
@@ -67,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("micro_batch_size", int, None),
         ("activation_checkpoint", str, SEARCHED_CHECKPOINT_MODES),
         ("cp", int, None),
+        ("ep", int, None),
     ):
         fixed.add_argument(
             f"--{name.replace('_', '-')}",
@@ -89,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="plan the blocks' linears in float8 (fp8 GEMMs and their casts; FSDP all-gathers their weights in "
         "float8); refused on hardware without float8 tensor cores",
+    )
+    fixed.add_argument(
+        "--moe-load-imbalance",
+        dest="moe_load_imbalance",
+        type=float,
+        default=None,
+        help="MoE models: the busiest expert-parallel rank's routed tokens over the mean (default "
+        f"{MOE_LOAD_IMBALANCE:g}, assumed: parallel/planner/moe.py)",
     )
     return p
 
@@ -116,7 +127,7 @@ def argument_problems(ns: argparse.Namespace) -> tuple[list[str], object]:
     for flag, value in (("--gpus", ns.gpus), ("--global-batch", ns.global_batch)):
         if value is not None and value < 1:
             problems.append(f"{flag} {value} must be at least 1")
-    for key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size", "cp"):
+    for key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size", "cp", "ep"):
         if getattr(ns, key) is not None and getattr(ns, key) < 1:
             problems.append(f"--{key.replace('_', '-')} {getattr(ns, key)} must be at least 1")
     if ns.seq_len < 0:
@@ -172,6 +183,8 @@ def train_config_toml(request: Request, row: dict) -> str:
         config.model.max_seq_len = request.seq_len
     for key in ("dp_replicate", "dp_shard", "dp_shard_mode", "tp", "pp", "pp_schedule", "activation_checkpoint", "cp"):
         setattr(config.parallel, key, row[key])
+    if hasattr(config.parallel, "ep"):  # the trainer's parallel.ep (expert parallelism)
+        config.parallel.ep = row["ep"]
     config.compile.enabled = row["compile"]
     config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather on (auto): what the plan timed
     header = [
@@ -197,15 +210,16 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
         f"{request.global_batch} x {request.seq_len} tokens"
         f"{', float8 linears' if request.fixed.get('float8') else ''}: {considered} layouts considered, "
         f"{fitting} fit in memory.",
-        "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp/cp = exposed communication. "
+        "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp/cp/ep = exposed communication "
+        "(ep: MoE all-to-alls). "
         "Memory GB per GPU: params/grads/optim/activations/buffers.",
         "",
     ]
     budget = request.tokens > 0
     head = (
-        f"{'#':>3} {'tp':>2} {'pp':>3} {'cp':>2} {'dp (rep x shard)':>18} {'schedule':>22} {'mb':>2} {'m':>5} "
-        f"{'ckpt':>9} {'step s':>7} {'tokens/s':>10} {'TF/GPU':>6} {'MFU%':>5} {'HFU%':>5} {'bub%':>5} {'imb%':>5} "
-        f"{'tp%':>4} {'pp%':>4} {'dp%':>4} {'cp%':>4} {'memory GB (P/G/O/A/B)':>28}"
+        f"{'#':>3} {'tp':>2} {'pp':>3} {'cp':>2} {'ep':>3} {'dp (rep x shard)':>18} {'schedule':>22} {'mb':>2} "
+        f"{'m':>5} {'ckpt':>9} {'step s':>7} {'tokens/s':>10} {'TF/GPU':>6} {'MFU%':>5} {'HFU%':>5} {'bub%':>5} "
+        f"{'imb%':>5} {'tp%':>4} {'pp%':>4} {'dp%':>4} {'cp%':>4} {'ep%':>4} {'memory GB (P/G/O/A/B)':>28}"
     )
     if budget:
         head += f" {'days':>6} {'GPU-h':>9} {'MWh':>7} {'cost $':>10}"
@@ -220,11 +234,13 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
             f"{mem[k]:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "buffers")
         )
         line = (
-            f"{i:>3} {r['tp']:>2} {r['pp']:>3} {r['cp']:>2} {dp:>18} {sched:>22} {r['micro_batch_size']:>2} "
-            f"{r['microbatches']:>5} {r['activation_checkpoint']:>9} {r['step_time_s']:>7.2f} "
+            f"{i:>3} {r['tp']:>2} {r['pp']:>3} {r['cp']:>2} {r['ep']:>3} {dp:>18} {sched:>22} "
+            f"{r['micro_batch_size']:>2} {r['microbatches']:>5} {r['activation_checkpoint']:>9} "
+            f"{r['step_time_s']:>7.2f} "
             f"{r['tokens_per_s']:>10,.0f} {r['tflops_per_gpu']:>6.1f} {_pct(r['mfu']):>5} {_pct(r['hfu']):>5} "
             f"{_pct(sh['bubble']):>5} {_pct(sh['imbalance']):>5} {_pct(sh['tp_exposed']):>4} "
             f"{_pct(sh['pp_exposed']):>4} {_pct(sh['dp_exposed']):>4} {_pct(sh['cp_exposed']):>4} "
+            f"{_pct(sh['ep_exposed']):>4} "
             f"{breakdown + ' = ' + format(r['memory_gb'], '.1f'):>28}"
         )
         if budget:
@@ -251,6 +267,7 @@ def main(argv: list[str]) -> int:
     request = request_from(ns)
     result = search(request)
     rows = [metrics(request, c) for c in result.ranked[: max(ns.top, 1)]]
+    why_ep = ep_choice(request, result)
     if ns.format == "json":
         json.dump(
             {
@@ -258,6 +275,7 @@ def main(argv: list[str]) -> int:
                 "considered": result.considered,
                 "fitting": len(result.ranked),
                 "candidates": rows,
+                **({"ep_choice": why_ep} if why_ep else {}),
             },
             sys.stdout,
             indent=1,
@@ -265,6 +283,8 @@ def main(argv: list[str]) -> int:
         print()
     else:
         print(format_table(request, rows, result.considered, len(result.ranked)))
+        if why_ep:
+            print(why_ep["why"])
     out = (
         ns.config_out
         if ns.config_out is not None

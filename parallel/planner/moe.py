@@ -1,0 +1,134 @@
+"""The mixture-of-experts block as the planner sees it (models/moe.py; expert parallelism as torchtitan
+lays it out, `parallel.ep`): what an MoE layer adds to a block whose MLP is only its shared experts.
+
+Per MoE layer and micro-batch, on one rank whose tp group holds `tokens` (= micro-batch x seq / cp; the
+MoE input is all-gathered over tp and every tp rank routes and runs the same tokens: the router and the routed
+experts stay whole, replicated over tp, parallel/tensor_parallel.py; the shared experts are TP-split):
+  router     one GEMM tokens x dim x E (replicated over tp), forward, input and weight gradient.
+  experts    E / ep local experts, each three GEMMs at its own shape: rows x dim x f (w1, w3) and
+             rows x f x dim (w2), rows = tokens x top_k x ep / E x imbalance (f the expert width, not split
+             over tp), one grouped-GEMM launch per projection; the same again for each gradient.
+  imbalance  `moe_load_imbalance` (Layout): the busiest rank's routed tokens over the mean. It applies with
+             ep > 1, where the all-to-alls make every rank wait for the busiest one; with ep 1 a rank runs
+             every expert on all its tokens (tokens x top_k rows in all, whatever the balance), so there it
+             is 1. MOE_LOAD_IMBALANCE is its default (see its note).
+  all-to-all per MoE layer forward: the dispatch (an all-to-all of the per-expert counts, latency only,
+             then the tokens with uneven splits) and the combine; backward the two again (their gradients).
+             Each moves tokens x top_k x dim x bytes x imbalance per rank, (ep - 1) / ep of it to peers
+             (timing.all_to_all_time): on the node's link for the ep ranks in the node (the ep group sits
+             just outside tp: ep x tp consecutive GPUs), on the network for the rest. On the compute
+             stream, never overlapped (the dispatch needs the counts before it can size its buffers).
+  element-wise  per token of the tp group: the permutation into expert order and back (x[order], the
+             inverse gather) 2 x 2 k h, the weighting by the scores 2 k h, their sum k h + h, SwiGLU on the
+             expert hidden 5 k f, the router's softmax and top-k 3 E (read scores, write them, read
+             for top-k); the same under torch.compile (the data-dependent shapes break the graph).
+Memory: expert parameters total / (ep x efsdp), efsdp = dp_shard x cp / ep, so a rank's states are
+those of its E / ep experts sharded over efsdp (the states per rank do not depend on ep; FSDP's gathered
+copies, its buffers and its traffic do: one layer's E / ep experts, all-gathered over the efsdp ranks).
+Activations of an MoE layer (not checkpointed): the router's fp32 scores tokens x E x 4 bytes, the
+permuted tokens k h, the experts' w1 and w3 outputs, silu and product 4 k f, their outputs k h, all
+times imbalance where it applies, bf16.
+"""
+
+import math
+
+from trillion.models.args import ModelArgs
+from trillion.parallel.planner.hardware import HardwareProfile
+from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time
+
+# The busiest rank's routed tokens over the mean, by default. MEASURED on debug-moe (sigmoid scores, loss-free
+# bias 1e-2; `trillion train --model.name=debug-moe --training.steps=100 --metrics.log_freq=10`, default corpus):
+# its `moe/layer*/tokens_per_expert` over steps 50-100, layers 1-3, through rank_load_imbalance with 2 experts
+# per rank (ep 4 of 8): mean 1.16, max 1.26 (4 experts per rank: 1.06; 1 per rank: 1.37). Two experts per rank
+# is the conservative end: a rank of a real model holds more (qwen3-235b-a22b at ep 8: 16), which averages out.
+# Give another figure with `trillion plan --moe-load-imbalance X`. It is a rank's figure: rank_load_imbalance
+# turns per-expert loads into it for an ep (an expert's max/mean overstates it when a rank holds several).
+MOE_LOAD_IMBALANCE = 1.16
+# Kernel launches an MoE layer adds besides its GEMMs, counted from models/moe.py (MoE.forward and
+# Router.forward, one per aten op: the router's 9, the sort, bincount, cumsum and gathers, silu and the
+# products, the scatter back, the weighting and sum, the load tally's 4 adds)
+MOE_KERNELS = 26
+
+
+def rank_load_imbalance(loads: list[float], ep: int) -> float:
+    """Max over mean of the tokens each of `ep` ranks receives, from per-expert loads: rank r holds experts
+    r x E / ep to (r + 1) x E / ep - 1 (the experts' dim 0 sharded over ep)."""
+    per_rank = len(loads) // ep
+    totals = [sum(loads[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+    return max(totals) / (sum(totals) / ep)
+
+
+def effective_imbalance(ep: int, imbalance: float) -> float:
+    return imbalance if ep > 1 else 1.0
+
+
+def expert_rows(args: ModelArgs, tokens: int, ep: int, imbalance: float) -> int:
+    """Rows of each local expert's GEMMs on the busiest rank."""
+    moe = args.moe
+    return math.ceil(tokens * moe.top_k * ep / moe.n_experts * effective_imbalance(ep, imbalance))
+
+
+def all_to_all_bytes(args: ModelArgs, tokens: int, ep: int, element_bytes: int, imbalance: float = 1.0) -> float:
+    """Bytes one rank sends to its ep peers in one all-to-all: tokens x top_k x dim x bytes x (ep - 1) / ep."""
+    payload = tokens * args.moe.top_k * args.dim * element_bytes * effective_imbalance(ep, imbalance)
+    return payload * (ep - 1) / ep
+
+
+def moe_passes(
+    args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, ep: int, imbalance: float = MOE_LOAD_IMBALANCE
+) -> Passes:
+    """What one MoE layer adds to its block's attention and shared experts (the module docstring)."""
+    moe, h, launch = args.moe, args.dim, hw.device.kernel_overhead_us * 1e-6
+    f = moe.expert_ffn_dim  # the routed experts are whole on every tp rank
+    experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance)
+    router = _gemm(hw, tokens, h, moe.n_experts)
+    k, imb = moe.top_k, effective_imbalance(ep, imbalance)
+    elements = tokens * ((7 * k * h + 5 * k * f) * imb + h + 3 * moe.n_experts)
+    elementwise = _memory_bound(hw, elements * hw.element_bytes) + MOE_KERNELS * launch
+    payload = tokens * k * h * hw.element_bytes * imb  # one all-to-all's per-rank bytes, own share included
+    a2a = all_to_all_time(hw, payload, ep, tp)
+    counts = all_to_all_time(hw, 0.0, ep, tp)  # the counts' exchange: its latency
+    forward_a2a, backward_a2a = 2 * a2a + counts, 2 * a2a
+    return Passes(
+        forward=router + experts + elementwise + forward_a2a,
+        input_grad=router + experts + 2 * elementwise + backward_a2a,
+        weight_grad=router + experts,
+        ep_forward=forward_a2a,
+        ep_backward=backward_a2a,
+    )
+
+
+def expert_gemm_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, ep: int, imbalance: float) -> float:
+    """One pass of the routed experts' three grouped GEMMs on the busiest rank: each local expert's GEMMs at its
+    own shape (rows x dim x f twice, rows x f x dim), one launch per projection; `tp` does not split them
+    (each tp rank runs the same tokens through whole experts)."""
+    moe, h, launch = args.moe, args.dim, hw.device.kernel_overhead_us * 1e-6
+    f = moe.expert_ffn_dim
+    rows, local = expert_rows(args, tokens, ep, imbalance), moe.n_experts // ep
+    per_expert = 2 * (_gemm(hw, rows, h, f) - launch) + (_gemm(hw, rows, f, h) - launch)
+    return local * per_expert + 3 * launch
+
+
+def expert_numel(args: ModelArgs, moe_layers: int, tp: int, ep: int, efsdp: int) -> tuple[int, int]:
+    """(after TP and EP, after TP, EP and expert-FSDP) elements of the routed experts of `moe_layers` layers
+    on one rank: each of w1, w2, w3 is (E / ep, dim, f) locally (whole on every tp rank, so `tp` does not divide
+    them), dim 0 chunked over efsdp (the ceiling on rank 0, as torch.chunk)."""
+    if not moe_layers or args.moe is None:
+        return 0, 0
+    moe = args.moe
+    local = moe.n_experts // ep * args.dim * moe.expert_ffn_dim
+    return moe_layers * 3 * local, moe_layers * 3 * math.ceil(local / efsdp)
+
+
+def moe_activation_bytes(args: ModelArgs, tokens: int, tp: int, ep: int, imbalance: float, dtype_bytes: int) -> float:
+    """Bytes an MoE layer keeps for backward beyond its attention and shared experts (the module docstring)."""
+    moe = args.moe
+    k, f, imb = moe.top_k, moe.expert_ffn_dim, effective_imbalance(ep, imbalance)
+    return tokens * (4 * moe.n_experts + (2 * k * args.dim + 4 * k * f) * imb * dtype_bytes)
+
+
+def ep_degrees(args: ModelArgs, shard_ranks: int) -> list[int]:
+    """Expert-parallel degrees: divisors of dp_shard x cp that divide the experts; 1 for a dense model."""
+    if args.moe is None:
+        return [1]
+    return [e for e in range(1, shard_ranks + 1) if shard_ranks % e == 0 and args.moe.n_experts % e == 0]

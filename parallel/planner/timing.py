@@ -1,0 +1,84 @@
+"""The planner's timing primitives: one pass's seconds by kind (Passes), a GEMM at the device's
+large-GEMM rate or the bandwidth its operands need (the roofline), a memory pass, float8 casts, ring
+collectives and the all-to-all of expert parallelism on the links a group spans (cost.py's docstring
+gives the model; moe.py uses the all-to-all)."""
+
+from dataclasses import dataclass, fields
+
+from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
+from trillion.parallel.planner.work import FLOAT8_BYTES, FLOAT8_CAST_BYTES
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Seconds of one pass on one GPU; tp is the TP communication inside them."""
+
+    forward: float = 0.0
+    input_grad: float = 0.0
+    weight_grad: float = 0.0
+    tp_forward: float = 0.0
+    tp_backward: float = 0.0
+    cp_forward: float = 0.0
+    cp_backward: float = 0.0
+    ep_forward: float = 0.0  # expert parallelism's all-to-alls (moe.py)
+    ep_backward: float = 0.0
+
+    def __add__(self, other: "Passes") -> "Passes":
+        return Passes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Passes)))
+
+    def __mul__(self, k: float) -> "Passes":
+        return Passes(*(getattr(self, f.name) * k for f in fields(Passes)))
+
+
+def _gemm(hw: HardwareProfile, m: int, k: int, n: int, float8: bool = False) -> float:
+    flops = 2.0 * m * k * n
+    device = hw.device
+    if float8:  # fp8 operands, output in the compute dtype
+        compute = flops / (float8_peak_tflops(hw) * 1e12 * device.gemm_share_of_peak(flops, "fp8"))
+        operands = _memory_bound(hw, FLOAT8_BYTES * (m * k + k * n) + hw.element_bytes * m * n)
+    else:
+        compute = flops / (device.peak_tflops_bf16 * 1e12 * device.gemm_share_of_peak(flops))
+        operands = _memory_bound(hw, hw.element_bytes * (m * k + k * n + m * n))
+    return max(compute, operands) + device.kernel_overhead_us * 1e-6
+
+
+def float8_casts(hw: HardwareProfile, tokens: int, k: int, n: int) -> tuple[float, float, float]:
+    """Seconds of one converted linear's casts to fp8 in (forward, input gradient, weight gradient)."""
+    launch = hw.device.kernel_overhead_us * 1e-6
+    forward = _memory_bound(hw, FLOAT8_CAST_BYTES * (tokens * k + k * n)) + 2 * launch  # input, weight
+    input_grad = _memory_bound(hw, FLOAT8_CAST_BYTES * (tokens * n + k * n)) + 2 * launch  # output's gradient, weight
+    weight_grad = _memory_bound(hw, FLOAT8_CAST_BYTES * tokens * k) + launch  # the saved input
+    return forward, input_grad, weight_grad
+
+
+def _memory_bound(hw: HardwareProfile, nbytes: float) -> float:
+    return nbytes / (hw.device.memory_bandwidth_gbs * 1e9 * hw.device.memory_efficiency)
+
+
+def collective_time(hw: HardwareProfile, nbytes: float, group: int, span: int, kind: str) -> float:
+    """Seconds of a ring collective of `nbytes` (the full, unsharded payload) among `group` GPUs
+    whose ranks span `span` consecutive GPUs. kind: all_reduce | all_gather | reduce_scatter."""
+    if group <= 1:
+        return 0.0
+    bandwidth, latency = hw.collective_link(group if span <= hw.gpus_per_node else span, span > hw.gpus_per_node, kind)
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return factor * ((group - 1) / group * nbytes / bandwidth + (group - 1) * latency)
+
+
+def all_to_all_time(hw: HardwareProfile, nbytes: float, group: int, tp: int) -> float:
+    """Seconds of an all-to-all in which each of `group` ranks (taken every `tp`-th GPU, as the ep group sits
+    just outside tp in the mesh) sends `nbytes` split evenly over the group (its own share stays). The
+    shares for peers in its node go over the node's link and those for other nodes over its share of the
+    network, at the same time; NCCL posts every peer's send and receive at once (one latency)."""
+    if group <= 1:
+        return 0.0
+    in_node = max(1, min(group, hw.gpus_per_node // tp))  # the group's ranks on this rank's node
+    intra, inter = nbytes * (in_node - 1) / group, nbytes * (group - in_node) / group
+    seconds, latency = 0.0, 0.0
+    if in_node > 1:
+        bandwidth, latency = hw.collective_link(in_node * tp, False, "all_to_all")
+        seconds = intra / bandwidth
+    if group > in_node:
+        bandwidth, latency = hw.collective_link(group * tp, True, "all_to_all")
+        seconds = max(seconds, inter / bandwidth)
+    return seconds + latency
