@@ -24,3 +24,24 @@ def test_states_are_16_bytes_a_parameter_and_shard_over_dp_shard():
     assert one == (4 * count_params(args).total, 4 * count_params(args).total, 8 * count_params(args).total)
     sharded = states_per_rank(args, config.parallel, ParallelDims(dp_shard=4, world_size=4), 2)
     assert abs(sum(sharded) - sum(one) / 4) < 0.01 * sum(one)  # rank 0 holds the ceiling of each chunk
+
+
+def test_moe_states_count_each_ranks_routed_experts_under_ep():
+    """debug-moe on 4 ranks, ep 4, zero1 (which keeps the unsharded gradients): a rank's gradients are its
+    E / ep routed experts and the rest whole; without ep they would be all E experts."""
+    import dataclasses
+
+    import torch
+
+    from trillion.models import Transformer
+    from trillion.models.moe import RoutedExperts
+
+    args = get_preset("debug-moe")
+    with torch.device("meta"):
+        model = Transformer(args)
+    experts = sum(p.numel() for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters())
+    rest = sum(p.numel() for p in model.parameters()) - experts
+    parallel = dataclasses.replace(load_config(None, []).parallel, dp_shard_mode="zero1")
+    states = {ep: states_per_rank(args, parallel, ParallelDims(dp_shard=4, ep=ep, world_size=4), 2) for ep in (1, 4)}
+    assert states[4][1] == 4 * (rest + experts // 4) and states[1][1] == 4 * (rest + experts)
+    assert states[4][2] == states[1][2]  # the sharded optimizer states do not depend on ep

@@ -32,11 +32,13 @@ def states_per_rank(model_args: ModelArgs, parallel, dims, micro_batch_size: int
         microbatches=1,
         activation_checkpoint=parallel.activation_checkpoint,
         cp=dims.cp,
+        ep=dims.ep,
     )
     mode = "zero1" if dims.pp > 1 else parallel.dp_shard_mode  # a pipeline keeps its stages gathered (memory.py)
     return max(
         (
-            states_bytes(*rank.numel(model_args, dims.tp, dims.dp_shard * dims.cp), mode)  # FSDP: dp_shard x cp
+            # FSDP: dp_shard x cp; the routed experts E / ep a rank, sharded over the dp_shard x cp / ep left
+            states_bytes(*rank.numel(model_args, dims.tp, dims.dp_shard * dims.cp, layout.ep), mode)
             for rank in pipeline_ranks(model_args, layout)
         ),
         key=sum,

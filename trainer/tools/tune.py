@@ -59,7 +59,9 @@ def runnable_candidates(request: Request, config, count: int) -> list[Layout]:
                 pp=layout.pp,
                 dp_replicate=layout.dp_replicate,
                 dp_shard=layout.dp_shard,
+                cp=layout.cp,  # ep is carved from dp_shard x cp: without cp every cp layout would be refused
                 tp=layout.tp,
+                ep=layout.ep,
                 world_size=request.gpus,
             )
             dims.validate(request.args, request.seq_len, gpus_per_node=request.gpus)
@@ -89,6 +91,8 @@ def layout_overrides(layout: Layout) -> list[str]:
         f"--parallel.pp_schedule={layout.pp_schedule}",
         f"--parallel.activation_checkpoint={layout.activation_checkpoint}",
         f"--training.micro_batch_size={layout.micro_batch_size}",
+        *([f"--parallel.cp={layout.cp}"] if layout.cp > 1 else []),
+        *([f"--parallel.ep={layout.ep}"] if layout.ep > 1 else []),  # dense layouts keep their overrides
     ]
 
 

@@ -3,6 +3,13 @@ estimate (trainer/tools/estimate/dry_run.py), on real tensors for the checks aga
 
 The model given is already tensor-parallel and activation-checkpointed, without FSDP: FSDP changes
 where parameters live, not what forward and backward keep.
+
+Mixture-of-experts layers on meta tensors (`_moe_on_meta`): their routing is data (which expert each
+token picks), which meta tensors do not have. Every expert then gets the same share of the rows: the
+planner's default `moe_load_imbalance` of 1.0. Under expert parallelism the dispatch's one host read
+(the split sizes, parallel/expert_parallel.py) is replaced by that balanced route, and the token
+all-to-alls run on meta (the fake group moves nothing); the grouped matmul takes the backend the
+target picks (torch._grouped_mm in bf16, as on sm90; the per-expert loop otherwise) with even groups.
 """
 
 from __future__ import annotations
@@ -70,7 +77,7 @@ def measure_micro_batch(
     tracker = MemTracker()
     tracker.track_external(model)
     try:
-        with tracker, _flash_on_meta(), warnings.catch_warnings(), loss_context(tp_enabled and last):
+        with tracker, _flash_on_meta(), _moe_on_meta(), warnings.catch_warnings(), loss_context(tp_enabled and last):
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")  # MemTracker on grad=None
             base = _device_total(tracker.get_tracker_snapshot("current"), device)
             output = model(inputs)
@@ -124,6 +131,54 @@ def _flash_on_meta():
         yield
     finally:
         F.scaled_dot_product_attention, kernels.eager_attention = plain, eager
+
+
+@contextlib.contextmanager
+def _moe_on_meta():
+    """MoE layers on meta tensors with balanced routing (the module docstring); real tensors as they are."""
+    grouped = importlib.import_module("trillion.kernels.grouped_gemm")
+    expert_parallel = importlib.import_module("trillion.parallel.expert_parallel")
+    unavailable, loop, dispatch = (
+        grouped.grouped_mm_unavailable,
+        grouped.loop_grouped_mm,
+        expert_parallel.ExpertAllToAll._dispatch,
+    )
+
+    def unavailable_on_meta(x, weight):
+        if x.device.type != "meta":
+            return unavailable(x, weight)
+        return None if x.dtype == torch.bfloat16 else "the target's torch._grouped_mm runs bf16 only"
+
+    def loop_on_meta(x, weight, offsets):
+        if x.device.type != "meta":
+            return loop(x, weight, offsets)
+        bounds = [x.shape[0] * g // weight.shape[0] for g in range(weight.shape[0] + 1)]
+        return torch.cat([x[a:b] @ weight[g] for g, (a, b) in enumerate(zip(bounds, bounds[1:]))])
+
+    def dispatch_on_meta(self, x, counts):
+        if x.device.type != "meta":
+            return dispatch(self, x, counts)
+        self._route = lambda _counts: _balanced_route(expert_parallel, x.shape[0], self.ep, counts)
+        try:
+            return dispatch(self, x, counts)
+        finally:
+            del self._route
+
+    grouped.grouped_mm_unavailable, grouped.loop_grouped_mm = unavailable_on_meta, loop_on_meta
+    expert_parallel.ExpertAllToAll._dispatch = dispatch_on_meta
+    try:
+        yield
+    finally:
+        grouped.grouped_mm_unavailable, grouped.loop_grouped_mm = unavailable, loop
+        expert_parallel.ExpertAllToAll._dispatch = dispatch
+
+
+def _balanced_route(expert_parallel, rows: int, ep: int, counts: torch.Tensor):
+    """Every ep rank sends and receives the same rows, every local expert gets its share (meta tensors)."""
+    send = [rows * (r + 1) // ep - rows * r // ep for r in range(ep)]
+    order = torch.empty(rows, dtype=torch.long, device=counts.device)
+    local = torch.empty(counts.numel() // ep, dtype=counts.dtype, device=counts.device)
+    return expert_parallel._Route(send, list(send), local, order, torch.empty_like(order))
 
 
 def _device_total(snapshot: dict, device: str) -> int:

@@ -3,6 +3,7 @@
   trillion estimate --config experiments/configs/debug_2d_cpu.toml --world-size 4 --hardware frontier
   trillion estimate --config experiments/configs/gpt_1t_frontier.toml --hardware frontier --ranks all
   trillion estimate --config FILE --world-size 3072 --parallel.tp=8 --parallel.dp_shard=384 --steps 2
+  trillion estimate --config outputs/plan/qwen3-235b-a22b-dgx-h100-256.toml --world-size 256 --ep 8 --hardware dgx-h100
 
 Prints, per simulated rank (first, middle and last pipeline stage and the rank with the most
 parameters by default), parameter, gradient, optimizer, activation-peak and buffer bytes next to the
@@ -24,7 +25,14 @@ from trillion.trainer.tools.estimate.steps import run_steps, summary
 
 def parse(argv: list[str]):
     p = CommandParser("estimate", description=__doc__.split("\n")[0])
-    p.add_argument("--config", required=True, help="a config `trillion train` accepts")
+    p.add_argument("--config", default=None, help="a config `trillion train` accepts (or --model for the defaults)")
+    p.add_argument("--model", default=None, help="a preset (model.name; e.g. qwen3-235b-a22b), over the config's")
+    p.add_argument(
+        "--ep",
+        type=int,
+        default=None,
+        help="expert-parallel degree of an MoE model (parallel.ep; default: the config's), within dp_shard x cp",
+    )
     p.add_argument(
         "--world-size",
         type=int,
@@ -47,7 +55,10 @@ def parse(argv: list[str]):
         "first and the last simulated rank (see trainer/tools/estimate/steps.py)",
     )
     ns, overrides = p.parse_known_args(argv)
-    return ns, overrides
+    if ns.config is None and ns.model is None:
+        raise ConfigError("trillion estimate needs --config FILE or --model NAME (e.g. --model qwen3-235b-a22b).")
+    flags = [f"--model.name={ns.model}"] * (ns.model is not None) + [f"--parallel.ep={ns.ep}"] * (ns.ep is not None)
+    return ns, [*overrides, *flags]
 
 
 def world_from_comment(path: str) -> int | None:
@@ -66,9 +77,10 @@ def table(result: Estimate) -> str:
     lay = result.layout
     pipelined = lay["pp"] > 1
     cp = f"cp {lay['cp']} x " if lay["cp"] > 1 else ""
+    ep = f", ep {lay['ep']} (experts sharded over efsdp {lay['efsdp']})" if lay.get("ep", 1) > 1 else ""
     lines = [
         f"# trillion estimate: {result.config_model} on {result.world_size} ranks "
-        f"(pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x {cp}tp {lay['tp']}, "
+        f"(pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x {cp}tp {lay['tp']}{ep}, "
         f"{lay['dp_shard_mode']}, activation_checkpoint {lay['activation_checkpoint']}, micro-batch "
         f"{lay['micro_batch_size']} x {lay['seq_len']} tokens, {lay['microbatches']} per step, {lay['compute_dtype']})",
         f"# device: {result.device or 'unknown (pass --hardware)'}; simulated {len(result.ranks)} rank(s) "
@@ -128,11 +140,12 @@ def table(result: Estimate) -> str:
 
 def main(argv: list[str]) -> int:
     ns, overrides = parse(argv)
-    world = ns.world_size or world_from_comment(ns.config)
+    world = ns.world_size or (world_from_comment(ns.config) if ns.config else None)
     if world is None:
         raise ConfigError(
-            f"trillion estimate needs --world-size N (the config {ns.config} has no "
-            "`# world_size = N` comment), e.g. --world-size 3072."
+            "trillion estimate needs --world-size N"
+            + (f" (the config {ns.config} has no `# world_size = N` comment)" if ns.config else "")
+            + ", e.g. --world-size 3072."
         )
     config = load_config(ns.config, overrides)
 

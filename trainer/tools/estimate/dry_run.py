@@ -29,7 +29,7 @@ measures one micro-batch):
   hidden states per micro-batch of the step on a middle stage); plus the planner's 1 GB framework
   allowance. `detail` breaks gradients and buffers down.
 
-Ranks that hold the same stages at the same dp_shard coordinate hold the same bytes, so `--ranks
+Ranks that hold the same stages at the same dp_shard and cp coordinates hold the same bytes, so `--ranks
 all` builds each such group once (trainer/tools/estimate/rank.py says why).
 """
 
@@ -174,7 +174,7 @@ def model_args_for(config: Config) -> ModelArgs:
 # --- the simulated ranks ----------------------------------------------------------------------------
 class _Simulation:
     """One layout's ranks, each built as `rank` of a fake world; what ranks of the same stage shapes
-    (and dp_shard coordinate, for the sharded states) share is built once."""
+    (and dp_shard and cp coordinates, for the sharded states) share is built once."""
 
     def __init__(
         self,
@@ -191,13 +191,14 @@ class _Simulation:
         self.measure, self.prediction, self.notes = measure, prediction, notes
         self.plan = StagePlan(config, model_args.n_layers, dims.pp)
         self.source = StageSource(model_args, dims.pp)
-        self.states, self.facts = {}, {}  # (stage shapes, dp_shard coordinate) -> States; StageShape -> StageFacts
+        self.states, self.facts = {}, {}  # (stage shapes, (dp_shard, cp) coordinates) -> States; StageShape -> ...
         self.hidden_bytes = None  # pp > 1: one micro-batch's residual stream between stages, local bytes
         self.schedule = None  # pp > 1: every pipeline rank's actions and how it holds receive buffers
 
     def _key(self, rank: int) -> tuple:
         coords = coords_of(self.dims, rank)
-        return self.plan.rank_shapes(coords.get("pp", 0)), coords.get("dp_shard", 0)
+        # FSDP's torch.chunk shards follow the flattened dp_shard x cp coordinate (the routed experts' its efsdp part)
+        return self.plan.rank_shapes(coords.get("pp", 0)), (coords.get("dp_shard", 0), coords.get("cp", 0))
 
     def _simulate(self, rank: int) -> None:
         """Build, as `rank` of a fake world, whatever `rank` needs that no earlier rank built."""
@@ -285,6 +286,7 @@ class _Simulation:
             detail={
                 "stages": self.plan.indices(pp_rank),
                 "tp_local_parameters": sum(f.numel for f in facts),
+                "routed_expert_parameters": states.routed_experts,
                 "gradient_shards": shards,
                 "gradient_accumulation": accumulation,
                 "fsdp_gathered": gathered,
@@ -354,6 +356,8 @@ def estimate(
         "dp_shard": dims.dp_shard,
         "cp": dims.cp,
         "tp": dims.tp,
+        "ep": dims.ep,
+        "efsdp": dims.efsdp,
         "dp_shard_mode": config.parallel.dp_shard_mode,
         "activation_checkpoint": config.parallel.activation_checkpoint,
         "micro_batch_size": micro_batch,
@@ -406,6 +410,7 @@ def planner_prediction(
         microbatches=microbatches,
         activation_checkpoint=p.activation_checkpoint,
         cp=dims.cp,
+        ep=dims.ep,
     )
     try:
         memory = layout_memory(model_args, layout, config.training.seq_len)

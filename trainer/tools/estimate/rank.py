@@ -3,9 +3,11 @@
 A rank's stages come from parallel/pipeline.py's own split (`split_units`, `stage_indices`; the
 trainer's `Pipeline` builds and parallelizes them), one stage of everything without pipelining.
 Stages of the same shape (embeddings or not, number of blocks, output or not) hold the same bytes,
-so each shape is built and measured once, and each (shapes of a rank's stages, dp_shard
-coordinate) is sharded once: FSDP's torch.chunk shards differ along dp_shard only, TP splits
-evenly (validated) and replicas are copies.
+so each shape is built and measured once, and each (shapes of a rank's stages, dp_shard and cp
+coordinates) is sharded once: FSDP's torch.chunk shards differ along dp_shard x cp only (the routed
+experts' along its efsdp part; ep splits them evenly, validated), TP splits evenly (validated) and
+replicas are copies. MoE layers run with the rank's E / ep experts and a balanced route
+(trainer/tools/estimate/activations.py).
 
 What torch.distributed.pipelining (2.13) does that costs memory, as the real runs in
 tests/estimate measure it:
@@ -38,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trillion.models import ModelArgs, Transformer
+from trillion.models.moe import RoutedExperts
 from trillion.parallel.dims import AXES, ParallelDims
 from trillion.parallel.modes import checkpoint_mode, schedule, stages_per_rank
 from trillion.parallel.pipeline import Pipeline, StageLayers, split_units, stage_indices, stage_module
@@ -124,6 +127,7 @@ def meshed_dims(dims: ParallelDims) -> ParallelDims:
         dp_shard=dims.dp_shard,
         cp=dims.cp,
         tp=dims.tp,
+        ep=dims.ep,
         world_size=dims.world_size,
     )
     copy.build_mesh("cpu")
@@ -131,11 +135,13 @@ def meshed_dims(dims: ParallelDims) -> ParallelDims:
 
 
 class _TPOnly:
-    """The layout parallelize sees for the activation run: the same TP and CP meshes, no FSDP."""
+    """The layout parallelize sees for the activation run: the same TP, CP and EP meshes, no FSDP (the
+    routed experts are this rank's E / ep, so their gradients and the dispatch are the run's)."""
 
     def __init__(self, dims: ParallelDims):
         self.tp_enabled, self.tp_mesh, self.fsdp_enabled, self.fsdp_mesh = dims.tp_enabled, dims.tp_mesh, False, None
         self.cp, self.cp_mesh = dims.cp, dims.cp_mesh
+        self.ep, self.ep_mesh = dims.ep, dims.ep_mesh
 
 
 def apply_layout(part: nn.Module, config: Config, dims: ParallelDims, fsdp: bool) -> nn.Module:
@@ -260,11 +266,13 @@ class States:
     gradient_item: int  # bytes per gradient element
     optimizer: int
     count: int  # local parameter elements, unpadded
+    routed_experts: int = 0  # of `parameters`, the routed experts' (MoE: E / ep experts, FSDP-sharded over efsdp)
 
 
 def state_bytes(parts: list[nn.Module]) -> States:
     """Parameters, gradients and AdamW state of the sharded `parts`, from the local shard shapes."""
     params = [p for part in parts for p in part.parameters()]
+    experts = [p for part in parts for m in part.modules() if isinstance(m, RoutedExperts) for p in m.parameters()]
     fsdp = any(hasattr(m, "_get_fsdp_state") for part in parts for m in part.modules())
     grad_numel = sum(_padded_local_numel(p) if fsdp else local_tensor(p).numel() for p in params if p.requires_grad)
     grad_item = item_bytes(REDUCE_DTYPE) if fsdp else params[0].element_size()
@@ -277,6 +285,7 @@ def state_bytes(parts: list[nn.Module]) -> States:
         grad_item,
         optimizer,
         sum(local_tensor(p).numel() for p in params),
+        storage_bytes(experts),
     )
 
 

@@ -1,0 +1,111 @@
+"""`trillion estimate` on mixture-of-experts presets with expert parallelism: the routed experts are
+built with the trainer's own parallelize (ep over the dp_shard x cp ranks, FSDP over the efsdp ranks
+left), so each rank holds exactly E / ep experts sharded over efsdp, and the planner's model states
+agree; the activation peak is measured on meta tensors through the balanced all-to-all dispatch."""
+
+import json
+
+import pytest
+import torch
+
+from trillion.models import Transformer, get_preset
+from trillion.models.moe import RoutedExperts
+from trillion.trainer.cli.main import main
+from trillion.trainer.config.schema import load_config
+from trillion.trainer.tools.estimate.dry_run import estimate
+
+MOE = [
+    "--model.name=debug-moe",
+    "--training.seq_len=128",
+    "--training.global_batch_size=16",
+    "--training.micro_batch_size=1",
+]
+
+
+def _routed_expert_elements(name: str, **changes) -> int:
+    import dataclasses
+
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(get_preset(name), **changes))
+    return sum(p.numel() for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters())
+
+
+def test_each_rank_holds_its_share_of_the_routed_experts_and_the_planner_agrees():
+    """16 ranks, dp_shard 16, ep 4: 2 of the 8 experts a rank, FSDP-sharded over the efsdp 4 ranks left."""
+    overrides = [*MOE, "--parallel.dp_shard=16", "--parallel.ep=4", "--parallel.dp_shard_mode=zero3"]
+    result = estimate(load_config(None, overrides), 16, ranks="first,middle,last")
+    assert result.layout["ep"] == 4 and result.layout["efsdp"] == 4 and not result.notes
+    share = _routed_expert_elements("debug-moe") // (4 * 4) * 4  # fp32 shards
+    for rank in result.ranks:
+        assert rank.detail["routed_expert_parameters"] == share, (rank.rank, rank.detail)
+        assert rank.activations_source == "measured"
+        for kind in ("parameters", "gradients", "optimizer"):  # the dense estimate's tolerance
+            assert getattr(rank, kind) == pytest.approx(rank.planner[kind], rel=0.01), (rank.rank, kind)
+    # zero3 gathers one block's E / ep experts (and the prefetched one): less than without ep
+    dense = estimate(load_config(None, [*overrides[:-2], "--parallel.ep=1", overrides[-1]]), 16, ranks="first")
+    assert result.ranks[0].buffers < dense.ranks[0].buffers
+
+
+def test_the_planners_qwen3_layout_shape_at_32_ranks_with_pipeline_cp_and_hsdp(capsys):
+    """qwen3-30b-a3b cut to 4 layers in the shape `trillion plan` picks for qwen3-235b-a22b (ZBV pp, cp 4,
+    HSDP 2 x 2, ep 8 = dp_shard x cp so efsdp 1): each stage holds its MoE layers' E / ep experts whole, the
+    unsharded accumulation holds them once in fp32, and the MoE layers are measured on meta."""
+    flags = [
+        "estimate",
+        "--model",
+        "qwen3-30b-a3b",
+        "--model.n_layers=4",
+        "--world-size",
+        "32",
+        "--ep",
+        "8",
+        *MOE[1:],
+        "--training.global_batch_size=16",
+        "--parallel.pp=2",
+        "--parallel.pp_schedule=ZBVZeroBubble",
+        "--parallel.dp_replicate=2",
+        "--parallel.dp_shard=2",
+        "--parallel.cp=4",
+        "--parallel.dp_shard_mode=zero1",
+        "--hardware",
+        "dgx-h100",
+        "--format",
+        "json",
+    ]
+    assert main(flags) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["layout"]["ep"] == 8 and data["layout"]["efsdp"] == 1 and data["notes"] == []
+    per_layer = _routed_expert_elements("qwen3-30b-a3b", n_layers=1)
+    units = data["layout"]["stage_units"]  # the trainer's split of embedding, 4 blocks and output
+    for rank in data["ranks"]:
+        layers = sum(1 for s in rank["detail"]["stages"] for u in range(*units[s]) if 1 <= u <= 4)
+        assert rank["detail"]["routed_expert_parameters"] == layers * per_layer // 8 * 4, rank["rank"]
+        assert rank["activations_source"] == "measured"
+        assert rank["detail"]["gradient_accumulation"] == 4 * rank["detail"]["tp_local_parameters"]
+
+
+@pytest.mark.slow  # about 25 s of four gloo processes on two cores
+def test_expert_parallel_states_equal_a_real_gloo_run(tmp_path):
+    """dp_shard 4 x ep 2 (efsdp 2) on 4 gloo processes: one real step of the trainer's layout holds
+    exactly the parameter, gradient and optimizer bytes the fake-group estimate reads off its shards."""
+    from tests.helpers.flags import DEBUG_SMALL
+    from tests.helpers.real_run import measure_rank
+    from tests.helpers.spawn import run_ranks
+
+    overrides = [
+        *DEBUG_SMALL,
+        "--model.name=debug-moe",
+        "--training.global_batch_size=4",
+        "--training.micro_batch_size=1",
+        "--optimizer.implementation=foreach",
+        "--parallel.dp_shard=4",
+        "--parallel.ep=2",
+    ]
+    out = str(tmp_path / "real")
+    run_ranks(measure_rank, 4, overrides, out)
+    result = estimate(load_config(None, overrides), 4, ranks="all")
+    for rank, predicted in enumerate(result.ranks):
+        measured = json.load(open(f"{out}.{rank}"))
+        figures = {**predicted.detail, "parameters": predicted.parameters, "optimizer": predicted.optimizer}
+        for kind in ("parameters", "gradient_shards", "optimizer"):
+            assert figures[kind] == measured[kind], (rank, kind, figures[kind], measured[kind])
