@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trillion.kernels.grouped_gemm import grouped_mm, grouped_mm_unavailable
 from trillion.models.args import ModelArgs, MoEArgs
-from trillion.models.moe import MoE, TOKENS, balance_experts, load_statistics
+from trillion.models.moe import TOKENS, MoE, balance_experts, load_statistics
 from trillion.models.transformer import FeedForward
 
 DIM, HIDDEN = 32, 16
