@@ -102,10 +102,12 @@ def check_schedule(
     compile_enabled: bool = False,
     *,
     n_layers: int | None = None,
+    experts_recomputed: bool = False,
 ) -> tuple[Schedule, int]:
     """Raise ConfigError for a schedule the trainer cannot run with pp ranks and n_microbatches per
     step (and, given n_layers, more stages than the model's n_layers + embedding + output units);
-    returns (the schedule, stages per rank). With pp = 1 no pipeline runs: only the name is checked."""
+    returns (the schedule, stages per rank). With pp = 1 no pipeline runs: only the name is checked.
+    `experts_recomputed`: expert parallelism under activation checkpointing (its recompute replays routes)."""
     if pp < 1:
         raise ConfigError(f"parallel.pp={pp} must be a positive degree; use 1 to turn pipelining off.")
     s = schedule(name)
@@ -144,6 +146,13 @@ def check_schedule(
             f"parallel.pp_schedule={s.name} splits each backward into input- and weight-gradient passes, "
             "which torch.distributed.pipelining does not support for compiled stages. Use "
             "--compile.enabled=false, or a schedule with a full backward (1F1B, Interleaved1F1B)."
+        )
+    if experts_recomputed and s.split_backward:
+        raise ConfigError(
+            f"parallel.pp_schedule={s.name} splits each backward, which reorders the recomputed forwards of "
+            "activation checkpointing; under parallel.ep > 1 each recompute replays its forward's expert route in "
+            "order, so the two do not mix (measured: the recompute's tensors differ). Use "
+            "--parallel.activation_checkpoint=none, or a schedule with a full backward (1F1B, Interleaved1F1B)."
         )
     return s, v
 

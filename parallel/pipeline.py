@@ -115,10 +115,13 @@ def validate_pipeline(
     tie_embeddings: bool = False,
     layers: StageLayers = AUTOMATIC,
     compile: bool = False,
+    experts_recomputed: bool = False,
 ) -> tuple[str, int]:
     """Raise ConfigError for a pipeline this build cannot run; returns (schedule name, stages per rank).
     The schedule's own rules are modes.check_schedule's, which the planner applies too."""
-    s, v = check_schedule(schedule, pp, n_microbatches, virtual, compile, n_layers=n_layers)
+    s, v = check_schedule(
+        schedule, pp, n_microbatches, virtual, compile, n_layers=n_layers, experts_recomputed=experts_recomputed
+    )
     if pp == 1:
         if layers != AUTOMATIC:
             raise ConfigError(

@@ -188,6 +188,7 @@ def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -
         tie_embeddings=model_args.tie_embeddings,
         layers=StageLayers.from_config(p),
         compile=config.compile.enabled,
+        experts_recomputed=dims.ep > 1 and p.activation_checkpoint != "none",
     )
     dims.build_mesh(env.device.type)
     return dims

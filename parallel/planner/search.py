@@ -211,6 +211,7 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
             layout.virtual_stages,
             layout.compile,
             n_layers=args.n_layers,
+            experts_recomputed=layout.ep > 1 and layout.activation_checkpoint != "none",
         )
     except ConfigError as error:
         return str(error)

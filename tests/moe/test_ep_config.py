@@ -72,3 +72,12 @@ def test_the_cli_refuses_ep_on_one_process(capsys):
     assert main(["train", "--model.name=debug-moe", "--parallel.ep=2", "--training.steps=1"]) == 2
     err = capsys.readouterr().err
     assert "parallel.ep=2" in err and "Traceback" not in err
+
+
+def test_expert_parallel_recompute_under_a_split_backward_schedule_is_refused():
+    from trillion.parallel.modes import check_schedule
+
+    with pytest.raises(ConfigError, match="parallel.pp_schedule=ZBVZeroBubble splits each backward") as refused:
+        check_schedule("ZBVZeroBubble", 2, 4, experts_recomputed=True)
+    assert "--parallel.activation_checkpoint=none" in str(refused.value)
+    assert check_schedule("1F1B", 2, 4, experts_recomputed=True)[0].name == "1F1B"  # a full backward replays fine

@@ -44,6 +44,8 @@ def test_four_ranks_fsdp_hsdp_pp_with_ep2():
             {"name": "hsdp2x2-ep2", "dp_replicate": 2, "dp_shard": 2, "ep": 2, "mode": "zero1"},
             {"name": "ep2xpp2", "pp": 2, "dp_shard": 2, "ep": 2},
             {"name": "ep2xpp2-ac-full", "pp": 2, "dp_shard": 2, "ep": 2, "ac": "full", "same_as": "ep2xpp2"},
+            # a zero-bubble schedule (split backward); with activation checkpointing it is refused (test_ep_config)
+            {"name": "ep2xpp2-zbv", "pp": 2, "dp_shard": 2, "ep": 2, "schedule": "ZBVZeroBubble"},
         ],
     )
 
