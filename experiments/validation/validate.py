@@ -65,6 +65,7 @@ def run_layout(run: dict, gpus: int) -> Layout:
         float8=spec.get("float8", False),
         float8_all_gather=spec.get("float8_all_gather", True),
         ep=spec.get("ep", 1),
+        moe_load_imbalance=spec.get("moe_load_imbalance", Layout.moe_load_imbalance),
     )
 
 
