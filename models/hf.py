@@ -197,6 +197,27 @@ def _gpt2_to_ours(state, args):
     return out
 
 
+def llama_args_from_config(config: dict) -> ModelArgs:
+    """The Llama-style part of a config.json (Mixtral and Qwen3-MoE add their experts to it)."""
+    rope = config.get("rope_parameters") or {}
+    return ModelArgs(
+        n_layers=config["num_hidden_layers"],
+        dim=config["hidden_size"],
+        n_heads=config["num_attention_heads"],
+        n_kv_heads=config.get("num_key_value_heads"),
+        ffn_dim=config["intermediate_size"],
+        vocab_size=config["vocab_size"],
+        max_seq_len=config["max_position_embeddings"],
+        norm="rmsnorm",
+        norm_eps=config["rms_norm_eps"],
+        mlp="swiglu",
+        positions="rope",
+        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
+        bias=config.get("attention_bias", False),
+        tie_embeddings=config.get("tie_word_embeddings", False),
+    )
+
+
 def args_from_hf_config(config: dict) -> ModelArgs:
     """The ModelArgs of a transformers config.json (the inverse of hf_config), for a folder with no run config."""
     if config.get("model_type") in ("mixtral", "qwen3_moe"):
@@ -204,23 +225,7 @@ def args_from_hf_config(config: dict) -> ModelArgs:
 
         return args_from_moe_config(config)
     if config.get("model_type") == "llama":
-        rope = config.get("rope_parameters") or {}
-        return ModelArgs(
-            n_layers=config["num_hidden_layers"],
-            dim=config["hidden_size"],
-            n_heads=config["num_attention_heads"],
-            n_kv_heads=config.get("num_key_value_heads"),
-            ffn_dim=config["intermediate_size"],
-            vocab_size=config["vocab_size"],
-            max_seq_len=config["max_position_embeddings"],
-            norm="rmsnorm",
-            norm_eps=config["rms_norm_eps"],
-            mlp="swiglu",
-            positions="rope",
-            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-            bias=config.get("attention_bias", False),
-            tie_embeddings=config.get("tie_word_embeddings", False),
-        )
+        return llama_args_from_config(config)
     if config.get("model_type") == "gpt2":
         return ModelArgs(
             n_layers=config["n_layer"],

@@ -11,11 +11,13 @@ legacy one (save_original_format=True). So export writes "legacy" by default, wh
 import takes either. Our experts are x @ w[e], so each HF matrix is ours transposed.
 """
 
+import dataclasses
 import logging
 
 import torch
 
-from trillion.models.args import ModelArgs
+from trillion.models.args import ModelArgs, MoEArgs
+from trillion.models.hf import llama_args_from_config
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +201,7 @@ def _experts_from_hf(state: dict, prefix: str, ours: str, family: str, args: Mod
 
 def args_from_moe_config(config: dict) -> ModelArgs:
     """ModelArgs of a Mixtral or Qwen3-MoE config.json (the inverse of hf_moe_config)."""
-    from trillion.models.args import MoEArgs
-
     family = config["model_type"]
-    rope = config.get("rope_parameters") or {}
     n_experts = config.get("num_experts") or config.get("num_local_experts")
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     _refuse_unmapped(config, family)
@@ -215,20 +214,8 @@ def args_from_moe_config(config: dict) -> ModelArgs:
         route_norm=bool(config.get("norm_topk_prob", False)) if qwen else True,
         aux_loss_coef=config.get("router_aux_loss_coef", 0.0),
     )
-    return ModelArgs(
-        n_layers=config["num_hidden_layers"],
-        dim=config["hidden_size"],
-        n_heads=config["num_attention_heads"],
-        n_kv_heads=config.get("num_key_value_heads"),
-        ffn_dim=config["intermediate_size"],
-        vocab_size=config["vocab_size"],
-        max_seq_len=config["max_position_embeddings"],
-        norm="rmsnorm",
-        norm_eps=config["rms_norm_eps"],
-        mlp="swiglu",
-        positions="rope",
-        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-        tie_embeddings=config.get("tie_word_embeddings", False),
+    return dataclasses.replace(
+        llama_args_from_config(config),
         explicit_head_dim=head_dim if head_dim != config["hidden_size"] // config["num_attention_heads"] else None,
         qk_norm=qwen,
         moe=moe,
