@@ -137,7 +137,9 @@ class MoE(nn.Module):
         share = tokens * self.token_scale if self.token_scale is not None else 1.0
         return self.moe.aux_loss_coef * share
 
-    @torch.compiler.disable
+    # torch.compiler.disable imports torch._dynamo when applied (about a second per process); this form, on the
+    # first call, so a process that never runs an MoE layer never pays it
+    @torch._disable_dynamo
     def _tally(self, counts, dropped, scores, chosen) -> None:
         # Training forwards only (evaluation runs without gradients); a recomputed forward (activation
         # checkpointing, inside the backward) routes as the first did: count once.

@@ -71,7 +71,7 @@ class ExpertAllToAll:
         self.routes: deque[_Route] = deque()
         self.host_reads = 0  # split-size reads on the host (tests count them)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo  # torch.compiler.disable's, imported on the first call (models/moe.py says why)
     def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         with _outside_selective_checkpoint():
             return self._dispatch(x, counts)
