@@ -113,8 +113,14 @@ def _llama_from_ours(state, args):
 
 
 def _llama_to_ours(state, args):
+    return llama_names_to_ours(state, LLAMA_LAYER_NAMES)
+
+
+def llama_names_to_ours(state, layer_names: dict[str, str]) -> dict:
+    """Llama-style names -> ours, `layer_names` mapping our per-layer modules to theirs (Mixtral and
+    Qwen3-MoE use it with their own); names it does not know are returned unchanged."""
     names = {theirs: ours for ours, theirs in LLAMA_NAMES.items()}
-    per_layer = {theirs: ours for ours, theirs in LLAMA_LAYER_NAMES.items()}
+    per_layer = {theirs: ours for ours, theirs in layer_names.items()}
     out = {}
     for name, tensor in state.items():
         if name in names:

@@ -17,7 +17,7 @@ import logging
 import torch
 
 from trillion.models.args import ModelArgs, MoEArgs
-from trillion.models.hf import llama_args_from_config
+from trillion.models.hf import llama_args_from_config, llama_names_to_ours
 
 log = logging.getLogger(__name__)
 
@@ -166,18 +166,7 @@ def moe_from_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
     for i in range(args.n_layers):
         if args.is_moe_layer(i):
             out.update(_experts_from_hf(state, f"model.layers.{i}.mlp.", f"layers.{i}.feed_forward.", family, args))
-    top = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight"}
-    top["lm_head.weight"] = "output.weight"
-    per_layer = {theirs: ours for ours, theirs in MOE_LAYER_NAMES.items()}
-    for name, tensor in state.items():
-        if name in top:
-            out[top[name]] = tensor
-        elif name.startswith("model.layers."):
-            _, _, index, rest = name.split(".", 3)
-            module, _, leaf = rest.rpartition(".")
-            out[f"layers.{index}.{per_layer.get(module, module)}.{leaf}"] = tensor
-        else:
-            out[name] = tensor
+    out.update(llama_names_to_ours(state, MOE_LAYER_NAMES))
     if args.moe.bias_update_rate > 0:  # our balancing bias starts from zero: the families have none
         for i in range(args.n_layers):
             if args.is_moe_layer(i):
