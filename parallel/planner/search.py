@@ -28,6 +28,7 @@ from trillion.models.flops import (
 )
 from trillion.parallel import modes
 from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES, check_schedule
+from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES, Layout
@@ -191,7 +192,9 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
 
 @dataclass
 class SearchResult:
-    ranked: list[Candidate]  # fitting candidates, fastest first
+    # fitting candidates, fastest first; where none fits in the plan's headroom, those that fit in the device
+    # (fits False: each row carries a memory warning instead of the plan being refused)
+    ranked: list[Candidate]
     considered: int
     too_big: int  # valid layouts that did not fit in memory
     smallest_memory: Candidate | None  # among those that did not fit, for the error message
@@ -220,7 +223,7 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
 
 def search(request: Request) -> SearchResult:
     check_request(request)
-    ranked, considered, too_big, smallest, refusal = [], 0, 0, None, ""
+    ranked, tight, considered, too_big, smallest, refusal = [], [], 0, 0, None, ""
     for layout in layouts(request):
         refused = trainer_refusal(request.args, layout)
         if refused:
@@ -232,8 +235,12 @@ def search(request: Request) -> SearchResult:
             ranked.append(candidate)
         else:
             too_big += 1
+            if candidate.memory.total <= request.capacity_bytes:
+                tight.append(layout)
             if smallest is None or candidate.memory.total < smallest.memory.total:
                 smallest = candidate
+    if not ranked:  # only the headroom objects: evaluate them, each with its memory warning (metrics)
+        ranked = [evaluate(request, layout) for layout in tight]
     ranked.sort(key=lambda c: (c.step.total, c.memory.total))
     result = SearchResult(ranked, considered, too_big, smallest, refusal)
     if not ranked:
@@ -316,8 +323,7 @@ def _no_layout_message(request: Request, result: SearchResult) -> str:
     return (
         f"No layout of {where}{' with ' + fixed if fixed else ''} fits in memory: of {result.considered} valid "
         f"layouts the smallest needs {best.memory.total / 1e9:.1f} GB per GPU "
-        f"({_describe(best.layout)}), the device has {request.hardware.device.memory_gb:g} GB "
-        f"(the plan keeps {1 - MEMORY_HEADROOM:.0%} free). "
+        f"({_describe(best.layout)}), more than the device's {request.hardware.device.memory_gb:g} GB. "
         "Use more GPUs, a smaller micro-batch, or release fixed settings."
     )
 
@@ -357,7 +363,9 @@ def metrics(request: Request, candidate: Candidate) -> dict:
         "memory": candidate.memory.as_gb(),
         "memory_capacity_gb": hw.device.memory_gb,
         "fits": candidate.fits,
+        "memory_warning": memory_warning(candidate.memory.total / 1e9, hw.device.memory_gb, candidate.fits),
     }
+    out["utilisation_warning"] = utilisation_warning(hw.device.name, out)
     if request.tokens > 0:
         out.update(budget(request, step))
     return out

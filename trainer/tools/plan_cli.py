@@ -209,7 +209,7 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
         f"({request.hardware.device.name}, {request.hardware.device.memory_gb:g} GB), global batch "
         f"{request.global_batch} x {request.seq_len} tokens"
         f"{', float8 linears' if request.fixed.get('float8') else ''}: {considered} layouts considered, "
-        f"{fitting} fit in memory.",
+        f"{fitting} fit in memory{'' if fitting else ' (those that fit in the device are shown, with a warning)'}.",
         "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp/cp/ep = exposed communication "
         "(ep: MoE all-to-alls). "
         "Memory GB per GPU: params/grads/optim/activations/buffers.",
@@ -237,11 +237,11 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
             f"{i:>3} {r['tp']:>2} {r['pp']:>3} {r['cp']:>2} {r['ep']:>3} {dp:>18} {sched:>22} "
             f"{r['micro_batch_size']:>2} {r['microbatches']:>5} {r['activation_checkpoint']:>9} "
             f"{r['step_time_s']:>7.2f} "
-            f"{r['tokens_per_s']:>10,.0f} {r['tflops_per_gpu']:>6.1f} {_pct(r['mfu']):>5} {_pct(r['hfu']):>5} "
+            f"{r['tokens_per_s']:>10,.0f} {r['tflops_per_gpu']:>6.1f} {_flagged(r, 'mfu'):>5} {_flagged(r, 'hfu'):>5} "
             f"{_pct(sh['bubble']):>5} {_pct(sh['imbalance']):>5} {_pct(sh['tp_exposed']):>4} "
             f"{_pct(sh['pp_exposed']):>4} {_pct(sh['dp_exposed']):>4} {_pct(sh['cp_exposed']):>4} "
             f"{_pct(sh['ep_exposed']):>4} "
-            f"{breakdown + ' = ' + format(r['memory_gb'], '.1f'):>28}"
+            f"{breakdown + ' = ' + format(r['memory_gb'], '.1f') + ('!' if r['memory_warning'] else ''):>28}"
         )
         if budget:
             line += (
@@ -249,7 +249,22 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
                 f"{r['energy_mwh']:>7.3g} {r['cost_usd']:>10.3g}"
             )
         lines.append(line)
-    return "\n".join(lines)
+    return "\n".join(lines + warnings(rows))
+
+
+def _flagged(row: dict, metric: str) -> str:
+    """The utilisation in percent, marked '!' where it passes the best published on this hardware."""
+    return _pct(row[metric]) + ("!" if metric.upper() in row["utilisation_warning"] else "")
+
+
+def warnings(rows: list[dict]) -> list[str]:
+    """One line per distinct warning (figures marked '!'), naming the rows it concerns."""
+    by_text: dict[str, list[int]] = {}
+    for i, r in enumerate(rows, 1):
+        for text in (r["utilisation_warning"], r["memory_warning"]):
+            if text:
+                by_text.setdefault(text, []).append(i)
+    return [f"! row{'s' * (len(ids) > 1)} {', '.join(map(str, ids))}: {text}." for text, ids in by_text.items()]
 
 
 def main(argv: list[str]) -> int:
@@ -273,7 +288,7 @@ def main(argv: list[str]) -> int:
             {
                 "request": model_summary(request),
                 "considered": result.considered,
-                "fitting": len(result.ranked),
+                "fitting": sum(c.fits for c in result.ranked),
                 "candidates": rows,
                 **({"ep_choice": why_ep} if why_ep else {}),
             },
@@ -282,7 +297,7 @@ def main(argv: list[str]) -> int:
         )
         print()
     else:
-        print(format_table(request, rows, result.considered, len(result.ranked)))
+        print(format_table(request, rows, result.considered, sum(c.fits for c in result.ranked)))
         if why_ep:
             print(why_ep["why"])
     out = (
