@@ -37,6 +37,9 @@ class DeviceSpec:
     memory_efficiency: float = 0.0
     kernel_overhead_us: float = 0.0
     compute_units: int = 0  # SMs / CUs: tells apart parts that report one driver name
+    # share of its microbenchmark rates (GEMM plateaus, attention efficiency) a device's compute-bound kernels keep
+    # through a training step: 1 unless fitted.toml fits it for the device's family (its `why` says what it absorbs)
+    sustained: float = 1.0
 
     @property
     def peak_tflops_bf16(self) -> float:
@@ -91,6 +94,7 @@ def device_from_table(table: dict, where: str) -> DeviceSpec:
             memory_efficiency=float(table.get("memory_efficiency", 0.0)),
             kernel_overhead_us=float(table.get("kernel_overhead_us", 0.0)),
             compute_units=int(table.get("compute_units", 0)),
+            sustained=float(table.get("sustained", 1.0)),
         )
     except KeyError as missing:
         raise ConfigError(f"{where}: a device needs {missing.args[0]!r} (see {DEVICES_FILE}).") from None
@@ -105,8 +109,12 @@ def with_fitted(table: dict, fitted: list[dict]) -> dict:
     """A device table with the fitted scalars that name it filled in (a device's own value wins)."""
     table = dict(table)
     for entry in fitted:
-        if table["name"] in entry["devices"] and entry["field"] == "gemm_plateau" and "gemm_efficiency" not in table:
+        if table["name"] not in entry["devices"]:
+            continue
+        if entry["field"] == "gemm_plateau" and "gemm_efficiency" not in table:
             table["gemm_efficiency"] = [[1e12, entry["value"]]]
+        elif entry["field"] == "sustained" and "sustained" not in table:
+            table["sustained"] = entry["value"]
     return table
 
 

@@ -30,19 +30,19 @@ CPU_TOLERANCE = 0.30
 
 
 def load_runs() -> list[dict]:
-    """The runs, each outside_reason resolved to its text in [reason]."""
+    """The runs, each outside_reason and finding resolved to its text in [reason] and [finding]."""
     table = tomllib.loads(RUNS_FILE.read_text())
-    return [
-        {**run, "outside_reason": table["reason"][run["outside_reason"]]} if "outside_reason" in run else run
-        for run in table["run"]
-    ]
+    texts = {"outside_reason": table["reason"], "finding": table.get("finding", {})}
+    return [{**run, **{key: texts[key][run[key]] for key in texts if key in run}} for run in table["run"]]
 
 
 def with_plateau(profile: HardwareProfile, entry: dict | None, value: float | None) -> HardwareProfile:
-    """The profile with a fitted entry's GEMM plateau set to `value` (None: as shipped)."""
+    """The profile with a fitted entry's scalar (its GEMM plateau or its sustained share) set to `value` (None: as
+    shipped)."""
     if entry is None or value is None or profile.device.name not in entry["devices"]:
         return profile
-    return dataclasses.replace(profile, device=dataclasses.replace(profile.device, gemm_efficiency=((1e12, value),)))
+    field = {"gemm_plateau": {"gemm_efficiency": ((1e12, value),)}, "sustained": {"sustained": value}}[entry["field"]]
+    return dataclasses.replace(profile, device=dataclasses.replace(profile.device, **field))
 
 
 def run_layout(run: dict, gpus: int) -> Layout:
@@ -69,9 +69,14 @@ def run_layout(run: dict, gpus: int) -> Layout:
     )
 
 
+def run_args(run: dict):
+    """The run's model: its preset, reshaped by `model_shape` where the publisher's model has no preset of its own."""
+    return dataclasses.replace(get_preset(run["model"]), **run.get("model_shape", {}))
+
+
 def predict(run: dict, profile: HardwareProfile | None = None) -> tuple[float, dict]:
     """(the run's metric as the planner predicts it, the planner's figures of the run's layout)."""
-    args, hardware = get_preset(run["model"]), profile or load_profile(run["hardware"])
+    args, hardware = run_args(run), profile or load_profile(run["hardware"])
     if run["metric"] in ("weak_scaling", "strong_scaling"):
         first, last = run["gpus"]
         # the published layout, cp 1 unless it says otherwise (none of these runs split sequences)
@@ -86,6 +91,7 @@ def predict(run: dict, profile: HardwareProfile | None = None) -> tuple[float, d
     value = {
         "megatron_share_of_peak": row["megatron_share_of_peak"],
         "tokens_per_s_per_gpu": row["tokens_per_s"] / run["gpus"],
+        "model_tflops_per_gpu": row["tflops_per_gpu"],
     }[run["metric"]]
     return value, row
 
@@ -114,7 +120,8 @@ def refit(entry: dict, runs: list[dict], lo: float = 0.1, hi: float = 1.0) -> fl
 
 
 def evaluate_all() -> list[dict]:
-    """One record per run: predicted, published, error, and for fitted rows the leave-one-out error."""
+    """One record per run: predicted, published, error, and for fitted rows the leave-one-out error and, for a
+    `sustained` fit, the share of the predicted step its cost is (the step with the scalar against without)."""
     runs, fitted = load_runs(), fitted_constants()
     records = []
     for run in runs:
@@ -126,12 +133,54 @@ def evaluate_all() -> list[dict]:
             held_out = refit(entry, others)
             loo = predict(run, with_plateau(load_profile(run["hardware"]), entry, held_out))[0]
             record.update(fitted=entry, loo_value=held_out, loo_error=loo / run["published"] - 1)
+            if entry["field"] == "sustained":  # every metric here is a rate: the step scales as its inverse
+                record["fitted_share"] = (
+                    1 - value / predict(run, with_plateau(load_profile(run["hardware"]), entry, 1.0))[0]
+                )
         records.append(record)
     return records
 
 
+def source_of(run_id: str) -> str:
+    """The publisher a row's id starts with (frontier, torchtitan, trainy, megatron, ...)."""
+    return run_id.split("-")[0]
+
+
+def leave_source_out(entry: dict) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """For a fit over rows of several publishers: each publisher's rows predicted by the scalar refitted to the
+    others' ((publisher, refitted value, [(row id, error)])): does the fit carry across trainers and machines?"""
+    runs = {r["id"]: r for r in load_runs()}
+    sources = sorted({source_of(i) for i in entry["fitted_to"]})
+    out = []
+    for source in sources if len(sources) > 1 else []:
+        held = [i for i in entry["fitted_to"] if source_of(i) == source]
+        value = refit(entry, [runs[i] for i in entry["fitted_to"] if i not in held])
+        errors = [
+            (
+                i,
+                predict(runs[i], with_plateau(load_profile(runs[i]["hardware"]), entry, value))[0]
+                / runs[i]["published"]
+                - 1,
+            )
+            for i in held
+        ]
+        out.append((source, value, errors))
+    return out
+
+
 def _figure(metric: str, value: float) -> str:
+    if metric == "model_tflops_per_gpu":
+        return f"{value:.1f} TFLOP/s"
     return f"{value:,.0f}" if metric == "tokens_per_s_per_gpu" else f"{100 * value:.2f}%"
+
+
+def _model(run: dict) -> str:
+    shape = run.get("model_shape")
+    if not shape:
+        return run["model"]
+    return (
+        f"{run['model']} as {shape['n_layers']} x {shape['dim']}, {shape['n_heads']} heads, vocab {shape['vocab_size']}"
+    )
 
 
 def _layout(spec: dict) -> str:
@@ -224,11 +273,12 @@ def render(records: list[dict]) -> str:
         gpus = " -> ".join(map(str, run["gpus"])) if isinstance(run["gpus"], list) else run["gpus"]
         fitted = (
             f"yes ({r['fitted']['field']} {r['loo_value']:.3f} without it): {100 * r['loo_error']:+.1f}%"
+            + (f"; its cost {r['fitted_share']:.0%} of the step" if "fitted_share" in r else "")
             if "fitted" in r
             else "no"
         )
         lines.append(
-            f"| {run['id']} | {run['model']} | {run['hardware']} | {_layout(run['layout'])} | {gpus} "
+            f"| {run['id']} | {_model(run)} | {run['hardware']} | {_layout(run['layout'])} | {gpus} "
             f"| {run['global_batch']} x {run['seq_len']} | {_figure(run['metric'], run['published'])} "
             f"| {_figure(run['metric'], r['predicted'])} | {100 * r['error']:+.1f}% | {fitted} |"
         )
@@ -251,6 +301,12 @@ def render(records: list[dict]) -> str:
             f"- {entry['family']}: `{entry['field']}` = {entry['value']} ({', '.join(entry['devices'])}), fitted to "
             f"{', '.join(entry['fitted_to'])} by {entry['method']}. {' '.join(entry['why'].split())}"
         )
+        for source, value, errors in leave_source_out(entry):
+            lines.append(
+                f"  - {source}'s rows left out ({entry['field']} {value:.3f} from the others): "
+                + ", ".join(f"{i} {100 * e:+.1f}%" for i, e in errors)
+            )
+    lines += findings_section(records)
     outside = [r for r in records if abs(r.get("loo_error", r["error"])) > TOLERANCE]
     lines += ["", f"## Rows outside ±{TOLERANCE:.0%}", ""]
     reasons = {}
@@ -264,6 +320,20 @@ def render(records: list[dict]) -> str:
     lines += ["\n\n".join(paragraphs) or "None."]  # one paragraph per reason
     lines += [""] + inexpressible_section(apart) + cpu_section()
     return "\n".join(lines) + "\n"
+
+
+def findings_section(records: list[dict]) -> list[str]:
+    """What the decomposition of each row against the planner's terms found, one paragraph per finding."""
+    found = {}
+    for r in records:
+        if "finding" in r["run"]:
+            found.setdefault(r["run"]["finding"], []).append(r["run"]["id"])
+    if not found:
+        return []
+    lines = ["", "## What the rows show (the planner's terms against the published step)", ""]
+    return lines + [
+        "\n\n".join(f"{', '.join(f'**{i}**' for i in ids)}: {' '.join(t.split())}" for t, ids in found.items())
+    ]
 
 
 def inexpressible_section(records: list[dict]) -> list[str]:
@@ -282,7 +352,7 @@ def inexpressible_section(records: list[dict]) -> list[str]:
     for r in records:
         run = r["run"]
         lines.append(
-            f"| {run['id']} | {run['model']} | {run['hardware']} | {_layout(run['layout'])} | {run['gpus']} "
+            f"| {run['id']} | {_model(run)} | {run['hardware']} | {_layout(run['layout'])} | {run['gpus']} "
             f"| {run['global_batch']} x {run['seq_len']} | {_figure(run['metric'], run['published'])} "
             f"| {_figure(run['metric'], r['predicted'])} | {100 * r['error']:+.1f}% |"
         )

@@ -137,7 +137,9 @@ def layer_passes(
     casts = [float8_casts(hw, tokens, k, n) for k, n, fp8 in shapes if fp8]
     cast_forward, cast_input_grad, cast_weight_grad = (sum(c[i] for c in casts) for i in range(3))
     attention_flops = 2.0 * tokens * seq_len * q / tp
-    attention = attention_flops / (hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency)
+    attention = attention_flops / (
+        hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency * hw.device.sustained
+    )
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled, ffn_hidden) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
     activation = tokens * h * hw.element_bytes

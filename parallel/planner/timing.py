@@ -34,10 +34,10 @@ def _gemm(hw: HardwareProfile, m: int, k: int, n: int, float8: bool = False) -> 
     flops = 2.0 * m * k * n
     device = hw.device
     if float8:  # fp8 operands, output in the compute dtype
-        compute = flops / (float8_peak_tflops(hw) * 1e12 * device.gemm_share_of_peak(flops, "fp8"))
+        compute = flops / (float8_peak_tflops(hw) * 1e12 * device.gemm_share_of_peak(flops, "fp8") * device.sustained)
         operands = _memory_bound(hw, FLOAT8_BYTES * (m * k + k * n) + hw.element_bytes * m * n)
     else:
-        compute = flops / (device.peak_tflops_bf16 * 1e12 * device.gemm_share_of_peak(flops))
+        compute = flops / (device.peak_tflops_bf16 * 1e12 * device.gemm_share_of_peak(flops) * device.sustained)
         operands = _memory_bound(hw, hw.element_bytes * (m * k + k * n + m * n))
     return max(compute, operands) + device.kernel_overhead_us * 1e-6
 
@@ -57,10 +57,19 @@ def _memory_bound(hw: HardwareProfile, nbytes: float) -> float:
 
 def collective_time(hw: HardwareProfile, nbytes: float, group: int, span: int, kind: str) -> float:
     """Seconds of a ring collective of `nbytes` (the full, unsharded payload) among `group` GPUs
-    whose ranks span `span` consecutive GPUs. kind: all_reduce | all_gather | reduce_scatter."""
+    whose ranks span `span` consecutive GPUs. kind: all_reduce | all_gather | reduce_scatter.
+
+    Across nodes NCCL runs one ring per NIC (channel): each ring crosses every node boundary once, so a group
+    with k ranks in each node moves its data over k NICs at once, k times one GPU's share of the network
+    (NVIDIA/nccl issue 812, an NCCL developer: "On an Nvidia DGX-A100 system we have 8x200Gbit/s IB cards and
+    we measure 192GB/s AllReduce BusBW", the 8 NICs' 200 GB/s, not one NIC's 25), at most the node's link."""
     if group <= 1:
         return 0.0
-    bandwidth, latency = hw.collective_link(group if span <= hw.gpus_per_node else span, span > hw.gpus_per_node, kind)
+    spans_nodes = span > hw.gpus_per_node
+    bandwidth, latency = hw.collective_link(group if not spans_nodes else span, spans_nodes, kind)
+    if spans_nodes:
+        per_node = max(1, min(hw.gpus_per_node, group * hw.gpus_per_node // span))
+        bandwidth = min(per_node * bandwidth, hw.collective_link(per_node, False, kind)[0])
     factor = 2.0 if kind == "all_reduce" else 1.0
     return factor * ((group - 1) / group * nbytes / bandwidth + (group - 1) * latency)
 

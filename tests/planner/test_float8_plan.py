@@ -10,6 +10,7 @@ import json
 import pytest
 
 from experiments.validation.validate import RUNS_FILE, evaluate_all
+from trillion.devices import fitted_constants
 from trillion.errors import ConfigError
 from trillion.models.presets import get_preset
 from trillion.parallel.planner.hardware import load_profile
@@ -22,9 +23,11 @@ from trillion.trainer.config.schema import load_config
 LAYERS, H, KV, F = 32, 4096, 1024, 14336
 LINEARS = [(H, H), (H, KV), (H, KV), (H, H), (H, F), (F, H), (H, F)]  # (k, n): wq wk wv wo w1 w2 w3
 # dgx-h100: H100 SXM [nv-h100] bf16 989.4 and fp8 1979 TFLOP/s dense, [mamf] plateaus 0.803 and 0.709,
-# HBM 3350 GB/s at 0.8, 5 us per launch, NVLink 450 GB/s per direction at 0.8 collective efficiency
-BF16_RATE = 989.4e12 * 0.803
-FP8_RATE = 1979.0e12 * 0.709
+# HBM 3350 GB/s at 0.8, 5 us per launch, NVLink 450 GB/s per direction at 0.8 collective efficiency; compute-bound
+# kernels keep the Hopper family's fitted share of those rates through a step (trillion/fitted.toml `sustained`)
+SUSTAINED = next(e["value"] for e in fitted_constants() if e["field"] == "sustained" and "h100" in e["devices"])
+BF16_RATE = 989.4e12 * 0.803 * SUSTAINED
+FP8_RATE = 1979.0e12 * 0.709 * SUSTAINED
 MEMORY = 3350e9 * 0.8
 LAUNCH = 5e-6
 NVLINK = 450e9 * 0.8
@@ -100,8 +103,12 @@ def test_the_figures_written_here_are_the_shipped_ones():
     args, hw = get_preset("llama3-8b"), load_profile("dgx-h100")
     assert [(k, n) for k, n, _ in tp_local_linears(args, 1)] == LINEARS and args.n_layers == LAYERS
     device = hw.device
-    assert device.peak_tflops["bf16"] * 1e12 * device.gemm_share_of_peak(1e12) == pytest.approx(BF16_RATE)
-    assert device.peak_tflops["fp8"] * 1e12 * device.gemm_share_of_peak(1e12, "fp8") == pytest.approx(FP8_RATE)
+    assert device.peak_tflops["bf16"] * 1e12 * device.gemm_share_of_peak(1e12) * device.sustained == pytest.approx(
+        BF16_RATE
+    )
+    assert device.peak_tflops["fp8"] * 1e12 * device.gemm_share_of_peak(1e12, "fp8") * device.sustained == (
+        pytest.approx(FP8_RATE)
+    )
     assert device.memory_bandwidth_gbs * 1e9 * device.memory_efficiency == pytest.approx(MEMORY)
     assert device.kernel_overhead_us * 1e-6 == pytest.approx(LAUNCH)
     assert hw.collective_link(8, False, "all_gather")[0] == pytest.approx(NVLINK)
@@ -112,8 +119,8 @@ def test_float8_changes_the_predicted_step_by_the_modelled_amount(capsys):
     assert len(bf16["candidates"]) == len(fp8["candidates"]) == 1
     before, after = bf16["candidates"][0], fp8["candidates"][0]
     change = expected_float8_change()
-    assert -0.45 < change < -0.25  # about a fifth of the step
     assert before["microbatches"] == MICROBATCHES and before["memory_gb"] < 72  # it fits: one candidate
+    assert -0.3 < change / before["step_time_s"] < -0.1  # about a fifth of the step
     assert after["step_time_s"] - before["step_time_s"] == pytest.approx(change, rel=1e-6)
     # the output says float8: the request and the row
     assert fp8["request"]["float8"] is True and after["float8"] is True
@@ -163,7 +170,9 @@ def test_float8_plans_on_mi300x_with_its_declared_plateau():
     assert search(request).ranked[0].step.total < search(bf16).ranked[0].step.total
 
 
-def test_the_float8_rows_are_reported_unfitted():
+def test_the_float8_rows_are_reported_with_the_hopper_fit():
+    """One scalar per device family: the float8 rows are Hopper rows, in the fit of its `sustained` (fitted.toml)
+    with the bf16 ones, each reported with its leave-one-out error."""
     records = [r for r in evaluate_all() if r["run"]["layout"].get("float8")]
     assert {r["run"]["id"] for r in records} == {
         "torchtitan-8b-8gpu-compile-float8",
@@ -173,9 +182,10 @@ def test_the_float8_rows_are_reported_unfitted():
     }
     written = (RUNS_FILE.parent / "VALIDATION.md").read_text()
     for r in records:
-        assert "fitted" not in r and r["run"]["metric"] == "tokens_per_s_per_gpu"
+        assert r["fitted"]["field"] == "sustained" and r["run"]["metric"] == "tokens_per_s_per_gpu"
         source = r["run"]["source"]
         assert "llama3_h100_202412" in source and "Float8" in source or "llama3-8b_h200_202506_trainy" in source
         row = f"| {r['run']['id']} |"
         line = next(line for line in written.splitlines() if line.startswith(row))
-        assert f"| {100 * r['error']:+.1f}% | no |" in line and "float8" in line
+        assert f"| {100 * r['error']:+.1f}% | yes (sustained {r['loo_value']:.3f} without it): " in line
+        assert f"{100 * r['loo_error']:+.1f}%" in line and "float8" in line
