@@ -53,3 +53,22 @@ def test_without_overlap_every_fsdp_collective_is_charged():
     hidden, charged = step_time(ARGS, stock, fsdp, SEQ).dp_exposed, step_time(ARGS, cpu_like, fsdp, SEQ).dp_exposed
     assert charged - hidden > 0.5 * 4 * per_microbatch  # most of it hid behind compute on the GPU profile
     assert charged >= 4 * per_microbatch + after_backward + before_forward
+
+
+def test_a_ring_across_nodes_runs_over_as_many_nics_as_it_has_ranks_in_a_node():
+    """NCCL runs one ring per NIC across nodes (nccl issue 812: 192 GB/s all-reduce bus bandwidth on a DGX A100's
+    8 x 200 Gb/s): 16 ranks on 2 nodes of 8 move their bytes over 8 NICs at once; one rank per node (outside tp 8)
+    over its own; never faster than the node's link."""
+    hw = load_profile("dgx-h100")
+    share = hw.node_bandwidth_gbs / hw.gpus_per_node * 1e9 * hw.collective_efficiency  # one GPU's NIC
+    nbytes, latency = 1e9, hw.network_latency_us * 1e-6
+
+    def seconds(group: int, span: int, bandwidth: float) -> float:
+        return (group - 1) / group * nbytes / bandwidth + (group - 1) * latency
+
+    assert collective_time(hw, nbytes, 16, 16, "reduce_scatter") == pytest.approx(seconds(16, 16, 8 * share))
+    assert collective_time(hw, nbytes, 16, 32, "reduce_scatter") == pytest.approx(seconds(16, 32, 4 * share))
+    assert collective_time(hw, nbytes, 16, 128, "all_gather") == pytest.approx(seconds(16, 128, share))
+    fat = dataclasses.replace(hw, node_bandwidth_gbs=10 * hw.node_bandwidth_gbs)  # NICs faster than NVLink
+    nvlink = hw.collective_link(8, False, "reduce_scatter")[0]
+    assert collective_time(fat, nbytes, 16, 16, "reduce_scatter") == pytest.approx(seconds(16, 16, nvlink))
