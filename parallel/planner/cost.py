@@ -5,12 +5,15 @@ Compute per layer per micro-batch: each GEMM at the device's large-GEMM efficien
 at the memory bandwidth its operands need (the roofline), flash attention (causal: half of the
 4 b s^2 h the FLOP formulas count) at the device's attention efficiency, the element-wise
 kernels work.py counts (eager or compiled) at the device's memory bandwidth, and a launch
-overhead per kernel. Backward GEMMs split into the input gradient (Bi) and the weight gradient
-(Bw), which is what zero-bubble schedules move around.
+overhead per kernel. GEMMs and attention keep the device's `sustained` share of those microbenchmark rates
+through a step (devices.py; fitted per device family in trillion/fitted.toml where published runs show the gap,
+1 elsewhere). Backward GEMMs split into the input gradient (Bi) and the weight gradient (Bw), which is what
+zero-bubble schedules move around.
 
 Communication (ring collectives, 2(n-1)/n of the bytes per all-reduce, half that for an
-all-gather or reduce-scatter, on the slowest link the group spans; the mesh puts tp innermost,
-then dp_shard, dp_replicate, pp, as the trainer's DeviceMesh does):
+all-gather or reduce-scatter, on the slowest link the group spans, across nodes over as many NICs as the group
+has ranks in a node (timing.collective_time); the mesh puts tp innermost, then dp_shard, dp_replicate, pp, as the
+trainer's DeviceMesh does):
   TP: sequence-parallel, as parallel/tensor_parallel.py: per layer 2 all-gathers and 2
       reduce-scatters of the activation forward, as many backward, again when recomputing; the
       output an all-gather forward and a reduce-scatter backward, and loss parallelism 3
