@@ -359,7 +359,9 @@ def inexpressible_section(records: list[dict]) -> list[str]:
     reasons = {}
     for r in records:
         reasons.setdefault(r["run"]["outside_reason"], []).append(r["run"]["id"])
-    lines += [""] + [f"{', '.join(f'**{i}**' for i in ids)}: {' '.join(text.split())}" for text, ids in reasons.items()]
+    lines += [""] + [
+        "\n\n".join(f"{', '.join(f'**{i}**' for i in ids)}: {' '.join(t.split())}" for t, ids in reasons.items())
+    ]
     return lines + [""]
 
 
