@@ -51,8 +51,10 @@ ARCHS = {
     "gfx90a": dict(target=("hip", "gfx90a", 64), shared=65536, mma=r"\bv_mfma_\w+"),
     "gfx942": dict(target=("hip", "gfx942", 64), shared=65536, mma=r"\bv_mfma_\w+"),
 }
-HEAD_DIMS = (64, 128)
-ALL_HEAD_DIMS = (32, 64, 96, 128, 256)
+# Attention head dims: one number, or (q/k, v) for latent attention (DeepSeek-V3, Kimi K2), whose
+# launch has as many KV heads as query heads.
+HEAD_DIMS = (64, 128, (192, 128))
+ALL_HEAD_DIMS = (32, 64, 96, 128, 256, (192, 128))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # The launch the report specializes for: a Llama-style layout, (batch, seq, heads, head_dim) in
 # memory, 32 query heads sharing 8 KV heads; norms over 16k tokens of the presets' hidden sizes up
@@ -69,9 +71,10 @@ class Case:
     kernel: str  # one of ATTENTION_KERNELS or NORM_KERNELS
     arch: str
     dtype: str
-    size: int  # head dim (attention) or row width (norms)
+    size: int  # head dim (attention: of q and k) or row width (norms)
     causal: bool | None  # None for kernels without a causal variant
     config: tuple = ()  # sorted (name, value) pairs: BLOCK_M, BLOCK_N, num_warps, num_stages, AMD options
+    v_size: int | None = None  # attention: v's head dim where it is not `size`
 
     @property
     def label(self) -> str:
@@ -87,12 +90,13 @@ def cases(archs, head_dims=HEAD_DIMS, dtypes=tuple(DTYPES), causal_modes=(True, 
     autotuner may pick for the head dim, and the norm kernels at the presets' widths."""
     out = []
     for arch, dtype in itertools.product(archs, dtypes):
-        for d in head_dims:
-            out.append(Case("delta", arch, dtype, d, None, (("BLOCK_M", DELTA_BLOCK_M),)))
+        for dims in head_dims:
+            d, dv = (dims, None) if isinstance(dims, int) else dims
+            out.append(Case("delta", arch, dtype, d, None, (("BLOCK_M", DELTA_BLOCK_M),), dv))
+            block_d = max(block_d_for(d), block_d_for(dv or d))
             for kernel, causal in itertools.product(("fwd", "dkdv", "dq"), causal_modes):
                 out += [
-                    Case(kernel, arch, dtype, d, causal, _config_tuple(c))
-                    for c in configs(kernel, arch, block_d_for(d))
+                    Case(kernel, arch, dtype, d, causal, _config_tuple(c), dv) for c in configs(kernel, arch, block_d)
                 ]
         if norms:
             out += [Case(k, arch, dtype, w, None) for k in NORM_KERNELS for w in NORM_WIDTHS]
@@ -110,12 +114,14 @@ def _launch(case: Case):
     }
     if case.kernel in ATTENTION_KERNELS:
 
-        def layout(heads):
-            return torch.empty(BATCH, SEQ, heads, case.size, device="meta", dtype=dtype).transpose(1, 2)
+        def layout(heads, head_dim=case.size):
+            return torch.empty(BATCH, SEQ, heads, head_dim, device="meta", dtype=dtype).transpose(1, 2)
 
-        q, k, v, out, grad_out, dq = (layout(h) for h in (Q_HEADS, KV_HEADS, KV_HEADS, Q_HEADS, Q_HEADS, Q_HEADS))
+        v_size, kv_heads = (case.size, KV_HEADS) if case.v_size is None else (case.v_size, Q_HEADS)
+        q, k, dq = layout(Q_HEADS), layout(kv_heads), layout(Q_HEADS)
+        v, out, grad_out = layout(kv_heads, v_size), layout(Q_HEADS, v_size), layout(Q_HEADS, v_size)
         lse, delta = (torch.empty(BATCH, Q_HEADS, SEQ, device="meta") for _ in range(2))
-        grads = (layout(KV_HEADS), layout(KV_HEADS)) if case.kernel == "dkdv" else (dq,)
+        grads = (layout(kv_heads), layout(kv_heads, v_size)) if case.kernel == "dkdv" else (dq,)
         args, meta = kernel_args(
             case.kernel,
             q,
@@ -343,7 +349,8 @@ def run(selected: list[Case], use_cache: bool = True, progress=None) -> list[dic
         )
         if progress:
             progress(
-                f"[{number}/{len(selected)}] {case.arch} {case.kernel} {case.dtype} {case.size} "
+                f"[{number}/{len(selected)}] {case.arch} {case.kernel} {case.dtype} {case.size}"
+                f"{'' if case.v_size is None else f'/{case.v_size}'} "
                 f"causal={case.causal} {case.label}: {'; '.join(rows[-1]['problems']) or 'ok'}"
             )
     return rows

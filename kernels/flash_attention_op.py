@@ -2,13 +2,15 @@
 
     out = flash_attention(q, k, v, causal=True, softmax_scale=None)
 
-q is (batch, q_heads, q_len, head_dim); k and v are (batch, kv_heads, kv_len, head_dim), with
-q_heads a multiple of kv_heads (grouped-query and multi-query attention read the shared K/V head,
+q is (batch, q_heads, q_len, head_dim), k (batch, kv_heads, kv_len, head_dim) and v (batch,
+kv_heads, kv_len, v_head_dim); the output is (batch, q_heads, q_len, v_head_dim). v's head dim may
+differ from q's and k's, as in latent attention (DeepSeek-V3, Kimi K2: 192 and 128). q_heads is a
+multiple of kv_heads (grouped-query and multi-query attention read the shared K/V head,
 never a repeated copy). Input strides are arbitrary; the output (and dq, dk, dv) is laid out as
 (batch, seq, heads, head_dim) in memory, viewed as (batch, heads, seq, head_dim), so a model's
 `out.transpose(1, 2).reshape(batch, seq, -1)` is free. dtype fp16, bf16 or fp32 (fp32 with IEEE
-fp32 dot products, not TF32); head_dim up to 256 (padded inside the kernel to the next power of
-two, at least 16, and masked).
+fp32 dot products, not TF32); head dims up to 256 (each padded inside the kernel to the next power
+of two, at least 16, and masked; the configs are those of the larger padded head dim).
 
 Causal masking with q_len != kv_len is aligned to the lower right, as PyTorch's
 `torch.nn.attention.bias.causal_lower_right` and FlashAttention >= 2.1: the last query sees every
@@ -145,17 +147,18 @@ def configs(kernel: str, arch: str, block_d: int) -> list[triton.Config]:
 
 @functools.cache
 def _tuned(kernel: str, arch: str, block_d: int):
-    return triton.autotune(configs(kernel, arch, block_d), key=["HEAD_DIM", "IS_CAUSAL", "q_len", "kv_len"])(
+    return triton.autotune(configs(kernel, arch, block_d), key=["HEAD_DIM", "V_DIM", "IS_CAUSAL", "q_len", "kv_len"])(
         kernel_fn(kernel)
     )
 
 
-def _launch(kernel: str, device: torch.device, block_d: int, grid_rows: int, grid_cols: int, *args, **meta):
+def _launch(kernel: str, device: torch.device, grid_rows: int, grid_cols: int, *args, **meta):
     """Launch `kernel` with the device's tuned configs, or the interpreter's fixed one.
 
     The grid's first axis tiles `grid_rows` by the chosen config's block (BLOCK_M for the
     forward and dQ, BLOCK_N for dK/dV)."""
     tile = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"
+    block_d = config_class(meta)
     if interpreting():
         (config,) = configs(kernel, "interpreter", block_d)
         kernel_fn(kernel)[(triton.cdiv(grid_rows, config.kwargs[tile]), grid_cols)](*args, **meta, **config.kwargs)
@@ -194,10 +197,11 @@ def kernel_args(
     block sizes excluded. The launchers below and the ahead-of-time report (kernels/report.py) both
     build their launches here, so the report compiles exactly the specialization that runs."""
     batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d_for(head_dim))
-    if kernel == "delta":
+    kv_heads, kv_len, v_dim = k.shape[1], k.shape[2], v.shape[3]
+    if kernel == "delta":  # rowsum(dO * O), both of v's head dim
+        meta = dict(HEAD_DIM=v_dim, BLOCK_D=block_d_for(v_dim))
         return (out, grad_out, delta, *_strides(out), *_strides(grad_out), q_heads, q_len), meta
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d_for(head_dim), V_DIM=v_dim, BLOCK_DV=block_d_for(v_dim))
     meta["IS_CAUSAL"] = causal
     group, qk_scale = q_heads // kv_heads, softmax_scale * _LOG2E
     qkv_strides = (*_strides(q), *_strides(k), *_strides(v))
@@ -247,15 +251,20 @@ def kernel_args(
     ), meta
 
 
+def config_class(meta: dict) -> int:
+    """The padded head dim whose configs a launch is tuned over: the larger of q/k's and v's."""
+    return max(meta["BLOCK_D"], meta["BLOCK_DV"])
+
+
 def _forward(q, k, v, causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, q_heads, q_len, head_dim = q.shape
-    out = _new_like_layout(batch, q_heads, q_len, head_dim, q)
+    batch, q_heads, q_len, _ = q.shape
+    out = _new_like_layout(batch, q_heads, q_len, v.shape[3], q)
     lse = q.new_empty((batch, q_heads, q_len), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
     _check_runnable(q)
     args, meta = kernel_args("fwd", q, k, v, out, lse, causal, softmax_scale)
-    _launch("fwd", q.device, meta["BLOCK_D"], q_len, batch * q_heads, *args, **meta)
+    _launch("fwd", q.device, q_len, batch * q_heads, *args, **meta)
     return out, lse
 
 
@@ -264,7 +273,7 @@ def _backward(grad_out, q, k, v, out, lse, causal: bool, softmax_scale: float):
     kv_heads, kv_len = k.shape[1], k.shape[2]
     dq = _new_like_layout(batch, q_heads, q_len, head_dim, q)
     dk = _new_like_layout(batch, kv_heads, kv_len, head_dim, k)
-    dv = _new_like_layout(batch, kv_heads, kv_len, head_dim, v)
+    dv = _new_like_layout(batch, kv_heads, kv_len, v.shape[3], v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     _check_runnable(q)
@@ -275,9 +284,9 @@ def _backward(grad_out, q, k, v, out, lse, causal: bool, softmax_scale: float):
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kernel_fn("delta")[(triton.cdiv(q_len, block_m), batch * q_heads)](*args, **meta, BLOCK_M=block_m)
     args, meta = kernel_args("dkdv", q, k, v, out, lse, causal, softmax_scale, **common, grads=(dk, dv))
-    _launch("dkdv", q.device, meta["BLOCK_D"], kv_len, batch * kv_heads, *args, **meta)
+    _launch("dkdv", q.device, kv_len, batch * kv_heads, *args, **meta)
     args, meta = kernel_args("dq", q, k, v, out, lse, causal, softmax_scale, **common, grads=(dq,))
-    _launch("dq", q.device, meta["BLOCK_D"], q_len, batch * q_heads, *args, **meta)
+    _launch("dq", q.device, q_len, batch * q_heads, *args, **meta)
     return dq, dk, dv
 
 
@@ -291,8 +300,11 @@ def _fwd_op(
 
 @_fwd_op.register_fake
 def _(q, k, v, causal, softmax_scale):
-    batch, heads, q_len, head_dim = q.shape
-    return (_new_like_layout(batch, heads, q_len, head_dim, q), q.new_empty((batch, heads, q_len), dtype=torch.float32))
+    batch, heads, q_len, _ = q.shape
+    return (
+        _new_like_layout(batch, heads, q_len, v.shape[3], q),
+        q.new_empty((batch, heads, q_len), dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("trillion::flash_attn_bwd", mutates_args=())
@@ -364,15 +376,15 @@ def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, softmax_scale: float | None = None
 ) -> torch.Tensor:
     """softmax(q @ k^T * softmax_scale [+ causal mask]) @ v, shapes and alignment as in the module
-    docstring. softmax_scale defaults to 1/sqrt(head_dim)."""
+    docstring. softmax_scale defaults to 1/sqrt(head_dim) of q and k."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"flash_attention takes 4-d (batch, heads, seq, head_dim) tensors, got "
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"flash_attention: k and v must share one shape, with q's batch and head_dim; "
+            f"flash_attention: k and v must share batch, heads and length, k q's batch and head_dim; "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
@@ -381,8 +393,10 @@ def flash_attention(
         raise ValueError(
             f"flash_attention needs q, k, v of one dtype among fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    if not 0 < q.shape[3] <= MAX_HEAD_DIM:
-        raise ValueError(f"flash_attention supports head_dim 1..{MAX_HEAD_DIM}, got {q.shape[3]}")
+    if not (0 < q.shape[3] <= MAX_HEAD_DIM and 0 < v.shape[3] <= MAX_HEAD_DIM):
+        raise ValueError(
+            f"flash_attention supports head_dim 1..{MAX_HEAD_DIM}, got {q.shape[3]} for q/k and {v.shape[3]} for v"
+        )
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[3])
     out, _ = _fwd_op(q, k, v, causal, float(softmax_scale))

@@ -119,7 +119,7 @@ def test_trainer_with_triton_kernels_matches_sdpa_losses(tmp_path):
     assert losses("triton", "triton") == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "triton"])
 @pytest.mark.parametrize("q_len", [24, 9], ids=["square", "kv-prefix"])
 def test_fallbacks_take_a_value_head_dim_of_its_own(impl, q_len):
     """Latent attention (DeepSeek-V3: q/k head dim 192, v 128), at debug sizes 48/32 with GQA."""
