@@ -5,7 +5,9 @@ The rows of `x` are sorted by group; OFFSETS holds each group's end row (int32, 
 the group sizes). No kernel needs the sizes on the host: the launch grid is an upper bound known
 from the shapes alone, and each program finds its group on the device from OFFSETS. Rows past the
 last group's end get zeros. Dots take input_precision="ieee" (fp32 inputs get fp32 math, not TF32,
-as PyTorch's default); accumulation is in fp32.
+as PyTorch's default); accumulation is in fp32. The row and group counts are not specialized on
+(do_not_specialize): they change with the routing and the expert-parallel degree, and would
+otherwise recompile when one stops being a multiple of 16.
 """
 
 import triton
@@ -20,7 +22,7 @@ def _group_bounds(OFFSETS, g):
     return start, end
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "n_groups"])
 def grouped_mm_fwd(
     X,
     W,
@@ -44,19 +46,26 @@ def grouped_mm_fwd(
 ):
     """Grid (cdiv(rows, BLOCK_M) + n_groups, cdiv(N, BLOCK_N)): group g owns cdiv(size_g, BLOCK_M)
     row tiles, numbered group after group; the tiles after the groups' zero the rows past them.
-    Both fit the grid, whatever the sizes, since each group adds at most one partial tile."""
+    Both fit the grid, whatever the sizes, since each group adds at most one partial tile. The
+    groups are searched BLOCK_G at a time, so one binary serves every expert count."""
     tile = tl.program_id(0)
-    offs_g = tl.arange(0, BLOCK_G)
-    in_range = offs_g < n_groups
-    ends = tl.load(OFFSETS + offs_g, mask=in_range, other=0)
-    starts = tl.load(OFFSETS + offs_g - 1, mask=in_range & (offs_g > 0), other=0)
-    tiles = tl.where(in_range, tl.cdiv(ends - starts, BLOCK_M), 0)
-    last_tile = tl.cumsum(tiles, 0)  # one past each group's last tile
-    g = tl.sum((last_tile <= tile).to(tl.int32), 0)  # the group whose tiles hold `tile`
+    g = tile * 0  # the group whose tiles hold `tile`: the number of groups whose tiles all come before it
+    first_tile = tile * 0  # the tiles of the groups before g
+    done = tile * 0  # the tiles of the groups searched so far
+    for g0 in range(0, n_groups, BLOCK_G):
+        offs_g = g0 + tl.arange(0, BLOCK_G)
+        in_range = offs_g < n_groups
+        ends = tl.load(OFFSETS + offs_g, mask=in_range, other=0)
+        starts = tl.load(OFFSETS + offs_g - 1, mask=in_range & (offs_g > 0), other=0)
+        tiles = tl.where(in_range, tl.cdiv(ends - starts, BLOCK_M), 0)
+        past = done + tl.cumsum(tiles, 0)  # one past each group's last tile
+        before = in_range & (past <= tile)
+        g += tl.sum(before.to(tl.int32), 0)
+        first_tile = tl.maximum(first_tile, tl.max(tl.where(before, past, 0), 0))
+        done += tl.sum(tiles, 0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if g < n_groups:
-        first_tile = tl.sum(tl.where(offs_g == g, last_tile - tiles, 0), 0)
         start, end = _group_bounds(OFFSETS, g)
         offs_m = start + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < end
@@ -72,13 +81,13 @@ def grouped_mm_fwd(
             w_ptrs += BLOCK_K * stride_wk
     else:  # a tile of the rows past the last group, or none left
         used = tl.load(OFFSETS + n_groups - 1)
-        offs_m = used + (tile - tl.sum(tiles, 0)) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = used + (tile - done) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = offs_m < rows
     o_ptrs = OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_groups"])
 def grouped_mm_dw(
     X,
     DY,

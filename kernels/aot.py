@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import triton
 
-from trillion.kernels import norm
+from trillion.kernels import grouped_gemm_op, norm
 from trillion.kernels.flash_attention_op import DELTA_BLOCK_M, block_d_for, configs, kernel_args, kernel_fn
 
 # Chip limits: shared memory / LDS per block (the opt-in maximum on NVIDIA), registers per thread.
@@ -64,6 +64,12 @@ BATCH, SEQ, Q_HEADS, KV_HEADS = 2, 4096, 32, 8
 NORM_ROWS, NORM_WIDTHS, WIDE_NORM_WIDTHS = 16384, (2048, 4096, 8192), (12288, 25600)
 ATTENTION_KERNELS = ("fwd", "delta", "dkdv", "dq")
 NORM_KERNELS = ("rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd")
+# The experts' grouped GEMM: its forward, dx (the same kernel on weight transposed) and dweight, for
+# 8192 tokens routed top-8 over 256 experts of DeepSeek-V3's and Kimi K2's 7168 x 2048. The sizes are
+# run-time arguments: every preset's expert shapes (multiples of 16) compile to this binary.
+GEMM_KERNELS = ("gmm_fwd", "gmm_dx", "gmm_dw")
+GEMM_ROWS, GEMM_GROUPS, GEMM_K, GEMM_N = 8192 * 8, 256, 7168, 2048
+MATMUL_KERNELS = ("fwd", "dkdv", "dq", *GEMM_KERNELS)  # the kernels whose matmuls must use matrix instructions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +80,7 @@ class Case:
     size: int  # head dim (attention: of q and k) or row width (norms)
     causal: bool | None  # None for kernels without a causal variant
     config: tuple = ()  # sorted (name, value) pairs: BLOCK_M, BLOCK_N, num_warps, num_stages, AMD options
-    v_size: int | None = None  # attention: v's head dim where it is not `size`
+    out_size: int | None = None  # attention: v's head dim where it is not `size`; grouped GEMM: N
 
     @property
     def label(self) -> str:
@@ -85,22 +91,39 @@ def _config_tuple(config: triton.Config) -> tuple:
     return tuple(sorted({**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}.items()))
 
 
-def cases(archs, head_dims=HEAD_DIMS, dtypes=tuple(DTYPES), causal_modes=(True, False), norms=True) -> list[Case]:
+def cases(
+    archs, head_dims=HEAD_DIMS, dtypes=tuple(DTYPES), causal_modes=(True, False), norms=True, gemms=True
+) -> list[Case]:
     """Every launch the trainer can make on `archs`: each attention kernel with each config its
-    autotuner may pick for the head dim, and the norm kernels at the presets' widths."""
+    autotuner may pick for the head dim, the norm kernels at the presets' widths and the grouped
+    GEMM's kernels with each of their configs."""
     out = []
     for arch, dtype in itertools.product(archs, dtypes):
         for dims in head_dims:
             d, dv = (dims, None) if isinstance(dims, int) else dims
             out.append(Case("delta", arch, dtype, d, None, (("BLOCK_M", DELTA_BLOCK_M),), dv))
-            block_d = max(block_d_for(d), block_d_for(dv or d))
+            block_dims = block_d_for(d), block_d_for(dv or d)
             for kernel, causal in itertools.product(("fwd", "dkdv", "dq"), causal_modes):
                 out += [
-                    Case(kernel, arch, dtype, d, causal, _config_tuple(c), dv) for c in configs(kernel, arch, block_d)
+                    Case(kernel, arch, dtype, d, causal, _config_tuple(c), dv)
+                    for c in configs(kernel, arch, *block_dims)
                 ]
         if norms:
             out += [Case(k, arch, dtype, w, None) for k in NORM_KERNELS for w in NORM_WIDTHS]
+        if gemms:
+            out += [
+                Case(k, arch, dtype, GEMM_K, None, _config_tuple(c), GEMM_N)
+                for k in GEMM_KERNELS
+                for c in grouped_gemm_op.configs("dw" if k == "gmm_dw" else "mm", arch)
+            ]
     return out
+
+
+def kernel_kind(case: Case) -> str:
+    """ "attention", "norm" or "grouped_gemm": what --kernels selects."""
+    return (
+        "attention" if case.kernel in ATTENTION_KERNELS else "norm" if case.kernel in NORM_KERNELS else "grouped_gemm"
+    )
 
 
 # ----------------------------------------------------------------------------- one launch
@@ -117,7 +140,7 @@ def _launch(case: Case):
         def layout(heads, head_dim=case.size):
             return torch.empty(BATCH, SEQ, heads, head_dim, device="meta", dtype=dtype).transpose(1, 2)
 
-        v_size, kv_heads = (case.size, KV_HEADS) if case.v_size is None else (case.v_size, Q_HEADS)
+        v_size, kv_heads = (case.size, KV_HEADS) if case.out_size is None else (case.out_size, Q_HEADS)
         q, k, dq = layout(Q_HEADS), layout(kv_heads), layout(Q_HEADS)
         v, out, grad_out = layout(kv_heads, v_size), layout(Q_HEADS, v_size), layout(Q_HEADS, v_size)
         lse, delta = (torch.empty(BATCH, Q_HEADS, SEQ, device="meta") for _ in range(2))
@@ -136,6 +159,9 @@ def _launch(case: Case):
             grads=grads,
         )
         return kernel_fn(case.kernel), args, {**meta, **config}, options
+    if case.kernel in GEMM_KERNELS:
+        fn, args, meta = _gemm_launch(case.kernel, dtype)
+        return fn, args, {**meta, **config}, options
     kind, direction = case.kernel.split("_")
     x = torch.empty(NORM_ROWS, case.size, device="meta", dtype=dtype)
     w, b = torch.empty(case.size, device="meta", dtype=dtype), torch.empty(case.size, device="meta", dtype=dtype)
@@ -162,15 +188,33 @@ def _launch(case: Case):
     return getattr(norm.kernel_module(), f"norm_{direction}"), args, meta, options
 
 
+def _gemm_launch(kernel: str, dtype: torch.dtype):
+    """(jit function, positional args, constexprs) of one grouped GEMM launch, as models/moe.py makes it."""
+    x, dy = (torch.empty(GEMM_ROWS, n, device="meta", dtype=dtype) for n in (GEMM_K, GEMM_N))
+    weight = torch.empty(GEMM_GROUPS, GEMM_K, GEMM_N, device="meta", dtype=dtype)
+    offsets = torch.empty(GEMM_GROUPS, device="meta", dtype=torch.int32)
+    if kernel == "gmm_fwd":
+        args, meta = grouped_gemm_op.kernel_args("mm", x, weight, offsets, torch.empty_like(dy))
+    elif kernel == "gmm_dx":
+        args, meta = grouped_gemm_op.kernel_args("mm", dy, weight.transpose(1, 2), offsets, torch.empty_like(x))
+    else:
+        args, meta = grouped_gemm_op.kernel_args("dw", x, dy, offsets, torch.empty_like(weight))
+    return grouped_gemm_op.kernel_fn("dw" if kernel == "gmm_dw" else "mm"), args, meta
+
+
 def specialize(fn, args, constexprs) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) as Triton's JIT specializes `args` at launch: integers equal
-    to 1 become constants, pointers and integers divisible by 16 get the divisibility hint."""
+    to 1 become constants, pointers and integers divisible by 16 get the divisibility hint (except
+    the kernel's do_not_specialize arguments)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
     signature, constants, attrs = {}, {}, {}
+    # The decorator's do_not_specialize: a JIT function keeps it, an interpreted one (in tests) in kwargs.
+    kept = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+    unspecialized = {fn.arg_names[n] if isinstance(n, int) else n for n in kept}
     for index, (name, arg) in enumerate(zip(fn.arg_names, args)):
-        kind, spec = native_specialize_impl(BaseBackend, arg, False, True, True)
+        kind, spec = native_specialize_impl(BaseBackend, arg, False, name not in unspecialized, True)
         signature[name] = kind
         if kind == "constexpr":
             constants[name] = spec
@@ -305,7 +349,7 @@ def _nvidia_warps_per_sm(spec: dict, registers: int, shared: int, warps: int) ->
 
 def problems(case: Case, result: dict) -> list[str]:
     """The gates: compiles, no spills, no scratch, shared memory within the chip, matrix
-    instructions in every attention kernel that multiplies matrices."""
+    instructions in every kernel that multiplies matrices (attention's and the grouped GEMM's)."""
     if "error" in result:
         return [f"does not compile ({result['error']})"]
     found = []
@@ -313,7 +357,7 @@ def problems(case: Case, result: dict) -> list[str]:
         found.append(f"spills {result['spill_bytes']} B, scratch {result['scratch_bytes']} B")
     if result["shared"] > ARCHS[case.arch]["shared"]:
         found.append(f"shared memory {result['shared']} B over the chip's {ARCHS[case.arch]['shared']} B")
-    if case.kernel in ("fwd", "dkdv", "dq") and not result["matrix_instructions"]:
+    if case.kernel in MATMUL_KERNELS and not result["matrix_instructions"]:
         found.append("no matrix instructions")
     return found
 
@@ -335,10 +379,11 @@ REPORTED = (
 )
 
 
-def run(selected: list[Case], use_cache: bool = True, progress=None) -> list[dict]:
+def run(selected: list[Case], use_cache: bool = True, progress=None, known: dict | None = None) -> list[dict]:
+    """Each case's report row; `known` (launch key -> an earlier report's row) spares compiling again."""
     rows = []
     for number, case in enumerate(selected, 1):
-        result = compile_case(case, use_cache)
+        result = (known or {}).get(launch_key(case)) or compile_case(case, use_cache)
         rows.append(
             {
                 **dataclasses.asdict(case),
@@ -350,7 +395,7 @@ def run(selected: list[Case], use_cache: bool = True, progress=None) -> list[dic
         if progress:
             progress(
                 f"[{number}/{len(selected)}] {case.arch} {case.kernel} {case.dtype} {case.size}"
-                f"{'' if case.v_size is None else f'/{case.v_size}'} "
+                f"{'' if case.out_size is None else f'/{case.out_size}'} "
                 f"causal={case.causal} {case.label}: {'; '.join(rows[-1]['problems']) or 'ok'}"
             )
     return rows

@@ -39,9 +39,10 @@ _LOG2E = 1.4426950408889634
 
 
 # ----------------------------------------------------------------------------- configs
-# Per architecture and kernel, the configs for padded head dims up to 64, up to 128 and up to 256:
+# Per architecture and kernel, the configs for padded head dims up to 64, up to 128 and up to 256, and
+# for latent attention's q/k 192 and v 128 (padded: (256, 128)), whose 256 class spills:
 # (BLOCK_M, BLOCK_N, num_warps, num_stages[, AMD options]). The autotuner times those of the head
-# dim's class once per shape and keeps the best. Every config for head dims 64 and 128 compiles
+# dim's class once per shape and keeps the best. Every config for head dims 64, 128 and 192/128 compiles
 # without spills or scratch and within the chip's shared memory (experiments/kernels/RESOURCES.md,
 # checked by tests/kernels/test_aot.py). On AMD CDNA, waves_per_eu caps occupancy to leave
 # registers per wave, matrix_instr_nonkdim picks the 16x16 MFMA.
@@ -49,22 +50,25 @@ def _amd(waves: int) -> dict:
     return {"waves_per_eu": waves, "matrix_instr_nonkdim": 16}
 
 
-_CONFIGS: dict[str, dict[str, dict[int, list[tuple]]]] = {
+_CONFIGS: dict[str, dict[str, dict[int | tuple, list[tuple]]]] = {
     "sm80": {
         "fwd": {
             64: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
             128: [(128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)],
             256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
+            (256, 128): [(128, 32, 8, 2), (64, 64, 8, 3), (64, 32, 4, 2)],
         },
         "dkdv": {
             64: [(32, 128, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
             128: [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
             256: [(32, 64, 4, 2), (16, 64, 4, 2)],
+            (256, 128): [(32, 64, 8, 2), (32, 32, 4, 2)],
         },
         "dq": {
             64: [(128, 64, 8, 2), (64, 64, 8, 3), (64, 32, 4, 3)],
             128: [(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
             256: [(64, 32, 4, 2), (32, 32, 4, 2)],
+            (256, 128): [(64, 64, 8, 2), (32, 32, 4, 2)],
         },
     },
     "sm90": {
@@ -72,16 +76,19 @@ _CONFIGS: dict[str, dict[str, dict[int, list[tuple]]]] = {
             64: [(128, 128, 8, 4), (128, 64, 4, 4), (64, 64, 4, 4)],
             128: [(128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 4), (64, 32, 4, 3)],
             256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
+            (256, 128): [(128, 64, 8, 2), (64, 32, 4, 3)],
         },
         "dkdv": {
             64: [(64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 2)],
             128: [(32, 64, 8, 3), (64, 32, 8, 2)],
             256: [(32, 64, 4, 2), (16, 64, 4, 2)],
+            (256, 128): [(64, 32, 8, 2), (32, 32, 4, 2)],
         },
         "dq": {
             64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
             128: [(128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)],
             256: [(64, 32, 4, 2), (32, 32, 4, 2)],
+            (256, 128): [(64, 32, 8, 2), (32, 32, 4, 2)],
         },
     },
     "gfx90a": {
@@ -89,16 +96,19 @@ _CONFIGS: dict[str, dict[str, dict[int, list[tuple]]]] = {
             64: [(128, 64, 8, 1, _amd(1)), (64, 64, 4, 1, _amd(3)), (128, 32, 4, 1, _amd(2))],
             128: [(128, 32, 4, 1, _amd(2)), (64, 32, 4, 1, _amd(2)), (128, 64, 8, 1, _amd(1))],
             256: [(64, 32, 4, 1, _amd(2)), (32, 32, 4, 1, _amd(2))],
+            (256, 128): [(128, 32, 4, 1, _amd(2)), (64, 32, 4, 1, _amd(2)), (32, 32, 4, 1, _amd(2))],
         },
         "dkdv": {
             64: [(32, 64, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
             128: [(32, 64, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
             256: [(32, 32, 4, 1, _amd(1)), (16, 32, 4, 1, _amd(2))],
+            (256, 128): [(64, 64, 4, 1, _amd(1)), (32, 32, 4, 1, _amd(1)), (16, 32, 4, 1, _amd(2))],
         },
         "dq": {
             64: [(64, 32, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
             128: [(64, 32, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
             256: [(32, 32, 4, 1, _amd(1)), (32, 16, 4, 1, _amd(2))],
+            (256, 128): [(64, 32, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1)), (32, 32, 4, 1, _amd(1))],
         },
     },
     "gfx942": {
@@ -106,16 +116,19 @@ _CONFIGS: dict[str, dict[str, dict[int, list[tuple]]]] = {
             64: [(128, 64, 8, 2, _amd(1)), (128, 64, 4, 2, _amd(2)), (64, 64, 4, 2, _amd(3))],
             128: [(128, 64, 8, 2, _amd(1)), (64, 64, 4, 2, _amd(2)), (64, 32, 4, 1, _amd(2))],
             256: [(64, 64, 4, 2, _amd(2)), (64, 32, 4, 1, _amd(2))],
+            (256, 128): [(64, 32, 4, 1, _amd(2)), (32, 32, 4, 1, _amd(2))],
         },
         "dkdv": {
             64: [(16, 64, 4, 1, _amd(2)), (32, 64, 4, 1, _amd(2))],
             128: [(32, 64, 4, 1, _amd(2)), (16, 64, 4, 1, _amd(2)), (32, 32, 4, 1, _amd(2))],
             256: [(32, 64, 4, 1, _amd(1)), (16, 64, 4, 1, _amd(2))],
+            (256, 128): [(32, 64, 4, 1, _amd(1)), (32, 32, 4, 1, _amd(1))],
         },
         "dq": {
             64: [(128, 32, 4, 2, _amd(1)), (32, 64, 4, 1, _amd(2)), (64, 32, 4, 1, _amd(2))],
             128: [(128, 32, 4, 2, _amd(1)), (64, 32, 4, 1, _amd(1)), (64, 32, 4, 1, _amd(2))],
             256: [(64, 32, 4, 1, _amd(1)), (32, 32, 4, 1, _amd(2))],
+            (256, 128): [(64, 32, 4, 1, _amd(1)), (32, 32, 4, 1, _amd(1))],
         },
     },
     # The interpreter runs one fixed config: blocks as large as keep test sequences (up to ~200)
@@ -135,10 +148,12 @@ def kernel_fn(name: str):
     return getattr(_flash_attention_kernels, _KERNEL_NAMES[name])
 
 
-def configs(kernel: str, arch: str, block_d: int) -> list[triton.Config]:
-    """The configs `kernel` ("fwd", "dkdv" or "dq") is tuned over on `arch` for a padded head dim."""
+def configs(kernel: str, arch: str, block_d: int, block_dv: int | None = None) -> list[triton.Config]:
+    """The configs `kernel` ("fwd", "dkdv" or "dq") is tuned over on `arch` for padded head dims (q/k's,
+    v's where it differs): the pair's own where it has some, else the larger dim's class."""
     by_class = _CONFIGS[arch][kernel]
-    rows = by_class[min(c for c in by_class if c >= block_d)]
+    size = max(block_d, block_dv or block_d)
+    rows = by_class.get((block_d, block_dv)) or by_class[min(c for c in by_class if isinstance(c, int) and c >= size)]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **(extra[0] if extra else {})}, num_warps=w, num_stages=s)
         for bm, bn, w, s, *extra in rows
@@ -146,10 +161,10 @@ def configs(kernel: str, arch: str, block_d: int) -> list[triton.Config]:
 
 
 @functools.cache
-def _tuned(kernel: str, arch: str, block_d: int):
-    return triton.autotune(configs(kernel, arch, block_d), key=["HEAD_DIM", "V_DIM", "IS_CAUSAL", "q_len", "kv_len"])(
-        kernel_fn(kernel)
-    )
+def _tuned(kernel: str, arch: str, block_d: int, block_dv: int):
+    return triton.autotune(
+        configs(kernel, arch, block_d, block_dv), key=["HEAD_DIM", "V_DIM", "IS_CAUSAL", "q_len", "kv_len"]
+    )(kernel_fn(kernel))
 
 
 def _launch(kernel: str, device: torch.device, grid_rows: int, grid_cols: int, *args, **meta):
@@ -158,12 +173,12 @@ def _launch(kernel: str, device: torch.device, grid_rows: int, grid_cols: int, *
     The grid's first axis tiles `grid_rows` by the chosen config's block (BLOCK_M for the
     forward and dQ, BLOCK_N for dK/dV)."""
     tile = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"
-    block_d = config_class(meta)
+    dims = meta["BLOCK_D"], meta["BLOCK_DV"]
     if interpreting():
-        (config,) = configs(kernel, "interpreter", block_d)
+        (config,) = configs(kernel, "interpreter", *dims)
         kernel_fn(kernel)[(triton.cdiv(grid_rows, config.kwargs[tile]), grid_cols)](*args, **meta, **config.kwargs)
         return
-    fn = _tuned(kernel, device_arch(device), block_d)
+    fn = _tuned(kernel, device_arch(device), *dims)
     with torch.cuda.device(device):
         fn[lambda cfg: (triton.cdiv(grid_rows, cfg[tile]), grid_cols)](*args, **meta)
 
@@ -249,11 +264,6 @@ def kernel_args(
         qk_scale,
         softmax_scale,
     ), meta
-
-
-def config_class(meta: dict) -> int:
-    """The padded head dim whose configs a launch is tuned over: the larger of q/k's and v's."""
-    return max(meta["BLOCK_D"], meta["BLOCK_DV"])
 
 
 def _forward(q, k, v, causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:

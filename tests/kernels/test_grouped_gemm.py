@@ -20,6 +20,8 @@ CASES = {
     "rows-past-the-groups": ([3, 0, 19], 40, 24, 9),
     "all-empty": ([0, 0, 0], 7, 20, 18),
     "one-group": ([34], 34, 7, 33),
+    # more groups than the interpreter's search block of 8: the search spans three blocks
+    "many-groups": ([3, 0, 1, 7, 0, 0, 2, 5, 16, 1, 0, 4, 0, 9, 1, 1, 0, 2, 6, 0, 3], 70, 18, 20),
 }
 
 
