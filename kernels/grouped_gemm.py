@@ -8,7 +8,7 @@ contiguous incoming gradient (both measured on torch 2.13; `_ContiguousGrad` sup
 GPUs torch's does not take (ROCm, A100); it falls back to `loop`, saying why once, where Triton
 cannot run. `loop` is the reference and the fallback: one matmul per group, which reads the group
 sizes on the host. `auto` takes `torch` where it runs, else `triton` on a CUDA or ROCm GPU, else
-`loop`, logging once why it did not take `torch`.
+`loop`, logging once on a GPU why it did not take `torch`.
 """
 
 import torch
@@ -49,7 +49,9 @@ def _choose(impl: str, x: torch.Tensor, weight: torch.Tensor) -> str:
     why_not_torch = grouped_mm_unavailable(x, weight)
     if why_not_torch is None:
         return "torch"
-    if x.device.type == "cuda" and use_triton("kernels.grouped_gemm=auto", "cuda", _triton_dtype(x, weight)):
+    if x.device.type != "cuda":  # on CPU (and meta) the loop is the plan, not a fallback: nothing to say
+        return "loop"
+    if use_triton("kernels.grouped_gemm=auto", "cuda", _triton_dtype(x, weight)):
         log_once("kernels", f"kernels.grouped_gemm=auto runs the Triton grouped GEMM: {why_not_torch}")
         return "triton"
     log_once("kernels", f"kernels.grouped_gemm=auto runs one matmul per group: {why_not_torch}")
