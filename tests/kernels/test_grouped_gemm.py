@@ -142,3 +142,13 @@ def test_moe_layer_with_the_triton_experts_matches_the_loop():
 
     for ours, reference in zip(run("triton"), run("loop"), strict=True):
         torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)  # fp32 sums in another order
+
+
+def test_the_triton_dispatch_compiles_without_a_graph_break():
+    torch.compiler.reset()
+    x, weight = torch.randn(20, 16, requires_grad=True), torch.randn(3, 16, 8, requires_grad=True)
+    offsets = torch.tensor([4, 4, 17], dtype=torch.int32)
+    compiled = torch.compile(lambda x, w: grouped_mm(x, w, offsets, "triton"), fullgraph=True, backend="aot_eager")
+    out = compiled(x, weight)
+    out.sum().backward()
+    assert torch.equal(out, triton_grouped_mm(x, weight, offsets)) and weight.grad is not None
