@@ -208,9 +208,9 @@ def test_every_architecture_has_configs_for_every_head_dim(arch):
     from trillion.kernels.flash_attention_op import configs
 
     for kernel in ("fwd", "dkdv", "dq"):
-        for block_d in (16, 32, 64, 128, 256):
-            chosen = configs(kernel, arch, block_d)
-            assert chosen, (kernel, block_d)
+        for block_dims in (16, 32, 64, 128, 256, (256, 128)):  # (256, 128): latent attention's own set
+            chosen = configs(kernel, arch, *(block_dims if isinstance(block_dims, tuple) else (block_dims,)))
+            assert chosen, (kernel, block_dims)
             if arch.startswith("gfx"):  # AMD CDNA options reach the compiler through the config
                 assert all({"waves_per_eu", "matrix_instr_nonkdim"} <= set(c.kwargs) for c in chosen)
 
