@@ -57,7 +57,7 @@ _CONFIGS: dict[str, dict[str, list[tuple]]] = {
 _KERNEL_NAMES = {"mm": "grouped_mm_fwd", "dw": "grouped_mm_dw"}
 # The groups a program searches for its own at a time: a constant, so one binary serves every expert
 # count; the interpreter's is small, so that tests with a few groups search several blocks.
-GROUP_SEARCH_BLOCK = 128
+GROUP_SEARCH_BLOCK, INTERPRETER_GROUP_SEARCH_BLOCK = 128, 8
 
 
 def kernel_fn(kernel: str):
@@ -91,9 +91,7 @@ def kernel_args(kernel: str, x, weight, offsets, out) -> tuple[tuple, dict]:
         rows, k = x.shape
         n = weight.shape[2]
         strides = (*x.stride(), *weight.stride(), *out.stride())
-        return (x, weight, out, offsets, rows, groups, k, n, *strides), {
-            "BLOCK_G": 8 if interpreting() else GROUP_SEARCH_BLOCK
-        }
+        return (x, weight, out, offsets, rows, groups, k, n, *strides), {"BLOCK_G": GROUP_SEARCH_BLOCK}
     dy = weight
     strides = (*x.stride(), *dy.stride(), *out.stride())
     return (x, dy, out, offsets, groups, x.shape[1], dy.shape[1], *strides), {}
@@ -113,6 +111,7 @@ def _launch(kernel: str, x, weight, offsets, out) -> torch.Tensor:
     grid = _grid(kernel, x, weight, offsets)
     if interpreting():
         (config,) = configs(kernel, "interpreter")
+        meta = {**meta, "BLOCK_G": INTERPRETER_GROUP_SEARCH_BLOCK} if "BLOCK_G" in meta else meta
         kernel_fn(kernel)[grid(config.kwargs)](*args, **meta, **config.kwargs)
         return out
     with torch.cuda.device(x.device):
