@@ -28,7 +28,8 @@ import torch
 import triton
 
 from trillion.kernels import grouped_gemm_op, norm
-from trillion.kernels.flash_attention_op import DELTA_BLOCK_M, block_d_for, configs, kernel_args, kernel_fn
+from trillion.kernels.flash_attention_configs import configs
+from trillion.kernels.flash_attention_op import DELTA_BLOCK_M, block_d_for, kernel_args, kernel_fn
 
 # Chip limits: shared memory / LDS per block (the opt-in maximum on NVIDIA), registers per thread.
 ARCHS = {
@@ -64,9 +65,8 @@ BATCH, SEQ, Q_HEADS, KV_HEADS = 2, 4096, 32, 8
 NORM_ROWS, NORM_WIDTHS, WIDE_NORM_WIDTHS = 16384, (2048, 4096, 8192), (12288, 25600)
 ATTENTION_KERNELS = ("fwd", "delta", "dkdv", "dq")
 NORM_KERNELS = ("rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd")
-# The experts' grouped GEMM: its forward, dx (the same kernel on weight transposed) and dweight, for
-# 8192 tokens routed top-8 over 256 experts of DeepSeek-V3's and Kimi K2's 7168 x 2048. The sizes are
-# run-time arguments: every preset's expert shapes (multiples of 16) compile to this binary.
+# The experts' grouped GEMM: forward, dx (the same kernel on weight transposed) and dweight, for 8192 tokens
+# top-8 over 256 DeepSeek-V3/Kimi K2 experts of 7168 x 2048; every preset's shapes compile to this binary.
 GEMM_KERNELS = ("gmm_fwd", "gmm_dx", "gmm_dw")
 GEMM_ROWS, GEMM_GROUPS, GEMM_K, GEMM_N = 8192 * 8, 256, 7168, 2048
 MATMUL_KERNELS = ("fwd", "dkdv", "dq", *GEMM_KERNELS)  # the kernels whose matmuls must use matrix instructions
@@ -120,10 +120,9 @@ def cases(
 
 
 def kernel_kind(case: Case) -> str:
-    """ "attention", "norm" or "grouped_gemm": what --kernels selects."""
-    return (
-        "attention" if case.kernel in ATTENTION_KERNELS else "norm" if case.kernel in NORM_KERNELS else "grouped_gemm"
-    )
+    """What --kernels selects it by."""
+    kinds = {"attention": ATTENTION_KERNELS, "norm": NORM_KERNELS, "grouped_gemm": GEMM_KERNELS}
+    return next(kind for kind, kernels in kinds.items() if case.kernel in kernels)
 
 
 # ----------------------------------------------------------------------------- one launch

@@ -205,7 +205,7 @@ def test_custom_op_registration_passes_opcheck(head_dim):
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90", "gfx90a", "gfx942"])
 def test_every_architecture_has_configs_for_every_head_dim(arch):
-    from trillion.kernels.flash_attention_op import configs
+    from trillion.kernels.flash_attention_configs import configs
 
     for kernel in ("fwd", "dkdv", "dq"):
         for block_dims in (16, 32, 64, 128, 256, (256, 128)):  # (256, 128): latent attention's own set
