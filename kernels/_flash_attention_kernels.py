@@ -1,7 +1,8 @@
 """Triton kernels of FlashAttention-2: forward, the rowsum(dO*O) preprocessing, dK/dV and dQ.
 
 Conventions shared by every kernel:
-- Tensors are (batch, heads, seq, head_dim) with arbitrary strides; batch and head offsets are
+- Tensors are (batch, heads, seq, head_dim) with arbitrary strides; V (hence O, dO and dV) may have
+  a head dim of its own (V_DIM, padded to BLOCK_DV), as latent attention's 192 for Q/K and 128 for V; batch and head offsets are
   widened to int64 so that tensors over 2**31 elements address correctly.
 - Causal masking is aligned to the lower right: query i sees key j iff j <= i + (kv_len - q_len),
   as torch.nn.attention.bias.causal_lower_right. Queries that see no key (q_len > kv_len) give a
@@ -23,7 +24,7 @@ import triton.language as tl
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_ptrs, v_ptrs, step_k, step_v,
-    lo, hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok,
+    lo, hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok, dv_ok,
     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
 ):
     # k_ptrs and v_ptrs point at key row `lo` and advance one block per step.
@@ -31,8 +32,10 @@ def _fwd_inner(
         if MASKED:
             cols = start_n + offs_n
             load_ok = (cols[:, None] < kv_len) & d_ok
+            v_ok = (cols[:, None] < kv_len) & dv_ok
         else:
             load_ok = d_ok
+            v_ok = dv_ok
         k = tl.load(k_ptrs, mask=load_ok, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         if MASKED:
@@ -44,7 +47,7 @@ def _fwd_inner(
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs, mask=load_ok, other=0.0)
+        v = tl.load(v_ptrs, mask=v_ok, other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
         m_i = m_new
         k_ptrs += step_k
@@ -60,8 +63,8 @@ def attn_fwd(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     q_heads, group, q_len, kv_len, qk_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -71,11 +74,12 @@ def attn_fwd(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d[None, :] < HEAD_DIM
-    row_ok = (offs_m[:, None] < q_len) & d_ok
+    dv_ok = offs_dv[None, :] < V_DIM
 
     q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                mask=row_ok, other=0.0)
+                mask=(offs_m[:, None] < q_len) & d_ok, other=0.0)
 
     diag = kv_len - q_len
     if IS_CAUSAL:
@@ -87,25 +91,25 @@ def attn_fwd(
     full_hi = tl.maximum(full_hi, 0) // BLOCK_N * BLOCK_N
 
     k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     # A finite start makes rows that see no key give exp2(-inf - m) = 0 instead of NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, BLOCK_N * stride_kn, BLOCK_N * stride_vn,
-                               0, full_hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok,
+                               0, full_hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok, dv_ok,
                                BLOCK_N, IS_CAUSAL, False)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_ptrs + full_hi * stride_kn, v_ptrs + full_hi * stride_vn,
                                BLOCK_N * stride_kn, BLOCK_N * stride_vn,
-                               full_hi, hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok,
+                               full_hi, hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok, dv_ok,
                                BLOCK_N, IS_CAUSAL, True)
 
     seen = l_i > 0.0
     l_safe = tl.where(seen, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) * 0.6931471805599453, float("inf"))
-    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok)
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < q_len) & dv_ok)
     tl.store(LSE + bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
 
 
@@ -134,7 +138,7 @@ def attn_bwd_delta(
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, q_ptrs, do_ptrs, lse_base, delta_base, step_q, step_do,
-    lo, hi, q_len, diag, qk_scale, cols, offs_m, d_ok,
+    lo, hi, q_len, diag, qk_scale, cols, offs_m, d_ok, dv_ok,
     BLOCK_M: tl.constexpr, MASKED: tl.constexpr,
 ):
     # Works on transposed scores (keys x queries) so that dK and dV accumulate along rows.
@@ -148,7 +152,7 @@ def _bwd_dkdv_inner(
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision="ieee") * qk_scale - lse2[None, :])
         if MASKED:
             p_t = tl.where(cols[:, None] <= rows[None, :] + diag, p_t, 0.0)
-        do = tl.load(do_ptrs, mask=row_ok[:, None] & d_ok, other=0.0)
+        do = tl.load(do_ptrs, mask=row_ok[:, None] & dv_ok, other=0.0)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
         delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
@@ -169,8 +173,8 @@ def attn_bwd_dkdv(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     q_heads, kv_heads, group, q_len, kv_len, qk_scale, softmax_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (key block, kv head, batch); it loops over the kv head's group of query
     heads, so grouped-query attention sums dK/dV in registers, without atomics (deterministic)."""
@@ -181,13 +185,16 @@ def attn_bwd_dkdv(
     cols = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d[None, :] < HEAD_DIM
+    dv_ok = offs_dv[None, :] < V_DIM
     col_ok = (cols[:, None] < kv_len) & d_ok
+    v_col_ok = (cols[:, None] < kv_len) & dv_ok
 
     k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + cols[:, None] * stride_kn + offs_d[None, :] * stride_kd,
                 mask=col_ok, other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                mask=col_ok, other=0.0)
+    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                mask=v_col_ok, other=0.0)
 
     diag = kv_len - q_len
     if IS_CAUSAL:
@@ -198,9 +205,9 @@ def attn_bwd_dkdv(
         full_lo = 0
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     q_tile = offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
-    do_tile = offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod
+    do_tile = offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod
     for g in range(group):
         off_h = off_hk * group + g
         q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + q_tile
@@ -210,21 +217,21 @@ def attn_bwd_dkdv(
         if IS_CAUSAL:
             dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs + lo * stride_qm, do_ptrs + lo * stride_dom,
                                      lse_base, delta_base, BLOCK_M * stride_qm, BLOCK_M * stride_dom,
-                                     lo, mask_hi, q_len, diag, qk_scale, cols, offs_m, d_ok, BLOCK_M, True)
+                                     lo, mask_hi, q_len, diag, qk_scale, cols, offs_m, d_ok, dv_ok, BLOCK_M, True)
         dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_ptrs + full_lo * stride_qm, do_ptrs + full_lo * stride_dom,
                                  lse_base, delta_base, BLOCK_M * stride_qm, BLOCK_M * stride_dom,
-                                 full_lo, q_len, q_len, diag, qk_scale, cols, offs_m, d_ok, BLOCK_M, False)
+                                 full_lo, q_len, q_len, diag, qk_scale, cols, offs_m, d_ok, dv_ok, BLOCK_M, False)
 
     dk_ptrs = DK + off_b * stride_dkb + off_hk * stride_dkh + cols[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
-    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + cols[:, None] * stride_dvn + offs_d[None, :] * stride_dvd
+    dv_ptrs = DV + off_b * stride_dvb + off_hk * stride_dvh + cols[:, None] * stride_dvn + offs_dv[None, :] * stride_dvd
     tl.store(dk_ptrs, (dk * softmax_scale).to(DK.dtype.element_ty), mask=col_ok)
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=col_ok)
+    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=v_col_ok)
 
 
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse2, delta, k_ptrs, v_ptrs, step_k, step_v,
-    lo, hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok,
+    lo, hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok, dv_ok,
     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, MASKED: tl.constexpr,
 ):
     # k_ptrs and v_ptrs point at key row `lo`.
@@ -232,10 +239,12 @@ def _bwd_dq_inner(
         if MASKED:
             cols = start_n + offs_n
             load_ok = (cols[:, None] < kv_len) & d_ok
+            v_ok = (cols[:, None] < kv_len) & dv_ok
         else:
             load_ok = d_ok
+            v_ok = dv_ok
         k = tl.load(k_ptrs, mask=load_ok, other=0.0)
-        v = tl.load(v_ptrs, mask=load_ok, other=0.0)
+        v = tl.load(v_ptrs, mask=v_ok, other=0.0)
         p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale - lse2[:, None])
         if MASKED:
             # Zero-padded keys past kv_len score 0, and exp2(0 - lse) may overflow: select, never multiply.
@@ -260,8 +269,8 @@ def attn_bwd_dq(
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     q_heads, group, q_len, kv_len, qk_scale, softmax_scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (query block, query head, batch), walking the keys like the forward."""
     start_m = tl.program_id(0) * BLOCK_M
@@ -272,13 +281,15 @@ def attn_bwd_dq(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d[None, :] < HEAD_DIM
+    dv_ok = offs_dv[None, :] < V_DIM
     row_ok = (offs_m[:, None] < q_len) & d_ok
 
     q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
                 mask=row_ok, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=row_ok, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                 mask=(offs_m[:, None] < q_len) & dv_ok, other=0.0)
     row_base = bh.to(tl.int64) * q_len
     lse2 = tl.load(LSE + row_base + offs_m, mask=offs_m < q_len, other=float("inf")) * 1.4426950408889634
     delta = tl.load(DELTA + row_base + offs_m, mask=offs_m < q_len, other=0.0)
@@ -293,12 +304,12 @@ def attn_bwd_dq(
     full_hi = tl.maximum(full_hi, 0) // BLOCK_N * BLOCK_N
 
     k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, BLOCK_N * stride_kn, BLOCK_N * stride_vn,
-                       0, full_hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok, BLOCK_N, IS_CAUSAL, False)
+                       0, full_hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok, dv_ok, BLOCK_N, IS_CAUSAL, False)
     dq = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs + full_hi * stride_kn, v_ptrs + full_hi * stride_vn,
                        BLOCK_N * stride_kn, BLOCK_N * stride_vn,
-                       full_hi, hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok, BLOCK_N, IS_CAUSAL, True)
+                       full_hi, hi, kv_len, diag, qk_scale, offs_m, offs_n, d_ok, dv_ok, BLOCK_N, IS_CAUSAL, True)
     dq_ptrs = DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     tl.store(dq_ptrs, (dq * softmax_scale).to(DQ.dtype.element_ty), mask=row_ok)

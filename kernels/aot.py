@@ -27,8 +27,9 @@ from pathlib import Path
 import torch
 import triton
 
-from trillion.kernels import norm
-from trillion.kernels.flash_attention_op import DELTA_BLOCK_M, block_d_for, configs, kernel_args, kernel_fn
+from trillion.kernels import grouped_gemm_op, norm
+from trillion.kernels.flash_attention_configs import configs
+from trillion.kernels.flash_attention_op import DELTA_BLOCK_M, block_d_for, kernel_args, kernel_fn
 
 # Chip limits: shared memory / LDS per block (the opt-in maximum on NVIDIA), registers per thread.
 ARCHS = {
@@ -51,8 +52,10 @@ ARCHS = {
     "gfx90a": dict(target=("hip", "gfx90a", 64), shared=65536, mma=r"\bv_mfma_\w+"),
     "gfx942": dict(target=("hip", "gfx942", 64), shared=65536, mma=r"\bv_mfma_\w+"),
 }
-HEAD_DIMS = (64, 128)
-ALL_HEAD_DIMS = (32, 64, 96, 128, 256)
+# Attention head dims: one number, or (q/k, v) for latent attention (DeepSeek-V3, Kimi K2), whose
+# launch has as many KV heads as query heads.
+HEAD_DIMS = (64, 128, (192, 128))
+ALL_HEAD_DIMS = (32, 64, 96, 128, 256, (192, 128))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # The launch the report specializes for: a Llama-style layout, (batch, seq, heads, head_dim) in
 # memory, 32 query heads sharing 8 KV heads; norms over 16k tokens of the presets' hidden sizes up
@@ -62,6 +65,11 @@ BATCH, SEQ, Q_HEADS, KV_HEADS = 2, 4096, 32, 8
 NORM_ROWS, NORM_WIDTHS, WIDE_NORM_WIDTHS = 16384, (2048, 4096, 8192), (12288, 25600)
 ATTENTION_KERNELS = ("fwd", "delta", "dkdv", "dq")
 NORM_KERNELS = ("rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd")
+# The experts' grouped GEMM: forward, dx (the same kernel on weight transposed) and dweight, for 8192 tokens
+# top-8 over 256 DeepSeek-V3/Kimi K2 experts of 7168 x 2048; every preset's shapes compile to this binary.
+GEMM_KERNELS = ("gmm_fwd", "gmm_dx", "gmm_dw")
+GEMM_ROWS, GEMM_GROUPS, GEMM_K, GEMM_N = 8192 * 8, 256, 7168, 2048
+MATMUL_KERNELS = ("fwd", "dkdv", "dq", *GEMM_KERNELS)  # the kernels whose matmuls must use matrix instructions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,9 +77,10 @@ class Case:
     kernel: str  # one of ATTENTION_KERNELS or NORM_KERNELS
     arch: str
     dtype: str
-    size: int  # head dim (attention) or row width (norms)
+    size: int  # head dim (attention: of q and k) or row width (norms)
     causal: bool | None  # None for kernels without a causal variant
     config: tuple = ()  # sorted (name, value) pairs: BLOCK_M, BLOCK_N, num_warps, num_stages, AMD options
+    out_size: int | None = None  # attention: v's head dim where it is not `size`; grouped GEMM: N
 
     @property
     def label(self) -> str:
@@ -82,21 +91,38 @@ def _config_tuple(config: triton.Config) -> tuple:
     return tuple(sorted({**config.kwargs, "num_warps": config.num_warps, "num_stages": config.num_stages}.items()))
 
 
-def cases(archs, head_dims=HEAD_DIMS, dtypes=tuple(DTYPES), causal_modes=(True, False), norms=True) -> list[Case]:
+def cases(
+    archs, head_dims=HEAD_DIMS, dtypes=tuple(DTYPES), causal_modes=(True, False), norms=True, gemms=True
+) -> list[Case]:
     """Every launch the trainer can make on `archs`: each attention kernel with each config its
-    autotuner may pick for the head dim, and the norm kernels at the presets' widths."""
+    autotuner may pick for the head dim, the norm kernels at the presets' widths and the grouped
+    GEMM's kernels with each of their configs."""
     out = []
     for arch, dtype in itertools.product(archs, dtypes):
-        for d in head_dims:
-            out.append(Case("delta", arch, dtype, d, None, (("BLOCK_M", DELTA_BLOCK_M),)))
+        for dims in head_dims:
+            d, dv = (dims, None) if isinstance(dims, int) else dims
+            out.append(Case("delta", arch, dtype, d, None, (("BLOCK_M", DELTA_BLOCK_M),), dv))
+            block_dims = block_d_for(d), block_d_for(dv or d)
             for kernel, causal in itertools.product(("fwd", "dkdv", "dq"), causal_modes):
                 out += [
-                    Case(kernel, arch, dtype, d, causal, _config_tuple(c))
-                    for c in configs(kernel, arch, block_d_for(d))
+                    Case(kernel, arch, dtype, d, causal, _config_tuple(c), dv)
+                    for c in configs(kernel, arch, *block_dims)
                 ]
         if norms:
             out += [Case(k, arch, dtype, w, None) for k in NORM_KERNELS for w in NORM_WIDTHS]
+        if gemms:
+            out += [
+                Case(k, arch, dtype, GEMM_K, None, _config_tuple(c), GEMM_N)
+                for k in GEMM_KERNELS
+                for c in grouped_gemm_op.configs("dw" if k == "gmm_dw" else "mm", arch)
+            ]
     return out
+
+
+def kernel_kind(case: Case) -> str:
+    """What --kernels selects it by."""
+    kinds = {"attention": ATTENTION_KERNELS, "norm": NORM_KERNELS, "grouped_gemm": GEMM_KERNELS}
+    return next(kind for kind, kernels in kinds.items() if case.kernel in kernels)
 
 
 # ----------------------------------------------------------------------------- one launch
@@ -110,12 +136,14 @@ def _launch(case: Case):
     }
     if case.kernel in ATTENTION_KERNELS:
 
-        def layout(heads):
-            return torch.empty(BATCH, SEQ, heads, case.size, device="meta", dtype=dtype).transpose(1, 2)
+        def layout(heads, head_dim=case.size):
+            return torch.empty(BATCH, SEQ, heads, head_dim, device="meta", dtype=dtype).transpose(1, 2)
 
-        q, k, v, out, grad_out, dq = (layout(h) for h in (Q_HEADS, KV_HEADS, KV_HEADS, Q_HEADS, Q_HEADS, Q_HEADS))
+        v_size, kv_heads = (case.size, KV_HEADS) if case.out_size is None else (case.out_size, Q_HEADS)
+        q, k, dq = layout(Q_HEADS), layout(kv_heads), layout(Q_HEADS)
+        v, out, grad_out = layout(kv_heads, v_size), layout(Q_HEADS, v_size), layout(Q_HEADS, v_size)
         lse, delta = (torch.empty(BATCH, Q_HEADS, SEQ, device="meta") for _ in range(2))
-        grads = (layout(KV_HEADS), layout(KV_HEADS)) if case.kernel == "dkdv" else (dq,)
+        grads = (layout(kv_heads), layout(kv_heads, v_size)) if case.kernel == "dkdv" else (dq,)
         args, meta = kernel_args(
             case.kernel,
             q,
@@ -130,6 +158,9 @@ def _launch(case: Case):
             grads=grads,
         )
         return kernel_fn(case.kernel), args, {**meta, **config}, options
+    if case.kernel in GEMM_KERNELS:
+        fn, args, meta = _gemm_launch(case.kernel, dtype)
+        return fn, args, {**meta, **config}, options
     kind, direction = case.kernel.split("_")
     x = torch.empty(NORM_ROWS, case.size, device="meta", dtype=dtype)
     w, b = torch.empty(case.size, device="meta", dtype=dtype), torch.empty(case.size, device="meta", dtype=dtype)
@@ -156,15 +187,33 @@ def _launch(case: Case):
     return getattr(norm.kernel_module(), f"norm_{direction}"), args, meta, options
 
 
+def _gemm_launch(kernel: str, dtype: torch.dtype):
+    """(jit function, positional args, constexprs) of one grouped GEMM launch, as models/moe.py makes it."""
+    x, dy = (torch.empty(GEMM_ROWS, n, device="meta", dtype=dtype) for n in (GEMM_K, GEMM_N))
+    weight = torch.empty(GEMM_GROUPS, GEMM_K, GEMM_N, device="meta", dtype=dtype)
+    offsets = torch.empty(GEMM_GROUPS, device="meta", dtype=torch.int32)
+    if kernel == "gmm_fwd":
+        args, meta = grouped_gemm_op.kernel_args("mm", x, weight, offsets, torch.empty_like(dy))
+    elif kernel == "gmm_dx":
+        args, meta = grouped_gemm_op.kernel_args("mm", dy, weight.transpose(1, 2), offsets, torch.empty_like(x))
+    else:
+        args, meta = grouped_gemm_op.kernel_args("dw", x, dy, offsets, torch.empty_like(weight))
+    return grouped_gemm_op.kernel_fn("dw" if kernel == "gmm_dw" else "mm"), args, meta
+
+
 def specialize(fn, args, constexprs) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) as Triton's JIT specializes `args` at launch: integers equal
-    to 1 become constants, pointers and integers divisible by 16 get the divisibility hint."""
+    to 1 become constants, pointers and integers divisible by 16 get the divisibility hint (except
+    the kernel's do_not_specialize arguments)."""
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
 
     signature, constants, attrs = {}, {}, {}
+    # The decorator's do_not_specialize: a JIT function keeps it, an interpreted one (in tests) in kwargs.
+    kept = getattr(fn, "do_not_specialize", None) or getattr(fn, "kwargs", {}).get("do_not_specialize") or ()
+    unspecialized = {fn.arg_names[n] if isinstance(n, int) else n for n in kept}
     for index, (name, arg) in enumerate(zip(fn.arg_names, args)):
-        kind, spec = native_specialize_impl(BaseBackend, arg, False, True, True)
+        kind, spec = native_specialize_impl(BaseBackend, arg, False, name not in unspecialized, True)
         signature[name] = kind
         if kind == "constexpr":
             constants[name] = spec
@@ -299,7 +348,7 @@ def _nvidia_warps_per_sm(spec: dict, registers: int, shared: int, warps: int) ->
 
 def problems(case: Case, result: dict) -> list[str]:
     """The gates: compiles, no spills, no scratch, shared memory within the chip, matrix
-    instructions in every attention kernel that multiplies matrices."""
+    instructions in every kernel that multiplies matrices (attention's and the grouped GEMM's)."""
     if "error" in result:
         return [f"does not compile ({result['error']})"]
     found = []
@@ -307,7 +356,7 @@ def problems(case: Case, result: dict) -> list[str]:
         found.append(f"spills {result['spill_bytes']} B, scratch {result['scratch_bytes']} B")
     if result["shared"] > ARCHS[case.arch]["shared"]:
         found.append(f"shared memory {result['shared']} B over the chip's {ARCHS[case.arch]['shared']} B")
-    if case.kernel in ("fwd", "dkdv", "dq") and not result["matrix_instructions"]:
+    if case.kernel in MATMUL_KERNELS and not result["matrix_instructions"]:
         found.append("no matrix instructions")
     return found
 
@@ -329,10 +378,11 @@ REPORTED = (
 )
 
 
-def run(selected: list[Case], use_cache: bool = True, progress=None) -> list[dict]:
+def run(selected: list[Case], use_cache: bool = True, progress=None, known: dict | None = None) -> list[dict]:
+    """Each case's report row; `known` (launch key -> an earlier report's row) spares compiling again."""
     rows = []
     for number, case in enumerate(selected, 1):
-        result = compile_case(case, use_cache)
+        result = (known or {}).get(launch_key(case)) or compile_case(case, use_cache)
         rows.append(
             {
                 **dataclasses.asdict(case),
@@ -343,7 +393,8 @@ def run(selected: list[Case], use_cache: bool = True, progress=None) -> list[dic
         )
         if progress:
             progress(
-                f"[{number}/{len(selected)}] {case.arch} {case.kernel} {case.dtype} {case.size} "
+                f"[{number}/{len(selected)}] {case.arch} {case.kernel} {case.dtype} {case.size}"
+                f"{'' if case.out_size is None else f'/{case.out_size}'} "
                 f"causal={case.causal} {case.label}: {'; '.join(rows[-1]['problems']) or 'ok'}"
             )
     return rows

@@ -11,7 +11,8 @@ ATTENTION_IMPLS = ("sdpa", "eager", "triton")
 
 
 def eager_attention(q, k, v, *, causal: bool = True, softmax_scale: float | None = None):
-    """Plain PyTorch reference: materializes the score matrix. q (b, hq, sq, d), k/v (b, hkv, sk, d).
+    """Plain PyTorch reference: materializes the score matrix. q (b, hq, sq, d), k (b, hkv, sk, d),
+    v (b, hkv, sk, dv): v's head dim may differ from q's and k's (latent attention: 192 and 128).
 
     With sq != sk the causal mask is aligned to the lower right (query i sees keys up to
     i + sk - sq), as in torch.nn.attention.bias.causal_lower_right.
@@ -63,5 +64,6 @@ _IMPLS = {"sdpa": sdpa_attention, "eager": eager_attention, "triton": triton_att
 
 
 def attention(q, k, v, *, impl: str = "sdpa", causal: bool = True, softmax_scale: float | None = None):
-    """Attention of q (batch, q_heads, q_len, head_dim) over k, v (batch, kv_heads, kv_len, head_dim)."""
+    """Attention of q (batch, q_heads, q_len, head_dim) over k (batch, kv_heads, kv_len, head_dim) and
+    v (batch, kv_heads, kv_len, v_head_dim); the output is (batch, q_heads, q_len, v_head_dim)."""
     return _IMPLS[impl](q, k, v, causal=causal, softmax_scale=softmax_scale)

@@ -2,20 +2,23 @@
 
     out = flash_attention(q, k, v, causal=True, softmax_scale=None)
 
-q is (batch, q_heads, q_len, head_dim); k and v are (batch, kv_heads, kv_len, head_dim), with
-q_heads a multiple of kv_heads (grouped-query and multi-query attention read the shared K/V head,
+q is (batch, q_heads, q_len, head_dim), k (batch, kv_heads, kv_len, head_dim) and v (batch,
+kv_heads, kv_len, v_head_dim); the output is (batch, q_heads, q_len, v_head_dim). v's head dim may
+differ from q's and k's, as in latent attention (DeepSeek-V3, Kimi K2: 192 and 128). q_heads is a
+multiple of kv_heads (grouped-query and multi-query attention read the shared K/V head,
 never a repeated copy). Input strides are arbitrary; the output (and dq, dk, dv) is laid out as
 (batch, seq, heads, head_dim) in memory, viewed as (batch, heads, seq, head_dim), so a model's
 `out.transpose(1, 2).reshape(batch, seq, -1)` is free. dtype fp16, bf16 or fp32 (fp32 with IEEE
-fp32 dot products, not TF32); head_dim up to 256 (padded inside the kernel to the next power of
-two, at least 16, and masked).
+fp32 dot products, not TF32); head dims up to 256 (each padded inside the kernel to the next power
+of two, at least 16, and masked; the configs are those of the larger padded head dim).
 
 Causal masking with q_len != kv_len is aligned to the lower right, as PyTorch's
 `torch.nn.attention.bias.causal_lower_right` and FlashAttention >= 2.1: the last query sees every
 key, query i sees keys j <= i + kv_len - q_len. When q_len > kv_len the first q_len - kv_len
 queries see no key; their output and gradients are zero (as SDPA's math backend gives).
 
-The kernels live in _flash_attention_kernels.py; the config sets per GPU architecture here.
+The kernels live in _flash_attention_kernels.py, the config sets per GPU architecture in
+flash_attention_configs.py.
 """
 
 from __future__ import annotations
@@ -28,100 +31,18 @@ import torch
 import triton
 
 from trillion.kernels._triton_setup import device_arch, interpreting, next_power_of_2, unavailable_reason
+from trillion.kernels.flash_attention_configs import configs
 
 __all__ = ["flash_attention", "reference_attention", "MAX_HEAD_DIM"]
 
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
-
-
-# ----------------------------------------------------------------------------- configs
-# Per architecture and kernel, the configs for padded head dims up to 64, up to 128 and up to 256:
-# (BLOCK_M, BLOCK_N, num_warps, num_stages[, AMD options]). The autotuner times those of the head
-# dim's class once per shape and keeps the best. Every config for head dims 64 and 128 compiles
-# without spills or scratch and within the chip's shared memory (experiments/kernels/RESOURCES.md,
-# checked by tests/kernels/test_aot.py). On AMD CDNA, waves_per_eu caps occupancy to leave
-# registers per wave, matrix_instr_nonkdim picks the 16x16 MFMA.
-def _amd(waves: int) -> dict:
-    return {"waves_per_eu": waves, "matrix_instr_nonkdim": 16}
-
-
-_CONFIGS: dict[str, dict[str, dict[int, list[tuple]]]] = {
-    "sm80": {
-        "fwd": {
-            64: [(128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3)],
-            128: [(128, 32, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)],
-            256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
-        },
-        "dkdv": {
-            64: [(32, 128, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2)],
-            128: [(32, 64, 8, 2), (64, 64, 8, 2), (32, 32, 4, 2)],
-            256: [(32, 64, 4, 2), (16, 64, 4, 2)],
-        },
-        "dq": {
-            64: [(128, 64, 8, 2), (64, 64, 8, 3), (64, 32, 4, 3)],
-            128: [(64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 4, 2)],
-            256: [(64, 32, 4, 2), (32, 32, 4, 2)],
-        },
-    },
-    "sm90": {
-        "fwd": {
-            64: [(128, 128, 8, 4), (128, 64, 4, 4), (64, 64, 4, 4)],
-            128: [(128, 64, 8, 4), (128, 64, 8, 2), (64, 64, 4, 4), (64, 32, 4, 3)],
-            256: [(128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 3)],
-        },
-        "dkdv": {
-            64: [(64, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 2)],
-            128: [(32, 64, 8, 3), (64, 32, 8, 2)],
-            256: [(32, 64, 4, 2), (16, 64, 4, 2)],
-        },
-        "dq": {
-            64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
-            128: [(128, 64, 8, 2), (64, 64, 8, 2), (128, 32, 8, 3), (64, 32, 4, 2)],
-            256: [(64, 32, 4, 2), (32, 32, 4, 2)],
-        },
-    },
-    "gfx90a": {
-        "fwd": {
-            64: [(128, 64, 8, 1, _amd(1)), (64, 64, 4, 1, _amd(3)), (128, 32, 4, 1, _amd(2))],
-            128: [(128, 32, 4, 1, _amd(2)), (64, 32, 4, 1, _amd(2)), (128, 64, 8, 1, _amd(1))],
-            256: [(64, 32, 4, 1, _amd(2)), (32, 32, 4, 1, _amd(2))],
-        },
-        "dkdv": {
-            64: [(32, 64, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
-            128: [(32, 64, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
-            256: [(32, 32, 4, 1, _amd(1)), (16, 32, 4, 1, _amd(2))],
-        },
-        "dq": {
-            64: [(64, 32, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
-            128: [(64, 32, 4, 1, _amd(2)), (64, 64, 4, 1, _amd(1))],
-            256: [(32, 32, 4, 1, _amd(1)), (32, 16, 4, 1, _amd(2))],
-        },
-    },
-    "gfx942": {
-        "fwd": {
-            64: [(128, 64, 8, 2, _amd(1)), (128, 64, 4, 2, _amd(2)), (64, 64, 4, 2, _amd(3))],
-            128: [(128, 64, 8, 2, _amd(1)), (64, 64, 4, 2, _amd(2)), (64, 32, 4, 1, _amd(2))],
-            256: [(64, 64, 4, 2, _amd(2)), (64, 32, 4, 1, _amd(2))],
-        },
-        "dkdv": {
-            64: [(16, 64, 4, 1, _amd(2)), (32, 64, 4, 1, _amd(2))],
-            128: [(32, 64, 4, 1, _amd(2)), (16, 64, 4, 1, _amd(2)), (32, 32, 4, 1, _amd(2))],
-            256: [(32, 64, 4, 1, _amd(1)), (16, 64, 4, 1, _amd(2))],
-        },
-        "dq": {
-            64: [(128, 32, 4, 2, _amd(1)), (32, 64, 4, 1, _amd(2)), (64, 32, 4, 1, _amd(2))],
-            128: [(128, 32, 4, 2, _amd(1)), (64, 32, 4, 1, _amd(1)), (64, 32, 4, 1, _amd(2))],
-            256: [(64, 32, 4, 1, _amd(1)), (32, 32, 4, 1, _amd(2))],
-        },
-    },
-    # The interpreter runs one fixed config: blocks as large as keep test sequences (up to ~200)
-    # spanning several blocks, since its cost is per block step; BLOCK_M != BLOCK_N on purpose.
-    "interpreter": {"fwd": {256: [(64, 32, 4, 1)]}, "dkdv": {256: [(32, 64, 4, 1)]}, "dq": {256: [(64, 32, 4, 1)]}},
-}
 DELTA_BLOCK_M = 64
 _KERNEL_NAMES = {"fwd": "attn_fwd", "dkdv": "attn_bwd_dkdv", "dq": "attn_bwd_dq", "delta": "attn_bwd_delta"}
+
+
+# ----------------------------------------------------------------------------- tuning and launch
 
 
 def kernel_fn(name: str):
@@ -133,34 +54,25 @@ def kernel_fn(name: str):
     return getattr(_flash_attention_kernels, _KERNEL_NAMES[name])
 
 
-def configs(kernel: str, arch: str, block_d: int) -> list[triton.Config]:
-    """The configs `kernel` ("fwd", "dkdv" or "dq") is tuned over on `arch` for a padded head dim."""
-    by_class = _CONFIGS[arch][kernel]
-    rows = by_class[min(c for c in by_class if c >= block_d)]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, **(extra[0] if extra else {})}, num_warps=w, num_stages=s)
-        for bm, bn, w, s, *extra in rows
-    ]
-
-
 @functools.cache
-def _tuned(kernel: str, arch: str, block_d: int):
-    return triton.autotune(configs(kernel, arch, block_d), key=["HEAD_DIM", "IS_CAUSAL", "q_len", "kv_len"])(
-        kernel_fn(kernel)
-    )
+def _tuned(kernel: str, arch: str, block_d: int, block_dv: int):
+    return triton.autotune(
+        configs(kernel, arch, block_d, block_dv), key=["HEAD_DIM", "V_DIM", "IS_CAUSAL", "q_len", "kv_len"]
+    )(kernel_fn(kernel))
 
 
-def _launch(kernel: str, device: torch.device, block_d: int, grid_rows: int, grid_cols: int, *args, **meta):
+def _launch(kernel: str, device: torch.device, grid_rows: int, grid_cols: int, *args, **meta):
     """Launch `kernel` with the device's tuned configs, or the interpreter's fixed one.
 
     The grid's first axis tiles `grid_rows` by the chosen config's block (BLOCK_M for the
     forward and dQ, BLOCK_N for dK/dV)."""
     tile = "BLOCK_N" if kernel == "dkdv" else "BLOCK_M"
+    dims = meta["BLOCK_D"], meta["BLOCK_DV"]
     if interpreting():
-        (config,) = configs(kernel, "interpreter", block_d)
+        (config,) = configs(kernel, "interpreter", *dims)
         kernel_fn(kernel)[(triton.cdiv(grid_rows, config.kwargs[tile]), grid_cols)](*args, **meta, **config.kwargs)
         return
-    fn = _tuned(kernel, device_arch(device), block_d)
+    fn = _tuned(kernel, device_arch(device), *dims)
     with torch.cuda.device(device):
         fn[lambda cfg: (triton.cdiv(grid_rows, cfg[tile]), grid_cols)](*args, **meta)
 
@@ -194,10 +106,11 @@ def kernel_args(
     block sizes excluded. The launchers below and the ahead-of-time report (kernels/report.py) both
     build their launches here, so the report compiles exactly the specialization that runs."""
     batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = k.shape[1], k.shape[2]
-    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d_for(head_dim))
-    if kernel == "delta":
+    kv_heads, kv_len, v_dim = k.shape[1], k.shape[2], v.shape[3]
+    if kernel == "delta":  # rowsum(dO * O), both of v's head dim
+        meta = dict(HEAD_DIM=v_dim, BLOCK_D=block_d_for(v_dim))
         return (out, grad_out, delta, *_strides(out), *_strides(grad_out), q_heads, q_len), meta
+    meta = dict(HEAD_DIM=head_dim, BLOCK_D=block_d_for(head_dim), V_DIM=v_dim, BLOCK_DV=block_d_for(v_dim))
     meta["IS_CAUSAL"] = causal
     group, qk_scale = q_heads // kv_heads, softmax_scale * _LOG2E
     qkv_strides = (*_strides(q), *_strides(k), *_strides(v))
@@ -248,14 +161,14 @@ def kernel_args(
 
 
 def _forward(q, k, v, causal: bool, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, q_heads, q_len, head_dim = q.shape
-    out = _new_like_layout(batch, q_heads, q_len, head_dim, q)
+    batch, q_heads, q_len, _ = q.shape
+    out = _new_like_layout(batch, q_heads, q_len, v.shape[3], q)
     lse = q.new_empty((batch, q_heads, q_len), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
     _check_runnable(q)
     args, meta = kernel_args("fwd", q, k, v, out, lse, causal, softmax_scale)
-    _launch("fwd", q.device, meta["BLOCK_D"], q_len, batch * q_heads, *args, **meta)
+    _launch("fwd", q.device, q_len, batch * q_heads, *args, **meta)
     return out, lse
 
 
@@ -264,7 +177,7 @@ def _backward(grad_out, q, k, v, out, lse, causal: bool, softmax_scale: float):
     kv_heads, kv_len = k.shape[1], k.shape[2]
     dq = _new_like_layout(batch, q_heads, q_len, head_dim, q)
     dk = _new_like_layout(batch, kv_heads, kv_len, head_dim, k)
-    dv = _new_like_layout(batch, kv_heads, kv_len, head_dim, v)
+    dv = _new_like_layout(batch, kv_heads, kv_len, v.shape[3], v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     _check_runnable(q)
@@ -275,9 +188,9 @@ def _backward(grad_out, q, k, v, out, lse, causal: bool, softmax_scale: float):
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         kernel_fn("delta")[(triton.cdiv(q_len, block_m), batch * q_heads)](*args, **meta, BLOCK_M=block_m)
     args, meta = kernel_args("dkdv", q, k, v, out, lse, causal, softmax_scale, **common, grads=(dk, dv))
-    _launch("dkdv", q.device, meta["BLOCK_D"], kv_len, batch * kv_heads, *args, **meta)
+    _launch("dkdv", q.device, kv_len, batch * kv_heads, *args, **meta)
     args, meta = kernel_args("dq", q, k, v, out, lse, causal, softmax_scale, **common, grads=(dq,))
-    _launch("dq", q.device, meta["BLOCK_D"], q_len, batch * q_heads, *args, **meta)
+    _launch("dq", q.device, q_len, batch * q_heads, *args, **meta)
     return dq, dk, dv
 
 
@@ -291,8 +204,11 @@ def _fwd_op(
 
 @_fwd_op.register_fake
 def _(q, k, v, causal, softmax_scale):
-    batch, heads, q_len, head_dim = q.shape
-    return (_new_like_layout(batch, heads, q_len, head_dim, q), q.new_empty((batch, heads, q_len), dtype=torch.float32))
+    batch, heads, q_len, _ = q.shape
+    return (
+        _new_like_layout(batch, heads, q_len, v.shape[3], q),
+        q.new_empty((batch, heads, q_len), dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("trillion::flash_attn_bwd", mutates_args=())
@@ -364,15 +280,15 @@ def flash_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, softmax_scale: float | None = None
 ) -> torch.Tensor:
     """softmax(q @ k^T * softmax_scale [+ causal mask]) @ v, shapes and alignment as in the module
-    docstring. softmax_scale defaults to 1/sqrt(head_dim)."""
+    docstring. softmax_scale defaults to 1/sqrt(head_dim) of q and k."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"flash_attention takes 4-d (batch, heads, seq, head_dim) tensors, got "
             f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(
-            f"flash_attention: k and v must share one shape, with q's batch and head_dim; "
+            f"flash_attention: k and v must share batch, heads and length, k q's batch and head_dim; "
             f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
@@ -381,8 +297,10 @@ def flash_attention(
         raise ValueError(
             f"flash_attention needs q, k, v of one dtype among fp16, bf16, fp32; got {q.dtype}, {k.dtype}, {v.dtype}"
         )
-    if not 0 < q.shape[3] <= MAX_HEAD_DIM:
-        raise ValueError(f"flash_attention supports head_dim 1..{MAX_HEAD_DIM}, got {q.shape[3]}")
+    if not (0 < q.shape[3] <= MAX_HEAD_DIM and 0 < v.shape[3] <= MAX_HEAD_DIM):
+        raise ValueError(
+            f"flash_attention supports head_dim 1..{MAX_HEAD_DIM}, got {q.shape[3]} for q/k and {v.shape[3]} for v"
+        )
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[3])
     out, _ = _fwd_op(q, k, v, causal, float(softmax_scale))

@@ -4,30 +4,74 @@ backend: rows of `x` sorted by group, group g's rows times `weight[g]`.
 Backends: `torch` is `torch._grouped_mm`, one kernel for all groups, which needs no host sync; it runs
 on CUDA from sm90 (bf16) and on CPU in float32/16 when every row is a multiple of 16 bytes, with a
 contiguous incoming gradient (both measured on torch 2.13; `_ContiguousGrad` supplies the second).
-`loop` is the reference and the fallback: one matmul per group, which reads the group sizes on the
-host. `auto` takes `torch` where it runs, else `loop`.
+`triton` is the project's own kernel (kernels/grouped_gemm_op.py), also without a host sync, for the
+GPUs torch's does not take (ROCm, A100); it falls back to `loop`, saying why once, where Triton
+cannot run. `loop` is the reference and the fallback: one matmul per group, which reads the group
+sizes on the host. `auto` takes `torch` where it runs, else `triton` on a CUDA or ROCm GPU, else
+`loop`, logging once on a GPU why it did not take `torch`.
 """
-
-import logging
 
 import torch
 
-GROUPED_GEMM_IMPLS = ("auto", "torch", "loop")
+from trillion.kernels._triton_setup import has_triton, log_once, unavailable_reason, use_triton
 
-log = logging.getLogger("trillion")
+GROUPED_GEMM_IMPLS = ("auto", "torch", "triton", "loop")
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+if has_triton():
+    from trillion.kernels.grouped_gemm_op import triton_grouped_mm
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """x (rows, k) sorted by group, weight (groups, k, n), offsets (groups,) int32: the end row of each
     group (a running sum of the group sizes; the last may be short of `rows`, the rest are zeros)."""
-    if impl == "loop" or (impl == "auto" and grouped_mm_unavailable(x, weight) is not None):
+    impl = _choose(impl, x, weight)
+    if impl == "loop":
         return loop_grouped_mm(x, weight, offsets)
+    if impl == "triton":
+        return triton_grouped_mm(x, weight, offsets)
     # torch._grouped_mm leaves rows past the last group unwritten (garbage, in forward and backward): the
     # last group runs them, and they are zeroed after, so nothing reads memory it never wrote
     all_rows = torch.cat([offsets[:-1], offsets.new_full((1,), x.shape[0])])
     out = _ContiguousGrad.apply(torch._grouped_mm(x, weight, offs=all_rows))
     past_the_groups = torch.arange(x.shape[0], device=x.device) >= offsets[-1]
     return out.masked_fill(past_the_groups.unsqueeze(1), 0)
+
+
+def _choose(impl: str, x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The backend that runs `impl` on these operands."""
+    if impl in ("torch", "loop"):
+        return impl
+    if impl == "triton":
+        return (
+            "triton" if use_triton("kernels.grouped_gemm=triton", x.device.type, _triton_dtype(x, weight)) else "loop"
+        )
+    why_not_torch = grouped_mm_unavailable(x, weight)
+    if why_not_torch is None:
+        return "torch"
+    if x.device.type != "cuda":  # on CPU (and meta) the loop is the plan, not a fallback: nothing to say
+        return "loop"
+    if use_triton("kernels.grouped_gemm=auto", "cuda", _triton_dtype(x, weight)):
+        log_once("kernels", f"kernels.grouped_gemm=auto runs the Triton grouped GEMM: {why_not_torch}")
+        return "triton"
+    log_once("kernels", f"kernels.grouped_gemm=auto runs one matmul per group: {why_not_torch}")
+    return "loop"
+
+
+def backend_unavailable(impl: str, x: torch.Tensor, weight: torch.Tensor) -> str | None:
+    """Why kernels.grouped_gemm=`impl` cannot run on these operands (None when it can); auto and loop always run."""
+    if impl == "torch":
+        return grouped_mm_unavailable(x, weight)
+    if impl == "triton":
+        return unavailable_reason(x.device) or _triton_dtype(x, weight) or None
+    return None
+
+
+def _triton_dtype(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """Why the Triton grouped GEMM cannot take these dtypes ("" when it can)."""
+    if x.dtype != weight.dtype or x.dtype not in _TRITON_DTYPES:
+        return f"the Triton grouped GEMM takes float16, bfloat16 or float32, not {x.dtype} x {weight.dtype}"
+    return ""
 
 
 def loop_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch import nn
 
 from trillion.errors import ConfigError
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
-from trillion.kernels.grouped_gemm import grouped_mm_unavailable
+from trillion.kernels.grouped_gemm import backend_unavailable
 from trillion.models import ModelArgs, Transformer, get_preset
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
@@ -118,15 +118,16 @@ def with_moe_settings(args: ModelArgs, model: Model, moe: Moe, grouped_gemm: str
 
 
 def check_grouped_gemm(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> None:
-    """kernels.grouped_gemm=torch where torch._grouped_mm cannot run: refused before any work."""
-    if args.moe is None or args.moe.experts_impl != "torch":
+    """kernels.grouped_gemm=torch or =triton where that backend cannot run: refused before any work."""
+    if args.moe is None or args.moe.experts_impl not in ("torch", "triton"):
         return
     x = torch.empty(0, args.dim, device=device, dtype=dtype)
-    why = grouped_mm_unavailable(x, torch.empty(0, 0, args.moe.expert_ffn_dim, device="meta"))
+    why = backend_unavailable(args.moe.experts_impl, x, torch.empty(0, 0, args.moe.expert_ffn_dim, dtype=dtype))
     if why is not None:
         raise ConfigError(
-            f"kernels.grouped_gemm=torch cannot run here: {why}. Use --kernels.grouped_gemm=auto (it falls back to "
-            "one matmul per expert) or --kernels.grouped_gemm=loop."
+            f"kernels.grouped_gemm={args.moe.experts_impl} cannot run here: {why}. Use --kernels.grouped_gemm=auto "
+            "(torch._grouped_mm where it runs, else the Triton kernel on a GPU, else one matmul per expert) or "
+            "--kernels.grouped_gemm=loop."
         )
 
 

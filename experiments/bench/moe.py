@@ -1,7 +1,8 @@
-"""Mixture-of-experts benchmarks: the grouped GEMM against the per-expert loop (forward + backward of one
-projection), one MoE layer's forward + backward with each backend and how much of it is dispatch
-(routing, permutation and the return to token order, timed with the experts replaced by a copy), and
-training tokens/s of debug-moe against the dense debug model (model, AdamW, one process).
+"""Mixture-of-experts benchmarks: the grouped GEMM (torch._grouped_mm; on a GPU our Triton kernel too)
+against the per-expert loop (forward + backward of one projection), one MoE layer's forward + backward
+with each backend and how much of it is dispatch (routing, permutation and the return to token order,
+timed with the experts replaced by a copy), and training tokens/s of debug-moe against the dense debug
+model (model, AdamW, one process).
 
     python experiments/bench/moe.py [--device cuda] [--out DIR]   # bf16 on a GPU, fp32 on the CPU
     python experiments/bench/moe.py --smoke --out DIR             # tiny sizes: the test of this script
@@ -24,6 +25,11 @@ from trillion.models import PRESETS, Transformer  # noqa: E402
 from trillion.models.moe import MoE  # noqa: E402
 
 
+def _impls(device) -> tuple:
+    """The grouped GEMM backends to time: our Triton kernel too on a GPU (on CPU it would be the loop again)."""
+    return ("torch", "triton", "loop") if device.type == "cuda" else ("torch", "loop")
+
+
 def grouped_gemm_rows(device, dtype, sizes, repeats):
     """(tokens, dim, hidden, experts): one projection's forward + backward, tokens spread evenly."""
     for tokens, dim, hidden, experts in sizes:
@@ -31,7 +37,7 @@ def grouped_gemm_rows(device, dtype, sizes, repeats):
         weight = torch.randn(experts, dim, hidden, device=device, dtype=dtype, requires_grad=True)
         offsets = (torch.arange(1, experts + 1, device=device) * (tokens // experts)).to(torch.int32)
         row = {"part": "grouped_gemm", "tokens": tokens, "dim": dim, "hidden": hidden, "experts": experts}
-        for impl in ("torch", "loop"):
+        for impl in _impls(device):
             row[f"{impl}_ms"] = 1e3 * median_seconds(
                 lambda: grouped_mm(x, weight, offsets, impl).sum().backward(), device, warmup=2, repeats=repeats
             )
@@ -43,7 +49,7 @@ def layer_rows(device, dtype, tokens, repeats):
     """debug-moe's MoE layer, forward + backward, per backend, and with the experts replaced by a copy."""
     args = PRESETS["debug-moe"]
     x = torch.randn(1, tokens, args.dim, device=device, dtype=dtype, requires_grad=True)
-    for impl in ("torch", "loop"):
+    for impl in _impls(device):
         layer = MoE(args.dim, dataclasses.replace(args.moe, experts_impl=impl)).to(device=device, dtype=dtype)
         for param in layer.parameters():
             torch.nn.init.normal_(param, std=0.02)

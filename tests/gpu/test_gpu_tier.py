@@ -1,5 +1,6 @@
 """The GPU tier (`pytest -m gpu`, skipped without a GPU): the kernels natively in bf16 and fp16 with
-autotuning on, under torch.compile, against a float64 reference; and a short training run with
+autotuning on (attention and the norms under torch.compile; latent attention's 192/128; the grouped
+GEMM without a host sync), against a float64 reference; and a short training run with
 Triton attention against SDPA. Under 5 minutes on one H100/H200; run by experiments/bench/device_check.sh.
 """
 
@@ -27,8 +28,9 @@ DTYPES = (torch.bfloat16, torch.float16)
 # new shape and dtype autotunes (compiles and times every config), so the grid stays small: the
 # interpreter tests (tests/kernels) cover the shapes, this tier the native code.
 SHAPES = ((2, 8, 2, 1000, 1000), (1, 4, 4, 128, 640))
-# (dtype, head_dim, causal): both dtypes, both head dims, both masks.
+# (dtype, head_dim, causal): both dtypes, both head dims, both masks; latent attention's q/k 192, v 128.
 ATTENTION_CASES = (
+    (torch.bfloat16, (192, 128), True),
     (torch.bfloat16, 128, True),
     (torch.bfloat16, 64, True),
     (torch.bfloat16, 128, False),
@@ -55,9 +57,10 @@ def test_flash_attention_under_compile_matches_float64(dtype, head_dim, causal):
     compiled = torch.compile(lambda q, k, v: flash_attention(q, k, v, causal=causal), fullgraph=True)
     for batch, hq, hkv, lq, lk in SHAPES:
         gen = torch.Generator("cuda").manual_seed(lq + hkv)
-        q = torch.randn(batch, hq, lq, head_dim, device="cuda", generator=gen)
-        k, v = (torch.randn(batch, hkv, lk, head_dim, device="cuda", generator=gen) for _ in range(2))
-        grad = torch.randn_like(q)
+        d, dv = (head_dim, head_dim) if isinstance(head_dim, int) else head_dim
+        q = torch.randn(batch, hq, lq, d, device="cuda", generator=gen)
+        k, v = (torch.randn(batch, hkv, lk, dim, device="cuda", generator=gen) for dim in (d, dv))
+        grad = torch.randn(batch, hq, lq, dv, device="cuda", generator=gen)
         exact = _attention_grads(lambda *t: reference_attention(*t, causal=causal), q, k, v, grad, torch.float64)
         ours = _attention_grads(compiled, q, k, v, grad, dtype)
         torch_same = _attention_grads(lambda *t: reference_attention(*t, causal=causal), q, k, v, grad, dtype)
@@ -95,6 +98,41 @@ def test_norms_under_compile_match_float32(dtype, kind):
                 continue
             bound = 2 * _err(s, e) + 4 * torch.finfo(dtype).eps * e.abs().max().item()
             assert _err(m, e) <= bound, (name, rows, cols, _err(m, e), bound)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_triton_grouped_gemm_matches_float64_without_a_host_sync(dtype):
+    """Uneven and empty experts and rows past the last one, at a DeepSeek-V3-like width; the second call
+    (the first autotunes) runs under sync_debug_mode="error": no read of the group sizes on the host."""
+    from trillion.kernels.grouped_gemm import loop_grouped_mm
+    from trillion.kernels.grouped_gemm_op import triton_grouped_mm
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    sizes = torch.tensor([700, 0, 1, 1500, 0, 333, 900, 0], device="cuda")
+    offsets, rows = sizes.cumsum(0).to(torch.int32), int(sizes.sum()) + 100
+    x, w = (
+        torch.randn(rows, 2048, device="cuda", generator=gen),
+        torch.randn(8, 2048, 1536, device="cuda", generator=gen),
+    )
+    dy = torch.randn(rows, 1536, device="cuda", generator=gen)
+
+    def run(fn, dt):
+        leaves = [t.detach().to(dt).requires_grad_() for t in (x, w)]
+        out = fn(*leaves, offsets)
+        out.backward(dy.to(dt))
+        return [out.detach().double(), *(t.grad.double() for t in leaves)]
+
+    run(triton_grouped_mm, dtype)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mine = run(triton_grouped_mm, dtype)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    exact, same = run(loop_grouped_mm, torch.float64), run(loop_grouped_mm, dtype)
+    for name, m, e, s in zip(("out", "dx", "dw"), mine, exact, same):
+        bound = 2 * _err(s, e) + 4 * torch.finfo(dtype).eps * e.abs().max().item()
+        assert _err(m, e) <= bound, (name, _err(m, e), bound)
+    assert not mine[0][int(offsets[-1]) :].any() and not mine[2][1].any()
 
 
 def _train(tmp_path, attention: str) -> list[float]:

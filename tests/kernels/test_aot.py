@@ -38,9 +38,12 @@ def test_report_covers_every_shipped_config_and_every_row_passes_the_gates(recor
         if by_key[aot.launch_key(c)]["problems"]
     ]
     assert not failing, failing
-    for arch in aot.ARCHS:  # every attention kernel that multiplies matrices uses the matrix cores
-        rows = [r for r in data["rows"] if r["arch"] == arch and r["kernel"] in ("fwd", "dkdv", "dq")]
-        assert rows and all(r["matrix_count"] > 0 for r in rows), arch
+    for arch in aot.ARCHS:  # every kernel that multiplies matrices uses the matrix cores
+        rows = [r for r in data["rows"] if r["arch"] == arch and r["kernel"] in aot.MATMUL_KERNELS]
+        assert {r["kernel"] for r in rows} == set(aot.MATMUL_KERNELS), arch
+        assert all(r["matrix_count"] > 0 for r in rows), arch
+    mla = {(r["arch"], r["kernel"]) for r in data["rows"] if (r["size"], r.get("out_size")) == (192, 128)}
+    assert mla == {(arch, k) for arch in aot.ARCHS for k in aot.ATTENTION_KERNELS}  # latent attention's dims
 
 
 def _compiler_process(code: str, tmp_path) -> dict:
@@ -97,6 +100,49 @@ def test_the_launch_is_specialized_as_the_jit_does():
     divisible = {fn.arg_names[i] for (i,) in attrs}
     assert {"Q", "K", "V", "O", "LSE", "stride_qm", "stride_kn", "q_len", "kv_len"} <= divisible
     assert constants["BLOCK_D"] == 128 and constants["IS_CAUSAL"] is True and options["num_warps"] in (4, 8)
+
+
+def test_the_grouped_gemm_launch_is_specialized_as_the_jit_does():
+    by_kernel = {c.kernel: c for c in aot.cases(["sm90"], head_dims=(), dtypes=("bf16",), norms=False)}
+    fn, args, meta, _ = aot._launch(by_kernel["gmm_fwd"])
+    signature, constants, attrs = aot.specialize(fn, args, meta)
+    assert signature["X"] == signature["W"] == "*bf16" and signature["OFFSETS"] == "*i32"
+    assert constants["stride_xk"] == constants["stride_wn"] == constants["stride_on"] == 1
+    divisible = {fn.arg_names[i] for (i,) in attrs}
+    assert {"X", "W", "OUT", "OFFSETS", "K", "N", "stride_xm", "stride_wg"} <= divisible
+    # the counts that routing and the expert-parallel degree change are not specialized on (no recompiles)
+    assert signature["rows"] == signature["n_groups"] == "i32" and not {"rows", "n_groups"} & divisible
+    fn, args, meta, _ = aot._launch(by_kernel["gmm_dx"])  # dy @ w^T: w's unit stride is now along K
+    signature, constants, _ = aot.specialize(fn, args, meta)
+    assert constants["stride_wk"] == 1 and "stride_wn" not in constants
+
+
+@pytest.mark.parametrize("preset", ["mixtral-8x7b", "mixtral-8x22b", "qwen3-30b-a3b", "qwen3-235b-a22b"])
+def test_every_preset_s_experts_run_the_reported_grouped_gemm_binaries(preset, monkeypatch):
+    """The report compiles DeepSeek-V3's 7168 x 2048 experts; sizes and expert counts are run-time
+    arguments, so each preset's w1/w3 (dim x ffn) and w2 (ffn x dim) launch has the same key."""
+    from trillion.models import get_preset
+
+    args = get_preset(preset)
+    reported = {c: aot.launch_key(c) for c in aot.cases(list(aot.ARCHS), head_dims=(), norms=False)}
+    for k, n in ((args.dim, args.moe.expert_ffn_dim), (args.moe.expert_ffn_dim, args.dim)):
+        monkeypatch.setattr(aot, "GEMM_K", k)
+        monkeypatch.setattr(aot, "GEMM_N", n)
+        monkeypatch.setattr(aot, "GEMM_GROUPS", args.moe.n_experts)
+        assert all(aot.launch_key(case) == key for case, key in reported.items()), (k, n)
+
+
+def test_rows_of_an_earlier_report_are_reused_only_for_the_same_key_and_triton(tmp_path, monkeypatch):
+    case = aot.cases(["gfx942"], head_dims=(), dtypes=("fp16",), norms=False)[0]
+    row = {"key": aot.launch_key(case), "registers": 7, "spill_bytes": 0, "scratch_bytes": 0, "shared": 0}
+    row["matrix_instructions"] = ["v_mfma_f32_16x16x16_f16"]
+    earlier = tmp_path / "resources.json"
+    earlier.write_text(json.dumps({"triton": triton.__version__, "rows": [row], "searches": [], "wide_norms": []}))
+    monkeypatch.setattr(aot, "compile_case", lambda *a: pytest.fail("compiled a launch the earlier report holds"))
+    (reused,) = aot.run([case], known=report.reusable_rows(str(earlier)))
+    assert reused["registers"] == 7 and reused["problems"] == []
+    earlier.write_text(json.dumps({"triton": "0.0", "rows": [row], "searches": [], "wide_norms": []}))
+    assert report.reusable_rows(str(earlier)) == {}  # another compiler's rows are not this one's
 
 
 def test_resources_are_read_from_ptxas_and_amdgpu_output():

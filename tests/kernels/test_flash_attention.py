@@ -6,6 +6,8 @@ small fixed bound: 1e-5 in fp32; in fp16 one ulp at the tensor's largest value, 
 result to fp16 alone costs half of one.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -32,6 +34,15 @@ CASES = [
     (1, 2, 2, 129, 17, 16, torch.float16),  # most queries see no key when causal
     (2, 1, 1, 100, 17, 128, torch.float16),
 ]
+# Latent attention (DeepSeek-V3, Kimi K2): q/k head dim 192 (not a power of two), v 128, as many KV
+# heads as query heads; debug sizes 48/32 with grouped-query heads; lengths off the blocks, causal
+# with a KV prefix and with queries that see no key.
+MLA_CASES = [
+    (1, 2, 2, 100, 100, (192, 128), torch.float32),
+    (1, 2, 2, 67, 67, (192, 128), torch.float16),
+    (1, 4, 2, 77, 129, (48, 32), torch.float32),
+    (1, 2, 1, 90, 41, (48, 32), torch.float16),
+]
 SLOW_CASES = [
     (b, hq, hkv, lq, lk, d, dt)
     for b in (1, 2)
@@ -44,16 +55,19 @@ SLOW_CASES = [
 
 def _case_id(case):
     b, hq, hkv, lq, lk, d, dt = case
-    return f"b{b}-h{hq}/{hkv}-q{lq}-k{lk}-d{d}-{str(dt).removeprefix('torch.')}"
+    dims = d if isinstance(d, int) else "{}-v{}".format(*d)
+    return f"b{b}-h{hq}/{hkv}-q{lq}-k{lk}-d{dims}-{str(dt).removeprefix('torch.')}"
 
 
 def _inputs(case, seed=0):
+    """q, k, v and the output's gradient; head_dim is one number or (q/k's, v's)."""
     b, hq, hkv, lq, lk, d, dt = case
+    d, dv = (d, d) if isinstance(d, int) else d
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(b, hq, lq, d, generator=gen, dtype=dt)
     k = torch.randn(b, hkv, lk, d, generator=gen, dtype=dt)
-    v = torch.randn(b, hkv, lk, d, generator=gen, dtype=dt)
-    grad = torch.randn(b, hq, lq, d, generator=gen, dtype=dt)
+    v = torch.randn(b, hkv, lk, dv, generator=gen, dtype=dt)
+    grad = torch.randn(b, hq, lq, dv, generator=gen, dtype=dt)
     return q, k, v, grad
 
 
@@ -88,6 +102,14 @@ def _check_against_reference(case, causal, softmax_scale):
 def test_matches_float64_reference(case, causal):
     # The two scales alternate over the rows so that each meets both masks and all dtypes.
     softmax_scale = 0.5 if CASES.index(case) % 2 else None
+    _check_against_reference(case, causal, softmax_scale)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("case", MLA_CASES, ids=_case_id)
+def test_latent_attention_head_dims_match_float64_reference(case, causal):
+    # DeepSeek-V3's scale: 1/sqrt(192) times YaRN's correction squared (mscale 0.1 * ln(40) + 1).
+    softmax_scale = 192**-0.5 * (0.1 * math.log(40) + 1) ** 2 if MLA_CASES.index(case) % 2 else None
     _check_against_reference(case, causal, softmax_scale)
 
 
@@ -156,6 +178,8 @@ def test_forward_and_backward_are_bitwise_deterministic():
         (((1, 2, 8, 16), (1, 2, 8)), None, "4-d"),
         (((1, 3, 8, 16), (1, 2, 8, 16)), None, "multiple of kv_heads"),
         (((1, 2, 8, 16), (1, 2, 8, 32)), None, "head_dim"),
+        (((1, 2, 8, 16), (1, 2, 8, 16), (1, 2, 9, 16)), None, "length"),
+        (((1, 2, 8, 16), (1, 2, 8, 16), (1, 2, 8, 300)), None, "300 for v"),
         (((1, 2, 8, 300), (1, 2, 8, 300)), None, "head_dim 1..256"),
         (((1, 2, 8, 16), (1, 2, 8, 16)), (torch.float32, torch.float16), "one dtype"),
         (((1, 2, 8, 16), (1, 2, 8, 16)), (torch.float64, torch.float64), "one dtype"),
@@ -165,26 +189,28 @@ def test_bad_inputs_raise_value_errors_naming_the_problem(shapes, dtypes, messag
     q_dtype, kv_dtype = dtypes or (torch.float32, torch.float32)
     q = torch.randn(*shapes[0], dtype=q_dtype)
     k = torch.randn(*shapes[1], dtype=kv_dtype)
+    v = torch.randn(*shapes[2], dtype=kv_dtype) if len(shapes) > 2 else k
     with pytest.raises(ValueError, match=message):
-        flash_attention(q, k, k)
+        flash_attention(q, k, v)
 
 
-def test_custom_op_registration_passes_opcheck():
+@pytest.mark.parametrize("head_dim", [16, (48, 32)], ids=["d16", "d48-v32"])
+def test_custom_op_registration_passes_opcheck(head_dim):
     # Checks the schema, the fake (meta) implementation against the real one, the autograd
     # registration and AOT dispatch: what torch.compile relies on.
-    q, k, v, _ = _inputs((1, 2, 1, 20, 24, 16, torch.float32))
+    q, k, v, _ = _inputs((1, 2, 1, 20, 24, head_dim, torch.float32))
     args = tuple(t.requires_grad_() for t in (q, k, v)) + (True, 0.25)
     torch.library.opcheck(torch.ops.trillion.flash_attn_fwd.default, args)
 
 
 @pytest.mark.parametrize("arch", ["sm80", "sm90", "gfx90a", "gfx942"])
 def test_every_architecture_has_configs_for_every_head_dim(arch):
-    from trillion.kernels.flash_attention_op import configs
+    from trillion.kernels.flash_attention_configs import configs
 
     for kernel in ("fwd", "dkdv", "dq"):
-        for block_d in (16, 32, 64, 128, 256):
-            chosen = configs(kernel, arch, block_d)
-            assert chosen, (kernel, block_d)
+        for block_dims in (16, 32, 64, 128, 256, (256, 128)):  # (256, 128): latent attention's own set
+            chosen = configs(kernel, arch, *(block_dims if isinstance(block_dims, tuple) else (block_dims,)))
+            assert chosen, (kernel, block_dims)
             if arch.startswith("gfx"):  # AMD CDNA options reach the compiler through the config
                 assert all({"waves_per_eu", "matrix_instr_nonkdim"} <= set(c.kwargs) for c in chosen)
 

@@ -117,3 +117,18 @@ def test_trainer_with_triton_kernels_matches_sdpa_losses(tmp_path):
     expected = losses("sdpa", "torch")
     assert len(expected) == 3  # every step logged
     assert losses("triton", "triton") == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa", "triton"])
+@pytest.mark.parametrize("q_len", [24, 9], ids=["square", "kv-prefix"])
+def test_fallbacks_take_a_value_head_dim_of_its_own(impl, q_len):
+    """Latent attention (DeepSeek-V3: q/k head dim 192, v 128), at debug sizes 48/32 with GQA."""
+    from trillion.kernels.flash_attention_op import reference_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, q_len, 48, generator=gen)
+    k, v = torch.randn(2, 2, 24, 48, generator=gen), torch.randn(2, 2, 24, 32, generator=gen)
+    out = attention(q, k, v, impl=impl, causal=True, softmax_scale=0.3)
+    assert out.shape == (2, 4, q_len, 32)
+    exact = reference_attention(q.double(), k.double(), v.double(), causal=True, softmax_scale=0.3)
+    torch.testing.assert_close(out.double(), exact, atol=1e-5, rtol=1e-5)

@@ -424,8 +424,9 @@ class Kernels:
     )
     grouped_gemm: str = doc(
         "auto",
-        "The routed experts' matmuls: auto (torch where it runs, else loop) | torch (torch._grouped_mm: CUDA sm90+ "
-        "in bf16, CPU with rows of 16-byte multiples) | loop (one matmul per expert).",
+        "The routed experts' matmuls: auto (torch where it runs, else triton on a GPU, else loop) | torch "
+        "(torch._grouped_mm: CUDA sm90+ in bf16, CPU with rows of 16-byte multiples) | triton (our grouped GEMM: "
+        "CUDA sm80+ and ROCm) | loop (one matmul per expert).",
         OneOf(grouped_gemm_impls),
     )
 
