@@ -28,6 +28,36 @@ class MoEArgs:
 
 
 @dataclass(frozen=True)
+class MLAArgs:
+    """DeepSeek's multi-head latent attention: keys and values from one compressed latent of kv_lora_rank
+    (normed), queries through an optional low-rank projection; each query/key head is a qk_nope_head_dim part
+    without positions and a qk_rope_head_dim rotary part (the key's shared by all heads); values v_head_dim."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0  # 0: queries by one full projection (DeepSeek-V2-Lite, Moonlight)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class YaRNArgs:
+    """YaRN rotary scaling (Peng et al. 2023) as DeepSeek's configs give it (`rope_scaling`, type yarn): the
+    frequencies interpolated between beta_fast and beta_slow, and the softmax scale multiplied by mscale^2."""
+
+    factor: float
+    original_max_seq_len: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
 class ModelArgs:
     n_layers: int
     dim: int
@@ -49,6 +79,10 @@ class ModelArgs:
     explicit_head_dim: int | None = None  # None: dim // n_heads (Qwen3 sets it wider)
     qk_norm: bool = False  # RMSNorm over each query and key head before rotary positions (Qwen3)
     moe: MoEArgs | None = None  # None: every block dense
+    mla: MLAArgs | None = None  # None: grouped-query attention; else multi-head latent attention
+    yarn: YaRNArgs | None = None  # None: plain rotary frequencies
+    mtp_modules: int = 0  # DeepSeek-V3's multi-token prediction modules (training only; 0 = off)
+    mtp_loss_weight: float = 0.0  # the weight of their mean extra loss (DeepSeek-V3: 0.3, later 0.1)
 
     @property
     def kv_heads(self) -> int:
