@@ -1,7 +1,8 @@
 """DeepSeek-V3's multi-token prediction (arXiv 2412.19437, section 2.2), a training-only extra objective.
 
-Module k (k = 1..D) sees, at each position i, the previous depth's hidden state (the trunk's, before its final
-norm, for k = 1) and the embedding of token i + k, and predicts token i + k + 1:
+Module k (k = 1..D) sees, at each position i, the previous depth's hidden state (for k = 1 the trunk's final one,
+after its final norm: what its head reads, as Megatron-Core's MTP and the serving engines feed it) and the
+embedding of token i + k, and predicts token i + k + 1:
 
     h_k = Block_k(eh_proj([enorm(Emb(t_{i+k})); hnorm(h_{k-1})]))    logits_k = Head(norm_k(h_k))
 
@@ -37,7 +38,7 @@ def predict_ahead(
     modules: nn.ModuleDict, embed: nn.Module, head: nn.Module, tokens: torch.Tensor, h: torch.Tensor, rope
 ) -> list[torch.Tensor]:
     """Each depth's logits, depth k's of shape (batch, seq - k, vocab): position i predicts token i + k + 1 from
-    the trunk's hidden states `h` (before the final norm) and `tokens` (batch, seq). The rotary table's first
+    the trunk's final hidden states `h` (after its final norm) and `tokens` (batch, seq). The rotary table's first
     positions serve each depth, whose position i is the trunk's."""
     logits = []
     for depth, module in enumerate(modules.values(), start=1):

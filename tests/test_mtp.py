@@ -2,7 +2,8 @@
 the paper's section 2.2 written out here in float64 from the model's weights: the trunk, the MTP module
 (enorm, hnorm, eh_proj, its block, its norm, the shared head) and both losses, values and every gradient
 (the shared embedding and head included); evaluation uses the main head only; a short run lowers both
-losses and export leaves the modules out; bad settings and layouts are refused, naming the fix."""
+losses, export leaves the modules out and an import starts them afresh; bad settings and layouts are
+refused, naming the fix."""
 
 import dataclasses
 import json
@@ -75,9 +76,9 @@ def reference_losses(w: dict, window: torch.Tensor) -> tuple[torch.Tensor, torch
     """(main loss, MTP loss), each the summed cross-entropy over the trunk's target count T (the paper's eq. 25)."""
     inputs, labels = window[:, :-1], window[:, 1:]
     embed, head = w["tok_embeddings.weight"], w["output.weight"]
-    h = block(embed[inputs], w, "layers.0.")
+    h = rms_norm(block(embed[inputs], w, "layers.0."), w["norm.weight"])  # the trunk's output representation
     count = labels.numel()
-    main = F.cross_entropy((rms_norm(h, w["norm.weight"]) @ head.T).flatten(0, 1), labels.flatten(), reduction="sum")
+    main = F.cross_entropy((h @ head.T).flatten(0, 1), labels.flatten(), reduction="sum")
     # depth 1: position i sees the trunk's h_i and token i+1's embedding, and predicts token i+2
     joined = torch.cat(
         [rms_norm(embed[inputs[:, 1:]], w["mtp.1.enorm.weight"]), rms_norm(h[:, :-1], w["mtp.1.hnorm.weight"])], -1
@@ -143,10 +144,11 @@ def records(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_training_with_mtp_lowers_both_losses_and_export_leaves_it_out(tmp_path, caplog):
+def test_training_with_mtp_lowers_both_losses_export_leaves_it_out_and_import_starts_it(tmp_path, caplog):
     from safetensors import safe_open
 
     out, hf = tmp_path / "run", tmp_path / "hf"
+    caplog.set_level("INFO", logger="trillion")
     flags = [*TINY, "--model.mtp_modules=1", "--training.steps=8", "--eval.interval=8", "--eval.steps=1"]
     assert main(["train", *flags, f"--job.output_dir={out}"]) == 0
     trained = [r for r in records(out) if "loss" in r]
@@ -155,12 +157,15 @@ def test_training_with_mtp_lowers_both_losses_and_export_leaves_it_out(tmp_path,
         first, last = (sum(r[key] for r in rows) / 3 for rows in (trained[:3], trained[-3:]))
         assert last < first - 0.3, (key, first, last)
     assert not any("mtp_loss" in r for r in records(out) if "eval_loss" in r and "loss" not in r)
-    caplog.set_level("INFO", logger="trillion")
+    assert f"mtp {trained[-1]['mtp_loss']:.4f}" in caplog.text  # in the console line too
     assert main(["export", "--checkpoint", str(out), "--format", "hf", str(hf)]) == 0
     with safe_open(str(hf / "model.safetensors"), "pt") as exported:
         names = list(exported.keys())
     assert names and not any("mtp" in name or "layers.1." in name for name in names)
     assert "leaves out the 13 multi-token prediction tensors" in caplog.text
+    # and a run with MTP starts from the exported folder, its module from its initial values
+    again = ["train", *flags, "--training.steps=1", f"--checkpoint.initial_load={hf}", f"--job.output_dir={tmp_path}/b"]
+    assert main(again) == 0
 
 
 @pytest.mark.parametrize(
@@ -187,14 +192,13 @@ def test_bad_mtp_settings_exit_2_naming_the_setting(flags, named, tmp_path, caps
         ({"pp": 2, "dp_shard": 2}, "parallel.pp=2"),
         ({"cp": 2, "dp_shard": 2}, "parallel.cp=2"),
         ({"tp": 2, "dp_shard": 2}, "parallel.tp=2"),
-        ({"ep": 2, "dp_shard": 4}, "parallel.ep=2"),
     ],
 )
 def test_layouts_without_whole_sequences_are_refused(layout, named):
     args = dataclasses.replace(PRESETS["debug-moe"], mtp_modules=1, mtp_loss_weight=0.3)
     with pytest.raises(ConfigError, match=f"model.mtp_modules=1 .* cannot run with {named}.*--model.mtp_modules=0"):
         check_whole_sequences(args, ParallelDims(world_size=4, **layout))
-    check_whole_sequences(args, ParallelDims(world_size=4, dp_replicate=2, dp_shard=2))  # data parallelism runs it
+    check_whole_sequences(args, ParallelDims(world_size=4, dp_replicate=2, dp_shard=2, ep=2))  # dp and ep run it
     moe = dataclasses.replace(args.moe, seq_aux_loss_coef=1e-4)
     if "cp" in layout:
         with pytest.raises(ConfigError, match="moe.seq_aux_loss_coef=0.0001 with parallel.cp=2.*--parallel.cp=1"):
