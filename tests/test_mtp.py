@@ -189,19 +189,26 @@ def test_bad_mtp_settings_exit_2_naming_the_setting(flags, named, tmp_path, caps
 @pytest.mark.parametrize(
     "layout, named",
     [
-        ({"pp": 2, "dp_shard": 2}, "parallel.pp=2"),
-        ({"cp": 2, "dp_shard": 2}, "parallel.cp=2"),
-        ({"tp": 2, "dp_shard": 2}, "parallel.tp=2"),
+        ({"pp": 2}, ("parallel.pp=2", "last stage")),
+        ({"cp": 2}, ("parallel.cp=2", "one-token shift")),
+        ({"tp": 2}, ("parallel.tp=2", "does not shard")),
     ],
 )
-def test_layouts_without_whole_sequences_are_refused(layout, named):
+def test_layouts_without_whole_sequences_exit_2_with_one_paragraph(layout, named, tmp_path, capsys):
+    """Through `trillion estimate` on fake ranks: the layout is checked as `trillion train` checks it."""
+    config = tmp_path / "run.toml"
+    parallel = "\n".join(f"{axis} = {degree}" for axis, degree in {**layout, "dp_shard": 2}.items())
+    config.write_text(f'[model]\nname = "debug"\nmtp_modules = 1\n\n[parallel]\n{parallel}\n')
+    assert main(["estimate", "--config", str(config), "--world-size", "4", "--no-measure"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().count("\n") == 0, err
+    assert all(fragment in err for fragment in (*named, "model.mtp_modules=1", "--model.mtp_modules=0")), err
+
+
+def test_data_and_expert_parallelism_run_mtp_and_cp_refuses_the_sequence_wise_loss():
     args = dataclasses.replace(PRESETS["debug-moe"], mtp_modules=1, mtp_loss_weight=0.3)
-    with pytest.raises(ConfigError, match=f"model.mtp_modules=1 .* cannot run with {named}.*--model.mtp_modules=0"):
-        check_whole_sequences(args, ParallelDims(world_size=4, **layout))
-    check_whole_sequences(args, ParallelDims(world_size=4, dp_replicate=2, dp_shard=2, ep=2))  # dp and ep run it
-    moe = dataclasses.replace(args.moe, seq_aux_loss_coef=1e-4)
-    if "cp" in layout:
-        with pytest.raises(ConfigError, match="moe.seq_aux_loss_coef=0.0001 with parallel.cp=2.*--parallel.cp=1"):
-            check_whole_sequences(
-                dataclasses.replace(args, moe=moe, mtp_modules=0), ParallelDims(world_size=4, **layout)
-            )
+    check_whole_sequences(args, ParallelDims(world_size=4, dp_replicate=2, dp_shard=2, ep=2))
+    per_sequence = dataclasses.replace(args, mtp_modules=0, moe=dataclasses.replace(args.moe, seq_aux_loss_coef=1e-4))
+    check_whole_sequences(per_sequence, ParallelDims(world_size=4, dp_shard=2, tp=2))
+    with pytest.raises(ConfigError, match="moe.seq_aux_loss_coef=0.0001 with parallel.cp=2.*--parallel.cp=1"):
+        check_whole_sequences(per_sequence, ParallelDims(world_size=4, dp_shard=2, cp=2))
