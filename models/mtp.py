@@ -20,8 +20,9 @@ from torch import nn
 
 
 class MultiTokenPrediction(nn.Module):
-    """One depth: (previous hidden (batch, n, dim), embedded later tokens (batch, n, dim)) -> hidden (batch, n, dim).
-    `block` is a transformer block built for this depth's layer index; `make_norm` builds the model's norm."""
+    """One depth: (previous hidden (batch, n, dim), embedded later tokens (batch, n, dim)) -> (its hidden, the
+    same normed for the head), each (batch, n, dim); the norm inside the forward, where FSDP has gathered the
+    module's parameters. `block` is a block built for this depth's layer index; `make_norm` the model's norm."""
 
     def __init__(self, dim: int, block: nn.Module, make_norm: Callable[[], nn.Module]):
         super().__init__()
@@ -30,8 +31,11 @@ class MultiTokenPrediction(nn.Module):
         self.block = block
         self.norm = make_norm()  # before the shared head (the checkpoint's shared_head.norm)
 
-    def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
-        return self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)), rope)
+    def forward(
+        self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)), rope)
+        return h, self.norm(h)
 
 
 def predict_ahead(
@@ -42,6 +46,6 @@ def predict_ahead(
     positions serve each depth, whose position i is the trunk's."""
     logits = []
     for depth, module in enumerate(modules.values(), start=1):
-        h = module(h[:, :-1], embed(tokens[:, depth:]), rope)
-        logits.append(head(module.norm(h)))
+        h, normed = module(h[:, :-1], embed(tokens[:, depth:]), rope)
+        logits.append(head(normed))
     return logits
