@@ -47,3 +47,10 @@ def test_debug_deepseek_trains_logs_expert_loads_and_exports(tmp_path):
     tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs.eval()(tokens).logits, atol=2e-5, rtol=1e-4)
+
+
+def test_a_key_value_head_count_is_refused_for_latent_attention(tmp_path, capsys):
+    argv = ["train", *SMALL_DEEPSEEK, "--model.n_kv_heads=2", "--training.steps=1", f"--job.output_dir={tmp_path}/r"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "model.n_kv_heads=2 does not apply" in err and "Drop" in err, err
