@@ -23,8 +23,39 @@ class MoEArgs:
     topk_groups: int = 1
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(cf * tokens * top_k / E) tokens
     aux_loss_coef: float = 0.0  # Switch/Mixtral load-balancing loss (0 = off)
+    seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss, its alpha (0 = off)
     bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing bias step (0 = off)
     experts_impl: str = "auto"  # filled from kernels.grouped_gemm: auto | torch | loop
+
+
+@dataclass(frozen=True)
+class MLAArgs:
+    """DeepSeek's multi-head latent attention: keys and values from one compressed latent of kv_lora_rank
+    (normed), queries through an optional low-rank projection; each query/key head is a qk_nope_head_dim part
+    without positions and a qk_rope_head_dim rotary part (the key's shared by all heads); values v_head_dim."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0  # 0: queries by one full projection (DeepSeek-V2-Lite, Moonlight)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class YaRNArgs:
+    """YaRN rotary scaling (Peng et al. 2023) as DeepSeek's configs give it (`rope_scaling`, type yarn): the
+    frequencies interpolated between beta_fast and beta_slow, and the softmax scale multiplied by mscale^2."""
+
+    factor: float
+    original_max_seq_len: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +80,10 @@ class ModelArgs:
     explicit_head_dim: int | None = None  # None: dim // n_heads (Qwen3 sets it wider)
     qk_norm: bool = False  # RMSNorm over each query and key head before rotary positions (Qwen3)
     moe: MoEArgs | None = None  # None: every block dense
+    mla: MLAArgs | None = None  # None: grouped-query attention; else multi-head latent attention
+    yarn: YaRNArgs | None = None  # None: plain rotary frequencies
+    mtp_modules: int = 0  # DeepSeek-V3's multi-token prediction modules (training only; 0 = off)
+    mtp_loss_weight: float = 0.0  # the weight of their mean extra loss (DeepSeek-V3: 0.3, later 0.1)
 
     @property
     def kv_heads(self) -> int:

@@ -1,4 +1,5 @@
-"""Expert-parallel parity harness: a tiny MoE model trained a few steps under a layout (ep with FSDP,
+"""Expert-parallel parity harness: a tiny MoE model (grouped-query attention, or with `"model": "mla"` DeepSeek's
+latent attention, group-limited routing and YaRN) trained a few steps under a layout (ep with FSDP,
 HSDP, TP, CP, PP, activation checkpointing, compile) against one process, same seed, fp32, gloo.
 
 Compared with the one-process run (rank 0): losses, gradient norms, every gradient (full_tensor,
@@ -16,7 +17,8 @@ import torch.distributed as dist
 
 from tests.helpers.parity import GLOBAL_BATCH, MICRO_BATCH, SEED, SEQ_LEN, RandomWindows, _compare, _full
 from trillion.models import PRESETS, Transformer
-from trillion.models.moe import moe_layers
+from trillion.models.args import MLAArgs, YaRNArgs
+from trillion.models.moe import AUX_TIMES_TOKENS, SEQ_AUX_TIMES_TOKENS, moe_layers
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.expert_parallel import ExpertAllToAll
 from trillion.parallel.forward_backward import MicroBatchLoop
@@ -34,16 +36,31 @@ BASE = dataclasses.replace(
         BASE.moe, n_experts=8, top_k=2, expert_ffn_dim=32, n_shared_experts=1, n_dense_layers=1, bias_update_rate=0.0
     ),
 )
+# debug-deepseek's kind at this size: low-rank queries, query/key heads (12) wider than value heads (8)
+MLA = dataclasses.replace(
+    BASE,
+    n_kv_heads=None,
+    mla=MLAArgs(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=24),
+    yarn=YaRNArgs(factor=4, original_max_seq_len=8, mscale_all_dim=1.0),
+    moe=dataclasses.replace(BASE.moe, n_groups=4, topk_groups=2, route_scale=2.5),
+)
+MODELS = {"gqa": BASE, "mla": MLA}
 VARIANTS = {  # MoE settings on top of BASE.moe
     "plain": {},
     "aux": {"aux_loss_coef": 0.01},
+    "seq-aux": {"seq_aux_loss_coef": 0.01},  # DeepSeek-V3's alpha is 1e-4; larger here so the gradient shows
     "bias": {"bias_update_rate": 1e-3},
+    "mtp": {},
 }
 LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
-def model_args(variant: str):
-    return dataclasses.replace(BASE, moe=dataclasses.replace(BASE.moe, **VARIANTS[variant]))
+MTP = {"mtp_modules": 1, "mtp_loss_weight": 0.3}  # the "mtp" variant's model settings: an MoE block predicting ahead
+
+
+def model_args(variant: str, model: str = "gqa"):
+    base = dataclasses.replace(MODELS[model], **MTP) if variant == "mtp" else MODELS[model]
+    return dataclasses.replace(base, moe=dataclasses.replace(base.moe, **VARIANTS[variant]))
 
 
 def _dims(case: dict, world_size: int, args) -> ParallelDims:
@@ -75,7 +92,7 @@ def _build(case: dict, dims: ParallelDims, args):
         layout(model)
         model.to_empty(device="cpu")
         model.init_weights(SEED)
-        return MicroBatchLoop(model, dims.tp_enabled, mode), [model]
+        return MicroBatchLoop(model, dims.tp_enabled, mode, args.mtp_loss_weight), [model]
     n_micro = GLOBAL_BATCH // (MICRO_BATCH * dims.dp_size)
     pipeline = Pipeline(model, dims, case.get("schedule", "1F1B"), n_micro, torch.device("cpu"), parallelize_fn=layout)
     for part in pipeline.parts:
@@ -86,7 +103,7 @@ def _build(case: dict, dims: ParallelDims, args):
 
 
 def train_case(case: dict, world_size: int) -> dict:
-    args = model_args(case.get("variant", "plain"))
+    args = model_args(case.get("variant", "plain"), case.get("model", "gqa"))
     dims = _dims(case, world_size, args)
     runner, parts = _build(case, dims, args)
     named = [(n, p) for part in parts for n, p in part.named_parameters()]
@@ -167,13 +184,11 @@ def _merge_stages(result: dict, world_size: int) -> dict:
 def _compare_routing(name: str, actual: dict, expected: dict) -> None:
     for step, (got, want) in enumerate(zip(actual["loads"], expected["loads"])):
         assert got.keys() == want.keys(), name
-        for index in want:  # E loads, dropped slots, aux loss x tokens (a float sum), tokens
-            counts, want_counts = (
-                got[index][[*range(-len(want[index]), -2), -1]],
-                want[index][[*range(-len(want[index]), -2), -1]],
-            )
-            assert torch.equal(counts, want_counts), f"{name}: step {step} layer {index} loads {got[index]}"
-            torch.testing.assert_close(got[index][-2], want[index][-2], rtol=1e-5, atol=1e-6)
+        for index in want:  # E loads, dropped slots, tokens exactly; the auxiliary losses x tokens (float sums)
+            floats = [len(want[index]) + AUX_TIMES_TOKENS, len(want[index]) + SEQ_AUX_TIMES_TOKENS]
+            counts = [i for i in range(len(want[index])) if i not in floats]
+            assert torch.equal(got[index][counts], want[index][counts]), f"{name}: step {step} layer {index} loads"
+            torch.testing.assert_close(got[index][floats], want[index][floats], rtol=1e-5, atol=1e-6)
     if "choices" in actual:
         for index, want in expected["choices"].items():
             assert torch.equal(actual["choices"][index], want), f"{name}: layer {index} router choices differ"
@@ -199,9 +214,9 @@ def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
         result = results[name] = train_case(case, world_size)
         _check_bias_same_on_every_rank(name, result, world_size)
         if rank == 0:
-            key = (case.get("variant", "plain"), case.get("steps", 3))
+            key = (case.get("variant", "plain"), case.get("steps", 3), case.get("model", "gqa"))
             if key not in references:
-                references[key] = train_case({"variant": key[0], "steps": key[1]}, world_size=1)
+                references[key] = train_case({"variant": key[0], "steps": key[1], "model": key[2]}, world_size=1)
             _compare_stepwise(name, result, references[key])
             _compare_routing(name, result, references[key])
             if "same_as" in case:
