@@ -1,0 +1,84 @@
+"""The planner's DeepSeek blocks (parallel/planner/deepseek.py): multi-head latent attention, multi-token prediction
+and the DeepSeek MoE block, against the published parameter counts and under tensor and pipeline parallelism."""
+
+import dataclasses
+
+import pytest
+
+from trillion.models.presets import get_preset
+from trillion.parallel.planner.cost import block_passes, output_passes, rank_passes
+from trillion.parallel.planner.deepseek import attention_flops
+from trillion.parallel.planner.hardware import load_profile
+from trillion.parallel.planner.layout import Layout
+from trillion.parallel.planner.memory import block_linears, pipeline_ranks, shared_hidden
+from trillion.parallel.planner.timing import _gemm
+
+H100 = load_profile("dgx-h100")
+
+
+def _one_rank(args, **layout):
+    fields = {"tp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 1, "dp_shard_mode": "zero3", "pp_schedule": "1F1B"}
+    fields |= {"virtual_stages": 1, "micro_batch_size": 1, "microbatches": 8, "activation_checkpoint": "none"}
+    return pipeline_ranks(args, Layout(**(fields | layout)))
+
+
+def _active_matmul_params(args) -> int:
+    """What one token's forward multiplies by, from the planner's linears: each block's (an MoE block's shared
+    experts, router and top_k routed experts), the output head."""
+    h, moe = args.dim, args.moe
+    dense = sum(o * i for _, o, i, _ in block_linears(args))
+    sparse = sum(o * i for _, o, i, _ in block_linears(args, shared_hidden(args)))
+    sparse += moe.n_experts * h + moe.top_k * 3 * h * moe.expert_ffn_dim
+    n_moe = args.n_layers - moe.n_dense_layers
+    return moe.n_dense_layers * dense + n_moe * sparse + args.vocab_size * h
+
+
+# Published sizes: DeepSeek-V3 technical report (arXiv 2412.19437) abstract, 671B total and 37B activated per token,
+# and its Hugging Face card, 685B with the 14B MTP module (which stores its own copy of the embedding and the
+# head, 2 x 0.93B, where the planner shares them); Kimi K2 (arXiv 2507.20534) abstract: 1.04T total, 32B activated.
+# The active figures include the embedding lookup's table, which the planner's matmul count leaves out.
+@pytest.mark.parametrize(
+    "name,total,with_mtp,active,tolerance",
+    [("deepseek-v3-671b", 671e9, 685e9 - 2 * 0.927e9, 37e9, 0.02), ("kimi-k2", 1.04e12, None, 32e9, 0.03)],
+)
+def test_parameter_counts_match_the_published_figures(name, total, with_mtp, active, tolerance):
+    args = get_preset(name)
+    (main,) = _one_rank(dataclasses.replace(args, mtp_modules=0))
+    assert main.numel(args, 1, 1)[0] == pytest.approx(total, rel=tolerance)
+    if with_mtp:
+        (rank,) = _one_rank(args)
+        assert rank.mtp == 1
+        assert rank.numel(args, 1, 1)[0] == pytest.approx(with_mtp, rel=0.01)
+    embedding = args.vocab_size * args.dim
+    assert _active_matmul_params(args) + embedding == pytest.approx(active, rel=tolerance)
+
+
+def test_tensor_parallelism_splits_heads_and_keeps_the_down_projections_whole():
+    args = get_preset("deepseek-v3-671b")
+    mla, h = args.mla, args.dim
+    names = [name for name, *_ in block_linears(args)][:5]
+    assert names == ["attention.wq_a", "attention.wq_b", "attention.wkv_a", "attention.wkv_b", "attention.wo"]
+    (one,), (eight,) = _one_rank(args), _one_rank(args, tp=8)
+    down = h * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.q_lora_rank + mla.kv_lora_rank
+    layers = args.n_layers + args.mtp_modules
+    whole_one, whole_eight = one.numel(args, 1, 1)[0], eight.numel(args, 8, 1)[0]
+    # what TP 8 saves is 7/8 of everything but the replicated parts; the down projections are among those
+    replicated = whole_eight - (whole_one - whole_eight) / 7
+    assert replicated >= layers * down
+    # attention at query/key head dim 192 and value head dim 128 (causal: half the square)
+    assert attention_flops(args, 4096, 4096, 8) == 4096 * 4096 * 128 * (192 + 128) / 8
+
+
+def test_the_mtp_module_sits_on_the_last_stage_and_costs_a_block_and_the_head():
+    args = get_preset("deepseek-v3-671b")
+    ranks = _one_rank(args, pp=4)
+    assert [r.mtp for r in ranks] == [0, 0, 0, 1]
+    assert sum(r.numel(args, 1, 1)[0] for r in ranks) == _one_rank(args)[0].numel(args, 1, 1)[0]
+    last, without = ranks[-1], dataclasses.replace(ranks[-1], mtp=0)
+    timed = (args, H100, 1, 4096, 8, "none", False)
+    with_mtp, plain = rank_passes(*timed, last)[0], rank_passes(*timed, without)[0]
+    block = block_passes(args, H100, 1, 4096, 8, False, 1, False, 1, 1.16, moe=True)
+    added = with_mtp.forward - plain.forward
+    head = output_passes(args, H100, 4096, 8).forward
+    projection = _gemm(H100, 4096, 2 * args.dim, args.dim)  # 2 dim -> dim, whole on every tp rank
+    assert added == pytest.approx(block.forward + head + projection)
