@@ -23,6 +23,7 @@ class MoEArgs:
     topk_groups: int = 1
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(cf * tokens * top_k / E) tokens
     aux_loss_coef: float = 0.0  # Switch/Mixtral load-balancing loss (0 = off)
+    seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss, its alpha (0 = off)
     bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing bias step (0 = off)
     experts_impl: str = "auto"  # filled from kernels.grouped_gemm: auto | torch | loop
 

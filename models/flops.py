@@ -5,6 +5,7 @@ count them: no causal discount, no recompute. Hardware FLOPs (HFU) add the recom
 pass. The Megatron formula (Narayanan et al. 2021, eq. 3) is what the Frontier paper reports.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 from trillion.models.args import ModelArgs
@@ -33,7 +34,7 @@ def count_params(args: ModelArgs) -> ParamCount:
     attention = 2 * d * q + 2 * d * kv + (q + 2 * kv + d if bias else 0) + (2 * args.head_dim if args.qk_norm else 0)
     norm = d * (2 if args.norm == "layernorm" and bias else 1)
     blocks = inactive = 0
-    for index in range(args.n_layers):
+    for index in range(args.n_layers + args.mtp_modules):  # a multi-token prediction block numbers on
         blocks += attention + 2 * norm
         if args.is_moe_layer(index):
             moe = args.moe
@@ -44,7 +45,8 @@ def count_params(args: ModelArgs) -> ParamCount:
             blocks += _mlp(args, args.ffn_hidden)
     embedding = args.vocab_size * d + (args.max_seq_len * d if args.positions == "learned" else 0)
     output = 0 if args.tie_embeddings else args.vocab_size * d
-    return ParamCount(total=blocks + embedding + norm + output, embedding=embedding, inactive=inactive)
+    mtp = args.mtp_modules * (3 * norm + 2 * d * d)  # each MTP block's enorm, hnorm, final norm and eh_proj
+    return ParamCount(total=blocks + mtp + embedding + norm + output, embedding=embedding, inactive=inactive)
 
 
 def _mlp(args: ModelArgs, hidden: int) -> int:
@@ -55,10 +57,11 @@ def _mlp(args: ModelArgs, hidden: int) -> int:
 def model_flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Forward + backward FLOPs per token, from the active parameters (a token's top_k routed experts,
     the shared experts and the router; torchtitan's and Megatron's MoE convention). A tied output
-    matrix still costs its matmul."""
+    matrix still costs its matmul; so does the output head each multi-token prediction module shares."""
     params = count_params(args)
-    matmul_params = params.non_embedding - params.inactive + (args.vocab_size * args.dim if args.tie_embeddings else 0)
-    return 6 * matmul_params + 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    head_uses = (1 if args.tie_embeddings else 0) + args.mtp_modules
+    matmul_params = params.non_embedding - params.inactive + head_uses * args.vocab_size * args.dim
+    return 6 * matmul_params + 12 * (args.n_layers + args.mtp_modules) * args.n_heads * args.head_dim * seq_len
 
 
 def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute_fraction: float) -> float:
@@ -76,8 +79,9 @@ def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute_fraction: 
 
 
 def count_blocks_matmul_params(args: ModelArgs) -> int:
-    """The blocks' parameters one token's forward multiplies by (active ones only)."""
-    params = count_params(args)
+    """The trunk's blocks' parameters one token's forward multiplies by (active ones only; activation
+    checkpointing recomputes these, never the multi-token prediction modules)."""
+    params = count_params(dataclasses.replace(args, mtp_modules=0))
     output = args.vocab_size * args.dim
     final_norm = args.dim * (2 if args.norm == "layernorm" and args.bias else 1)
     return params.non_embedding - params.inactive - final_norm - (0 if args.tie_embeddings else output)

@@ -7,8 +7,9 @@ Where the experts live is not this file's business: `MoE.dispatch` takes the exp
 their per-expert counts and returns the experts' outputs in the same order. Here it runs the local
 experts; expert parallelism (parallel/expert_parallel.py) replaces it by all-to-alls around them.
 
-Balancing, both kinds on the router's choices: the auxiliary loss (Switch/Mixtral: E * sum_e f_e P_e,
-f_e the share of tokens choosing e, P_e the mean score of e) enters the backward through
+Balancing, on the router's choices: the auxiliary loss (Switch/Mixtral: E * sum_e f_e P_e, f_e the
+share of tokens choosing e, P_e the mean score of e) and DeepSeek-V3's sequence-wise one (the same
+statistics per sequence, on scores normalised to sum to one) enter the backward through
 `_AuxLossGrad`, so the model still returns only logits; the auxiliary-loss-free bias (DeepSeek-V3)
 is added to the scores for selection only and moved by `balance_experts` after each optimizer step.
 Each MoE layer tallies its loads over the step in `load_tally` for both and for the statistics.
@@ -24,8 +25,8 @@ from torch.distributed.tensor import DTensor
 from trillion.kernels.grouped_gemm import grouped_mm
 from trillion.models.args import MoEArgs
 
-# load_tally holds E loads, then these three
-DROPPED, AUX_TIMES_TOKENS, TOKENS = range(-3, 0)
+# load_tally holds E loads, then these four
+DROPPED, AUX_TIMES_TOKENS, SEQ_AUX_TIMES_TOKENS, TOKENS = range(-4, 0)
 
 
 class Router(nn.Module):
@@ -87,7 +88,7 @@ class MoE(nn.Module):
         self.router = Router(dim, moe)
         self.experts = RoutedExperts(dim, moe)
         self.shared_experts = shared_experts
-        self.register_buffer("load_tally", torch.zeros(moe.n_experts + 3), persistent=False)
+        self.register_buffer("load_tally", torch.zeros(moe.n_experts - DROPPED), persistent=False)
         self.token_scale: torch.Tensor | None = None  # set_aux_loss_scale: 1 / the step's target tokens
         self.last_step_tally: torch.Tensor | None = None  # balance_experts: the last step's, summed over ranks
 
@@ -103,14 +104,17 @@ class MoE(nn.Module):
         # scatter_add, not bincount: bincount reads its input's maximum on the host under CUDA
         counts = torch.zeros(moe.n_experts + 1, dtype=torch.long, device=x.device)
         counts = counts.scatter_add_(0, slots, torch.ones_like(slots))[: moe.n_experts]
-        self._tally(counts, slots.numel() - counts.sum(), scores, chosen)
+        self._tally(counts, slots.numel() - counts.sum(), scores, chosen, shape[0])
         routed = self.dispatch(x[order // moe.top_k], counts)
         unsorted = routed[torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))]
         out = (unsorted.view(-1, moe.top_k, shape[-1]) * weights.unsqueeze(-1).to(x.dtype)).sum(dim=1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        if moe.aux_loss_coef > 0 and torch.is_grad_enabled():
-            out = _AuxLossGrad.apply(out, self._aux_loss(scores, counts), self._aux_weight(x.shape[0]))
+        if (moe.aux_loss_coef > 0 or moe.seq_aux_loss_coef > 0) and torch.is_grad_enabled():
+            balance = moe.aux_loss_coef * self._aux_loss(scores, counts) if moe.aux_loss_coef > 0 else 0.0
+            if moe.seq_aux_loss_coef > 0:
+                balance = balance + moe.seq_aux_loss_coef * self._sequence_aux_loss(scores, chosen, shape[0])
+            out = _AuxLossGrad.apply(out, balance, self._token_share(x.shape[0]))
         return out.view(shape)
 
     def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -131,16 +135,28 @@ class MoE(nn.Module):
         """E * sum_e (tokens choosing e / tokens) * mean score of e (1.0 when perfectly even, for top-1)."""
         return self.moe.n_experts * (counts.float() / scores.shape[0] * scores.mean(dim=0)).sum()
 
-    def _aux_weight(self, tokens: int) -> torch.Tensor | float:
-        """The auxiliary loss's weight in the step's loss: its coefficient times this micro-batch's share of
-        the step's tokens (set by set_aux_loss_scale), or the coefficient alone outside a training step."""
-        share = tokens * self.token_scale if self.token_scale is not None else 1.0
-        return self.moe.aux_loss_coef * share
+    def _sequence_aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, sequences: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balance loss without its coefficient (arXiv 2412.19437 eq. 18-20), the
+        mean over the micro-batch's sequences of sum_e f_e P_e: f_e = E / (top_k T) x the sequence's tokens
+        choosing e, P_e = the sequence's mean of the scores normalised to sum to one over the experts."""
+        n_experts, top_k = self.moe.n_experts, self.moe.top_k
+        scores = scores.view(sequences, -1, n_experts)
+        picks = chosen.view(sequences, -1)
+        counts = torch.zeros(sequences, n_experts, device=scores.device, dtype=scores.dtype)
+        counts = counts.scatter_add_(1, picks, torch.ones_like(picks, dtype=scores.dtype))
+        share = counts * n_experts / (top_k * scores.shape[1])
+        mean_scores = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
+        return (share * mean_scores).sum(dim=-1).mean()
+
+    def _token_share(self, tokens: int) -> torch.Tensor | float:
+        """This micro-batch's share of the step's tokens (set by set_aux_loss_scale), the balance losses'
+        weight in the step's loss as the token loss's; 1 outside a training step."""
+        return tokens * self.token_scale if self.token_scale is not None else 1.0
 
     # torch.compiler.disable imports torch._dynamo when applied (about a second per process); this form, on the
     # first call, so a process that never runs an MoE layer never pays it
     @torch._disable_dynamo
-    def _tally(self, counts, dropped, scores, chosen) -> None:
+    def _tally(self, counts, dropped, scores, chosen, sequences: int) -> None:
         # Training forwards only (evaluation runs without gradients); a recomputed forward (activation
         # checkpointing, inside the backward) routes as the first did: count once.
         if not (self.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
@@ -151,11 +167,14 @@ class MoE(nn.Module):
             self.load_tally[TOKENS] += scores.shape[0]
             if self.moe.aux_loss_coef > 0:
                 self.load_tally[AUX_TIMES_TOKENS] += self._aux_loss(scores, counts) * scores.shape[0]
+            if self.moe.seq_aux_loss_coef > 0:
+                seq_aux = self._sequence_aux_loss(scores, chosen, sequences)
+                self.load_tally[SEQ_AUX_TIMES_TOKENS] += seq_aux * scores.shape[0]
 
 
 class _AuxLossGrad(torch.autograd.Function):
-    """Identity on the layer's output whose backward also sends `weight` as the gradient of the auxiliary
-    loss (Megatron's approach): the loss joins the backward without changing what the model returns."""
+    """Identity on the layer's output whose backward also sends `weight` as the gradient of the balance
+    losses (Megatron's approach): the loss joins the backward without changing what the model returns."""
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor, weight) -> torch.Tensor:
@@ -170,12 +189,12 @@ class _AuxLossGrad(torch.autograd.Function):
 
 
 def moe_layers(model: nn.Module) -> dict[int, MoE]:
-    """This module's MoE layers by block index (a pipeline stage holds some of them), in index order."""
+    """This module's MoE layers by block index (a pipeline stage holds some of them; a multi-token prediction
+    block, `mtp.<index>`, numbers after the trunk's), in index order."""
     found = {}
     for name, module in model.named_modules():
         if isinstance(module, MoE):
-            parts = name.split(".")
-            found[int(parts[parts.index("layers") + 1])] = module
+            found[next(int(part) for part in name.split(".") if part.isdigit())] = module
     return dict(sorted(found.items()))
 
 
@@ -190,8 +209,9 @@ def set_aux_loss_scale(model: nn.Module, token_scale: torch.Tensor) -> None:
 def balance_experts(model: nn.Module, sum_over_ranks) -> None:
     """After a step: each MoE layer's tally summed by `sum_over_ranks` (in place, over the ranks that hold
     other tokens of the same layers: data-parallel x cp) into its `last_step_tally` (E loads, then dropped
-    slots, auxiliary loss x tokens, tokens; on the device), the balancing bias moved toward equal load
-    (the same on every such rank), the tallies zeroed. One small all-reduce; nothing read on the host."""
+    slots, auxiliary loss x tokens, sequence-wise auxiliary loss x tokens, tokens; on the device), the
+    balancing bias moved toward equal load (the same on every such rank), the tallies zeroed. One small
+    all-reduce; nothing read on the host."""
     layers = moe_layers(model)
     if not layers:
         return
@@ -208,8 +228,8 @@ def balance_experts(model: nn.Module, sum_over_ranks) -> None:
 
 def load_statistics(model: nn.Module) -> dict:
     """The last step's per-layer statistics, read on the host (a logged step's): tokens per expert, max/mean
-    load (1 = even), the share of token-expert slots the capacity dropped, the auxiliary loss, the bias
-    spread (max - min)."""
+    load (1 = even), the share of token-expert slots the capacity dropped, the auxiliary losses (without
+    their coefficients), the bias spread (max - min)."""
     stats = {}
     for index, layer in moe_layers(model).items():
         if layer.last_step_tally is None:
@@ -222,6 +242,8 @@ def load_statistics(model: nn.Module) -> dict:
         stats[prefix + "dropped"] = values[DROPPED] / (tokens * moe.top_k)
         if moe.aux_loss_coef > 0:
             stats[prefix + "aux_loss"] = values[AUX_TIMES_TOKENS] / tokens
+        if moe.seq_aux_loss_coef > 0:
+            stats[prefix + "seq_aux_loss"] = values[SEQ_AUX_TIMES_TOKENS] / tokens
         bias = layer.router.expert_bias
         if bias is not None:
             stats[prefix + "bias_spread"] = (bias.max() - bias.min()).item()

@@ -71,6 +71,9 @@ def _qwen3_moe(n_layers: int, dim: int, n_heads: int, expert_ffn_dim: int) -> Mo
     )
 
 
+MTP_LOSS_WEIGHT = 0.3  # DeepSeek-V3's weight of the multi-token prediction loss for its first 10T tokens
+
+
 def _deepseek(
     n_layers: int,
     dim: int,
@@ -95,7 +98,7 @@ def _deepseek(
         moe=moe,
         yarn=yarn,
         mtp_modules=mtp_modules,
-        mtp_loss_weight=0.3 if mtp_modules else 0.0,  # DeepSeek-V3's weight for its first 10T tokens
+        mtp_loss_weight=MTP_LOSS_WEIGHT if mtp_modules else 0.0,
     )
 
 

@@ -21,6 +21,7 @@ from trillion.kernels import attention
 from trillion.models.args import ModelArgs
 from trillion.models.kv_cache import KVCache, LayerKV
 from trillion.models.moe import MoE, reset_moe_state
+from trillion.models.mtp import MultiTokenPrediction, predict_ahead
 
 
 def build_norm(args: ModelArgs) -> nn.Module:
@@ -140,17 +141,28 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # multi-token prediction (training only): keyed by the layer numbers after the trunk's, as published
+        depths = range(args.n_layers, args.n_layers + args.mtp_modules)
+        make_norm = lambda: build_norm(args)  # noqa: E731
+        mtp = {str(i): MultiTokenPrediction(args.dim, TransformerBlock(args, i), make_norm) for i in depths}
+        self.mtp = nn.ModuleDict(mtp) if mtp else None
         if args.positions == "rope":
             self.register_buffer("rope", rope_cache(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
         else:
             self.rope = None
 
     def forward(
-        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: KVCache | None = None
-    ) -> torch.Tensor:
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        *,
+        with_mtp: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """`positions` (seq,): the position of each token in its sequence, 0..seq-1 unless given; a
         context-parallel rank, which holds chunks of every sequence, passes theirs. With a `cache`
-        (generation) the tokens continue the positions it holds and are added to it."""
+        (generation) the tokens continue the positions it holds and are added to it. `with_mtp` (training
+        with multi-token prediction): (logits, each MTP depth's logits) instead (models/mtp.py)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             start = cache.length if cache is not None else 0
@@ -160,8 +172,11 @@ class Transformer(nn.Module):
         rope = self.rope[:, positions] if self.rope is not None else None
         for name, layer in self.layers.items():
             h = layer(h, rope, cache=cache.layers[name]) if cache is not None else layer(h, rope)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        out = self.norm(h) if self.norm is not None else h
+        logits = self.output(out) if self.output is not None else out
+        if with_mtp:
+            return logits, predict_ahead(self.mtp, self.tok_embeddings, self.output, tokens, h, rope)
+        return logits
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trillion.kernels.grouped_gemm import grouped_mm, grouped_mm_unavailable
 from trillion.models.args import ModelArgs, MoEArgs
-from trillion.models.moe import TOKENS, MoE, balance_experts, load_statistics
+from trillion.models.moe import AUX_TIMES_TOKENS, DROPPED, TOKENS, MoE, balance_experts, load_statistics
 from trillion.models.transformer import FeedForward
 
 DIM, HIDDEN = 32, 16
@@ -108,7 +108,7 @@ def test_the_auxiliary_loss_gradient_is_mixtral_s_load_balancing_loss():
     (plain(x).sum() + coef * aux).backward()
     for (name, ours), theirs in zip(with_aux.named_parameters(), plain.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-6, atol=1e-8, msg=name)  # theirs: float32 inside
-    recorded = with_aux.load_tally[-2] / with_aux.load_tally[TOKENS]
+    recorded = with_aux.load_tally[AUX_TIMES_TOKENS] / with_aux.load_tally[TOKENS]
     torch.testing.assert_close(recorded.double(), aux.detach().double(), rtol=1e-5, atol=0)
 
 
@@ -125,7 +125,7 @@ def test_capacity_drops_the_last_tokens_in_token_order_and_counts_them():
     expected = unlimited(x).view(16, DIM) * kept.unsqueeze(1)
     torch.testing.assert_close(layer(x).view(16, DIM), expected)
     assert not kept.all(), "the seed must overload some expert, or the test shows nothing"
-    assert layer.load_tally[-3].item() == (~kept).sum().item()
+    assert layer.load_tally[DROPPED].item() == (~kept).sum().item()
     layer.last_step_tally = layer.load_tally.clone()
     stats = load_statistics(layer_container(layer))
     assert stats["moe/layer0/dropped"] == pytest.approx((~kept).sum().item() / 16)

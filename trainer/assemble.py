@@ -14,6 +14,7 @@ from trillion.errors import ConfigError
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.kernels.grouped_gemm import grouped_mm_unavailable
 from trillion.models import ModelArgs, Transformer, get_preset
+from trillion.models.presets import MTP_LOSS_WEIGHT
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
@@ -61,6 +62,7 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
     )
     args = dataclasses.replace(get_preset(cfg.name), attention_impl=attention_impl, norm_impl=norm_impl, **overrides)
     args = with_moe_settings(args, cfg, config.moe, config.kernels.grouped_gemm)
+    args = with_mtp_settings(args, cfg)
     if args.dim % args.n_heads:
         raise ConfigError(
             f"model.n_heads={args.n_heads} does not divide model.dim={args.dim}; "
@@ -93,7 +95,8 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
 def with_moe_settings(args: ModelArgs, model: Model, moe: Moe, grouped_gemm: str) -> ModelArgs:
     """The preset's MoE block with the model.* and moe.* overrides, checked (dense presets take none)."""
     overrides = {k: v for k, v in (("n_experts", model.n_experts), ("top_k", model.top_k)) if v > 0}
-    overrides |= {k: v for k in ("aux_loss_coef", "bias_update_rate", "capacity_factor") if (v := getattr(moe, k)) >= 0}
+    balancing = ("aux_loss_coef", "seq_aux_loss_coef", "bias_update_rate", "capacity_factor")
+    overrides |= {k: v for k in balancing if (v := getattr(moe, k)) >= 0}
     if args.moe is None:
         if overrides:
             raise ConfigError(
@@ -115,6 +118,40 @@ def with_moe_settings(args: ModelArgs, model: Model, moe: Moe, grouped_gemm: str
             f"{routing.n_groups} and top_k at most {routing.topk_groups} groups' experts."
         )
     return dataclasses.replace(args, moe=routing)
+
+
+def with_mtp_settings(args: ModelArgs, model: Model) -> ModelArgs:
+    """The preset's multi-token prediction with model.mtp_modules / mtp_loss_weight applied."""
+    modules = args.mtp_modules if model.mtp_modules < 0 else model.mtp_modules
+    if modules == 0:
+        if model.mtp_loss_weight > 0:
+            raise ConfigError(
+                f"model.mtp_loss_weight={model.mtp_loss_weight:g} is set, but model {model.name!r} trains no "
+                "multi-token prediction modules. Add --model.mtp_modules=1 or drop the setting."
+            )
+        return dataclasses.replace(args, mtp_modules=0, mtp_loss_weight=0.0)
+    weight = model.mtp_loss_weight if model.mtp_loss_weight > 0 else args.mtp_loss_weight or MTP_LOSS_WEIGHT
+    return dataclasses.replace(args, mtp_modules=modules, mtp_loss_weight=weight)
+
+
+def check_whole_sequences(args: ModelArgs, dims: ParallelDims) -> None:
+    """Refuse the layouts that cannot give a training objective the whole sequences it needs."""
+    if args.moe is not None and args.moe.seq_aux_loss_coef > 0 and dims.cp > 1:
+        raise ConfigError(
+            f"moe.seq_aux_loss_coef={args.moe.seq_aux_loss_coef:g} with parallel.cp={dims.cp}: DeepSeek-V3's "
+            "sequence-wise balance loss counts each sequence's expert choices, and context parallelism gives every "
+            "rank only chunks of each sequence. Use --parallel.cp=1, or --moe.seq_aux_loss_coef=0 (the "
+            "auxiliary-loss-free bias, moe.bias_update_rate, balances without it)."
+        )
+    refused = [f"parallel.{axis}={getattr(dims, axis)}" for axis in ("pp", "cp", "tp", "ep") if getattr(dims, axis) > 1]
+    if args.mtp_modules and refused:
+        raise ConfigError(
+            f"model.mtp_modules={args.mtp_modules} (multi-token prediction) cannot run with {', '.join(refused)}: "
+            "its module reads the trunk's last hidden state beside the embedding of the next token, which a "
+            "pipeline's last stage does not hold (pp), which context parallelism splits at chunk borders (cp), and "
+            "its block is not sharded by tensor or expert parallelism (tp, ep). Train it in one process or with "
+            "data parallelism (parallel.dp_shard / dp_replicate), or turn it off with --model.mtp_modules=0."
+        )
 
 
 def check_grouped_gemm(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> None:
@@ -166,6 +203,7 @@ def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -
         world_size=env.world_size,
     )
     dims.validate(model_args, t.seq_len)
+    check_whole_sequences(model_args, dims)
     per_rank = t.global_batch_size // dims.dp_size
     if t.global_batch_size % dims.dp_size or per_rank % min(t.micro_batch_size, per_rank):  # before batch_split
         fix = (
@@ -214,7 +252,8 @@ def build_runner(
     if pipeline is not None:
         pipeline.build()
         return pipeline, pipeline
-    return MicroBatchLoop(parts[0], dims.tp_enabled, config.parallel.dp_shard_mode), None
+    mtp_weight = model_args.mtp_loss_weight if model_args.mtp_modules else 0.0
+    return MicroBatchLoop(parts[0], dims.tp_enabled, config.parallel.dp_shard_mode, mtp_weight), None
 
 
 def layout_fn(config: Config, dims: ParallelDims, dtype: torch.dtype, *, compile: bool | None = None):

@@ -74,6 +74,8 @@ def train_step(
     tokens = dims.all_reduce_dp(target_tokens(micro_batches))
     set_aux_loss_scale(runner.model, scaler.scale(1.0 / tokens))
     loss_sum = dims.all_reduce_dp(runner.forward_backward(micro_batches, tokens, autocast, scaler))
+    if runner.mtp_loss is not None:  # summed as the loss is; one_step passes it on to be logged
+        dims.all_reduce_dp(runner.mtp_loss)
     reduce_partial_grads(runner.model.parameters())
     if timer is not None:
         timer.mark("forward_backward")
@@ -163,6 +165,7 @@ class StepDone:
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
+    mtp_loss: torch.Tensor | None  # the multi-token prediction modules' mean loss, with them
     lr: float
     tokens_per_device: float
     start: float  # perf_counter when the step's compute began
@@ -208,7 +211,7 @@ def train_loop(run: Run) -> dict:
             logged = run.log.should_log(step, last, evaluated)
             if logged or run.checkpointer.due(step, last=last, stopping_early=stopping_early):
                 run.guard.check(step)  # the skipped-step flags since the last check, in one read
-            values = (done.loss.item(), done.grad_norm.item()) if logged else None  # a logged step's host reads
+            values = step_values(done) if logged else None  # a logged step's host reads
             run.meter.add(done.tokens_per_device, time.perf_counter() - done.start, done.data_seconds)
             evaluation = evaluate(run, step) if evaluated else {}
             if logged:
@@ -256,7 +259,16 @@ def one_step(run: Run, step: int) -> StepDone:
     lr = run.scheduler.get_last_lr()[0]
     run.scheduler.step()
     tokens_per_device = sum(x.numel() for x, _ in batch) * run.dims.dp_size / run.env.world_size
-    return StepDone(loss, grad_norm, lr, tokens_per_device, start, start - data_start, timer)
+    # the runner's tensor of this step (the next step makes a new one), read on the host only when logged
+    return StepDone(loss, grad_norm, run.runner.mtp_loss, lr, tokens_per_device, start, start - data_start, timer)
+
+
+def step_values(done: StepDone) -> dict:
+    """A logged step's values read on the host: loss, grad_norm and, with multi-token prediction, mtp_loss."""
+    values = {"loss": done.loss.item(), "grad_norm": done.grad_norm.item()}
+    if done.mtp_loss is not None:
+        values["mtp_loss"] = done.mtp_loss.item()
+    return values
 
 
 def evaluate(run: Run, step: int) -> dict:
@@ -265,11 +277,9 @@ def evaluate(run: Run, step: int) -> dict:
 
 def step_record(run: Run, step: int, done: StepDone, values, evaluation: dict, checkpoint_seconds: float) -> dict:
     """The metrics.jsonl record of a logged step."""
-    loss, grad_norm = values
     return {
         "step": step,
-        "loss": loss,
-        "grad_norm": grad_norm,
+        **values,
         "lr": done.lr,
         **run.meter.report(),
         "memory_gb": peak_memory_gb(run.env.device),

@@ -21,6 +21,8 @@ def test_two_ranks_ep2_checkpointing_aux_loss_and_cp():
             {"name": "ep2-ac-full", "dp_shard": 2, "ep": 2, "ac": "full", "same_as": "ep2", "host_reads": READS},
             {"name": "ep2-ac-op", "dp_shard": 2, "ep": 2, "ac": "selective:op", "host_reads": READS},
             {"name": "ep2-aux-loss-zero2", "dp_shard": 2, "ep": 2, "variant": "aux", "mode": "zero2"},
+            # DeepSeek-V3's sequence-wise balance loss: per-sequence statistics, which ep must leave alone
+            {"name": "ep2-seq-aux-loss", "dp_shard": 2, "ep": 2, "variant": "seq-aux"},
             {"name": "ep2-zero1", "dp_shard": 2, "ep": 2, "mode": "zero1"},
             {"name": "ep2xcp2", "dp_shard": 1, "cp": 2, "ep": 2},
             {"name": "tp2-ep1", "dp_shard": 1, "tp": 2},  # an MoE model under TP alone

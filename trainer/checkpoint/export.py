@@ -2,9 +2,10 @@
 model folder (model.safetensors + config.json) that `transformers` loads as LlamaForCausalLM,
 GPT2LMHeadModel, MixtralForCausalLM or Qwen3MoeForCausalLM (experts one matrix per expert, the layout
 of Hub checkpoints and of save_pretrained; models/hf_moe.py). `--checkpoint.initial_load=OUT` starts
-a new run from such a folder."""
+a new run from such a folder. Multi-token prediction modules (training only) are left out."""
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import torch
@@ -15,6 +16,8 @@ from trillion.models import Transformer
 from trillion.trainer.checkpoint.manager import CONFIG_FILE, complete_checkpoints, is_complete
 from trillion.trainer.checkpoint.state import ModelParts
 from trillion.trainer.config.schema import load_config
+
+log = logging.getLogger("trillion")
 
 RUN_CONFIG = "trillion_config.toml"  # the run's config beside the weights: `trillion generate` reads its tokenizer
 
@@ -51,6 +54,16 @@ def load_checkpoint_model(step: Path) -> Transformer:
     return model
 
 
+def inference_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """The weights a transformers model runs: without the multi-token prediction modules (training only; the
+    families' modeling code, DeepseekV3ForCausalLM's included, has no place for them), which are left out."""
+    state = model.state_dict()
+    left_out = [name for name in state if name.startswith("mtp.")]
+    if left_out:
+        log.info("export leaves out the %d multi-token prediction tensors (training only)", len(left_out))
+    return {name: tensor for name, tensor in state.items() if not name.startswith("mtp.")}
+
+
 def export_hf(step: Path, out: Path) -> Path:
     from safetensors.torch import save_file
 
@@ -59,7 +72,7 @@ def export_hf(step: Path, out: Path) -> Path:
     model = load_checkpoint_model(step)
     try:  # before anything is written: a model no transformers family expresses (debug-moe's shared expert)
         config = hf_config(model.args)
-        weights = to_hf_state_dict(model.state_dict(), model.args)
+        weights = to_hf_state_dict(inference_state_dict(model), model.args)
     except ValueError as error:
         raise ConfigError(
             f"--checkpoint {step} cannot be exported to Hugging Face: {error} Train a model a transformers "

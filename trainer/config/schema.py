@@ -116,6 +116,20 @@ class Model:
     )
     n_experts: int = doc(0, "Override an MoE preset's routed experts (0 = keep).", Range(1, also=KEEP))
     top_k: int = doc(0, "Override an MoE preset's experts per token (0 = keep).", Range(1, also=KEEP))
+    mtp_modules: int = doc(
+        -1,
+        "DeepSeek-V3's multi-token prediction: modules trained beside the model, module k predicting the token k + 1 "
+        "after the next from the previous depth's hidden state and token k's embedding, sharing the embedding and "
+        "output head (-1 = the preset's, 0 = off). Training only: evaluation, generation and export use the main "
+        "head; one process or data parallelism only (no pp, cp, tp or ep).",
+        Range(0, also={-1: "keep the preset's"}),
+    )
+    mtp_loss_weight: float = doc(
+        -1.0,
+        "Weight of the multi-token prediction modules' mean loss in the training loss (-1 = the preset's, or "
+        "DeepSeek-V3's 0.3 where the preset has no MTP).",
+        Range(0, open_low=True, also={-1.0: "keep the preset's"}),
+    )
 
 
 PRESET_VALUE = {-1.0: "keep the preset's"}
@@ -127,6 +141,13 @@ class Moe:
         -1.0,
         "Weight of the Switch/Mixtral load-balancing loss E * sum_e f_e P_e in the training loss (0 = off, -1 = the "
         "preset's).",
+        Range(0, also=PRESET_VALUE),
+    )
+    seq_aux_loss_coef: float = doc(
+        -1.0,
+        "Weight (alpha) of DeepSeek-V3's sequence-wise balance loss in the training loss: per sequence, sum_e f_e P_e "
+        "with f_e = E / (top_k x seq_len) x the sequence's tokens choosing e and P_e the sequence's mean of the scores "
+        "normalised to sum to one; averaged over sequences (DeepSeek-V3: 1e-4; 0 = off, -1 = the preset's).",
         Range(0, also=PRESET_VALUE),
     )
     bias_update_rate: float = doc(
