@@ -202,7 +202,13 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     """Why `trillion train` would refuse the layout's pipeline, or "": the trainer's own rule
     (parallel/modes.py check_schedule, which its validate_pipeline calls), so the search never
     proposes what the trainer refuses (DualPipeV with fewer than 2 pp micro-batches, a
-    split-backward schedule under compile, ...)."""
+    split-backward schedule under compile, multi-token prediction under model parallelism, ...)."""
+    parallel = [f"{axis} {getattr(layout, axis)}" for axis in ("pp", "cp", "tp", "ep") if getattr(layout, axis) > 1]
+    if args.mtp_modules and parallel:  # the trainer's rule: trainer/assemble.py check_whole_sequences
+        return (
+            f"multi-token prediction (mtp_modules={args.mtp_modules}) runs only without pp, cp, tp and ep, and this "
+            f"layout has {', '.join(parallel)}. Plan it without MTP: --mtp-modules 0."
+        )
     try:
         check_schedule(
             layout.pp_schedule,
@@ -319,6 +325,7 @@ def _no_layout_message(request: Request, result: SearchResult) -> str:
         f"({_describe(best.layout)}), the device has {request.hardware.device.memory_gb:g} GB "
         f"(the plan keeps {1 - MEMORY_HEADROOM:.0%} free). "
         "Use more GPUs, a smaller micro-batch, or release fixed settings."
+        + (f" Other layouts the trainer refuses: {result.refusal}" if result.refusal else "")
     )
 
 

@@ -2,15 +2,23 @@
 and the DeepSeek MoE block, against the published parameter counts and under tensor and pipeline parallelism."""
 
 import dataclasses
+import math
 
 import pytest
 
+from trillion.models.flops import model_flops_per_token
 from trillion.models.presets import get_preset
 from trillion.parallel.planner.cost import block_passes, output_passes, rank_passes
 from trillion.parallel.planner.deepseek import attention_flops
 from trillion.parallel.planner.hardware import load_profile
 from trillion.parallel.planner.layout import Layout
-from trillion.parallel.planner.memory import block_linears, pipeline_ranks, shared_hidden
+from trillion.parallel.planner.memory import (
+    block_linears,
+    block_params,
+    last_stage_params,
+    mtp_params,
+    pipeline_ranks,
+)
 from trillion.parallel.planner.timing import _gemm
 
 H100 = load_profile("dgx-h100")
@@ -22,15 +30,35 @@ def _one_rank(args, **layout):
     return pipeline_ranks(args, Layout(**(fields | layout)))
 
 
-def _active_matmul_params(args) -> int:
-    """What one token's forward multiplies by, from the planner's linears: each block's (an MoE block's shared
-    experts, router and top_k routed experts), the output head."""
+def _active_params(args) -> int:
+    """The parameters one token's forward reaches beside the embedding, from the planner's specs: each block's (an
+    MoE block's norms, attention, router, shared experts and top_k routed experts), each MTP module's block, norms
+    and projection, the final norm and the output head, once for the trunk and once more per MTP module."""
     h, moe = args.dim, args.moe
-    dense = sum(o * i for _, o, i, _ in block_linears(args))
-    sparse = sum(o * i for _, o, i, _ in block_linears(args, shared_hidden(args)))
-    sparse += moe.n_experts * h + moe.top_k * 3 * h * moe.expert_ffn_dim
-    n_moe = args.n_layers - moe.n_dense_layers
-    return moe.n_dense_layers * dense + n_moe * sparse + args.vocab_size * h
+
+    def count(specs) -> int:
+        return sum(math.prod(spec.shape) for spec in specs)
+
+    def block(index: int) -> int:
+        if not args.is_moe_layer(index):
+            return count(block_params(args))
+        return count(block_params(args, moe=True)) + moe.top_k * 3 * h * moe.expert_ffn_dim
+
+    blocks = sum(block(index) for index in range(args.n_layers + args.mtp_modules))
+    heads = args.mtp_modules * args.vocab_size * h
+    return blocks + args.mtp_modules * count(mtp_params(args)) + count(last_stage_params(args)) + heads
+
+
+@pytest.mark.parametrize("name", ["debug-moe", "qwen3-30b-a3b", "mixtral-8x7b"])
+@pytest.mark.parametrize("mtp", [0, 1])
+def test_the_planners_model_flops_equal_the_trainers(name, mtp):
+    """The planner's parameters and causal attention give models/flops.py's model FLOPs per token (6 per active
+    parameter, norms included as PaLM counts them, and the full attention square: twice the causal forward's), with
+    and without an MTP module."""
+    args = dataclasses.replace(get_preset(name), mtp_modules=mtp)
+    seq = 4096
+    attention = 2 * 3 * (args.n_layers + mtp) * attention_flops(args, 1, seq, 1)
+    assert 6 * _active_params(args) + attention == model_flops_per_token(args, seq)
 
 
 # Published sizes: DeepSeek-V3 technical report (arXiv 2412.19437) abstract, 671B total and 37B activated per token,
@@ -50,7 +78,8 @@ def test_parameter_counts_match_the_published_figures(name, total, with_mtp, act
         assert rank.mtp == 1
         assert rank.numel(args, 1, 1)[0] == pytest.approx(with_mtp, rel=0.01)
     embedding = args.vocab_size * args.dim
-    assert _active_matmul_params(args) + embedding == pytest.approx(active, rel=tolerance)
+    trunk = dataclasses.replace(args, mtp_modules=0)
+    assert _active_params(trunk) + embedding == pytest.approx(active, rel=tolerance)
 
 
 def test_tensor_parallelism_splits_heads_and_keeps_the_down_projections_whole():
@@ -82,3 +111,29 @@ def test_the_mtp_module_sits_on_the_last_stage_and_costs_a_block_and_the_head():
     head = output_passes(args, H100, 4096, 8).forward
     projection = _gemm(H100, 4096, 2 * args.dim, args.dim)  # 2 dim -> dim, whole on every tp rank
     assert added == pytest.approx(block.forward + head + projection)
+
+
+@pytest.mark.parametrize("axis", ["pp", "cp", "tp", "ep", "dp_shard", None])
+def test_the_planner_refuses_mtp_where_the_trainer_does(axis):
+    """`trillion plan` never proposes a layout `trillion train` refuses: multi-token prediction under pp, cp, tp or
+    ep (trainer/assemble.py check_whole_sequences); data parallelism keeps it."""
+    from trillion.errors import ConfigError
+    from trillion.parallel.dims import ParallelDims
+    from trillion.parallel.planner.search import trainer_refusal
+    from trillion.trainer.assemble import check_whole_sequences
+
+    args = get_preset("debug-deepseek")
+    degrees = {"pp": 1, "cp": 1, "tp": 1, "ep": 1, "dp_shard": 2} | ({axis: 2} if axis else {})
+    dims = ParallelDims(**degrees, world_size=degrees["pp"] * degrees["cp"] * degrees["tp"] * degrees["dp_shard"])
+    try:
+        check_whole_sequences(args, dims)
+        trainer = ""
+    except ConfigError as error:
+        trainer = str(error)
+    layout = Layout(
+        degrees["tp"], degrees["pp"], 1, degrees["dp_shard"], "zero3", "GPipe", 1, 1, 4, "none",
+        cp=degrees["cp"], ep=degrees["ep"],
+    )  # fmt: skip
+    planner = trainer_refusal(args, layout)
+    assert bool(planner) == bool(trainer) == (axis not in (None, "dp_shard")), (planner, trainer)
+    assert not trainer_refusal(dataclasses.replace(args, mtp_modules=0), layout)
