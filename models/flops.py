@@ -1,8 +1,10 @@
 """Parameter and FLOP accounting (experiments/frontier/PAPER.md "FLOPs formulas").
 
 Model FLOPs (MFU): 6 * (N - N_emb) + 12 * L * H * T per token, as PaLM, nanoGPT and torchtitan
-count them: no causal discount, no recompute. Hardware FLOPs (HFU) add the recomputed forward
-pass. The Megatron formula (Narayanan et al. 2021, eq. 3) is what the Frontier paper reports.
+count them: no causal discount, no recompute (latent attention: 6 * L * heads * (qk + v head dims) * T
+in place of the last term, its scores at 192 and its values at 128 for DeepSeek-V3). Hardware FLOPs
+(HFU) add the recomputed forward pass. The Megatron formula (Narayanan et al. 2021, eq. 3) is what the
+Frontier paper reports.
 """
 
 import dataclasses
@@ -29,9 +31,9 @@ class ParamCount:
 
 def count_params(args: ModelArgs) -> ParamCount:
     """Exact parameter count of `Transformer(args)`, without building it."""
-    d, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    d = args.dim
     bias = args.bias
-    attention = 2 * d * q + 2 * d * kv + (q + 2 * kv + d if bias else 0) + (2 * args.head_dim if args.qk_norm else 0)
+    attention = _attention_params(args)
     norm = d * (2 if args.norm == "layernorm" and bias else 1)
     blocks = inactive = 0
     for index in range(args.n_layers + args.mtp_modules):  # a multi-token prediction block numbers on
@@ -49,6 +51,28 @@ def count_params(args: ModelArgs) -> ParamCount:
     return ParamCount(total=blocks + mtp + embedding + norm + output, embedding=embedding, inactive=inactive)
 
 
+def _attention_params(args: ModelArgs) -> int:
+    """One block's attention: grouped-query (q, k, v, o, biases, QK-norm), or latent (models/mla.py)."""
+    d, mla = args.dim, args.mla
+    if mla is not None:
+        heads = args.n_heads
+        q = d * heads * mla.qk_head_dim
+        if mla.q_lora_rank:  # down projection, its norm, up projection
+            q = d * mla.q_lora_rank + mla.q_lora_rank + mla.q_lora_rank * heads * mla.qk_head_dim
+        kv = d * (mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.kv_lora_rank
+        kv += mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+        return q + kv + heads * mla.v_head_dim * d
+    q, kv = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    bias = (q + 2 * kv + d) if args.bias else 0
+    return 2 * d * q + 2 * d * kv + bias + (2 * args.head_dim if args.qk_norm else 0)
+
+
+def attention_width(args: ModelArgs) -> int:
+    """A head's query-key width plus its value width: what one query-key pair's two matmuls cost per
+    FLOP pair (2 x head_dim, or MLA's qk_head_dim + v_head_dim: 192 + 128 for DeepSeek-V3)."""
+    return args.mla.qk_head_dim + args.mla.v_head_dim if args.mla is not None else 2 * args.head_dim
+
+
 def _mlp(args: ModelArgs, hidden: int) -> int:
     n_in = 2 if args.mlp == "swiglu" else 1
     return (n_in + 1) * args.dim * hidden + ((n_in * hidden + args.dim) if args.bias else 0)
@@ -61,7 +85,7 @@ def model_flops_per_token(args: ModelArgs, seq_len: int) -> float:
     params = count_params(args)
     head_uses = (1 if args.tie_embeddings else 0) + args.mtp_modules
     matmul_params = params.non_embedding - params.inactive + head_uses * args.vocab_size * args.dim
-    return 6 * matmul_params + 12 * (args.n_layers + args.mtp_modules) * args.n_heads * args.head_dim * seq_len
+    return 6 * matmul_params + 6 * (args.n_layers + args.mtp_modules) * args.n_heads * attention_width(args) * seq_len
 
 
 def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute_fraction: float) -> float:
@@ -73,7 +97,7 @@ def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute_fraction: 
     non-reentrant checkpoint stops recomputing once the saved tensors backward needs are back,
     so it skips each block's last matmul and the true figure is slightly lower.
     """
-    attention_scores = 4 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    attention_scores = 2 * args.n_layers * args.n_heads * attention_width(args) * seq_len
     block_forward = 2 * count_blocks_matmul_params(args) + attention_scores
     return model_flops_per_token(args, seq_len) + recompute_fraction * block_forward
 

@@ -1,6 +1,6 @@
 """Hugging Face `transformers` adapters: configs and parameter names for LlamaForCausalLM and
-GPT2LMHeadModel, and (models/hf_moe.py) MixtralForCausalLM and Qwen3MoeForCausalLM, so weights move
-both ways without changing a value."""
+GPT2LMHeadModel, (models/hf_moe.py) MixtralForCausalLM and Qwen3MoeForCausalLM, and (models/hf_deepseek.py)
+DeepseekV3ForCausalLM and DeepseekV2ForCausalLM, so weights move both ways without changing a value."""
 
 import torch
 
@@ -9,6 +9,10 @@ from trillion.models.args import ModelArgs
 
 def hf_config(args: ModelArgs):
     """The transformers config that describes the same network as `args` (ValueError naming what it cannot)."""
+    if args.mla is not None:
+        from trillion.models.hf_deepseek import hf_deepseek_config
+
+        return hf_deepseek_config(args)
     if args.moe is not None:
         from trillion.models.hf_moe import hf_moe_config
 
@@ -56,6 +60,10 @@ def to_hf_state_dict(
     """Our parameter names and layouts -> the transformers model's. `layout`, for a mixture of experts:
     "legacy" (one matrix per expert, as Hub checkpoints and save_pretrained have them) or "fused"
     (transformers' in-memory gate_up_proj / down_proj); from_pretrained loads either."""
+    if args.mla is not None:
+        from trillion.models.hf_deepseek import deepseek_to_hf
+
+        return deepseek_to_hf(state, args, layout)
     if args.moe is not None:
         from trillion.models.hf_moe import moe_to_hf
 
@@ -71,7 +79,11 @@ def from_hf_state_dict(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[
     A tied checkpoint stores no lm_head; our output then reads the embedding table. Names this
     family does not have are returned unchanged, so the caller's key check can name them. Experts may
     come in either layout (per expert or fused)."""
-    if args.moe is not None:
+    if args.mla is not None:
+        from trillion.models.hf_deepseek import deepseek_from_hf
+
+        ours = deepseek_from_hf(dict(state), args)
+    elif args.moe is not None:
         from trillion.models.hf_moe import moe_from_hf
 
         ours = moe_from_hf(dict(state), args)
@@ -226,6 +238,10 @@ def llama_args_from_config(config: dict) -> ModelArgs:
 
 def args_from_hf_config(config: dict) -> ModelArgs:
     """The ModelArgs of a transformers config.json (the inverse of hf_config), for a folder with no run config."""
+    if config.get("model_type") in ("deepseek_v3", "deepseek_v2", "kimi_k2"):  # Kimi K2: DeepSeek-V3's layout
+        from trillion.models.hf_deepseek import args_from_deepseek_config
+
+        return args_from_deepseek_config(config)
     if config.get("model_type") in ("mixtral", "qwen3_moe"):
         from trillion.models.hf_moe import args_from_moe_config
 
@@ -248,5 +264,6 @@ def args_from_hf_config(config: dict) -> ModelArgs:
             tie_embeddings=config.get("tie_word_embeddings", False),
         )
     raise ValueError(
-        f"model_type {config.get('model_type')!r}: only llama, gpt2, mixtral and qwen3_moe map onto this transformer"
+        f"model_type {config.get('model_type')!r}: only llama, gpt2, mixtral, qwen3_moe, deepseek_v2, deepseek_v3 "
+        "and kimi_k2 map onto this transformer"
     )

@@ -37,8 +37,15 @@ MOE_LAYER_NAMES = {
     "feed_forward.w2": "mlp.down_proj",
     "feed_forward.router.gate": "mlp.gate",
 }
-# Per-expert projection names in each family's Hub checkpoints: (w1 = gate, w3 = up, w2 = down).
-EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+# Per-expert projection names in each family's Hub checkpoints: (w1 = gate, w3 = up, w2 = down); DeepSeek's
+# (models/hf_deepseek.py) are Qwen3-MoE's.
+QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+EXPERT_NAMES = {
+    "mixtral": ("w1", "w3", "w2"),
+    "qwen3_moe": QWEN_EXPERT_NAMES,
+    "deepseek_v3": QWEN_EXPERT_NAMES,
+    "deepseek_v2": QWEN_EXPERT_NAMES,
+}
 EXPERT_BIAS = "router.expert_bias"
 
 
@@ -137,13 +144,13 @@ def moe_to_hf(state: dict[str, torch.Tensor], args: ModelArgs, layout: str = "le
     for i in range(args.n_layers):
         if f"layers.{i}.feed_forward.experts.w1" in state:
             w1, w3, w2 = (state[f"layers.{i}.feed_forward.experts.{w}"] for w in ("w1", "w3", "w2"))
-            out.update(_experts_to_hf(f"model.layers.{i}.mlp.", w1, w3, w2, family, layout))
+            out.update(experts_to_hf(f"model.layers.{i}.mlp.", w1, w3, w2, family, layout))
     if family == "mixtral" and layout == "legacy":
         out = {k.replace(".mlp.", ".block_sparse_moe.", 1): v for k, v in out.items()}
     return out
 
 
-def _experts_to_hf(prefix: str, w1, w3, w2, family: str, layout: str) -> dict[str, torch.Tensor]:
+def experts_to_hf(prefix: str, w1, w3, w2, family: str, layout: str) -> dict[str, torch.Tensor]:
     if layout == "fused":
         return {
             prefix + "experts.gate_up_proj": torch.cat([w1, w3], dim=2).transpose(1, 2).contiguous(),
@@ -165,7 +172,7 @@ def moe_from_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
     out = {}
     for i in range(args.n_layers):
         if args.is_moe_layer(i):
-            out.update(_experts_from_hf(state, f"model.layers.{i}.mlp.", f"layers.{i}.feed_forward.", family, args))
+            out.update(experts_from_hf(state, f"model.layers.{i}.mlp.", f"layers.{i}.feed_forward.", family, args))
     out.update(llama_names_to_ours(state, MOE_LAYER_NAMES))
     if args.moe.bias_update_rate > 0:  # our balancing bias starts from zero: the families have none
         for i in range(args.n_layers):
@@ -174,7 +181,7 @@ def moe_from_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, to
     return out
 
 
-def _experts_from_hf(state: dict, prefix: str, ours: str, family: str, args: ModelArgs) -> dict[str, torch.Tensor]:
+def experts_from_hf(state: dict, prefix: str, ours: str, family: str, args: ModelArgs) -> dict[str, torch.Tensor]:
     """Pop one layer's experts from `state` (fused or per expert) as our w1, w3, w2; {} if not all there."""
     fused = (prefix + "experts.gate_up_proj", prefix + "experts.down_proj")
     if all(name in state for name in fused):

@@ -9,11 +9,11 @@ from trillion.models.args import ModelArgs
 
 
 class LayerKV:
-    """One layer's keys and values, (batch, kv_heads, max_len, head_dim), filled from position 0."""
+    """One layer's keys and values, (batch, kv_heads, max_len, k_dim or v_dim), filled from position 0."""
 
-    def __init__(self, batch: int, kv_heads: int, max_len: int, head_dim: int, device, dtype):
-        self.k = torch.zeros(batch, kv_heads, max_len, head_dim, device=device, dtype=dtype)
-        self.v = torch.zeros_like(self.k)
+    def __init__(self, batch: int, kv_heads: int, max_len: int, k_dim: int, v_dim: int, device, dtype):
+        self.k = torch.zeros(batch, kv_heads, max_len, k_dim, device=device, dtype=dtype)
+        self.v = torch.zeros(batch, kv_heads, max_len, v_dim, device=device, dtype=dtype)
         self.length = 0
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,11 +27,14 @@ class LayerKV:
 
 
 class KVCache:
-    """A LayerKV per transformer layer, keyed as the model's layers are."""
+    """A LayerKV per transformer layer, keyed as the model's layers are. Latent attention (models/mla.py) caches
+    its expanded keys and values: every head's, qk_head_dim and v_head_dim wide."""
 
     def __init__(self, args: ModelArgs, batch: int, max_len: int, device=None, dtype=torch.float32):
+        mla = args.mla
+        k_dim, v_dim = (mla.qk_head_dim, mla.v_head_dim) if mla is not None else (args.head_dim, args.head_dim)
         self.layers = {
-            str(i): LayerKV(batch, args.kv_heads, max_len, args.head_dim, device, dtype) for i in range(args.n_layers)
+            str(i): LayerKV(batch, args.kv_heads, max_len, k_dim, v_dim, device, dtype) for i in range(args.n_layers)
         }
 
     @property

@@ -86,13 +86,14 @@ def _deepseek(
     moe: MoEArgs,
     yarn: YaRNArgs | None = None,
     mtp_modules: int = 0,
+    norm_eps: float = 1e-6,
 ) -> ModelArgs:
     """DeepSeek's block: multi-head latent attention, the first moe.n_dense_layers blocks a dense SwiGLU of
-    ffn_dim, the rest routed experts plus shared ones; RMSNorm (eps 1e-6), no biases, untied output."""
+    ffn_dim, the rest routed experts plus shared ones; RMSNorm, no biases, untied output."""
     llama = _llama(n_layers, dim, n_heads, n_heads, ffn_dim, vocab_size=vocab_size, max_seq_len=max_seq_len)
     return dataclasses.replace(
         llama,
-        norm_eps=1e-6,
+        norm_eps=norm_eps,
         rope_theta=rope_theta,
         mla=mla,
         moe=moe,
@@ -115,6 +116,7 @@ MOONLIGHT_16B_A3B = _deepseek(
     27, 2048, 16, 11264, vocab_size=163840, max_seq_len=8192, rope_theta=50000.0, mla=_MLA_LITE,
     moe=MoEArgs(n_experts=64, top_k=6, expert_ffn_dim=1408, n_shared_experts=2, n_dense_layers=1,
                 score_func="sigmoid", route_scale=2.446, bias_update_rate=1e-3),
+    norm_eps=1e-5,
 )  # fmt: skip
 DEEPSEEK_V3_671B = _deepseek(
     61, 7168, 128, 18432, vocab_size=129280, max_seq_len=163840, rope_theta=10000.0, mla=_MLA_V3,

@@ -20,8 +20,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from trillion.kernels import attention
 from trillion.models.args import ModelArgs
 from trillion.models.kv_cache import KVCache, LayerKV
+from trillion.models.mla import MLAttention
 from trillion.models.moe import MoE, reset_moe_state
 from trillion.models.mtp import MultiTokenPrediction, predict_ahead
+from trillion.models.rope import apply_rope, model_rope_cache, rope_cache  # noqa: F401 (rope_cache: tests use it here)
 
 
 def build_norm(args: ModelArgs) -> nn.Module:
@@ -32,26 +34,6 @@ def build_norm(args: ModelArgs) -> nn.Module:
     if args.norm == "layernorm":
         return LayerNorm(args.dim, eps=args.norm_eps, bias=args.bias)
     return RMSNorm(args.dim, eps=args.norm_eps)
-
-
-def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
-    """cos and sin of the rotary angles, shape (2, max_seq_len, head_dim), half-split layout."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return torch.stack([angles.cos(), angles.sin()])
-
-
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate x (batch, heads, seq, head_dim) by the first `seq` positions of the cache.
-
-    The half-split ("rotate_half") convention is the one Hugging Face Llama checkpoints use,
-    so weights move between the two without permuting rows.
-    """
-    cos, sin = rope[0, : x.shape[-2]].to(x.dtype), rope[1, : x.shape[-2]].to(x.dtype)
-    first, second = x.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -115,7 +97,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
         self.attention_norm = build_norm(args)
-        self.attention = Attention(args)
+        self.attention = MLAttention(args) if args.mla is not None else Attention(args)
         self.ffn_norm = build_norm(args)
         self.feed_forward = build_feed_forward(args, index)
 
@@ -147,7 +129,7 @@ class Transformer(nn.Module):
         mtp = {str(i): MultiTokenPrediction(args.dim, TransformerBlock(args, i), make_norm) for i in depths}
         self.mtp = nn.ModuleDict(mtp) if mtp else None
         if args.positions == "rope":
-            self.register_buffer("rope", rope_cache(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+            self.register_buffer("rope", model_rope_cache(args), persistent=False)
         else:
             self.rope = None
 
@@ -210,9 +192,7 @@ class Transformer(nn.Module):
                 _copy_full_into(param, full)
         reset_moe_state(self)
         if self.rope is not None:
-            self.rope = rope_cache(
-                self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, device=self.rope.device
-            )
+            self.rope = model_rope_cache(self.args, device=self.rope.device)
 
 
 def _copy_full_into(param: torch.Tensor, full: torch.Tensor) -> None:

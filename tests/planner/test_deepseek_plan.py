@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from trillion.models.flops import model_flops_per_token
+from trillion.models.flops import count_params, model_flops_per_token
 from trillion.models.presets import get_preset
 from trillion.parallel.planner.cost import block_passes, output_passes, rank_passes
 from trillion.parallel.planner.deepseek import attention_flops
@@ -49,7 +49,9 @@ def _active_params(args) -> int:
     return blocks + args.mtp_modules * count(mtp_params(args)) + count(last_stage_params(args)) + heads
 
 
-@pytest.mark.parametrize("name", ["debug-moe", "qwen3-30b-a3b", "mixtral-8x7b"])
+@pytest.mark.parametrize(
+    "name", ["debug-moe", "qwen3-30b-a3b", "debug-deepseek", "deepseek-v2-lite", "deepseek-v3-671b", "kimi-k2"]
+)
 @pytest.mark.parametrize("mtp", [0, 1])
 def test_the_planners_model_flops_equal_the_trainers(name, mtp):
     """The planner's parameters and causal attention give models/flops.py's model FLOPs per token (6 per active
@@ -137,3 +139,12 @@ def test_the_planner_refuses_mtp_where_the_trainer_does(axis):
     planner = trainer_refusal(args, layout)
     assert bool(planner) == bool(trainer) == (axis not in (None, "dp_shard")), (planner, trainer)
     assert not trainer_refusal(dataclasses.replace(args, mtp_modules=0), layout)
+
+
+@pytest.mark.parametrize("name", ["debug-deepseek", "deepseek-v2-lite", "moonlight-16b-a3b", "deepseek-v3-671b"])
+def test_a_one_stage_rank_holds_every_parameter_the_model_builds(name):
+    """The planner's states of a one-stage rank (tp 1, no FSDP) are the model's parameters, counted by
+    models/flops.py's count_params (which tests/test_flops.py checks against the built model)."""
+    args = get_preset(name)
+    (rank,) = _one_rank(args)
+    assert rank.numel(args, 1, 1)[0] == count_params(args).total

@@ -1,8 +1,9 @@
 """`trillion export --checkpoint DIR --format hf OUT`: a training checkpoint as a Hugging Face
 model folder (model.safetensors + config.json) that `transformers` loads as LlamaForCausalLM,
-GPT2LMHeadModel, MixtralForCausalLM or Qwen3MoeForCausalLM (experts one matrix per expert, the layout
-of Hub checkpoints and of save_pretrained; models/hf_moe.py). `--checkpoint.initial_load=OUT` starts
-a new run from such a folder. Multi-token prediction modules (training only) are left out."""
+GPT2LMHeadModel, MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM or DeepseekV2ForCausalLM
+(experts one matrix per expert, the layout of Hub checkpoints and of save_pretrained; models/hf_moe.py,
+models/hf_deepseek.py; multi-token prediction modules are training-only and not exported).
+`--checkpoint.initial_load=OUT` starts a new run from such a folder."""
 
 import dataclasses
 import logging
@@ -76,7 +77,7 @@ def export_hf(step: Path, out: Path) -> Path:
     except ValueError as error:
         raise ConfigError(
             f"--checkpoint {step} cannot be exported to Hugging Face: {error} Train a model a transformers "
-            "family expresses (a Llama, GPT-2, Mixtral or Qwen3-MoE preset)."
+            "family expresses (a Llama, GPT-2, Mixtral, Qwen3-MoE or DeepSeek preset)."
         ) from None
     if (
         model.args.tie_embeddings
