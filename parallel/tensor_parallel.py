@@ -24,6 +24,12 @@ ones), the router and the routed experts stay whole and replicated over tp (unde
 each ep rank's experts, expert_parallel.py), the shared experts are column/row-wise with an all-reduce
 out, and the layer's output is handed back sequence-parallel (a local slice, no communication).
 
+Latent attention (models/mla.py): heads split as above (wq or wq_b and wkv_b column-wise, wo row-wise),
+the low-rank down projections wq_a, wkv_a and their norms replicated. Its tensors stay DTensors (the
+rotary table passed in as a replicated one) until `attend`, which gets this rank's heads as plain tensors:
+the key's rotary part is one head shared by all, so its gradient is a sum over every rank's heads, which
+DTensor's autograd does (a partial sum reduced on the way back) and plain local tensors would not.
+
 Output: column-wise over the vocabulary with the logits left as a DTensor sharded on the vocab
 dimension; the cross-entropy then runs under `loss_parallel()` and never gathers the full logits
 (batch x seq x vocab would be the largest activation of the model).
@@ -45,6 +51,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from trillion.models.mla import MLAttention
 from trillion.models.moe import MoE
 
 
@@ -70,24 +77,62 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, float8_tp: bool = False,
 
     for block in model.layers.values():
         style = _Styles(block, float8_tp)
-        plan = {
-            "attention_norm": SequenceParallel(),
-            "attention": style.prepare(
-                "attention",
-                ("wq", "wk", "wv"),
-                input_layouts=(Shard(1), None),
-                desired_input_layouts=(Replicate(), None),
-            ),
-            "attention.wq": style.colwise("attention.wq"),
-            "attention.wk": style.colwise("attention.wk"),
-            "attention.wv": style.colwise("attention.wv"),
-            "attention.wo": style.rowwise("attention.wo", output_layouts=Shard(1), use_local_output=False),
-            "ffn_norm": SequenceParallel(),
-        }
+        latent = isinstance(block.attention, MLAttention)
+        plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+        plan |= _mla_plan(block.attention) if latent else _attention_plan(style)
         plan |= _moe_plan(block.feed_forward) if isinstance(block.feed_forward, MoE) else _mlp_plan(block, style)
         parallelize_module(block, tp_mesh, plan)
+        if latent:
+            _replicate_latent(block.attention, tp_mesh)
         if isinstance(block.feed_forward, MoE):
             _replicate_routing(block.feed_forward, tp_mesh, experts=not expert_parallel)
+
+
+def _attention_plan(style) -> dict:
+    return {
+        "attention": style.prepare(
+            "attention", ("wq", "wk", "wv"), input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        "attention.wq": style.colwise("attention.wq"),
+        "attention.wk": style.colwise("attention.wk"),
+        "attention.wv": style.colwise("attention.wv"),
+        "attention.wo": style.rowwise("attention.wo", output_layouts=Shard(1), use_local_output=False),
+    }
+
+
+def _mla_plan(attention: MLAttention) -> dict:
+    """Latent attention: input and rotary table replicated DTensors, the head-making projections column-wise
+    with DTensor outputs, wo row-wise (the replicated parts: _replicate_latent). Plain styles: float8
+    tensor parallelism of latent attention is not built."""
+    query = "attention.wq" if attention.wq is not None else "attention.wq_b"
+    return {
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), Replicate()), desired_input_layouts=(Replicate(), Replicate())
+        ),
+        query: ColwiseParallel(use_local_output=False),
+        "attention.wkv_b": ColwiseParallel(use_local_output=False),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
+
+
+def _replicate_latent(attention: MLAttention, tp_mesh) -> None:
+    """The down projections and their norms whole on every tp rank (replicated DTensors, as their inputs are),
+    and the attention itself on this rank's heads."""
+    for module in (attention.wq_a, attention.q_norm, attention.wkv_a, attention.kv_norm):
+        if module is not None:
+            distribute_module(module, tp_mesh)
+    attention.attend = _LocalHeads(attention.attend)
+
+
+class _LocalHeads:
+    """Latent attention's `attend` under TP: q, k, v (DTensors, heads sharded) -> the wrapped attend (a backend,
+    or context parallelism's) on this rank's heads as plain tensors; its output is this rank's slice of wo's input."""
+
+    def __init__(self, attend):
+        self.attend = attend
+
+    def __call__(self, q, k, v, **kwargs):
+        return self.attend(*(t.redistribute(placements=[Shard(1)]).to_local() for t in (q, k, v)), **kwargs)
 
 
 def _replicate_routing(moe: MoE, tp_mesh, experts: bool) -> None:

@@ -1,4 +1,5 @@
-"""Expert-parallel parity harness: a tiny MoE model trained a few steps under a layout (ep with FSDP,
+"""Expert-parallel parity harness: a tiny MoE model (grouped-query attention, or with `"model": "mla"` DeepSeek's
+latent attention, group-limited routing and YaRN) trained a few steps under a layout (ep with FSDP,
 HSDP, TP, CP, PP, activation checkpointing, compile) against one process, same seed, fp32, gloo.
 
 Compared with the one-process run (rank 0): losses, gradient norms, every gradient (full_tensor,
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from tests.helpers.parity import GLOBAL_BATCH, MICRO_BATCH, SEED, SEQ_LEN, RandomWindows, _compare, _full
 from trillion.models import PRESETS, Transformer
+from trillion.models.args import MLAArgs, YaRNArgs
 from trillion.models.moe import AUX_TIMES_TOKENS, SEQ_AUX_TIMES_TOKENS, moe_layers
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.expert_parallel import ExpertAllToAll
@@ -34,6 +36,15 @@ BASE = dataclasses.replace(
         BASE.moe, n_experts=8, top_k=2, expert_ffn_dim=32, n_shared_experts=1, n_dense_layers=1, bias_update_rate=0.0
     ),
 )
+# debug-deepseek's kind at this size: low-rank queries, query/key heads (12) wider than value heads (8)
+MLA = dataclasses.replace(
+    BASE,
+    n_kv_heads=None,
+    mla=MLAArgs(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=24),
+    yarn=YaRNArgs(factor=4, original_max_seq_len=8, mscale_all_dim=1.0),
+    moe=dataclasses.replace(BASE.moe, n_groups=4, topk_groups=2, route_scale=2.5),
+)
+MODELS = {"gqa": BASE, "mla": MLA}
 VARIANTS = {  # MoE settings on top of BASE.moe
     "plain": {},
     "aux": {"aux_loss_coef": 0.01},
@@ -43,8 +54,9 @@ VARIANTS = {  # MoE settings on top of BASE.moe
 LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
-def model_args(variant: str):
-    return dataclasses.replace(BASE, moe=dataclasses.replace(BASE.moe, **VARIANTS[variant]))
+def model_args(variant: str, model: str = "gqa"):
+    base = MODELS[model]
+    return dataclasses.replace(base, moe=dataclasses.replace(base.moe, **VARIANTS[variant]))
 
 
 def _dims(case: dict, world_size: int, args) -> ParallelDims:
@@ -87,7 +99,7 @@ def _build(case: dict, dims: ParallelDims, args):
 
 
 def train_case(case: dict, world_size: int) -> dict:
-    args = model_args(case.get("variant", "plain"))
+    args = model_args(case.get("variant", "plain"), case.get("model", "gqa"))
     dims = _dims(case, world_size, args)
     runner, parts = _build(case, dims, args)
     named = [(n, p) for part in parts for n, p in part.named_parameters()]
@@ -198,9 +210,9 @@ def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
         result = results[name] = train_case(case, world_size)
         _check_bias_same_on_every_rank(name, result, world_size)
         if rank == 0:
-            key = (case.get("variant", "plain"), case.get("steps", 3))
+            key = (case.get("variant", "plain"), case.get("steps", 3), case.get("model", "gqa"))
             if key not in references:
-                references[key] = train_case({"variant": key[0], "steps": key[1]}, world_size=1)
+                references[key] = train_case({"variant": key[0], "steps": key[1], "model": key[2]}, world_size=1)
             _compare_stepwise(name, result, references[key])
             _compare_routing(name, result, references[key])
             if "same_as" in case:
