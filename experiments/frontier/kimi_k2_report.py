@@ -11,15 +11,20 @@ commands the report prints; nothing here ran on a GPU. The published figures are
 
 import argparse
 import dataclasses
+import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from trillion.errors import ConfigError
-from trillion.models.flops import count_params
+from trillion.models.flops import count_params, model_flops_per_token
 from trillion.models.presets import get_preset
 from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile
 from trillion.parallel.planner.search import Request, metrics, search
 
+ROOT = Path(__file__).resolve().parents[2]
 HARDWARE = ("frontier", "dgx-h100", "mi300x")
 # DeepSeek-V3 technical report (arXiv 2412.19437): Table 1, 2.664M H800 GPU-hours of pre-training (2.788M in all, with
 # context extension and post-training) on 14.8T tokens; section 3.1, 2048 H800 GPUs; section 3.2, PP 16, EP 64 over
@@ -31,6 +36,8 @@ DEEPSEEK_LAYOUT = {"tp": 1, "pp": 16, "ep": 64, "dp_shard": 128, "dp_shard_mode"
 
 def command(request: Request) -> str:
     fixed = "".join(f" --{k.replace('_', '-')} {v}" if v is not True else f" --{k}" for k, v in request.fixed.items())
+    if request.args.mtp_modules != get_preset(request.model).mtp_modules:
+        fixed += f" --mtp-modules {request.args.mtp_modules}"
     return (
         f"trillion plan --model {request.model} --hardware {request.hardware.name} --gpus {request.gpus} "
         f"--global-batch {request.global_batch} --seq-len {request.seq_len} --tokens {request.tokens:g}{fixed}"
@@ -53,10 +60,21 @@ def shares(r: dict) -> str:
 
 
 def plan(request: Request) -> tuple[dict, str]:
-    """The best layout's figures and the sentence saying why its ep."""
+    """The best layout's figures and why: the planner's sentence on its ep, and the best layout of another
+    tp x pp x cp shape against it."""
     result = search(request)
-    why = ep_choice(request, result)
-    return metrics(request, result.ranked[0]), (why["why"] if why else "")
+    best = result.ranked[0]
+    why = ep_choice(request, result)["why"] if request.args.moe else ""
+    shape = (best.layout.tp, best.layout.pp, best.layout.cp)
+    rival = next((c for c in result.ranked if (c.layout.tp, c.layout.pp, c.layout.cp) != shape), None)
+    if rival is not None:
+        r = metrics(request, rival)
+        why += (
+            f" The best other tp x pp x cp shape, {layout_text(r)}, takes {r['step_time_s']:.2f} s "
+            f"({r['step_time_s'] / best.step.total - 1:+.1%}); {result.considered} layouts were valid, "
+            f"{len(result.ranked)} fit in memory."
+        )
+    return metrics(request, best), why
 
 
 def row(label: str, r: dict) -> str:
@@ -104,7 +122,7 @@ def section_frontier_facts(lines: list[str], ns: argparse.Namespace) -> None:
         search(dataclasses.replace(request, fixed={"float8": True}))
         refusal = "NOT refused (a bug: the MI250X has no float8 tensor cores)"
     except ConfigError as error:
-        refusal = f"refused: {error}"
+        refusal = f"refused: {str(error).replace(str(ROOT) + '/', '')}"
     lines += [
         "## 2. What the Frontier plan assumes of the MI250X",
         "",
@@ -119,7 +137,11 @@ def section_frontier_facts(lines: list[str], ns: argparse.Namespace) -> None:
 
 
 def section_deepseek(lines: list[str]) -> None:
-    args, hw = get_preset("deepseek-v3-671b"), load_profile("dgx-h800")
+    # the trainer runs multi-token prediction only without pp, cp, tp and ep (trainer/assemble.py), so at this scale
+    # the plans leave it out; its FLOPs share says how much DeepSeek's run did beyond them
+    args, hw = dataclasses.replace(get_preset("deepseek-v3-671b"), mtp_modules=0), load_profile("dgx-h800")
+    mtp_share = model_flops_per_token(get_preset("deepseek-v3-671b"), DEEPSEEK["seq_len"])
+    mtp_share = mtp_share / model_flops_per_token(args, DEEPSEEK["seq_len"]) - 1
     base = Request("deepseek-v3-671b", args, hw, DEEPSEEK["gpus"], DEEPSEEK["global_batch"], DEEPSEEK["seq_len"])
     base = dataclasses.replace(base, tokens=DEEPSEEK["tokens"])
     cases = [
@@ -133,7 +155,10 @@ def section_deepseek(lines: list[str]) -> None:
         "DeepSeek-V3 technical report (arXiv 2412.19437): 2.664M H800 GPU-hours of pre-training on 14.8T tokens "
         "(2.788M with context extension and post-training), on 2048 H800s in FP8 with DualPipe, PP 16, EP 64 over "
         "8 nodes, ZeRO-1 and no TP. Planned at sequence 4096 and the final batch of 15360 sequences on the "
-        "dgx-h800 profile; nothing was fitted to this run.",
+        "dgx-h800 profile; nothing was fitted to this run. Planned without DeepSeek's MTP module (`--mtp-modules "
+        "0`): Trillion's trainer runs multi-token prediction only without pp, cp, tp and ep. It adds "
+        f"{mtp_share:.1%} to the model FLOPs per token (models/flops.py), work DeepSeek's run did and these plans "
+        "leave out.",
         "",
         *[h.replace("| hardware |", "| plan |") for h in HEADER],
     ]
@@ -145,17 +170,68 @@ def section_deepseek(lines: list[str]) -> None:
     lines += [
         "",
         "What the planner can express of DeepSeek's run: the layout (pp 16, ep 64 inside dp_shard 128, ZeRO-1 as "
-        "zero1, tp 1), MLA, the MTP module, group-limited routing and float8 linears (torchao's tensorwise "
-        "recipe: the routed experts stay bf16). What it cannot: DualPipe's overlap of the all-to-alls with "
-        "computation (the planner charges every dispatch and combine on the compute stream, never overlapped: "
-        "the EP column above), node-limited routing (each token reaches at most 4 nodes and crosses InfiniBand "
-        "once per node; the planner sends each of the top-8 copies to its expert's rank), FP8 for the routed "
-        "experts and fine-grained (1 x 128 tile) scaling, DeepSeek's uneven stage split (the planner splits 61 "
-        "layers evenly, the MTP module and the output head make the last stage the slowest: the imbalance "
-        "column), and the batch ramp. Each of these makes the planner slower than DeepSeek's run, which is the "
-        "sign of the error above.",
+        "zero1, tp 1), MLA, group-limited routing and float8 linears (torchao's tensorwise recipe: the routed "
+        "experts stay bf16). What it cannot: the MTP module beside a pipeline (above), DualPipe's overlap of the "
+        "all-to-alls with computation (the planner charges every dispatch and combine on the compute stream, "
+        "never overlapped: the EP column), node-limited routing (each token reaches at most 4 nodes and crosses "
+        "InfiniBand once per node; the planner sends each of the top-8 copies to its expert's rank), FP8 for the "
+        "routed experts and fine-grained (1 x 128 tile) scaling, DeepSeek's own stage split (the planner splits "
+        "the 61 layers evenly, with the embedding on the first stage and the output head on the last: the "
+        "imbalance column; the trainer counts both as units of its split, section 4), and the batch ramp. All "
+        "but the MTP module make the planner slower than DeepSeek's run, the sign of the error above.",
         "",
     ]
+
+
+DRY_RUNS = [  # (model, hardware, GPUs, global batch, extra plan flags): the plans above, dry-run at full scale
+    ("kimi-k2", "frontier", 4096, 4096, []),
+    ("deepseek-v3-671b", "dgx-h800", DEEPSEEK["gpus"], DEEPSEEK["global_batch"], ["--mtp-modules", "0"]),
+]
+
+
+def trillion(*args: str) -> tuple[dict, float, str]:
+    """The JSON of a `trillion` command run as a user runs it, its wall time and the command."""
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "trillion", *args, "--format", "json"], capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if out.returncode not in (0, 1):  # estimate: 1 when a rank does not fit, which is a result
+        raise SystemExit(f"trillion {' '.join(args)} failed:\n{out.stderr}")
+    return json.loads(out.stdout), seconds, "trillion " + " ".join(args)
+
+
+def section_dry_run(lines: list[str], out_dir: Path) -> None:
+    lines += [
+        "## 4. The dry runs: each planned layout built by the trainer on fake process groups",
+        "",
+        "`trillion estimate` builds the model of each plan with the trainer's own parallelize on meta tensors, one "
+        "process per simulated rank on this CPU, and runs a micro-batch's forward and backward on meta tensors for "
+        "the activation peak (measured, not the planner's figure). Ranks: the first stage, the second (the most "
+        "micro-batches in flight besides the first, which also holds the embedding), the middle and the last. "
+        "GB = 1e9 bytes; `usable` is the device's memory less the plan's 10% headroom.",
+        "",
+        "| model | rank (stage) | in flight | states GB (params + grads + AdamW) | activations GB | buffers GB "
+        "| total GB | usable GB | planner's fullest rank GB | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    commands = []
+    for model, hardware, gpus, batch, extra in DRY_RUNS:
+        config = out_dir / f"{model}-{hardware}-{gpus}.toml"
+        plan = ["plan", "--model", model, "--hardware", hardware, "--gpus", str(gpus), "--global-batch", str(batch)]
+        planned, _, plan_cmd = trillion(*plan, "--seq-len", "4096", *extra, "--config-out", str(config))
+        pp = planned["candidates"][0]["pp"]
+        ranks = f"first,{gpus // pp},middle,last"
+        data, seconds, cmd = trillion("estimate", "--config", str(config), "--world-size", str(gpus),
+                                      "--hardware", hardware, "--ranks", ranks)  # fmt: skip
+        commands += [f"- `{plan_cmd}` then `{cmd}`"]
+        for rank in data["ranks"]:
+            states = rank["parameters"] + rank["gradients"] + rank["optimizer"]
+            lines.append(
+                f"| {model} | {rank['rank']} ({rank['coords']['pp']}) | {rank['detail']['in_flight']} "
+                f"| {states / 1e9:.1f} | {rank['activations'] / 1e9:.1f} ({rank['activations_source']}) "
+                f"| {(rank['buffers'] + rank['framework']) / 1e9:.1f} | {rank['total'] / 1e9:.1f} "
+                f"| {rank['usable'] / 1e9:.1f} | {rank['planner']['total'] / 1e9:.1f} | {seconds:.0f} |"
+            )
+    lines += ["", "Commands (the config is the plan's `--config-out`):", "", *commands, ""]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -167,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--tokens", type=float, default=15.5e12)  # Kimi K2 (arXiv 2507.20534): 15.5T tokens
     parser.add_argument("--no-published", action="store_true", help="leave out the DeepSeek-V3 comparison")
+    parser.add_argument("--no-dry-run", action="store_true", help="leave out the full-scale `trillion estimate` runs")
     ns = parser.parse_args(argv)
     lines = [
         f"# {ns.model} planned on Frontier, H100 and MI300X clusters: predictions",
@@ -179,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
     section_frontier_facts(lines, ns)
     if not ns.no_published:
         section_deepseek(lines)
+    if not ns.no_dry_run:
+        section_dry_run(lines, Path("outputs/plan"))
     Path(ns.out).write_text("\n".join(lines))
     print("\n".join(lines))
 
