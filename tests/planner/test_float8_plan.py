@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from experiments.validation.validate import RUNS_FILE, evaluate_all
+from experiments.validation.validate import RUNS_FILE, comparable, evaluate_all
 from trillion.errors import ConfigError
 from trillion.models.presets import get_preset
 from trillion.parallel.planner.hardware import load_profile
@@ -164,7 +164,8 @@ def test_float8_plans_on_mi300x_with_its_declared_plateau():
 
 
 def test_the_float8_rows_are_reported_unfitted():
-    records = [r for r in evaluate_all() if r["run"]["layout"].get("float8")]
+    # the validated float8 rows; DeepSeek-V3's FP8 run is reported apart (its layout is not the trainer's)
+    records = [r for r in evaluate_all() if r["run"]["layout"].get("float8") and comparable(r)]
     assert {r["run"]["id"] for r in records} == {
         "torchtitan-8b-8gpu-compile-float8",
         "torchtitan-8b-128gpu-compile-float8",
