@@ -217,11 +217,9 @@ def section_dry_run(lines: list[str], out_dir: Path) -> None:
     for model, hardware, gpus, batch, extra in DRY_RUNS:
         config = out_dir / f"{model}-{hardware}-{gpus}.toml"
         plan = ["plan", "--model", model, "--hardware", hardware, "--gpus", str(gpus), "--global-batch", str(batch)]
-        planned, _, plan_cmd = trillion(*plan, "--seq-len", "4096", *extra, "--config-out", str(config))
-        pp = planned["candidates"][0]["pp"]
-        ranks = f"first,{gpus // pp},middle,last"
+        _, _, plan_cmd = trillion(*plan, "--seq-len", "4096", *extra, "--config-out", str(config))
         data, seconds, cmd = trillion("estimate", "--config", str(config), "--world-size", str(gpus),
-                                      "--hardware", hardware, "--ranks", ranks)  # fmt: skip
+                                      "--hardware", hardware, "--ranks", "first,second,middle,last")  # fmt: skip
         commands += [f"- `{plan_cmd}` then `{cmd}`"]
         for rank in data["ranks"]:
             states = rank["parameters"] + rank["gradients"] + rank["optimizer"]

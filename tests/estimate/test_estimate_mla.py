@@ -17,8 +17,9 @@ def test_debug_deepseek_under_pp_tp_and_ep_is_measured_and_its_states_are_the_pl
     flags = ["--model.name=debug-deepseek", "--model.mtp_modules=0", "--training.seq_len=128"]
     flags += ["--training.global_batch_size=16", "--training.micro_batch_size=1", "--parallel.pp=2", "--parallel.tp=2"]
     flags += ["--parallel.dp_shard=4", "--parallel.ep=4", "--parallel.dp_shard_mode=zero1"]
-    result = estimate(load_config(None, flags), 16, ranks="first,middle,last")
+    result = estimate(load_config(None, flags), 16)  # the default ranks: first, second, middle, last, max
     assert result.layout["ep"] == 4 and result.layout["tp"] == 2 and not result.notes
+    assert [rank.rank for rank in result.ranks][:3] == [0, 8, 15]  # the second stage begins at 16 / pp
     for rank in result.ranks:
         assert rank.activations_source == "measured", rank.rank
     last = result.ranks[-1]  # a stage of MoE blocks only, as the planner's fullest (first) rank is
@@ -38,7 +39,7 @@ def test_kimi_k2_at_its_frontier_plan_on_4096_fake_ranks_fits_in_under_two_minut
     seconds = time.perf_counter() - start
     data = json.loads(capsys.readouterr().out)
     stages = {rank["coords"]["pp"] for rank in data["ranks"]}
-    assert {0, data["layout"]["pp"] - 1} < stages  # first, last and at least one in between
+    assert {0, 1, data["layout"]["pp"] // 2, data["layout"]["pp"] - 1} <= stages  # first, second, middle, last
     for rank in data["ranks"]:
         assert rank["activations_source"] == "measured"
         assert rank["total"] <= rank["usable"], rank
