@@ -221,6 +221,13 @@ def section_dry_run(lines: list[str], out_dir: Path) -> None:
         data, seconds, cmd = trillion("estimate", "--config", str(config), "--world-size", str(gpus),
                                       "--hardware", hardware, "--ranks", "first,second,middle,last")  # fmt: skip
         commands += [f"- `{plan_cmd}` then `{cmd}`"]
+        fullest = max(data["ranks"], key=lambda rank: rank["total"])
+        planner = fullest["planner"]["total"]
+        commands += [
+            f"  {model}: the fullest simulated rank is {fullest['rank']} (stage {fullest['coords']['pp']}), "
+            f"{fullest['total'] / 1e9:.1f} GB of {fullest['usable'] / 1e9:.1f} usable; the planner's fullest rank "
+            f"{planner / 1e9:.1f} GB ({planner / fullest['total'] - 1:+.0%})."
+        ]
         for rank in data["ranks"]:
             states = rank["parameters"] + rank["gradients"] + rank["optimizer"]
             lines.append(
