@@ -112,3 +112,15 @@ def mtp_norms() -> list[str]:
 def mtp_is_moe(args: ModelArgs) -> bool:
     """An MTP block is an MoE block where the main model's next layer would be (DeepSeek-V3: layer 61)."""
     return args.is_moe_layer(args.n_layers)
+
+
+def mtp_refusal(args: ModelArgs, layout) -> str:
+    """Why the trainer refuses the layout's multi-token prediction, or "": it runs MTP only without pp, cp, tp and ep
+    (trainer/assemble.py check_whole_sequences; tests/planner/test_deepseek_plan.py checks the two agree)."""
+    parallel = [f"{axis} {getattr(layout, axis)}" for axis in ("pp", "cp", "tp", "ep") if getattr(layout, axis) > 1]
+    if not (args.mtp_modules and parallel):
+        return ""
+    return (
+        f"multi-token prediction (mtp_modules={args.mtp_modules}) runs only without pp, cp, tp and ep, and this "
+        f"layout has {', '.join(parallel)}. Plan it without MTP: --mtp-modules 0."
+    )

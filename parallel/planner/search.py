@@ -29,6 +29,7 @@ from trillion.models.flops import (
 from trillion.parallel import modes
 from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES, check_schedule
 from trillion.parallel.planner.cost import StepTime, step_time
+from trillion.parallel.planner.deepseek import mtp_refusal
 from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES, Layout
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
@@ -203,12 +204,8 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     (parallel/modes.py check_schedule, which its validate_pipeline calls), so the search never
     proposes what the trainer refuses (DualPipeV with fewer than 2 pp micro-batches, a
     split-backward schedule under compile, multi-token prediction under model parallelism, ...)."""
-    parallel = [f"{axis} {getattr(layout, axis)}" for axis in ("pp", "cp", "tp", "ep") if getattr(layout, axis) > 1]
-    if args.mtp_modules and parallel:  # the trainer's rule: trainer/assemble.py check_whole_sequences
-        return (
-            f"multi-token prediction (mtp_modules={args.mtp_modules}) runs only without pp, cp, tp and ep, and this "
-            f"layout has {', '.join(parallel)}. Plan it without MTP: --mtp-modules 0."
-        )
+    if refused := mtp_refusal(args, layout):
+        return refused
     try:
         check_schedule(
             layout.pp_schedule,

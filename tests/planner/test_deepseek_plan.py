@@ -148,3 +148,21 @@ def test_a_one_stage_rank_holds_every_parameter_the_model_builds(name):
     args = get_preset(name)
     (rank,) = _one_rank(args)
     assert rank.numel(args, 1, 1)[0] == count_params(args).total
+
+
+def test_plan_mtp_modules_flag_plans_and_writes_the_setting(tmp_path, capsys):
+    """`trillion plan --mtp-modules 0` plans debug-deepseek without its MTP module and writes model.mtp_modules=0;
+    with the preset's module the plan keeps to layouts the trainer runs it in; a negative count is refused."""
+    from trillion.trainer.cli.main import main
+    from trillion.trainer.config.schema import load_config
+
+    plan = ["plan", "--model", "debug-deepseek", "--hardware", "dgx-h100", "--gpus", "8", "--global-batch", "16"]
+    plan += ["--seq-len", "1024", "--format", "json"]
+    assert main([*plan, "--mtp-modules", "0", "--config-out", str(tmp_path / "off.toml")]) == 0
+    assert load_config(str(tmp_path / "off.toml")).model.mtp_modules == 0
+    assert main([*plan, "--config-out", str(tmp_path / "on.toml")]) == 0
+    capsys.readouterr()
+    on = load_config(str(tmp_path / "on.toml")).parallel
+    assert on.pp == on.cp == on.tp == on.ep == 1
+    assert main([*plan, "--mtp-modules", "-1"]) == 2
+    assert "--mtp-modules -1 must be 0 or more" in capsys.readouterr().err

@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="MoE models: the busiest expert-parallel rank's routed tokens over the mean (default "
         f"{MOE_LOAD_IMBALANCE:g}, assumed: parallel/planner/moe.py)",
     )
+    _add_mtp_argument(p)
+    return p
+
+
+def _add_mtp_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mtp-modules",
         type=int,
@@ -109,7 +114,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="multi-token prediction modules to plan (default: the preset's; 0 plans without them, which layouts "
         "with pp, cp, tp or ep need: the trainer runs MTP only without those)",
     )
-    return p
 
 
 DEFAULT_CONFIG_OUT = "outputs/plan/{model}-{hardware}-{gpus}.toml"
