@@ -1,7 +1,8 @@
 """DeepSeek-V3's multi-token prediction (arXiv 2412.19437, section 2.2), a training-only extra objective.
 
-Module k (k = 1..D) sees, at each position i, the previous depth's hidden state (the trunk's, before its final
-norm, for k = 1) and the embedding of token i + k, and predicts token i + k + 1:
+Module k (k = 1..D) sees, at each position i, the previous depth's hidden state (for k = 1 the trunk's final one,
+after its final norm: what its head reads, as Megatron-Core's MTP and the serving engines feed it) and the
+embedding of token i + k, and predicts token i + k + 1:
 
     h_k = Block_k(eh_proj([enorm(Emb(t_{i+k})); hnorm(h_{k-1})]))    logits_k = Head(norm_k(h_k))
 
@@ -19,8 +20,9 @@ from torch import nn
 
 
 class MultiTokenPrediction(nn.Module):
-    """One depth: (previous hidden (batch, n, dim), embedded later tokens (batch, n, dim)) -> hidden (batch, n, dim).
-    `block` is a transformer block built for this depth's layer index; `make_norm` builds the model's norm."""
+    """One depth: (previous hidden (batch, n, dim), embedded later tokens (batch, n, dim)) -> (its hidden, the
+    same normed for the head), each (batch, n, dim); the norm inside the forward, where FSDP has gathered the
+    module's parameters. `block` is a block built for this depth's layer index; `make_norm` the model's norm."""
 
     def __init__(self, dim: int, block: nn.Module, make_norm: Callable[[], nn.Module]):
         super().__init__()
@@ -29,18 +31,21 @@ class MultiTokenPrediction(nn.Module):
         self.block = block
         self.norm = make_norm()  # before the shared head (the checkpoint's shared_head.norm)
 
-    def forward(self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor | None) -> torch.Tensor:
-        return self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)), rope)
+    def forward(
+        self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)), rope)
+        return h, self.norm(h)
 
 
 def predict_ahead(
     modules: nn.ModuleDict, embed: nn.Module, head: nn.Module, tokens: torch.Tensor, h: torch.Tensor, rope
 ) -> list[torch.Tensor]:
     """Each depth's logits, depth k's of shape (batch, seq - k, vocab): position i predicts token i + k + 1 from
-    the trunk's hidden states `h` (before the final norm) and `tokens` (batch, seq). The rotary table's first
+    the trunk's final hidden states `h` (after its final norm) and `tokens` (batch, seq). The rotary table's first
     positions serve each depth, whose position i is the trunk's."""
     logits = []
     for depth, module in enumerate(modules.values(), start=1):
-        h = module(h[:, :-1], embed(tokens[:, depth:]), rope)
-        logits.append(head(module.norm(h)))
+        h, normed = module(h[:, :-1], embed(tokens[:, depth:]), rope)
+        logits.append(head(normed))
     return logits

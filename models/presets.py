@@ -121,7 +121,8 @@ MOONLIGHT_16B_A3B = _deepseek(
 DEEPSEEK_V3_671B = _deepseek(
     61, 7168, 128, 18432, vocab_size=129280, max_seq_len=163840, rope_theta=10000.0, mla=_MLA_V3,
     moe=MoEArgs(n_experts=256, top_k=8, expert_ffn_dim=2048, n_shared_experts=1, n_dense_layers=3,
-                score_func="sigmoid", route_scale=2.5, n_groups=8, topk_groups=4, bias_update_rate=1e-3),
+                score_func="sigmoid", route_scale=2.5, n_groups=8, topk_groups=4, bias_update_rate=1e-3,
+                seq_aux_loss_coef=1e-4),  # the paper's balance factor alpha (section 4.2)
     yarn=YaRNArgs(factor=40, original_max_seq_len=4096, mscale=1.0, mscale_all_dim=1.0),
     mtp_modules=1,
 )  # fmt: skip
@@ -132,12 +133,14 @@ KIMI_K2 = _deepseek(
     yarn=YaRNArgs(factor=32, original_max_seq_len=4096, beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
 )  # fmt: skip
 # debug-deepseek: the DeepSeek-V3 block at debug size (low-rank queries, group-limited sigmoid routing with the
-# loss-free bias, a dense first block, one shared expert, one MTP module), trainable on a CPU in minutes.
+# loss-free bias and the sequence-wise balance loss, a dense first block, one shared expert, one MTP module),
+# trainable on a CPU in minutes.
 DEBUG_DEEPSEEK = _deepseek(
     4, 256, 8, 704, vocab_size=320, max_seq_len=1024, rope_theta=10000.0,
     mla=MLAArgs(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, q_lora_rank=96),
     moe=MoEArgs(n_experts=8, top_k=2, expert_ffn_dim=256, n_shared_experts=1, n_dense_layers=1,
-                score_func="sigmoid", route_scale=2.5, n_groups=4, topk_groups=2, bias_update_rate=1e-2),
+                score_func="sigmoid", route_scale=2.5, n_groups=4, topk_groups=2, bias_update_rate=1e-2,
+                seq_aux_loss_coef=1e-4),
     mtp_modules=1,
 )  # fmt: skip
 

@@ -154,8 +154,8 @@ class Transformer(nn.Module):
         rope = self.rope[:, positions] if self.rope is not None else None
         for name, layer in self.layers.items():
             h = layer(h, rope, cache=cache.layers[name]) if cache is not None else layer(h, rope)
-        out = self.norm(h) if self.norm is not None else h
-        logits = self.output(out) if self.output is not None else out
+        h = self.norm(h) if self.norm is not None else h
+        logits = self.output(h) if self.output is not None else h
         if with_mtp:
             return logits, predict_ahead(self.mtp, self.tok_embeddings, self.output, tokens, h, rope)
         return logits

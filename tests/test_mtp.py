@@ -1,18 +1,25 @@
 """DeepSeek-V3's multi-token prediction (models/mtp.py, the loss in parallel/forward_backward.py) against
 the paper's section 2.2 written out here in float64 from the model's weights: the trunk, the MTP module
 (enorm, hnorm, eh_proj, its block, its norm, the shared head) and both losses, values and every gradient
-(the shared embedding and head included); evaluation uses the main head only."""
+(the shared embedding and head included); evaluation uses the main head only; a short run lowers both
+losses, export leaves the modules out and an import starts them afresh; bad settings and layouts are
+refused, naming the fix."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.flags import TINY
 from tests.test_evaluate import corpus, evaluator  # noqa: F401 (corpus: the fixture evaluator reads)
+from trillion.errors import ConfigError
 from trillion.models import PRESETS, Transformer
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop
+from trillion.trainer.assemble import check_whole_sequences
+from trillion.trainer.cli.main import main
 
 ARGS = dataclasses.replace(
     PRESETS["debug"], n_layers=1, dim=32, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=320, max_seq_len=16
@@ -69,9 +76,9 @@ def reference_losses(w: dict, window: torch.Tensor) -> tuple[torch.Tensor, torch
     """(main loss, MTP loss), each the summed cross-entropy over the trunk's target count T (the paper's eq. 25)."""
     inputs, labels = window[:, :-1], window[:, 1:]
     embed, head = w["tok_embeddings.weight"], w["output.weight"]
-    h = block(embed[inputs], w, "layers.0.")
+    h = rms_norm(block(embed[inputs], w, "layers.0."), w["norm.weight"])  # the trunk's output representation
     count = labels.numel()
-    main = F.cross_entropy((rms_norm(h, w["norm.weight"]) @ head.T).flatten(0, 1), labels.flatten(), reduction="sum")
+    main = F.cross_entropy((h @ head.T).flatten(0, 1), labels.flatten(), reduction="sum")
     # depth 1: position i sees the trunk's h_i and token i+1's embedding, and predicts token i+2
     joined = torch.cat(
         [rms_norm(embed[inputs[:, 1:]], w["mtp.1.enorm.weight"]), rms_norm(h[:, :-1], w["mtp.1.hnorm.weight"])], -1
@@ -131,3 +138,77 @@ def test_each_depth_predicts_one_token_further(modules):
     logits, ahead = model(torch.randint(0, ARGS.vocab_size, (2, 10)), with_mtp=True)
     assert logits.shape == (2, 10, ARGS.vocab_size)
     assert [a.shape for a in ahead] == [(2, 10 - depth, ARGS.vocab_size) for depth in range(1, modules + 1)]
+
+
+def records(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_training_with_mtp_lowers_both_losses_export_leaves_it_out_and_import_starts_it(tmp_path, caplog):
+    from safetensors import safe_open
+
+    out, hf = tmp_path / "run", tmp_path / "hf"
+    caplog.set_level("INFO", logger="trillion")
+    flags = [*TINY, "--model.mtp_modules=1", "--training.steps=8", "--eval.interval=8", "--eval.steps=1"]
+    assert main(["train", *flags, f"--job.output_dir={out}"]) == 0
+    trained = [r for r in records(out) if "loss" in r]
+    assert all("mtp_loss" in r for r in trained)
+    for key in ("loss", "mtp_loss"):
+        first, last = (sum(r[key] for r in rows) / 3 for rows in (trained[:3], trained[-3:]))
+        assert last < first - 0.3, (key, first, last)
+    assert not any("mtp_loss" in r for r in records(out) if "eval_loss" in r and "loss" not in r)
+    assert f"mtp {trained[-1]['mtp_loss']:.4f}" in caplog.text  # in the console line too
+    assert main(["export", "--checkpoint", str(out), "--format", "hf", str(hf)]) == 0
+    with safe_open(str(hf / "model.safetensors"), "pt") as exported:
+        names = list(exported.keys())
+    assert names and not any("mtp" in name or "layers.1." in name for name in names)
+    assert "leaves out the 13 multi-token prediction tensors" in caplog.text
+    # and a run with MTP starts from the exported folder, its module from its initial values
+    again = ["train", *flags, "--training.steps=1", f"--checkpoint.initial_load={hf}", f"--job.output_dir={tmp_path}/b"]
+    assert main(again) == 0
+
+
+@pytest.mark.parametrize(
+    "flags, named",
+    [
+        (
+            ["--model.mtp_loss_weight=0.5"],
+            ("model.mtp_loss_weight=0.5", "no multi-token prediction", "--model.mtp_modules=1"),
+        ),
+        (["--model.mtp_modules=1", "--model.mtp_loss_weight=0"], ("model.mtp_loss_weight=0.0", "above 0")),
+        (["--moe.seq_aux_loss_coef=1e-4"], ("seq_aux_loss_coef", "is dense", "MoE preset")),
+    ],
+)
+def test_bad_mtp_settings_exit_2_naming_the_setting(flags, named, tmp_path, capsys):
+    argv = ["train", *TINY, "--training.steps=1", "--eval.interval=0", *flags, f"--job.output_dir={tmp_path}/r"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") <= 2 and all(fragment in err for fragment in named), err
+
+
+@pytest.mark.parametrize(
+    "layout, named",
+    [
+        ({"pp": 2}, ("parallel.pp=2", "last stage")),
+        ({"cp": 2}, ("parallel.cp=2", "one-token shift")),
+        ({"tp": 2}, ("parallel.tp=2", "does not shard")),
+    ],
+)
+def test_layouts_without_whole_sequences_exit_2_with_one_paragraph(layout, named, tmp_path, capsys):
+    """Through `trillion estimate` on fake ranks: the layout is checked as `trillion train` checks it."""
+    config = tmp_path / "run.toml"
+    parallel = "\n".join(f"{axis} = {degree}" for axis, degree in {**layout, "dp_shard": 2}.items())
+    config.write_text(f'[model]\nname = "debug"\nmtp_modules = 1\n\n[parallel]\n{parallel}\n')
+    assert main(["estimate", "--config", str(config), "--world-size", "4", "--no-measure"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().count("\n") == 0, err
+    assert all(fragment in err for fragment in (*named, "model.mtp_modules=1", "--model.mtp_modules=0")), err
+
+
+def test_data_and_expert_parallelism_run_mtp_and_cp_refuses_the_sequence_wise_loss():
+    args = dataclasses.replace(PRESETS["debug-moe"], mtp_modules=1, mtp_loss_weight=0.3)
+    check_whole_sequences(args, ParallelDims(world_size=4, dp_replicate=2, dp_shard=2, ep=2))
+    per_sequence = dataclasses.replace(args, mtp_modules=0, moe=dataclasses.replace(args.moe, seq_aux_loss_coef=1e-4))
+    check_whole_sequences(per_sequence, ParallelDims(world_size=4, dp_shard=2, tp=2))
+    with pytest.raises(ConfigError, match="moe.seq_aux_loss_coef=0.0001 with parallel.cp=2.*--parallel.cp=1"):
+        check_whole_sequences(per_sequence, ParallelDims(world_size=4, dp_shard=2, cp=2))

@@ -143,14 +143,19 @@ def check_whole_sequences(args: ModelArgs, dims: ParallelDims) -> None:
             "rank only chunks of each sequence. Use --parallel.cp=1, or --moe.seq_aux_loss_coef=0 (the "
             "auxiliary-loss-free bias, moe.bias_update_rate, balances without it)."
         )
-    refused = [f"parallel.{axis}={getattr(dims, axis)}" for axis in ("pp", "cp", "tp", "ep") if getattr(dims, axis) > 1]
+    why = {
+        "pp": "a pipeline's last stage, where the module runs, does not hold the embedding table",
+        "cp": "context parallelism splits each sequence into chunks the one-token shift crosses",
+        "tp": "tensor parallelism does not shard the module's block",
+    }
+    refused = [axis for axis in why if getattr(dims, axis) > 1]
     if args.mtp_modules and refused:
         raise ConfigError(
-            f"model.mtp_modules={args.mtp_modules} (multi-token prediction) cannot run with {', '.join(refused)}: "
-            "its module reads the trunk's last hidden state beside the embedding of the next token, which a "
-            "pipeline's last stage does not hold (pp), which context parallelism splits at chunk borders (cp), and "
-            "its block is not sharded by tensor or expert parallelism (tp, ep). Train it in one process or with "
-            "data parallelism (parallel.dp_shard / dp_replicate), or turn it off with --model.mtp_modules=0."
+            f"model.mtp_modules={args.mtp_modules} (multi-token prediction) cannot run with "
+            f"{', '.join(f'parallel.{axis}={getattr(dims, axis)}' for axis in refused)}: "
+            f"{'; '.join(why[axis] for axis in refused)}. Train it in one process, with data parallelism "
+            "(parallel.dp_shard / dp_replicate) or expert parallelism (parallel.ep), or turn it off with "
+            "--model.mtp_modules=0."
         )
 
 

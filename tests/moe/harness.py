@@ -50,12 +50,16 @@ VARIANTS = {  # MoE settings on top of BASE.moe
     "aux": {"aux_loss_coef": 0.01},
     "seq-aux": {"seq_aux_loss_coef": 0.01},  # DeepSeek-V3's alpha is 1e-4; larger here so the gradient shows
     "bias": {"bias_update_rate": 1e-3},
+    "mtp": {},
 }
 LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 
 
+MTP = {"mtp_modules": 1, "mtp_loss_weight": 0.3}  # the "mtp" variant's model settings: an MoE block predicting ahead
+
+
 def model_args(variant: str, model: str = "gqa"):
-    base = MODELS[model]
+    base = dataclasses.replace(MODELS[model], **MTP) if variant == "mtp" else MODELS[model]
     return dataclasses.replace(base, moe=dataclasses.replace(base.moe, **VARIANTS[variant]))
 
 
@@ -88,7 +92,7 @@ def _build(case: dict, dims: ParallelDims, args):
         layout(model)
         model.to_empty(device="cpu")
         model.init_weights(SEED)
-        return MicroBatchLoop(model, dims.tp_enabled, mode), [model]
+        return MicroBatchLoop(model, dims.tp_enabled, mode, args.mtp_loss_weight), [model]
     n_micro = GLOBAL_BATCH // (MICRO_BATCH * dims.dp_size)
     pipeline = Pipeline(model, dims, case.get("schedule", "1F1B"), n_micro, torch.device("cpu"), parallelize_fn=layout)
     for part in pipeline.parts:

@@ -23,6 +23,8 @@ def test_two_ranks_ep2_checkpointing_aux_loss_and_cp():
             {"name": "ep2-aux-loss-zero2", "dp_shard": 2, "ep": 2, "variant": "aux", "mode": "zero2"},
             # DeepSeek-V3's sequence-wise balance loss: per-sequence statistics, which ep must leave alone
             {"name": "ep2-seq-aux-loss", "dp_shard": 2, "ep": 2, "variant": "seq-aux"},
+            # multi-token prediction, its block an MoE block whose experts ep spreads like the trunk's
+            {"name": "ep2-mtp", "dp_shard": 2, "ep": 2, "variant": "mtp"},
             {"name": "ep2-zero1", "dp_shard": 2, "ep": 2, "mode": "zero1"},
             {"name": "ep2xcp2", "dp_shard": 1, "cp": 2, "ep": 2},
             {"name": "tp2-ep1", "dp_shard": 1, "tp": 2},  # an MoE model under TP alone

@@ -152,7 +152,9 @@ def load_model_weights(
     from trillion.models.hf import from_hf_state_dict
 
     weights = from_hf_state_dict({k: v for f in files for k, v in load_file(f).items()}, model_args)
-    check_shapes({k: tuple(v.shape) for k, v in weights.items()}, model.state_dict(), f"{setting}={path}", whole_model)
+    # a transformers folder holds no multi-token prediction modules (training only): theirs keep their initial values
+    ours = {k: v for k, v in model.state_dict().items() if not k.startswith("mtp.")}
+    check_shapes({k: tuple(v.shape) for k, v in weights.items()}, ours, f"{setting}={path}", whole_model)
     for part in parts:  # full tensors in, each rank keeps its shards
         set_model_state_dict(part, weights, options=StateDictOptions(full_state_dict=True, strict=False))
 

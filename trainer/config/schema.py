@@ -121,7 +121,7 @@ class Model:
         "DeepSeek-V3's multi-token prediction: modules trained beside the model, module k predicting the token k + 1 "
         "after the next from the previous depth's hidden state and token k's embedding, sharing the embedding and "
         "output head (-1 = the preset's, 0 = off). Training only: evaluation, generation and export use the main "
-        "head; one process or data parallelism only (no pp, cp, tp or ep).",
+        "head; with data and expert parallelism only (no pp, cp or tp).",
         Range(0, also={-1: "keep the preset's"}),
     )
     mtp_loss_weight: float = doc(

@@ -242,6 +242,8 @@ def _status(record: dict) -> str:
     text = ""
     if "loss" in record:
         text = f"loss {record['loss']:.4f}  grad {record['grad_norm']:.3f}  {record['tokens_per_s']:,.0f} tok/s"
+    if "mtp_loss" in record:  # multi-token prediction's own loss
+        text += f"  mtp {record['mtp_loss']:.4f}"
     if record.get("mfu") is not None:
         text += f"  mfu {100 * record['mfu']:.1f}%"
     if "eval_loss" in record:
