@@ -234,7 +234,7 @@ def args_from_deepseek_config(config: dict) -> ModelArgs:
         q_lora_rank=config.get("q_lora_rank") or 0,
     )
     args = llama_args_from_config(config)
-    return dataclasses.replace(args, n_kv_heads=args.n_heads, mla=mla, moe=moe, yarn=_yarn_from_config(config))
+    return dataclasses.replace(args, n_kv_heads=None, mla=mla, moe=moe, yarn=_yarn_from_config(config))
 
 
 def _rope_parameters(config: dict) -> dict:

@@ -89,10 +89,12 @@ def _deepseek(
     norm_eps: float = 1e-6,
 ) -> ModelArgs:
     """DeepSeek's block: multi-head latent attention, the first moe.n_dense_layers blocks a dense SwiGLU of
-    ffn_dim, the rest routed experts plus shared ones; RMSNorm, no biases, untied output."""
+    ffn_dim, the rest routed experts plus shared ones; RMSNorm, no biases, untied output. No n_kv_heads: every
+    head has its own key and value (from the latent), so overriding model.n_heads keeps them in step."""
     llama = _llama(n_layers, dim, n_heads, n_heads, ffn_dim, vocab_size=vocab_size, max_seq_len=max_seq_len)
     return dataclasses.replace(
         llama,
+        n_kv_heads=None,
         norm_eps=norm_eps,
         rope_theta=rope_theta,
         mla=mla,

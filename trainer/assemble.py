@@ -68,6 +68,11 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
             f"model.n_heads={args.n_heads} does not divide model.dim={args.dim}; "
             f"pick a head count that divides it (e.g. {divisor_near(args.dim, args.n_heads)})."
         )
+    if args.mla is not None and cfg.n_kv_heads > 0:
+        raise ConfigError(
+            f"model.n_kv_heads={cfg.n_kv_heads} does not apply to {cfg.name!r}: its latent attention gives every "
+            "query head its own key and value, expanded from one shared latent. Drop --model.n_kv_heads."
+        )
     if args.n_heads % args.kv_heads:
         raise ConfigError(
             f"model.n_kv_heads={args.kv_heads} does not divide model.n_heads={args.n_heads}; "
