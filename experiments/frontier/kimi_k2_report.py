@@ -137,7 +137,7 @@ def section_frontier_facts(lines: list[str], ns: argparse.Namespace) -> None:
 
 
 def section_deepseek(lines: list[str]) -> None:
-    # the trainer runs multi-token prediction only without pp, cp, tp and ep (trainer/assemble.py), so at this scale
+    # the trainer runs multi-token prediction only without pp, cp and tp (trainer/assemble.py), so at this scale
     # the plans leave it out; its FLOPs share says how much DeepSeek's run did beyond them
     args, hw = dataclasses.replace(get_preset("deepseek-v3-671b"), mtp_modules=0), load_profile("dgx-h800")
     mtp_share = model_flops_per_token(get_preset("deepseek-v3-671b"), DEEPSEEK["seq_len"])
@@ -156,7 +156,8 @@ def section_deepseek(lines: list[str]) -> None:
         "(2.788M with context extension and post-training), on 2048 H800s in FP8 with DualPipe, PP 16, EP 64 over "
         "8 nodes, ZeRO-1 and no TP. Planned at sequence 4096 and the final batch of 15360 sequences on the "
         "dgx-h800 profile; nothing was fitted to this run. Planned without DeepSeek's MTP module (`--mtp-modules "
-        "0`): Trillion's trainer runs multi-token prediction only without pp, cp, tp and ep. It adds "
+        "0`): Trillion's trainer runs multi-token prediction only without pp, cp and tp, and 2048 data-parallel "
+        "ranks do not divide the batch of 15360 sequences. The module adds "
         f"{mtp_share:.1%} to the model FLOPs per token (models/flops.py), work DeepSeek's run did and these plans "
         "leave out.",
         "",

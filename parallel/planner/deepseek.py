@@ -114,13 +114,19 @@ def mtp_is_moe(args: ModelArgs) -> bool:
     return args.is_moe_layer(args.n_layers)
 
 
-def mtp_refusal(args: ModelArgs, layout) -> str:
-    """Why the trainer refuses the layout's multi-token prediction, or "": it runs MTP only without pp, cp, tp and ep
-    (trainer/assemble.py check_whole_sequences; tests/planner/test_deepseek_plan.py checks the two agree)."""
-    parallel = [f"{axis} {getattr(layout, axis)}" for axis in ("pp", "cp", "tp", "ep") if getattr(layout, axis) > 1]
+def whole_sequence_refusal(args: ModelArgs, layout) -> str:
+    """Why the trainer refuses the layout for an objective that needs whole sequences, or "" (trainer/assemble.py
+    check_whole_sequences; tests/planner/test_deepseek_plan.py checks the two agree): DeepSeek-V3's sequence-wise
+    balance loss under cp, multi-token prediction under pp, cp or tp."""
+    if args.moe is not None and args.moe.seq_aux_loss_coef > 0 and layout.cp > 1:
+        return (
+            f"DeepSeek-V3's sequence-wise balance loss (seq_aux_loss_coef={args.moe.seq_aux_loss_coef:g}) counts "
+            f"each whole sequence's expert choices, and this layout splits them over cp {layout.cp}. Plan with --cp 1."
+        )
+    parallel = [f"{axis} {getattr(layout, axis)}" for axis in ("pp", "cp", "tp") if getattr(layout, axis) > 1]
     if not (args.mtp_modules and parallel):
         return ""
     return (
-        f"multi-token prediction (mtp_modules={args.mtp_modules}) runs only without pp, cp, tp and ep, and this "
+        f"multi-token prediction (mtp_modules={args.mtp_modules}) runs only without pp, cp and tp, and this "
         f"layout has {', '.join(parallel)}. Plan it without MTP: --mtp-modules 0."
     )

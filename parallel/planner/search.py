@@ -29,7 +29,7 @@ from trillion.models.flops import (
 from trillion.parallel import modes
 from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES, check_schedule
 from trillion.parallel.planner.cost import StepTime, step_time
-from trillion.parallel.planner.deepseek import mtp_refusal
+from trillion.parallel.planner.deepseek import whole_sequence_refusal
 from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES, Layout
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
@@ -203,8 +203,8 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     """Why `trillion train` would refuse the layout's pipeline, or "": the trainer's own rule
     (parallel/modes.py check_schedule, which its validate_pipeline calls), so the search never
     proposes what the trainer refuses (DualPipeV with fewer than 2 pp micro-batches, a
-    split-backward schedule under compile, multi-token prediction under model parallelism, ...)."""
-    if refused := mtp_refusal(args, layout):
+    split-backward schedule under compile, an objective that needs whole sequences under cp, ...)."""
+    if refused := whole_sequence_refusal(args, layout):
         return refused
     try:
         check_schedule(

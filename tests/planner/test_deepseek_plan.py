@@ -116,29 +116,36 @@ def test_the_mtp_module_sits_on_the_last_stage_and_costs_a_block_and_the_head():
 
 
 @pytest.mark.parametrize("axis", ["pp", "cp", "tp", "ep", "dp_shard", None])
-def test_the_planner_refuses_mtp_where_the_trainer_does(axis):
-    """`trillion plan` never proposes a layout `trillion train` refuses: multi-token prediction under pp, cp, tp or
-    ep (trainer/assemble.py check_whole_sequences); data parallelism keeps it."""
+def test_the_planner_refuses_whole_sequence_objectives_where_the_trainer_does(axis):
+    """`trillion plan` never proposes a layout `trillion train` refuses (trainer/assemble.py check_whole_sequences):
+    multi-token prediction under pp, cp or tp, DeepSeek-V3's sequence-wise balance loss under cp; data and expert
+    parallelism keep both."""
     from trillion.errors import ConfigError
     from trillion.parallel.dims import ParallelDims
     from trillion.parallel.planner.search import trainer_refusal
     from trillion.trainer.assemble import check_whole_sequences
 
-    args = get_preset("debug-deepseek")
+    preset = get_preset("debug-deepseek")
+    assert preset.mtp_modules and preset.moe.seq_aux_loss_coef > 0
     degrees = {"pp": 1, "cp": 1, "tp": 1, "ep": 1, "dp_shard": 2} | ({axis: 2} if axis else {})
     dims = ParallelDims(**degrees, world_size=degrees["pp"] * degrees["cp"] * degrees["tp"] * degrees["dp_shard"])
-    try:
-        check_whole_sequences(args, dims)
-        trainer = ""
-    except ConfigError as error:
-        trainer = str(error)
     layout = Layout(
         degrees["tp"], degrees["pp"], 1, degrees["dp_shard"], "zero3", "GPipe", 1, 1, 4, "none",
         cp=degrees["cp"], ep=degrees["ep"],
     )  # fmt: skip
-    planner = trainer_refusal(args, layout)
-    assert bool(planner) == bool(trainer) == (axis not in (None, "dp_shard")), (planner, trainer)
-    assert not trainer_refusal(dataclasses.replace(args, mtp_modules=0), layout)
+    no_mtp = dataclasses.replace(preset, mtp_modules=0)
+    neither = dataclasses.replace(no_mtp, moe=dataclasses.replace(preset.moe, seq_aux_loss_coef=0.0))
+    outcomes = []
+    for args in (preset, no_mtp, neither):
+        try:
+            check_whole_sequences(args, dims)
+            trainer = ""
+        except ConfigError as error:
+            trainer = str(error)
+        planner = trainer_refusal(args, layout)
+        assert bool(planner) == bool(trainer), (axis, planner, trainer)
+        outcomes.append(bool(trainer))
+    assert outcomes == {"pp": [1, 0, 0], "cp": [1, 1, 0], "tp": [1, 0, 0]}.get(axis, [0, 0, 0])
 
 
 @pytest.mark.parametrize("name", ["debug-deepseek", "deepseek-v2-lite", "moonlight-16b-a3b", "deepseek-v3-671b"])
@@ -163,6 +170,6 @@ def test_plan_mtp_modules_flag_plans_and_writes_the_setting(tmp_path, capsys):
     assert main([*plan, "--config-out", str(tmp_path / "on.toml")]) == 0
     capsys.readouterr()
     on = load_config(str(tmp_path / "on.toml")).parallel
-    assert on.pp == on.cp == on.tp == on.ep == 1
+    assert on.pp == on.cp == on.tp == 1
     assert main([*plan, "--mtp-modules", "-1"]) == 2
     assert "--mtp-modules -1 must be 0 or more" in capsys.readouterr().err

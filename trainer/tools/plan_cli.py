@@ -112,7 +112,7 @@ def _add_mtp_argument(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="multi-token prediction modules to plan (default: the preset's; 0 plans without them, which layouts "
-        "with pp, cp, tp or ep need: the trainer runs MTP only without those)",
+        "with pp, cp or tp need: the trainer runs MTP only without those)",
     )
 
 
