@@ -207,8 +207,9 @@ def section_dry_run(lines: list[str], out_dir: Path) -> None:
         "`trillion estimate` builds the model of each plan with the trainer's own parallelize on meta tensors, one "
         "process per simulated rank on this CPU, and runs a micro-batch's forward and backward on meta tensors for "
         "the activation peak (measured, not the planner's figure). Ranks: the first stage, the second (the most "
-        "micro-batches in flight besides the first, which also holds the embedding), the middle and the last. "
-        "GB = 1e9 bytes; `usable` is the device's memory less the plan's 10% headroom.",
+        "micro-batches in flight besides the first, which also holds the embedding), the middle, the last and the "
+        "first with the most parameters (`max`). GB = 1e9 bytes; `usable` is the device's memory less the plan's "
+        "10% headroom.",
         "",
         "| model | rank (stage) | in flight | states GB (params + grads + AdamW) | activations GB | buffers GB "
         "| total GB | usable GB | planner's fullest rank GB | wall s |",
@@ -220,7 +221,7 @@ def section_dry_run(lines: list[str], out_dir: Path) -> None:
         plan = ["plan", "--model", model, "--hardware", hardware, "--gpus", str(gpus), "--global-batch", str(batch)]
         _, _, plan_cmd = trillion(*plan, "--seq-len", "4096", *extra, "--config-out", str(config))
         data, seconds, cmd = trillion("estimate", "--config", str(config), "--world-size", str(gpus),
-                                      "--hardware", hardware, "--ranks", "first,second,middle,last")  # fmt: skip
+                                      "--hardware", hardware, "--ranks", "first,second,middle,last,max")  # fmt: skip
         commands += [f"- `{plan_cmd}` then `{cmd}`"]
         fullest = max(data["ranks"], key=lambda rank: rank["total"])
         planner = fullest["planner"]["total"]

@@ -379,13 +379,19 @@ def _gathered_block(args: ModelArgs, dense: bool, moe: bool, tp: int, d: int, ep
 
 
 def layout_memory(args: ModelArgs, layout: Layout, seq_len: int) -> Memory:
-    """Memory of the fullest GPU: the first pipeline rank (most micro-batches in flight) or the
-    last (the output layer and the logits)."""
+    """Memory of the fullest GPU. The micro-batches a pipeline rank holds in flight fall from the first rank's to
+    the last's (taken linearly, as 1F1B's p - r), so of the ranks that hold the same parts the earliest holds the
+    most: the fullest is the earliest of each kind, the last rank (the output layer and the logits) among them. An
+    MoE model's middle ranks, all routed experts, can pass a first rank whose first blocks are dense
+    (deepseek-v3-671b's 3; found by `trillion estimate`, which measured 100 GB where the first rank held 21)."""
     schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
     ranks = pipeline_ranks(args, layout)
     first, last = in_flight_microbatches(schedule, layout.pp, layout.virtual_stages, layout.microbatches)
-    candidates = [rank_memory(args, layout, seq_len, ranks[0], first)]
-    last_rank = next(i for i, r in enumerate(ranks) if r.last)
-    if last_rank != 0:
-        candidates.append(rank_memory(args, layout, seq_len, ranks[last_rank], last))
+    earliest = {}
+    for index, rank in enumerate(ranks):
+        earliest.setdefault(rank, index)
+    span, candidates = max(layout.pp - 1, 1), []
+    for rank, index in earliest.items():
+        in_flight = last if rank.last and index else first + (last - first) * index / span
+        candidates.append(rank_memory(args, layout, seq_len, rank, in_flight))
     return max(candidates, key=lambda m: m.total)

@@ -192,7 +192,8 @@ class _Simulation:
     ):
         self.config, self.dims, self.micro_batch, self.microbatches = config, dims, micro_batch, microbatches
         self.measure, self.prediction, self.notes = measure, prediction, notes
-        self.plan = StagePlan(config, model_args.n_layers, dims.pp)
+        moe = frozenset(i for i in range(model_args.n_layers) if model_args.is_moe_layer(i))
+        self.plan = StagePlan(config, model_args.n_layers, dims.pp, moe)
         self.source = StageSource(model_args, dims.pp)
         self.states, self.facts = {}, {}  # (stage shapes, (dp_shard, cp) coordinates) -> States; StageShape -> ...
         self.hidden_bytes = None  # pp > 1: one micro-batch's residual stream between stages, local bytes
