@@ -379,19 +379,22 @@ def _gathered_block(args: ModelArgs, dense: bool, moe: bool, tp: int, d: int, ep
 
 
 def layout_memory(args: ModelArgs, layout: Layout, seq_len: int) -> Memory:
-    """Memory of the fullest GPU. The micro-batches a pipeline rank holds in flight fall from the first rank's to
-    the last's (taken linearly, as 1F1B's p - r), so of the ranks that hold the same parts the earliest holds the
-    most: the fullest is the earliest of each kind, the last rank (the output layer and the logits) among them. An
-    MoE model's middle ranks, all routed experts, can pass a first rank whose first blocks are dense
-    (deepseek-v3-671b's 3; found by `trillion estimate`, which measured 100 GB where the first rank held 21)."""
+    """Memory of the fullest GPU: the earliest rank of each kind (in-flight micro-batches fall linearly from the first
+    rank's to the last's, as 1F1B's p - r). An MoE model's all-expert middle ranks can pass a first rank of dense
+    blocks (deepseek-v3-671b: `trillion estimate` measured 100 GB on one where the first rank held 21)."""
     schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
-    ranks = pipeline_ranks(args, layout)
     first, last = in_flight_microbatches(schedule, layout.pp, layout.virtual_stages, layout.microbatches)
-    earliest = {}
-    for index, rank in enumerate(ranks):
-        earliest.setdefault(rank, index)
     span, candidates = max(layout.pp - 1, 1), []
-    for rank, index in earliest.items():
+    for rank, index in _earliest_of_each_kind(args, layout.pp, layout.virtual_stages, layout.pp_schedule):
         in_flight = last if rank.last and index else first + (last - first) * index / span
         candidates.append(rank_memory(args, layout, seq_len, rank, in_flight))
     return max(candidates, key=lambda m: m.total)
+
+
+@lru_cache(maxsize=4096)
+def _earliest_of_each_kind(args: ModelArgs, pp: int, v: int, schedule_name: str) -> tuple:
+    """((rank's parts, its index), ...): the first pipeline rank of each distinct RankParams."""
+    earliest: dict = {}
+    for index, rank in enumerate(pipeline_ranks(args, Layout(1, pp, 1, 1, "zero3", schedule_name, v, 1, 1, "none"))):
+        earliest.setdefault(rank, index)
+    return tuple(earliest.items())
