@@ -85,7 +85,8 @@ def model_flops_per_token(args: ModelArgs, seq_len: int) -> float:
     params = count_params(args)
     head_uses = (1 if args.tie_embeddings else 0) + args.mtp_modules
     matmul_params = params.non_embedding - params.inactive + head_uses * args.vocab_size * args.dim
-    return 6 * matmul_params + 6 * (args.n_layers + args.mtp_modules) * args.n_heads * attention_width(args) * seq_len
+    blocks = args.n_layers + args.mtp_modules
+    return 6 * matmul_params + 6 * blocks * args.n_heads * attention_width(args) * seq_len
 
 
 def hardware_flops_per_token(args: ModelArgs, seq_len: int, recompute_fraction: float) -> float:

@@ -17,7 +17,11 @@ from trillion.models.hf import args_from_hf_config, from_hf_state_dict, hf_confi
 
 transformers = pytest.importorskip("transformers")
 
-V3 = dataclasses.replace(PRESETS["debug-deepseek"], mtp_modules=0, mtp_loss_weight=0.0)  # MTP off: not exported
+# MTP and the sequence-wise balance loss off: neither is exported, and transformers' training forward has neither
+_DEBUG = PRESETS["debug-deepseek"]
+V3 = dataclasses.replace(
+    _DEBUG, mtp_modules=0, mtp_loss_weight=0.0, moe=dataclasses.replace(_DEBUG.moe, seq_aux_loss_coef=0.0)
+)
 _V2_MOE = dict(score_func="softmax", route_norm=False, n_groups=1, topk_groups=1, route_scale=1.5, bias_update_rate=0)
 V2 = dataclasses.replace(  # DeepSeek-V2-Lite's kind at debug size: full-rank queries, softmax scores, YaRN
     V3,
@@ -141,7 +145,9 @@ def test_the_published_presets_map_to_their_family_and_back(preset):
     assert config["model_type"] == ("deepseek_v2" if preset == "deepseek-v2-lite" else "deepseek_v3")
     assert config.get("num_nextn_predict_layers", 0) == 0  # MTP is not exported
     back = args_from_hf_config(config)
-    assert back == dataclasses.replace(args, mtp_modules=0, mtp_loss_weight=0.0)
+    # what config.json does not carry: the training-only MTP and sequence-wise balance loss
+    no_training_losses = dataclasses.replace(args.moe, seq_aux_loss_coef=0.0)
+    assert back == dataclasses.replace(args, mtp_modules=0, mtp_loss_weight=0.0, moe=no_training_losses)
     hub = {**config, "model_type": "kimi_k2", "rope_scaling": config.pop("rope_parameters")}  # a Hub config.json
     hub["rope_theta"] = hub["rope_scaling"].pop("rope_theta")
     if preset == "kimi-k2":

@@ -35,7 +35,7 @@ def test_the_presets_have_their_published_sizes(preset, total, active, input_emb
 def test_model_flops_count_attention_at_the_query_key_and_value_widths():
     """Dense blocks (no experts), so every parameter is active: the counted matmul FLOPs are the formula's,
     with the scores at qk_head_dim and the weighted values at v_head_dim, less the norm gains."""
-    args = dataclasses.replace(PRESETS["debug-deepseek"], n_layers=2, moe=None, attention_impl="eager")
+    args = dataclasses.replace(PRESETS["debug-deepseek"], n_layers=2, moe=None, mtp_modules=0, attention_impl="eager")
     assert args.mla.qk_head_dim != args.mla.v_head_dim
     model = Transformer(args)
     model.init_weights(0)

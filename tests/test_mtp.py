@@ -133,11 +133,21 @@ def test_evaluation_and_generation_use_the_main_head_only(corpus):  # noqa: F811
 
 
 @pytest.mark.parametrize("modules", [1, 2])
-def test_each_depth_predicts_one_token_further(modules):
+def test_each_depth_predicts_one_token_further_from_earlier_tokens_only(modules):
     model = build(dataclasses.replace(ARGS, mtp_modules=modules, mtp_loss_weight=0.3), torch.float32)
     logits, ahead = model(torch.randint(0, ARGS.vocab_size, (2, 10)), with_mtp=True)
     assert logits.shape == (2, 10, ARGS.vocab_size)
     assert [a.shape for a in ahead] == [(2, 10 - depth, ARGS.vocab_size) for depth in range(1, modules + 1)]
+    # causal: depth k's position i reads tokens 0..i+k only (it predicts token i+k+1); change tokens 6.. and
+    # positions up to 5-k stay, position 6-k moves
+    tokens = torch.randint(0, ARGS.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
+    changed = tokens.clone()
+    changed[:, 6:] = (changed[:, 6:] + 1) % ARGS.vocab_size
+    with torch.no_grad():
+        before, after = model(tokens, with_mtp=True)[1], model(changed, with_mtp=True)[1]
+    for depth, (b, a) in enumerate(zip(before, after), start=1):
+        torch.testing.assert_close(a[:, : 6 - depth], b[:, : 6 - depth], rtol=0, atol=0)
+        assert not torch.allclose(a[:, 6 - depth], b[:, 6 - depth]), depth
 
 
 def records(out) -> list[dict]:

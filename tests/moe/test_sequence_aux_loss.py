@@ -1,12 +1,16 @@
 """DeepSeek-V3's sequence-wise balance loss (models/moe.py) against the paper's formulas written out here
 in float64 (arXiv 2412.19437, section 2.1.2, eq. 17-20), value and the gradient reaching the router; and
-that the statistics are per sequence: a batch gives the mean of its sequences' losses."""
+that the statistics are per sequence: a batch gives the mean of its sequences' losses; the `moe.` setting reaches
+the layer and the step's value is logged."""
 
+import pytest
 import torch
 
-from tests.test_moe_layer import DIM, build_moe
+from tests.test_moe_layer import DIM, build_moe, layer_container
 from trillion.models.args import MoEArgs
-from trillion.models.moe import SEQ_AUX_TIMES_TOKENS, TOKENS
+from trillion.models.moe import SEQ_AUX_TIMES_TOKENS, TOKENS, load_statistics
+from trillion.trainer.assemble import build_model_args
+from trillion.trainer.config.schema import load_config
 
 ALPHA, E, K = 0.01, 8, 3
 MOE = MoEArgs(n_experts=E, top_k=K, expert_ffn_dim=16, score_func="sigmoid", route_scale=2.5, seq_aux_loss_coef=ALPHA)
@@ -50,3 +54,15 @@ def test_per_sequence_statistics_are_not_the_batch_s():
     torch.testing.assert_close(batch, (each[0] + each[1]) / 2, rtol=1e-14, atol=0)
     pooled = layer._sequence_aux_loss(scores, chosen, 1)
     assert not torch.isclose(batch, pooled, rtol=1e-6), "pooled statistics would hide the per-sequence imbalance"
+
+
+def test_the_setting_reaches_the_model_and_the_loss_is_logged_without_alpha():
+    config = load_config(None, ["--model.name=debug-moe", "--moe.seq_aux_loss_coef=0.001"])
+    assert build_model_args(config, 257).moe.seq_aux_loss_coef == 0.001
+    layer = build_moe(MOE)
+    x = torch.randn(2, 10, DIM, dtype=torch.float64)
+    layer(x)  # a training forward tallies it
+    scores, chosen, _ = layer.router(x.view(-1, DIM))
+    layer.last_step_tally = layer.load_tally.clone()
+    logged = load_statistics(layer_container(layer))["moe/layer0/seq_aux_loss"]
+    assert logged == pytest.approx(layer._sequence_aux_loss(scores, chosen, 2).item(), rel=1e-12)

@@ -2,8 +2,8 @@
 model folder (model.safetensors + config.json) that `transformers` loads as LlamaForCausalLM,
 GPT2LMHeadModel, MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM or DeepseekV2ForCausalLM
 (experts one matrix per expert, the layout of Hub checkpoints and of save_pretrained; models/hf_moe.py,
-models/hf_deepseek.py; multi-token prediction modules are training-only and not exported).
-`--checkpoint.initial_load=OUT` starts a new run from such a folder."""
+models/hf_deepseek.py; multi-token prediction modules are training-only and left out).
+`--checkpoint.initial_load=OUT` starts a new run from such a folder (its modules from their initial values)."""
 
 import dataclasses
 import logging
