@@ -51,10 +51,15 @@ CORRECTION_BIAS = "mlp.gate.e_score_correction_bias"
 
 
 def deepseek_family(args: ModelArgs) -> str:
-    """The transformers model_type of a latent-attention model: sigmoid scores DeepSeek-V3, softmax DeepSeek-V2."""
-    family = "deepseek_v3" if args.moe is not None and args.moe.score_func == "sigmoid" else "deepseek_v2"
+    """The transformers model_type of a latent-attention model, checked: it can express `args`."""
+    family = _family(args)
     check_expressible(args, family)
     return family
+
+
+def _family(args: ModelArgs) -> str:
+    """Sigmoid scores are DeepSeek-V3's, softmax DeepSeek-V2's."""
+    return "deepseek_v3" if args.moe is not None and args.moe.score_func == "sigmoid" else "deepseek_v2"
 
 
 def check_expressible(args: ModelArgs, family: str) -> None:
@@ -73,9 +78,8 @@ def check_expressible(args: ModelArgs, family: str) -> None:
         )
     if moe is not None and family == "deepseek_v2":  # softmax, greedy top-k, never renormalised
         problems += ["moe.route_norm=true (DeepseekV2 never renormalises the chosen scores)"] if moe.route_norm else []
-        problems += [f"moe.n_groups={moe.n_groups} (its group-limited routing ranks groups otherwise)"] * (
-            moe.n_groups > 1
-        )
+        if moe.n_groups > 1:
+            problems.append(f"moe.n_groups={moe.n_groups} (its group-limited routing ranks groups otherwise)")
     if problems:
         raise ValueError(f"{CLASSES[family]} cannot express this model: {'; '.join(problems)}.")
 
@@ -164,11 +168,11 @@ def deepseek_to_hf(state: dict[str, torch.Tensor], args: ModelArgs, layout: str 
 def deepseek_from_hf(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
     """transformers' names (either expert layout) -> ours; layers past args.n_layers (MTP) are left out.
     Names that fit nothing are returned unchanged, for the caller's key check to name."""
-    family = "deepseek_v3" if args.moe is not None and args.moe.score_func == "sigmoid" else "deepseek_v2"
-    mtp = [k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= args.n_layers]
+    family = _family(args)  # no expressibility check: a run may start from these weights with its own routing
+    mtp = {k for k in state if k.startswith("model.layers.") and int(k.split(".")[2]) >= args.n_layers}
     if mtp:
         log.info("%d tensors of layers past %d (multi-token prediction) are not imported", len(mtp), args.n_layers)
-    state = {k: v for k, v in state.items() if k not in set(mtp)}
+    state = {k: v for k, v in state.items() if k not in mtp}
     out = {}
     for i in range(args.n_layers):
         bias = state.pop(f"model.layers.{i}.{CORRECTION_BIAS}", None)
@@ -261,9 +265,8 @@ def _refuse_unmapped(config: dict) -> None:
     rope = _rope_parameters(config)
     kind = rope.get("rope_type", rope.get("type", "default"))
     problems = [f"rope of type {kind!r}"] if kind not in ("default", "yarn") else []
-    problems += ["rope_interleave false (imports permute the rotary rows as for interleaved pairs)"] * (
-        config.get("rope_interleave") is False
-    )
+    if config.get("rope_interleave") is False:
+        problems.append("rope_interleave false (imports permute the rotary rows as for interleaved pairs)")
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {config['hidden_act']!r}")
     if config.get("moe_layer_freq", 1) != 1:

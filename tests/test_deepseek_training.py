@@ -1,6 +1,6 @@
 """`trillion train --model.name=debug-deepseek` (latent attention + DeepSeek's MoE block) on the default corpus:
 the held-out loss falls at every evaluation and the expert loads are logged; `trillion export` of the run loads
-in transformers as DeepseekV3ForCausalLM with the same logits."""
+in transformers as DeepseekV3ForCausalLM with the same logits and imports back exactly."""
 
 import json
 
@@ -26,6 +26,7 @@ SMALL_DEEPSEEK = [
 def test_debug_deepseek_trains_logs_expert_loads_and_exports(tmp_path):
     transformers = pytest.importorskip("transformers")
     from trillion.trainer.checkpoint.export import load_checkpoint_model, resolve_checkpoint
+    from trillion.trainer.checkpoint.state import ModelParts, load_model_weights
 
     out, hf = tmp_path / "run", tmp_path / "hf"
     args = ["--training.steps=24", "--eval.interval=8", "--eval.steps=4", "--lr_schedule.warmup_steps=4"]
@@ -47,6 +48,16 @@ def test_debug_deepseek_trains_logs_expert_loads_and_exports(tmp_path):
     tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs.eval()(tokens).logits, atol=2e-5, rtol=1e-4)
+
+    # --checkpoint.initial_load of the folder (load_model_weights is its path) gives exactly the trained weights
+    fresh = load_checkpoint_model(resolve_checkpoint(out))
+    with torch.no_grad():
+        for tensor in fresh.state_dict(keep_vars=True).values():
+            tensor.zero_()
+    load_model_weights(hf, [fresh], fresh.args, "--checkpoint.initial_load")
+    expected = ModelParts([ours]).state_dict()
+    for name, tensor in ModelParts([fresh]).state_dict().items():
+        assert torch.equal(tensor, expected[name]), name  # the balancing bias too (e_score_correction_bias)
 
 
 def test_a_key_value_head_count_is_refused_for_latent_attention(tmp_path, capsys):

@@ -61,6 +61,7 @@ from functools import lru_cache
 
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
+from trillion.parallel.planner.deepseek import attention_flops, kv_width, mtp_is_moe, mtp_linears
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.layout import Layout, bubble_slots
 from trillion.parallel.planner.memory import (
@@ -132,17 +133,15 @@ def layer_passes(
     """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
     holding 1/cp of each sequence; with float8, its converted linears in fp8 (the module docstring); its MLP
     `ffn_hidden` wide (default the dense one; an MoE layer's shared experts, moe.py adds the rest)."""
-    h, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    h = args.dim
     tokens = batch * seq_len // cp
     # (k, n, in fp8) of each linear on this rank: the GEMM is tokens x k x n
     shapes = [(k, n, float8 and converted) for k, n, converted in tp_local_linears(args, tp, ffn_hidden)]
     gemm = sum(_gemm(hw, tokens, k, n, fp8) for k, n, fp8 in shapes)
     casts = [float8_casts(hw, tokens, k, n) for k, n, fp8 in shapes if fp8]
     cast_forward, cast_input_grad, cast_weight_grad = (sum(c[i] for c in casts) for i in range(3))
-    attention_flops = 2.0 * tokens * seq_len * q / tp
-    attention = attention_flops / (
-        hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency * hw.device.sustained
-    )
+    peak_attention = hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency * hw.device.sustained
+    attention = attention_flops(args, tokens, seq_len, tp) / peak_attention
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled, ffn_hidden) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
     activation = tokens * h * hw.element_bytes
@@ -151,7 +150,7 @@ def layer_passes(
         + collective_time(hw, activation, tp, tp, "reduce_scatter")
     )
     host_forward, host_backward = hw.tp_layer_host_s if tp > 1 else (0.0, 0.0)
-    kv_bytes = 2 * batch * seq_len * kv / tp * hw.element_bytes  # the whole sequence's K and V
+    kv_bytes = batch * seq_len * kv_width(args) / tp * hw.element_bytes  # the whole sequence's K and V
     cp_gather = collective_time(hw, kv_bytes, cp, tp * cp, "all_gather")
     cp_reduce = collective_time(hw, kv_bytes, cp, tp * cp, "reduce_scatter")
     return Passes(
@@ -169,6 +168,26 @@ def layer_passes(
         cp_forward=cp_gather,
         cp_backward=cp_reduce,
     )
+
+
+def block_passes(
+    args: ModelArgs,
+    hw: HardwareProfile,
+    batch: int,
+    seq_len: int,
+    tp: int,
+    compiled: bool,
+    cp: int,
+    float8: bool,
+    ep: int,
+    imbalance: float,
+    moe: bool,
+) -> Passes:
+    """One dense block, or one MoE block (its attention and shared experts, then moe.py's routed experts)."""
+    if not moe:
+        return layer_passes(args, hw, batch, seq_len, tp, compiled, cp, float8)
+    shared = layer_passes(args, hw, batch, seq_len, tp, compiled, cp, float8, shared_hidden(args))
+    return shared + moe_passes(args, hw, batch * seq_len // cp, tp, ep, imbalance)
 
 
 @lru_cache(maxsize=8192)
@@ -204,19 +223,23 @@ def rank_passes(
     ep: int = 1,
     imbalance: float = MOE_LOAD_IMBALANCE,
 ) -> tuple[Passes, Passes]:
-    """(passes of one micro-batch through all of the rank's layers, the recomputed forwards)."""
-    layer = layer_passes(args, hw, micro_batch_size, seq_len, tp, compiled, cp, float8)
+    """(passes of one micro-batch through all of the rank's layers and MTP modules, the recomputed forwards)."""
+    block = (args, hw, micro_batch_size, seq_len, tp, compiled, cp, float8, ep, imbalance)
+    layer = block_passes(*block, moe=False)
     dense = rank.layers - rank.moe_layers
     total = layer * dense
     forward_sum = layer * dense
     if rank.moe_layers:
-        moe_layer = layer_passes(
-            args, hw, micro_batch_size, seq_len, tp, compiled, cp, float8, shared_hidden(args)
-        ) + moe_passes(args, hw, micro_batch_size * seq_len // cp, tp, ep, imbalance)
+        moe_layer = block_passes(*block, moe=True)
         total = total + moe_layer * rank.moe_layers
         forward_sum = forward_sum + moe_layer * rank.moe_layers
+    tokens = micro_batch_size * seq_len // cp
     if rank.last:
-        total = total + output_passes(args, hw, micro_batch_size * seq_len // cp, tp)
+        total = total + output_passes(args, hw, tokens, tp)
+    if rank.mtp:  # deepseek.py: a block, the projection (whole on every tp rank), the shared output head again
+        projection = sum(_gemm(hw, tokens, in_f, out_f) for _, out_f, in_f, _ in mtp_linears(args))
+        module = block_passes(*block, moe=mtp_is_moe(args)) + output_passes(args, hw, tokens, tp)
+        total = total + (module + Passes(projection, projection, projection)) * rank.mtp
     mean = forward_sum * (1 / max(rank.layers, 1))  # a recomputed layer: the mean of the rank's layers
     recompute = Passes(
         forward=mean.forward, tp_forward=mean.tp_forward, cp_forward=mean.cp_forward, ep_forward=mean.ep_forward

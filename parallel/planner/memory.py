@@ -30,6 +30,15 @@ from functools import lru_cache, partial
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
 from trillion.parallel.modes import checkpointed_blocks
+from trillion.parallel.planner.deepseek import (
+    attention_activation_elements,
+    kv_width,
+    latent_norms,
+    mla_linears,
+    mtp_is_moe,
+    mtp_linears,
+    mtp_norms,
+)
 from trillion.parallel.planner.layout import Layout, in_flight_microbatches, rank_of_virtual_stage, stage_layers
 from trillion.parallel.planner.moe import expert_numel, moe_activation_bytes
 
@@ -50,12 +59,16 @@ def block_linears(args: ModelArgs, ffn_hidden: int | None = None) -> list[tuple[
     `ffn_hidden` wide (default the dense one; an MoE layer's shared experts, 0 for none: moe.py)."""
     h, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     f = args.ffn_hidden if ffn_hidden is None else ffn_hidden
-    linears = [
-        ("attention.wq", q, h, 0),
-        ("attention.wk", kv, h, 0),
-        ("attention.wv", kv, h, 0),
-        ("attention.wo", h, q, 1),
-    ]
+    linears = (
+        mla_linears(args)
+        if args.mla
+        else [
+            ("attention.wq", q, h, 0),
+            ("attention.wk", kv, h, 0),
+            ("attention.wv", kv, h, 0),
+            ("attention.wo", h, q, 1),
+        ]
+    )
     if f:
         linears += [("feed_forward.w1", f, h, 0), ("feed_forward.w2", h, f, 1)]
         if args.mlp == "swiglu":
@@ -100,6 +113,7 @@ def block_params(args: ModelArgs, moe: bool = False) -> list[ParamSpec]:
         specs += norm_params(args, norm)
     if args.qk_norm:
         specs += [ParamSpec(f"attention.{n}.weight", (args.head_dim,), None) for n in ("q_norm", "k_norm")]
+    specs += [ParamSpec(f"{name}.weight", (features,), None) for name, features in latent_norms(args)]
     if moe:
         specs.append(ParamSpec("feed_forward.router.gate.weight", (args.moe.n_experts, args.dim), None))
     for name, out_features, in_features, tp_dim in block_linears(args, shared_hidden(args) if moe else None):
@@ -128,6 +142,12 @@ def last_stage_params(args: ModelArgs) -> list[ParamSpec]:
     return norm_params(args, "norm") + output
 
 
+def mtp_params(args: ModelArgs) -> list[ParamSpec]:
+    """An MTP module's parameters besides its block (deepseek.py): its norms and its projection."""
+    norms = [ParamSpec(f"mtp.{name}.weight", (args.dim,), None) for name in mtp_norms()]
+    return norms + [ParamSpec(f"mtp.{name}.weight", (out_f, in_f), d) for name, out_f, in_f, d in mtp_linears(args)]
+
+
 def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> tuple[int, int]:
     """(elements after TP, elements after TP and FSDP) on the rank holding the most: rank 0."""
     shape = list(spec.shape)
@@ -141,17 +161,19 @@ def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> tuple[int, int]:
 @lru_cache(maxsize=4096)
 def _numel(args: ModelArgs, part: str, tp: int, dp_shard: int) -> tuple[int, int]:
     parts = {"block": block_params, "moe_block": partial(block_params, moe=True)}
-    specs = {**parts, "first": first_stage_params, "last": last_stage_params}[part](args)
+    specs = {**parts, "first": first_stage_params, "last": last_stage_params, "mtp": mtp_params}[part](args)
     pairs = [local_numel(s, tp, dp_shard) for s in specs]
     return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
 
 def replicated_numel(args: ModelArgs, rank: "RankParams") -> int:
     """Elements of the parameters TP replicates (norms, row-parallel biases, routers) on this rank."""
+    dense, moe = rank.blocks(args)
     specs = (
-        block_params(args) * (rank.layers - rank.moe_layers)
-        + (block_params(args, moe=True) * rank.moe_layers if rank.moe_layers else [])
+        block_params(args) * dense
+        + (block_params(args, moe=True) * moe if moe else [])
         + (last_stage_params(args) if rank.last else [])
+        + mtp_params(args) * rank.mtp
     )
     return sum(math.prod(s.shape) for s in specs if s.tp_dim is None)
 
@@ -163,6 +185,12 @@ class RankParams:
     last: bool  # holds the final norm and the output layer
     chunks: tuple[int, ...] = ()  # layers of each of its pipeline chunks (stage modules); () = one of `layers`
     moe_layers: int = 0  # of its layers, those with routed experts (moe.py)
+    mtp: int = 0  # multi-token prediction modules it holds besides its layers (deepseek.py): the last rank's
+
+    def blocks(self, args: ModelArgs) -> tuple[int, int]:
+        """(dense, MoE) transformer blocks it holds: its layers' and its MTP modules'."""
+        mtp_moe = self.mtp if mtp_is_moe(args) else 0
+        return self.layers - self.moe_layers + self.mtp - mtp_moe, self.moe_layers + mtp_moe
 
     def checkpointed(self, mode: str) -> int:
         """Layers checkpointed: the trainer applies the mode to each stage module's own blocks."""
@@ -171,28 +199,32 @@ class RankParams:
     def numel(self, args: ModelArgs, tp: int, dp_shard: int, ep: int = 1) -> tuple[int, int]:
         """(after TP, after TP and FSDP) parameter elements of this rank; `dp_shard` the FSDP ranks (dp_shard x
         cp), the routed experts over ep of them and sharded over the other dp_shard / ep (moe.py)."""
-        return _rank_numel(args, self.layers, self.moe_layers, self.first, self.last, tp, dp_shard, ep)
+        dense, moe = self.blocks(args)
+        return _rank_numel(args, dense, moe, self.first, self.last, tp, dp_shard, ep, self.mtp)
 
 
 @lru_cache(maxsize=65536)
 def _rank_numel(
-    args: ModelArgs, layers: int, moe_layers: int, first: bool, last: bool, tp: int, dp_shard: int, ep: int
+    args: ModelArgs, dense: int, moe: int, first: bool, last: bool, tp: int, dp_shard: int, ep: int, mtp: int = 0
 ) -> tuple[int, int]:
-    parts = [("block", layers - moe_layers), ("moe_block", moe_layers), ("first", int(first)), ("last", int(last))]
+    """(after TP, after TP and FSDP) elements of `dense` and `moe` blocks, the root's parts and `mtp` modules."""
+    parts = [("block", dense), ("moe_block", moe), ("first", int(first)), ("last", int(last)), ("mtp", mtp)]
     totals = [(count * a, count * b) for part, count in parts if count for a, b in [_numel(args, part, tp, dp_shard)]]
-    experts = expert_numel(args, moe_layers, tp, ep, dp_shard // ep)
+    experts = expert_numel(args, moe, tp, ep, dp_shard // ep)
     return sum(t[0] for t in totals) + experts[0], sum(t[1] for t in totals) + experts[1]
 
 
 def pipeline_ranks(args: ModelArgs, layout: Layout) -> list[RankParams]:
     """What each pipeline rank holds; V schedules put the first and the last stage on rank 0."""
     dense = args.moe.n_dense_layers if args.moe else args.n_layers
-    return _pipeline_ranks(args.n_layers, layout.pp, layout.virtual_stages, layout.pp_schedule, dense)
+    return _pipeline_ranks(args.n_layers, layout.pp, layout.virtual_stages, layout.pp_schedule, dense, args.mtp_modules)
 
 
 @lru_cache(maxsize=4096)
-def _pipeline_ranks(n_layers: int, pp: int, v: int, schedule_name: str, dense_layers: int = -1) -> list[RankParams]:
-    """`dense_layers`: the first layers without routed experts (-1: all)."""
+def _pipeline_ranks(
+    n_layers: int, pp: int, v: int, schedule_name: str, dense_layers: int = -1, mtp: int = 0
+) -> list[RankParams]:
+    """`dense_layers`: the first layers without routed experts (-1: all); `mtp` modules on the last rank."""
     schedule = modes.schedule(schedule_name, "--pp-schedule")
     chunks = stage_layers(n_layers, pp, v, schedule)
     last_rank = 0 if schedule.v_shape and pp > 1 else pp - 1
@@ -201,7 +233,7 @@ def _pipeline_ranks(n_layers: int, pp: int, v: int, schedule_name: str, dense_la
     ranks = []
     for r, c in enumerate(chunks):
         moe = sum(max(0, start + count - max(first_moe, start)) for start, count in zip(starts[r], c))
-        ranks.append(RankParams(sum(c), r == 0, r == last_rank, tuple(c), moe))
+        ranks.append(RankParams(sum(c), r == 0, r == last_rank, tuple(c), moe, mtp if r == last_rank else 0))
     return ranks
 
 
@@ -230,18 +262,20 @@ def layer_activation_bytes(
     the two norm outputs, which the column-parallel linears save (all-gathered under SP).
     Split by TP: q, k, v and the attention output (kept by flash attention), the output
     projection's input, the MLP's hidden activations (GELU: input and output; SwiGLU: w1 and w3
-    outputs, silu output, product). Flash attention adds an fp32 log-sum-exp per head.
+    outputs, silu output, product). Flash attention adds an fp32 log-sum-exp per head. MLA adds its
+    latents, whole on every TP rank (deepseek.py).
     A checkpointed layer keeps only its input. `ffn_hidden`: the MLP's width (default the dense one; an MoE
     layer's shared experts, whose routed experts moe.moe_activation_bytes counts).
     """
-    h, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    h = args.dim
     f = args.ffn_hidden if ffn_hidden is None else ffn_hidden
     split = tp if sequence_parallel else 1
     if checkpointed:
         return tokens * h / split * dtype_bytes
     replicated = 2 * h / split
-    whole = 2 * h
-    sharded = (q + 2 * kv + q + q + (4 if args.mlp == "swiglu" else 2) * f) / tp
+    attention_split, latents = attention_activation_elements(args, tp)
+    whole = 2 * h + latents
+    sharded = attention_split + (4 if args.mlp == "swiglu" else 2) * f / tp
     logsumexp = 4 * args.n_heads / tp
     return tokens * ((replicated + whole + sharded) * dtype_bytes + logsumexp)
 
@@ -297,12 +331,17 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     n_ckpt = rank.checkpointed(layout.activation_checkpoint)
     dense_layer, moe_layer, kept = _layer_bytes(args, tokens, tp, sp, layout.ep, layout.moe_load_imbalance)
     full_layer = (dense_layer * (rank.layers - rank.moe_layers) + moe_layer * rank.moe_layers) / max(rank.layers, 1)
-    gathered_kv = 2 * ms * seq_len * args.kv_heads * args.head_dim / tp * ACTIVATION_BYTES if cp > 1 else 0
+    gathered_kv = ms * seq_len * kv_width(args) / tp * ACTIVATION_BYTES if cp > 1 else 0
     per_microbatch = n_ckpt * kept + (rank.layers - n_ckpt) * (full_layer + gathered_kv)
-    activations = in_flight * per_microbatch + (output_activation_bytes(args, tokens, tp, sp) if rank.last else 0)
+    # an MTP module (deepseek.py), not checkpointed: its block, its projection's input; its output as the root's
+    mtp = (moe_layer if mtp_is_moe(args) else dense_layer) + 2 * tokens * args.dim * ACTIVATION_BYTES + gathered_kv
+    per_microbatch += rank.mtp * mtp
+    output = output_activation_bytes(args, tokens, tp, sp) * (1 + rank.mtp) if rank.last else 0
+    activations = in_flight * per_microbatch + output
 
     d = layout.dp_shard * cp
-    layer_tp = _gathered_block(args, rank.layers > rank.moe_layers, rank.moe_layers > 0, tp, d, layout.ep)
+    dense_blocks, moe_blocks = rank.blocks(args)
+    layer_tp = _gathered_block(args, dense_blocks > 0, moe_blocks > 0, tp, d, layout.ep)
     root_tp = _rank_numel(args, 0, 0, rank.first, rank.last, tp, d, 1)[0]
     # zero3: two gathered blocks (in use, prefetched) and the held root; all modes: an fp32 block's reduce-scatter
     fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if mode == "zero3" else 0)
@@ -340,13 +379,22 @@ def _gathered_block(args: ModelArgs, dense: bool, moe: bool, tp: int, d: int, ep
 
 
 def layout_memory(args: ModelArgs, layout: Layout, seq_len: int) -> Memory:
-    """Memory of the fullest GPU: the first pipeline rank (most micro-batches in flight) or the
-    last (the output layer and the logits)."""
+    """Memory of the fullest GPU: the earliest rank of each kind (in-flight micro-batches fall linearly from the first
+    rank's to the last's, as 1F1B's p - r). An MoE model's all-expert middle ranks can pass a first rank of dense
+    blocks (deepseek-v3-671b: `trillion estimate` measured 100 GB on one where the first rank held 21)."""
     schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
-    ranks = pipeline_ranks(args, layout)
     first, last = in_flight_microbatches(schedule, layout.pp, layout.virtual_stages, layout.microbatches)
-    candidates = [rank_memory(args, layout, seq_len, ranks[0], first)]
-    last_rank = next(i for i, r in enumerate(ranks) if r.last)
-    if last_rank != 0:
-        candidates.append(rank_memory(args, layout, seq_len, ranks[last_rank], last))
+    span, candidates = max(layout.pp - 1, 1), []
+    for rank, index in _earliest_of_each_kind(args, layout.pp, layout.virtual_stages, layout.pp_schedule):
+        in_flight = last if rank.last and index else first + (last - first) * index / span
+        candidates.append(rank_memory(args, layout, seq_len, rank, in_flight))
     return max(candidates, key=lambda m: m.total)
+
+
+@lru_cache(maxsize=4096)
+def _earliest_of_each_kind(args: ModelArgs, pp: int, v: int, schedule_name: str) -> tuple:
+    """((rank's parts, its index), ...): the first pipeline rank of each distinct RankParams."""
+    earliest: dict = {}
+    for index, rank in enumerate(pipeline_ranks(args, Layout(1, pp, 1, 1, "zero3", schedule_name, v, 1, 1, "none"))):
+        earliest.setdefault(rank, index)
+    return tuple(earliest.items())

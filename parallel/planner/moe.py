@@ -21,7 +21,9 @@ experts stay whole, replicated over tp, parallel/tensor_parallel.py; the shared 
   element-wise  per token of the tp group: the permutation into expert order and back (x[order], the
              inverse gather) 2 x 2 k h, the weighting by the scores 2 k h, their sum k h + h, SwiGLU on the
              expert hidden 5 k f, the router's softmax and top-k 3 E (read scores, write them, read
-             for top-k); the same under torch.compile (the data-dependent shapes break the graph).
+             for top-k), its loss-free bias 2 E (the add: read, write) and DeepSeek-V3's group-limited choice
+             3 E (the per-group top-2 reads the scores, the mask of the other groups reads and writes them:
+             Router.forward); the same under torch.compile (the data-dependent shapes break the graph).
 Memory: expert parameters total / (ep x efsdp), efsdp = dp_shard x cp / ep, so a rank's states are
 those of its E / ep experts sharded over efsdp (the states per rank do not depend on ep; FSDP's gathered
 copies, its buffers and its traffic do: one layer's E / ep experts, all-gathered over the efsdp ranks).
@@ -48,6 +50,16 @@ MOE_LOAD_IMBALANCE = 1.16
 # Router.forward, one per aten op: the router's 9, the sort, bincount, cumsum and gathers, silu and the
 # products, the scatter back, the weighting and sum, the load tally's 4 adds)
 MOE_KERNELS = 26
+# Group-limited routing's launches beyond MOE_KERNELS (Router.forward with n_groups > 1): the per-group top-2, its
+# sum, the top groups, the mask's scatter and negation, the masked fill
+GROUP_ROUTING_KERNELS = 6
+
+
+def router_elements(moe) -> int:
+    """Elements per token the router reads and writes besides its GEMM (the module docstring)."""
+    bias = 2 if moe.bias_update_rate > 0 else 0
+    groups = 3 if moe.n_groups > 1 else 0
+    return (3 + bias + groups) * moe.n_experts
 
 
 def rank_load_imbalance(loads: list[float], ep: int) -> float:
@@ -83,8 +95,9 @@ def moe_passes(
     experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance)
     router = _gemm(hw, tokens, h, moe.n_experts)
     k, imb = moe.top_k, effective_imbalance(ep, imbalance)
-    elements = tokens * ((7 * k * h + 5 * k * f) * imb + h + 3 * moe.n_experts)
-    elementwise = _memory_bound(hw, elements * hw.element_bytes) + MOE_KERNELS * launch
+    elements = tokens * ((7 * k * h + 5 * k * f) * imb + h + router_elements(moe))
+    kernels = MOE_KERNELS + (GROUP_ROUTING_KERNELS if moe.n_groups > 1 else 0)
+    elementwise = _memory_bound(hw, elements * hw.element_bytes) + kernels * launch
     payload = tokens * k * h * hw.element_bytes * imb  # one all-to-all's per-rank bytes, own share included
     a2a = all_to_all_time(hw, payload, ep, tp)
     counts = all_to_all_time(hw, 0.0, ep, tp)  # the counts' exchange: its latency

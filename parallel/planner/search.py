@@ -30,6 +30,7 @@ from trillion.parallel import modes
 from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES, check_schedule
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
 from trillion.parallel.planner.cost import StepTime, step_time
+from trillion.parallel.planner.deepseek import whole_sequence_refusal
 from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES, Layout
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
@@ -205,7 +206,9 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     """Why `trillion train` would refuse the layout's pipeline, or "": the trainer's own rule
     (parallel/modes.py check_schedule, which its validate_pipeline calls), so the search never
     proposes what the trainer refuses (DualPipeV with fewer than 2 pp micro-batches, a
-    split-backward schedule under compile, ...)."""
+    split-backward schedule under compile, an objective that needs whole sequences under cp, ...)."""
+    if refused := whole_sequence_refusal(args, layout):
+        return refused
     try:
         check_schedule(
             layout.pp_schedule,
@@ -325,6 +328,7 @@ def _no_layout_message(request: Request, result: SearchResult) -> str:
         f"layouts the smallest needs {best.memory.total / 1e9:.1f} GB per GPU "
         f"({_describe(best.layout)}), more than the device's {request.hardware.device.memory_gb:g} GB. "
         "Use more GPUs, a smaller micro-batch, or release fixed settings."
+        + (f" Other layouts the trainer refuses: {result.refusal}" if result.refusal else "")
     )
 
 

@@ -16,6 +16,7 @@ the outgoing one: twice the forward's traffic (the count gives 2.1).
 """
 
 from trillion.models.args import ModelArgs
+from trillion.parallel.planner.deepseek import mla_elementwise_per_token
 
 BACKWARD_ELEMENTWISE = 2.0
 # element-wise kernels of one layer's forward besides the 7 GEMMs and the attention kernel
@@ -52,8 +53,8 @@ def _family(args: ModelArgs) -> str:
 
 def elementwise_per_token(args: ModelArgs, tp: int, compiled: bool, ffn_hidden: int | None = None) -> float:
     """Elements read and written per token by one layer's forward on one of `tp` ranks (the
-    sequence-parallel parts, norms and residuals, are split over them too); `ffn_hidden` the MLP's width
-    (an MoE layer's shared experts, 0 for none; moe.py counts the routed experts' work)."""
+    sequence-parallel parts, norms and residuals, are split over them too; MLA's latent norms are not, deepseek.py);
+    `ffn_hidden` the MLP's width (an MoE layer's shared experts, 0 for none; moe.py counts the routed experts' work)."""
     h, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     f = args.ffn_hidden if ffn_hidden is None else ffn_hidden
     rope = args.positions == "rope"
@@ -66,7 +67,10 @@ def elementwise_per_token(args: ModelArgs, tp: int, compiled: bool, ffn_hidden: 
         hidden = 2 * (8 if args.norm == "rmsnorm" else 2) * h + 2 * 3 * h
         heads = 10 * (q + kv) if rope else 0
         mlp = (5 if swiglu else 2) * f
-    return (hidden + heads + mlp) / tp
+    whole = 0.0
+    if args.mla:  # latent attention's rotary parts, latent norms and assembled q and k in place of the heads' rotary
+        heads, whole = mla_elementwise_per_token(args, compiled)
+    return (hidden + heads + mlp) / tp + whole
 
 
 def elementwise_kernels(args: ModelArgs, compiled: bool) -> int:

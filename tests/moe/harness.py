@@ -44,7 +44,11 @@ MLA = dataclasses.replace(
     yarn=YaRNArgs(factor=4, original_max_seq_len=8, mscale_all_dim=1.0),
     moe=dataclasses.replace(BASE.moe, n_groups=4, topk_groups=2, route_scale=2.5),
 )
-MODELS = {"gqa": BASE, "mla": MLA}
+MODELS = {
+    "gqa": BASE,
+    "mla": MLA,
+    "mla-full-q": dataclasses.replace(MLA, mla=dataclasses.replace(MLA.mla, q_lora_rank=0)),
+}
 VARIANTS = {  # MoE settings on top of BASE.moe
     "plain": {},
     "aux": {"aux_loss_coef": 0.01},

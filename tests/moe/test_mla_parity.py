@@ -29,3 +29,8 @@ def test_four_ranks_mla_ep2_x_tp2_and_pp2_x_ep2():
             {"name": "mla-ep2xpp2", "model": "mla", "pp": 2, "dp_shard": 2, "ep": 2},
         ],
     )
+
+
+@pytest.mark.slow
+def test_two_ranks_mla_full_rank_queries_tp2():  # DeepSeek-V2-Lite's and Moonlight's wq, column-wise
+    run_ranks(check_cases, 2, [{"name": "mla-full-q-tp2", "model": "mla-full-q", "dp_shard": 1, "tp": 2}])

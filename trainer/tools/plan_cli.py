@@ -9,6 +9,7 @@ memory, time-to-train, energy and cost, and write the best one as a `trillion tr
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -101,7 +102,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="MoE models: the busiest expert-parallel rank's routed tokens over the mean (default "
         f"{MOE_LOAD_IMBALANCE:g}, assumed: parallel/planner/moe.py)",
     )
+    _add_mtp_argument(p)
     return p
+
+
+def _add_mtp_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mtp-modules",
+        type=int,
+        default=None,
+        help="multi-token prediction modules to plan (default: the preset's; 0 plans without them, which layouts "
+        "with pp, cp or tp need: the trainer runs MTP only without those)",
+    )
 
 
 DEFAULT_CONFIG_OUT = "outputs/plan/{model}-{hardware}-{gpus}.toml"
@@ -130,6 +142,8 @@ def argument_problems(ns: argparse.Namespace) -> tuple[list[str], object]:
     for key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size", "cp", "ep"):
         if getattr(ns, key) is not None and getattr(ns, key) < 1:
             problems.append(f"--{key.replace('_', '-')} {getattr(ns, key)} must be at least 1")
+    if ns.mtp_modules is not None and ns.mtp_modules < 0:
+        problems.append(f"--mtp-modules {ns.mtp_modules} must be 0 or more (0: no multi-token prediction)")
     if ns.seq_len < 0:
         problems.append(f"--seq-len {ns.seq_len} must be positive (or 0: the model's max_seq_len)")
     if not math.isfinite(ns.tokens) or ns.tokens < 0:
@@ -158,6 +172,8 @@ def request_from(ns: argparse.Namespace) -> Request:
         example = f" For example: {EXAMPLE}." if any(problem.startswith("it needs") for problem in problems) else ""
         raise ConfigError(f"{listed}.{example}")
     args = get_preset(ns.model)
+    if ns.mtp_modules is not None:
+        args = dataclasses.replace(args, mtp_modules=ns.mtp_modules)
     fixed = {k: getattr(ns, k) for k in LAYOUT_FIELDS if getattr(ns, k) is not None}
     return Request(
         ns.model,
@@ -185,6 +201,8 @@ def train_config_toml(request: Request, row: dict) -> str:
         setattr(config.parallel, key, row[key])
     if hasattr(config.parallel, "ep"):  # the trainer's parallel.ep (expert parallelism)
         config.parallel.ep = row["ep"]
+    if request.args.mtp_modules != get_preset(request.model).mtp_modules:
+        config.model.mtp_modules = request.args.mtp_modules
     config.compile.enabled = row["compile"]
     config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather on (auto): what the plan timed
     header = [

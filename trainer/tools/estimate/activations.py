@@ -94,6 +94,29 @@ def measure_micro_batch(
     return MicroBatchMemory(held, forward_peak, peak, sum(grad_elements.values()))
 
 
+class _UnequalHeadsFlash(torch.autograd.Function):
+    """Flash attention's saved set on meta tensors where the value head is narrower or wider than the query/key
+    head (latent attention: 192 and 128), which aten's flash op does not take: q, k, v, the output and an fp32
+    log-sum-exp per query and head."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _meta_flash(q, k, v, causal: bool, scale: float | None) -> torch.Tensor:
+    if q.shape[-1] != v.shape[-1]:
+        return _UnequalHeadsFlash.apply(q, k, v)
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[0]
+
+
 @contextlib.contextmanager
 def _flash_on_meta():
     """On meta tensors SDPA falls back to its math path, which saves the seq x seq score matrix; a GPU
@@ -110,7 +133,7 @@ def _flash_on_meta():
     def eager_on_meta(q, k, v, *, causal=True, softmax_scale=None):
         if q.device.type != "meta":
             return eager(q, k, v, causal=causal, softmax_scale=softmax_scale)
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=softmax_scale)[0]
+        return _meta_flash(q, k, v, causal, softmax_scale)
 
     def flash(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if q.device.type != "meta" or attn_mask is not None or dropout_p:
@@ -124,7 +147,7 @@ def _flash_on_meta():
                 scale=scale,
                 enable_gqa=enable_gqa,
             )
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[0]
+        return _meta_flash(q, k, v, is_causal, scale)
 
     F.scaled_dot_product_attention, kernels.eager_attention = flash, eager_on_meta
     try:

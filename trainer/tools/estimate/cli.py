@@ -5,7 +5,7 @@
   trillion estimate --config FILE --world-size 3072 --parallel.tp=8 --parallel.dp_shard=384 --steps 2
   trillion estimate --config outputs/plan/qwen3-235b-a22b-dgx-h100-256.toml --world-size 256 --ep 8 --hardware dgx-h100
 
-Prints, per simulated rank (first, middle and last pipeline stage and the rank with the most
+Prints, per simulated rank (first, second, middle and last pipeline stage and the rank with the most
 parameters by default), parameter, gradient, optimizer, activation-peak and buffer bytes next to the
 device's capacity and the planner's prediction; exits 1 with a message naming the rank, the
 shortfall, what dominates and which setting to change when a rank does not fit. `--steps N` also
@@ -42,7 +42,7 @@ def parse(argv: list[str]):
     p.add_argument(
         "--ranks",
         default=DEFAULT_RANKS,
-        help=f"first, middle, last, max (most parameters), all, or rank numbers (default {DEFAULT_RANKS})",
+        help=f"first, second, middle, last, max (most parameters), all, or rank numbers (default {DEFAULT_RANKS})",
     )
     p.add_argument("--hardware", default=None, help="hardware profile whose device capacity to compare (e.g. frontier)")
     p.add_argument("--format", choices=("table", "json"), default="table")

@@ -85,7 +85,10 @@ __all__ = [
     "DEFAULT_RANKS",
 ]
 log = logging.getLogger("trillion")
-DEFAULT_RANKS = "first,middle,last,max"
+# second: with the embedding a unit of the trainer's stage split, the first stage holds fewer blocks than the next,
+# which holds the most micro-batches in flight after it: the fullest rank of kimi-k2's and deepseek-v3-671b's plans
+# (experiments/frontier/KIMI_K2.md)
+DEFAULT_RANKS = "first,second,middle,last,max"
 
 
 @dataclass
@@ -189,7 +192,8 @@ class _Simulation:
     ):
         self.config, self.dims, self.micro_batch, self.microbatches = config, dims, micro_batch, microbatches
         self.measure, self.prediction, self.notes = measure, prediction, notes
-        self.plan = StagePlan(config, model_args.n_layers, dims.pp)
+        moe = frozenset(i for i in range(model_args.n_layers) if model_args.is_moe_layer(i))
+        self.plan = StagePlan(config, model_args.n_layers, dims.pp, moe)
         self.source = StageSource(model_args, dims.pp)
         self.states, self.facts = {}, {}  # (stage shapes, (dp_shard, cp) coordinates) -> States; StageShape -> ...
         self.hidden_bytes = None  # pp > 1: one micro-batch's residual stream between stages, local bytes
@@ -423,12 +427,13 @@ def planner_prediction(
 
 # --- which ranks -------------------------------------------------------------------------------------------
 def select_ranks(spec: str, world_size: int, pp: int = 1, most_parameters=lambda: 0) -> list[int]:
-    """first, middle (the first rank of pipeline rank pp // 2), last, max (the rank with the most
-    parameters: `most_parameters()`), all, or rank numbers, comma-separated; duplicates dropped."""
+    """first, second (the first rank of pipeline rank 1), middle (of pipeline rank pp // 2), last, max (the rank with
+    the most parameters: `most_parameters()`), all, or rank numbers, comma-separated; duplicates dropped."""
     if spec.strip() == "all":
         return list(range(world_size))
     named = {
         "first": lambda: 0,
+        "second": lambda: min(1, pp - 1) * (world_size // pp),
         "middle": lambda: pp // 2 * (world_size // pp),
         "last": lambda: world_size - 1,
         "max": most_parameters,
@@ -441,7 +446,7 @@ def select_ranks(spec: str, world_size: int, pp: int = 1, most_parameters=lambda
             rank = int(item)
         else:
             raise ConfigError(
-                f"--ranks {spec!r}: {item!r} is not first, middle, last, max, all or a rank below the "
+                f"--ranks {spec!r}: {item!r} is not first, second, middle, last, max, all or a rank below the "
                 f"world size {world_size}. E.g. --ranks first,last or --ranks 0,17,{world_size - 1}."
             )
         if rank not in ranks:

@@ -160,13 +160,15 @@ class StageShape:
     first: bool  # the embeddings
     layers: int
     last: bool  # the final norm and the output projection
+    moe_layers: int = 0  # of its layers, those with routed experts (DeepSeek's first blocks are dense)
 
 
 class StagePlan:
-    """The split of the model into pp x v stages (parallel/pipeline.py's), one stage without pipelining."""
+    """The split of the model into pp x v stages (parallel/pipeline.py's), one stage without pipelining;
+    `moe_layers` the indices of the layers with routed experts."""
 
-    def __init__(self, config: Config, n_layers: int, pp: int):
-        self.pp, self.n_layers = pp, n_layers
+    def __init__(self, config: Config, n_layers: int, pp: int, moe_layers: frozenset = frozenset()):
+        self.pp, self.n_layers, self.moe_layers = pp, n_layers, moe_layers
         chosen = schedule(config.parallel.pp_schedule)
         self.schedule = chosen.name
         self.virtual = stages_per_rank(chosen, config.parallel.pp_virtual_stages) if pp > 1 else 1
@@ -183,7 +185,8 @@ class StagePlan:
     def shape(self, index: int) -> StageShape:
         units = self.ranges[index]
         first, last = 0 in units, self.n_layers + 1 in units
-        return StageShape(first, len(units) - first - last, last)
+        moe = sum(1 for unit in units if unit - 1 in self.moe_layers)  # unit u > 0 holds layer u - 1
+        return StageShape(first, len(units) - first - last, last, moe)
 
     def rank_shapes(self, pp_rank: int) -> tuple[StageShape, ...]:
         return tuple(self.shape(i) for i in self.indices(pp_rank))

@@ -1,0 +1,189 @@
+"""The planner's DeepSeek blocks (parallel/planner/deepseek.py): multi-head latent attention, multi-token prediction
+and the DeepSeek MoE block, against the published parameter counts and under tensor and pipeline parallelism."""
+
+import dataclasses
+import math
+
+import pytest
+
+from trillion.models.flops import count_params, model_flops_per_token
+from trillion.models.presets import get_preset
+from trillion.parallel.planner.cost import block_passes, output_passes, rank_passes
+from trillion.parallel.planner.deepseek import attention_flops
+from trillion.parallel.planner.hardware import load_profile
+from trillion.parallel.planner.layout import Layout
+from trillion.parallel.planner.memory import (
+    block_linears,
+    block_params,
+    last_stage_params,
+    layout_memory,
+    mtp_params,
+    pipeline_ranks,
+    rank_memory,
+)
+from trillion.parallel.planner.timing import _gemm
+
+H100 = load_profile("dgx-h100")
+
+
+def _one_rank(args, **layout):
+    fields = {"tp": 1, "pp": 1, "dp_replicate": 1, "dp_shard": 1, "dp_shard_mode": "zero3", "pp_schedule": "1F1B"}
+    fields |= {"virtual_stages": 1, "micro_batch_size": 1, "microbatches": 8, "activation_checkpoint": "none"}
+    return pipeline_ranks(args, Layout(**(fields | layout)))
+
+
+def _active_params(args) -> int:
+    """The parameters one token's forward reaches beside the embedding, from the planner's specs: each block's (an
+    MoE block's norms, attention, router, shared experts and top_k routed experts), each MTP module's block, norms
+    and projection, the final norm and the output head, once for the trunk and once more per MTP module."""
+    h, moe = args.dim, args.moe
+
+    def count(specs) -> int:
+        return sum(math.prod(spec.shape) for spec in specs)
+
+    def block(index: int) -> int:
+        if not args.is_moe_layer(index):
+            return count(block_params(args))
+        return count(block_params(args, moe=True)) + moe.top_k * 3 * h * moe.expert_ffn_dim
+
+    blocks = sum(block(index) for index in range(args.n_layers + args.mtp_modules))
+    heads = args.mtp_modules * args.vocab_size * h
+    return blocks + args.mtp_modules * count(mtp_params(args)) + count(last_stage_params(args)) + heads
+
+
+@pytest.mark.parametrize(
+    "name", ["debug-moe", "qwen3-30b-a3b", "debug-deepseek", "deepseek-v2-lite", "deepseek-v3-671b", "kimi-k2"]
+)
+@pytest.mark.parametrize("mtp", [0, 1])
+def test_the_planners_model_flops_equal_the_trainers(name, mtp):
+    """The planner's parameters and causal attention give models/flops.py's model FLOPs per token (6 per active
+    parameter, norms included as PaLM counts them, and the full attention square: twice the causal forward's), with
+    and without an MTP module."""
+    args = dataclasses.replace(get_preset(name), mtp_modules=mtp)
+    seq = 4096
+    attention = 2 * 3 * (args.n_layers + mtp) * attention_flops(args, 1, seq, 1)
+    assert 6 * _active_params(args) + attention == model_flops_per_token(args, seq)
+
+
+# Published sizes: DeepSeek-V3 technical report (arXiv 2412.19437) abstract, 671B total and 37B activated per token,
+# and its Hugging Face card, 685B with the 14B MTP module (which stores its own copy of the embedding and the
+# head, 2 x 0.93B, where the planner shares them); Kimi K2 (arXiv 2507.20534) abstract: 1.04T total, 32B activated.
+# The active figures include the embedding lookup's table, which the planner's matmul count leaves out.
+@pytest.mark.parametrize(
+    "name,total,with_mtp,active,tolerance",
+    [("deepseek-v3-671b", 671e9, 685e9 - 2 * 0.927e9, 37e9, 0.02), ("kimi-k2", 1.04e12, None, 32e9, 0.03)],
+)
+def test_parameter_counts_match_the_published_figures(name, total, with_mtp, active, tolerance):
+    args = get_preset(name)
+    (main,) = _one_rank(dataclasses.replace(args, mtp_modules=0))
+    assert main.numel(args, 1, 1)[0] == pytest.approx(total, rel=tolerance)
+    if with_mtp:
+        (rank,) = _one_rank(args)
+        assert rank.mtp == 1
+        assert rank.numel(args, 1, 1)[0] == pytest.approx(with_mtp, rel=0.01)
+    embedding = args.vocab_size * args.dim
+    trunk = dataclasses.replace(args, mtp_modules=0)
+    assert _active_params(trunk) + embedding == pytest.approx(active, rel=tolerance)
+
+
+def test_tensor_parallelism_splits_heads_and_keeps_the_down_projections_whole():
+    args = get_preset("deepseek-v3-671b")
+    mla, h = args.mla, args.dim
+    names = [name for name, *_ in block_linears(args)][:5]
+    assert names == ["attention.wq_a", "attention.wq_b", "attention.wkv_a", "attention.wkv_b", "attention.wo"]
+    (one,), (eight,) = _one_rank(args), _one_rank(args, tp=8)
+    down = h * (mla.q_lora_rank + mla.kv_lora_rank + mla.qk_rope_head_dim) + mla.q_lora_rank + mla.kv_lora_rank
+    layers = args.n_layers + args.mtp_modules
+    whole_one, whole_eight = one.numel(args, 1, 1)[0], eight.numel(args, 8, 1)[0]
+    # what TP 8 saves is 7/8 of everything but the replicated parts; the down projections are among those
+    replicated = whole_eight - (whole_one - whole_eight) / 7
+    assert replicated >= layers * down
+    # attention at query/key head dim 192 and value head dim 128 (causal: half the square)
+    assert attention_flops(args, 4096, 4096, 8) == 4096 * 4096 * 128 * (192 + 128) / 8
+
+
+def test_the_mtp_module_sits_on_the_last_stage_and_costs_a_block_and_the_head():
+    args = get_preset("deepseek-v3-671b")
+    ranks = _one_rank(args, pp=4)
+    assert [r.mtp for r in ranks] == [0, 0, 0, 1]
+    assert sum(r.numel(args, 1, 1)[0] for r in ranks) == _one_rank(args)[0].numel(args, 1, 1)[0]
+    last, without = ranks[-1], dataclasses.replace(ranks[-1], mtp=0)
+    timed = (args, H100, 1, 4096, 8, "none", False)
+    with_mtp, plain = rank_passes(*timed, last)[0], rank_passes(*timed, without)[0]
+    block = block_passes(args, H100, 1, 4096, 8, False, 1, False, 1, 1.16, moe=True)
+    added = with_mtp.forward - plain.forward
+    head = output_passes(args, H100, 4096, 8).forward
+    projection = _gemm(H100, 4096, 2 * args.dim, args.dim)  # 2 dim -> dim, whole on every tp rank
+    assert added == pytest.approx(block.forward + head + projection)
+
+
+@pytest.mark.parametrize("axis", ["pp", "cp", "tp", "ep", "dp_shard", None])
+def test_the_planner_refuses_whole_sequence_objectives_where_the_trainer_does(axis):
+    """`trillion plan` never proposes a layout `trillion train` refuses (trainer/assemble.py check_whole_sequences):
+    multi-token prediction under pp, cp or tp, DeepSeek-V3's sequence-wise balance loss under cp; data and expert
+    parallelism keep both."""
+    from trillion.errors import ConfigError
+    from trillion.parallel.dims import ParallelDims
+    from trillion.parallel.planner.search import trainer_refusal
+    from trillion.trainer.assemble import check_whole_sequences
+
+    preset = get_preset("debug-deepseek")
+    assert preset.mtp_modules and preset.moe.seq_aux_loss_coef > 0
+    degrees = {"pp": 1, "cp": 1, "tp": 1, "ep": 1, "dp_shard": 2} | ({axis: 2} if axis else {})
+    dims = ParallelDims(**degrees, world_size=degrees["pp"] * degrees["cp"] * degrees["tp"] * degrees["dp_shard"])
+    layout = Layout(
+        degrees["tp"], degrees["pp"], 1, degrees["dp_shard"], "zero3", "GPipe", 1, 1, 4, "none",
+        cp=degrees["cp"], ep=degrees["ep"],
+    )  # fmt: skip
+    no_mtp = dataclasses.replace(preset, mtp_modules=0)
+    neither = dataclasses.replace(no_mtp, moe=dataclasses.replace(preset.moe, seq_aux_loss_coef=0.0))
+    outcomes = []
+    for args in (preset, no_mtp, neither):
+        try:
+            check_whole_sequences(args, dims)
+            trainer = ""
+        except ConfigError as error:
+            trainer = str(error)
+        planner = trainer_refusal(args, layout)
+        assert bool(planner) == bool(trainer), (axis, planner, trainer)
+        outcomes.append(bool(trainer))
+    assert outcomes == {"pp": [1, 0, 0], "cp": [1, 1, 0], "tp": [1, 0, 0]}.get(axis, [0, 0, 0])
+
+
+@pytest.mark.parametrize("name", ["debug-deepseek", "deepseek-v2-lite", "moonlight-16b-a3b", "deepseek-v3-671b"])
+def test_a_one_stage_rank_holds_every_parameter_the_model_builds(name):
+    """The planner's states of a one-stage rank (tp 1, no FSDP) are the model's parameters, counted by
+    models/flops.py's count_params (which tests/test_flops.py checks against the built model)."""
+    args = get_preset(name)
+    (rank,) = _one_rank(args)
+    assert rank.numel(args, 1, 1)[0] == count_params(args).total
+
+
+def test_plan_mtp_modules_flag_plans_and_writes_the_setting(tmp_path, capsys):
+    """`trillion plan --mtp-modules 0` plans debug-deepseek without its MTP module and writes model.mtp_modules=0;
+    with the preset's module the plan keeps to layouts the trainer runs it in; a negative count is refused."""
+    from trillion.trainer.cli.main import main
+    from trillion.trainer.config.schema import load_config
+
+    plan = ["plan", "--model", "debug-deepseek", "--hardware", "dgx-h100", "--gpus", "8", "--global-batch", "16"]
+    plan += ["--seq-len", "1024", "--format", "json"]
+    assert main([*plan, "--mtp-modules", "0", "--config-out", str(tmp_path / "off.toml")]) == 0
+    assert load_config(str(tmp_path / "off.toml")).model.mtp_modules == 0
+    assert main([*plan, "--config-out", str(tmp_path / "on.toml")]) == 0
+    capsys.readouterr()
+    on = load_config(str(tmp_path / "on.toml")).parallel
+    assert on.pp == on.cp == on.tp == 1
+    assert main([*plan, "--mtp-modules", "-1"]) == 2
+    assert "--mtp-modules -1 must be 0 or more" in capsys.readouterr().err
+
+
+def test_the_fullest_rank_can_be_a_middle_one():
+    """deepseek-v3-671b's first three blocks are dense: at pp 32 (two blocks a stage) the first rank holds dense
+    blocks and the embedding, the middle ranks routed experts. The planner's memory is the fullest rank's, which
+    here is a middle one (`trillion estimate` measured 70 GB there against 19 GB on the first rank)."""
+    args = dataclasses.replace(get_preset("deepseek-v3-671b"), mtp_modules=0)
+    layout = Layout(1, 32, 1, 64, "zero1", "1F1B", 1, 1, 240, "full", ep=4)
+    ranks = pipeline_ranks(args, layout)
+    assert ranks[0].moe_layers == 0 and ranks[16].moe_layers == 2
+    first, last = (rank_memory(args, layout, 4096, ranks[i], n).total for i, n in ((0, 32), (31, 1)))
+    assert layout_memory(args, layout, 4096).total > 1.2 * max(first, last)  # 60.6 GB against 21.8 and 47.9
