@@ -22,7 +22,7 @@ import torch
 
 from trillion.models.args import MLAArgs, ModelArgs, MoEArgs, YaRNArgs
 from trillion.models.hf import llama_args_from_config, llama_names_to_ours
-from trillion.models.hf_moe import EXPERT_BIAS, LAYOUTS, experts_from_hf, experts_to_hf
+from trillion.models.hf_moe import EXPERT_BIAS, experts_from_hf, names_to_hf
 
 log = logging.getLogger(__name__)
 
@@ -135,32 +135,19 @@ def hf_deepseek_config(args: ModelArgs):
 
 def deepseek_to_hf(state: dict[str, torch.Tensor], args: ModelArgs, layout: str = "legacy") -> dict[str, torch.Tensor]:
     """Our names and layouts -> transformers', routed experts per expert ("legacy", the Hub's) or "fused"."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: use one of {', '.join(LAYOUTS)}")
     family = deepseek_family(args)
-    top = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
-    top["output.weight"] = "lm_head.weight"
-    out = {}
-    for name, tensor in _rope_rows(state, args, to_interleaved=True).items():
-        if name in top:
-            out[top[name]] = tensor
-            continue
-        _, index, rest = name.split(".", 2)
-        if rest.endswith(EXPERT_BIAS):
-            if family == "deepseek_v3":
-                out[f"model.layers.{index}.{CORRECTION_BIAS}"] = tensor
-            elif torch.count_nonzero(tensor):
-                log.warning("layers.%s: its nonzero expert_bias is dropped; DeepseekV2 routes without it", index)
-            continue
-        if rest.startswith("feed_forward.experts."):
-            continue  # below, all three projections together
-        module, _, leaf = rest.rpartition(".")
-        out[f"model.layers.{index}.{LAYER_NAMES[module]}.{leaf}"] = tensor
-    for i in range(args.n_layers):
-        if args.is_moe_layer(i):
-            w1, w3, w2 = (state[f"layers.{i}.feed_forward.experts.{w}"] for w in ("w1", "w3", "w2"))
-            out.update(experts_to_hf(f"model.layers.{i}.mlp.", w1, w3, w2, family, layout))
-            if family == "deepseek_v3":  # a router without our bias still has the family's (zeros)
+
+    def bias_to_hf(index: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if family == "deepseek_v3":
+            return {f"model.layers.{index}.{CORRECTION_BIAS}": tensor}
+        if torch.count_nonzero(tensor):
+            log.warning("layers.%s: its nonzero expert_bias is dropped; DeepseekV2 routes without it", index)
+        return {}
+
+    out = names_to_hf(_rope_rows(state, args, to_interleaved=True), args, LAYER_NAMES, family, layout, bias_to_hf)
+    if family == "deepseek_v3":  # a router without our bias still has the family's (zeros)
+        for i in range(args.n_layers):
+            if args.is_moe_layer(i):
                 out.setdefault(f"model.layers.{i}.{CORRECTION_BIAS}", torch.zeros(args.moe.n_experts))
     return out
 

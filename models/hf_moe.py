@@ -13,6 +13,7 @@ import takes either. Our experts are x @ w[e], so each HF matrix is ours transpo
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -122,9 +123,31 @@ def hf_moe_config(args: ModelArgs):
 
 def moe_to_hf(state: dict[str, torch.Tensor], args: ModelArgs, layout: str = "legacy") -> dict[str, torch.Tensor]:
     """Our names and layouts -> transformers', experts per expert ("legacy", the Hub's) or "fused"."""
+    family = moe_family(args)
+
+    def drop_bias(index: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:  # neither family balances by a bias
+        if torch.count_nonzero(tensor):
+            log.warning("layers.%s: its nonzero expert_bias is dropped; the export routes without it", index)
+        return {}
+
+    out = names_to_hf(state, args, MOE_LAYER_NAMES, family, layout, drop_bias)
+    if family == "mixtral" and layout == "legacy":
+        out = {k.replace(".mlp.", ".block_sparse_moe.", 1): v for k, v in out.items()}
+    return out
+
+
+def names_to_hf(
+    state: dict[str, torch.Tensor],
+    args: ModelArgs,
+    layer_names: dict[str, str],
+    family: str,
+    layout: str,
+    expert_bias_to_hf: Callable[[str, torch.Tensor], dict[str, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """Every MoE family's export: the top-level names, each block's modules by `layer_names`, the routed experts
+    by `experts_to_hf`, and the balancing bias as the family keeps it (`expert_bias_to_hf(layer index, bias)`)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r}: use one of {', '.join(LAYOUTS)}")
-    family = moe_family(args)
     top = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}
     top["output.weight"] = "lm_head.weight"
     out = {}
@@ -133,20 +156,15 @@ def moe_to_hf(state: dict[str, torch.Tensor], args: ModelArgs, layout: str = "le
             out[top[name]] = tensor
             continue
         _, index, rest = name.split(".", 2)
-        if rest.endswith(EXPERT_BIAS):  # auxiliary-loss-free balancing: neither family has it
-            if torch.count_nonzero(tensor):
-                log.warning("layers.%s: its nonzero expert_bias is dropped; the export routes without it", index)
-            continue
-        if rest.startswith("feed_forward.experts."):
-            continue  # below, all three projections together
-        module, _, leaf = rest.rpartition(".")
-        out[f"model.layers.{index}.{MOE_LAYER_NAMES[module]}.{leaf}"] = tensor
+        if rest.endswith(EXPERT_BIAS):
+            out.update(expert_bias_to_hf(index, tensor))
+        elif not rest.startswith("feed_forward.experts."):  # the experts below, all three projections together
+            module, _, leaf = rest.rpartition(".")
+            out[f"model.layers.{index}.{layer_names[module]}.{leaf}"] = tensor
     for i in range(args.n_layers):
         if f"layers.{i}.feed_forward.experts.w1" in state:
             w1, w3, w2 = (state[f"layers.{i}.feed_forward.experts.{w}"] for w in ("w1", "w3", "w2"))
             out.update(experts_to_hf(f"model.layers.{i}.mlp.", w1, w3, w2, family, layout))
-    if family == "mixtral" and layout == "legacy":
-        out = {k.replace(".mlp.", ".block_sparse_moe.", 1): v for k, v in out.items()}
     return out
 
 
