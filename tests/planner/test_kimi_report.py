@@ -14,3 +14,30 @@ def test_the_report_plans_each_machine_within_its_memory_and_refuses_float8_on_f
     assert float(rows["frontier"][6]) <= 0.9 * 64  # GB per GCD, with the plan's 10% headroom
     assert "`--float8` on Frontier is refused: --float8: hardware profile 'frontier' (mi250x-gcd)" in text
     assert "8 GCDs per node" in text and "100 GB/s per node" in text
+
+
+def test_the_readmes_kimi_k2_on_frontier_is_the_planners_prediction():
+    """README's DeepSeek/Kimi section quotes the Frontier plan: its layout, step, MFU, shares, days, GCD-hours and
+    energy are what the planner gives now."""
+    from pathlib import Path
+
+    from experiments.frontier.kimi_k2_report import plan
+    from trillion.models.presets import get_preset
+    from trillion.parallel.planner.hardware import load_profile
+    from trillion.parallel.planner.search import Request
+
+    request = Request("kimi-k2", get_preset("kimi-k2"), load_profile("frontier"), 4096, 4096, 4096, 15.5e12)
+    r, _ = plan(request)
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    shares = r["time_shares"]
+    layout = f"tp {r['tp']}, pp {r['pp']}, cp {r['cp']}, ep {r['ep']}, dp_shard {r['dp_shard']} ({r['dp_shard_mode']})"
+    quoted = [
+        layout,
+        f"{r['step_time_s']:.1f} s per step ({r['tokens_per_s'] / 1e3:.0f}k tokens/s, {100 * r['mfu']:.1f}% MFU",
+        f"all-to-alls over Slingshot are {100 * shares['ep_exposed']:.0f}%",
+        f"context parallelism {100 * shares['cp_exposed']:.0f}% and the pipeline bubble {100 * shares['bubble']:.0f}%",
+        f"{r['time_to_train_days']:.0f} days, {r['gpu_hours'] / 1e6:.0f}M GCD-hours and about "
+        f"{round(r['energy_mwh'], -2):,.0f} MWh",
+    ]
+    for text in quoted:
+        assert text in readme, text
