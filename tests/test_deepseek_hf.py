@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from tests.helpers.hf_pair import ours_and_theirs_float64
 from trillion.models import PRESETS, Transformer
 from trillion.models.args import YaRNArgs
 from trillion.models.hf import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
@@ -36,22 +37,8 @@ FAMILIES = {"deepseek_v3": (V3, "DeepseekV3ForCausalLM"), "deepseek_v2": (V2, "D
 
 @functools.cache  # built once per family for the tests below (each sets the mode it needs)
 def ours_and_theirs(family: str):
-    """Our model (seed 3; norm weights and the balancing bias perturbed so a misplaced one would show) and
-    transformers' with the same weights, both float64."""
-    args, hf_class = FAMILIES[family]
-    ours = Transformer(args)
-    ours.init_weights(seed=3)
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, tensor in ours.state_dict(keep_vars=True).items():
-            if "norm" in name or "expert_bias" in name:
-                tensor.add_(0.1 * torch.randn(tensor.shape, generator=generator))
-    ours = ours.double().eval()
-    config = hf_config(args)
-    config._attn_implementation, config._experts_implementation = "eager", "eager"  # float64: no grouped_mm
-    theirs = getattr(transformers, hf_class)(config).double().eval()
-    theirs.load_state_dict(to_hf_state_dict(ours.state_dict(), args, layout="fused"), strict=True)
-    return ours, theirs
+    """Norm weights and the balancing bias perturbed (the bias is exported as e_score_correction_bias)."""
+    return ours_and_theirs_float64(*FAMILIES[family], perturbed=("norm", "expert_bias"))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

@@ -10,6 +10,7 @@ import json
 import pytest
 import torch
 
+from tests.helpers.hf_pair import ours_and_theirs_float64
 from trillion.models import Transformer
 from trillion.models.args import ModelArgs, MoEArgs
 from trillion.models.hf import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
@@ -30,20 +31,7 @@ FAMILIES = {"mixtral": (MIXTRAL, "MixtralForCausalLM"), "qwen3_moe": (QWEN3_MOE,
 
 
 def ours_and_theirs(family: str):
-    """Our model (seed 3, std 0.02, norm weights perturbed) and transformers' with the same weights, float64."""
-    args, hf_class = FAMILIES[family]
-    ours = Transformer(args)
-    ours.init_weights(seed=3)
-    with torch.no_grad():  # non-trivial norm weights, so a misplaced one would show
-        for name, param in ours.named_parameters():
-            if "norm" in name:
-                param.add_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
-    ours = ours.double().eval()
-    config = hf_config(args)
-    config._attn_implementation, config._experts_implementation = "eager", "eager"  # float64: no grouped_mm
-    theirs = getattr(transformers, hf_class)(config).double().eval()
-    theirs.load_state_dict(to_hf_state_dict(ours.state_dict(), args, layout="fused"), strict=True)
-    return ours, theirs
+    return ours_and_theirs_float64(*FAMILIES[family])
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
