@@ -53,8 +53,22 @@ def test_utilisation_above_the_best_published_is_flagged():
     assert utilisation_warning("b200", {"mfu": 0.99, "hfu": 0.99, "float8": False}) == ""  # no published figure
 
 
-def test_the_table_marks_the_flagged_figure(capsys):
-    argv = ["plan", "--model", "gpt-22b", "--hardware", "dgx-a100", "--gpus", "64", "--global-batch", "64"]
+def test_the_table_marks_the_flagged_figure(capsys, tmp_path):
+    """A measured profile carries an A100's microbenchmark rates and no fitted sustained share (what `trillion plan
+    --calibrate` writes on a machine without its whole curve): on it a 22B plan predicts past the best published MFU,
+    the optimism the ceilings are for, and the table marks the figure."""
+    shipped = load_profile("dgx-a100")
+    a100 = DEVICES["a100"]
+    profile = tmp_path / "measured-a100.toml"
+    profile.write_text(
+        f"gpus_per_node = {shipped.gpus_per_node}\nnode_bandwidth_gbs = {shipped.node_bandwidth_gbs}\n"
+        f"intra_node = [{{ group = 8, bandwidth_gbs = {shipped.intra_node[0].bandwidth_gbs} }}]\n"
+        f'[device]\nname = "a100"\npeak_tflops = {{ bf16 = {a100.peak_tflops["bf16"]} }}\n'
+        f"memory_gb = {a100.memory_gb}\nmemory_bandwidth_gbs = {a100.memory_bandwidth_gbs}\n"
+        f"gemm_efficiency = [[1e12, {a100.gemm_efficiency[0][1]}]]\n"
+        f"attention_efficiency = {a100.attention_efficiency}\nmemory_efficiency = {a100.memory_efficiency}\n"
+    )
+    argv = ["plan", "--model", "gpt-22b", "--hardware", str(profile), "--gpus", "64", "--global-batch", "64"]
     argv += ["--tp", "8", "--pp", "1", "--micro-batch-size", "8", "--dp-shard-mode", "zero1", "--top", "1"]
     assert trillion([*argv, "--activation-checkpoint", "none", "--format", "json", "--config-out", ""]) == 0
     (row,) = json.loads(capsys.readouterr().out)["candidates"]
