@@ -115,6 +115,12 @@ def test_readme_states_what_the_validation_shows(records):
     assert max(abs(r["with_unfused_error"]) for r in held_out) <= 0.15
     by_size = sorted(held_out, key=lambda r: r["run"]["gpus"])
     assert f"(+{100 * by_size[-2]['error']:.1f}% at 530B to +{100 * by_size[0]['error']:.1f}% at 1.7B)" in readme
+    held_hopper = {r["run"]["id"]: r["error"] for r in records if r["run"]["id"].startswith("llmfoundry-h100")}
+    inside = sum(abs(e) <= 0.15 for e in held_hopper.values())
+    words = {5: "five", 6: "six", 7: "seven"}
+    assert f"within 15% on {words[inside]} of {words[len(held_hopper)]}" in readme
+    assert f"760M ({100 * held_hopper['llmfoundry-h100-760m-2048']:+.1f}%)" in readme
+    assert f"13B rows without checkpointing ({100 * held_hopper['llmfoundry-h100-13b-2048']:+.1f}%)" in readme
     charged_error, charged_id = worst(records, charged=True)
     charged_signed = next(row_error(r, charged=True) for r in records if r["run"]["id"] == charged_id)
     assert f"{100 * charged_signed:+.1f}% ({charged_id})" in readme
