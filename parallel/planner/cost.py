@@ -50,7 +50,8 @@ dense fp8 peak times its fp8 large-GEMM plateau (devices.toml peak_tflops.fp8, f
 at the bandwidth its fp8 operands and bf16 output need if slower; the output projection and attention
 stay bf16. Its casts are element-wise traffic at memory bandwidth, one launch each (work.py
 FLOAT8_CAST_BYTES: the forward casts input and weight, Bi the output's gradient and the weight, Bw the
-saved input). TP's activation collectives stay bf16 (tensorwise TP all-gathers in float8: not modelled).
+saved input). Under TP, torchao's float8 styles all-gather a converted sublayer's input and its output's
+gradient in float8 (tp_gather_bytes); the reduce-scatters stay bf16.
 With FSDP's float8 all-gather (layout.float8_all_gather) the converted weights are gathered at 1 byte
 instead of 2, and FSDP's copy out of the gather buffer moves 1-byte elements; gradients stay fp32.
 Memory is not changed by float8 (the saved activations stay bf16; the gathered fp8 copies are not counted).
@@ -66,6 +67,7 @@ from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.layout import Layout, bubble_slots
 from trillion.parallel.planner.memory import (
     RankParams,
+    block_linears,
     float8_numel,
     pipeline_ranks,
     replicated_numel,
@@ -144,30 +146,60 @@ def layer_passes(
     attention = attention_flops(args, tokens, seq_len, tp) / peak_attention
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled, ffn_hidden) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
-    activation = tokens * h * hw.element_bytes
-    tp_comm = 2 * (
-        collective_time(hw, activation, tp, tp, "all_gather")
-        + collective_time(hw, activation, tp, tp, "reduce_scatter")
+    reduce_scatters = 2 * collective_time(hw, tokens * h * hw.element_bytes, tp, tp, "reduce_scatter")
+    gathered = tp_gather_bytes(args, tp, float8, ffn_hidden, hw.element_bytes)
+    tp_comm_forward = reduce_scatters + sum(
+        collective_time(hw, tokens * h * forward, tp, tp, "all_gather") for forward, _ in gathered
+    )
+    tp_comm_backward = reduce_scatters + sum(
+        collective_time(hw, tokens * h * backward, tp, tp, "all_gather") for _, backward in gathered
     )
     host_forward, host_backward = hw.tp_layer_host_s if tp > 1 else (0.0, 0.0)
     kv_bytes = batch * seq_len * kv_width(args) / tp * hw.element_bytes  # the whole sequence's K and V
     cp_gather = collective_time(hw, kv_bytes, cp, tp * cp, "all_gather")
     cp_reduce = collective_time(hw, kv_bytes, cp, tp * cp, "reduce_scatter")
     return Passes(
-        forward=gemm + attention + elementwise + launches + tp_comm + host_forward + cp_gather + cast_forward,
+        forward=gemm + attention + elementwise + launches + tp_comm_forward + host_forward + cp_gather + cast_forward,
         input_grad=gemm
         + 2.5 * attention
         + BACKWARD_ELEMENTWISE * (elementwise + launches)
-        + tp_comm
+        + tp_comm_backward
         + host_backward
         + cp_reduce
         + cast_input_grad,
         weight_grad=gemm + cast_weight_grad,
-        tp_forward=tp_comm + host_forward,
-        tp_backward=tp_comm + host_backward,
+        tp_forward=tp_comm_forward + host_forward,
+        tp_backward=tp_comm_backward + host_backward,
         cp_forward=cp_gather,
         cp_backward=cp_reduce,
     )
+
+
+def tp_gather_bytes(
+    args: ModelArgs, tp: int, float8: bool, ffn_hidden: int | None, element_bytes: int
+) -> tuple[tuple[int, int], ...]:
+    """Per sublayer (attention, MLP): the bytes per element of TP's forward all-gather of its input and of its
+    backward all-gather of its output's gradient. torchao's float8 TP styles (parallel/float8.py tp_styles, the
+    trainer's under tensorwise float8) cast the input to float8 before the all-gather when the sublayer's
+    columnwise linears are converted (Float8ColwiseParallel, PrepareFloat8ModuleInput), and the output's gradient
+    to float8 before the all-gather that is its reduce-scatter's backward when the rowwise linear is
+    (Float8RowwiseParallel: NoopFwToFloat8BwDynamic); reduce-scatters stay in the compute dtype. MLA's attention
+    gathers its input for replicated down projections, which no float8 style prepares: it stays in that dtype."""
+    if not float8:
+        return ((element_bytes, element_bytes),) * 2
+    linears = block_linears(args, ffn_hidden)
+    converted = [fp8 for _, _, fp8 in tp_local_linears(args, tp, ffn_hidden)]
+    sublayers = []
+    for prefix in ("attention.", "feed_forward."):
+        group = [(split, fp8) for (name, *_, split), fp8 in zip(linears, converted) if name.startswith(prefix)]
+        if prefix == "attention." and args.mla:
+            group = []
+        columnwise = [fp8 for split, fp8 in group if split == 0]
+        rowwise = [fp8 for split, fp8 in group if split == 1]
+        sublayers.append(
+            (1 if columnwise and all(columnwise) else element_bytes, 1 if rowwise and all(rowwise) else element_bytes)
+        )
+    return tuple(sublayers)
 
 
 def block_passes(

@@ -189,3 +189,24 @@ def test_the_float8_rows_are_reported_with_the_hopper_fit():
         line = next(line for line in written.splitlines() if line.startswith(row))
         assert f"| {100 * r['error']:+.1f}% | yes (sustained {r['loo_value']:.3f} without it): " in line
         assert f"{100 * r['loo_error']:+.1f}%" in line and "float8" in line
+
+
+def test_float8_tp_gathers_activations_in_float8_and_reduce_scatters_in_bf16():
+    """torchao's float8 TP styles (the trainer's under tensorwise float8: parallel/float8.py tp_styles) cast a
+    sublayer's input to float8 before TP's all-gather, and the gradient of its rowwise output before the all-gather
+    that is the reduce-scatter's backward; the reduce-scatters stay bf16. Per layer and pass, two all-gathers of a
+    micro-batch's tokens x dim move 1 byte per element instead of 2: on 8 GPUs of a node, a ring all-gather sends
+    7/8 of the payload over NVLink at the rate written above."""
+    from trillion.parallel.planner.cost import layer_passes, tp_gather_bytes
+
+    args, hw = get_preset("llama3-8b"), load_profile("dgx-h100")
+    tokens = 8192  # micro-batch 1 at seq 8192
+    assert all(converted for _, _, converted in tp_local_linears(args, 8))  # every linear's shard is 16-aligned
+    bf16 = layer_passes(args, hw, 1, 8192, 8, True)
+    fp8 = layer_passes(args, hw, 1, 8192, 8, True, float8=True)
+    saved = 2 * 7 / 8 * tokens * H * (2 - 1) / NVLINK
+    assert bf16.tp_forward - fp8.tp_forward == pytest.approx(saved)
+    assert bf16.tp_backward - fp8.tp_backward == pytest.approx(saved)
+    assert tp_gather_bytes(args, 8, False, None, 2) == ((2, 2), (2, 2))
+    # MLA gathers its input for replicated down projections, which no float8 style prepares
+    assert tp_gather_bytes(get_preset("debug-deepseek"), 2, True, None, 2)[0] == (2, 2)
