@@ -344,7 +344,7 @@ def render(records: list[dict]) -> str:
     for r in outside:  # rows sharing a reason are listed together
         reasons.setdefault(r["run"].get("outside_reason", "no reason found yet."), []).append(r)
     paragraphs = [
-        ", ".join(f"**{r['run']['id']}** ({100 * row_error(r):+.1f}%{_unfused(r)})" for r in rows)
+        ", ".join(f"**{r['run']['id']}** ({'; '.join([f'{100 * row_error(r):+.1f}%', *_unfused(r)])})" for r in rows)
         + f": {' '.join(reason.split())}"
         for reason, rows in reasons.items()
     ]
@@ -353,13 +353,14 @@ def render(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _unfused(record: dict) -> str:
+def _unfused(record: dict) -> list[str]:
+    """The unfused attention's charge beside a row that ran it (none for the others)."""
     if "unfused_share" not in record:
-        return ""
-    return (
-        f"; unfused attention {100 * record['unfused_share']:.1f}% of the step, "
+        return []
+    return [
+        f"unfused attention {100 * record['unfused_share']:.1f}% of the step, "
         f"with it {100 * record['with_unfused_error']:+.1f}%"
-    )
+    ]
 
 
 def findings_section(records: list[dict]) -> list[str]:
@@ -367,7 +368,7 @@ def findings_section(records: list[dict]) -> list[str]:
     found = {}
     for r in records:
         if "finding" in r["run"]:
-            label = f"**{r['run']['id']}**" + (f" ({_unfused(r)[2:]})" if "unfused_share" in r else "")
+            label = " ".join([f"**{r['run']['id']}**", *(f"({charge})" for charge in _unfused(r))])
             found.setdefault(r["run"]["finding"], []).append(label)
     if not found:
         return []
