@@ -41,3 +41,21 @@ def test_the_readmes_kimi_k2_on_frontier_is_the_planners_prediction():
     ]
     for text in quoted:
         assert text in readme, text
+
+
+def test_the_readmes_kimi_k2_days_on_h100_and_mi300x_are_the_planners():
+    from pathlib import Path
+
+    from experiments.frontier.kimi_k2_report import plan
+    from trillion.models.presets import get_preset
+    from trillion.parallel.planner.hardware import load_profile
+    from trillion.parallel.planner.search import Request
+
+    days = {
+        hardware: plan(Request("kimi-k2", get_preset("kimi-k2"), load_profile(hardware), 4096, 4096, 4096, 15.5e12))[0][
+            "time_to_train_days"
+        ]
+        for hardware in ("dgx-h100", "mi300x")
+    }
+    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    assert f"4096 H100s at {days['dgx-h100']:.0f} days and 4096 MI300X at {days['mi300x']:.0f}." in readme
