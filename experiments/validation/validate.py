@@ -20,7 +20,10 @@ from trillion.devices import fitted_constants
 from trillion.models.presets import get_preset
 from trillion.parallel.planner.hardware import HardwareProfile, load_profile
 from trillion.parallel.planner.layout import Layout
+from trillion.parallel.planner.memory import pipeline_ranks
+from trillion.parallel.planner.moe import effective_imbalance
 from trillion.parallel.planner.search import Request, evaluate, metrics, scaling
+from trillion.parallel.planner.timing import _memory_bound, all_to_all_time
 
 HERE = Path(__file__).parent
 RUNS_FILE = HERE / "runs.toml"
@@ -34,6 +37,20 @@ CPU_TOLERANCE = 0.30
 # writes dS 6, dS read by two products 4, the dropped probabilities read for dV 2), and the recomputed forward 13.
 # The planner models flash attention, which keeps the scores on chip; validate.py charges this traffic apart.
 UNFUSED_BYTES_PER_SCORE = 45
+# A run with `moe_dispatch = "deepep"` ran NeMo Automodel's MoE layer (nemo_automodel/components/moe at 8d9bfb90:
+# GroupedExpertsDeepEP, its MoEFlexTokenDispatcher with DeepEP and TransformerEngine 2.5's fused permutation). Per
+# token, MoE layer and pass, R the ranks that hold any of its top_k experts (`moe_ranks_per_token`), its routing moves
+# rows of dim: DeepEP's intranode dispatch 4 R (the sender reads a row and writes it into the peer's buffer, the
+# receiver reads it and writes it out), TE's permute R + top_k (a read per received copy, a write per expert), TE's
+# unpermute top_k + R (the sum only: the router's weights are applied inside the experts' SwiGLU) and DeepEP's combine
+# 3 R + 1 (a copy into the origin's buffer, the fp32 sum written once); the backward runs the same kernels reversed.
+# Its all-to-alls carry a token R times where Trillion's carry it top_k times. The planner charges Trillion's layer
+# (moe.py): 7 top_k rows per forward, twice that in the backward.
+
+
+def deepep_routing_rows(top_k: int, ranks: int) -> int:
+    """Rows of dim one token's routing reads and writes in one pass of Automodel's DeepEP layer (above)."""
+    return 4 * ranks + (ranks + top_k) + (top_k + ranks) + (3 * ranks + 1)
 
 
 def load_runs() -> list[dict]:
@@ -114,6 +131,35 @@ def unfused_attention_share(run: dict, row: dict) -> float:
     return per_layer * shape.n_layers / layout["pp"] * row["microbatches"] / row["step_time_s"]
 
 
+def deepep_share(run: dict, row: dict) -> float:
+    """The share of the planner's step that Automodel's DeepEP dispatch and fused permutation do not pay (negative):
+    the routing's element-wise traffic and the all-to-alls' extra copies of each MoE layer and micro-batch in the
+    forward, the backward and the recomputed forward, at the planner's memory-bound and all-to-all times."""
+    args, layout, hw = run_args(run), run_layout(run, run["gpus"]), load_profile(run["hardware"])
+    k, ranks = args.moe.top_k, run["moe_ranks_per_token"]
+    recomputed = int(layout.activation_checkpoint == "full")
+    row_bytes = layout.micro_batch_size * run["seq_len"] * args.dim * hw.element_bytes
+    row_bytes *= effective_imbalance(layout.ep, layout.moe_load_imbalance)
+    trillion_rows = 7 * k * (1 + 2 + recomputed)  # moe_passes: the forward, the backward twice it, the recompute
+    routing = _memory_bound(hw, (trillion_rows - deepep_routing_rows(k, ranks) * (2 + recomputed)) * row_bytes)
+    per_copy = all_to_all_time(hw, row_bytes * k, layout.ep, layout.tp) - all_to_all_time(
+        hw, row_bytes * ranks, layout.ep, layout.tp
+    )
+    copies = 2 * (2 + recomputed) * per_copy  # the dispatch and the combine of each pass
+    moe_layers = pipeline_ranks(args, layout)[0].moe_layers
+    return -(routing + copies) * moe_layers * row["microbatches"] / row["step_time_s"]
+
+
+def charge_of(run: dict, row: dict) -> tuple[float, str] | None:
+    """What the published system's own kernels cost beyond (positive) or short of (negative) Trillion's, which the
+    planner models, as a share of the planner's step, and its name; None for a run that ran Trillion-like kernels."""
+    if run.get("attention") == "unfused":
+        return unfused_attention_share(run, row), "unfused attention"
+    if run.get("moe_dispatch") == "deepep":
+        return deepep_share(run, row), "DeepEP dispatch and fused permutation"
+    return None
+
+
 def log_error(run: dict, entry: dict, value: float) -> float:
     profile = with_plateau(load_profile(run["hardware"]), entry, value)
     return math.log(predict(run, profile)[0] / run["published"])
@@ -145,9 +191,10 @@ def evaluate_all() -> list[dict]:
     for run in runs:
         value, row = predict(run)
         record = {"run": run, "predicted": value, "error": value / run["published"] - 1, "row": row}
-        if run.get("attention") == "unfused":  # every metric here is a rate: the step grows by the share
-            record["unfused_share"] = unfused_attention_share(run, row)
-            record["with_unfused_error"] = (1 + record["error"]) / (1 + record["unfused_share"]) - 1
+        charge = charge_of(run, row)
+        if charge:  # every metric here is a rate: the step grows (or shrinks) by the share
+            record["charge_share"], record["charge_name"] = charge
+            record["charged_error"] = (1 + record["error"]) / (1 + record["charge_share"]) - 1
         entry = next((e for e in fitted if run["id"] in e["fitted_to"]), None)
         if entry:
             others = [r for r in runs if r["id"] in entry["fitted_to"] and r["id"] != run["id"]]
@@ -230,9 +277,9 @@ def comparable(record: dict) -> bool:
 
 
 def row_error(record: dict, charged: bool = False) -> float:
-    """The row's error (leave-one-out for a fitted row); `charged`: with its unfused attention's traffic added."""
-    if charged and "with_unfused_error" in record:
-        return record["with_unfused_error"]
+    """The row's error (leave-one-out for a fitted row); `charged`: with its system's own kernels charged."""
+    if charged and "charged_error" in record:
+        return record["charged_error"]
     return record.get("loo_error", record["error"])
 
 
@@ -288,8 +335,9 @@ def render(records: list[dict]) -> str:
         "",
         f"**Worst error on a row no constant was fitted to: {100 * worst_error:.1f}% ({worst_id})**; "
         f"rows within ±{TOLERANCE:.0%}: {sum(abs(row_error(r)) <= TOLERANCE for r in records)} "
-        f"of {len(records)}. With the unfused attention of the rows that ran it charged beside them (Megatron-LM of "
-        f"2021): worst {100 * charged_error:.1f}% ({charged_id}), "
+        f"of {len(records)}. With the costs of the published systems' own kernels charged beside them (the unfused "
+        f"attention of Megatron-LM of 2021, NeMo Automodel's DeepEP dispatch and fused permutation): worst "
+        f"{100 * charged_error:.1f}% ({charged_id}), "
         f"{sum(abs(row_error(r, charged=True)) <= TOLERANCE for r in records)} of {len(records)} "
         f"within ±{TOLERANCE:.0%}.",
         "",
@@ -344,7 +392,7 @@ def render(records: list[dict]) -> str:
     for r in outside:  # rows sharing a reason are listed together
         reasons.setdefault(r["run"].get("outside_reason", "no reason found yet."), []).append(r)
     paragraphs = [
-        ", ".join(f"**{r['run']['id']}** ({'; '.join([f'{100 * row_error(r):+.1f}%', *_unfused(r)])})" for r in rows)
+        ", ".join(f"**{r['run']['id']}** ({'; '.join([f'{100 * row_error(r):+.1f}%', *_charge(r)])})" for r in rows)
         + f": {' '.join(reason.split())}"
         for reason, rows in reasons.items()
     ]
@@ -353,13 +401,13 @@ def render(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _unfused(record: dict) -> list[str]:
-    """The unfused attention's charge beside a row that ran it (none for the others)."""
-    if "unfused_share" not in record:
+def _charge(record: dict) -> list[str]:
+    """The charge beside a row whose system's own kernels it is (none for the others)."""
+    if "charge_share" not in record:
         return []
     return [
-        f"unfused attention {100 * record['unfused_share']:.1f}% of the step, "
-        f"with it {100 * record['with_unfused_error']:+.1f}%"
+        f"{record['charge_name']} {100 * record['charge_share']:+.1f}% of the step, "
+        f"with it {100 * record['charged_error']:+.1f}%"
     ]
 
 
@@ -368,7 +416,7 @@ def findings_section(records: list[dict]) -> list[str]:
     found = {}
     for r in records:
         if "finding" in r["run"]:
-            label = " ".join([f"**{r['run']['id']}**", *(f"({charge})" for charge in _unfused(r))])
+            label = " ".join([f"**{r['run']['id']}**", *(f"({charge})" for charge in _charge(r))])
             found.setdefault(r["run"]["finding"], []).append(label)
     if not found:
         return []
