@@ -37,6 +37,7 @@ import math
 from trillion.models.args import ModelArgs
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time
+from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE
 
 # The busiest rank's routed tokens over the mean, by default. MEASURED on debug-moe (sigmoid scores, loss-free
 # bias 1e-2; `trillion train --model.name=debug-moe --training.steps=100 --metrics.log_freq=10`, default corpus):
@@ -53,6 +54,9 @@ MOE_KERNELS = 26
 # Group-limited routing's launches beyond MOE_KERNELS (Router.forward with n_groups > 1): the per-group top-2, its
 # sum, the top groups, the mask's scatter and negation, the masked fill
 GROUP_ROUTING_KERNELS = 6
+# Rows of dim one routed (token, expert) pair's routing reads and writes in a forward (the module docstring's
+# element-wise line: the permutation and its inverse 4, the weighting 2, the sum 1)
+ROUTING_ROWS_PER_CHOICE = 7
 
 
 def router_elements(moe) -> int:
@@ -95,7 +99,7 @@ def moe_passes(
     experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance)
     router = _gemm(hw, tokens, h, moe.n_experts)
     k, imb = moe.top_k, effective_imbalance(ep, imbalance)
-    elements = tokens * ((7 * k * h + 5 * k * f) * imb + h + router_elements(moe))
+    elements = tokens * ((ROUTING_ROWS_PER_CHOICE * k * h + 5 * k * f) * imb + h + router_elements(moe))
     kernels = MOE_KERNELS + (GROUP_ROUTING_KERNELS if moe.n_groups > 1 else 0)
     elementwise = _memory_bound(hw, elements * hw.element_bytes) + kernels * launch
     payload = tokens * k * h * hw.element_bytes * imb  # one all-to-all's per-rank bytes, own share included
@@ -104,7 +108,7 @@ def moe_passes(
     forward_a2a, backward_a2a = 2 * a2a + counts, 2 * a2a
     return Passes(
         forward=router + experts + elementwise + forward_a2a,
-        input_grad=router + experts + 2 * elementwise + backward_a2a,
+        input_grad=router + experts + BACKWARD_ELEMENTWISE * elementwise + backward_a2a,
         weight_grad=router + experts,
         ep_forward=forward_a2a,
         ep_backward=backward_a2a,
