@@ -1,0 +1,65 @@
+"""The repository explains itself and stays true: every path docs/ARCHITECTURE.md and CONTRIBUTING.md name
+exists, no source file cites a design document outside the repository, and the pre-commit hook runs the
+ruff version the test extra pins (another version formats differently, and tests/test_style.py would fail)."""
+
+import re
+from pathlib import Path
+
+import tomllib
+
+from tests.architecture.test_rooms import SOURCE_FOLDERS, source_files
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ("docs/ARCHITECTURE.md", "CONTRIBUTING.md")
+TOP_FOLDERS = ("trillion", "kernels", "models", "parallel", "trainer", "experiments", "tests", "docs", ".ci")
+# `models/parts.py`, `parallel/planner/`, `tests/architecture/test_rooms.py`: a path inside the repository,
+# written in backquotes; a bare file name (`train.py`) is prose, resolved against the folder the text names.
+NAMED_PATH = re.compile(r"`((?:" + "|".join(re.escape(f) for f in TOP_FOLDERS) + r")/[\w./-]*)`")
+OUTSIDE_DESIGN = re.compile(r"DESIGN\.md|\.\./shared|shared/PAPER")
+
+
+def named_paths(text: str) -> list[str]:
+    return sorted(set(NAMED_PATH.findall(text)))
+
+
+def missing_paths(root: Path, doc: str) -> list[str]:
+    text = (root / doc).read_text()
+    return [f"{doc} names {path}, which does not exist" for path in named_paths(text) if not (root / path).exists()]
+
+
+def test_every_path_the_docs_name_exists():
+    assert [problem for doc in DOCS for problem in missing_paths(ROOT, doc)] == []
+
+
+def test_the_architecture_names_its_rooms():
+    # A doc that names nothing would pass the test above; this one maps the tree.
+    names = named_paths((ROOT / "docs/ARCHITECTURE.md").read_text())
+    assert {f"{folder}/" for folder in ("kernels", "models", "parallel", "trainer")} <= {
+        name if name.endswith("/") else name.split("/")[0] + "/" for name in names
+    }
+    assert len(names) >= 30
+
+
+def test_the_check_sees_a_missing_path(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models/args.py").write_text("")
+    (tmp_path / "doc.md").write_text("`models/args.py` and `models/gone.py`, not `README.md` or train.py.\n")
+    assert missing_paths(tmp_path, "doc.md") == ["doc.md names models/gone.py, which does not exist"]
+
+
+def test_no_source_cites_a_document_outside_the_repository():
+    cited = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in source_files(ROOT, SOURCE_FOLDERS)
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if OUTSIDE_DESIGN.search(line)
+    ]
+    assert cited == []
+
+
+def test_the_pre_commit_hook_runs_the_pinned_ruff():
+    pins = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    pinned = next(pin.split("==")[1] for pin in pins if pin.startswith("ruff=="))
+    hook = (ROOT / ".pre-commit-config.yaml").read_text()
+    assert "astral-sh/ruff-pre-commit" in hook
+    assert re.search(r"^\s*rev:\s*v?(\S+)\s*$", hook, re.MULTILINE).group(1) == pinned
