@@ -48,26 +48,15 @@ class DeepSeek(HFAdapter):
         return args.mla is not None and sigmoid == (self.score_func == "sigmoid")
 
     def cannot_express(self, args: ModelArgs) -> list[str]:
-        moe = args.moe
-        problems = [
-            *(["model.mlp must be swiglu"] if args.mlp != "swiglu" else []),
-            *(["model.norm must be rmsnorm"] if args.norm != "rmsnorm" else []),
-            *(["model.bias must be false"] if args.bias else []),
-            *(
-                ["experts (moe) are required: the family's blocks past first_k_dense_replace are MoE"]
-                if not moe
-                else []
-            ),
-        ]
-        if moe is not None:
-            problems += (
-                [f"moe.capacity_factor={moe.capacity_factor} (dropless only)"] if moe.capacity_factor > 0 else []
-            )
-            problems += (
-                ["moe.n_shared_experts=0 (its MoE blocks always have shared experts)"]
-                if not moe.n_shared_experts
-                else []
-            )
+        moe, problems = args.moe, llama_style.cannot_express(args)
+        if args.bias:
+            problems.append("model.bias must be false")
+        if moe is None:
+            return [*problems, "experts (moe) are required: the family's blocks past first_k_dense_replace are MoE"]
+        if moe.capacity_factor > 0:
+            problems.append(f"moe.capacity_factor={moe.capacity_factor} (dropless only)")
+        if not moe.n_shared_experts:
+            problems.append("moe.n_shared_experts=0 (its MoE blocks always have shared experts)")
         return problems
 
     def common_config(self, args: ModelArgs) -> dict:
@@ -171,11 +160,8 @@ class DeepSeek(HFAdapter):
 def _bias_from_hf(bias: torch.Tensor | None, index: int, args: ModelArgs) -> StateDict:
     """Our balancing bias from the checkpoint's correction bias (zeros without one); none if we keep none."""
     if args.moe.bias_update_rate > 0:
-        return {
-            f"layers.{index}.feed_forward.{experts.EXPERT_BIAS}": bias
-            if bias is not None
-            else torch.zeros(args.moe.n_experts)
-        }
+        ours = bias if bias is not None else torch.zeros(args.moe.n_experts)
+        return {f"layers.{index}.feed_forward.{experts.EXPERT_BIAS}": ours}
     if bias is not None and torch.count_nonzero(bias):
         log.warning("layers.%d: the checkpoint's e_score_correction_bias is dropped (moe.bias_update_rate=0)", index)
     return {}

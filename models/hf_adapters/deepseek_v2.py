@@ -19,12 +19,10 @@ class DeepSeekV2(DeepSeek):
 
     def cannot_express(self, args: ModelArgs) -> list[str]:
         problems, moe = super().cannot_express(args), args.moe
-        if moe is not None:
-            problems += (
-                ["moe.route_norm=true (DeepseekV2 never renormalises the chosen scores)"] if moe.route_norm else []
-            )
-            if moe.n_groups > 1:
-                problems.append(f"moe.n_groups={moe.n_groups} (its group-limited routing ranks groups otherwise)")
+        if moe is not None and moe.route_norm:
+            problems.append("moe.route_norm=true (DeepseekV2 never renormalises the chosen scores)")
+        if moe is not None and moe.n_groups > 1:
+            problems.append(f"moe.n_groups={moe.n_groups} (its group-limited routing ranks groups otherwise)")
         return problems
 
     def hf_config(self, args: ModelArgs):

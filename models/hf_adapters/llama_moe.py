@@ -31,9 +31,7 @@ class LlamaMoE(HFAdapter):
     def cannot_express(self, args: ModelArgs) -> list[str]:
         moe = args.moe
         return [
-            *(["model.mlp must be swiglu"] if args.mlp != "swiglu" else []),
-            *(["model.norm must be rmsnorm"] if args.norm != "rmsnorm" else []),
-            *(["model.positions must be rope"] if args.positions != "rope" else []),
+            *llama_style.cannot_express(args),
             *(["model.bias must be false"] if args.bias else []),
             *([f"moe.n_shared_experts={moe.n_shared_experts} (no shared experts)"] if moe.n_shared_experts else []),
             *([f"moe.score_func={moe.score_func!r} (softmax only)"] if moe.score_func != "softmax" else []),

@@ -54,6 +54,16 @@ def names_to_ours(state: StateDict, layer_names: dict[str, str]) -> StateDict:
     return out
 
 
+def cannot_express(args: ModelArgs) -> list[str]:
+    """What every Llama-style family computes otherwise: a feed-forward other than SwiGLU, norms other than
+    RMSNorm, positions other than rotary."""
+    return [
+        *(["model.mlp must be swiglu"] if args.mlp != "swiglu" else []),
+        *(["model.norm must be rmsnorm"] if args.norm != "rmsnorm" else []),
+        *(["model.positions must be rope"] if args.positions != "rope" else []),
+    ]
+
+
 def args_from_config(config: dict) -> ModelArgs:
     """The Llama-style part of a config.json (the families with experts or latent attention add theirs)."""
     rope = config.get("rope_parameters") or {}
