@@ -50,6 +50,13 @@ class HFAdapter(abc.ABC):
         """The ModelArgs of the family's config.json (the inverse of hf_config), refusing what it cannot map."""
 
 
+def head_width_problems(args: ModelArgs) -> list[str]:
+    """For the families whose config has no head width of its own: heads must be dim / n_heads wide."""
+    if args.head_dim == args.dim // args.n_heads:
+        return []
+    return [f"model.explicit_head_dim={args.explicit_head_dim} (its heads are dim / n_heads wide)"]
+
+
 def refuse_unmapped(model_type: str, problems: list[str]) -> None:
     """ValueError naming what a config.json sets that this transformer cannot compute."""
     if problems:

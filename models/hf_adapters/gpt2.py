@@ -4,7 +4,7 @@ weights as (in, out), ours transposed, and its attention fuses q, k and v in one
 import torch
 
 from trillion.models.args import ModelArgs
-from trillion.models.hf_adapters.base import HFAdapter, StateDict
+from trillion.models.hf_adapters.base import HFAdapter, StateDict, head_width_problems
 
 TOP_NAMES = {
     "tok_embeddings.weight": "transformer.wte.weight",
@@ -26,7 +26,16 @@ class GPT2(HFAdapter):
         return args.mla is None and args.moe is None and args.mlp != "swiglu"
 
     def cannot_express(self, args: ModelArgs) -> list[str]:
-        return ["model.qk_norm without experts (no query and key norms)"] if args.qk_norm else []
+        problems = [] if args.norm == "layernorm" else ["model.norm must be layernorm"]
+        if args.positions != "learned":
+            problems.append("model.positions must be learned")
+        if not args.bias:
+            problems.append("model.bias must be true")
+        if args.kv_heads != args.n_heads:
+            problems.append(f"model.n_kv_heads={args.n_kv_heads} (no grouped-query attention)")
+        if args.qk_norm:
+            problems.append("model.qk_norm (no query and key norms)")
+        return problems + head_width_problems(args)
 
     def hf_config(self, args: ModelArgs):
         from transformers import GPT2Config

@@ -2,7 +2,7 @@
 
 from trillion.models.args import ModelArgs
 from trillion.models.hf_adapters import llama_style
-from trillion.models.hf_adapters.base import HFAdapter, StateDict
+from trillion.models.hf_adapters.base import HFAdapter, StateDict, head_width_problems
 
 
 class Llama(HFAdapter):
@@ -13,7 +13,12 @@ class Llama(HFAdapter):
         return args.mla is None and args.moe is None and args.mlp == "swiglu"
 
     def cannot_express(self, args: ModelArgs) -> list[str]:
-        return ["model.qk_norm without experts (no query and key norms)"] if args.qk_norm else []
+        return [
+            *llama_style.cannot_express(args),
+            *(["model.qk_norm without experts (no query and key norms)"] if args.qk_norm else []),
+            *head_width_problems(args),
+            *(["model.yarn (plain rotary frequencies only)"] if args.yarn is not None else []),
+        ]
 
     def hf_config(self, args: ModelArgs):
         from transformers import LlamaConfig
