@@ -1,8 +1,7 @@
 """`trillion export --checkpoint DIR --format hf OUT`: a training checkpoint as a Hugging Face
-model folder (model.safetensors + config.json) that `transformers` loads as LlamaForCausalLM,
-GPT2LMHeadModel, MixtralForCausalLM, Qwen3MoeForCausalLM, DeepseekV3ForCausalLM or DeepseekV2ForCausalLM
-(experts one matrix per expert, the layout of Hub checkpoints and of save_pretrained; models/hf_moe.py,
-models/hf_deepseek.py; multi-token prediction modules are training-only and left out).
+model folder (model.safetensors + config.json) that `transformers` loads as the class of its family
+(models/hf.py's registry of adapters; experts one matrix per expert, the layout of Hub checkpoints and of
+save_pretrained; multi-token prediction modules are training-only and left out).
 `--checkpoint.initial_load=OUT` starts a new run from such a folder (its modules from their initial values)."""
 
 import dataclasses
@@ -68,7 +67,7 @@ def inference_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
 def export_hf(step: Path, out: Path) -> Path:
     from safetensors.torch import save_file
 
-    from trillion.models.hf import hf_config, to_hf_state_dict
+    from trillion.models.hf import family_classes, hf_config, to_hf_state_dict
 
     model = load_checkpoint_model(step)
     try:  # before anything is written: a model no transformers family expresses (debug-moe's shared expert)
@@ -76,8 +75,8 @@ def export_hf(step: Path, out: Path) -> Path:
         weights = to_hf_state_dict(inference_state_dict(model), model.args)
     except ValueError as error:
         raise ConfigError(
-            f"--checkpoint {step} cannot be exported to Hugging Face: {error} Train a model a transformers "
-            "family expresses (a Llama, GPT-2, Mixtral, Qwen3-MoE or DeepSeek preset)."
+            f"--checkpoint {step} cannot be exported to Hugging Face: {error} Train a model that one of "
+            f"{family_classes()} expresses."
         ) from None
     if (
         model.args.tie_embeddings

@@ -102,15 +102,15 @@ def load_for_generation(path: Path, device: torch.device):
 
 def _load_hf_folder(path: Path):
     from trillion.models import Transformer
-    from trillion.models.hf import args_from_hf_config
+    from trillion.models.hf import args_from_hf_config, family_classes
     from trillion.trainer.checkpoint.manager import load_model_weights
 
     try:
         args = args_from_hf_config(json.loads((path / "config.json").read_text()))
     except (ValueError, KeyError) as error:
         raise ConfigError(
-            f"--checkpoint {path}: its config.json does not describe a Llama, GPT-2, Mixtral or Qwen3-MoE "
-            f"model ({error})."
+            f"--checkpoint {path}: its config.json does not describe a model of {family_classes()} "
+            f"that this transformer computes ({error})."
         ) from None
     with torch.device("meta"):
         model = Transformer(args)
