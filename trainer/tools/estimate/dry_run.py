@@ -45,7 +45,8 @@ import torch
 from trillion.errors import ConfigError
 from trillion.models import ModelArgs
 from trillion.parallel.dims import ParallelDims
-from trillion.trainer.assemble import batch_split, build_model_args, build_parallel_dims, validate_training
+from trillion.parallel.layout import Layout
+from trillion.trainer.assemble import build_model_args, build_parallel_dims, validate_training
 from trillion.trainer.config.schema import Config
 from trillion.trainer.tools.estimate.activations import local_tensor
 from trillion.trainer.tools.estimate.advice import KINDS, advice, shortfall_message
@@ -345,15 +346,13 @@ def estimate(
         raise ConfigError(f"--world-size {world_size} must be a positive number of processes.")
     model_args = model_args_for(config)
     dims = layout_dims(config, world_size, model_args)  # raises ConfigError for bad degrees, model, batch or schedule
-    t = config.training
-    micro_batch, microbatches = batch_split(t, dims.dp_size)
+    t, layout = config.training, dims.layout
+    micro_batch, microbatches = layout.micro_batch_size, layout.microbatches
     device_name, capacity = device_capacity(hardware)
     result = Estimate(config.model.name, world_size, {}, device_name)
     simulation = _Simulation(config, model_args, dims, micro_batch, microbatches, measure, None, result.notes)
     plan = simulation.plan
-    simulation.prediction = prediction = planner_prediction(
-        config, model_args, dims, micro_batch, microbatches, plan.virtual
-    )
+    simulation.prediction = prediction = planner_prediction(model_args, dims.layout, t.seq_len)
     result.layout = {
         "pp": dims.pp,
         "dp_replicate": dims.dp_replicate,
@@ -394,30 +393,12 @@ def estimate(
 
 
 # --- the planner's prediction ------------------------------------------------------------------------------
-def planner_prediction(
-    config: Config, model_args: ModelArgs, dims: ParallelDims, micro_batch: int, microbatches: int, virtual: int = 1
-) -> dict | None:
+def planner_prediction(model_args: ModelArgs, layout: Layout, seq_len: int) -> dict | None:
     """The planner's per-GPU bytes for this layout (its fullest rank), or None where it has no model of it."""
-    from trillion.parallel.planner.layout import Layout
     from trillion.parallel.planner.memory import layout_memory
 
-    p = config.parallel
-    layout = Layout(
-        tp=dims.tp,
-        pp=dims.pp,
-        dp_replicate=dims.dp_replicate,
-        dp_shard=dims.dp_shard,
-        dp_shard_mode=p.dp_shard_mode,
-        pp_schedule=p.pp_schedule,
-        virtual_stages=virtual,
-        micro_batch_size=micro_batch,
-        microbatches=microbatches,
-        activation_checkpoint=p.activation_checkpoint,
-        cp=dims.cp,
-        ep=dims.ep,
-    )
     try:
-        memory = layout_memory(model_args, layout, config.training.seq_len)
+        memory = layout_memory(model_args, layout, seq_len)
     except (KeyError, ConfigError):  # e.g. selective:op, which the planner does not model
         return None
     out = {k: float(getattr(memory, k)) for k in ("parameters", "gradients", "optimizer", "activations", "buffers")}

@@ -121,35 +121,18 @@ def coords_of(dims: ParallelDims, rank: int) -> dict:
 
 def meshed_dims(dims: ParallelDims) -> ParallelDims:
     """A copy of `dims` with its mesh built in the current (fake) world."""
-    copy = ParallelDims(
-        pp=dims.pp,
-        dp_replicate=dims.dp_replicate,
-        dp_shard=dims.dp_shard,
-        cp=dims.cp,
-        tp=dims.tp,
-        ep=dims.ep,
-        world_size=dims.world_size,
-    )
+    copy = ParallelDims(dims.layout, dims.world_size)
     copy.build_mesh("cpu")
     return copy
 
 
-class _TPOnly:
-    """The layout parallelize sees for the activation run: the same TP, CP and EP meshes, no FSDP (the
-    routed experts are this rank's E / ep, so their gradients and the dispatch are the run's)."""
-
-    def __init__(self, dims: ParallelDims):
-        self.tp_enabled, self.tp_mesh, self.fsdp_enabled, self.fsdp_mesh = dims.tp_enabled, dims.tp_mesh, False, None
-        self.cp, self.cp_mesh = dims.cp, dims.cp_mesh
-        self.ep, self.ep_mesh = dims.ep, dims.ep_mesh
-
-
 def apply_layout(part: nn.Module, config: Config, dims: ParallelDims, fsdp: bool) -> nn.Module:
-    """The trainer's layout (compile off: it changes no bytes held). Without `fsdp`: the same TP plan
-    and activation checkpointing, in the compute dtype (the activation run)."""
+    """The trainer's layout (compile off: it changes no bytes held). Without `fsdp`: the same TP, CP and EP
+    plan and activation checkpointing, in the compute dtype, without FSDP2 (the activation run: the routed
+    experts are this rank's E / ep, so their gradients and the dispatch are the run's)."""
     if not fsdp:
         part.to(target_dtype(config))
-    return layout_fn(config, dims if fsdp else _TPOnly(dims), target_dtype(config), compile=False)(part)
+    return layout_fn(config, dims, target_dtype(config), compile=False, fsdp=fsdp)(part)
 
 
 # --- stages --------------------------------------------------------------------------------------------
