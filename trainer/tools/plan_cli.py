@@ -22,7 +22,8 @@ from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
 from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
-from trillion.parallel.planner.search import LAYOUT_FIELDS, Request, metrics, model_summary, search
+from trillion.parallel.planner.search import Request, metrics, model_summary, search
+from trillion.parallel.planner.space import LAYOUT_FIELDS
 from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.checks import creatable_problem
 from trillion.trainer.config.schema import Config, load_config, to_toml
