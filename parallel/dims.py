@@ -1,5 +1,5 @@
-"""ParallelDims: the parallel degrees of a run, checked against the world and the model, and the
-one DeviceMesh with named axes (pp, dp_replicate, dp_shard, cp, tp) built from them.
+"""ParallelDims: the parallel degrees of a layout (parallel/layout.py), checked against the world and
+the model, and the one DeviceMesh with named axes (pp, dp_replicate, dp_shard, cp, tp) built from them.
 
 Ranks are laid out with tp innermost (consecutive ranks, so a tensor-parallel group stays inside a
 node), then cp, dp_shard, dp_replicate, and pp outermost. Only axes of size > 1 are created, so a
@@ -35,73 +35,57 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trillion.errors import ConfigError
 from trillion.parallel.context_parallel import check_sequence
+from trillion.parallel.layout import AXES, Layout, check_degrees, degrees_of, divisors
 
 log = logging.getLogger("trillion")
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 GPUS_PER_NODE = 8  # tensor parallelism beyond one node's GPUs crosses the slow network
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _largest_divisor_at_most(n: int, limit: int) -> int:
-    return max(d for d in _divisors(n) if d <= limit)
 
 
 @dataclass
 class ParallelDims:
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = -1  # -1: what the world size leaves
-    cp: int = 1
-    tp: int = 1
-    ep: int = 1  # expert parallelism, within dp_shard x cp (not a mesh axis of its own)
+    """The mesh of `layout`'s degrees over `world_size` ranks (checked to make exactly that many)."""
+
+    layout: Layout = field(default_factory=Layout)
     world_size: int = 1
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in AXES:
-            value = getattr(self, name)
-            if value < 1 and not (name == "dp_shard" and value == -1):
-                raise ConfigError(
-                    f"parallel.{name}={value} must be a positive degree"
-                    f"{' (or -1 to infer it)' if name == 'dp_shard' else ''}; use 1 to turn it off."
-                )
-        others = self.pp * self.dp_replicate * self.cp * self.tp
-        if self.dp_shard == -1:
-            if self.world_size % others:
-                raise ConfigError(
-                    f"parallel.pp * dp_replicate * cp * tp = {others} does not divide the world size "
-                    f"{self.world_size}, so parallel.dp_shard=-1 cannot be inferred. "
-                    f"Pick degrees whose product divides {self.world_size} "
-                    f"(e.g. --parallel.tp={_largest_divisor_at_most(self.world_size, self.tp)})."
-                )
-            self.dp_shard = self.world_size // others
-        product = others * self.dp_shard
-        if product != self.world_size:
-            raise ConfigError(
-                f"parallel degrees pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
-                f"cp={self.cp} x tp={self.tp} = {product}, but the world size is {self.world_size}. "
-                "Make the product equal the number of processes, e.g. --parallel.dp_shard=-1 to infer it, "
-                f"or launch {product} processes."
-            )
-        self._check_ep()
+        check_degrees(self.world_size, **degrees_of(self.layout))
 
-    def _check_ep(self) -> None:
-        if self.ep < 1:
-            raise ConfigError(f"parallel.ep={self.ep} must be a positive degree; use 1 to turn it off.")
-        region = self.dp_shard * self.cp
-        if region % self.ep:
-            valid = ", ".join(map(str, _divisors(region)))
-            raise ConfigError(
-                f"parallel.ep={self.ep} does not divide parallel.dp_shard x cp = {self.dp_shard} x {self.cp} = "
-                f"{region}: the expert-parallel ranks are taken from the sharded data-parallel ones (and the "
-                f"context-parallel ones). Use an ep that divides {region} (valid: {valid}), or raise "
-                "--parallel.dp_shard."
-            )
+    @classmethod
+    def of(cls, world_size: int = 1, **degrees) -> ParallelDims:
+        """The dims of bare degrees (dp_shard -1 or left out: what the world size leaves), for meshes with no
+        step to describe: the step's shape is Layout's default."""
+        dp_shard = check_degrees(world_size, **degrees)
+        return cls(Layout(**{**degrees, "dp_shard": dp_shard}), world_size)
+
+    # --- the degrees ---------------------------------------------------------------------------
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def dp_replicate(self) -> int:
+        return self.layout.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.layout.dp_shard
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
+    def ep(self) -> int:
+        """Expert parallelism, within dp_shard x cp (not a mesh axis of its own)."""
+        return self.layout.ep
 
     # --- what is on -----------------------------------------------------------------------------
     @property
@@ -158,7 +142,7 @@ class ParallelDims:
                     f"length (e.g. --parallel.tp={max(d for d in valid if d <= tp)} with --parallel.dp_shard=-1; "
                     f"valid: {', '.join(map(str, valid))})."
                 )
-        if getattr(a, "norm_impl", "torch") != "torch":
+        if a.norm_impl != "torch":
             raise ConfigError(
                 f"kernels.norm={a.norm_impl!r} cannot run on sequence-parallel (DTensor) activations. "
                 "Use --kernels.norm=torch with parallel.tp > 1."
@@ -181,14 +165,14 @@ class ParallelDims:
     def _validate_ep(self, model_args) -> None:
         if self.ep == 1:
             return
-        moe = getattr(model_args, "moe", None)
+        moe = model_args.moe
         if moe is None:
             raise ConfigError(
                 f"parallel.ep={self.ep}, but the model is dense (no experts to spread). Use --parallel.ep=1, or an "
                 "MoE preset (e.g. --model.name=debug-moe)."
             )
         if moe.n_experts % self.ep:
-            valid = [d for d in _divisors(moe.n_experts) if (self.dp_shard * self.cp) % d == 0]
+            valid = [d for d in divisors(moe.n_experts) if (self.dp_shard * self.cp) % d == 0]
             raise ConfigError(
                 f"parallel.ep={self.ep} does not divide the model's {moe.n_experts} routed experts "
                 "(model.n_experts): each expert-parallel rank holds the same number of whole experts. Use an ep "

@@ -43,12 +43,14 @@ def parallelize(
     param_dtype: torch.dtype = torch.float32,
     pp_schedule: str = "1F1B",
     float8: Float8Training | None = None,
+    fsdp: bool = True,
 ) -> nn.Module:
     """Apply the layout of `dims` (whose mesh is built) to `model`, in place; returns it. With pp > 1
     `model` is a pipeline stage and `pp_schedule` its schedule: under one that splits the backward no
-    block reshards after forward (pipeline.py says why). `float8`: train the linears in float8."""
+    block reshards after forward (pipeline.py says why). `float8`: train the linears in float8. `fsdp=False`:
+    everything but FSDP2 (what `trillion estimate` measures activations on: FSDP changes none of them)."""
     zero_mode(dp_shard_mode)
-    ep_mesh = getattr(dims, "ep_mesh", None)  # (the estimate's stand-in dims have none)
+    ep_mesh = dims.ep_mesh
     if float8 is not None:
         convert_to_float8(model, float8, tp=dims.tp_mesh.size() if dims.tp_enabled else 1)
     if dims.cp > 1:
@@ -69,7 +71,7 @@ def parallelize(
             cache_routes_for_recompute(blocks[index])
     if compile:
         apply_compile(model, backend=compile_backend)
-    if dims.fsdp_enabled:
+    if fsdp and dims.fsdp_enabled:
         split_backward = dims.pp > 1 and schedule(pp_schedule).split_backward
         apply_fsdp(
             model,

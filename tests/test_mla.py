@@ -71,4 +71,4 @@ def test_yarn_table_and_softmax_scale_are_transformers(preset):
 def test_tensor_parallel_degrees_that_do_not_split_the_heads_are_refused():
     args = PRESETS["debug-deepseek"]
     with pytest.raises(ConfigError, match="parallel.tp=3 does not divide model.n_heads=8"):
-        ParallelDims(tp=3, dp_shard=1, world_size=3).validate(args, 64)
+        ParallelDims.of(tp=3, dp_shard=1, world_size=3).validate(args, 64)

@@ -217,8 +217,8 @@ def test_layouts_without_whole_sequences_exit_2_with_one_paragraph(layout, named
 
 def test_data_and_expert_parallelism_run_mtp_and_cp_refuses_the_sequence_wise_loss():
     args = dataclasses.replace(PRESETS["debug-moe"], mtp_modules=1, mtp_loss_weight=0.3)
-    check_whole_sequences(args, ParallelDims(world_size=4, dp_replicate=2, dp_shard=2, ep=2))
+    check_whole_sequences(args, ParallelDims.of(world_size=4, dp_replicate=2, dp_shard=2, ep=2))
     per_sequence = dataclasses.replace(args, mtp_modules=0, moe=dataclasses.replace(args.moe, seq_aux_loss_coef=1e-4))
-    check_whole_sequences(per_sequence, ParallelDims(world_size=4, dp_shard=2, tp=2))
+    check_whole_sequences(per_sequence, ParallelDims.of(world_size=4, dp_shard=2, tp=2))
     with pytest.raises(ConfigError, match="moe.seq_aux_loss_coef=0.0001 with parallel.cp=2.*--parallel.cp=1"):
-        check_whole_sequences(per_sequence, ParallelDims(world_size=4, dp_shard=2, cp=2))
+        check_whole_sequences(per_sequence, ParallelDims.of(world_size=4, dp_shard=2, cp=2))

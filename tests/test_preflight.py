@@ -3,9 +3,8 @@ with the figures and the `trillion plan` command; its counts are the model's exa
 
 from trillion.models import get_preset
 from trillion.models.flops import count_params
-from trillion.parallel.dims import ParallelDims
+from trillion.parallel.layout import Layout
 from trillion.trainer.cli.main import main
-from trillion.trainer.config.schema import load_config
 from trillion.trainer.preflight import states_per_rank
 
 
@@ -19,18 +18,16 @@ def test_a_model_too_large_for_the_host_is_refused_with_the_figures(tmp_path, ca
 
 
 def test_states_are_16_bytes_a_parameter_and_shard_over_dp_shard():
-    config, args = load_config(None, []), get_preset("debug")
-    one = states_per_rank(args, config.parallel, ParallelDims(world_size=1), 8)
+    args = get_preset("debug")
+    one = states_per_rank(args, Layout(micro_batch_size=8))
     assert one == (4 * count_params(args).total, 4 * count_params(args).total, 8 * count_params(args).total)
-    sharded = states_per_rank(args, config.parallel, ParallelDims(dp_shard=4, world_size=4), 2)
+    sharded = states_per_rank(args, Layout(dp_shard=4, micro_batch_size=2))
     assert abs(sum(sharded) - sum(one) / 4) < 0.01 * sum(one)  # rank 0 holds the ceiling of each chunk
 
 
 def test_moe_states_count_each_ranks_routed_experts_under_ep():
     """debug-moe on 4 ranks, ep 4, zero1 (which keeps the unsharded gradients): a rank's gradients are its
     E / ep routed experts and the rest whole; without ep they would be all E experts."""
-    import dataclasses
-
     import torch
 
     from trillion.models import Transformer
@@ -41,7 +38,8 @@ def test_moe_states_count_each_ranks_routed_experts_under_ep():
         model = Transformer(args)
     experts = sum(p.numel() for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters())
     rest = sum(p.numel() for p in model.parameters()) - experts
-    parallel = dataclasses.replace(load_config(None, []).parallel, dp_shard_mode="zero1")
-    states = {ep: states_per_rank(args, parallel, ParallelDims(dp_shard=4, ep=ep, world_size=4), 2) for ep in (1, 4)}
+    states = {
+        ep: states_per_rank(args, Layout(dp_shard=4, ep=ep, dp_shard_mode="zero1", micro_batch_size=2)) for ep in (1, 4)
+    }
     assert states[4][1] == 4 * (rest + experts // 4) and states[1][1] == 4 * (rest + experts)
     assert states[4][2] == states[1][2]  # the sharded optimizer states do not depend on ep

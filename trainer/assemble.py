@@ -18,6 +18,7 @@ from trillion.models.presets import MTP_LOSS_WEIGHT
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
+from trillion.parallel.layout import Layout, degrees_of
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
 from trillion.trainer.config.schema import Config, Model, Moe, Training, divisor_near, validate_config
@@ -195,50 +196,71 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
             )
 
 
-def float8_training(config: Config, dims: ParallelDims) -> float8.Float8Training | None:
+def float8_training(config: Config, fsdp: bool) -> float8.Float8Training | None:
     """float8.* as parallelize applies it (None: off); FSDP float8 all-gather only where FSDP shards."""
     f = config.float8
-    return float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, dims.fsdp_enabled) if f.enabled else None
+    return float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, fsdp) if f.enabled else None
 
 
-def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -> ParallelDims:
-    """The layout, checked against the world, the model and the batch, with its mesh built."""
-    p, t = config.parallel, config.training
-    dims = ParallelDims(
-        pp=p.pp,
-        dp_replicate=p.dp_replicate,
-        dp_shard=p.dp_shard,
-        cp=p.cp,
-        tp=p.tp,
-        ep=p.ep,
-        world_size=env.world_size,
-    )
-    dims.validate(model_args, t.seq_len)
-    check_whole_sequences(model_args, dims)
-    per_rank = t.global_batch_size // dims.dp_size
-    if t.global_batch_size % dims.dp_size or per_rank % min(t.micro_batch_size, per_rank):  # before batch_split
-        fix = (
-            f"--training.micro_batch_size={divisor_near(per_rank, t.micro_batch_size)}"
-            if per_rank and t.global_batch_size % dims.dp_size == 0
-            else f"--training.global_batch_size={t.micro_batch_size * dims.dp_size}"
-        )
-        raise ConfigError(
-            f"training.global_batch_size={t.global_batch_size} does not split into micro-batches of "
-            f"training.micro_batch_size={t.micro_batch_size} over {dims.dp_size} data-parallel ranks (dp_replicate x "
-            f"dp_shard); each rank takes global / dp sequences. Use e.g. {fix}."
-        )
+def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layout:
+    """The run's one layout value (parallel/layout.py) from config.parallel, training, compile and float8 on
+    `world_size` ranks, checked against the world (dp_shard=-1 resolved), the model, the batch and the pipeline
+    schedule, in that order, before any work."""
+    p, t, f = config.parallel, config.training, config.float8
+    degrees = ParallelDims.of(
+        world_size, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.ep
+    )  # no mesh: the degrees checked against the world
+    degrees.validate(model_args, t.seq_len)
+    check_whole_sequences(model_args, degrees)
+    check_batch_split(t, degrees.dp_size)
+    micro_batch_size, microbatches = batch_split(t, degrees.dp_size)
+    experts_recomputed = degrees.ep > 1 and p.activation_checkpoint != "none"
     # schedule, stage sizes and micro-batches checked before any work (stage sizes without a pipeline refused)
-    validate_pipeline(
-        dims.pp,
+    pp_schedule, virtual_stages = validate_pipeline(
+        degrees.pp,
         p.pp_schedule,
         model_args.n_layers,
-        batch_split(t, dims.dp_size)[1],
+        microbatches,
         virtual=p.pp_virtual_stages,
         tie_embeddings=model_args.tie_embeddings,
         layers=StageLayers.from_config(p),
         compile=config.compile.enabled,
-        experts_recomputed=dims.ep > 1 and p.activation_checkpoint != "none",
+        experts_recomputed=experts_recomputed,
     )
+    gathers = f.enabled and float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, degrees.fsdp_enabled).fsdp_all_gather
+    return Layout(
+        **degrees_of(degrees.layout),
+        dp_shard_mode=p.dp_shard_mode,
+        pp_schedule=pp_schedule,
+        virtual_stages=virtual_stages,
+        micro_batch_size=micro_batch_size,
+        microbatches=microbatches,
+        activation_checkpoint=p.activation_checkpoint,
+        compile=config.compile.enabled,
+        float8=f.enabled,
+        float8_all_gather=gathers,
+    )
+
+
+def check_batch_split(t: Training, dp_size: int) -> None:
+    """Refuse a global batch that does not split into whole micro-batches over `dp_size` ranks (before batch_split)."""
+    per_rank = t.global_batch_size // dp_size
+    if t.global_batch_size % dp_size or per_rank % min(t.micro_batch_size, per_rank):
+        fix = (
+            f"--training.micro_batch_size={divisor_near(per_rank, t.micro_batch_size)}"
+            if per_rank and t.global_batch_size % dp_size == 0
+            else f"--training.global_batch_size={t.micro_batch_size * dp_size}"
+        )
+        raise ConfigError(
+            f"training.global_batch_size={t.global_batch_size} does not split into micro-batches of "
+            f"training.micro_batch_size={t.micro_batch_size} over {dp_size} data-parallel ranks (dp_replicate x "
+            f"dp_shard); each rank takes global / dp sequences. Use e.g. {fix}."
+        )
+
+
+def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -> ParallelDims:
+    """The run's layout (build_layout) on this world, with its mesh built."""
+    dims = ParallelDims(build_layout(config, env.world_size, model_args), env.world_size)
     dims.build_mesh(env.device.type)
     return dims
 
@@ -267,8 +289,11 @@ def build_runner(
     return MicroBatchLoop(parts[0], dims.tp_enabled, config.parallel.dp_shard_mode, mtp_weight), None
 
 
-def layout_fn(config: Config, dims: ParallelDims, dtype: torch.dtype, *, compile: bool | None = None):
-    """parallelize with the config's layout, as a function of the model or a pipeline stage."""
+def layout_fn(
+    config: Config, dims: ParallelDims, dtype: torch.dtype, *, compile: bool | None = None, fsdp: bool = True
+):
+    """parallelize with the config's layout, as a function of the model or a pipeline stage; `fsdp=False`
+    leaves FSDP2 out (the estimate's activation run: it changes no activation)."""
     p = config.parallel
     return lambda part: parallelize(
         part,
@@ -278,7 +303,8 @@ def layout_fn(config: Config, dims: ParallelDims, dtype: torch.dtype, *, compile
         compile=config.compile.enabled if compile is None else compile,
         param_dtype=dtype,
         pp_schedule=p.pp_schedule,
-        float8=float8_training(config, dims),
+        float8=float8_training(config, fsdp and dims.fsdp_enabled),
+        fsdp=fsdp,
     )
 
 

@@ -11,34 +11,17 @@ import torch
 
 from trillion.errors import ConfigError
 from trillion.models import ModelArgs
-from trillion.parallel.modes import schedule, stages_per_rank
-from trillion.parallel.planner.layout import Layout
+from trillion.parallel.layout import Layout
 from trillion.parallel.planner.memory import pipeline_ranks, states_bytes
-from trillion.trainer.config.schema import Parallel as ParallelConfig
 
 
-def states_per_rank(model_args: ModelArgs, parallel, dims, micro_batch_size: int) -> tuple[float, float, float]:
+def states_per_rank(model_args: ModelArgs, layout: Layout) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer) bytes of the fullest rank."""
-    plan = schedule(parallel.pp_schedule)
-    layout = Layout(
-        tp=dims.tp,
-        pp=dims.pp,
-        dp_replicate=dims.dp_replicate,
-        dp_shard=dims.dp_shard,
-        dp_shard_mode=parallel.dp_shard_mode,
-        pp_schedule=plan.name,
-        virtual_stages=stages_per_rank(plan, parallel.pp_virtual_stages) if dims.pp > 1 else 1,
-        micro_batch_size=micro_batch_size,
-        microbatches=1,
-        activation_checkpoint=parallel.activation_checkpoint,
-        cp=dims.cp,
-        ep=dims.ep,
-    )
-    mode = "zero1" if dims.pp > 1 else parallel.dp_shard_mode  # a pipeline keeps its stages gathered (memory.py)
+    mode = "zero1" if layout.pp > 1 else layout.dp_shard_mode  # a pipeline keeps its stages gathered (memory.py)
     return max(
         (
             # FSDP: dp_shard x cp; the routed experts E / ep a rank, sharded over the dp_shard x cp / ep left
-            states_bytes(*rank.numel(model_args, dims.tp, dims.dp_shard * dims.cp, layout.ep), mode)
+            states_bytes(*rank.numel(model_args, layout.tp, layout.dp_shard * layout.cp, layout.ep), mode)
             for rank in pipeline_ranks(model_args, layout)
         ),
         key=sum,
@@ -57,18 +40,9 @@ def memory_available(device: torch.device, local_processes: int) -> tuple[float,
     )
 
 
-def check_memory(
-    p: ParallelConfig,
-    model_args: ModelArgs,
-    dims,
-    env,
-    micro_batch_size: int,
-    *,
-    model_name: str,
-    global_batch_size: int,
-) -> None:
+def check_memory(layout: Layout, model_args: ModelArgs, env, *, model_name: str, global_batch_size: int) -> None:
     """Refuse a layout whose weights, gradients and optimizer states alone overflow a rank's memory."""
-    parameters, gradients, optimizer = states_per_rank(model_args, p, dims, micro_batch_size)
+    parameters, gradients, optimizer = states_per_rank(model_args, layout)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)) if env.device.type == "cpu" else 1
     available, where = memory_available(env.device, max(1, local))
     needed = parameters + gradients + optimizer
@@ -78,8 +52,8 @@ def check_memory(
         f"model {model_name!r} does not fit this layout: its fullest rank would hold {parameters / 1e9:.1f} GB of "
         f"parameters, {gradients / 1e9:.1f} GB of gradients and {optimizer / 1e9:.1f} GB of optimizer states "
         f"({needed / 1e9:.1f} GB before any activation), but a rank has {available / 1e9:.1f} GB ({where}) at "
-        f"parallel.tp={dims.tp} pp={dims.pp} dp_shard={dims.dp_shard} ({p.dp_shard_mode}) on {env.world_size} "
-        f"process(es). Shard it over more devices, or find a layout that fits with `trillion plan --model "
-        f"{model_name} --hardware HARDWARE --gpus N --global-batch {global_batch_size}` "
+        f"parallel.tp={layout.tp} pp={layout.pp} dp_shard={layout.dp_shard} ({layout.dp_shard_mode}) on "
+        f"{env.world_size} process(es). Shard it over more devices, or find a layout that fits with "
+        f"`trillion plan --model {model_name} --hardware HARDWARE --gpus N --global-batch {global_batch_size}` "
         f"(HARDWARE: frontier, dgx-a100, dgx-h100, dgx-h200, mi300x), or pick a smaller --model.name."
     )

@@ -322,13 +322,7 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
     dims = build_parallel_dims(config, env, model_args)
     micro_batch_size, n_microbatches = batch_split(t, dims.dp_size)
     check_memory(
-        config.parallel,
-        model_args,
-        dims,
-        env,
-        micro_batch_size,
-        model_name=config.model.name,
-        global_batch_size=t.global_batch_size,
+        dims.layout, model_args, env, model_name=config.model.name, global_batch_size=t.global_batch_size
     )  # before any allocation or file
     loader, first_batch, evaluator = read_data(config, tokenizer, dims, micro_batch_size, env.device)
     dtype = compute_dtype(t.dtype, env.device.type)

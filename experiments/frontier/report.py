@@ -19,7 +19,7 @@ from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.search import Request, evaluate, metrics, scaling, search
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "validation"))
-from validate import load_runs, refit, run_layout, with_plateau  # noqa: E402  (a sibling script, not a package)
+from predictions import load_runs, refit, run_layout, with_plateau  # noqa: E402  (a sibling script, not a package)
 
 SEQ_LEN = 2048
 _RUNS = {run["id"]: run for run in load_runs()}

@@ -33,9 +33,54 @@ HERE = Path(__file__).parent
 CONFIG = HERE.parents[0] / "configs" / "debug.toml"
 MODEL, GLOBAL_BATCH, SEQ_LEN = "debug", 8, 256
 LAYOUTS = {  # name: (processes, trainer overrides, planner layout)
-    "1 process": (1, [], Layout(1, 1, 1, 1, "zero3", "1F1B", 1, 8, 1, "none")),
-    "dp_shard 2 (FSDP, gloo)": (2, ["--parallel.dp_shard=2"], Layout(1, 1, 1, 2, "zero3", "1F1B", 1, 4, 1, "none")),
-    "tp 2 (gloo)": (2, ["--parallel.tp=2"], Layout(2, 1, 1, 1, "zero3", "1F1B", 1, 8, 1, "none")),
+    "1 process": (
+        1,
+        [],
+        Layout(
+            tp=1,
+            pp=1,
+            dp_replicate=1,
+            dp_shard=1,
+            dp_shard_mode="zero3",
+            pp_schedule="1F1B",
+            virtual_stages=1,
+            micro_batch_size=8,
+            microbatches=1,
+            activation_checkpoint="none",
+        ),
+    ),
+    "dp_shard 2 (FSDP, gloo)": (
+        2,
+        ["--parallel.dp_shard=2"],
+        Layout(
+            tp=1,
+            pp=1,
+            dp_replicate=1,
+            dp_shard=2,
+            dp_shard_mode="zero3",
+            pp_schedule="1F1B",
+            virtual_stages=1,
+            micro_batch_size=4,
+            microbatches=1,
+            activation_checkpoint="none",
+        ),
+    ),
+    "tp 2 (gloo)": (
+        2,
+        ["--parallel.tp=2"],
+        Layout(
+            tp=2,
+            pp=1,
+            dp_replicate=1,
+            dp_shard=1,
+            dp_shard_mode="zero3",
+            pp_schedule="1F1B",
+            virtual_stages=1,
+            micro_batch_size=8,
+            microbatches=1,
+            activation_checkpoint="none",
+        ),
+    ),
 }
 SKIP_STEPS = 3  # the first steps allocate and warm caches
 

@@ -57,6 +57,7 @@ instead of 2, and FSDP's copy out of the gather buffer moves 1-byte elements; gr
 Memory is not changed by float8 (the saved activations stay bf16; the gathered fp8 copies are not counted).
 """
 
+import dataclasses
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
@@ -319,33 +320,36 @@ def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankPara
     return per_microbatch, after_backward, before_forward
 
 
+def pipeline_part(layout: Layout) -> Layout:
+    """The layout with its data-parallel settings at one process's: what the pipeline's compute depends on."""
+    return dataclasses.replace(
+        layout, dp_replicate=1, dp_shard=1, dp_shard_mode="zero3", microbatches=1, float8_all_gather=True
+    )
+
+
 @lru_cache(maxsize=65536)
-def _pipeline(
-    args: ModelArgs,
-    hw: HardwareProfile,
-    seq_len: int,
-    tp: int,
-    pp: int,
-    v: int,
-    schedule_name: str,
-    micro_batch_size: int,
-    activation_checkpoint: str,
-    compiled: bool,
-    cp: int = 1,
-    float8: bool = False,
-    ep: int = 1,
-    imbalance: float = MOE_LOAD_IMBALANCE,
-) -> tuple:
+def _pipeline(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int) -> tuple:
     """Per-micro-batch compute of the pipeline's ranks: (slowest rank index, its passes, its
     recompute, seconds of the slowest and of the mean rank, mean TP, CP and EP seconds).
-    Independent of dp."""
-    layout = Layout(tp, pp, 1, 1, "zero3", schedule_name, v, micro_batch_size, 1, activation_checkpoint)
+    `layout` is a pipeline_part: this is independent of dp."""
     timed = [
         rank_passes(
-            args, hw, micro_batch_size, seq_len, tp, activation_checkpoint, compiled, rank, cp, float8, ep, imbalance
+            args,
+            hw,
+            layout.micro_batch_size,
+            seq_len,
+            layout.tp,
+            layout.activation_checkpoint,
+            layout.compile,
+            rank,
+            layout.cp,
+            layout.float8,
+            layout.ep,
+            layout.moe_load_imbalance,
         )
         for rank in pipeline_ranks(args, layout)
     ]
+    pp = layout.pp
     per_rank = [ps.forward + rc.forward + ps.input_grad + ps.weight_grad for ps, rc in timed]
     slowest = max(range(pp), key=per_rank.__getitem__)
     tp_mean = sum(ps.tp_forward + ps.tp_backward + rc.tp_forward for ps, rc in timed) / pp
@@ -359,20 +363,7 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     slowest, passes, recompute, worst, mean, tp_mean, cp_mean, ep_mean = _pipeline(
-        args,
-        hw,
-        seq_len,
-        layout.tp,
-        p,
-        v,
-        layout.pp_schedule,
-        layout.micro_batch_size,
-        layout.activation_checkpoint,
-        layout.compile,
-        layout.cp,
-        layout.float8,
-        layout.ep,
-        layout.moe_load_imbalance,
+        args, hw, pipeline_part(layout), seq_len
     )
     chunk = (passes.forward / v, recompute.forward / v, passes.input_grad / v, passes.weight_grad / v)
     bubble = max(0.0, sum(s * c for s, c in zip(bubble_slots(schedule, p), chunk))) if p > 1 else 0.0

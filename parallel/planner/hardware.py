@@ -44,7 +44,7 @@ class HardwareProfile:
     source: str = ""  # the file it came from
     compute_dtype: str = "bf16"  # what activations are computed in: bf16 on GPUs, fp32 on a CPU
     # (forward, backward) host seconds DTensor adds to a block under TP beyond its collectives:
-    # measured by `trillion plan --calibrate --model` (calibrate.tp_layer_host_seconds), else 0
+    # measured by `trillion plan --calibrate --model` (measure.tp_layer_host_seconds), else 0
     tp_layer_host_s: tuple[float, float] = (0.0, 0.0)
     # collectives run beside compute (copy engines, NICs); false on a CPU, whose cores do both
     overlaps_collectives: bool = True

@@ -1,51 +1,24 @@
-"""A parallel layout as the planner sees it, and what each pipeline schedule costs in bubble and
-in micro-batches held in flight. The schedules, ZeRO modes and checkpointing modes, with their
+"""What each pipeline schedule of a layout costs in bubble and in micro-batches held in flight, and the
+checkpointing modes the search tries. The layout itself is parallel/layout.py's (named here too, as
+the planner's modules import it); the schedules, ZeRO modes and checkpointing modes, with their
 rules and bubble weights, are the trainer's own tables (parallel/modes.py).
 """
 
-from dataclasses import asdict, dataclass
-
+from trillion.parallel.layout import Layout
 from trillion.parallel.modes import CHECKPOINT_MODES, Schedule
-from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
+
+__all__ = [
+    "Layout",
+    "SEARCHED_CHECKPOINT_MODES",
+    "bubble_slots",
+    "in_flight_microbatches",
+    "rank_of_virtual_stage",
+    "stage_layers",
+]
 
 # The checkpointing modes the search tries: selective:op keeps matmul outputs, which the memory
 # model (memory.py) does not count yet; selective:N (every N-th block) is the trainer's only.
 SEARCHED_CHECKPOINT_MODES = tuple(name for name, mode in CHECKPOINT_MODES.items() if not mode.op_level)
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int
-    dp_replicate: int
-    dp_shard: int
-    dp_shard_mode: str
-    pp_schedule: str
-    virtual_stages: int
-    micro_batch_size: int
-    microbatches: int  # per step per pipeline (gradient accumulation when pp == 1)
-    activation_checkpoint: str
-    compile: bool = False  # torch.compile of each block: fuses its element-wise kernels
-    cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence; FSDP shards over dp_shard x cp
-    float8: bool = False  # the blocks' linears compute in float8 (cost.py); the output projection stays bf16
-    float8_all_gather: bool = True  # with float8 and FSDP: the converted weights are all-gathered in float8
-    ep: int = 1  # expert parallelism: routed experts over ep of the dp_shard x cp ranks (moe.py)
-    moe_load_imbalance: float = MOE_LOAD_IMBALANCE  # the busiest rank's routed tokens over the mean (moe.py)
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
-
-    @property
-    def sequence_parallel(self) -> bool:
-        return self.tp > 1  # the trainer always pairs TP with sequence parallelism
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int) -> tuple[float, float]:

@@ -395,6 +395,6 @@ def layout_memory(args: ModelArgs, layout: Layout, seq_len: int) -> Memory:
 def _earliest_of_each_kind(args: ModelArgs, pp: int, v: int, schedule_name: str) -> tuple:
     """((rank's parts, its index), ...): the first pipeline rank of each distinct RankParams."""
     earliest: dict = {}
-    for index, rank in enumerate(pipeline_ranks(args, Layout(1, pp, 1, 1, "zero3", schedule_name, v, 1, 1, "none"))):
+    for index, rank in enumerate(pipeline_ranks(args, Layout(pp=pp, pp_schedule=schedule_name, virtual_stages=v))):
         earliest.setdefault(rank, index)
     return tuple(earliest.items())

@@ -36,7 +36,7 @@ FLIP_ALLOWANCE = 0.0  # share of a gradient's elements allowed outside it (a flo
 def train_layout(case: dict, world_size: int) -> dict:
     """Run `case` (recipe, dp_shard, tp, fsdp_all_gather) on all ranks of the group, or alone (world_size 1)."""
     args = FAMILIES[case.get("family", "llama")]
-    dims = ParallelDims(dp_shard=case.get("dp_shard", -1), tp=case.get("tp", 1), world_size=world_size)
+    dims = ParallelDims.of(dp_shard=case.get("dp_shard", -1), tp=case.get("tp", 1), world_size=world_size)
     dims.validate(args, SEQ_LEN)
     dims.build_mesh("cpu")
     recipe = case["recipe"]  # None: the plain fp32 run

@@ -51,7 +51,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def train_case(case: dict, world_size: int) -> dict:
     """Run the case on all ranks of the current group (or alone when world_size is 1)."""
     args = dataclasses.replace(FAMILIES[case["family"]], attention_impl=case.get("attention", "sdpa"))
-    dims = ParallelDims(
+    dims = ParallelDims.of(
         dp_replicate=case.get("dp_replicate", 1),
         dp_shard=case.get("dp_shard", -1),
         cp=case.get("cp", 1),

@@ -29,7 +29,7 @@ from trillion.trainer.train import train_step
 
 def train_pipeline_case(case: dict, world_size: int) -> dict:
     args = FAMILIES[case["family"]]
-    dims = ParallelDims(
+    dims = ParallelDims.of(
         pp=case["pp"],
         dp_shard=case.get("dp_shard", -1),
         cp=case.get("cp", 1),

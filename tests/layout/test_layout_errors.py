@@ -52,13 +52,13 @@ CASES = [
 @pytest.mark.parametrize("degrees, world, args, seq_len, words", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_invalid_layout_is_refused_with_the_setting_and_a_fix(degrees, world, args, seq_len, words):
     with pytest.raises(ConfigError) as error:
-        ParallelDims(**degrees, world_size=world).validate(args, seq_len)
+        ParallelDims.of(**degrees, world_size=world).validate(args, seq_len)
     for word in words:
         assert word in str(error.value), f"{word!r} not in: {error.value}"
 
 
 def test_dp_shard_is_inferred_from_the_world():
-    dims = ParallelDims(dp_replicate=2, tp=2, world_size=16)
+    dims = ParallelDims.of(dp_replicate=2, tp=2, world_size=16)
     assert (dims.dp_shard, dims.dp_size) == (4, 8)
     dims.validate(LLAMA, 256)  # valid: 8 heads, 4 KV heads, ffn 704, vocab 320 all divide by 2
 
@@ -66,11 +66,11 @@ def test_dp_shard_is_inferred_from_the_world():
 def test_tp_beyond_a_node_is_warned_not_refused(caplog):
     args = _args(n_heads=16, n_kv_heads=16)  # head size 16; ffn 704, vocab 320 and seq 256 divide by 16
     with caplog.at_level(logging.WARNING, logger="trillion"):
-        ParallelDims(tp=16, world_size=16).validate(args, 256, gpus_per_node=8)
+        ParallelDims.of(tp=16, world_size=16).validate(args, 256, gpus_per_node=8)
     assert "parallel.tp=16 is larger than the 8 devices of a node" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="trillion"):
-        ParallelDims(tp=8, world_size=8).validate(_args(n_kv_heads=8), 256, gpus_per_node=8)
+        ParallelDims.of(tp=8, world_size=8).validate(_args(n_kv_heads=8), 256, gpus_per_node=8)
     assert caplog.text == ""
 
 

@@ -32,7 +32,7 @@ def _parameters_held(rank: int) -> tuple[int, int, int, set]:
     dist.init_process_group("fake", rank=rank, world_size=WORLD, store=FakeStore())
     try:
         args = PRESETS["gpt-1t"]
-        dims = ParallelDims(dp_shard=DP_SHARD, tp=TP, world_size=WORLD)
+        dims = ParallelDims.of(dp_shard=DP_SHARD, tp=TP, world_size=WORLD)
         dims.validate(args, seq_len=2048, gpus_per_node=8)
         dims.build_mesh("cpu")
         with torch.device("meta"):

@@ -25,7 +25,7 @@ def _all_reduces_of_one_step(n_layers: int) -> tuple[int, list]:
     args = dataclasses.replace(
         PRESETS["debug"], n_layers=n_layers, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=32
     )
-    dims = ParallelDims(tp=2, world_size=2)
+    dims = ParallelDims.of(tp=2, world_size=2)
     dims.validate(args, SEQ_LEN)
     dims.build_mesh("cpu")
     with torch.device("meta"):

@@ -69,7 +69,7 @@ def model_args(variant: str, model: str = "gqa"):
 
 def _dims(case: dict, world_size: int, args) -> ParallelDims:
     layout = {k: case[k] for k in LAYOUT_KEYS if k in case}
-    dims = ParallelDims(**{"dp_shard": -1, **layout}, world_size=world_size)
+    dims = ParallelDims.of(**{"dp_shard": -1, **layout}, world_size=world_size)
     dims.validate(args, SEQ_LEN)
     dims.build_mesh("cpu")
     return dims

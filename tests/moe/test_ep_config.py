@@ -57,7 +57,7 @@ def test_bad_expert_parallel_degree_is_refused_with_the_fix(parallel, world, arg
 def test_ep_divides_experts_of_an_overridden_model():
     args = dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, n_experts=6))
     with pytest.raises(ConfigError, match="6 routed experts"):
-        ParallelDims(dp_shard=4, ep=4, world_size=4).validate(args, 64)
+        ParallelDims.of(dp_shard=4, ep=4, world_size=4).validate(args, 64)
 
 
 def test_ep1_builds_no_expert_mesh():

@@ -89,7 +89,7 @@ def run_case(case: dict, world_size: int) -> dict:
 
     args = dataclasses.replace(FAMILIES[case["family"]], attention_impl="sdpa")
     pp = case.get("pp", 1)
-    dims = ParallelDims(pp=pp, dp_shard=case.get("dp_shard", -1), tp=case.get("tp", 1), world_size=world_size)
+    dims = ParallelDims.of(pp=pp, dp_shard=case.get("dp_shard", -1), tp=case.get("tp", 1), world_size=world_size)
     dims.validate(args, SEQ_LEN)
     dims.build_mesh("cpu")
     with torch.device("meta"):

@@ -73,7 +73,7 @@ class ReceiveBuffers:
 def count_receive_buffers(rank: int, world_size: int, micro_batches: int, out: str) -> None:
     """For each schedule, with torch's stage and ours: buffers held after two steps, peak alive, its bytes."""
     args = FAMILIES["llama"]
-    dims = ParallelDims(pp=PP, world_size=world_size)
+    dims = ParallelDims.of(pp=PP, world_size=world_size)
     dims.build_mesh("cpu")
     windows = RandomWindows(args.vocab_size, SEQ_LEN + 1).next_windows(micro_batches)
     batch = [(w[None, :-1], w[None, 1:]) for w in windows]

@@ -60,7 +60,7 @@ def test_gpt_1t_layout_builds_for_first_middle_and_last_stage(model, tp, pp, dp)
     for pp_rank in (0, pp // 2, pp - 1):
         rank = pp_rank * dp * tp  # pp is the outermost mesh axis: the stage's first rank (dp 0, tp 0)
         with fake_rank(rank, world):
-            dims = ParallelDims(pp=pp, dp_shard=dp, tp=tp, world_size=world)
+            dims = ParallelDims.of(pp=pp, dp_shard=dp, tp=tp, world_size=world)
             dims.validate(GPT_1T, SEQ_LEN)
             dims.build_mesh("cpu")
             pipeline = Pipeline(
@@ -86,7 +86,7 @@ def test_explicit_stage_sizes_reach_the_stages(model):
     tp, pp, dp = 4, 128, 2
     for pp_rank, layers in ((0, ["0"]), (1, ["1"]), (pp - 1, ["127"])):
         with fake_rank(pp_rank * dp * tp, tp * pp * dp):
-            dims = ParallelDims(pp=pp, dp_shard=dp, tp=tp, world_size=tp * pp * dp)
+            dims = ParallelDims.of(pp=pp, dp_shard=dp, tp=tp, world_size=tp * pp * dp)
             dims.build_mesh("cpu")
             pipeline = Pipeline(
                 model, dims, "1F1B", pp, torch.device("cpu"), layers=StageLayers(per_stage=1, first=1, last=1)

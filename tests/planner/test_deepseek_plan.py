@@ -130,11 +130,8 @@ def test_the_planner_refuses_whole_sequence_objectives_where_the_trainer_does(ax
     preset = get_preset("debug-deepseek")
     assert preset.mtp_modules and preset.moe.seq_aux_loss_coef > 0
     degrees = {"pp": 1, "cp": 1, "tp": 1, "ep": 1, "dp_shard": 2} | ({axis: 2} if axis else {})
-    dims = ParallelDims(**degrees, world_size=degrees["pp"] * degrees["cp"] * degrees["tp"] * degrees["dp_shard"])
-    layout = Layout(
-        degrees["tp"], degrees["pp"], 1, degrees["dp_shard"], "zero3", "GPipe", 1, 1, 4, "none",
-        cp=degrees["cp"], ep=degrees["ep"],
-    )  # fmt: skip
+    layout = Layout(**degrees, pp_schedule="GPipe", microbatches=4)
+    dims = ParallelDims(layout, world_size=layout.gpus)
     no_mtp = dataclasses.replace(preset, mtp_modules=0)
     neither = dataclasses.replace(no_mtp, moe=dataclasses.replace(preset.moe, seq_aux_loss_coef=0.0))
     outcomes = []
@@ -182,7 +179,19 @@ def test_the_fullest_rank_can_be_a_middle_one():
     blocks and the embedding, the middle ranks routed experts. The planner's memory is the fullest rank's, which
     here is a middle one (`trillion estimate` measured 70 GB there against 19 GB on the first rank)."""
     args = dataclasses.replace(get_preset("deepseek-v3-671b"), mtp_modules=0)
-    layout = Layout(1, 32, 1, 64, "zero1", "1F1B", 1, 1, 240, "full", ep=4)
+    layout = Layout(
+        tp=1,
+        pp=32,
+        dp_replicate=1,
+        dp_shard=64,
+        dp_shard_mode="zero1",
+        pp_schedule="1F1B",
+        virtual_stages=1,
+        micro_batch_size=1,
+        microbatches=240,
+        activation_checkpoint="full",
+        ep=4,
+    )
     ranks = pipeline_ranks(args, layout)
     assert ranks[0].moe_layers == 0 and ranks[16].moe_layers == 2
     first, last = (rank_memory(args, layout, 4096, ranks[i], n).total for i, n in ((0, 32), (31, 1)))

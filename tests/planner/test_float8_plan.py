@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from experiments.validation.validate import RUNS_FILE, evaluate_all
+from experiments.validation.predictions import RUNS_FILE, evaluate_all
 from trillion.devices import fitted_constants
 from trillion.errors import ConfigError
 from trillion.models.presets import get_preset

@@ -82,7 +82,21 @@ def test_schedules_order_bubbles_and_memory():
     request = Request("gpt-175b", get_preset("gpt-175b"), load_profile("frontier"), 128, 64, 2048)
 
     def run(schedule, v):
-        return evaluate(request, Layout(4, 16, 1, 2, "zero1", schedule, v, 1, 32, "full"))
+        return evaluate(
+            request,
+            Layout(
+                tp=4,
+                pp=16,
+                dp_replicate=1,
+                dp_shard=2,
+                dp_shard_mode="zero1",
+                pp_schedule=schedule,
+                virtual_stages=v,
+                micro_batch_size=1,
+                microbatches=32,
+                activation_checkpoint="full",
+            ),
+        )
 
     one, interleaved, zbv, gpipe = run("1F1B", 1), run("Interleaved1F1B", 2), run("ZBVZeroBubble", 2), run("GPipe", 1)
     assert zbv.step.bubble < interleaved.step.bubble < one.step.bubble == gpipe.step.bubble
@@ -96,7 +110,21 @@ def test_pipeline_stages_cost_zero1_whatever_the_mode():
     request = Request("gpt-175b", get_preset("gpt-175b"), load_profile("frontier"), 128, 64, 2048)
 
     def memory(pp, mode, schedule="1F1B", v=1):
-        return evaluate(request, Layout(4, pp, 1, 32 // pp, mode, schedule, v, 1, 64 // (32 // pp), "full")).memory
+        return evaluate(
+            request,
+            Layout(
+                tp=4,
+                pp=pp,
+                dp_replicate=1,
+                dp_shard=32 // pp,
+                dp_shard_mode=mode,
+                pp_schedule=schedule,
+                virtual_stages=v,
+                micro_batch_size=1,
+                microbatches=64 // (32 // pp),
+                activation_checkpoint="full",
+            ),
+        ).memory
 
     for schedule, v in (("1F1B", 1), ("ZBVZeroBubble", 2)):
         assert memory(8, "zero3", schedule, v).parameters == memory(8, "zero1", schedule, v).parameters
@@ -218,13 +246,61 @@ def test_hfu_counts_the_recompute_each_stage_does():
     args = get_preset("gpt-1t")  # 128 layers
 
     def fraction(pp, schedule="1F1B", v=1):
-        return recompute_fraction(args, Layout(4, pp, 1, 1, "zero1", schedule, v, 1, 2 * pp, "selective"))
+        return recompute_fraction(
+            args,
+            Layout(
+                tp=4,
+                pp=pp,
+                dp_replicate=1,
+                dp_shard=1,
+                dp_shard_mode="zero1",
+                pp_schedule=schedule,
+                virtual_stages=v,
+                micro_batch_size=1,
+                microbatches=2 * pp,
+                activation_checkpoint="selective",
+            ),
+        )
 
     assert fraction(1) == 0.5 and fraction(64) == 0.5
     assert fraction(128) == 1.0 and fraction(64, "Interleaved1F1B", 2) == 1.0
     request = Request("gpt-1t", args, load_profile("frontier"), 1024, 1024, 2048)
-    row = metrics(request, evaluate(request, Layout(4, 128, 1, 2, "zero1", "1F1B", 1, 1, 512, "selective")))
-    full = metrics(request, evaluate(request, Layout(4, 128, 1, 2, "zero1", "1F1B", 1, 1, 512, "full")))
+    row = metrics(
+        request,
+        evaluate(
+            request,
+            Layout(
+                tp=4,
+                pp=128,
+                dp_replicate=1,
+                dp_shard=2,
+                dp_shard_mode="zero1",
+                pp_schedule="1F1B",
+                virtual_stages=1,
+                micro_batch_size=1,
+                microbatches=512,
+                activation_checkpoint="selective",
+            ),
+        ),
+    )
+    full = metrics(
+        request,
+        evaluate(
+            request,
+            Layout(
+                tp=4,
+                pp=128,
+                dp_replicate=1,
+                dp_shard=2,
+                dp_shard_mode="zero1",
+                pp_schedule="1F1B",
+                virtual_stages=1,
+                micro_batch_size=1,
+                microbatches=512,
+                activation_checkpoint="full",
+            ),
+        ),
+    )
     assert row["hfu"] == pytest.approx(full["hfu"])  # same work, same step time
 
 
@@ -234,7 +310,21 @@ def test_pipeline_bubble_is_p_minus_1_idle_slots_exactly(schedule, v):
     tolerance on the whole step would hide p idle slots instead of p-1."""
     request = Request("gpt-175b", get_preset("gpt-175b"), load_profile("frontier"), 128, 64, 2048)
     p, m = 16, 32
-    step = evaluate(request, Layout(4, p, 1, 2, "zero1", schedule, v, 1, m, "full")).step
+    step = evaluate(
+        request,
+        Layout(
+            tp=4,
+            pp=p,
+            dp_replicate=1,
+            dp_shard=2,
+            dp_shard_mode="zero1",
+            pp_schedule=schedule,
+            virtual_stages=v,
+            micro_batch_size=1,
+            microbatches=m,
+            activation_checkpoint="full",
+        ),
+    ).step
     busy = step.compute + step.imbalance + step.tp_exposed  # m micro-batches of the slowest rank
     assert step.bubble / (step.bubble + busy) == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-9)
 

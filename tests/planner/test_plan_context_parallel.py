@@ -14,7 +14,22 @@ from trillion.trainer.config.schema import load_config
 def test_activations_divide_by_cp_and_the_exchange_is_costed():
     request = Request("llama3-8b", get_preset("llama3-8b"), load_profile("dgx-h100"), 8, 8, 131072)
     one, four = (
-        evaluate(request, Layout(1, 1, 1, 8 // cp, "zero3", "1F1B", 1, 1, 8 // (8 // cp), "full", cp=cp))
+        evaluate(
+            request,
+            Layout(
+                tp=1,
+                pp=1,
+                dp_replicate=1,
+                dp_shard=8 // cp,
+                dp_shard_mode="zero3",
+                pp_schedule="1F1B",
+                virtual_stages=1,
+                micro_batch_size=1,
+                microbatches=8 // (8 // cp),
+                activation_checkpoint="full",
+                cp=cp,
+            ),
+        )
         for cp in (1, 4)
     )
     assert one.memory.activations / 4 <= four.memory.activations < 1.05 * one.memory.activations / 4

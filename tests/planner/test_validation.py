@@ -2,17 +2,8 @@
 
 import pytest
 
-from experiments.validation.validate import (
-    RUNS_FILE,
-    TOLERANCE,
-    comparable,
-    evaluate_all,
-    leave_source_out,
-    load_runs,
-    refit,
-    render,
-    run_args,
-)
+from experiments.validation.predictions import RUNS_FILE, evaluate_all, leave_source_out, load_runs, refit, run_args
+from experiments.validation.validate import TOLERANCE, comparable, render
 from trillion.devices import fitted_constants
 from trillion.models.flops import count_params
 

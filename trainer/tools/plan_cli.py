@@ -22,7 +22,8 @@ from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
 from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
-from trillion.parallel.planner.search import LAYOUT_FIELDS, Request, metrics, model_summary, search
+from trillion.parallel.planner.search import Request, metrics, model_summary, search
+from trillion.parallel.planner.space import LAYOUT_FIELDS
 from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.checks import creatable_problem
 from trillion.trainer.config.schema import Config, load_config, to_toml
@@ -197,10 +198,18 @@ def train_config_toml(request: Request, row: dict) -> str:
     config.training.seq_len = request.seq_len
     if request.seq_len > request.args.max_seq_len:  # a rotary model trained past its preset's length
         config.model.max_seq_len = request.seq_len
-    for key in ("dp_replicate", "dp_shard", "dp_shard_mode", "tp", "pp", "pp_schedule", "activation_checkpoint", "cp"):
+    for key in (
+        "dp_replicate",
+        "dp_shard",
+        "dp_shard_mode",
+        "tp",
+        "pp",
+        "pp_schedule",
+        "activation_checkpoint",
+        "cp",
+        "ep",
+    ):
         setattr(config.parallel, key, row[key])
-    if hasattr(config.parallel, "ep"):  # the trainer's parallel.ep (expert parallelism)
-        config.parallel.ep = row["ep"]
     if request.args.mtp_modules != get_preset(request.model).mtp_modules:
         config.model.mtp_modules = request.args.mtp_modules
     config.compile.enabled = row["compile"]

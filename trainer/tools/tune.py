@@ -20,8 +20,8 @@ from pathlib import Path
 
 from trillion.errors import ConfigError
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.layout import Layout
 from trillion.parallel.planner.hardware import load_profile, profile_names
-from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.search import Request, search
 from trillion.trainer.assemble import build_model_args
 from trillion.trainer.cli.args import CommandParser
@@ -55,15 +55,7 @@ def runnable_candidates(request: Request, config, count: int) -> list[Layout]:
     for candidate in search(request).ranked:
         layout = candidate.layout
         try:
-            dims = ParallelDims(
-                pp=layout.pp,
-                dp_replicate=layout.dp_replicate,
-                dp_shard=layout.dp_shard,
-                cp=layout.cp,  # ep is carved from dp_shard x cp: without cp every cp layout would be refused
-                tp=layout.tp,
-                ep=layout.ep,
-                world_size=request.gpus,
-            )
+            dims = ParallelDims(layout, request.gpus)
             dims.validate(request.args, request.seq_len, gpus_per_node=request.gpus)
         except ConfigError:
             continue

@@ -9,23 +9,9 @@ experts' along its efsdp part; ep splits them evenly, validated), TP splits even
 replicas are copies. MoE layers run with the rank's E / ep experts and a balanced route
 (trainer/tools/estimate/activations.py).
 
-What torch.distributed.pipelining (2.13) does that costs memory, as the real runs in
-tests/estimate measure it:
-- receive buffers: when its schedule first runs, torch's PipelineStage allocates one buffer per
-  micro-batch of the step for the activation it receives (all stages but the first) and one for the
-  gradient it receives (all but the last), and keeps them: 2 m hidden states on a middle stage. A
-  stage class that holds them only while their micro-batch is in flight is recognized (it replaces
-  torch's buffer set-up), and they are then counted with that micro-batch's activations;
-- FSDP under a schedule: every backward runs with gradient sync and resharding off and the stage is
-  reduce-scattered once after the last micro-batch, whatever parallel.dp_shard_mode says, so the
-  stage's parameters stay gathered (compute dtype) and its gradients accumulate unsharded (fp32)
-  through the step, as zero1 does without pipelining;
-- in flight: the schedule's own action list (`pipeline_order`, built by the schedule class the
-  trainer uses) says when each micro-batch's forward and backward run on each rank. Walking it
-  with one micro-batch's measured bytes per stage gives the rank's activation peak: pp - s
-  micro-batches on stage s under 1F1B, all m under GPipe and LoopedBFS, and under Interleaved1F1B
-  the warm-up PyTorch's list holds ((v-1) pp + 2 (pp-1-r) + 1 chunks on rank r when m is a
-  multiple of pp).
+Under a pipeline schedule FSDP reshards nothing between micro-batches (the stage's parameters stay
+gathered and its gradients accumulate unsharded, as zero1 without pipelining); the schedule's receive
+buffers and micro-batches in flight are trainer/tools/estimate/pipeline_schedule.py's.
 """
 
 from __future__ import annotations
@@ -42,7 +28,8 @@ from torch import nn
 from trillion.models import ModelArgs, Transformer
 from trillion.models.moe import RoutedExperts
 from trillion.parallel.dims import AXES, ParallelDims
-from trillion.parallel.modes import checkpoint_mode, schedule, stages_per_rank
+from trillion.parallel.layout import Layout
+from trillion.parallel.modes import checkpoint_mode
 from trillion.parallel.pipeline import Pipeline, StageLayers, split_units, stage_indices, stage_module
 from trillion.trainer.assemble import build_model, compute_dtype, layout_fn
 from trillion.trainer.config.schema import Config
@@ -121,35 +108,18 @@ def coords_of(dims: ParallelDims, rank: int) -> dict:
 
 def meshed_dims(dims: ParallelDims) -> ParallelDims:
     """A copy of `dims` with its mesh built in the current (fake) world."""
-    copy = ParallelDims(
-        pp=dims.pp,
-        dp_replicate=dims.dp_replicate,
-        dp_shard=dims.dp_shard,
-        cp=dims.cp,
-        tp=dims.tp,
-        ep=dims.ep,
-        world_size=dims.world_size,
-    )
+    copy = ParallelDims(dims.layout, dims.world_size)
     copy.build_mesh("cpu")
     return copy
 
 
-class _TPOnly:
-    """The layout parallelize sees for the activation run: the same TP, CP and EP meshes, no FSDP (the
-    routed experts are this rank's E / ep, so their gradients and the dispatch are the run's)."""
-
-    def __init__(self, dims: ParallelDims):
-        self.tp_enabled, self.tp_mesh, self.fsdp_enabled, self.fsdp_mesh = dims.tp_enabled, dims.tp_mesh, False, None
-        self.cp, self.cp_mesh = dims.cp, dims.cp_mesh
-        self.ep, self.ep_mesh = dims.ep, dims.ep_mesh
-
-
 def apply_layout(part: nn.Module, config: Config, dims: ParallelDims, fsdp: bool) -> nn.Module:
-    """The trainer's layout (compile off: it changes no bytes held). Without `fsdp`: the same TP plan
-    and activation checkpointing, in the compute dtype (the activation run)."""
+    """The trainer's layout (compile off: it changes no bytes held). Without `fsdp`: the same TP, CP and EP
+    plan and activation checkpointing, in the compute dtype, without FSDP2 (the activation run: the routed
+    experts are this rank's E / ep, so their gradients and the dispatch are the run's)."""
     if not fsdp:
         part.to(target_dtype(config))
-    return layout_fn(config, dims if fsdp else _TPOnly(dims), target_dtype(config), compile=False)(part)
+    return layout_fn(config, dims, target_dtype(config), compile=False, fsdp=fsdp)(part)
 
 
 # --- stages --------------------------------------------------------------------------------------------
@@ -164,16 +134,13 @@ class StageShape:
 
 
 class StagePlan:
-    """The split of the model into pp x v stages (parallel/pipeline.py's), one stage without pipelining;
-    `moe_layers` the indices of the layers with routed experts."""
+    """The split of the model into the layout's pp x v stages (parallel/pipeline.py's, sized by `layers`), one
+    stage without pipelining; `moe_layers` the indices of the layers with routed experts."""
 
-    def __init__(self, config: Config, n_layers: int, pp: int, moe_layers: frozenset = frozenset()):
-        self.pp, self.n_layers, self.moe_layers = pp, n_layers, moe_layers
-        chosen = schedule(config.parallel.pp_schedule)
-        self.schedule = chosen.name
-        self.virtual = stages_per_rank(chosen, config.parallel.pp_virtual_stages) if pp > 1 else 1
-        self.layers = StageLayers.from_config(config.parallel)
-        self.ranges = split_units(n_layers, pp * self.virtual, self.layers)
+    def __init__(self, layout: Layout, layers: StageLayers, n_layers: int, moe_layers: frozenset = frozenset()):
+        self.pp, self.n_layers, self.moe_layers = layout.pp, n_layers, moe_layers
+        self.schedule, self.virtual = layout.pp_schedule, layout.virtual_stages
+        self.ranges = split_units(n_layers, self.pp * self.virtual, layers)
 
     @property
     def last_index(self) -> int:
@@ -354,78 +321,3 @@ def gathered_and_reduce_bytes(
         (stage,) = facts
         gathered = min(2, stage.blocks) * block + stage.numel - stage.blocks * stage.block_numel
     return gathered * item_bytes(dtype), block * item_bytes(REDUCE_DTYPE)
-
-
-# --- the schedule ------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Schedule:
-    order: dict[int, list]  # every pipeline rank's compute actions
-    receives_in_flight: bool  # receive buffers live per micro-batch in flight, not for the whole step
-
-
-def schedule_of(pipeline: Pipeline) -> Schedule:
-    """What the schedule object the trainer builds does: its action list, and whether its stages
-    replace torch's receive-buffer set-up (which allocates every micro-batch's buffers for good) with
-    buffers that live only while their micro-batch is in flight (parallel/pipeline_stage.py)."""
-    from torch.distributed.pipelining import PipelineStage
-
-    pipeline.build()
-    stage_class = type(pipeline.stages[0])
-    in_flight = stage_class._setup_forward_recv_info is not PipelineStage._setup_forward_recv_info
-    return Schedule(pipeline.schedule.pipeline_order, in_flight)
-
-
-def with_receives(
-    memory: dict[int, MicroBatchMemory], last_index: int, hidden_bytes: int
-) -> dict[int, MicroBatchMemory]:
-    """One micro-batch per stage with its receive buffers, when they live only while it is in flight:
-    the activation's (all but the first stage) from its forward to its backward, the gradient's (all
-    but the last) during its backward. The measurement made both before it started."""
-
-    def one(index: int, m: MicroBatchMemory) -> MicroBatchMemory:
-        activation, gradient = hidden_bytes * (index > 0), hidden_bytes * (index < last_index)
-        return dataclasses.replace(
-            m, held=m.held + activation, forward_peak=m.forward_peak + activation, peak=m.peak + activation + gradient
-        )
-
-    return {index: one(index, m) for index, m in memory.items()}
-
-
-def in_flight_peak(actions: list, memory: dict[int, MicroBatchMemory]) -> tuple[int, int]:
-    """(activation peak, most micro-batch chunks held at once) of a rank following `actions`: a
-    forward keeps its stage's `held` bytes until that stage's full backward (B) or, under the
-    zero-bubble schedules, its weight pass (W: the input-gradient pass I leaves the weights' inputs
-    saved); a forward or backward peaks at its own measured peak above what the others hold.
-    Chunks of one stage are alike, so a backward frees "one of its stage's" rather than a numbered
-    one: the single-stage schedules' lists (1F1B, GPipe) are built for display and number the last
-    rank's micro-batches from 1, though their order of forwards and backwards is the runtime's."""
-    live, peak, most = dict.fromkeys(memory, 0), 0, 0
-    held = lambda: sum(count * memory[stage].held for stage, count in live.items())  # noqa: E731
-    for action in _compute_actions(actions):
-        kind, stage = action.computation_type.value, action.stage_index
-        if kind == "F":
-            peak = max(peak, held() + memory[stage].forward_peak)
-            live[stage] += 1
-            most = max(most, sum(live.values()))
-        elif kind in ("B", "I"):
-            peak = max(peak, held() - memory[stage].held + memory[stage].peak)
-        if kind in ("B", "W"):
-            live[stage] -= 1
-    return peak, most
-
-
-def _compute_actions(actions: list):
-    """The forwards and backwards of a rank's list in order, overlapped pairs (DualPipeV) unpacked."""
-    for action in actions:
-        if action is not None and action.sub_actions:
-            yield from _compute_actions(list(action.sub_actions))
-        elif action is not None:
-            yield action
-
-
-def receive_bytes(plan: StagePlan, pp_rank: int, microbatches: int, hidden_bytes: int) -> int:
-    """The schedule's receive buffers: per micro-batch, the activation in (all but the first stage)
-    and the gradient in (all but the last), each the local shard of one micro-batch's hidden state."""
-    return sum(
-        microbatches * hidden_bytes * ((index > 0) + (index < plan.last_index)) for index in plan.indices(pp_rank)
-    )

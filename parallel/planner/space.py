@@ -1,0 +1,219 @@
+"""The planner's search space: the settings a request fixes, the checks a request must pass, and every
+layout the search considers for it (parallel/planner/search.py evaluates and ranks them).
+
+For each tensor-parallel degree that divides the heads and fits in a node and each pipeline degree up
+to the layer count: micro-batch sizes 1-8, every schedule (interleaved ones at 2 chunks per rank unless
+--virtual-stages says otherwise), activation checkpointing none/selective/full, and dp_shard over 1, one
+node's worth and all data-parallel ranks, with each ZeRO mode; and context-parallel degrees that split
+the sequence into 2 cp chunks (x tp) within a node, whose ranks come out of the data-parallel ones (its
+K/V exchange is smaller than TP's activation collectives, so it can also win at short sequences; against
+torchtitan's long-sequence CP runs the planner is up to a quarter more optimistic about cp 4-8 than about
+cp 1-2: experiments/validation/CONTEXT_PARALLEL.md).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+from trillion.errors import ConfigError
+from trillion.models.args import ModelArgs
+from trillion.parallel import modes
+from trillion.parallel.layout import Layout
+from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES
+from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
+from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
+from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, ep_degrees
+
+MICRO_BATCH_SIZES = (1, 2, 4, 8)
+LAYOUT_FIELDS = (
+    "tp",
+    "pp",
+    "dp_replicate",
+    "dp_shard",
+    "dp_shard_mode",
+    "pp_schedule",
+    "virtual_stages",
+    "micro_batch_size",
+    "activation_checkpoint",
+    "cp",
+    "compile",
+    "float8",
+    "ep",
+    "moe_load_imbalance",
+)
+
+
+@dataclass(frozen=True)
+class Request:
+    model: str
+    args: ModelArgs
+    hardware: HardwareProfile
+    gpus: int
+    global_batch: int  # sequences per optimizer step
+    seq_len: int
+    tokens: float = 0.0  # training budget; 0 = no time-to-train figures
+    price_per_gpu_hour: float | None = None  # None: the hardware profile's
+    fixed: dict = field(default_factory=dict)  # LAYOUT_FIELDS the user set
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self.hardware.device.memory_gb * 1e9
+
+
+def check_request(request: Request) -> None:
+    args = request.args
+    for key, value in request.fixed.items():
+        if (
+            key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size", "cp", "ep")
+            and value < 1
+        ):
+            raise ConfigError(f"--{key.replace('_', '-')} {value} must be at least 1.")
+    if request.fixed.get("ep", 1) > 1 and args.moe is None:
+        raise ConfigError(
+            f"--ep {request.fixed['ep']}: {request.model} has no routed experts; use --ep 1 or leave it out."
+        )
+    if request.fixed.get("moe_load_imbalance", 1.0) < 1.0:
+        raise ConfigError(
+            f"--moe-load-imbalance {request.fixed['moe_load_imbalance']:g} must be at least 1 (the busiest rank's "
+            "routed tokens over the mean)."
+        )
+    if "dp_shard_mode" in request.fixed and request.fixed["dp_shard_mode"] not in ZERO_MODES:
+        raise ConfigError(
+            f"--dp-shard-mode {request.fixed['dp_shard_mode']!r} is not known. Use {', '.join(ZERO_MODES)}."
+        )
+    if (
+        "activation_checkpoint" in request.fixed
+        and request.fixed["activation_checkpoint"] not in SEARCHED_CHECKPOINT_MODES
+    ):
+        raise ConfigError(
+            f"--activation-checkpoint {request.fixed['activation_checkpoint']!r} is not known. "
+            f"Use {', '.join(SEARCHED_CHECKPOINT_MODES)}."
+        )
+    if "pp_schedule" in request.fixed:
+        modes.schedule(request.fixed["pp_schedule"], "--pp-schedule")
+    if request.gpus < 1 or request.global_batch < 1:
+        raise ConfigError(f"--gpus {request.gpus} and --global-batch {request.global_batch} must be at least 1.")
+    if request.seq_len > args.max_seq_len and args.positions != "rope":  # rotary: train with --model.max_seq_len
+        raise ConfigError(
+            f"--seq-len {request.seq_len} is longer than {request.model}'s max_seq_len {args.max_seq_len}."
+        )
+    hw = request.hardware
+    if request.fixed.get("float8"):
+        float8_peak_tflops(hw)  # refuses hardware without float8 tensor cores, naming it
+    if request.gpus > hw.gpus_per_node and hw.node_bandwidth_gbs <= 0:
+        raise ConfigError(
+            f"Hardware profile {hw.name!r} has no measured network (node_bandwidth_gbs = 0: it was "
+            f"calibrated on one node), so it cannot plan {request.gpus} GPUs over nodes of "
+            f"{hw.gpus_per_node}. Calibrate under a torchrun job of two or more nodes, or plan at most "
+            f"{hw.gpus_per_node} GPUs."
+        )
+    tps = tp_degrees(args, request.hardware.gpus_per_node)
+    most = max(tps) * args.n_layers * request.global_batch
+    if request.gpus > most:
+        raise ConfigError(
+            f"{request.model} cannot use {request.gpus} GPUs with --global-batch {request.global_batch}: at most "
+            f"tp {max(tps)} x pp {args.n_layers} (one layer per stage) x dp {request.global_batch} (one sequence per "
+            f"data-parallel rank) = {most}. Use fewer GPUs or a larger global batch."
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def tp_degrees(args: ModelArgs, gpus_per_node: int) -> list[int]:
+    """Degrees that split heads, key/value heads, the MLP and the vocabulary evenly, inside a node."""
+    return [
+        t
+        for t in _divisors(gpus_per_node)
+        if args.n_heads % t == 0 and args.kv_heads % t == 0 and args.ffn_hidden % t == 0 and args.vocab_size % t == 0
+    ]
+
+
+def _options(request: Request, name: str, default: list) -> list:
+    return [request.fixed[name]] if name in request.fixed else default
+
+
+def _dp_shard_options(dp: int, tp: int, gpus_per_node: int) -> list[int]:
+    """No sharding, one node's worth (HSDP: sharding on the fast links), all ranks (least memory).
+    Degrees in between cost the same network bandwidth per GPU as `dp` and save less memory."""
+    node = gpus_per_node // tp
+    return sorted({1, dp} | ({node} if node > 1 and dp % node == 0 else set()))
+
+
+def layouts(request: Request):
+    """Every layout the search considers, with the user's fixed settings."""
+    args, gpus = request.args, request.gpus
+    for tp in _options(request, "tp", tp_degrees(args, request.hardware.gpus_per_node)):
+        if gpus % tp:
+            continue
+        for pp in _options(request, "pp", [p for p in _divisors(gpus // tp) if p <= args.n_layers]):
+            if (gpus // tp) % pp:
+                continue
+            for cp in _options(request, "cp", _cp_degrees(request, tp, gpus // (tp * pp))):
+                dp = gpus // (tp * pp * cp)
+                if dp * cp * tp * pp != gpus or request.global_batch % dp:
+                    continue
+                yield from _layouts_for(request, tp, pp, dp, cp)
+
+
+def _cp_degrees(request: Request, tp: int, ranks: int) -> list[int]:
+    """1, and degrees that split the sequence into 2 cp chunks (each rank's share over tp) and keep the
+    cp group inside a node with its tp group: the K/V exchange runs on every layer, unhidden."""
+    return [
+        c
+        for c in _divisors(ranks)
+        if c == 1 or request.seq_len % (2 * c * tp) == 0 and c * tp <= request.hardware.gpus_per_node
+    ]
+
+
+def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
+    args = request.args
+    replicate = request.fixed.get("dp_replicate")
+    shards = (
+        [dp // replicate]
+        if replicate and "dp_shard" not in request.fixed
+        else _options(request, "dp_shard", _dp_shard_options(dp, tp * cp, request.hardware.gpus_per_node))
+    )
+    schedules = _options(request, "pp_schedule", list(SCHEDULES) if pp > 1 else ["1F1B"])
+    for dp_shard in shards:
+        if dp % dp_shard or (replicate and replicate * dp_shard != dp):
+            continue
+        zero_modes = _options(request, "dp_shard_mode", list(ZERO_MODES) if dp_shard * cp > 1 else ["zero3"])
+        for ep in _options(request, "ep", ep_degrees(args, dp_shard * cp)):
+            if ep in ep_degrees(args, dp_shard * cp):
+                yield from _schedules_for(request, tp, pp, dp, cp, dp_shard, ep, schedules, zero_modes)
+
+
+def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shard: int, ep: int, schedules, zero_modes):
+    """The layouts of one (tp, pp, dp, cp, dp_shard, ep): schedules, micro-batch sizes, checkpointing, ZeRO modes."""
+    args = request.args
+    for name in schedules:
+        schedule = modes.schedule(name, "--pp-schedule")
+        any_v = [request.fixed.get("virtual_stages", DEFAULT_VIRTUAL_STAGES)]
+        for v in (schedule.virtual_stages or any_v) if pp > 1 else [1]:
+            if pp * v > args.n_layers or ("virtual_stages" in request.fixed and request.fixed["virtual_stages"] != v):
+                continue
+            for mb in _options(request, "micro_batch_size", list(MICRO_BATCH_SIZES)):
+                if (request.global_batch // dp) % mb:
+                    continue
+                m = request.global_batch // (dp * mb)
+                for ac in _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)):
+                    for mode in zero_modes:
+                        yield Layout(
+                            tp=tp,
+                            pp=pp,
+                            dp_replicate=dp // dp_shard,
+                            dp_shard=dp_shard,
+                            dp_shard_mode=mode,
+                            pp_schedule=name,
+                            virtual_stages=v,
+                            micro_batch_size=mb,
+                            microbatches=m,
+                            activation_checkpoint=ac,
+                            compile=request.fixed.get("compile", False),
+                            cp=cp,
+                            float8=request.fixed.get("float8", False),
+                            ep=ep,
+                            moe_load_imbalance=request.fixed.get("moe_load_imbalance", MOE_LOAD_IMBALANCE),
+                        )
