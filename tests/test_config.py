@@ -43,3 +43,16 @@ def test_help_lists_every_field_with_its_doc():
         for field in dataclasses.fields(section.default_factory):
             assert f"--{section.name}.{field.name} " in text
             assert field.metadata["doc"] in text
+
+
+def test_every_preset_is_listed_in_help_and_in_the_preset_error():
+    # The lists are read from the presets' registry, so a new preset cannot be left out of either.
+    from trillion.models.presets import PRESETS
+
+    lines = help_text().splitlines()
+    choices = lines[lines.index(next(line for line in lines if "--model.name " in line)) + 2]
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, ["--model.name=no-such-model"])
+    for name in PRESETS:
+        assert name in choices.removeprefix("      One of: ").rstrip(".").split(", ")
+        assert name in str(refused.value)

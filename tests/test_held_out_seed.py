@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from trillion.trainer.config.schema import Data, Eval
-from trillion.trainer.data import loader
+from trillion.trainer.data import sources
 from trillion.trainer.data.loader import build_data_loader, is_held_out
 from trillion.trainer.data.tokenizer import ByteTokenizer
 from trillion.trainer.evaluate import EVAL_ORDER_SEED, read_eval_windows
@@ -85,7 +85,7 @@ def default_corpus(tmp_path, monkeypatch) -> Data:
     for i, text in enumerate(DOCS):
         (root / f"pkg{i % 4}").mkdir(parents=True, exist_ok=True)
         (root / f"pkg{i % 4}" / f"mod{i:03d}.py").write_text(text, encoding="utf-8")
-    monkeypatch.setattr(loader, "sysconfig", types.SimpleNamespace(get_paths=lambda: {"stdlib": str(root)}))
+    monkeypatch.setattr(sources, "sysconfig", types.SimpleNamespace(get_paths=lambda: {"stdlib": str(root)}))
     return Data(lanes=LANES)
 
 

@@ -27,7 +27,9 @@ from trillion.parallel.forward_backward import target_tokens, token_loss
 from trillion.parallel.tensor_parallel import loss_context
 from trillion.trainer.config.schema import Data as DataConfig
 from trillion.trainer.config.schema import Eval as EvalConfig
-from trillion.trainer.data.loader import HFDocuments, build_documents, dealt_windows, is_held_out, token_documents
+from trillion.trainer.data.held_out import is_held_out
+from trillion.trainer.data.sources import HFDocuments, build_documents
+from trillion.trainer.data.windows import dealt_windows, token_documents
 
 log = logging.getLogger("trillion")
 # The held-out documents are read in the corpus order of this seed, not the run's, so runs with

@@ -1,4 +1,4 @@
-"""What a config field accepts, declared beside the field (`doc(default, text, check)` in config.py).
+"""What a config field accepts, declared beside the field (`doc(default, text, check)`, fields.py).
 
 Each check says whether a value is acceptable (`problem(value)`: None, or what is wrong) and gives
 values it refuses (`bad_values()`), so tests/test_config_validation.py can walk every field of every

@@ -10,8 +10,8 @@ import logging
 from pathlib import Path
 
 from trillion.errors import ConfigError
-from trillion.trainer.data.loader import SUFFIX_TO_BUILDER, default_corpus_files
 from trillion.trainer.data.prepared import parse_prepared
+from trillion.trainer.data.sources import SUFFIX_TO_BUILDER, default_corpus_files
 
 log = logging.getLogger("trillion")
 FILE = "data_fingerprint.json"

@@ -30,7 +30,8 @@ import numpy as np
 
 from trillion.errors import ConfigError, Interrupted, RunAborted
 from trillion.trainer.config.checks import creatable_problem
-from trillion.trainer.data.loader import build_documents, held_out_fraction, is_held_out
+from trillion.trainer.data.held_out import held_out_fraction, is_held_out
+from trillion.trainer.data.sources import build_documents
 from trillion.trainer.data.token_store import (
     HELD_OUT,
     MANIFEST,

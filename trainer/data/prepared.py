@@ -26,6 +26,7 @@ import torch
 from trillion.errors import ConfigError
 from trillion.trainer.config.schema import Data as DataConfig
 from trillion.trainer.data.token_store import CHUNKS, HELD_OUT, TokenStore
+from trillion.trainer.data.windows import dealt_windows
 
 log = logging.getLogger("trillion")
 FEISTEL_ROUNDS = 6
@@ -241,10 +242,8 @@ def build_prepared_loader(
 def read_held_out_windows(cfg: DataConfig, tokenizer, seq_len: int, count: int) -> torch.Tensor:
     """At most `count` windows of seq_len + 1 tokens of the stores' held-out documents (each store's
     DIR/held_out/, in the order data.prepared names them), dealt over data.lanes lanes as the
-    on-the-fly evaluation set is (`data.dealt_windows`): the evaluation set. Fewer (none) when they
+    on-the-fly evaluation set is (`windows.dealt_windows`): the evaluation set. Fewer (none) when they
     hold fewer: the evaluation decides what that means."""
-    from trillion.trainer.data.loader import dealt_windows
-
     stores = [TokenStore(Path(path) / HELD_OUT) for path, _ in parse_prepared(cfg.prepared)]
     for store in stores:
         store.check_tokenizer(tokenizer)

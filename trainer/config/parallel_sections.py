@@ -1,0 +1,79 @@
+"""The [parallel] section: the layout's degrees, the pipeline's schedule and split, recomputation."""
+
+from dataclasses import dataclass
+
+from trillion.parallel.modes import CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SCHEDULES, SELECTIVE_EVERY, ZERO_MODES
+from trillion.trainer.config.checks import OneOf, Range
+from trillion.trainer.config.fields import POSITIVE, doc
+
+
+def _names(**rule) -> str:
+    """The schedules whose table entries match `rule`, e.g. placement="v"."""
+    return ", ".join(s.name for s in SCHEDULES.values() if all(getattr(s, k) == v for k, v in rule.items()))
+
+
+SCHEDULE_DOC = (
+    f"Pipeline schedule from torch.distributed.pipelining: {' | '.join(SCHEDULES)}; each has a parity test. "
+    f"All but {_names(min_microbatches='')} need at least pp micro-batches per step, "
+    f"{_names(min_microbatches='stages')} "
+    f"2 pp. The zero-bubble ones ({_names(split_backward=True)}) split the backward and refuse compile."
+)
+
+
+@dataclass
+class Parallel:
+    dp_replicate: int = doc(1, "Data-parallel replicas (DDP/HSDP outer dimension).", POSITIVE)
+    dp_shard: int = doc(
+        -1,
+        "Sharded data parallelism (FSDP2) degree; -1 = what the world size leaves.",
+        Range(1, also={-1: "what the world size leaves"}),
+    )
+    dp_shard_mode: str = doc(
+        "zero3", f"{' | '.join(ZERO_MODES)}: what FSDP keeps sharded between uses.", OneOf(tuple(ZERO_MODES))
+    )
+    tp: int = doc(1, "Tensor-parallel degree (keep inside a node).", POSITIVE)
+    ep: int = doc(
+        1,
+        "Expert-parallel degree (MoE models): the routed experts are split over ep ranks taken from the "
+        "data-parallel ones (ep divides dp_shard x cp and the expert count); tokens reach them by all-to-all.",
+        POSITIVE,
+    )
+    pp: int = doc(1, "Pipeline-parallel degree.", POSITIVE)
+    pp_schedule: str = doc("1F1B", SCHEDULE_DOC, OneOf(tuple(SCHEDULES), case_sensitive=False))
+    pp_virtual_stages: int = doc(
+        0,
+        f"Pipeline stages per rank for looped schedules ({_names(placement='looped')}); 0 = {DEFAULT_VIRTUAL_STAGES}. "
+        f"One for {_names(placement='single')}; two for {_names(placement='v')}.",
+        Range(1, also={0: "the schedule's default"}),
+    )
+    pp_layers_per_stage: int = doc(
+        0,
+        "Transformer layers on each pipeline stage (0 = split automatically, balanced, counting the embedding and the "
+        "output as one layer each). First + (stages - 2) x this + last must equal model.n_layers; stages = pp x "
+        "virtual stages.",
+        Range(1, also={0: "automatic"}),
+    )
+    pp_first_stage_layers: int = doc(
+        -1,
+        "Transformer layers on the first pipeline stage, beside the embedding (-1 = pp_layers_per_stage - 1, as the "
+        "embedding counts as a layer; automatic when that is 0 too). 0 = the embedding alone.",
+        Range(0, also={-1: "from pp_layers_per_stage"}),
+    )
+    pp_last_stage_layers: int = doc(
+        -1,
+        "Transformer layers on the last pipeline stage, beside the final norm and output (-1 = pp_layers_per_stage - "
+        "1; automatic when that is 0 too). 0 = the output alone.",
+        Range(0, also={-1: "from pp_layers_per_stage"}),
+    )
+    cp: int = doc(
+        1,
+        "Context-parallel degree: each rank holds 1/cp of every sequence (a head and a tail chunk, balanced for "
+        "causal attention); training.seq_len must divide by 2 cp (x tp).",
+        POSITIVE,
+    )
+    activation_checkpoint: str = doc(
+        "none",
+        f"{' | '.join(CHECKPOINT_MODES)} | selective:N (every N-th block): which blocks recompute their activations "
+        f"in backward (selective: every {SELECTIVE_EVERY}nd; selective:op: every block, saving matmul outputs).",
+        OneOf((*CHECKPOINT_MODES, "selective:N")),
+    )

@@ -1,0 +1,133 @@
+"""The sections of the run's course: [job], [training], [optimizer], [lr_schedule], [checkpoint]."""
+
+from dataclasses import dataclass
+
+from trillion.errors import ConfigError
+from trillion.trainer.config.checks import CreatableDir, ExistingPath, Flag, OneOf, Range
+from trillion.trainer.config.fields import NONNEGATIVE, POSITIVE, divisor_near, doc
+
+
+@dataclass
+class Job:
+    output_dir: str = doc(
+        "outputs/default", "Run directory: resolved config, metrics.jsonl, checkpoints/, wandb/.", CreatableDir()
+    )
+    seed: int = doc(
+        0,
+        "Seed of weight init and data order; the same seed gives the same run whatever the layout.",
+        Range(0, 2**63 - 1),
+    )
+    device: str = doc(
+        "auto",
+        "auto (the GPU when there is one, else CPU) | cpu | cuda (NVIDIA and AMD ROCm).",
+        OneOf(("auto", "cpu", "cuda")),
+    )
+    collective_timeout_s: float = doc(
+        600.0,
+        "A collective that waits longer than this ends the job with a message naming the rank and step, instead of "
+        "hanging.",
+        Range(0, open_low=True),
+    )
+    overwrite: bool = doc(
+        False,
+        "Start afresh in a job.output_dir that holds an earlier run's metrics but no checkpoint to resume from (its "
+        "metrics.jsonl is replaced); without it such a start is refused.",
+        Flag(),
+    )
+
+
+@dataclass
+class Training:
+    steps: int = doc(200, "Optimizer steps of the whole run (the LR schedule follows it).", POSITIVE)
+    global_batch_size: int = doc(8, "Sequences per optimizer step, summed over all data-parallel ranks.", POSITIVE)
+    micro_batch_size: int = doc(
+        8,
+        "Sequences per forward/backward on one data-parallel rank; micro-batches per step = global / (micro * "
+        "data-parallel ranks).",
+        POSITIVE,
+    )
+    seq_len: int = doc(256, "Tokens per sequence (at most the model's max_seq_len).", POSITIVE)
+    dtype: str = doc(
+        "auto",
+        "auto (bf16 on GPUs, fp32 on CPU) | bf16 | fp16 (dynamic loss scaling, as the paper) | fp32.",
+        OneOf(("auto", "bf16", "fp16", "fp32")),
+    )
+    max_grad_norm: float = doc(1.0, "Clip the total gradient norm to this (0 = no clipping).", NONNEGATIVE)
+    exit_interval: int = doc(
+        0, "Stop cleanly (checkpoint, exit 0) after this many steps of this job (0 = run to `steps`).", NONNEGATIVE
+    )
+    exit_after_minutes: float = doc(
+        0.0,
+        "Stop cleanly (checkpoint, exit 0) once this job has run this long (0 = no limit); leave room for one save "
+        "before the allocation ends.",
+        NONNEGATIVE,
+    )
+    max_nonfinite_skips: int = doc(
+        10,
+        "A step with a non-finite loss or gradient norm is skipped (no update); stop with an error after this many in "
+        "a row (0 = never stop).",
+        NONNEGATIVE,
+    )
+
+    def check_relations(self) -> None:
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"training.global_batch_size={self.global_batch_size} is not a multiple of "
+                f"training.micro_batch_size={self.micro_batch_size}; micro-batches per step = global / micro. "
+                f"Use e.g. --training.micro_batch_size={divisor_near(self.global_batch_size, self.micro_batch_size)}."
+            )
+
+
+@dataclass
+class Optimizer:
+    name: str = doc("adamw", "Optimizer; only adamw for now.", OneOf(("adamw",)))
+    lr: float = doc(3e-3, "Peak learning rate.", NONNEGATIVE)
+    beta1: float = doc(0.9, "AdamW beta1.", Range(0, 1, open_high=True))
+    beta2: float = doc(0.95, "AdamW beta2.", Range(0, 1, open_high=True))
+    eps: float = doc(1e-8, "AdamW epsilon.", Range(0, open_low=True))
+    weight_decay: float = doc(
+        0.1, "Decoupled weight decay of matrices (never of norms, biases and embeddings).", NONNEGATIVE
+    )
+    implementation: str = doc(
+        "auto",
+        "auto (fused on GPUs and CPUs) | fused | foreach | for-loop. Fused masks a non-finite step on the device; "
+        "foreach and for-loop read the step's finite flag on the host every step.",
+        OneOf(("auto", "fused", "foreach", "for-loop")),
+    )
+
+
+@dataclass
+class LRSchedule:
+    name: str = doc(
+        "cosine",
+        "cosine | linear | wsd (warmup-stable-decay) | constant; all after linear warmup.",
+        OneOf(("cosine", "linear", "wsd", "constant")),
+    )
+    warmup_steps: int = doc(20, "Steps of linear warmup from 0 to the peak LR.", NONNEGATIVE)
+    min_lr_ratio: float = doc(0.1, "Final LR as a fraction of the peak.", Range(0, 1))
+    decay_ratio: float = doc(0.2, "wsd only: share of the steps spent in the final linear decay.", Range(0, 1))
+
+
+ASYNC_MODES = ("disabled", "async")  # checkpoint.async_mode: the manager writes in the background when "async"
+
+
+@dataclass
+class Checkpoint:
+    interval: int = doc(0, "Save every N steps (0 = only the final checkpoint).", NONNEGATIVE)
+    keep_latest: int = doc(2, "Keep this many newest checkpoints (0 = keep all).", NONNEGATIVE)
+    async_mode: str = doc(
+        "disabled", "disabled | async: write in the background while training goes on.", OneOf(ASYNC_MODES)
+    )
+    initial_load: str = doc(
+        "",
+        "Start a new run from these weights: a checkpoint step directory or a Hugging Face folder (`trillion export` "
+        "writes one); ignored when the run resumes.",
+        ExistingPath("Give a checkpoint step directory or a Hugging Face folder (`trillion export` writes one)."),
+    )
+    save_final: bool = doc(True, "Save a checkpoint after the last step.", Flag())
+    accept_data_change: bool = doc(
+        False,
+        "Resume although the data files changed since the checkpoint (added, removed or edited; detected from the "
+        "fingerprint each checkpoint keeps): the saved data position then counts into the new corpus.",
+        Flag(),
+    )
