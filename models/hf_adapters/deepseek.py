@@ -209,6 +209,6 @@ def _yarn_from_config(config: dict) -> YaRNArgs | None:
         original_max_seq_len=rope["original_max_position_embeddings"],
         beta_fast=rope.get("beta_fast") or 32.0,
         beta_slow=rope.get("beta_slow") or 1.0,
-        mscale=rope.get("mscale", 1.0),
+        mscale=rope.get("mscale") or 0.0,  # absent: no mscale ratio (transformers' rule), not a ratio to 1
         mscale_all_dim=rope.get("mscale_all_dim", 0.0),
     )
