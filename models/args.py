@@ -84,6 +84,7 @@ class ModelArgs:
     yarn: YaRNArgs | None = None  # None: plain rotary frequencies
     mtp_modules: int = 0  # DeepSeek-V3's multi-token prediction modules (training only; 0 = off)
     mtp_loss_weight: float = 0.0  # the weight of their mean extra loss (DeepSeek-V3: 0.3, later 0.1)
+    attention: str = ""  # a models/parts ATTENTION_KINDS name; "": "mla" with `mla` set, else "gqa"
 
     @property
     def kv_heads(self) -> int:

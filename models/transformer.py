@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from trillion.kernels import attention
 from trillion.models.args import ModelArgs
 from trillion.models.kv_cache import KVCache, LayerKV
-from trillion.models.mla import MLAttention
 from trillion.models.moe import MoE, reset_moe_state
 from trillion.models.mtp import MultiTokenPrediction, predict_ahead
+from trillion.models.parts import attention_kind
 from trillion.models.rope import apply_rope, model_rope_cache, rope_cache  # noqa: F401 (rope_cache: tests use it here)
 
 
@@ -97,7 +97,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
         self.attention_norm = build_norm(args)
-        self.attention = MLAttention(args) if args.mla is not None else Attention(args)
+        self.attention = attention_kind(args).build(args)  # models/parts: the kind ModelArgs chooses
         self.ffn_norm = build_norm(args)
         self.feed_forward = build_feed_forward(args, index)
 

@@ -1,0 +1,30 @@
+"""Grouped-query attention (models/transformer.py Attention), declared: q, k, v column-wise over the heads,
+wo row-wise, optional per-head QK norms; flash attention keeps q, k, v, its output and wo's input."""
+
+from trillion.models.args import ModelArgs
+from trillion.models.parts.counts import ROPE_COMPILED, ROPE_EAGER
+from trillion.models.parts.spec import COLUMN, ROW, Divides, Heads, Linear, Norm, Part, PerToken
+
+
+def declare(args: ModelArgs) -> Part:
+    h, d, bias = args.dim, args.head_dim, args.bias
+    q, kv = args.n_heads * d, args.kv_heads * d
+    rope = args.positions == "rope"
+    return Part(
+        module="attention",
+        linears=(
+            Linear("attention.wq", h, q, COLUMN, bias),
+            Linear("attention.wk", h, kv, COLUMN, bias),
+            Linear("attention.wv", h, kv, COLUMN, bias),
+            Linear("attention.wo", q, h, ROW, bias),
+        ),
+        norms=tuple(Norm(f"attention.{n}", d) for n in ("q_norm", "k_norm")) if args.qk_norm else (),
+        heads=Heads(args.n_heads, args.kv_heads, d, d),
+        saved=PerToken(split=args.n_heads * 3 * d + 2 * args.kv_heads * d),
+        eager=PerToken(split=ROPE_EAGER * (q + kv) if rope else 0),
+        compiled=PerToken(split=ROPE_COMPILED * (q + kv) if rope else 0),
+        tp_divides=(
+            Divides("model.n_heads", args.n_heads, "query heads"),
+            Divides("model.n_kv_heads", args.kv_heads, "key/value heads"),
+        ),
+    )

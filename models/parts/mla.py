@@ -1,0 +1,78 @@
+"""Multi-head latent attention (models/mla.py MLAttention; DeepSeek-V2, arXiv 2405.04434 section 2.1), declared.
+
+  queries      q_lora_rank > 0: wq_a (dim -> q_lora_rank), its RMSNorm q_norm, wq_b (q_lora_rank -> heads x
+               qk_head_dim); else one wq (dim -> heads x qk_head_dim)
+  keys, values wkv_a (dim -> kv_lora_rank + qk_rope_head_dim): the latent and the rotary key part all heads share;
+               the latent's RMSNorm kv_norm; wkv_b (kv_lora_rank -> heads x (qk_nope_head_dim + v_head_dim))
+  output       wo (heads x v_head_dim -> dim)
+  TP           splits heads (wq_b or wq and wkv_b column-wise, wo row-wise); the down projections and the latent
+               norms stay whole on every tp rank, as torchtitan's DeepSeek-V3 plan keeps them (NoParallel), so each
+               tp rank runs them on the whole gathered sequence; its tensors stay DTensors up to `attend`.
+  attention    per head QK^T at qk_head_dim and PV at v_head_dim; every head reads its own expanded key and value.
+  saved        beyond the block's norms: the query latent before and after its norm (q_lora_rank each) and the
+               key/value latent before and after its norm (kv_lora_rank each) with the rotary key part, all whole;
+               per head q and k at qk_head_dim, v, the attention output and wo's input at v_head_dim.
+  element-wise (eager, per token) the two latent norms as RMSNorm decomposes, rotary on the query's and the
+               shared key's rotary parts, and q and k assembled from their no-position and rotary parts (read and
+               write heads x qk_head_dim each); compiled: each chain once (per latent feature, per element of q, k).
+"""
+
+from trillion.errors import ConfigError
+from trillion.models.args import ModelArgs
+from trillion.models.parts.counts import RMSNORM_COMPILED, RMSNORM_EAGER, ROPE_COMPILED, ROPE_EAGER
+from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, REPLICATED, ROW, Divides, Heads, Linear, Norm, Part
+from trillion.models.parts.spec import PerToken
+
+
+def _linears(args: ModelArgs) -> tuple[Linear, ...]:
+    mla, h, heads = args.mla, args.dim, args.n_heads
+    queries = (
+        (
+            Linear("attention.wq_a", h, mla.q_lora_rank, REPLICATED),
+            Linear("attention.wq_b", mla.q_lora_rank, heads * mla.qk_head_dim, COLUMN),
+        )
+        if mla.q_lora_rank
+        else (Linear("attention.wq", h, heads * mla.qk_head_dim, COLUMN),)
+    )
+    return queries + (
+        Linear("attention.wkv_a", h, mla.kv_lora_rank + mla.qk_rope_head_dim, REPLICATED),
+        Linear("attention.wkv_b", mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), COLUMN),
+        Linear("attention.wo", heads * mla.v_head_dim, h, ROW),
+    )
+
+
+def _norms(args: ModelArgs) -> tuple[Norm, ...]:
+    mla = args.mla
+    query = (Norm("attention.q_norm", mla.q_lora_rank),) if mla.q_lora_rank else ()
+    return query + (Norm("attention.kv_norm", mla.kv_lora_rank),)
+
+
+def declare(args: ModelArgs) -> Part:
+    mla, heads = args.mla, args.n_heads
+    qk, v = mla.qk_head_dim, mla.v_head_dim
+    latents = mla.q_lora_rank + mla.kv_lora_rank
+    return Part(
+        module="attention",
+        linears=_linears(args),
+        norms=_norms(args),
+        heads=Heads(heads, heads, qk, v),
+        saved=PerToken(heads * (2 * qk + 3 * v), float(2 * latents + mla.qk_rope_head_dim)),
+        eager=PerToken(
+            ROPE_EAGER * heads * mla.qk_rope_head_dim + 2 * 2 * heads * qk,
+            RMSNORM_EAGER * latents + ROPE_EAGER * mla.qk_rope_head_dim,
+        ),
+        compiled=PerToken(ROPE_COMPILED * 2 * heads * qk, RMSNORM_COMPILED * latents),
+        tp_style=DTENSOR_HEADS,
+        tp_divides=(Divides("model.n_heads", heads, "query heads"),),
+    )
+
+
+def check_settings(args: ModelArgs, settings: dict) -> ModelArgs:
+    """model.n_kv_heads has no meaning for latent attention: refused."""
+    if args.mla is not None and settings.get("model.n_kv_heads", 0) > 0:
+        raise ConfigError(
+            f"model.n_kv_heads={settings['model.n_kv_heads']} does not apply to {settings['model.name']!r}: its latent "
+            "attention gives every query head its own key and value, expanded from one shared latent. Drop "
+            "--model.n_kv_heads."
+        )
+    return args

@@ -1,0 +1,94 @@
+"""The mixture-of-experts feed-forward (models/moe.py MoE), declared: a router (replicated over tp), E routed
+SwiGLU experts as three stacks (whole on every tp rank, split over ep), and shared experts every token passes
+(an MLP of n_shared_experts x expert_ffn_dim, column/row-wise over tp). Every tp rank routes the same
+all-gathered tokens, so the router, its balancing tallies and the auxiliary loss are the one-process ones."""
+
+import dataclasses
+
+from trillion.errors import ConfigError
+from trillion.models.args import ModelArgs
+from trillion.models.parts import mlp
+from trillion.models.presets import PRESETS
+from trillion.models.parts.spec import REPLICATED, WHOLE_TOKENS, ExpertStack, Linear, Part, Refusal, Routing
+
+# Kernel launches an MoE layer adds besides its GEMMs, counted from models/moe.py (MoE.forward and
+# Router.forward, one per aten op: the router's 9, the sort, bincount, cumsum and gathers, silu and the
+# products, the scatter back, the weighting and sum, the load tally's 4 adds)
+MOE_KERNELS = 26
+# Group-limited routing's launches beyond MOE_KERNELS (Router.forward with n_groups > 1): the per-group top-2, its
+# sum, the top groups, the mask's scatter and negation, the masked fill
+GROUP_ROUTING_KERNELS = 6
+# the MoE settings a user may give (section.field), each applied when set (>= 0, or > 0 for the counts)
+COUNTS = ("n_experts", "top_k")
+BALANCING = ("aux_loss_coef", "seq_aux_loss_coef", "bias_update_rate", "capacity_factor")
+
+
+def router_elements(moe) -> int:
+    """Elements per token the router reads and writes besides its GEMM: softmax or sigmoid and top-k 3 E (read
+    scores, write them, read for top-k), the loss-free bias 2 E (the add) and DeepSeek-V3's group-limited choice
+    3 E (the per-group top-2 reads the scores, the mask of the other groups reads and writes them)."""
+    bias = 2 if moe.bias_update_rate > 0 else 0
+    groups = 3 if moe.n_groups > 1 else 0
+    return (3 + bias + groups) * moe.n_experts
+
+
+def _refusals(args: ModelArgs) -> tuple[Refusal, ...]:
+    coef = args.moe.seq_aux_loss_coef
+    if coef <= 0:
+        return ()
+    why = (
+        "DeepSeek-V3's sequence-wise balance loss counts each sequence's expert choices, and context parallelism "
+        "gives every rank only chunks of each sequence"
+    )
+    fix = (
+        "Use --parallel.cp=1, or --moe.seq_aux_loss_coef=0 (the auxiliary-loss-free bias, moe.bias_update_rate, "
+        "balances without it)."
+    )
+    return (Refusal(f"moe.seq_aux_loss_coef={coef:g}", (("cp", why),), fix),)
+
+
+def declare(args: ModelArgs) -> Part:
+    moe, h = args.moe, args.dim
+    f, e = moe.expert_ffn_dim, moe.n_experts
+    shared = mlp.declare(args, moe.n_shared_experts * f, prefix="feed_forward.shared_experts")
+    stacks = (("w1", h, f), ("w3", h, f), ("w2", f, h))
+    kernels = MOE_KERNELS + (GROUP_ROUTING_KERNELS if moe.n_groups > 1 else 0)
+    return Part(
+        module="feed_forward",
+        linears=shared.linears,
+        experts=tuple(ExpertStack(f"feed_forward.experts.{name}", e, i, o) for name, i, o in stacks),
+        routing=Routing(Linear("feed_forward.router.gate", h, e, REPLICATED), e, moe.top_k, router_elements(moe), kernels),
+        saved=shared.saved,
+        eager=shared.eager,
+        compiled=shared.compiled,
+        tp_style=WHOLE_TOKENS,
+        refusals=_refusals(args),
+    )
+
+
+def apply_settings(args: ModelArgs, settings: dict) -> ModelArgs:
+    """The preset's MoE block with the model.* and moe.* overrides, checked (dense presets take none)."""
+    overrides = {k: v for k in COUNTS if (v := settings.get(f"model.{k}", 0)) > 0}
+    overrides |= {k: v for k in BALANCING if (v := settings.get(f"moe.{k}", -1)) >= 0}
+    if args.moe is None:
+        if overrides:
+            routed = ", ".join(name for name, preset in PRESETS.items() if preset.moe is not None)
+            raise ConfigError(
+                f"{', '.join(sorted(overrides))} set, but model.name={settings['model.name']!r} is dense (no "
+                f"experts). Use an MoE preset ({routed}) or drop the settings."
+            )
+        return args
+    routing = dataclasses.replace(args.moe, experts_impl=settings.get("kernels.grouped_gemm", "auto"), **overrides)
+    if routing.top_k > routing.n_experts:
+        raise ConfigError(
+            f"model.top_k={routing.top_k} is more than the model's {routing.n_experts} experts: each token picks "
+            f"top_k distinct experts. Use --model.top_k={routing.n_experts} or less."
+        )
+    group_size = routing.n_experts // routing.n_groups
+    if routing.n_experts % routing.n_groups or routing.topk_groups * group_size < routing.top_k:
+        raise ConfigError(
+            f"model.n_experts={routing.n_experts} does not split into the preset's {routing.n_groups} routing groups "
+            f"with top_k={routing.top_k} choices among {routing.topk_groups} of them. Keep n_experts a multiple of "
+            f"{routing.n_groups} and top_k at most {routing.topk_groups} groups' experts."
+        )
+    return dataclasses.replace(args, moe=routing)
