@@ -127,7 +127,9 @@ def layout_refusal(args: ModelArgs, layout) -> str:
             refused = [(axis, why) for axis, why in refusal.axes if getattr(layout, axis) > 1]
             if refused:
                 degrees = ", ".join(f"parallel.{axis}={getattr(layout, axis)}" for axis, _ in refused)
-                return f"{refusal.setting} with {degrees} cannot train: {'; '.join(w for _, w in refused)}. {refusal.fix}"
+                return (
+                    f"{refusal.setting} with {degrees} cannot train: {'; '.join(w for _, w in refused)}. {refusal.fix}"
+                )
     return ""
 
 

@@ -1,27 +1,37 @@
 """Multi-head latent attention (models/mla.py MLAttention; DeepSeek-V2, arXiv 2405.04434 section 2.1), declared.
 
-  queries      q_lora_rank > 0: wq_a (dim -> q_lora_rank), its RMSNorm q_norm, wq_b (q_lora_rank -> heads x
-               qk_head_dim); else one wq (dim -> heads x qk_head_dim)
-  keys, values wkv_a (dim -> kv_lora_rank + qk_rope_head_dim): the latent and the rotary key part all heads share;
-               the latent's RMSNorm kv_norm; wkv_b (kv_lora_rank -> heads x (qk_nope_head_dim + v_head_dim))
-  output       wo (heads x v_head_dim -> dim)
-  TP           splits heads (wq_b or wq and wkv_b column-wise, wo row-wise); the down projections and the latent
-               norms stay whole on every tp rank, as torchtitan's DeepSeek-V3 plan keeps them (NoParallel), so each
-               tp rank runs them on the whole gathered sequence; its tensors stay DTensors up to `attend`.
-  attention    per head QK^T at qk_head_dim and PV at v_head_dim; every head reads its own expanded key and value.
-  saved        beyond the block's norms: the query latent before and after its norm (q_lora_rank each) and the
-               key/value latent before and after its norm (kv_lora_rank each) with the rotary key part, all whole;
-               per head q and k at qk_head_dim, v, the attention output and wo's input at v_head_dim.
-  element-wise (eager, per token) the two latent norms as RMSNorm decomposes, rotary on the query's and the
-               shared key's rotary parts, and q and k assembled from their no-position and rotary parts (read and
-               write heads x qk_head_dim each); compiled: each chain once (per latent feature, per element of q, k).
+queries      q_lora_rank > 0: wq_a (dim -> q_lora_rank), its RMSNorm q_norm, wq_b (q_lora_rank -> heads x
+             qk_head_dim); else one wq (dim -> heads x qk_head_dim)
+keys, values wkv_a (dim -> kv_lora_rank + qk_rope_head_dim): the latent and the rotary key part all heads share;
+             the latent's RMSNorm kv_norm; wkv_b (kv_lora_rank -> heads x (qk_nope_head_dim + v_head_dim))
+output       wo (heads x v_head_dim -> dim)
+TP           splits heads (wq_b or wq and wkv_b column-wise, wo row-wise); the down projections and the latent
+             norms stay whole on every tp rank, as torchtitan's DeepSeek-V3 plan keeps them (NoParallel), so each
+             tp rank runs them on the whole gathered sequence; its tensors stay DTensors up to `attend`.
+attention    per head QK^T at qk_head_dim and PV at v_head_dim; every head reads its own expanded key and value.
+saved        beyond the block's norms: the query latent before and after its norm (q_lora_rank each) and the
+             key/value latent before and after its norm (kv_lora_rank each) with the rotary key part, all whole;
+             per head q and k at qk_head_dim, v, the attention output and wo's input at v_head_dim.
+element-wise (eager, per token) the two latent norms as RMSNorm decomposes, rotary on the query's and the
+             shared key's rotary parts, and q and k assembled from their no-position and rotary parts (read and
+             write heads x qk_head_dim each); compiled: each chain once (per latent feature, per element of q, k).
 """
 
 from trillion.errors import ConfigError
 from trillion.models.args import ModelArgs
 from trillion.models.parts.counts import RMSNORM_COMPILED, RMSNORM_EAGER, ROPE_COMPILED, ROPE_EAGER
-from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, REPLICATED, ROW, Divides, Heads, Linear, Norm, Part
-from trillion.models.parts.spec import PerToken
+from trillion.models.parts.spec import (
+    COLUMN,
+    DTENSOR_HEADS,
+    REPLICATED,
+    ROW,
+    Divides,
+    Heads,
+    Linear,
+    Norm,
+    Part,
+    PerToken,
+)
 
 
 def _linears(args: ModelArgs) -> tuple[Linear, ...]:

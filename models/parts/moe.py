@@ -8,8 +8,8 @@ import dataclasses
 from trillion.errors import ConfigError
 from trillion.models.args import ModelArgs
 from trillion.models.parts import mlp
-from trillion.models.presets import PRESETS
 from trillion.models.parts.spec import REPLICATED, WHOLE_TOKENS, ExpertStack, Linear, Part, Refusal, Routing
+from trillion.models.presets import PRESETS
 
 # Kernel launches an MoE layer adds besides its GEMMs, counted from models/moe.py (MoE.forward and
 # Router.forward, one per aten op: the router's 9, the sort, bincount, cumsum and gathers, silu and the
@@ -57,7 +57,9 @@ def declare(args: ModelArgs) -> Part:
         module="feed_forward",
         linears=shared.linears,
         experts=tuple(ExpertStack(f"feed_forward.experts.{name}", e, i, o) for name, i, o in stacks),
-        routing=Routing(Linear("feed_forward.router.gate", h, e, REPLICATED), e, moe.top_k, router_elements(moe), kernels),
+        routing=Routing(
+            Linear("feed_forward.router.gate", h, e, REPLICATED), e, moe.top_k, router_elements(moe), kernels
+        ),
         saved=shared.saved,
         eager=shared.eager,
         compiled=shared.compiled,
