@@ -1,5 +1,5 @@
 """`trillion train`: `set_up` builds a Run (config -> launch env -> data -> model -> optimizer ->
-checkpoints and metrics, in shared/DESIGN.md's order, every check before any work); `train_loop`
+checkpoints and metrics, in docs/ARCHITECTURE.md's order, every check before any work); `train_loop`
 steps it; `train` is both."""
 
 import contextlib
