@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trillion.kernels import attention
 from trillion.models.args import ModelArgs
 from trillion.models.kv_cache import KVCache, LayerKV
 from trillion.models.moe import MoE, reset_moe_state
@@ -34,36 +33,6 @@ def build_norm(args: ModelArgs) -> nn.Module:
     if args.norm == "layernorm":
         return LayerNorm(args.dim, eps=args.norm_eps, bias=args.bias)
     return RMSNorm(args.dim, eps=args.norm_eps)
-
-
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.impl = args.attention_impl
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.bias)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.bias)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=args.bias)
-        self.q_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
-        self.k_norm = nn.RMSNorm(args.head_dim, eps=args.norm_eps) if args.qk_norm else None
-        # context parallelism (parallel/context_parallel.py) puts attention across sequence shards here
-        self.attend = attention
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        # -1 instead of the head count: under tensor parallelism each rank holds a slice of the heads.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = apply_rope(q, rope), apply_rope(k, rope)
-        if cache is not None:  # generation: attend to the cached positions too (causal aligns lower right)
-            k, v = cache.append(k, v)
-        out = self.attend(q, k, v, impl=self.impl, causal=True)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
 class FeedForward(nn.Module):

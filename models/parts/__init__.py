@@ -47,7 +47,7 @@ class AttentionKind:
 
 
 ATTENTION_KINDS: dict[str, AttentionKind] = {
-    "gqa": AttentionKind(gqa.declare, "trillion.models.transformer:Attention"),
+    "gqa": AttentionKind(gqa.declare, "trillion.models.attention:Attention"),
     "mla": AttentionKind(mla.declare, "trillion.models.mla:MLAttention", mla.check_settings),
 }
 
