@@ -195,3 +195,8 @@ def get_preset(name: str) -> ModelArgs:
     if name not in PRESETS:
         raise ConfigError(f"model.name={name!r} is not a known preset. Use one of: {', '.join(PRESETS)}.")
     return PRESETS[name]
+
+
+def expert_presets() -> list[str]:
+    """The presets with routed experts, for the messages that point a user at one."""
+    return [name for name, args in PRESETS.items() if args.moe is not None]

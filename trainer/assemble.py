@@ -14,7 +14,7 @@ from trillion.errors import ConfigError
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.kernels.grouped_gemm import backend_unavailable
 from trillion.models import ModelArgs, Transformer, get_preset
-from trillion.models.presets import MTP_LOSS_WEIGHT
+from trillion.models.presets import MTP_LOSS_WEIGHT, expert_presets
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
@@ -107,7 +107,7 @@ def with_moe_settings(args: ModelArgs, model: Model, moe: Moe, grouped_gemm: str
         if overrides:
             raise ConfigError(
                 f"{', '.join(sorted(overrides))} set, but model.name={model.name!r} is dense (no experts). Use an MoE "
-                "preset (debug-moe, mixtral-8x7b, mixtral-8x22b, qwen3-30b-a3b, qwen3-235b-a22b) or drop the settings."
+                f"preset ({', '.join(expert_presets())}) or drop the settings."
             )
         return args
     routing = dataclasses.replace(args.moe, experts_impl=grouped_gemm, **overrides)
