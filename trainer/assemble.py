@@ -14,14 +14,14 @@ from trillion.errors import ConfigError
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.kernels.grouped_gemm import backend_unavailable
 from trillion.models import ModelArgs, Transformer, get_preset
-from trillion.models.presets import MTP_LOSS_WEIGHT, expert_presets
+from trillion.models.parts import apply_settings as apply_part_settings
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, degrees_of
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
-from trillion.trainer.config.schema import Config, Model, Moe, Training, divisor_near, validate_config
+from trillion.trainer.config.schema import Config, Training, divisor_near, validate_config
 from trillion.trainer.launch.env import LaunchEnv
 
 log = logging.getLogger("trillion")
@@ -62,17 +62,11 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
         else ("triton" if on_gpu and config.parallel.tp == 1 else "torch")
     )
     args = dataclasses.replace(get_preset(cfg.name), attention_impl=attention_impl, norm_impl=norm_impl, **overrides)
-    args = with_moe_settings(args, cfg, config.moe, config.kernels.grouped_gemm)
-    args = with_mtp_settings(args, cfg)
+    args = apply_part_settings(args, part_settings(config))
     if args.dim % args.n_heads:
         raise ConfigError(
             f"model.n_heads={args.n_heads} does not divide model.dim={args.dim}; "
             f"pick a head count that divides it (e.g. {divisor_near(args.dim, args.n_heads)})."
-        )
-    if args.mla is not None and cfg.n_kv_heads > 0:
-        raise ConfigError(
-            f"model.n_kv_heads={cfg.n_kv_heads} does not apply to {cfg.name!r}: its latent attention gives every "
-            "query head its own key and value, expanded from one shared latent. Drop --model.n_kv_heads."
         )
     if args.n_heads % args.kv_heads:
         raise ConfigError(
@@ -98,46 +92,12 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
     return args
 
 
-def with_moe_settings(args: ModelArgs, model: Model, moe: Moe, grouped_gemm: str) -> ModelArgs:
-    """The preset's MoE block with the model.* and moe.* overrides, checked (dense presets take none)."""
-    overrides = {k: v for k, v in (("n_experts", model.n_experts), ("top_k", model.top_k)) if v > 0}
-    balancing = ("aux_loss_coef", "seq_aux_loss_coef", "bias_update_rate", "capacity_factor")
-    overrides |= {k: v for k in balancing if (v := getattr(moe, k)) >= 0}
-    if args.moe is None:
-        if overrides:
-            raise ConfigError(
-                f"{', '.join(sorted(overrides))} set, but model.name={model.name!r} is dense (no experts). Use an MoE "
-                f"preset ({', '.join(expert_presets())}) or drop the settings."
-            )
-        return args
-    routing = dataclasses.replace(args.moe, experts_impl=grouped_gemm, **overrides)
-    if routing.top_k > routing.n_experts:
-        raise ConfigError(
-            f"model.top_k={routing.top_k} is more than the model's {routing.n_experts} experts: each token picks "
-            f"top_k distinct experts. Use --model.top_k={routing.n_experts} or less."
-        )
-    group_size = routing.n_experts // routing.n_groups
-    if routing.n_experts % routing.n_groups or routing.topk_groups * group_size < routing.top_k:
-        raise ConfigError(
-            f"model.n_experts={routing.n_experts} does not split into the preset's {routing.n_groups} routing groups "
-            f"with top_k={routing.top_k} choices among {routing.topk_groups} of them. Keep n_experts a multiple of "
-            f"{routing.n_groups} and top_k at most {routing.topk_groups} groups' experts."
-        )
-    return dataclasses.replace(args, moe=routing)
-
-
-def with_mtp_settings(args: ModelArgs, model: Model) -> ModelArgs:
-    """The preset's multi-token prediction with model.mtp_modules / mtp_loss_weight applied."""
-    modules = args.mtp_modules if model.mtp_modules < 0 else model.mtp_modules
-    if modules == 0:
-        if model.mtp_loss_weight > 0:
-            raise ConfigError(
-                f"model.mtp_loss_weight={model.mtp_loss_weight:g} is set, but model {model.name!r} trains no "
-                "multi-token prediction modules. Add --model.mtp_modules=1 or drop the setting."
-            )
-        return dataclasses.replace(args, mtp_modules=0, mtp_loss_weight=0.0)
-    weight = model.mtp_loss_weight if model.mtp_loss_weight > 0 else args.mtp_loss_weight or MTP_LOSS_WEIGHT
-    return dataclasses.replace(args, mtp_modules=modules, mtp_loss_weight=weight)
+def part_settings(config: Config) -> dict:
+    """The user's settings the model's parts read ("section.field": value; models/parts apply_settings): the
+    model section's and the moe section's fields, and the experts' grouped GEMM backend."""
+    settings = {f"model.{f.name}": getattr(config.model, f.name) for f in dataclasses.fields(config.model)}
+    settings |= {f"moe.{f.name}": getattr(config.moe, f.name) for f in dataclasses.fields(config.moe)}
+    return settings | {"kernels.grouped_gemm": config.kernels.grouped_gemm}
 
 
 def check_whole_sequences(args: ModelArgs, dims: ParallelDims) -> None:

@@ -9,7 +9,7 @@ from trillion.errors import ConfigError
 from trillion.models.args import ModelArgs
 from trillion.models.parts import mlp
 from trillion.models.parts.spec import REPLICATED, WHOLE_TOKENS, ExpertStack, Linear, Part, Refusal, Routing
-from trillion.models.presets import PRESETS
+from trillion.models.presets import expert_presets
 
 # Kernel launches an MoE layer adds besides its GEMMs, counted from models/moe.py (MoE.forward and
 # Router.forward, one per aten op: the router's 9, the sort, bincount, cumsum and gathers, silu and the
@@ -74,7 +74,7 @@ def apply_settings(args: ModelArgs, settings: dict) -> ModelArgs:
     overrides |= {k: v for k in BALANCING if (v := settings.get(f"moe.{k}", -1)) >= 0}
     if args.moe is None:
         if overrides:
-            routed = ", ".join(name for name, preset in PRESETS.items() if preset.moe is not None)
+            routed = ", ".join(expert_presets())
             raise ConfigError(
                 f"{', '.join(sorted(overrides))} set, but model.name={settings['model.name']!r} is dense (no "
                 f"experts). Use an MoE preset ({routed}) or drop the settings."

@@ -7,8 +7,9 @@ import pytest
 from trillion.errors import ConfigError
 from trillion.models import get_preset
 from trillion.models.hf import ADAPTERS, family_classes, model_types
+from trillion.models.parts import apply_settings
 from trillion.models.presets import PRESETS, expert_presets
-from trillion.trainer.assemble import with_moe_settings
+from trillion.trainer.assemble import part_settings
 from trillion.trainer.config import Config, help_text
 
 
@@ -27,7 +28,7 @@ def test_every_expert_preset_is_in_the_dense_model_error():
     config = Config()
     config.model.n_experts = 4
     with pytest.raises(ConfigError) as error:
-        with_moe_settings(get_preset("debug"), config.model, config.moe, "auto")
+        apply_settings(get_preset("debug"), part_settings(config))
     named = expert_presets()
     assert {"debug-moe", "deepseek-v3-671b", "kimi-k2"} <= set(named)
     assert [name for name in named if name not in str(error.value)] == []
