@@ -11,7 +11,8 @@ Balancing, on the router's choices: the auxiliary loss (Switch/Mixtral: E * sum_
 share of tokens choosing e, P_e the mean score of e) and DeepSeek-V3's sequence-wise one (the same
 statistics per sequence, on scores normalised to sum to one) enter the backward through
 `_AuxLossGrad`, so the model still returns only logits; the auxiliary-loss-free bias (DeepSeek-V3)
-is added to the scores for selection only and moved by `balance_experts` after each optimizer step.
+is added to the scores for selection only and moved by `MoEStepHooks.after_step` after each
+optimizer step.
 Each MoE layer tallies its loads over the step in `load_tally` for both and for the statistics.
 """
 
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from trillion.kernels.grouped_gemm import grouped_mm
 from trillion.models.args import MoEArgs
+from trillion.models.step_hooks import StepHooks, register_step_hooks
 
 # load_tally holds E loads, then these four
 DROPPED, AUX_TIMES_TOKENS, SEQ_AUX_TIMES_TOKENS, TOKENS = range(-4, 0)
@@ -89,8 +91,8 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(dim, moe)
         self.shared_experts = shared_experts
         self.register_buffer("load_tally", torch.zeros(moe.n_experts - DROPPED), persistent=False)
-        self.token_scale: torch.Tensor | None = None  # set_aux_loss_scale: 1 / the step's target tokens
-        self.last_step_tally: torch.Tensor | None = None  # balance_experts: the last step's, summed over ranks
+        self.token_scale: torch.Tensor | None = None  # MoEStepHooks.before_step: 1 / the step's target tokens
+        self.last_step_tally: torch.Tensor | None = None  # MoEStepHooks.after_step: the last step's, summed over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe, shape = self.moe, x.shape
@@ -149,7 +151,7 @@ class MoE(nn.Module):
         return (share * mean_scores).sum(dim=-1).mean()
 
     def _token_share(self, tokens: int) -> torch.Tensor | float:
-        """This micro-batch's share of the step's tokens (set by set_aux_loss_scale), the balance losses'
+        """This micro-batch's share of the step's tokens (set by MoEStepHooks.before_step), the balance losses'
         weight in the step's loss as the token loss's; 1 outside a training step."""
         return tokens * self.token_scale if self.token_scale is not None else 1.0
 
@@ -198,56 +200,64 @@ def moe_layers(model: nn.Module) -> dict[int, MoE]:
     return dict(sorted(found.items()))
 
 
-def set_aux_loss_scale(model: nn.Module, token_scale: torch.Tensor) -> None:
-    """Before a step's forward: 1 / its target tokens (times a gradient scaler's scale), so that each
-    micro-batch's auxiliary loss weighs by its share of the step's tokens, as the token loss does."""
-    for layer in moe_layers(model).values():
-        layer.token_scale = token_scale
+class MoEStepHooks(StepHooks):
+    """The MoE layers' share of every step (models/step_hooks.py), for the layers found once."""
+
+    def __init__(self, layers: dict[int, MoE]):
+        self.layers = layers
+
+    def before_step(self, token_scale: torch.Tensor) -> None:
+        """1 / the step's target tokens (times a gradient scaler's scale), so that each micro-batch's
+        auxiliary loss weighs by its share of the step's tokens, as the token loss does."""
+        for layer in self.layers.values():
+            layer.token_scale = token_scale
+
+    @torch.no_grad()
+    def after_step(self, sum_over_ranks) -> None:
+        """Each MoE layer's tally summed by `sum_over_ranks` (in place, over the ranks that hold other tokens
+        of the same layers: data-parallel x cp) into its `last_step_tally` (E loads, then dropped slots,
+        auxiliary loss x tokens, sequence-wise auxiliary loss x tokens, tokens; on the device), the balancing
+        bias moved toward equal load (the same on every such rank), the tallies zeroed. One small all-reduce;
+        nothing read on the host."""
+        tally = torch.stack([layer.load_tally for layer in self.layers.values()])
+        sum_over_ranks(tally)
+        for row, layer in zip(tally, self.layers.values()):
+            layer.load_tally.zero_()
+            layer.last_step_tally = row
+            bias, loads = layer.router.expert_bias, row[: layer.moe.n_experts]
+            if bias is not None:
+                step = layer.moe.bias_update_rate * torch.sign(loads.mean() - loads)
+                bias += step - step.mean()
+
+    def statistics(self) -> dict:
+        """The last step's per-layer statistics, read on the host (a logged step's): tokens per expert,
+        max/mean load (1 = even), the share of token-expert slots the capacity dropped, the auxiliary losses
+        (without their coefficients), the bias spread (max - min)."""
+        stats = {}
+        for index, layer in self.layers.items():
+            if layer.last_step_tally is None:
+                continue
+            values, moe = layer.last_step_tally.tolist(), layer.moe
+            loads, tokens = values[: moe.n_experts], max(values[TOKENS], 1.0)
+            prefix = f"moe/layer{index}/"
+            stats[prefix + "tokens_per_expert"] = [int(load) for load in loads]
+            stats[prefix + "max_mean"] = max(loads) / max(sum(loads) / len(loads), 1e-9)
+            stats[prefix + "dropped"] = values[DROPPED] / (tokens * moe.top_k)
+            if moe.aux_loss_coef > 0:
+                stats[prefix + "aux_loss"] = values[AUX_TIMES_TOKENS] / tokens
+            if moe.seq_aux_loss_coef > 0:
+                stats[prefix + "seq_aux_loss"] = values[SEQ_AUX_TIMES_TOKENS] / tokens
+            bias = layer.router.expert_bias
+            if bias is not None:
+                stats[prefix + "bias_spread"] = (bias.max() - bias.min()).item()
+        return stats
 
 
-@torch.no_grad()
-def balance_experts(model: nn.Module, sum_over_ranks) -> None:
-    """After a step: each MoE layer's tally summed by `sum_over_ranks` (in place, over the ranks that hold
-    other tokens of the same layers: data-parallel x cp) into its `last_step_tally` (E loads, then dropped
-    slots, auxiliary loss x tokens, sequence-wise auxiliary loss x tokens, tokens; on the device), the
-    balancing bias moved toward equal load (the same on every such rank), the tallies zeroed. One small
-    all-reduce; nothing read on the host."""
+@register_step_hooks
+def moe_step_hooks(model: nn.Module) -> list[MoEStepHooks]:
+    """One MoEStepHooks for the model's MoE layers; none for a model (or pipeline stage) without them."""
     layers = moe_layers(model)
-    if not layers:
-        return
-    tally = torch.stack([layer.load_tally for layer in layers.values()])
-    sum_over_ranks(tally)
-    for row, layer in zip(tally, layers.values()):
-        layer.load_tally.zero_()
-        layer.last_step_tally = row
-        bias, loads = layer.router.expert_bias, row[: layer.moe.n_experts]
-        if bias is not None:
-            step = layer.moe.bias_update_rate * torch.sign(loads.mean() - loads)
-            bias += step - step.mean()
-
-
-def load_statistics(model: nn.Module) -> dict:
-    """The last step's per-layer statistics, read on the host (a logged step's): tokens per expert, max/mean
-    load (1 = even), the share of token-expert slots the capacity dropped, the auxiliary losses (without
-    their coefficients), the bias spread (max - min)."""
-    stats = {}
-    for index, layer in moe_layers(model).items():
-        if layer.last_step_tally is None:
-            continue
-        values, moe = layer.last_step_tally.tolist(), layer.moe
-        loads, tokens = values[: moe.n_experts], max(values[TOKENS], 1.0)
-        prefix = f"moe/layer{index}/"
-        stats[prefix + "tokens_per_expert"] = [int(load) for load in loads]
-        stats[prefix + "max_mean"] = max(loads) / max(sum(loads) / len(loads), 1e-9)
-        stats[prefix + "dropped"] = values[DROPPED] / (tokens * moe.top_k)
-        if moe.aux_loss_coef > 0:
-            stats[prefix + "aux_loss"] = values[AUX_TIMES_TOKENS] / tokens
-        if moe.seq_aux_loss_coef > 0:
-            stats[prefix + "seq_aux_loss"] = values[SEQ_AUX_TIMES_TOKENS] / tokens
-        bias = layer.router.expert_bias
-        if bias is not None:
-            stats[prefix + "bias_spread"] = (bias.max() - bias.min()).item()
-    return stats
+    return [MoEStepHooks(layers)] if layers else []
 
 
 def reset_moe_state(model: nn.Module) -> None:

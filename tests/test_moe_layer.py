@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trillion.kernels.grouped_gemm import grouped_mm, grouped_mm_unavailable
 from trillion.models.args import ModelArgs, MoEArgs
-from trillion.models.moe import AUX_TIMES_TOKENS, DROPPED, TOKENS, MoE, balance_experts, load_statistics
+from trillion.models.moe import AUX_TIMES_TOKENS, DROPPED, TOKENS, MoE, moe_step_hooks
 from trillion.models.transformer import FeedForward
 
 DIM, HIDDEN = 32, 16
@@ -127,7 +127,7 @@ def test_capacity_drops_the_last_tokens_in_token_order_and_counts_them():
     assert not kept.all(), "the seed must overload some expert, or the test shows nothing"
     assert layer.load_tally[DROPPED].item() == (~kept).sum().item()
     layer.last_step_tally = layer.load_tally.clone()
-    stats = load_statistics(layer_container(layer))
+    stats = moe_step_hooks(layer_container(layer))[0].statistics()
     assert stats["moe/layer0/dropped"] == pytest.approx((~kept).sum().item() / 16)
 
 
@@ -149,12 +149,12 @@ def test_the_bias_step_moves_selection_toward_the_underloaded_experts():
     layer.load_tally[:4] = torch.tensor([10.0, 0.0, 2.0, 4.0])
     layer.load_tally[TOKENS] = 16
     summed = []
-    balance_experts(layer_container(layer), lambda tally: summed.append(tally.clone()))
+    moe_step_hooks(layer_container(layer))[0].after_step(lambda tally: summed.append(tally.clone()))
     # mean load 4: over (+), under (-), under (-), even (0); centred so the bias sums to zero
     expected = torch.tensor([-0.1, 0.1, 0.1, 0.0], dtype=torch.float64) - 0.025
     torch.testing.assert_close(layer.router.expert_bias, expected)
     assert layer.load_tally.abs().sum() == 0 and len(summed) == 1
-    stats = load_statistics(layer_container(layer))
+    stats = moe_step_hooks(layer_container(layer))[0].statistics()
     assert stats["moe/layer0/tokens_per_expert"] == [10, 0, 2, 4]
     assert stats["moe/layer0/max_mean"] == pytest.approx(2.5)
     assert stats["moe/layer0/bias_spread"] == pytest.approx(0.2)

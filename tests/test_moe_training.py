@@ -8,7 +8,12 @@ import json
 import pytest
 
 from tests.helpers.flags import QUIET, TINY_BATCH
+from tests.helpers.runs import run
+from trillion.models import moe
+from trillion.models.moe import MoEStepHooks
 from trillion.trainer.cli.main import main
+from trillion.trainer.step import train_step
+from trillion.trainer.train import RunHooks
 
 # debug-moe narrowed: 3 blocks (the first dense), 64 wide, 8 experts top-2 and a shared expert
 SMALL_MOE = [
@@ -75,3 +80,37 @@ def test_bad_moe_settings_exit_2_naming_the_setting(flags, named, tmp_path, caps
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and all(fragment in err for fragment in named), err
+
+
+# The model parts' step hooks (models/step_hooks.py) are found once, when the run is assembled: the loop
+# hands the same hooks to every step, a dense model's loop gets none, and the MoE layers are not looked
+# for again step after step.
+EVAL_OFF = ["--eval.interval=0", "--checkpoint.save_final=false"]
+
+
+def hooks_seen(out, *flags, steps: int) -> list[tuple]:
+    """The step_hooks the loop passed to each of `steps` steps."""
+    seen = []
+
+    def step(*args, **kwargs):
+        seen.append(kwargs["step_hooks"])
+        return train_step(*args, **kwargs)
+
+    run(out, *flags, *EVAL_OFF, steps=steps, hooks=RunHooks(step=step))
+    return seen
+
+
+def test_a_dense_model_loop_calls_no_hooks(tmp_path):
+    assert hooks_seen(tmp_path / "dense", steps=2) == [(), ()]
+
+
+def test_moe_hooks_are_found_once_and_reused_every_step(tmp_path, monkeypatch):
+    lookups = []
+    original = moe.moe_layers
+    monkeypatch.setattr(moe, "moe_layers", lambda model: lookups.append(1) or original(model))
+    hooks_seen(tmp_path / "short", *SMALL_MOE, steps=1)
+    found_for_one = len(lookups)
+    seen = hooks_seen(tmp_path / "long", *SMALL_MOE, steps=3)
+    assert len(lookups) == 2 * found_for_one  # as many lookups for 3 steps as for 1: none per step
+    (hooks,) = {id(hooks): hooks for hooks in seen}.values()  # one tuple, every step of the run
+    assert len(hooks) == 1 and isinstance(hooks[0], MoEStepHooks) and sorted(hooks[0].layers) == [1, 2]

@@ -10,7 +10,7 @@ from trillion.models import PRESETS, Transformer
 from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.trainer.config.schema import LRSchedule, Optimizer
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer, lr_multiplier
-from trillion.trainer.train import train_step
+from trillion.trainer.step import train_step
 
 
 def tiny_model(seed=0):

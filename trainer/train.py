@@ -1,6 +1,6 @@
 """`trillion train`: `set_up` builds a Run (config -> launch env -> data -> model -> optimizer ->
 checkpoints and metrics, in docs/ARCHITECTURE.md's order, every check before any work); `train_loop`
-steps it; `train` is both."""
+steps it, one `train_step` (step.py) at a time; `train` is both."""
 
 import contextlib
 import dataclasses
@@ -12,15 +12,11 @@ from pathlib import Path
 import torch
 
 from trillion.errors import Interrupted, RunAborted
-from trillion.models.flops import count_params, hardware_flops_per_token, model_flops_per_token
-from trillion.models.moe import balance_experts, load_statistics, set_aux_loss_scale
+from trillion.models.step_hooks import StepHooks, find_step_hooks
 from trillion.parallel.clip import clip_grad_norm_
-from trillion.parallel.context_parallel import shard_batch
 from trillion.parallel.dims import ParallelDims
-from trillion.parallel.forward_backward import Runner, target_tokens
-from trillion.parallel.modes import recompute_fraction, stages_recompute_fraction
-from trillion.parallel.pipeline import Pipeline, bubble_fraction
-from trillion.parallel.tensor_parallel import reduce_partial_grads
+from trillion.parallel.forward_backward import Runner
+from trillion.parallel.pipeline import Pipeline
 from trillion.trainer.assemble import (
     batch_split,
     build_model_args,
@@ -38,76 +34,17 @@ from trillion.trainer.config.schema import Training
 from trillion.trainer.data import build_data_loader, build_tokenizer, held_out_fraction
 from trillion.trainer.evaluate import Evaluator, build_evaluator
 from trillion.trainer.launch import LaunchEnv, RunDirectoryLock, check_same_config, init_launch_env, restarted
-from trillion.trainer.metrics import MetricsSink, Progress, ThroughputMeter, device_peak_flops, peak_memory_gb
+from trillion.trainer.metrics import ThroughputMeter, peak_memory_gb
 from trillion.trainer.metrics.meters import StepLog
+from trillion.trainer.metrics.observers import build_observers
 from trillion.trainer.metrics.pipeline_timeline import PipelineTimeline
 from trillion.trainer.metrics.profiling import PhaseTimer, StepProfiler
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
 from trillion.trainer.preflight import check_memory
 from trillion.trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy
+from trillion.trainer.step import train_step
 
 log = logging.getLogger("trillion")
-
-
-def train_step(
-    runner: Runner,
-    micro_batches,
-    optimizer,
-    scaler,
-    autocast,
-    max_grad_norm: float,
-    dims: ParallelDims | None = None,
-    guard: NonFiniteGuard | None = None,
-    timer: PhaseTimer | None = None,
-    *,
-    clip=clip_grad_norm_,
-):
-    """One optimizer step: count tokens -> forward/backward -> reduce -> clip -> guard -> optimizer step.
-
-    `runner` runs the micro-batches' forwards and backwards with the one loss, the mean over every
-    target token of the global batch (parallel.forward_backward.Runner). The gradient norm spans its
-    `clip_group` (the pipeline ranks) beyond the exact global one of the sharded layout. Under context
-    parallelism each rank takes its share of every sequence first; token count and reported loss are
-    summed over the ranks holding other tokens (data-parallel x cp, `dims`; FSDP sums the gradients)."""
-    dims = dims or ParallelDims(world_size=1)
-    micro_batches = shard_batch(micro_batches, dims.cp_mesh)  # this cp rank's share of every sequence
-    tokens = dims.all_reduce_dp(target_tokens(micro_batches))
-    set_aux_loss_scale(runner.model, scaler.scale(1.0 / tokens))
-    loss_sum = dims.all_reduce_dp(runner.forward_backward(micro_batches, tokens, autocast, scaler))
-    if runner.mtp_loss is not None:  # summed as the loss is; one_step passes it on to be logged
-        dims.all_reduce_dp(runner.mtp_loss)
-    reduce_partial_grads(runner.model.parameters())
-    if timer is not None:
-        timer.mark("forward_backward")
-    scaler.unscale_(optimizer)
-    grad_norm = clip(runner.model.parameters(), max_grad_norm, runner.clip_group)
-    if guard is None:
-        scaler.step(optimizer)
-    else:
-        step_unless_flagged(optimizer, scaler, guard.flag(loss_sum, grad_norm, scaler))
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    balance_experts(runner.model, dims.all_reduce_dp)
-    if timer is not None:
-        timer.mark("optimizer")
-    return loss_sum, grad_norm
-
-
-def step_unless_flagged(optimizer, scaler, flagged: torch.Tensor) -> None:
-    """The optimizer step, masked on the device by `flagged` (1.0: change nothing) where the optimizer
-    takes a found-inf tensor (fused AdamW, as GradScaler drives it), so the host never waits for the
-    flag; the foreach and for-loop implementations cannot be masked and read it on the host instead.
-    Under fp16 the GradScaler masks the step itself (a non-finite loss makes the gradients non-finite)."""
-    if scaler.is_enabled():
-        scaler.step(optimizer)
-    elif getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.defaults.get("fused"):
-        optimizer.grad_scale, optimizer.found_inf = None, flagged
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.grad_scale, optimizer.found_inf
-    elif not flagged.item():  # a host read each step: optimizer.implementation=foreach or for-loop
-        optimizer.step()
 
 
 @dataclasses.dataclass
@@ -134,6 +71,7 @@ class Run:
     first_batch: list
     evaluator: Evaluator | None
     runner: Runner
+    step_hooks: tuple[StepHooks, ...]  # the model parts' (models/step_hooks.py), found once at assembly
     pipeline: Pipeline | None
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -253,6 +191,7 @@ def one_step(run: Run, step: int) -> StepDone:
             run.guard,
             timer,
             clip=run.hooks.clip,
+            step_hooks=run.step_hooks,
         )
     run.profiler.step(step)
     run.counters.step, run.counters.tokens = step, run.counters.tokens + t.global_batch_size * t.seq_len
@@ -287,7 +226,7 @@ def step_record(run: Run, step: int, done: StepDone, values, evaluation: dict, c
         "skipped_steps": run.counters.skipped_steps,
         **{f"time_{phase}_s": seconds for phase, seconds in done.timer.seconds.items()},
         "time_checkpoint_s": checkpoint_seconds,
-        **load_statistics(run.runner.model),
+        **{name: value for hook in run.step_hooks for name, value in hook.statistics().items()},
         **evaluation,
     }
 
@@ -332,6 +271,8 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
     if counters.step > 0:  # the data position moved on: the batch read up front is not the next one
         first_batch = loader.next_batch()
     autocast = torch.autocast(env.device.type, dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext()
+    if evaluator is not None and env.is_logging_rank:
+        evaluator.keep_best(Path(config.job.output_dir), counters.step)
     return Run(
         env,
         dims,
@@ -340,6 +281,7 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
         first_batch,
         evaluator,
         runner,
+        find_step_hooks(runner.model),
         pipeline,
         optimizer,
         scheduler,
@@ -349,7 +291,7 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
         checkpointer,
         NonFiniteGuard(t.max_nonfinite_skips, counters),
         StopPolicy(t, counters.step, job_start),
-        *observers(config, env, model_args, pipeline, counters, evaluator, dtype, n_microbatches),
+        *build_observers(config, env, model_args, pipeline, counters.step, dtype, n_microbatches),
         hooks,
         lock,
     )
@@ -422,54 +364,3 @@ def read_data(config: Config, tokenizer, dims: ParallelDims, micro_batch_size: i
         device=device,
     )  # and its evaluation set
     return loader, first_batch, evaluator
-
-
-def observers(config: Config, env: LaunchEnv, model_args, pipeline, counters, evaluator, dtype, n_microbatches):
-    """(throughput meter, step log, profiler, pipeline timeline) of a run about to continue from `counters.step`."""
-    t, output_dir = config.training, Path(config.job.output_dir)
-    mode = config.parallel.activation_checkpoint  # each pipeline stage checkpoints its own blocks
-    recompute = (
-        recompute_fraction(mode, model_args.n_layers)
-        if pipeline is None
-        else stages_recompute_fraction(mode, pipeline.blocks_per_stage)
-    )
-    meter = ThroughputMeter(
-        model_flops_per_token(model_args, t.seq_len),
-        hardware_flops_per_token(model_args, t.seq_len, recompute),
-        device_peak_flops(env.device, config.metrics.peak_tflops),
-    )
-    params = count_params(model_args)
-    log.info(
-        "model %s: %.1fM parameters (%.1fM without embeddings%s), %s on %s, %d micro-batches per step",
-        config.model.name,
-        params.total / 1e6,
-        params.non_embedding / 1e6,
-        f", {params.active / 1e6:.1f}M active per token" if params.inactive else "",
-        dtype,
-        env.device,
-        n_microbatches,
-    )
-    resumed = counters.step > 0
-    sink = (
-        MetricsSink(output_dir, config.logging, {"config": dataclasses.asdict(config)}, resume=resumed)
-        if env.is_logging_rank
-        else None
-    )
-    progress = Progress(t.steps, counters.step, config.logging.progress_bar) if env.is_logging_rank else None
-    if evaluator is not None and env.is_logging_rank:
-        evaluator.keep_best(output_dir, counters.step)
-    step_log = StepLog(config.metrics.log_freq, counters.step + 1, t.steps, sink, progress)
-    profiler = StepProfiler(config.profiling, output_dir, env.rank, env.device)
-    timeline = (
-        PipelineTimeline(
-            pipeline,
-            config.profiling,
-            counters.step + 1,
-            env.device,
-            output_dir / "profiles",
-            bubble_fraction(pipeline.pp, pipeline.n_microbatches, pipeline.virtual),
-        )
-        if pipeline is not None and config.profiling.enabled
-        else None
-    )
-    return meter, step_log, profiler, timeline

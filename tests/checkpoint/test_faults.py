@@ -20,7 +20,8 @@ from tests.helpers.fault_record import first_step_time, last_line, report
 from tests.helpers.flags import TINY
 from tests.helpers.runs import checkpoints, losses, run
 from trillion.trainer.cli.main import main
-from trillion.trainer.train import RunHooks, train_step
+from trillion.trainer.step import train_step
+from trillion.trainer.train import RunHooks
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])

@@ -15,7 +15,8 @@ from trillion.parallel.clip import clip_grad_norm_
 from trillion.trainer.cli.main import main
 from trillion.trainer.config.schema import ConfigError
 from trillion.trainer.resilience import TrainingDiverged
-from trillion.trainer.train import RunHooks, train_step
+from trillion.trainer.step import train_step
+from trillion.trainer.train import RunHooks
 
 
 def poisoned(bad_steps: set[int]) -> RunHooks:

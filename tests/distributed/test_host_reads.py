@@ -9,7 +9,8 @@ from tests.helpers.flags import NO_CHECKPOINTS, SMALL_MODEL
 from tests.helpers.spawn import as_launched, run_ranks
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.metrics.profiling import HostReadCounter
-from trillion.trainer.train import RunHooks, train, train_step
+from trillion.trainer.step import train_step
+from trillion.trainer.train import RunHooks, train
 
 STEPS, LOG_FREQ = 7, 3
 LOGGED = {1, 3, 6, STEPS}  # the first step, every log_freq-th and the last

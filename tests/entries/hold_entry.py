@@ -7,7 +7,8 @@ import time
 from pathlib import Path
 
 from trillion.trainer.cli.main import main
-from trillion.trainer.train import RunHooks, train_step
+from trillion.trainer.step import train_step
+from trillion.trainer.train import RunHooks
 
 hold_at, release, calls = int(os.environ["HOLD_AT_STEP"]), Path(os.environ["RELEASE_FILE"]), []
 

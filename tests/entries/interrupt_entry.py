@@ -6,7 +6,8 @@ import signal
 import sys
 
 from trillion.trainer.cli.main import main
-from trillion.trainer.train import RunHooks, train_step
+from trillion.trainer.step import train_step
+from trillion.trainer.train import RunHooks
 
 at_step, times, calls = int(os.environ["INTERRUPT_AT_STEP"]), int(os.environ.get("INTERRUPT_TIMES", "1")), []
 

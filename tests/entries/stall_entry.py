@@ -6,7 +6,8 @@ import sys
 import time
 
 from trillion.trainer.cli.main import main
-from trillion.trainer.train import RunHooks, train_step
+from trillion.trainer.step import train_step
+from trillion.trainer.train import RunHooks
 
 hooks = None
 if os.environ.get("RANK") == "1":

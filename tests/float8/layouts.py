@@ -27,7 +27,7 @@ from trillion.parallel.float8 import convert, register_scale_precompute, resolve
 from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
 from trillion.trainer.data.loader import DataLoader
-from trillion.trainer.train import train_step
+from trillion.trainer.step import train_step
 
 TOLERANCE = {"rtol": 2e-4, "atol": 2e-6}  # tests/helpers/parity.py's fp32 tolerance, unchanged
 FLIP_ALLOWANCE = 0.0  # share of a gradient's elements allowed outside it (a float8 rounding flip); none seen

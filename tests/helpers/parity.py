@@ -21,7 +21,7 @@ from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
 from trillion.trainer.data.loader import DataLoader
-from trillion.trainer.train import train_step
+from trillion.trainer.step import train_step
 
 FAMILIES = {
     "llama": dataclasses.replace(

@@ -24,7 +24,7 @@ from trillion.parallel.dims import ParallelDims
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers
 from trillion.trainer.data.loader import DataLoader
-from trillion.trainer.train import train_step
+from trillion.trainer.step import train_step
 
 
 def train_pipeline_case(case: dict, world_size: int) -> dict:

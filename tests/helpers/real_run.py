@@ -31,9 +31,9 @@ from trillion.trainer.assemble import batch_split, build_model_args, build_paral
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.launch.env import LaunchEnv
 from trillion.trainer.optim import build_optimizer
+from trillion.trainer.step import train_step
 from trillion.trainer.tools.estimate.activations import measure_micro_batch
 from trillion.trainer.tools.estimate.dry_run import storage_bytes
-from trillion.trainer.train import train_step
 
 
 def measure_rank(rank: int, world_size: int, overrides: list, out_path: str) -> None:

@@ -16,7 +16,7 @@ from trillion.models import PRESETS, Transformer
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
-from trillion.trainer.train import train_step
+from trillion.trainer.step import train_step
 
 SEQ_LEN = 16
 

@@ -25,7 +25,7 @@ from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline
 from trillion.trainer.data.loader import DataLoader
-from trillion.trainer.train import train_step
+from trillion.trainer.step import train_step
 
 BASE = dataclasses.replace(
     PRESETS["debug-moe"], n_layers=3, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=32

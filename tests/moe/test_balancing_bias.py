@@ -12,7 +12,7 @@ from tests.helpers.spawn import run_ranks
 from tests.moe.harness import _build, _dims, model_args, train_case
 from trillion.models.moe import moe_layers
 from trillion.trainer.data.loader import DataLoader
-from trillion.trainer.train import train_step
+from trillion.trainer.step import train_step
 
 CASE = {"variant": "bias", "dp_shard": 2}
 

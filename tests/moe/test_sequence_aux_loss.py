@@ -8,7 +8,7 @@ import torch
 
 from tests.test_moe_layer import DIM, build_moe, layer_container
 from trillion.models.args import MoEArgs
-from trillion.models.moe import SEQ_AUX_TIMES_TOKENS, TOKENS, load_statistics
+from trillion.models.moe import SEQ_AUX_TIMES_TOKENS, TOKENS, moe_step_hooks
 from trillion.trainer.assemble import build_model_args
 from trillion.trainer.config.schema import load_config
 
@@ -64,5 +64,5 @@ def test_the_setting_reaches_the_model_and_the_loss_is_logged_without_alpha():
     layer(x)  # a training forward tallies it
     scores, chosen, _ = layer.router(x.view(-1, DIM))
     layer.last_step_tally = layer.load_tally.clone()
-    logged = load_statistics(layer_container(layer))["moe/layer0/seq_aux_loss"]
+    logged = moe_step_hooks(layer_container(layer))[0].statistics()["moe/layer0/seq_aux_loss"]
     assert logged == pytest.approx(layer._sequence_aux_loss(scores, chosen, 2).item(), rel=1e-12)

@@ -37,7 +37,7 @@ from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
 from trillion.trainer.data.loader import DataLoader
 from trillion.trainer.evaluate import Evaluator
-from trillion.trainer.train import train_step
+from trillion.trainer.step import train_step
 
 EVAL_BATCHES = 2
 ZERO_BUBBLE = ["ZBVZeroBubble", "InterleavedZeroBubble", "DualPipeV"]
