@@ -61,21 +61,19 @@ import dataclasses
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
+from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
-from trillion.parallel.planner.deepseek import attention_flops, kv_width, mtp_is_moe, mtp_linears
+from trillion.parallel.planner.block_cost import block_passes, output_passes
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.layout import Layout, bubble_slots
 from trillion.parallel.planner.memory import (
     RankParams,
-    block_linears,
     float8_numel,
     pipeline_ranks,
     replicated_numel,
-    shared_hidden,
-    tp_local_linears,
 )
-from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, expert_numel, moe_passes
+from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, expert_numel
 from trillion.parallel.planner.timing import (  # noqa: F401 (collective_time, Passes: the planner's names here)
     Passes,
     _gemm,
@@ -85,20 +83,12 @@ from trillion.parallel.planner.timing import (  # noqa: F401 (collective_time, P
     float8_casts,
 )
 from trillion.parallel.planner.work import (
-    BACKWARD_ELEMENTWISE,
-    CROSS_ENTROPY_BYTES_PER_LOGIT,
     FLOAT8_BYTES,
     FSDP_FLOAT8_GATHER_COPY_BYTES,
     FSDP_GATHER_COPY_BYTES,
     FSDP_REDUCE_COPY_BYTES,
     OPTIMIZER_BYTES_PER_PARAM,
-    elementwise_kernels,
-    elementwise_per_token,
 )
-
-# loss_parallel's cross-entropy all-reduces one fp32 number per token 3 times: the logits' max and
-# the sum of exponentials in log-softmax, the target's log-probability in nll_loss (a profiled tp 2 step)
-LOSS_PARALLEL_ALL_REDUCES = 3
 
 
 @dataclass(frozen=True)
@@ -119,126 +109,6 @@ class StepTime:
 
     def shares(self) -> dict:
         return {f.name: getattr(self, f.name) / self.total for f in fields(self)}
-
-
-@lru_cache(maxsize=8192)
-def layer_passes(
-    args: ModelArgs,
-    hw: HardwareProfile,
-    batch: int,
-    seq_len: int,
-    tp: int,
-    compiled: bool,
-    cp: int = 1,
-    float8: bool = False,
-    ffn_hidden: int | None = None,
-) -> Passes:
-    """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
-    holding 1/cp of each sequence; with float8, its converted linears in fp8 (the module docstring); its MLP
-    `ffn_hidden` wide (default the dense one; an MoE layer's shared experts, moe.py adds the rest)."""
-    h = args.dim
-    tokens = batch * seq_len // cp
-    # (k, n, in fp8) of each linear on this rank: the GEMM is tokens x k x n
-    shapes = [(k, n, float8 and converted) for k, n, converted in tp_local_linears(args, tp, ffn_hidden)]
-    gemm = sum(_gemm(hw, tokens, k, n, fp8) for k, n, fp8 in shapes)
-    casts = [float8_casts(hw, tokens, k, n) for k, n, fp8 in shapes if fp8]
-    cast_forward, cast_input_grad, cast_weight_grad = (sum(c[i] for c in casts) for i in range(3))
-    peak_attention = hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency * hw.device.sustained
-    attention = attention_flops(args, tokens, seq_len, tp) / peak_attention
-    elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled, ffn_hidden) * hw.element_bytes)
-    launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
-    reduce_scatters = 2 * collective_time(hw, tokens * h * hw.element_bytes, tp, tp, "reduce_scatter")
-    gathered = tp_gather_bytes(args, tp, float8, ffn_hidden, hw.element_bytes)
-    tp_comm_forward = reduce_scatters + sum(
-        collective_time(hw, tokens * h * forward, tp, tp, "all_gather") for forward, _ in gathered
-    )
-    tp_comm_backward = reduce_scatters + sum(
-        collective_time(hw, tokens * h * backward, tp, tp, "all_gather") for _, backward in gathered
-    )
-    host_forward, host_backward = hw.tp_layer_host_s if tp > 1 else (0.0, 0.0)
-    kv_bytes = batch * seq_len * kv_width(args) / tp * hw.element_bytes  # the whole sequence's K and V
-    cp_gather = collective_time(hw, kv_bytes, cp, tp * cp, "all_gather")
-    cp_reduce = collective_time(hw, kv_bytes, cp, tp * cp, "reduce_scatter")
-    return Passes(
-        forward=gemm + attention + elementwise + launches + tp_comm_forward + host_forward + cp_gather + cast_forward,
-        input_grad=gemm
-        + 2.5 * attention
-        + BACKWARD_ELEMENTWISE * (elementwise + launches)
-        + tp_comm_backward
-        + host_backward
-        + cp_reduce
-        + cast_input_grad,
-        weight_grad=gemm + cast_weight_grad,
-        tp_forward=tp_comm_forward + host_forward,
-        tp_backward=tp_comm_backward + host_backward,
-        cp_forward=cp_gather,
-        cp_backward=cp_reduce,
-    )
-
-
-def tp_gather_bytes(
-    args: ModelArgs, tp: int, float8: bool, ffn_hidden: int | None, element_bytes: int
-) -> tuple[tuple[int, int], ...]:
-    """Per sublayer (attention, MLP): the bytes per element of TP's forward all-gather of its input and of its
-    backward all-gather of its output's gradient. torchao's float8 TP styles (parallel/float8.py tp_styles, the
-    trainer's under tensorwise float8) cast the input to float8 before the all-gather when the sublayer's
-    columnwise linears are converted (Float8ColwiseParallel, PrepareFloat8ModuleInput), and the output's gradient
-    to float8 before the all-gather that is its reduce-scatter's backward when the rowwise linear is
-    (Float8RowwiseParallel: NoopFwToFloat8BwDynamic); reduce-scatters stay in the compute dtype. MLA's attention
-    gathers its input for replicated down projections, which no float8 style prepares: it stays in that dtype."""
-    if not float8:
-        return ((element_bytes, element_bytes),) * 2
-    linears = block_linears(args, ffn_hidden)
-    converted = [fp8 for _, _, fp8 in tp_local_linears(args, tp, ffn_hidden)]
-    sublayers = []
-    for prefix in ("attention.", "feed_forward."):
-        group = [(split, fp8) for (name, *_, split), fp8 in zip(linears, converted) if name.startswith(prefix)]
-        if prefix == "attention." and args.mla:
-            group = []
-        columnwise = [fp8 for split, fp8 in group if split == 0]
-        rowwise = [fp8 for split, fp8 in group if split == 1]
-        sublayers.append(
-            (1 if columnwise and all(columnwise) else element_bytes, 1 if rowwise and all(rowwise) else element_bytes)
-        )
-    return tuple(sublayers)
-
-
-def block_passes(
-    args: ModelArgs,
-    hw: HardwareProfile,
-    batch: int,
-    seq_len: int,
-    tp: int,
-    compiled: bool,
-    cp: int,
-    float8: bool,
-    ep: int,
-    imbalance: float,
-    moe: bool,
-) -> Passes:
-    """One dense block, or one MoE block (its attention and shared experts, then moe.py's routed experts)."""
-    if not moe:
-        return layer_passes(args, hw, batch, seq_len, tp, compiled, cp, float8)
-    shared = layer_passes(args, hw, batch, seq_len, tp, compiled, cp, float8, shared_hidden(args))
-    return shared + moe_passes(args, hw, batch * seq_len // cp, tp, ep, imbalance)
-
-
-@lru_cache(maxsize=8192)
-def output_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) -> Passes:
-    """Final norm, output projection (vocabulary-parallel) and cross-entropy."""
-    gemm = _gemm(hw, tokens, args.dim, args.vocab_size // tp)
-    loss = _memory_bound(hw, tokens * args.vocab_size / tp * CROSS_ENTROPY_BYTES_PER_LOGIT * hw.element_bytes / 2)
-    gather = collective_time(
-        hw, tokens * args.dim * hw.element_bytes, tp, tp, "all_gather"
-    ) + LOSS_PARALLEL_ALL_REDUCES * collective_time(hw, tokens * 4, tp, tp, "all_reduce")
-    scatter = collective_time(hw, tokens * args.dim * hw.element_bytes, tp, tp, "reduce_scatter")
-    return Passes(
-        forward=gemm + loss + gather,
-        input_grad=gemm + loss + scatter,
-        weight_grad=gemm,
-        tp_forward=gather,
-        tp_backward=scatter,
-    )
 
 
 @lru_cache(maxsize=65536)
@@ -269,9 +139,10 @@ def rank_passes(
     tokens = micro_batch_size * seq_len // cp
     if rank.last:
         total = total + output_passes(args, hw, tokens, tp)
-    if rank.mtp:  # deepseek.py: a block, the projection (whole on every tp rank), the shared output head again
-        projection = sum(_gemm(hw, tokens, in_f, out_f) for _, out_f, in_f, _ in mtp_linears(args))
-        module = block_passes(*block, moe=mtp_is_moe(args)) + output_passes(args, hw, tokens, tp)
+    if rank.mtp:  # models/parts/mtp.py: a block, its projection (whole on every tp rank), the shared head again
+        _, ahead = parts.ahead_modules(args)
+        projection = sum(_gemm(hw, tokens, x.in_features, x.out_features) for x in ahead.linears)
+        module = block_passes(*block, moe=parts.routed_layer(args, args.n_layers)) + output_passes(args, hw, tokens, tp)
         total = total + (module + Passes(projection, projection, projection)) * rank.mtp
     mean = forward_sum * (1 / max(rank.layers, 1))  # a recomputed layer: the mean of the rank's layers
     recompute = Passes(

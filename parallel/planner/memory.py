@@ -27,18 +27,11 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache, partial
 
+from trillion.models import parts
 from trillion.models.args import ModelArgs
+from trillion.models.parts.spec import Linear, Norm
 from trillion.parallel import modes
 from trillion.parallel.modes import checkpointed_blocks
-from trillion.parallel.planner.deepseek import (
-    attention_activation_elements,
-    kv_width,
-    latent_norms,
-    mla_linears,
-    mtp_is_moe,
-    mtp_linears,
-    mtp_norms,
-)
 from trillion.parallel.planner.layout import Layout, in_flight_microbatches, rank_of_virtual_stage, stage_layers
 from trillion.parallel.planner.moe import expert_numel, moe_activation_bytes
 
@@ -54,26 +47,11 @@ class ParamSpec:
     tp_dim: int | None  # dimension tensor parallelism splits; None = replicated
 
 
-def block_linears(args: ModelArgs, ffn_hidden: int | None = None) -> list[tuple[str, int, int, int]]:
-    """(name, out_features, in_features, dimension of the weight TP splits) of one block's linears; the MLP
-    `ffn_hidden` wide (default the dense one; an MoE layer's shared experts, 0 for none: moe.py)."""
-    h, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
-    f = args.ffn_hidden if ffn_hidden is None else ffn_hidden
-    linears = (
-        mla_linears(args)
-        if args.mla
-        else [
-            ("attention.wq", q, h, 0),
-            ("attention.wk", kv, h, 0),
-            ("attention.wv", kv, h, 0),
-            ("attention.wo", h, q, 1),
-        ]
-    )
-    if f:
-        linears += [("feed_forward.w1", f, h, 0), ("feed_forward.w2", h, f, 1)]
-        if args.mlp == "swiglu":
-            linears.append(("feed_forward.w3", f, h, 0))
-    return linears
+def block_linears(args: ModelArgs, routed: bool = False) -> list[tuple[str, int, int, int | None]]:
+    """(name, out_features, in_features, dimension of the weight TP splits) of the linears one block runs per
+    token (models/parts): a dense block's, or (`routed`) an MoE block's attention and shared experts (moe.py
+    counts its router and routed experts)."""
+    return [(x.name, x.out_features, x.in_features, x.tp_dim) for x in parts.block(args, routed).linears]
 
 
 # float8 converts a block's linear whose in and out features, as each TP rank holds them, are multiples
@@ -81,10 +59,10 @@ def block_linears(args: ModelArgs, ffn_hidden: int | None = None) -> list[tuple[
 FLOAT8_DIM_MULTIPLE = 16
 
 
-def tp_local_linears(args: ModelArgs, tp: int, ffn_hidden: int | None = None) -> list[tuple[int, int, bool]]:
+def tp_local_linears(args: ModelArgs, tp: int, routed: bool = False) -> list[tuple[int, int, bool]]:
     """(in_features, out_features, converted by float8) of each block linear on one of `tp` ranks."""
     local = []
-    for _, out_f, in_f, tp_dim in block_linears(args, ffn_hidden):
+    for _, out_f, in_f, tp_dim in block_linears(args, routed):
         k, n = math.ceil(in_f / tp) if tp_dim == 1 else in_f, math.ceil(out_f / tp) if tp_dim == 0 else out_f
         local.append((k, n, k % FLOAT8_DIM_MULTIPLE == 0 and n % FLOAT8_DIM_MULTIPLE == 0))
     return local
@@ -94,58 +72,52 @@ def float8_numel(args: ModelArgs, layers: int, tp: int, moe_layers: int = 0) -> 
     """Weight elements (after TP) of the float8-converted linears of `layers` blocks (`moe_layers` of them
     MoE: their shared experts' linears; routed experts stay bf16): what FSDP's float8 all-gather gathers at
     1 byte (their biases and every other parameter stay bf16)."""
-    kinds = ((layers - moe_layers, None), (moe_layers, shared_hidden(args)))
+    kinds = ((layers - moe_layers, False), (moe_layers, True))
     return sum(
-        count * sum(k * n for k, n, converted in tp_local_linears(args, tp, f) if converted) for count, f in kinds
+        count * sum(k * n for k, n, converted in tp_local_linears(args, tp, routed) if converted)
+        for count, routed in kinds
+        if count
     )
 
 
-def shared_hidden(args: ModelArgs) -> int:
-    """The width of an MoE layer's shared experts (0: none, or a dense model)."""
-    return args.moe.n_shared_experts * args.moe.expert_ffn_dim if args.moe else 0
+def linear_params(linear: Linear) -> list[ParamSpec]:
+    """A column-parallel bias is split with its rows; a row-parallel one is replicated."""
+    weight = ParamSpec(f"{linear.name}.weight", (linear.out_features, linear.in_features), linear.tp_dim)
+    bias = [ParamSpec(f"{linear.name}.bias", (linear.out_features,), 0 if linear.tp_dim == 0 else None)]
+    return [weight] + (bias if linear.bias else [])
+
+
+def norm_params(norm: Norm, prefix: str = "") -> list[ParamSpec]:
+    specs = [ParamSpec(f"{prefix}{norm.name}.weight", (norm.features,), None)]
+    return specs + ([ParamSpec(f"{prefix}{norm.name}.bias", (norm.features,), None)] if norm.bias else [])
 
 
 def block_params(args: ModelArgs, moe: bool = False) -> list[ParamSpec]:
     """Parameters of one transformer block, named as in models/transformer.py; of an MoE block (`moe`) all
     but the routed experts (moe.py): the router, replicated over TP as torchtitan's, and the shared experts."""
-    specs = []
-    for norm in ("attention_norm", "ffn_norm"):
-        specs += norm_params(args, norm)
-    if args.qk_norm:
-        specs += [ParamSpec(f"attention.{n}.weight", (args.head_dim,), None) for n in ("q_norm", "k_norm")]
-    specs += [ParamSpec(f"{name}.weight", (features,), None) for name, features in latent_norms(args)]
-    if moe:
-        specs.append(ParamSpec("feed_forward.router.gate.weight", (args.moe.n_experts, args.dim), None))
-    for name, out_features, in_features, tp_dim in block_linears(args, shared_hidden(args) if moe else None):
-        specs.append(ParamSpec(f"{name}.weight", (out_features, in_features), tp_dim))
-        if args.bias:  # a column-parallel bias is split with its rows; a row-parallel one is replicated
-            specs.append(ParamSpec(f"{name}.bias", (out_features,), 0 if tp_dim == 0 else None))
-    return specs
-
-
-def norm_params(args: ModelArgs, name: str) -> list[ParamSpec]:
-    specs = [ParamSpec(f"{name}.weight", (args.dim,), None)]
-    if args.norm == "layernorm" and args.bias:
-        specs.append(ParamSpec(f"{name}.bias", (args.dim,), None))
-    return specs
+    block = parts.block(args, moe)
+    specs = [spec for n in (*block.norms, *block.inner_norms) for spec in norm_params(n)]
+    gate = [block.routing.gate] if block.routing else []
+    return specs + [spec for linear in (*gate, *block.linears) for spec in linear_params(linear)]
 
 
 def first_stage_params(args: ModelArgs) -> list[ParamSpec]:
-    specs = [ParamSpec("tok_embeddings.weight", (args.vocab_size, args.dim), 0)]
-    if args.positions == "learned":
-        specs.append(ParamSpec("pos_embeddings.weight", (args.max_seq_len, args.dim), 0))
-    return specs
+    return [ParamSpec(f"{t.name}.weight", (t.rows, t.dim), 0) for t in parts.model_root(args).tables]
 
 
 def last_stage_params(args: ModelArgs) -> list[ParamSpec]:
-    output = [] if args.tie_embeddings else [ParamSpec("output.weight", (args.vocab_size, args.dim), 0)]
-    return norm_params(args, "norm") + output
+    root = parts.model_root(args)
+    output = [] if root.tied else linear_params(root.output)
+    return norm_params(root.norm) + output
 
 
 def mtp_params(args: ModelArgs) -> list[ParamSpec]:
-    """An MTP module's parameters besides its block (deepseek.py): its norms and its projection."""
-    norms = [ParamSpec(f"mtp.{name}.weight", (args.dim,), None) for name in mtp_norms()]
-    return norms + [ParamSpec(f"mtp.{name}.weight", (out_f, in_f), d) for name, out_f, in_f, d in mtp_linears(args)]
+    """A multi-token prediction module's parameters besides its block: its norms and its projection."""
+    _, ahead = parts.ahead_modules(args)
+    if ahead is None:
+        return []
+    linears = [ParamSpec(f"mtp.{s.name}", s.shape, s.tp_dim) for x in ahead.linears for s in linear_params(x)]
+    return [spec for n in ahead.norms for spec in norm_params(n, "mtp.")] + linears
 
 
 def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> tuple[int, int]:
@@ -160,8 +132,8 @@ def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> tuple[int, int]:
 
 @lru_cache(maxsize=4096)
 def _numel(args: ModelArgs, part: str, tp: int, dp_shard: int) -> tuple[int, int]:
-    parts = {"block": block_params, "moe_block": partial(block_params, moe=True)}
-    specs = {**parts, "first": first_stage_params, "last": last_stage_params, "mtp": mtp_params}[part](args)
+    blocks = {"block": block_params, "moe_block": partial(block_params, moe=True)}
+    specs = {**blocks, "first": first_stage_params, "last": last_stage_params, "mtp": mtp_params}[part](args)
     pairs = [local_numel(s, tp, dp_shard) for s in specs]
     return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
@@ -185,11 +157,11 @@ class RankParams:
     last: bool  # holds the final norm and the output layer
     chunks: tuple[int, ...] = ()  # layers of each of its pipeline chunks (stage modules); () = one of `layers`
     moe_layers: int = 0  # of its layers, those with routed experts (moe.py)
-    mtp: int = 0  # multi-token prediction modules it holds besides its layers (deepseek.py): the last rank's
+    mtp: int = 0  # multi-token prediction modules it holds besides its layers (models/parts): the last rank's
 
     def blocks(self, args: ModelArgs) -> tuple[int, int]:
         """(dense, MoE) transformer blocks it holds: its layers' and its MTP modules'."""
-        mtp_moe = self.mtp if mtp_is_moe(args) else 0
+        mtp_moe = self.mtp if parts.routed_layer(args, args.n_layers) else 0
         return self.layers - self.moe_layers + self.mtp - mtp_moe, self.moe_layers + mtp_moe
 
     def checkpointed(self, mode: str) -> int:
@@ -208,16 +180,16 @@ def _rank_numel(
     args: ModelArgs, dense: int, moe: int, first: bool, last: bool, tp: int, dp_shard: int, ep: int, mtp: int = 0
 ) -> tuple[int, int]:
     """(after TP, after TP and FSDP) elements of `dense` and `moe` blocks, the root's parts and `mtp` modules."""
-    parts = [("block", dense), ("moe_block", moe), ("first", int(first)), ("last", int(last)), ("mtp", mtp)]
-    totals = [(count * a, count * b) for part, count in parts if count for a, b in [_numel(args, part, tp, dp_shard)]]
+    kinds = [("block", dense), ("moe_block", moe), ("first", int(first)), ("last", int(last)), ("mtp", mtp)]
+    totals = [(count * a, count * b) for kind, count in kinds if count for a, b in [_numel(args, kind, tp, dp_shard)]]
     experts = expert_numel(args, moe, tp, ep, dp_shard // ep)
     return sum(t[0] for t in totals) + experts[0], sum(t[1] for t in totals) + experts[1]
 
 
 def pipeline_ranks(args: ModelArgs, layout: Layout) -> list[RankParams]:
     """What each pipeline rank holds; V schedules put the first and the last stage on rank 0."""
-    dense = args.moe.n_dense_layers if args.moe else args.n_layers
-    return _pipeline_ranks(args.n_layers, layout.pp, layout.virtual_stages, layout.pp_schedule, dense, args.mtp_modules)
+    dense, (ahead, _) = parts.first_routed_layer(args), parts.ahead_modules(args)
+    return _pipeline_ranks(args.n_layers, layout.pp, layout.virtual_stages, layout.pp_schedule, dense, ahead)
 
 
 @lru_cache(maxsize=4096)
@@ -254,7 +226,7 @@ def layer_activation_bytes(
     sequence_parallel: bool,
     checkpointed: bool,
     dtype_bytes: int = ACTIVATION_BYTES,
-    ffn_hidden: int | None = None,
+    routed: bool = False,
 ) -> float:
     """Bytes one layer keeps for backward for `tokens` (= micro-batch size x sequence length).
 
@@ -262,21 +234,20 @@ def layer_activation_bytes(
     the two norm outputs, which the column-parallel linears save (all-gathered under SP).
     Split by TP: q, k, v and the attention output (kept by flash attention), the output
     projection's input, the MLP's hidden activations (GELU: input and output; SwiGLU: w1 and w3
-    outputs, silu output, product). Flash attention adds an fp32 log-sum-exp per head. MLA adds its
-    latents, whole on every TP rank (deepseek.py).
-    A checkpointed layer keeps only its input. `ffn_hidden`: the MLP's width (default the dense one; an MoE
-    layer's shared experts, whose routed experts moe.moe_activation_bytes counts).
+    outputs, silu output, product). Flash attention adds an fp32 log-sum-exp per head. Latent attention adds
+    its latents, whole on every TP rank. Each part declares what it keeps (models/parts, `saved`).
+    A checkpointed layer keeps only its input. `routed`: an MoE layer's (its attention and shared experts; its
+    routed experts moe.moe_activation_bytes counts).
     """
-    h = args.dim
-    f = args.ffn_hidden if ffn_hidden is None else ffn_hidden
+    h, block = args.dim, parts.block(args, routed)
     split = tp if sequence_parallel else 1
     if checkpointed:
         return tokens * h / split * dtype_bytes
-    replicated = 2 * h / split
-    attention_split, latents = attention_activation_elements(args, tp)
-    whole = 2 * h + latents
-    sharded = attention_split + (4 if args.mlp == "swiglu" else 2) * f / tp
-    logsumexp = 4 * args.n_heads / tp
+    norm_inputs = sum(n.features for n in block.norms)
+    replicated = norm_inputs / split
+    whole = norm_inputs + sum(p.saved.whole for p in block.parts)
+    sharded = sum(p.saved.split / tp for p in block.parts)
+    logsumexp = 4 * block.heads.heads / tp
     return tokens * ((replicated + whole + sharded) * dtype_bytes + logsumexp)
 
 
@@ -331,10 +302,11 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     n_ckpt = rank.checkpointed(layout.activation_checkpoint)
     dense_layer, moe_layer, kept = _layer_bytes(args, tokens, tp, sp, layout.ep, layout.moe_load_imbalance)
     full_layer = (dense_layer * (rank.layers - rank.moe_layers) + moe_layer * rank.moe_layers) / max(rank.layers, 1)
-    gathered_kv = ms * seq_len * kv_width(args) / tp * ACTIVATION_BYTES if cp > 1 else 0
+    gathered_kv = ms * seq_len * parts.block(args).heads.kv_width / tp * ACTIVATION_BYTES if cp > 1 else 0
     per_microbatch = n_ckpt * kept + (rank.layers - n_ckpt) * (full_layer + gathered_kv)
-    # an MTP module (deepseek.py), not checkpointed: its block, its projection's input; its output as the root's
-    mtp = (moe_layer if mtp_is_moe(args) else dense_layer) + 2 * tokens * args.dim * ACTIVATION_BYTES + gathered_kv
+    # an MTP module (models/parts), not checkpointed: its block, its projection's input; its output as the root's
+    mtp_block = moe_layer if parts.routed_layer(args, args.n_layers) else dense_layer
+    mtp = mtp_block + 2 * tokens * args.dim * ACTIVATION_BYTES + gathered_kv
     per_microbatch += rank.mtp * mtp
     output = output_activation_bytes(args, tokens, tp, sp) * (1 + rank.mtp) if rank.last else 0
     activations = in_flight * per_microbatch + output
@@ -361,11 +333,11 @@ def _layer_bytes(
     """(a dense layer's, an MoE layer's activations kept for backward, a checkpointed layer's input)."""
     dense = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False)
     kept = layer_activation_bytes(args, tokens, tp, sp, checkpointed=True)
-    if args.moe is None:
+    if not parts.routed_experts(args):
         return dense, 0.0, kept
-    moe = layer_activation_bytes(
-        args, tokens, tp, sp, checkpointed=False, ffn_hidden=shared_hidden(args)
-    ) + moe_activation_bytes(args, tokens, tp, ep, imbalance, ACTIVATION_BYTES)
+    moe = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False, routed=True) + moe_activation_bytes(
+        args, tokens, tp, ep, imbalance, ACTIVATION_BYTES
+    )
     return dense, moe, kept
 
 

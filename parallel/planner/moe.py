@@ -34,7 +34,9 @@ times imbalance where it applies, bf16.
 
 import math
 
+from trillion.models import parts
 from trillion.models.args import ModelArgs
+from trillion.models.parts import Block
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time
 from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE
@@ -47,23 +49,19 @@ from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE
 # Give another figure with `trillion plan --moe-load-imbalance X`. It is a rank's figure: rank_load_imbalance
 # turns per-expert loads into it for an ep (an expert's max/mean overstates it when a rank holds several).
 MOE_LOAD_IMBALANCE = 1.16
-# Kernel launches an MoE layer adds besides its GEMMs, counted from models/moe.py (MoE.forward and
-# Router.forward, one per aten op: the router's 9, the sort, bincount, cumsum and gathers, silu and the
-# products, the scatter back, the weighting and sum, the load tally's 4 adds)
-MOE_KERNELS = 26
-# Group-limited routing's launches beyond MOE_KERNELS (Router.forward with n_groups > 1): the per-group top-2, its
-# sum, the top groups, the mask's scatter and negation, the masked fill
-GROUP_ROUTING_KERNELS = 6
 # Rows of dim one routed (token, expert) pair's routing reads and writes in a forward (the module docstring's
 # element-wise line: the permutation and its inverse 4, the weighting 2, the sum 1)
 ROUTING_ROWS_PER_CHOICE = 7
 
 
-def router_elements(moe) -> int:
-    """Elements per token the router reads and writes besides its GEMM (the module docstring)."""
-    bias = 2 if moe.bias_update_rate > 0 else 0
-    groups = 3 if moe.n_groups > 1 else 0
-    return (3 + bias + groups) * moe.n_experts
+def routed_block(args: ModelArgs) -> Block:
+    """An MoE block's declaration (models/parts/moe.py): its routing and expert stacks."""
+    return parts.block(args, True)
+
+
+def expert_width(block: Block) -> int:
+    """A routed expert's hidden width: its up projections' out features (w1, w3; models/parts/moe.py)."""
+    return block.experts[0].out_features
 
 
 def rank_load_imbalance(loads: list[float], ep: int) -> float:
@@ -80,13 +78,13 @@ def effective_imbalance(ep: int, imbalance: float) -> float:
 
 def expert_rows(args: ModelArgs, tokens: int, ep: int, imbalance: float) -> int:
     """Rows of each local expert's GEMMs on the busiest rank."""
-    moe = args.moe
-    return math.ceil(tokens * moe.top_k * ep / moe.n_experts * effective_imbalance(ep, imbalance))
+    routing = routed_block(args).routing
+    return math.ceil(tokens * routing.top_k * ep / routing.n_experts * effective_imbalance(ep, imbalance))
 
 
 def all_to_all_bytes(args: ModelArgs, tokens: int, ep: int, element_bytes: int, imbalance: float = 1.0) -> float:
     """Bytes one rank sends to its ep peers in one all-to-all: tokens x top_k x dim x bytes x (ep - 1) / ep."""
-    payload = tokens * args.moe.top_k * args.dim * element_bytes * effective_imbalance(ep, imbalance)
+    payload = tokens * routed_block(args).routing.top_k * args.dim * element_bytes * effective_imbalance(ep, imbalance)
     return payload * (ep - 1) / ep
 
 
@@ -94,14 +92,13 @@ def moe_passes(
     args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, ep: int, imbalance: float = MOE_LOAD_IMBALANCE
 ) -> Passes:
     """What one MoE layer adds to its block's attention and shared experts (the module docstring)."""
-    moe, h, launch = args.moe, args.dim, hw.device.kernel_overhead_us * 1e-6
-    f = moe.expert_ffn_dim  # the routed experts are whole on every tp rank
+    block, h, launch = routed_block(args), args.dim, hw.device.kernel_overhead_us * 1e-6
+    routing, f = block.routing, expert_width(block)  # the routed experts are whole on every tp rank
     experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance)
-    router = _gemm(hw, tokens, h, moe.n_experts)
-    k, imb = moe.top_k, effective_imbalance(ep, imbalance)
-    elements = tokens * ((ROUTING_ROWS_PER_CHOICE * k * h + 5 * k * f) * imb + h + router_elements(moe))
-    kernels = MOE_KERNELS + (GROUP_ROUTING_KERNELS if moe.n_groups > 1 else 0)
-    elementwise = _memory_bound(hw, elements * hw.element_bytes) + kernels * launch
+    router = _gemm(hw, tokens, routing.gate.in_features, routing.gate.out_features)
+    k, imb = routing.top_k, effective_imbalance(ep, imbalance)
+    elements = tokens * ((ROUTING_ROWS_PER_CHOICE * k * h + 5 * k * f) * imb + h + routing.elements)
+    elementwise = _memory_bound(hw, elements * hw.element_bytes) + routing.kernels * launch
     payload = tokens * k * h * hw.element_bytes * imb  # one all-to-all's per-rank bytes, own share included
     a2a = all_to_all_time(hw, payload, ep, tp)
     counts = all_to_all_time(hw, 0.0, ep, tp)  # the counts' exchange: its latency
@@ -119,33 +116,32 @@ def expert_gemm_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: i
     """One pass of the routed experts' three grouped GEMMs on the busiest rank: each local expert's GEMMs at its
     own shape (rows x dim x f twice, rows x f x dim), one launch per projection; `tp` does not split them
     (each tp rank runs the same tokens through whole experts)."""
-    moe, h, launch = args.moe, args.dim, hw.device.kernel_overhead_us * 1e-6
-    f = moe.expert_ffn_dim
-    rows, local = expert_rows(args, tokens, ep, imbalance), moe.n_experts // ep
-    per_expert = 2 * (_gemm(hw, rows, h, f) - launch) + (_gemm(hw, rows, f, h) - launch)
-    return local * per_expert + 3 * launch
+    block, launch = routed_block(args), hw.device.kernel_overhead_us * 1e-6
+    rows, local = expert_rows(args, tokens, ep, imbalance), block.routing.n_experts // ep
+    per_expert = sum(_gemm(hw, rows, s.in_features, s.out_features) - launch for s in block.experts)
+    return local * per_expert + len(block.experts) * launch
 
 
 def expert_numel(args: ModelArgs, moe_layers: int, tp: int, ep: int, efsdp: int) -> tuple[int, int]:
     """(after TP and EP, after TP, EP and expert-FSDP) elements of the routed experts of `moe_layers` layers
     on one rank: each of w1, w2, w3 is (E / ep, dim, f) locally (whole on every tp rank, so `tp` does not divide
     them), dim 0 chunked over efsdp (the ceiling on rank 0, as torch.chunk)."""
-    if not moe_layers or args.moe is None:
+    if not moe_layers or not parts.routed_experts(args):
         return 0, 0
-    moe = args.moe
-    local = moe.n_experts // ep * args.dim * moe.expert_ffn_dim
-    return moe_layers * 3 * local, moe_layers * 3 * math.ceil(local / efsdp)
+    local = [s.n_experts // ep * s.in_features * s.out_features for s in routed_block(args).experts]
+    return moe_layers * sum(local), moe_layers * sum(math.ceil(n / efsdp) for n in local)
 
 
 def moe_activation_bytes(args: ModelArgs, tokens: int, tp: int, ep: int, imbalance: float, dtype_bytes: int) -> float:
     """Bytes an MoE layer keeps for backward beyond its attention and shared experts (the module docstring)."""
-    moe = args.moe
-    k, f, imb = moe.top_k, moe.expert_ffn_dim, effective_imbalance(ep, imbalance)
-    return tokens * (4 * moe.n_experts + (2 * k * args.dim + 4 * k * f) * imb * dtype_bytes)
+    block = routed_block(args)
+    k, f, imb = block.routing.top_k, expert_width(block), effective_imbalance(ep, imbalance)
+    return tokens * (4 * block.routing.n_experts + (2 * k * args.dim + 4 * k * f) * imb * dtype_bytes)
 
 
 def ep_degrees(args: ModelArgs, shard_ranks: int) -> list[int]:
     """Expert-parallel degrees: divisors of dp_shard x cp that divide the experts; 1 for a dense model."""
-    if args.moe is None:
+    experts = parts.routed_experts(args)
+    if not experts:
         return [1]
-    return [e for e in range(1, shard_ranks + 1) if shard_ranks % e == 0 and args.moe.n_experts % e == 0]
+    return [e for e in range(1, shard_ranks + 1) if shard_ranks % e == 0 and experts % e == 0]

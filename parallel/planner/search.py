@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from trillion.errors import ConfigError
+from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.models.flops import (
     count_params,
@@ -22,7 +23,6 @@ from trillion.parallel.layout import Layout
 from trillion.parallel.modes import check_schedule
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
 from trillion.parallel.planner.cost import StepTime, step_time
-from trillion.parallel.planner.deepseek import whole_sequence_refusal
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
 from trillion.parallel.planner.space import Request, check_request, layouts, tp_degrees
 
@@ -59,7 +59,7 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     (parallel/modes.py check_schedule, which its validate_pipeline calls), so the search never
     proposes what the trainer refuses (DualPipeV with fewer than 2 pp micro-batches, a
     split-backward schedule under compile, an objective that needs whole sequences under cp, ...)."""
-    if refused := whole_sequence_refusal(args, layout):
+    if refused := parts.layout_refusal(args, layout):  # what a part cannot train under (models/parts)
         return refused
     try:
         check_schedule(

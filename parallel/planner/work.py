@@ -3,7 +3,8 @@ element-wise traffic and kernel launches of one transformer layer (eager and com
 memory passes of the optimizer and of FSDP's copies. The planner times them at the device's
 memory bandwidth and launch overhead (cost.py).
 
-Per token of one layer's forward, in elements read plus written (models/transformer.py; checked
+Per token of one layer's forward, in elements read plus written (models/transformer.py; each part declares
+its own in models/parts, with the counts of models/parts/counts.py; checked
 against a count of every aten op of a real block, forward and backward, in
 tests/planner/test_work.py):
   eager     RMSNorm as torch decomposes it (pow, mean, rsqrt, two multiplies) 8 h, LayerNorm's
@@ -15,13 +16,12 @@ The backward pass of an element-wise op reads its saved input and the incoming g
 the outgoing one: twice the forward's traffic (the count gives 2.1).
 """
 
+from trillion.models import parts
 from trillion.models.args import ModelArgs
-from trillion.parallel.planner.deepseek import mla_elementwise_per_token
 
 BACKWARD_ELEMENTWISE = 2.0
-# element-wise kernels of one layer's forward besides the 7 GEMMs and the attention kernel
-# (counted as above: 26 for a Llama block, 5 for a GPT block eager; compiled: one per chain)
-EAGER_KERNELS = {"llama": 26, "gpt": 5}
+# element-wise kernels of one layer's forward besides the GEMMs and the attention kernel, compiled: one per chain
+# (eager: as the block's parts declare them, models/parts/norm.py)
 COMPILED_KERNELS = 5  # two residual+norm, rotary, the MLP activation, the attention output copy
 # AdamW's fused kernel reads parameter, gradient and both moments and writes three of them
 # (7 x 4 bytes), gradient clipping reads every gradient for the norm and scales it (3 x 4 bytes)
@@ -47,32 +47,13 @@ FSDP_FLOAT8_GATHER_COPY_BYTES = 2
 CROSS_ENTROPY_BYTES_PER_LOGIT = 22
 
 
-def _family(args: ModelArgs) -> str:
-    return "llama" if args.mlp == "swiglu" else "gpt"
-
-
-def elementwise_per_token(args: ModelArgs, tp: int, compiled: bool, ffn_hidden: int | None = None) -> float:
-    """Elements read and written per token by one layer's forward on one of `tp` ranks (the
-    sequence-parallel parts, norms and residuals, are split over them too; MLA's latent norms are not, deepseek.py);
-    `ffn_hidden` the MLP's width (an MoE layer's shared experts, 0 for none; moe.py counts the routed experts' work)."""
-    h, q, kv = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
-    f = args.ffn_hidden if ffn_hidden is None else ffn_hidden
-    rope = args.positions == "rope"
-    swiglu = args.mlp == "swiglu"
-    if compiled:
-        hidden = 2 * 4 * h
-        heads = 2 * (q + kv) if rope else 0
-        mlp = (3 if swiglu else 2) * f
-    else:
-        hidden = 2 * (8 if args.norm == "rmsnorm" else 2) * h + 2 * 3 * h
-        heads = 10 * (q + kv) if rope else 0
-        mlp = (5 if swiglu else 2) * f
-    whole = 0.0
-    if args.mla:  # latent attention's rotary parts, latent norms and assembled q and k in place of the heads' rotary
-        heads, whole = mla_elementwise_per_token(args, compiled)
-    return (hidden + heads + mlp) / tp + whole
+def elementwise_per_token(args: ModelArgs, tp: int, compiled: bool, routed: bool = False) -> float:
+    """Elements read and written per token by one layer's forward on one of `tp` ranks, as its parts declare them
+    (models/parts: the norms and residuals, sequence-parallel, are split over the ranks too; latent attention's
+    latent norms are not); `routed`: an MoE layer's attention and shared experts (moe.py counts the routed experts)."""
+    return parts.block(args, routed).elementwise_on_rank(tp, compiled)
 
 
 def elementwise_kernels(args: ModelArgs, compiled: bool) -> int:
     """Element-wise kernel launches of one layer's forward."""
-    return COMPILED_KERNELS if compiled else EAGER_KERNELS[_family(args)]
+    return COMPILED_KERNELS if compiled else parts.block(args).eager_kernels

@@ -1,4 +1,4 @@
-"""The planner's DeepSeek blocks (parallel/planner/deepseek.py): multi-head latent attention, multi-token prediction
+"""The planner's DeepSeek blocks (as models/parts declares them): multi-head latent attention, multi-token prediction
 and the DeepSeek MoE block, against the published parameter counts and under tensor and pipeline parallelism."""
 
 import dataclasses
@@ -8,8 +8,8 @@ import pytest
 
 from trillion.models.flops import count_params, model_flops_per_token
 from trillion.models.presets import get_preset
-from trillion.parallel.planner.cost import block_passes, output_passes, rank_passes
-from trillion.parallel.planner.deepseek import attention_flops
+from trillion.parallel.planner.block_cost import attention_flops, block_passes, output_passes
+from trillion.parallel.planner.cost import rank_passes
 from trillion.parallel.planner.hardware import load_profile
 from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import (

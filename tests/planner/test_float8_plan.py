@@ -205,7 +205,7 @@ def test_float8_tp_gathers_activations_in_float8_and_reduce_scatters_in_bf16():
     that is the reduce-scatter's backward; the reduce-scatters stay bf16. Per layer and pass, two all-gathers of a
     micro-batch's tokens x dim move 1 byte per element instead of 2: on 8 GPUs of a node, a ring all-gather sends
     7/8 of the payload over NVLink at the rate written above."""
-    from trillion.parallel.planner.cost import layer_passes, tp_gather_bytes
+    from trillion.parallel.planner.block_cost import layer_passes, tp_gather_bytes
 
     args, hw = get_preset("llama3-8b"), load_profile("dgx-h100")
     tokens = 8192  # micro-batch 1 at seq 8192

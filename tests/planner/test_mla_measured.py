@@ -1,4 +1,4 @@
-"""The planner's latent attention (parallel/planner/deepseek.py) against the real block on CPU: its element-wise
+"""The planner's latent attention (models/parts/mla.py) against the real block on CPU: its element-wise
 traffic per token (every aten op, as tests/planner/test_work.py counts a Llama block) and the bytes autograd keeps
 for backward (as tests/planner/test_activations.py measures). Attention runs as flash attention keeps it (q, k, v,
 the output and a log-sum-exp; recomputed in backward): CPU's SDPA takes its math path when the query/key and value

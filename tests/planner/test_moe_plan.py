@@ -10,7 +10,8 @@ from trillion.errors import ConfigError
 from trillion.models.args import MoEArgs
 from trillion.models.flops import count_params
 from trillion.models.presets import get_preset
-from trillion.parallel.planner.cost import layer_passes, rank_passes
+from trillion.parallel.planner.block_cost import layer_passes
+from trillion.parallel.planner.cost import rank_passes
 from trillion.parallel.planner.hardware import load_profile
 from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import RankParams, layout_memory, pipeline_ranks
@@ -122,7 +123,7 @@ def test_one_expert_of_top_one_is_the_dense_mlp():
     assert expert_gemm_seconds(moe, H100, tokens, 1, 1, 1.0) == pytest.approx(mlp)
     assert mlp == pytest.approx(
         layer_passes(dense, H100, 2, 1024, 1, False).weight_grad
-        - layer_passes(moe, H100, 2, 1024, 1, False, 1, False, 0).weight_grad
+        - layer_passes(moe, H100, 2, 1024, 1, False, routed=True).weight_grad
     )
     rank, dense_rank_params = RankParams(4, False, False, moe_layers=4), RankParams(4, False, False)
     assert rank.numel(moe, 1, 1)[0] == dense_rank_params.numel(dense, 1, 1)[0] + 4 * h  # the router: dim x 1 a layer

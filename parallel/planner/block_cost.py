@@ -1,0 +1,151 @@
+"""One block's and the output head's passes on one rank (cost.py's docstring: compute, TP and CP per layer),
+from the parts each block declares (models/parts): their linears' GEMMs at their tp splits, the attention at
+its heads' widths, their element-wise work, and their sublayers' TP collectives."""
+
+from functools import lru_cache
+
+from trillion.models import parts
+from trillion.models.args import ModelArgs
+from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, ROW
+from trillion.parallel.planner.hardware import HardwareProfile
+from trillion.parallel.planner.memory import tp_local_linears
+from trillion.parallel.planner.moe import moe_passes
+from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, collective_time, float8_casts
+from trillion.parallel.planner.work import (
+    BACKWARD_ELEMENTWISE,
+    CROSS_ENTROPY_BYTES_PER_LOGIT,
+    elementwise_kernels,
+    elementwise_per_token,
+)
+
+# loss_parallel's cross-entropy all-reduces one fp32 number per token 3 times: the logits' max and
+# the sum of exponentials in log-softmax, the target's log-probability in nll_loss (a profiled tp 2 step)
+LOSS_PARALLEL_ALL_REDUCES = 3
+
+
+def attention_flops(args: ModelArgs, tokens: int, seq_len: int, tp: int) -> float:
+    """Forward FLOPs of causal attention for `tokens` against `seq_len` keys, on one of `tp` ranks: per head
+    QK^T at the query/key width and PV at the value width, half of the full square."""
+    heads = parts.block(args).heads
+    return tokens * seq_len * heads.heads * (heads.qk_head_dim + heads.v_head_dim) / tp
+
+
+@lru_cache(maxsize=8192)
+def layer_passes(
+    args: ModelArgs,
+    hw: HardwareProfile,
+    batch: int,
+    seq_len: int,
+    tp: int,
+    compiled: bool,
+    cp: int = 1,
+    float8: bool = False,
+    routed: bool = False,
+) -> Passes:
+    """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
+    holding 1/cp of each sequence; with float8, its converted linears in fp8 (cost.py's docstring); `routed`: an
+    MoE layer's attention and shared experts (moe.py adds the rest)."""
+    h = args.dim
+    tokens = batch * seq_len // cp
+    # (k, n, in fp8) of each linear on this rank: the GEMM is tokens x k x n
+    shapes = [(k, n, float8 and converted) for k, n, converted in tp_local_linears(args, tp, routed)]
+    gemm = sum(_gemm(hw, tokens, k, n, fp8) for k, n, fp8 in shapes)
+    casts = [float8_casts(hw, tokens, k, n) for k, n, fp8 in shapes if fp8]
+    cast_forward, cast_input_grad, cast_weight_grad = (sum(c[i] for c in casts) for i in range(3))
+    peak_attention = hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency * hw.device.sustained
+    attention = attention_flops(args, tokens, seq_len, tp) / peak_attention
+    elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled, routed) * hw.element_bytes)
+    launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
+    reduce_scatters = 2 * collective_time(hw, tokens * h * hw.element_bytes, tp, tp, "reduce_scatter")
+    gathered = tp_gather_bytes(args, tp, float8, routed, hw.element_bytes)
+    tp_comm_forward = reduce_scatters + sum(
+        collective_time(hw, tokens * h * forward, tp, tp, "all_gather") for forward, _ in gathered
+    )
+    tp_comm_backward = reduce_scatters + sum(
+        collective_time(hw, tokens * h * backward, tp, tp, "all_gather") for _, backward in gathered
+    )
+    host_forward, host_backward = hw.tp_layer_host_s if tp > 1 else (0.0, 0.0)
+    kv_bytes = batch * seq_len * parts.block(args).heads.kv_width / tp * hw.element_bytes  # the sequence's K and V
+    cp_gather = collective_time(hw, kv_bytes, cp, tp * cp, "all_gather")
+    cp_reduce = collective_time(hw, kv_bytes, cp, tp * cp, "reduce_scatter")
+    return Passes(
+        forward=gemm + attention + elementwise + launches + tp_comm_forward + host_forward + cp_gather + cast_forward,
+        input_grad=gemm
+        + 2.5 * attention
+        + BACKWARD_ELEMENTWISE * (elementwise + launches)
+        + tp_comm_backward
+        + host_backward
+        + cp_reduce
+        + cast_input_grad,
+        weight_grad=gemm + cast_weight_grad,
+        tp_forward=tp_comm_forward + host_forward,
+        tp_backward=tp_comm_backward + host_backward,
+        cp_forward=cp_gather,
+        cp_backward=cp_reduce,
+    )
+
+
+def tp_gather_bytes(
+    args: ModelArgs, tp: int, float8: bool, routed: bool, element_bytes: int
+) -> tuple[tuple[int, int], ...]:
+    """Per sublayer (attention, MLP): the bytes per element of TP's forward all-gather of its input and of its
+    backward all-gather of its output's gradient. torchao's float8 TP styles (parallel/float8.py tp_styles, the
+    trainer's under tensorwise float8) cast the input to float8 before the all-gather when the sublayer's
+    columnwise linears are converted (Float8ColwiseParallel, PrepareFloat8ModuleInput), and the output's gradient
+    to float8 before the all-gather that is its reduce-scatter's backward when the rowwise linear is
+    (Float8RowwiseParallel: NoopFwToFloat8BwDynamic); reduce-scatters stay in the compute dtype. A part whose
+    tensors stay DTensors (latent attention: its input gathered for replicated down projections) has no float8
+    style to prepare it: its gathers stay in that dtype."""
+    declared = parts.block(args, routed).sublayers
+    if not float8:
+        return ((element_bytes, element_bytes),) * len(declared)
+    converted = iter(fp8 for _, _, fp8 in tp_local_linears(args, tp, routed))
+    sublayers = []
+    for part in declared:
+        group = [(linear.split, next(converted)) for linear in part.linears]
+        if part.tp_style == DTENSOR_HEADS:
+            group = []
+        columnwise = [fp8 for split, fp8 in group if split == COLUMN]
+        rowwise = [fp8 for split, fp8 in group if split == ROW]
+        sublayers.append(
+            (1 if columnwise and all(columnwise) else element_bytes, 1 if rowwise and all(rowwise) else element_bytes)
+        )
+    return tuple(sublayers)
+
+
+def block_passes(
+    args: ModelArgs,
+    hw: HardwareProfile,
+    batch: int,
+    seq_len: int,
+    tp: int,
+    compiled: bool,
+    cp: int,
+    float8: bool,
+    ep: int,
+    imbalance: float,
+    moe: bool,
+) -> Passes:
+    """One dense block, or one MoE block (its attention and shared experts, then moe.py's routed experts)."""
+    if not moe:
+        return layer_passes(args, hw, batch, seq_len, tp, compiled, cp, float8)
+    shared = layer_passes(args, hw, batch, seq_len, tp, compiled, cp, float8, True)
+    return shared + moe_passes(args, hw, batch * seq_len // cp, tp, ep, imbalance)
+
+
+@lru_cache(maxsize=8192)
+def output_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) -> Passes:
+    """Final norm, output projection (vocabulary-parallel) and cross-entropy."""
+    gemm = _gemm(hw, tokens, args.dim, args.vocab_size // tp)
+    loss = _memory_bound(hw, tokens * args.vocab_size / tp * CROSS_ENTROPY_BYTES_PER_LOGIT * hw.element_bytes / 2)
+    gather = collective_time(
+        hw, tokens * args.dim * hw.element_bytes, tp, tp, "all_gather"
+    ) + LOSS_PARALLEL_ALL_REDUCES * collective_time(hw, tokens * 4, tp, tp, "all_reduce")
+    scatter = collective_time(hw, tokens * args.dim * hw.element_bytes, tp, tp, "reduce_scatter")
+    return Passes(
+        forward=gemm + loss + gather,
+        input_grad=gemm + loss + scatter,
+        weight_grad=gemm,
+        tp_forward=gather,
+        tp_backward=scatter,
+    )
