@@ -1,4 +1,5 @@
-"""Tensor parallelism with DTensor `parallelize_module`, Megatron-style, for both model families.
+"""Tensor parallelism with DTensor `parallelize_module`, Megatron-style, each block as its parts declare
+(models/parts: every linear's split, COLUMN / ROW / REPLICATED, and every part's TP style below).
 
 Per block: q/k/v and the MLP input projections (w1, w3) are column-wise (each rank holds a slice of
 the heads / of the FFN width), wo and w2 are row-wise, so a block costs one all-gather on the way in
@@ -18,17 +19,17 @@ compile.py: with plain tensors at the boundary the compiled backward crashed or,
 the embedding a wrong gradient), and what a pipeline stage sends: PipelineStage passes the local
 shard and the next stage rebuilds the same DTensor, whichever part of the model a stage begins with.
 
-Mixture-of-experts blocks (models/moe.py): the MoE layer takes its input all-gathered (every TP rank
+WHOLE_TOKENS parts (the mixture of experts, models/moe.py): the MoE layer takes its input all-gathered (every TP rank
 routes the same tokens, so the router, its balancing tallies and the auxiliary loss are the one-process
 ones), the router and the routed experts stay whole and replicated over tp (under expert parallelism
 each ep rank's experts, expert_parallel.py), the shared experts are column/row-wise with an all-reduce
 out, and the layer's output is handed back sequence-parallel (a local slice, no communication).
 
-Latent attention (models/mla.py): heads split as above (wq or wq_b and wkv_b column-wise, wo row-wise),
-the low-rank down projections wq_a, wkv_a and their norms replicated. Its tensors stay DTensors (the
-rotary table passed in as a replicated one) until `attend`, which gets this rank's heads as plain tensors:
-the key's rotary part is one head shared by all, so its gradient is a sum over every rank's heads, which
-DTensor's autograd does (a partial sum reduced on the way back) and plain local tensors would not.
+DTENSOR_HEADS parts (latent attention, models/mla.py): heads split as above (wq or wq_b and wkv_b column-wise,
+wo row-wise), the low-rank down projections wq_a, wkv_a and their norms replicated. Its tensors stay DTensors
+(the rotary table passed in as a replicated one) until `attend`, which gets this rank's heads as plain
+tensors: the key's rotary part is one head shared by all, so its gradient is a sum over every rank's heads,
+which DTensor's autograd does (a partial sum reduced on the way back) and plain local tensors would not.
 
 Output: column-wise over the vocabulary with the logits left as a DTensor sharded on the vocab
 dimension; the cross-entropy then runs under `loss_parallel()` and never gathers the full logits
@@ -51,15 +52,20 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from trillion.models.mla import MLAttention
-from trillion.models.moe import MoE
+from trillion.models import parts
+from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, HEADS, REPLICATED, ROW, WHOLE_TOKENS, Part
+
+# How the block calls each sublayer (models/transformer.py TransformerBlock): the attention with the
+# normed stream and the rotary table (None for learned positions), the feed-forward with the stream.
+SUBLAYER_INPUTS = {"attention": 2, "feed_forward": 1}
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, *, float8_tp: bool = False, expert_parallel: bool = False) -> None:
-    """Shard `model` (built from models.transformer) over the 1-D `tp_mesh`, in place. `float8_tp`: the
-    blocks' float8 linears (parallel/float8.py, tensorwise) take torchao's float8 styles, which cast the
-    activations to float8 before the all-gather (half the bytes, one cast for q, k and v).
-    `expert_parallel`: the routed experts go to the ep mesh next (not replicated over tp here)."""
+    """Shard `model` (built from models.transformer) over the 1-D `tp_mesh`, in place, each block as its parts
+    declare (models/parts: each linear's split, each part's TP style). `float8_tp`: the blocks' float8 linears
+    (parallel/float8.py, tensorwise) take torchao's float8 styles, which cast the activations to float8 before
+    the all-gather (half the bytes, one cast for q, k and v). `expert_parallel`: the routed experts go to the
+    ep mesh next (not replicated over tp here)."""
     top = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(
@@ -75,98 +81,59 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, float8_tp: bool = False,
         top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, tp_mesh, top)
 
-    for block in model.layers.values():
+    for index, block in model.layers.items():
+        declared = parts.layer_block(model.args, int(index))
         style = _Styles(block, float8_tp)
-        latent = isinstance(block.attention, MLAttention)
-        plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
-        plan |= _mla_plan(block.attention) if latent else _attention_plan(style)
-        plan |= _moe_plan(block.feed_forward) if isinstance(block.feed_forward, MoE) else _mlp_plan(block, style)
+        plan = {norm.name: SequenceParallel() for norm in declared.norms}
+        for part in declared.sublayers:
+            plan |= SUBLAYER_PLANS[part.tp_style](part, style)
         parallelize_module(block, tp_mesh, plan)
-        if latent:
-            _replicate_latent(block.attention, tp_mesh)
-        if isinstance(block.feed_forward, MoE):
-            _replicate_routing(block.feed_forward, tp_mesh, experts=not expert_parallel)
+        for part in declared.sublayers:
+            _replicate_whole(block, part, tp_mesh, experts=not expert_parallel)
 
 
-def _attention_plan(style) -> dict:
-    return {
-        "attention": style.prepare(
-            "attention", ("wq", "wk", "wv"), input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
-        ),
-        "attention.wq": style.colwise("attention.wq"),
-        "attention.wk": style.colwise("attention.wk"),
-        "attention.wv": style.colwise("attention.wv"),
-        "attention.wo": style.rowwise("attention.wo", output_layouts=Shard(1), use_local_output=False),
-    }
-
-
-def _mla_plan(attention: MLAttention) -> dict:
-    """Latent attention: input and rotary table replicated DTensors, the head-making projections column-wise
-    with DTensor outputs, wo row-wise (the replicated parts: _replicate_latent). Plain styles: float8
-    tensor parallelism of latent attention is not built."""
-    query = "attention.wq" if attention.wq is not None else "attention.wq_b"
-    return {
-        "attention": PrepareModuleInput(
-            input_layouts=(Shard(1), Replicate()), desired_input_layouts=(Replicate(), Replicate())
-        ),
-        query: ColwiseParallel(use_local_output=False),
-        "attention.wkv_b": ColwiseParallel(use_local_output=False),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
-    }
-
-
-def _replicate_latent(attention: MLAttention, tp_mesh) -> None:
-    """The down projections and their norms whole on every tp rank (replicated DTensors, as their inputs are),
-    and the attention itself on this rank's heads."""
-    for module in (attention.wq_a, attention.q_norm, attention.wkv_a, attention.kv_norm):
-        if module is not None:
-            distribute_module(module, tp_mesh)
-    attention.attend = _LocalHeads(attention.attend)
-
-
-class _LocalHeads:
-    """Latent attention's `attend` under TP: q, k, v (DTensors, heads sharded) -> the wrapped attend (a backend,
-    or context parallelism's) on this rank's heads as plain tensors; its output is this rank's slice of wo's input."""
-
-    def __init__(self, attend):
-        self.attend = attend
-
-    def __call__(self, q, k, v, **kwargs):
-        return self.attend(*(t.redistribute(placements=[Shard(1)]).to_local() for t in (q, k, v)), **kwargs)
-
-
-def _replicate_routing(moe: MoE, tp_mesh, experts: bool) -> None:
-    """The router (and the routed experts, unless expert-parallel) as DTensors replicated over tp, so
-    that every parameter is a DTensor (foreach optimizers take no mix); they compute on local tensors."""
-    distribute_module(
-        moe.router.gate,
-        tp_mesh,
-        input_fn=lambda _module, inputs, mesh: tuple(
-            DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs
-        ),
-        output_fn=lambda _module, output, _mesh: output.to_local(),
-    )
-    if experts:  # RoutedExperts reads its weights' local tensors
-        distribute_module(moe.experts, tp_mesh)
-
-
-def _mlp_plan(block: nn.Module, style) -> dict:
+def _heads_plan(part: Part, style) -> dict:
+    """Input all-gathered from the sequence-parallel stream (in float8 where every column linear is), column
+    linears with local outputs, the row linear reduce-scattered back to the stream as a DTensor."""
+    columns = [x.name for x in part.linears if x.split == COLUMN]
+    inputs = SUBLAYER_INPUTS[part.module]
     plan = {
-        "feed_forward": style.prepare(
-            "feed_forward", ("w1", "w3"), input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        ),
-        "feed_forward.w1": style.colwise("feed_forward.w1"),
-        "feed_forward.w2": style.rowwise("feed_forward.w2", output_layouts=Shard(1), use_local_output=False),
+        part.module: style.prepare(
+            columns,
+            input_layouts=(Shard(1),) + (None,) * (inputs - 1),
+            desired_input_layouts=(Replicate(),) + (None,) * (inputs - 1),
+        )
     }
-    if block.feed_forward.w3 is not None:
-        plan["feed_forward.w3"] = style.colwise("feed_forward.w3")
+    for linear in part.linears:
+        if linear.split == COLUMN:
+            plan[linear.name] = style.colwise(linear.name)
+        elif linear.split == ROW:
+            plan[linear.name] = style.rowwise(linear.name, output_layouts=Shard(1), use_local_output=False)
     return plan
 
 
-def _moe_plan(moe: MoE) -> dict:
-    """All-gathered in, sequence-parallel out; router and routed experts replicated; shared experts TP."""
+def _dtensor_heads_plan(part: Part, style) -> dict:
+    """Input and rotary table replicated DTensors, the head-making projections column-wise with DTensor outputs,
+    the row linear back to the stream (the replicated parts: _replicate_whole). Plain styles: float8 tensor
+    parallelism of such a part is not built."""
     plan = {
-        "feed_forward": PrepareModuleInputOutput(
+        part.module: PrepareModuleInput(
+            input_layouts=(Shard(1), Replicate()), desired_input_layouts=(Replicate(), Replicate())
+        )
+    }
+    for linear in part.linears:
+        if linear.split == COLUMN:
+            plan[linear.name] = ColwiseParallel(use_local_output=False)
+        elif linear.split == ROW:
+            plan[linear.name] = RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return plan
+
+
+def _whole_tokens_plan(part: Part, style) -> dict:
+    """All-gathered in, sequence-parallel out (a local slice, no communication); the column/row linears (an MoE
+    layer's shared experts) split with an all-reduce out; the router and expert stacks whole (_replicate_whole)."""
+    plan = {
+        part.module: PrepareModuleInputOutput(
             input_layouts=(Shard(1),),
             desired_input_layouts=(Replicate(),),
             use_local_input=True,
@@ -175,13 +142,53 @@ def _moe_plan(moe: MoE) -> dict:
             use_local_output=False,
         )
     }
-    shared = moe.shared_experts
-    if shared is not None:
-        plan["feed_forward.shared_experts.w1"] = ColwiseParallel()
-        plan["feed_forward.shared_experts.w2"] = RowwiseParallel(output_layouts=Replicate())
-        if shared.w3 is not None:
-            plan["feed_forward.shared_experts.w3"] = ColwiseParallel()
+    for linear in part.linears:
+        if linear.split == COLUMN:
+            plan[linear.name] = ColwiseParallel()
+        elif linear.split == ROW:
+            plan[linear.name] = RowwiseParallel(output_layouts=Replicate())
     return plan
+
+
+SUBLAYER_PLANS = {HEADS: _heads_plan, DTENSOR_HEADS: _dtensor_heads_plan, WHOLE_TOKENS: _whole_tokens_plan}
+
+
+def _replicate_whole(block: nn.Module, part: Part, tp_mesh, experts: bool) -> None:
+    """What a part keeps whole on every tp rank, as replicated DTensors, so that every parameter is a DTensor
+    (foreach optimizers take no mix). A DTENSOR_HEADS part's replicated linears and norms compute on DTensors
+    (their inputs are), and its `attend` gets this rank's heads; a WHOLE_TOKENS part's router gate and expert
+    stacks (unless expert-parallel: expert_parallel.py shards them next) compute on local tensors."""
+    if part.tp_style == DTENSOR_HEADS:
+        whole = [x.name for x in part.linears if x.split == REPLICATED] + [n.name for n in part.norms]
+        for name in whole:
+            distribute_module(block.get_submodule(name), tp_mesh)
+        module = block.get_submodule(part.module)
+        module.attend = _LocalHeads(module.attend)
+    elif part.tp_style == WHOLE_TOKENS:
+        if part.routing is not None:
+            distribute_module(
+                block.get_submodule(part.routing.gate.name),
+                tp_mesh,
+                input_fn=lambda _module, inputs, mesh: tuple(
+                    DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs
+                ),
+                output_fn=lambda _module, output, _mesh: output.to_local(),
+            )
+        stacks = dict.fromkeys(stack.name.rsplit(".", 1)[0] for stack in part.experts)  # their modules, in order
+        for name in stacks if experts else ():
+            distribute_module(block.get_submodule(name), tp_mesh)
+
+
+class _LocalHeads:
+    """A DTENSOR_HEADS attention's `attend` under TP: q, k, v (DTensors, heads sharded) -> the wrapped attend (a
+    backend, or context parallelism's) on this rank's heads as plain tensors; its output is this rank's slice of
+    the row linear's input."""
+
+    def __init__(self, attend):
+        self.attend = attend
+
+    def __call__(self, q, k, v, **kwargs):
+        return self.attend(*(t.redistribute(placements=[Shard(1)]).to_local() for t in (q, k, v)), **kwargs)
 
 
 class _Styles:
@@ -207,9 +214,9 @@ class _Styles:
     def rowwise(self, name: str, **kwargs):
         return (self.float8_styles[1] if self._float8(name) else RowwiseParallel)(**kwargs)
 
-    def prepare(self, parent: str, linears: tuple[str, ...], **kwargs):
-        names = [f"{parent}.{linear}" for linear in linears if getattr(self.block.get_submodule(parent), linear)]
-        return (self.float8_styles[2] if self._float8(*names) else PrepareModuleInput)(**kwargs)
+    def prepare(self, linears: list[str], **kwargs):
+        """The input preparation of the module whose column `linears` read its input."""
+        return (self.float8_styles[2] if self._float8(*linears) else PrepareModuleInput)(**kwargs)
 
 
 def loss_context(tp_enabled: bool):

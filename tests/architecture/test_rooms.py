@@ -136,7 +136,6 @@ STILL_BRANCHING = {
     "parallel/planner/explain.py": 1,
     "parallel/planner/memory.py": 3,
     "parallel/planner/space.py": 1,
-    "parallel/tensor_parallel.py": 5,
     "trainer/assemble.py": 4,
     "trainer/step.py": 1,
     "trainer/tools/estimate/rank.py": 2,
