@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from trillion.kernels.grouped_gemm import grouped_mm
-from trillion.models.args import MoEArgs
+from trillion.errors import ConfigError
+from trillion.kernels.grouped_gemm import backend_unavailable, grouped_mm
+from trillion.models.args import ModelArgs, MoEArgs
 from trillion.models.step_hooks import StepHooks, register_step_hooks
 
 # load_tally holds E loads, then these four
@@ -260,9 +261,29 @@ def moe_step_hooks(model: nn.Module) -> list[MoEStepHooks]:
     return [MoEStepHooks(layers)] if layers else []
 
 
+def routed_expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The stacked routed-expert weights this module holds (what expert parallelism spreads over ep)."""
+    return [p for layer in moe_layers(model).values() for p in layer.experts.parameters()]
+
+
 def reset_moe_state(model: nn.Module) -> None:
     """Zero the balancing bias and the tallies (init_weights: buffers built on the meta device hold garbage)."""
     for layer in moe_layers(model).values():
         layer.load_tally.zero_()
         if layer.router.expert_bias is not None:
             layer.router.expert_bias.zero_()
+
+
+def check_grouped_gemm(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> None:
+    """kernels.grouped_gemm=torch or =triton where that backend cannot run: refused before any work (nothing
+    to check for a dense model)."""
+    if args.moe is None or args.moe.experts_impl not in ("torch", "triton"):
+        return
+    x = torch.empty(0, args.dim, device=device, dtype=dtype)
+    why = backend_unavailable(args.moe.experts_impl, x, torch.empty(0, 0, args.moe.expert_ffn_dim, dtype=dtype))
+    if why is not None:
+        raise ConfigError(
+            f"kernels.grouped_gemm={args.moe.experts_impl} cannot run here: {why}. Use --kernels.grouped_gemm=auto "
+            "(torch._grouped_mm where it runs, else the Triton kernel on a GPU, else one matmul per expert) or "
+            "--kernels.grouped_gemm=loop."
+        )

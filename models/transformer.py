@@ -102,6 +102,11 @@ class Transformer(nn.Module):
         else:
             self.rope = None
 
+    def units(self) -> list[nn.Module]:
+        """What FSDP shards one at a time: each block this module holds, then each multi-token prediction
+        module (its block and projection, models/mtp.py)."""
+        return [*self.layers.values(), *(self.mtp.values() if self.mtp is not None else ())]
+
     def forward(
         self,
         tokens: torch.Tensor,

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trillion.errors import ConfigError
+from trillion.models import parts
 from trillion.parallel.context_parallel import check_sequence
 from trillion.parallel.layout import AXES, Layout, check_degrees, degrees_of, divisors
 
@@ -165,16 +166,16 @@ class ParallelDims:
     def _validate_ep(self, model_args) -> None:
         if self.ep == 1:
             return
-        moe = model_args.moe
-        if moe is None:
+        experts = parts.routed_experts(model_args)
+        if not experts:
             raise ConfigError(
                 f"parallel.ep={self.ep}, but the model is dense (no experts to spread). Use --parallel.ep=1, or an "
                 "MoE preset (e.g. --model.name=debug-moe)."
             )
-        if moe.n_experts % self.ep:
-            valid = [d for d in divisors(moe.n_experts) if (self.dp_shard * self.cp) % d == 0]
+        if experts % self.ep:
+            valid = [d for d in divisors(experts) if (self.dp_shard * self.cp) % d == 0]
             raise ConfigError(
-                f"parallel.ep={self.ep} does not divide the model's {moe.n_experts} routed experts "
+                f"parallel.ep={self.ep} does not divide the model's {experts} routed experts "
                 "(model.n_experts): each expert-parallel rank holds the same number of whole experts. Use an ep "
                 f"that divides both n_experts and dp_shard x cp (valid: {', '.join(map(str, valid))}), or set "
                 "--model.n_experts to a multiple of ep."

@@ -31,7 +31,7 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor 
     )
 
 
-def mtp_loss(depth_logits: list[torch.Tensor], labels: torch.Tensor, tokens: torch.Tensor | int) -> torch.Tensor:
+def lookahead_loss(depth_logits: list[torch.Tensor], labels: torch.Tensor, tokens: torch.Tensor | int) -> torch.Tensor:
     """The multi-token prediction modules' mean loss: depth k's logits (batch, seq - k, vocab) against the labels
     shifted k more, each summed over `tokens` as DeepSeek-V3 divides by the trunk's target count (its eq. 24-25)."""
     losses = [token_loss(logits, labels[:, depth:], tokens) for depth, logits in enumerate(depth_logits, start=1)]
@@ -47,12 +47,12 @@ class Runner(Protocol):
     """What the training step needs of a way to run the micro-batches: the module holding this rank's
     parameters (to clip and to optimize), the process group its gradient norm spans beyond the sharded
     layout (the pipeline ranks; None without a pipeline), and the forward and backward of one step
-    returning this rank's summed loss; `mtp_loss`: the step's multi-token prediction loss summed likewise
+    returning this rank's summed loss; `ahead_loss`: the step's multi-token prediction loss summed likewise
     (None without it). MicroBatchLoop and pipeline.Pipeline are the two."""
 
     model: nn.Module
     clip_group: dist.ProcessGroup | None
-    mtp_loss: torch.Tensor | None
+    ahead_loss: torch.Tensor | None
 
     def forward_backward(self, micro_batches, tokens: torch.Tensor, autocast, scaler) -> torch.Tensor: ...
 
@@ -60,33 +60,33 @@ class Runner(Protocol):
 class MicroBatchLoop:
     """Gradient accumulation: each micro-batch's forward and backward in turn, on the whole model
     (parallelized by parallelize.py). `clip_group` is None: the gradient norm spans no pipeline.
-    `mtp_weight` > 0: the model trains multi-token prediction modules (models/mtp.py), whose mean loss
+    `ahead_weight` > 0: the model trains multi-token prediction modules (models/mtp.py), whose mean loss
     joins the backward with this weight; the returned loss stays the trunk's (comparable with runs
-    without them and with the evaluation's), the modules' in `mtp_loss`."""
+    without them and with the evaluation's), the modules' in `ahead_loss`."""
 
     clip_group = None
 
     def __init__(
-        self, model: nn.Module, tp_enabled: bool = False, dp_shard_mode: str = "zero3", mtp_weight: float = 0.0
+        self, model: nn.Module, tp_enabled: bool = False, dp_shard_mode: str = "zero3", ahead_weight: float = 0.0
     ):
         self.model, self.tp_enabled, self.dp_shard_mode = model, tp_enabled, dp_shard_mode
-        self.mtp_weight = mtp_weight
-        self.mtp_loss: torch.Tensor | None = None
+        self.ahead_weight = ahead_weight
+        self.ahead_loss: torch.Tensor | None = None
 
     def forward_backward(self, micro_batches, tokens: torch.Tensor, autocast, scaler) -> torch.Tensor:
         device = micro_batches[0][0].device
         loss_sum = torch.zeros((), device=device)
-        self.mtp_loss = torch.zeros((), device=device) if self.mtp_weight else None
+        self.ahead_loss = torch.zeros((), device=device) if self.ahead_weight else None
         for index, (inputs, labels) in enumerate(micro_batches):
             set_micro_batch(self.model, self.dp_shard_mode, is_last=index == len(micro_batches) - 1)
             with autocast:
-                logits, ahead = self.model(inputs, with_mtp=True) if self.mtp_weight else (self.model(inputs), [])
+                logits, ahead = self.model(inputs, with_mtp=True) if self.ahead_weight else (self.model(inputs), [])
             with loss_context(self.tp_enabled):
                 loss = total = token_loss(logits, labels, tokens)
                 if ahead:
-                    ahead_loss = mtp_loss(ahead, labels, tokens)
-                    self.mtp_loss += ahead_loss.detach()
-                    total = loss + self.mtp_weight * ahead_loss
+                    depth_loss = lookahead_loss(ahead, labels, tokens)
+                    self.ahead_loss += depth_loss.detach()
+                    total = loss + self.ahead_weight * depth_loss
                 scaler.scale(total).backward()
             loss_sum += loss.detach().to_local() if self.tp_enabled else loss.detach()
         return loss_sum

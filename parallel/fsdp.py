@@ -55,8 +55,7 @@ def apply_fsdp(
     stages under split-backward schedules, see pipeline.py). `expert_mesh`: the routed experts' (ep > 1)."""
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     reshard_after_forward = zero_mode(mode).reshard_after_forward and not keep_gathered_after_forward
-    mtp = getattr(model, "mtp", None)  # multi-token prediction modules: a unit each, like a block
-    for block in [*model.layers.values(), *(mtp.values() if mtp is not None else ())]:
+    for block in model.units():  # each block, and each multi-token prediction module like a block
         for experts in expert_parallel_modules(block) if expert_mesh is not None else ():
             fully_shard(
                 experts,

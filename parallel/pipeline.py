@@ -236,7 +236,7 @@ class Pipeline:
     micro-batches (the interface of forward_backward.MicroBatchLoop). `parallelize_fn` is
     parallelize with this schedule (`pp_schedule`), applied to each stage."""
 
-    mtp_loss = None  # multi-token prediction is refused under a pipeline (trainer/assemble.py)
+    ahead_loss = None  # multi-token prediction is refused under a pipeline (trainer/assemble.py)
 
     def __init__(
         self,

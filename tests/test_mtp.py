@@ -92,7 +92,7 @@ def reference_losses(w: dict, window: torch.Tensor) -> tuple[torch.Tensor, torch
 def test_mtp_loss_and_every_gradient_equal_a_float64_reference():
     model = build(MTP)
     window = torch.randint(0, ARGS.vocab_size, (3, 13), generator=torch.Generator().manual_seed(1))
-    runner = MicroBatchLoop(model, mtp_weight=MTP.mtp_loss_weight)
+    runner = MicroBatchLoop(model, ahead_weight=MTP.mtp_loss_weight)
     tokens = torch.tensor(3 * 12)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     loss = runner.forward_backward(
@@ -103,7 +103,7 @@ def test_mtp_loss_and_every_gradient_equal_a_float64_reference():
     (main + MTP.mtp_loss_weight * ahead).backward()
     # the logged losses (the runner sums them in float32): the trunk's, and the MTP modules' apart
     torch.testing.assert_close(loss.double(), main.detach(), rtol=1e-6, atol=0)
-    torch.testing.assert_close(runner.mtp_loss.double(), ahead.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(runner.ahead_loss.double(), ahead.detach(), rtol=1e-6, atol=0)
     for name, param in model.named_parameters():  # token_loss takes the cross-entropy in float32: 1e-7 relative
         torch.testing.assert_close(param.grad, weights[name].grad, rtol=1e-5, atol=1e-8, msg=name)
     # the shared embedding and head take the MTP loss's gradient too: without it theirs differ

@@ -12,8 +12,7 @@ from torch import nn
 
 from trillion.errors import ConfigError
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
-from trillion.kernels.grouped_gemm import backend_unavailable
-from trillion.models import ModelArgs, Transformer, get_preset
+from trillion.models import ModelArgs, Transformer, get_preset, parts
 from trillion.models.parts import apply_settings as apply_part_settings
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
@@ -101,42 +100,10 @@ def part_settings(config: Config) -> dict:
 
 
 def check_whole_sequences(args: ModelArgs, dims: ParallelDims) -> None:
-    """Refuse the layouts that cannot give a training objective the whole sequences it needs."""
-    if args.moe is not None and args.moe.seq_aux_loss_coef > 0 and dims.cp > 1:
-        raise ConfigError(
-            f"moe.seq_aux_loss_coef={args.moe.seq_aux_loss_coef:g} with parallel.cp={dims.cp}: DeepSeek-V3's "
-            "sequence-wise balance loss counts each sequence's expert choices, and context parallelism gives every "
-            "rank only chunks of each sequence. Use --parallel.cp=1, or --moe.seq_aux_loss_coef=0 (the "
-            "auxiliary-loss-free bias, moe.bias_update_rate, balances without it)."
-        )
-    why = {
-        "pp": "a pipeline's last stage, where the module runs, does not hold the embedding table",
-        "cp": "context parallelism splits each sequence into chunks the one-token shift crosses",
-        "tp": "tensor parallelism does not shard the module's block",
-    }
-    refused = [axis for axis in why if getattr(dims, axis) > 1]
-    if args.mtp_modules and refused:
-        raise ConfigError(
-            f"model.mtp_modules={args.mtp_modules} (multi-token prediction) cannot run with "
-            f"{', '.join(f'parallel.{axis}={getattr(dims, axis)}' for axis in refused)}: "
-            f"{'; '.join(why[axis] for axis in refused)}. Train it in one process, with data parallelism "
-            "(parallel.dp_shard / dp_replicate) or expert parallelism (parallel.ep), or turn it off with "
-            "--model.mtp_modules=0."
-        )
-
-
-def check_grouped_gemm(args: ModelArgs, device: torch.device, dtype: torch.dtype) -> None:
-    """kernels.grouped_gemm=torch or =triton where that backend cannot run: refused before any work."""
-    if args.moe is None or args.moe.experts_impl not in ("torch", "triton"):
-        return
-    x = torch.empty(0, args.dim, device=device, dtype=dtype)
-    why = backend_unavailable(args.moe.experts_impl, x, torch.empty(0, 0, args.moe.expert_ffn_dim, dtype=dtype))
-    if why is not None:
-        raise ConfigError(
-            f"kernels.grouped_gemm={args.moe.experts_impl} cannot run here: {why}. Use --kernels.grouped_gemm=auto "
-            "(torch._grouped_mm where it runs, else the Triton kernel on a GPU, else one matmul per expert) or "
-            "--kernels.grouped_gemm=loop."
-        )
+    """Refuse the layouts a part cannot train under (models/parts: an objective that needs whole sequences
+    under cp, pp or tp); the planner asks the same question and never proposes them."""
+    if refused := parts.layout_refusal(args, dims):
+        raise ConfigError(refused)
 
 
 def validate_training(config: Config, env: LaunchEnv) -> None:
@@ -245,8 +212,8 @@ def build_runner(
     if pipeline is not None:
         pipeline.build()
         return pipeline, pipeline
-    mtp_weight = model_args.mtp_loss_weight if model_args.mtp_modules else 0.0
-    return MicroBatchLoop(parts[0], dims.tp_enabled, config.parallel.dp_shard_mode, mtp_weight), None
+    # the look-ahead (multi-token prediction) loss weight: 0.0 for a model without such modules (models/parts/mtp.py)
+    return MicroBatchLoop(parts[0], dims.tp_enabled, config.parallel.dp_shard_mode, model_args.mtp_loss_weight), None
 
 
 def layout_fn(

@@ -50,8 +50,8 @@ def train_step(
         for hook in hooks:
             hook.before_step(token_scale)
     loss_sum = dims.all_reduce_dp(runner.forward_backward(micro_batches, tokens, autocast, scaler))
-    if runner.mtp_loss is not None:  # summed as the loss is; one_step passes it on to be logged
-        dims.all_reduce_dp(runner.mtp_loss)
+    if runner.ahead_loss is not None:  # summed as the loss is; one_step passes it on to be logged
+        dims.all_reduce_dp(runner.ahead_loss)
     reduce_partial_grads(runner.model.parameters())
     if timer is not None:
         timer.mark("forward_backward")

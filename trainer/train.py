@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from trillion.errors import Interrupted, RunAborted
+from trillion.models.moe import check_grouped_gemm
 from trillion.models.step_hooks import StepHooks, find_step_hooks
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.dims import ParallelDims
@@ -22,7 +23,6 @@ from trillion.trainer.assemble import (
     build_model_args,
     build_parallel_dims,
     build_runner,
-    check_grouped_gemm,
     compute_dtype,
     validate_training,
 )
@@ -103,7 +103,7 @@ class StepDone:
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
-    mtp_loss: torch.Tensor | None  # the multi-token prediction modules' mean loss, with them
+    ahead_loss: torch.Tensor | None  # the multi-token prediction modules' mean loss, with them
     lr: float
     tokens_per_device: float
     start: float  # perf_counter when the step's compute began
@@ -199,14 +199,14 @@ def one_step(run: Run, step: int) -> StepDone:
     run.scheduler.step()
     tokens_per_device = sum(x.numel() for x, _ in batch) * run.dims.dp_size / run.env.world_size
     # the runner's tensor of this step (the next step makes a new one), read on the host only when logged
-    return StepDone(loss, grad_norm, run.runner.mtp_loss, lr, tokens_per_device, start, start - data_start, timer)
+    return StepDone(loss, grad_norm, run.runner.ahead_loss, lr, tokens_per_device, start, start - data_start, timer)
 
 
 def step_values(done: StepDone) -> dict:
     """A logged step's values read on the host: loss, grad_norm and, with multi-token prediction, mtp_loss."""
     values = {"loss": done.loss.item(), "grad_norm": done.grad_norm.item()}
-    if done.mtp_loss is not None:
-        values["mtp_loss"] = done.mtp_loss.item()
+    if done.ahead_loss is not None:
+        values["mtp_loss"] = done.ahead_loss.item()
     return values
 
 

@@ -139,8 +139,8 @@ def deepep_share(run: dict, row: dict) -> float:
         hw, row_bytes * ranks, layout.ep, layout.tp
     )
     copies = 2 * (2 + recomputed) * per_copy  # the dispatch and the combine of each pass
-    moe_layers = pipeline_ranks(args, layout)[0].moe_layers
-    return -(routing + copies) * moe_layers * row["microbatches"] / row["step_time_s"]
+    routed_layers = pipeline_ranks(args, layout)[0].routed_layers
+    return -(routing + copies) * routed_layers * row["microbatches"] / row["step_time_s"]
 
 
 def charge_of(run: dict, row: dict) -> tuple[float, str] | None:

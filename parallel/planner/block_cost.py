@@ -124,10 +124,10 @@ def block_passes(
     float8: bool,
     ep: int,
     imbalance: float,
-    moe: bool,
+    routed: bool,
 ) -> Passes:
     """One dense block, or one MoE block (its attention and shared experts, then moe.py's routed experts)."""
-    if not moe:
+    if not routed:
         return layer_passes(args, hw, batch, seq_len, tp, compiled, cp, float8)
     shared = layer_passes(args, hw, batch, seq_len, tp, compiled, cp, float8, True)
     return shared + moe_passes(args, hw, batch * seq_len // cp, tp, ep, imbalance)

@@ -128,22 +128,24 @@ def rank_passes(
 ) -> tuple[Passes, Passes]:
     """(passes of one micro-batch through all of the rank's layers and MTP modules, the recomputed forwards)."""
     block = (args, hw, micro_batch_size, seq_len, tp, compiled, cp, float8, ep, imbalance)
-    layer = block_passes(*block, moe=False)
-    dense = rank.layers - rank.moe_layers
+    layer = block_passes(*block, routed=False)
+    dense = rank.layers - rank.routed_layers
     total = layer * dense
     forward_sum = layer * dense
-    if rank.moe_layers:
-        moe_layer = block_passes(*block, moe=True)
-        total = total + moe_layer * rank.moe_layers
-        forward_sum = forward_sum + moe_layer * rank.moe_layers
+    if rank.routed_layers:
+        moe_layer = block_passes(*block, routed=True)
+        total = total + moe_layer * rank.routed_layers
+        forward_sum = forward_sum + moe_layer * rank.routed_layers
     tokens = micro_batch_size * seq_len // cp
     if rank.last:
         total = total + output_passes(args, hw, tokens, tp)
-    if rank.mtp:  # models/parts/mtp.py: a block, its projection (whole on every tp rank), the shared head again
+    if rank.ahead_modules:  # models/parts/mtp.py: a block, its projection (whole on every tp rank), the head again
         _, ahead = parts.ahead_modules(args)
         projection = sum(_gemm(hw, tokens, x.in_features, x.out_features) for x in ahead.linears)
-        module = block_passes(*block, moe=parts.routed_layer(args, args.n_layers)) + output_passes(args, hw, tokens, tp)
-        total = total + (module + Passes(projection, projection, projection)) * rank.mtp
+        module = block_passes(*block, routed=parts.routed_layer(args, args.n_layers)) + output_passes(
+            args, hw, tokens, tp
+        )
+        total = total + (module + Passes(projection, projection, projection)) * rank.ahead_modules
     mean = forward_sum * (1 / max(rank.layers, 1))  # a recomputed layer: the mean of the rank's layers
     recompute = Passes(
         forward=mean.forward, tp_forward=mean.tp_forward, cp_forward=mean.cp_forward, ep_forward=mean.ep_forward
@@ -155,7 +157,7 @@ def float8_gathered(args: ModelArgs, layout: Layout, rank: RankParams) -> int:
     """Elements FSDP all-gathers in float8 on this rank (0 without float8 or its all-gather)."""
     if not (layout.float8 and layout.float8_all_gather):
         return 0
-    return float8_numel(args, rank.layers, layout.tp, rank.moe_layers)
+    return float8_numel(args, rank.layers, layout.tp, rank.routed_layers)
 
 
 def fsdp_copies(hw: HardwareProfile, layout: Layout, tp_numel: int, fp8_numel: int = 0) -> float:
@@ -175,7 +177,7 @@ def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankPara
     d, r, tp, ep = layout.dp_shard * layout.cp, layout.dp_replicate, layout.tp, layout.ep
     tp_numel, shard_numel = rank.numel(args, tp, d, ep)
     # with ep > 1 the routed experts' FSDP group is the d / ep ranks outside the ep group (moe.py), spanning d x tp
-    experts = expert_numel(args, rank.moe_layers, tp, ep, d // ep)[0] if ep > 1 else 0
+    experts = expert_numel(args, rank.routed_layers, tp, ep, d // ep)[0] if ep > 1 else 0
     mode = layout.dp_shard_mode
     fp8 = float8_gathered(args, layout, rank)  # gathered at 1 byte instead of element_bytes
     gathered_bytes = hw.element_bytes * (tp_numel - experts - fp8) + FLOAT8_BYTES * fp8

@@ -4,6 +4,7 @@ and a record for `--format json`."""
 
 import dataclasses
 
+from trillion.models import parts
 from trillion.parallel.planner.memory import MEMORY_HEADROOM
 from trillion.parallel.planner.moe import ep_degrees
 from trillion.parallel.planner.search import Request, SearchResult, evaluate
@@ -12,7 +13,7 @@ from trillion.parallel.planner.search import Request, SearchResult, evaluate
 def ep_choice(request: Request, result: SearchResult) -> dict | None:
     """None for a dense model; else the chosen ep, each other ep's best fitting layout (or, where none fits,
     the memory the best layout needs at that ep) and a sentence saying why."""
-    if request.args.moe is None:
+    if not parts.routed_experts(request.args):
         return None
     best = result.ranked[0]
     layout, step = best.layout, best.step

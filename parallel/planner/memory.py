@@ -68,11 +68,11 @@ def tp_local_linears(args: ModelArgs, tp: int, routed: bool = False) -> list[tup
     return local
 
 
-def float8_numel(args: ModelArgs, layers: int, tp: int, moe_layers: int = 0) -> int:
-    """Weight elements (after TP) of the float8-converted linears of `layers` blocks (`moe_layers` of them
+def float8_numel(args: ModelArgs, layers: int, tp: int, routed_layers: int = 0) -> int:
+    """Weight elements (after TP) of the float8-converted linears of `layers` blocks (`routed_layers` of them
     MoE: their shared experts' linears; routed experts stay bf16): what FSDP's float8 all-gather gathers at
     1 byte (their biases and every other parameter stay bf16)."""
-    kinds = ((layers - moe_layers, False), (moe_layers, True))
+    kinds = ((layers - routed_layers, False), (routed_layers, True))
     return sum(
         count * sum(k * n for k, n, converted in tp_local_linears(args, tp, routed) if converted)
         for count, routed in kinds
@@ -92,10 +92,10 @@ def norm_params(norm: Norm, prefix: str = "") -> list[ParamSpec]:
     return specs + ([ParamSpec(f"{prefix}{norm.name}.bias", (norm.features,), None)] if norm.bias else [])
 
 
-def block_params(args: ModelArgs, moe: bool = False) -> list[ParamSpec]:
-    """Parameters of one transformer block, named as in models/transformer.py; of an MoE block (`moe`) all
+def block_params(args: ModelArgs, routed: bool = False) -> list[ParamSpec]:
+    """Parameters of one transformer block, named as in models/transformer.py; of an MoE block (`routed`) all
     but the routed experts (moe.py): the router, replicated over TP as torchtitan's, and the shared experts."""
-    block = parts.block(args, moe)
+    block = parts.block(args, routed)
     specs = [spec for n in (*block.norms, *block.inner_norms) for spec in norm_params(n)]
     gate = [block.routing.gate] if block.routing else []
     return specs + [spec for linear in (*gate, *block.linears) for spec in linear_params(linear)]
@@ -132,7 +132,7 @@ def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> tuple[int, int]:
 
 @lru_cache(maxsize=4096)
 def _numel(args: ModelArgs, part: str, tp: int, dp_shard: int) -> tuple[int, int]:
-    blocks = {"block": block_params, "moe_block": partial(block_params, moe=True)}
+    blocks = {"block": block_params, "moe_block": partial(block_params, routed=True)}
     specs = {**blocks, "first": first_stage_params, "last": last_stage_params, "mtp": mtp_params}[part](args)
     pairs = [local_numel(s, tp, dp_shard) for s in specs]
     return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
@@ -140,12 +140,12 @@ def _numel(args: ModelArgs, part: str, tp: int, dp_shard: int) -> tuple[int, int
 
 def replicated_numel(args: ModelArgs, rank: "RankParams") -> int:
     """Elements of the parameters TP replicates (norms, row-parallel biases, routers) on this rank."""
-    dense, moe = rank.blocks(args)
+    dense, routed = rank.blocks(args)
     specs = (
         block_params(args) * dense
-        + (block_params(args, moe=True) * moe if moe else [])
+        + (block_params(args, routed=True) * routed if routed else [])
         + (last_stage_params(args) if rank.last else [])
-        + mtp_params(args) * rank.mtp
+        + mtp_params(args) * rank.ahead_modules
     )
     return sum(math.prod(s.shape) for s in specs if s.tp_dim is None)
 
@@ -156,13 +156,13 @@ class RankParams:
     first: bool  # holds the embeddings
     last: bool  # holds the final norm and the output layer
     chunks: tuple[int, ...] = ()  # layers of each of its pipeline chunks (stage modules); () = one of `layers`
-    moe_layers: int = 0  # of its layers, those with routed experts (moe.py)
-    mtp: int = 0  # multi-token prediction modules it holds besides its layers (models/parts): the last rank's
+    routed_layers: int = 0  # of its layers, those with routed experts (moe.py)
+    ahead_modules: int = 0  # multi-token prediction modules it holds besides its layers (models/parts): the last rank's
 
     def blocks(self, args: ModelArgs) -> tuple[int, int]:
         """(dense, MoE) transformer blocks it holds: its layers' and its MTP modules'."""
-        mtp_moe = self.mtp if parts.routed_layer(args, args.n_layers) else 0
-        return self.layers - self.moe_layers + self.mtp - mtp_moe, self.moe_layers + mtp_moe
+        ahead_routed = self.ahead_modules if parts.routed_layer(args, args.n_layers) else 0
+        return self.layers - self.routed_layers + self.ahead_modules - ahead_routed, self.routed_layers + ahead_routed
 
     def checkpointed(self, mode: str) -> int:
         """Layers checkpointed: the trainer applies the mode to each stage module's own blocks."""
@@ -171,18 +171,19 @@ class RankParams:
     def numel(self, args: ModelArgs, tp: int, dp_shard: int, ep: int = 1) -> tuple[int, int]:
         """(after TP, after TP and FSDP) parameter elements of this rank; `dp_shard` the FSDP ranks (dp_shard x
         cp), the routed experts over ep of them and sharded over the other dp_shard / ep (moe.py)."""
-        dense, moe = self.blocks(args)
-        return _rank_numel(args, dense, moe, self.first, self.last, tp, dp_shard, ep, self.mtp)
+        dense, routed = self.blocks(args)
+        return _rank_numel(args, dense, routed, self.first, self.last, tp, dp_shard, ep, self.ahead_modules)
 
 
 @lru_cache(maxsize=65536)
 def _rank_numel(
-    args: ModelArgs, dense: int, moe: int, first: bool, last: bool, tp: int, dp_shard: int, ep: int, mtp: int = 0
+    args: ModelArgs, dense: int, routed: int, first: bool, last: bool, tp: int, dp_shard: int, ep: int, ahead: int = 0
 ) -> tuple[int, int]:
-    """(after TP, after TP and FSDP) elements of `dense` and `moe` blocks, the root's parts and `mtp` modules."""
-    kinds = [("block", dense), ("moe_block", moe), ("first", int(first)), ("last", int(last)), ("mtp", mtp)]
+    """(after TP, after TP and FSDP) elements of `dense` and `routed` blocks, the root's parts and
+    `ahead` multi-token prediction modules."""
+    kinds = [("block", dense), ("moe_block", routed), ("first", int(first)), ("last", int(last)), ("mtp", ahead)]
     totals = [(count * a, count * b) for kind, count in kinds if count for a, b in [_numel(args, kind, tp, dp_shard)]]
-    experts = expert_numel(args, moe, tp, ep, dp_shard // ep)
+    experts = expert_numel(args, routed, tp, ep, dp_shard // ep)
     return sum(t[0] for t in totals) + experts[0], sum(t[1] for t in totals) + experts[1]
 
 
@@ -301,14 +302,16 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
 
     n_ckpt = rank.checkpointed(layout.activation_checkpoint)
     dense_layer, moe_layer, kept = _layer_bytes(args, tokens, tp, sp, layout.ep, layout.moe_load_imbalance)
-    full_layer = (dense_layer * (rank.layers - rank.moe_layers) + moe_layer * rank.moe_layers) / max(rank.layers, 1)
+    full_layer = (dense_layer * (rank.layers - rank.routed_layers) + moe_layer * rank.routed_layers) / max(
+        rank.layers, 1
+    )
     gathered_kv = ms * seq_len * parts.block(args).heads.kv_width / tp * ACTIVATION_BYTES if cp > 1 else 0
     per_microbatch = n_ckpt * kept + (rank.layers - n_ckpt) * (full_layer + gathered_kv)
     # an MTP module (models/parts), not checkpointed: its block, its projection's input; its output as the root's
     mtp_block = moe_layer if parts.routed_layer(args, args.n_layers) else dense_layer
     mtp = mtp_block + 2 * tokens * args.dim * ACTIVATION_BYTES + gathered_kv
-    per_microbatch += rank.mtp * mtp
-    output = output_activation_bytes(args, tokens, tp, sp) * (1 + rank.mtp) if rank.last else 0
+    per_microbatch += rank.ahead_modules * mtp
+    output = output_activation_bytes(args, tokens, tp, sp) * (1 + rank.ahead_modules) if rank.last else 0
     activations = in_flight * per_microbatch + output
 
     d = layout.dp_shard * cp
@@ -317,7 +320,7 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     root_tp = _rank_numel(args, 0, 0, rank.first, rank.last, tp, d, 1)[0]
     # zero3: two gathered blocks (in use, prefetched) and the held root; all modes: an fp32 block's reduce-scatter
     fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if mode == "zero3" else 0)
-    recompute = max(dense_layer, moe_layer if rank.moe_layers else 0) if n_ckpt else 0  # one layer, rebuilt
+    recompute = max(dense_layer, moe_layer if rank.routed_layers else 0) if n_ckpt else 0  # one layer, rebuilt
     pipeline = (
         2 * layout.virtual_stages * tokens * args.dim / (tp if sp else 1) * ACTIVATION_BYTES if layout.pp > 1 else 0
     )
@@ -342,11 +345,11 @@ def _layer_bytes(
 
 
 @lru_cache(maxsize=4096)
-def _gathered_block(args: ModelArgs, dense: bool, moe: bool, tp: int, d: int, ep: int) -> int:
+def _gathered_block(args: ModelArgs, dense: bool, routed: bool, tp: int, d: int, ep: int) -> int:
     """Elements of the largest block FSDP gathers on a rank: a dense one, or an MoE one with its E / ep experts."""
     return max(
         _numel(args, "block", tp, d)[0] if dense else 0,
-        _numel(args, "moe_block", tp, d)[0] + expert_numel(args, 1, tp, ep, d // ep)[0] if moe else 0,
+        _numel(args, "moe_block", tp, d)[0] + expert_numel(args, 1, tp, ep, d // ep)[0] if routed else 0,
     )
 
 

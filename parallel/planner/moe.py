@@ -122,14 +122,14 @@ def expert_gemm_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: i
     return local * per_expert + len(block.experts) * launch
 
 
-def expert_numel(args: ModelArgs, moe_layers: int, tp: int, ep: int, efsdp: int) -> tuple[int, int]:
-    """(after TP and EP, after TP, EP and expert-FSDP) elements of the routed experts of `moe_layers` layers
+def expert_numel(args: ModelArgs, routed_layers: int, tp: int, ep: int, efsdp: int) -> tuple[int, int]:
+    """(after TP and EP, after TP, EP and expert-FSDP) elements of the routed experts of `routed_layers` layers
     on one rank: each of w1, w2, w3 is (E / ep, dim, f) locally (whole on every tp rank, so `tp` does not divide
     them), dim 0 chunked over efsdp (the ceiling on rank 0, as torch.chunk)."""
-    if not moe_layers or not parts.routed_experts(args):
+    if not routed_layers or not parts.routed_experts(args):
         return 0, 0
     local = [s.n_experts // ep * s.in_features * s.out_features for s in routed_block(args).experts]
-    return moe_layers * sum(local), moe_layers * sum(math.ceil(n / efsdp) for n in local)
+    return routed_layers * sum(local), routed_layers * sum(math.ceil(n / efsdp) for n in local)
 
 
 def moe_activation_bytes(args: ModelArgs, tokens: int, tp: int, ep: int, imbalance: float, dtype_bytes: int) -> float:

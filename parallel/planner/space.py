@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from trillion.errors import ConfigError
+from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
 from trillion.parallel.layout import Layout
@@ -67,7 +68,7 @@ def check_request(request: Request) -> None:
             and value < 1
         ):
             raise ConfigError(f"--{key.replace('_', '-')} {value} must be at least 1.")
-    if request.fixed.get("ep", 1) > 1 and args.moe is None:
+    if request.fixed.get("ep", 1) > 1 and not parts.routed_experts(args):
         raise ConfigError(
             f"--ep {request.fixed['ep']}: {request.model} has no routed experts; use --ep 1 or leave it out."
         )

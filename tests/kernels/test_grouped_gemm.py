@@ -107,7 +107,7 @@ def test_the_trainer_refuses_triton_only_where_it_cannot_run(interpret, tmp_path
 
     from trillion.errors import ConfigError
     from trillion.models import get_preset
-    from trillion.trainer.assemble import check_grouped_gemm
+    from trillion.models.moe import check_grouped_gemm
     from trillion.trainer.cli.main import main
 
     monkeypatch.setenv("TRITON_INTERPRET", interpret)

@@ -44,7 +44,7 @@ def _active_params(args) -> int:
     def block(index: int) -> int:
         if not args.is_moe_layer(index):
             return count(block_params(args))
-        return count(block_params(args, moe=True)) + moe.top_k * 3 * h * moe.expert_ffn_dim
+        return count(block_params(args, routed=True)) + moe.top_k * 3 * h * moe.expert_ffn_dim
 
     blocks = sum(block(index) for index in range(args.n_layers + args.mtp_modules))
     heads = args.mtp_modules * args.vocab_size * h
@@ -79,7 +79,7 @@ def test_parameter_counts_match_the_published_figures(name, total, with_mtp, act
     assert main.numel(args, 1, 1)[0] == pytest.approx(total, rel=tolerance)
     if with_mtp:
         (rank,) = _one_rank(args)
-        assert rank.mtp == 1
+        assert rank.ahead_modules == 1
         assert rank.numel(args, 1, 1)[0] == pytest.approx(with_mtp, rel=0.01)
     embedding = args.vocab_size * args.dim
     trunk = dataclasses.replace(args, mtp_modules=0)
@@ -105,12 +105,12 @@ def test_tensor_parallelism_splits_heads_and_keeps_the_down_projections_whole():
 def test_the_mtp_module_sits_on_the_last_stage_and_costs_a_block_and_the_head():
     args = get_preset("deepseek-v3-671b")
     ranks = _one_rank(args, pp=4)
-    assert [r.mtp for r in ranks] == [0, 0, 0, 1]
+    assert [r.ahead_modules for r in ranks] == [0, 0, 0, 1]
     assert sum(r.numel(args, 1, 1)[0] for r in ranks) == _one_rank(args)[0].numel(args, 1, 1)[0]
-    last, without = ranks[-1], dataclasses.replace(ranks[-1], mtp=0)
+    last, without = ranks[-1], dataclasses.replace(ranks[-1], ahead_modules=0)
     timed = (args, H100, 1, 4096, 8, "none", False)
     with_mtp, plain = rank_passes(*timed, last)[0], rank_passes(*timed, without)[0]
-    block = block_passes(args, H100, 1, 4096, 8, False, 1, False, 1, 1.16, moe=True)
+    block = block_passes(args, H100, 1, 4096, 8, False, 1, False, 1, 1.16, routed=True)
     added = with_mtp.forward - plain.forward
     head = output_passes(args, H100, 4096, 8).forward
     projection = _gemm(H100, 4096, 2 * args.dim, args.dim)  # 2 dim -> dim, whole on every tp rank
@@ -193,6 +193,6 @@ def test_the_fullest_rank_can_be_a_middle_one():
         ep=4,
     )
     ranks = pipeline_ranks(args, layout)
-    assert ranks[0].moe_layers == 0 and ranks[16].moe_layers == 2
+    assert ranks[0].routed_layers == 0 and ranks[16].routed_layers == 2
     first, last = (rank_memory(args, layout, 4096, ranks[i], n).total for i, n in ((0, 32), (31, 1)))
     assert layout_memory(args, layout, 4096).total > 1.2 * max(first, last)  # 60.6 GB against 21.8 and 47.9

@@ -47,9 +47,9 @@ def test_expert_memory_is_total_expert_parameters_over_ep_times_expert_fsdp(ep):
     assert shard * ep * efsdp == total  # exactly: total / (ep x efsdp)
     assert local * ep == total  # FSDP gathers one rank's E / ep experts
     # in the rank's states (RankParams.numel), the experts are that shard beside the FSDP-sharded rest
-    rank = RankParams(args.n_layers, False, False, moe_layers=args.n_layers)
+    rank = RankParams(args.n_layers, False, False, routed_layers=args.n_layers)
     with_ep = rank.numel(args, 1, dp_shard, ep)
-    without_experts = RankParams(args.n_layers, False, False, moe_layers=args.n_layers).numel(args, 1, dp_shard, 1)
+    without_experts = RankParams(args.n_layers, False, False, routed_layers=args.n_layers).numel(args, 1, dp_shard, 1)
     assert with_ep[1] == without_experts[1]  # states per rank do not depend on ep
     assert without_experts[0] - with_ep[0] == total - local  # the gathered copy does
 
@@ -73,7 +73,7 @@ def test_states_count_every_parameter_of_the_model():
                 activation_checkpoint="none",
             ),
         )
-        assert rank.moe_layers == args.n_layers - args.moe.n_dense_layers
+        assert rank.routed_layers == args.n_layers - args.moe.n_dense_layers
         assert rank.numel(args, 1, 1)[0] == count_params(args).total, name
 
 
@@ -125,7 +125,7 @@ def test_one_expert_of_top_one_is_the_dense_mlp():
         layer_passes(dense, H100, 2, 1024, 1, False).weight_grad
         - layer_passes(moe, H100, 2, 1024, 1, False, routed=True).weight_grad
     )
-    rank, dense_rank_params = RankParams(4, False, False, moe_layers=4), RankParams(4, False, False)
+    rank, dense_rank_params = RankParams(4, False, False, routed_layers=4), RankParams(4, False, False)
     assert rank.numel(moe, 1, 1)[0] == dense_rank_params.numel(dense, 1, 1)[0] + 4 * h  # the router: dim x 1 a layer
     moe_rank, _ = rank_passes(moe, H100, 2, 1024, 1, "none", False, rank, 1, False, 1, 1.0)
     dense_rank, _ = rank_passes(dense, H100, 2, 1024, 1, "none", False, dense_rank_params)
@@ -150,7 +150,7 @@ def test_pipeline_ranks_count_their_moe_layers():
             activation_checkpoint="none",
         ),
     )
-    assert [(r.layers, r.moe_layers) for r in ranks] == [(2, 1), (2, 2)]
+    assert [(r.layers, r.routed_layers) for r in ranks] == [(2, 1), (2, 2)]
     v_shape = pipeline_ranks(
         args,
         Layout(
@@ -166,7 +166,7 @@ def test_pipeline_ranks_count_their_moe_layers():
             activation_checkpoint="none",
         ),
     )
-    assert [(r.layers, r.moe_layers) for r in v_shape] == [(2, 1), (2, 2)]  # rank 0: layers 0 and 3
+    assert [(r.layers, r.routed_layers) for r in v_shape] == [(2, 1), (2, 2)]  # rank 0: layers 0 and 3
 
 
 def test_ep_degrees():

@@ -9,13 +9,13 @@ memory, time-to-train, energy and cost, and write the best one as a `trillion tr
 """
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
 
 from trillion.errors import ConfigError
+from trillion.models import parts
 from trillion.models.presets import PRESETS, get_preset
 from trillion.parallel.modes import SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.explain import ep_choice
@@ -103,11 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="MoE models: the busiest expert-parallel rank's routed tokens over the mean (default "
         f"{MOE_LOAD_IMBALANCE:g}, assumed: parallel/planner/moe.py)",
     )
-    _add_mtp_argument(p)
+    _add_part_arguments(p)
     return p
 
 
-def _add_mtp_argument(p: argparse.ArgumentParser) -> None:
+# plan flag -> the model setting it gives the parts (models/parts apply_settings), each a count, 0 or more
+PART_FLAGS = {"mtp_modules": "model.mtp_modules"}
+
+
+def _add_part_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--mtp-modules",
         type=int,
@@ -143,8 +147,9 @@ def argument_problems(ns: argparse.Namespace) -> tuple[list[str], object]:
     for key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size", "cp", "ep"):
         if getattr(ns, key) is not None and getattr(ns, key) < 1:
             problems.append(f"--{key.replace('_', '-')} {getattr(ns, key)} must be at least 1")
-    if ns.mtp_modules is not None and ns.mtp_modules < 0:
-        problems.append(f"--mtp-modules {ns.mtp_modules} must be 0 or more (0: no multi-token prediction)")
+    for flag, setting in PART_FLAGS.items():
+        if getattr(ns, flag) is not None and getattr(ns, flag) < 0:
+            problems.append(f"--{flag.replace('_', '-')} {getattr(ns, flag)} must be 0 or more (0: none; {setting})")
     if ns.seq_len < 0:
         problems.append(f"--seq-len {ns.seq_len} must be positive (or 0: the model's max_seq_len)")
     if not math.isfinite(ns.tokens) or ns.tokens < 0:
@@ -172,9 +177,8 @@ def request_from(ns: argparse.Namespace) -> Request:
         )
         example = f" For example: {EXAMPLE}." if any(problem.startswith("it needs") for problem in problems) else ""
         raise ConfigError(f"{listed}.{example}")
-    args = get_preset(ns.model)
-    if ns.mtp_modules is not None:
-        args = dataclasses.replace(args, mtp_modules=ns.mtp_modules)
+    given = {setting: getattr(ns, flag) for flag, setting in PART_FLAGS.items() if getattr(ns, flag) is not None}
+    args = parts.apply_settings(get_preset(ns.model), {"model.name": ns.model, **given})
     fixed = {k: getattr(ns, k) for k in LAYOUT_FIELDS if getattr(ns, k) is not None}
     return Request(
         ns.model,
@@ -210,8 +214,10 @@ def train_config_toml(request: Request, row: dict) -> str:
         "ep",
     ):
         setattr(config.parallel, key, row[key])
-    if request.args.mtp_modules != get_preset(request.model).mtp_modules:
-        config.model.mtp_modules = request.args.mtp_modules
+    for setting in PART_FLAGS.values():  # a part setting the plan changed from the preset's
+        field = setting.removeprefix("model.")
+        if getattr(request.args, field) != getattr(get_preset(request.model), field):
+            setattr(config.model, field, getattr(request.args, field))
     config.compile.enabled = row["compile"]
     config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather on (auto): what the plan timed
     header = [

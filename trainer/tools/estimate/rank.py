@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trillion.models import ModelArgs, Transformer
-from trillion.models.moe import RoutedExperts
+from trillion.models.moe import routed_expert_parameters
 from trillion.parallel.dims import AXES, ParallelDims
 from trillion.parallel.layout import Layout
 from trillion.parallel.modes import checkpoint_mode
@@ -130,15 +130,15 @@ class StageShape:
     first: bool  # the embeddings
     layers: int
     last: bool  # the final norm and the output projection
-    moe_layers: int = 0  # of its layers, those with routed experts (DeepSeek's first blocks are dense)
+    routed_layers: int = 0  # of its layers, those with routed experts (DeepSeek's first blocks are dense)
 
 
 class StagePlan:
     """The split of the model into the layout's pp x v stages (parallel/pipeline.py's, sized by `layers`), one
-    stage without pipelining; `moe_layers` the indices of the layers with routed experts."""
+    stage without pipelining; `routed_layers` the indices of the layers with routed experts."""
 
-    def __init__(self, layout: Layout, layers: StageLayers, n_layers: int, moe_layers: frozenset = frozenset()):
-        self.pp, self.n_layers, self.moe_layers = layout.pp, n_layers, moe_layers
+    def __init__(self, layout: Layout, layers: StageLayers, n_layers: int, routed_layers: frozenset = frozenset()):
+        self.pp, self.n_layers, self.routed_layers = layout.pp, n_layers, routed_layers
         self.schedule, self.virtual = layout.pp_schedule, layout.virtual_stages
         self.ranges = split_units(n_layers, self.pp * self.virtual, layers)
 
@@ -152,8 +152,8 @@ class StagePlan:
     def shape(self, index: int) -> StageShape:
         units = self.ranges[index]
         first, last = 0 in units, self.n_layers + 1 in units
-        moe = sum(1 for unit in units if unit - 1 in self.moe_layers)  # unit u > 0 holds layer u - 1
-        return StageShape(first, len(units) - first - last, last, moe)
+        routed = sum(1 for unit in units if unit - 1 in self.routed_layers)  # unit u > 0 holds layer u - 1
+        return StageShape(first, len(units) - first - last, last, routed)
 
     def rank_shapes(self, pp_rank: int) -> tuple[StageShape, ...]:
         return tuple(self.shape(i) for i in self.indices(pp_rank))
@@ -242,7 +242,7 @@ class States:
 def state_bytes(parts: list[nn.Module]) -> States:
     """Parameters, gradients and AdamW state of the sharded `parts`, from the local shard shapes."""
     params = [p for part in parts for p in part.parameters()]
-    experts = [p for part in parts for m in part.modules() if isinstance(m, RoutedExperts) for p in m.parameters()]
+    experts = [p for part in parts for p in routed_expert_parameters(part)]
     fsdp = any(hasattr(m, "_get_fsdp_state") for part in parts for m in part.modules())
     grad_numel = sum(_padded_local_numel(p) if fsdp else local_tensor(p).numel() for p in params if p.requires_grad)
     grad_item = item_bytes(REDUCE_DTYPE) if fsdp else params[0].element_size()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 
 from trillion.errors import ConfigError
-from trillion.models import ModelArgs
+from trillion.models import ModelArgs, parts
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.pipeline import StageLayers
 from trillion.trainer.config.schema import Config
@@ -50,8 +50,8 @@ class Simulation:
         self.config, self.dims = config, dims
         self.micro_batch, self.microbatches = dims.layout.micro_batch_size, dims.layout.microbatches
         self.measure, self.prediction, self.notes = measure, prediction, notes
-        moe = frozenset(i for i in range(model_args.n_layers) if model_args.is_moe_layer(i))
-        self.plan = StagePlan(dims.layout, StageLayers.from_config(config.parallel), model_args.n_layers, moe)
+        routed = frozenset(i for i in range(model_args.n_layers) if parts.routed_layer(model_args, i))
+        self.plan = StagePlan(dims.layout, StageLayers.from_config(config.parallel), model_args.n_layers, routed)
         self.source = StageSource(model_args, dims.pp)
         self.states, self.facts = {}, {}  # (stage shapes, (dp_shard, cp) coordinates) -> States; StageShape -> ...
         self.hidden_bytes = None  # pp > 1: one micro-batch's residual stream between stages, local bytes
