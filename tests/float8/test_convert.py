@@ -70,9 +70,9 @@ def test_tensor_parallel_styles_follow_the_conversion():
     styles = _Styles(block, float8_tp=True)
     assert type(styles.colwise("attention.wq")).__name__ == "Float8ColwiseParallel"
     assert type(styles.rowwise("attention.wo")).__name__ == "Float8RowwiseParallel"
-    assert type(styles.prepare("attention", ("wq", "wk", "wv"))).__name__ == "PrepareFloat8ModuleInput"
+    assert type(styles.prepare(["attention.wq", "attention.wk", "attention.wv"])).__name__ == "PrepareFloat8ModuleInput"
     assert type(styles.colwise("feed_forward.w1")).__name__ == "Float8ColwiseParallel"
     assert type(styles.colwise("feed_forward.w3")) is ColwiseParallel  # a kept linear: the plain style
-    assert type(styles.prepare("feed_forward", ("w1", "w3"))) is PrepareModuleInput  # w3 reads it in fp32
+    assert type(styles.prepare(["feed_forward.w1", "feed_forward.w3"])) is PrepareModuleInput  # w3 reads it in fp32
     plain = _Styles(block, float8_tp=False)  # rowwise recipes: torchao's float8 styles cast tensorwise
     assert type(plain.rowwise("attention.wo")) is RowwiseParallel
