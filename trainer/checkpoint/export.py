@@ -5,16 +5,21 @@ save_pretrained; multi-token prediction modules are training-only and left out).
 `--checkpoint.initial_load=OUT` starts a new run from such a folder (its modules from their initial values)."""
 
 import dataclasses
+import errno
 import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trillion.errors import ConfigError
+from trillion.errors import ConfigError, RunAborted
 from trillion.models import Transformer
 from trillion.trainer.checkpoint.manager import CONFIG_FILE, complete_checkpoints, is_complete
 from trillion.trainer.checkpoint.state import ModelParts
+from trillion.trainer.checkpoint.verify import damaged_files
 from trillion.trainer.config.schema import load_config
 
 log = logging.getLogger("trillion")
@@ -23,9 +28,11 @@ RUN_CONFIG = "trillion_config.toml"  # the run's config beside the weights: `tri
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A step directory, or the newest complete one of a run directory or its checkpoints/ folder."""
+    """A step directory, or the newest intact one of a run directory or its checkpoints/ folder: each
+    file checked against the checkpoint's manifest (as training does at resume), so a damaged shard is
+    named instead of read. Read-only: a damaged one is skipped, not renamed as training does."""
     if is_complete(path):
-        return path
+        return intact(path, complete_checkpoints(path.parent))
     if path.name.startswith("step-") and path.is_dir():
         raise ConfigError(
             f"--checkpoint {path} is not a complete checkpoint (no COMPLETE marker: its save was "
@@ -33,10 +40,30 @@ def resolve_checkpoint(path: Path) -> Path:
         )
     for root in (path / "checkpoints", path):
         if found := complete_checkpoints(root):
-            return found[-1]
+            return intact(found[-1], found)
     raise ConfigError(
         f"--checkpoint {path}: no complete checkpoint there. Give a step directory "
         f"(<output_dir>/checkpoints/step-NNNNNNNN) or a run's output_dir."
+    )
+
+
+def intact(step: Path, beside: list[Path]) -> Path:
+    """`step` when its files match their manifest, else the newest intact checkpoint older than it."""
+    problems = damaged_files(step)
+    if not problems:
+        return step
+    for older in reversed([other for other in beside if other.name < step.name]):
+        if not damaged_files(older):
+            log.warning(
+                "CHECKPOINT %s IS DAMAGED, not reading it: %s. Using the intact %s beside it instead.",
+                step,
+                "; ".join(problems),
+                older.name,
+            )
+            return older
+    raise ConfigError(
+        f"--checkpoint {step} IS DAMAGED: {'; '.join(problems)}, and no older intact checkpoint is beside it. "
+        f"Restore its files from a copy, or give another --checkpoint."
     )
 
 
@@ -65,10 +92,9 @@ def inference_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
 
 
 def export_hf(step: Path, out: Path) -> Path:
-    from safetensors.torch import save_file
-
     from trillion.models.hf import family_classes, hf_config, to_hf_state_dict
 
+    check_destination(out)
     model = load_checkpoint_model(step)
     try:  # before anything is written: a model no transformers family expresses (debug-moe's shared expert)
         config = hf_config(model.args)
@@ -82,12 +108,49 @@ def export_hf(step: Path, out: Path) -> Path:
         model.args.tie_embeddings
     ):  # transformers ties lm_head to the embedding itself; safetensors refuses shared storage
         weights.pop("lm_head.weight")
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(
-        {k: v.detach().contiguous() for k, v in weights.items()},
-        str(out / "model.safetensors"),
-        metadata={"format": "pt"},
-    )
-    config.save_pretrained(str(out))
-    (out / RUN_CONFIG).write_text((step / CONFIG_FILE).read_text())
+    write_folder(out, {k: v.detach().contiguous() for k, v in weights.items()}, config, step)
     return out / "model.safetensors"
+
+
+def check_destination(out: Path) -> None:
+    """Export never replaces files: a non-empty OUT would be a mix of two models, or the loss of one."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(
+            f"Export destination {out} exists and is not an empty folder; export does not replace files. "
+            f"Give a new OUT folder (or remove this one first)."
+        )
+
+
+def write_folder(out: Path, weights: dict[str, torch.Tensor], config, step: Path) -> None:
+    """The files under temporary names in OUT, renamed into place only when all are written: a full
+    disk leaves no half-written model behind, and the folder is removed if export created it."""
+    from safetensors.torch import save_file
+
+    created = not out.exists()
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out))
+    try:
+        save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(str(staging))
+        (staging / RUN_CONFIG).write_text((step / CONFIG_FILE).read_text())
+        for path in staging.iterdir():  # safetensors writes 0600 (a temporary file): readable as any other file
+            path.chmod(0o666 & ~current_umask())
+            path.rename(out / path.name)
+    except Exception as error:  # safetensors raises its own SafetensorError for ENOSPC, not OSError
+        shutil.rmtree(staging, ignore_errors=True)
+        for name in ("model.safetensors", "config.json", "generation_config.json", RUN_CONFIG):
+            (out / name).unlink(missing_ok=True)
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        full = isinstance(error, OSError) and error.errno == errno.ENOSPC or "No space left" in str(error)
+        raise RunAborted(
+            f"Export into {out} failed: {'the disk is full' if full else error}. Nothing was left there "
+            f"(the partial files are removed). Free space or give an OUT folder on another disk, and export again."
+        ) from None
+    staging.rmdir()
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
