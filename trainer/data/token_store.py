@@ -118,9 +118,7 @@ class TokenStore:
                 else ""
             )
             raise ConfigError(
-                f"{setting}={str(self.path)!r} is not a token store: it has no {MANIFEST}{hint}. "
-                f"Write one with `trillion prepare-data --out {self.path}` and the run's data and "
-                "tokenizer settings."
+                f"{setting}={str(self.path)!r} is not a token store: it has no {MANIFEST}{hint}. {self._write_one()}"
             )
         try:
             self.manifest = json.loads(manifest_file.read_text())
@@ -146,6 +144,17 @@ class TokenStore:
         )
         if self.n_chunks and sample_seed is not None:
             self._check_sample(np.random.default_rng(sample_seed))
+
+    def _write_one(self) -> str:
+        """A prepare-data command that works here: it refuses an existing --out, so not this folder if it exists."""
+        settings = "with the run's data and tokenizer settings"
+        if not self.path.exists():
+            return f"Write one with `trillion prepare-data --out {self.path}` {settings}."
+        fresh = self.path.with_name(self.path.name + "-tokens")
+        return (
+            f"Write one into a new folder with `trillion prepare-data --out {fresh}` {settings} and set "
+            f"{self.setting} to it (prepare-data does not write into an existing folder such as {self.path})."
+        )
 
     def _check_sample(self, rng) -> None:
         sample = rng.choice(self.n_chunks, min(SAMPLED_CHUNKS, self.n_chunks), replace=False).tolist()
