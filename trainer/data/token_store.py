@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trillion.errors import ConfigError
+from trillion.errors import ConfigError, RunAborted
 
 FORMAT, VERSION = "trillion-token-store", 1
 CHUNK_BYTES = 1 << 20
@@ -216,8 +216,23 @@ class TokenStore:
         )
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
-        """tokens[start:stop] as int64, read from the memory map."""
-        return self._tokens[start:stop].astype(np.int64)
+        """tokens[start:stop] as int64, read from the memory map. Only a sample of chunks is checked at
+        open, so each read is bounded by the store's vocabulary here, on the host before the batch reaches
+        a device: one max over tokens already in memory, no device sync, and damage is named by its chunk
+        instead of an IndexError (a device-side assert on a GPU) from the embedding."""
+        window = self._tokens[start:stop]
+        if len(window) and int(window.max()) >= self.tokenizer["vocab_size"]:
+            self._out_of_vocabulary(start, window)
+        return window.astype(np.int64)
+
+    def _out_of_vocabulary(self, start: int, window: np.ndarray) -> None:
+        at = start + int(np.argmax(window >= self.tokenizer["vocab_size"]))
+        chunk = at // self.chunk_tokens
+        raise RunAborted(
+            f"{self.setting}={str(self.path)!r}: token {at} (chunk {chunk} of {TOKENS}) is {int(window.max())}, "
+            f"outside the store's vocabulary of {self.tokenizer['vocab_size']} ids; the store was edited or "
+            f"damaged. Check every chunk with `trillion prepare-data --verify {self.path}` and prepare it again."
+        )
 
     def documents(self) -> np.ndarray:
         """Offsets of the documents (n_documents + 1), checked when the store was opened."""
