@@ -81,9 +81,11 @@ class NonFiniteGuard:
             if self.max_consecutive > 0 and run >= self.max_consecutive:
                 raise TrainingDiverged(
                     f"Training diverged: {run} steps in a row up to step {at} had a non-finite {reason} "
-                    f"(training.max_nonfinite_skips={self.max_consecutive}). Resume from an earlier checkpoint with "
-                    f"a lower --optimizer.lr, a tighter --training.max_grad_norm or --training.dtype=bf16/fp32; raise "
-                    f"training.max_nonfinite_skips (0 = never stop) only if the spikes are known to pass."
+                    f"(training.max_nonfinite_skips={self.max_consecutive}). No checkpoint is saved while steps are "
+                    f"skipped, so the ones before are kept: resume from the newest (the same command) or an earlier "
+                    f"one (--checkpoint.load_step=STEP) with a lower --optimizer.lr, a tighter "
+                    f"--training.max_grad_norm or --training.dtype=bf16/fp32; raise training.max_nonfinite_skips "
+                    f"(0 = never stop) only if the spikes are known to pass."
                 )
         if skipped:
             log.warning(

@@ -27,7 +27,8 @@ from trillion.trainer.assemble import (
     validate_training,
 )
 from trillion.trainer.checkpoint import CheckpointManager
-from trillion.trainer.checkpoint.manager import RunRecord, check_run_directory, write_run_config
+from trillion.trainer.checkpoint.folders import check_run_directory, write_run_config
+from trillion.trainer.checkpoint.manager import RunRecord
 from trillion.trainer.checkpoint.state import RunStates
 from trillion.trainer.config import Config, to_toml
 from trillion.trainer.config.schema import Training
@@ -147,8 +148,10 @@ def train_loop(run: Run) -> dict:
             stopping_early = bool(run.stop.reason)
             evaluated = run.evaluator is not None and run.evaluator.due(step, last)
             logged = run.log.should_log(step, last, evaluated)
-            if logged or run.checkpointer.due(step, last=last, stopping_early=stopping_early):
+            saving = run.checkpointer.due(step, last=last, stopping_early=stopping_early)
+            if logged or saving or run.checkpointer.awaiting_confirmation:
                 run.guard.check(step)  # the skipped-step flags since the last check, in one read
+                run.checkpointer.confirm(step)
             values = step_values(done) if logged else None  # a logged step's host reads
             run.meter.add(done.tokens_per_device, time.perf_counter() - done.start, done.data_seconds)
             evaluation = evaluate(run, step) if evaluated else {}

@@ -18,7 +18,7 @@ def test_async_saves_overlap_training_and_publish_only_when_written(straight, tm
     finish, publish, write_marker = (
         FileSystemWriter.finish,
         trillion.trainer.checkpoint.manager.CheckpointManager._publish,
-        trillion.trainer.checkpoint.manager._write_synced,
+        trillion.trainer.checkpoint.manager.write_synced,
     )
 
     def slow_finish(self, *args, **kwargs):  # the metadata, the last thing a save writes
@@ -36,7 +36,7 @@ def test_async_saves_overlap_training_and_publish_only_when_written(straight, tm
 
     monkeypatch.setattr(FileSystemWriter, "finish", slow_finish)
     monkeypatch.setattr(trillion.trainer.checkpoint.manager.CheckpointManager, "_publish", recording_publish)
-    monkeypatch.setattr(trillion.trainer.checkpoint.manager, "_write_synced", recording_marker)
+    monkeypatch.setattr(trillion.trainer.checkpoint.manager, "write_synced", recording_marker)
     out = tmp_path / "async"
     run(out, "--checkpoint.async_mode=async", "--checkpoint.interval=2", "--checkpoint.keep_latest=0")
 

@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from trillion.errors import ConfigError, RunAborted
 from trillion.models import Transformer
-from trillion.trainer.checkpoint.manager import CONFIG_FILE, complete_checkpoints, is_complete
+from trillion.trainer.checkpoint.folders import CONFIG_FILE, complete_checkpoints, is_complete
 from trillion.trainer.checkpoint.state import ModelParts
 from trillion.trainer.checkpoint.verify import damaged_files
 from trillion.trainer.config.schema import load_config

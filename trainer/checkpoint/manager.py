@@ -9,10 +9,9 @@ directory without the marker is never taken for a checkpoint (it is removed on t
 Tensors are saved under their parameter names with their global shapes (DTensor shards are
 described, not gathered), so DCP re-slices them on load for any parallel layout; the data position
 is layout-independent (trainer/data/loader.py). Model parts and optimizers are lists, so pipeline stages,
-which keep global parameter names, save into one checkpoint. What is saved: checkpoint_state.py.
+which keep global parameter names, save into one checkpoint. What is saved: state.py; the folders on disk: folders.py.
 """
 
-import errno
 import logging
 import os
 import shutil
@@ -22,14 +21,23 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trillion.errors import ConfigError, RunAborted
+from trillion.errors import ConfigError
+from trillion.trainer.checkpoint.folders import (
+    CONFIG_FILE,
+    MARKER,
+    complete_checkpoints,
+    remove_partial,
+    step_dir,
+    sync_dir,
+    write_synced,
+)
+from trillion.trainer.checkpoint.load_step import loadable
 from trillion.trainer.checkpoint.resume_check import (
     check_resume_config,
     check_shapes,
@@ -37,6 +45,7 @@ from trillion.trainer.checkpoint.resume_check import (
     settings,
     trim_metrics,
 )
+from trillion.trainer.checkpoint.save_errors import CheckpointError, save_error
 from trillion.trainer.checkpoint.state import RunStates, load_model_weights, saved_model_shapes
 from trillion.trainer.checkpoint.verify import ChecksummedWriter, newest_intact, write_manifest
 from trillion.trainer.config.schema import Checkpoint as CheckpointConfig
@@ -47,78 +56,7 @@ log = logging.getLogger("trillion")
 # DCP warns on every save and load in one process, also from the async writer's thread (which a
 # catch_warnings block cannot reach); one process is a supported case, not a mistake.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-MARKER = "COMPLETE"
-CONFIG_FILE = "config.toml"
-PARTIAL_PREFIXES = (".staging-", ".replaced-")
 SAVE_FAILURES = (Exception, CheckpointException)  # DCP's exception derives from BaseException
-
-
-class CheckpointError(RunAborted):
-    """A checkpoint could not be written or read; the message says where and what to do."""
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:08d}"
-
-
-def is_complete(path: Path) -> bool:
-    return (path / MARKER).is_file()
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Published checkpoints, oldest first."""
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("step-*") if is_complete(p))
-
-
-def check_run_directory(output_dir: Path, *, overwrite: bool, restarted: bool) -> None:
-    """Refuse, before any work, a run directory this run would damage: a config.toml that does not
-    parse (the record of an earlier run's settings, never silently replaced), or an earlier run's
-    metrics with no checkpoint to continue from (a fresh start would replace them; job.overwrite
-    allows it, and a restart of the same job continues its own records)."""
-    config_file = output_dir / CONFIG_FILE
-    if config_file.is_file():
-        try:
-            tomllib.loads(config_file.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
-            raise ConfigError(
-                f"{config_file} does not parse ({error}): it records the settings of the run in "
-                f"job.output_dir={output_dir}. Repair or remove it, or give another --job.output_dir."
-            ) from None
-    metrics = output_dir / "metrics.jsonl"
-    if metrics.is_file() and metrics.stat().st_size and not complete_checkpoints(output_dir / "checkpoints"):
-        if overwrite or restarted:
-            log.warning(
-                "%s holds an earlier run's metrics and no checkpoint: starting afresh, replacing them", output_dir
-            )
-            return
-        raise ConfigError(
-            f"job.output_dir={output_dir} holds the metrics of an earlier run but no checkpoint to continue it from; "
-            "a fresh start would replace them. Give a new --job.output_dir, or pass --job.overwrite=true to start "
-            "afresh there."
-        )
-
-
-def write_run_config(output_dir: Path, config_toml: str) -> None:
-    """config.toml, once the run is accepted (after the resume checks), replaced atomically."""
-    staged = output_dir / f".{CONFIG_FILE}.staging"
-    _write_synced(staged, config_toml)
-    os.replace(staged, output_dir / CONFIG_FILE)
-
-
-def remove_partial(root: Path) -> list[str]:
-    """Delete what an interrupted save left behind: staging dirs and step dirs without the marker."""
-    if not root.is_dir():
-        return []
-    partial = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and (p.name.startswith(PARTIAL_PREFIXES) or (p.name.startswith("step-") and not is_complete(p)))
-    ]
-    for path in partial:
-        shutil.rmtree(path, ignore_errors=True)
-    return sorted(p.name for p in partial)
 
 
 @dataclass(frozen=True)
@@ -149,6 +87,7 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.pending = None  # (future, staging dir, step, start time) of the async save in flight
         self.blocked_seconds = 0.0  # how long the async save in flight held training up
+        self.unconfirmed = None  # the step of the newest checkpoint no finite step after it has vouched for yet
         self._check_writable()
 
     # --- agreement across ranks -------------------------------------------------------------------
@@ -193,7 +132,8 @@ class CheckpointManager:
                 ", ".join(removed),
             )
         self._barrier()
-        checkpoints = complete_checkpoints(self.root)
+        checkpoints = loadable(complete_checkpoints(self.root), self.cfg.load_step, self.root, self.is_rank0)
+        self._barrier()  # the later checkpoints are set aside before anyone reads the folder again
         if not checkpoints:
             if self.cfg.initial_load:
                 start = time.perf_counter()
@@ -243,6 +183,7 @@ class CheckpointManager:
         """Checkpoint `step` on every rank. Async mode returns once the state is copied to host memory;
         the write goes on in the background and is published by `poll`, the next save or `close`."""
         self.wait()
+        self.unconfirmed = step
         staging = self.root / f".staging-step-{step:08d}"
         start, error = time.perf_counter(), None
         if self.is_rank0:
@@ -252,7 +193,7 @@ class CheckpointManager:
                 (staging / CONFIG_FILE).write_text(self.record.config_toml)
                 corpus_fingerprint.write(staging, self.record.data)
             except OSError as problem:
-                error = _save_error(problem, step, self.root)
+                error = save_error(problem, step, self.root)
         self._agree(error, f"prepare checkpoint step {step}")
         try:
             if self.cfg.async_mode == "async" and not blocking:
@@ -273,7 +214,7 @@ class CheckpointManager:
             )
         except SAVE_FAILURES as problem:
             self._abandon(staging)
-            raise _save_error(problem, step, self.root) from problem
+            raise save_error(problem, step, self.root) from problem
         # dcp.save returns on a rank only after the coordinator has gathered every rank's write
         # results and written the metadata, so the checkpoint is whole: publish without a barrier.
         self._publish(staging, step, start, time.perf_counter() - start)
@@ -288,11 +229,48 @@ class CheckpointManager:
         and always when the job stops early); otherwise let an async save in flight move on. The last
         save blocks until written. Returns the seconds spent here."""
         start = time.perf_counter()
-        if self.due(step, last=last, stopping_early=stopping_early):
+        if self.due(step, last=last, stopping_early=stopping_early) and self._healthy(step):
             self.save(step, blocking=last)
         else:
             self.poll()
         return time.perf_counter() - start
+
+    def _healthy(self, step: int) -> bool:
+        """False while the run is skipping non-finite steps (the guard read their flags at this save):
+        a checkpoint then would hold the diverged state and could replace or prune past a good one."""
+        skipping = self.counters.consecutive_skips
+        if skipping and self.is_rank0:
+            kept = ", ".join(c.name for c in complete_checkpoints(self.root)) or "none"
+            log.warning(
+                "not saving checkpoint step %d: the last %d step%s skipped as non-finite; the checkpoints kept are "
+                "the ones before (%s)",
+                step,
+                skipping,
+                " was" if skipping == 1 else "s were",
+                kept,
+            )
+        return not skipping
+
+    @property
+    def awaiting_confirmation(self) -> bool:
+        """Whether the newest checkpoint waits for a step after it to be known finite before older ones go."""
+        return self.unconfirmed is not None
+
+    def confirm(self, step: int) -> None:
+        """Once a step after the newest checkpoint is known finite (the guard read its flag), prune past it
+        (checkpoint.keep_latest); a run diverging right after a save keeps every checkpoint it had."""
+        if self.unconfirmed is not None and step > self.unconfirmed:
+            self._vouch()
+
+    def _vouch(self) -> None:
+        if not self.counters.consecutive_skips:
+            self.unconfirmed = None
+            self._prune()
+
+    def _prune(self) -> None:
+        if self.is_rank0 and self.cfg.keep_latest > 0:
+            for old in complete_checkpoints(self.root)[: -self.cfg.keep_latest]:
+                shutil.rmtree(old)
 
     def poll(self) -> None:
         """Publish the async save in flight if its write has finished; never blocks."""
@@ -309,6 +287,8 @@ class CheckpointManager:
         a failure here is logged instead of masking that error."""
         if sys.exc_info()[1] is None:
             self.wait()
+            if self.unconfirmed is not None:  # the job's last checkpoint: no later step of this job vouches for it
+                self._vouch()
             return
         try:
             self.wait()
@@ -322,7 +302,7 @@ class CheckpointManager:
             future.result()
         except SAVE_FAILURES as problem:
             self._abandon(staging)
-            raise _save_error(problem, step, self.root) from problem
+            raise save_error(problem, step, self.root) from problem
         # A rank's future completes after DCP's final gather of all ranks' write results, so rank 0
         # seeing its own done means every rank has written.
         self._publish(staging, step, start, self.blocked_seconds)
@@ -334,7 +314,7 @@ class CheckpointManager:
         checksum_start = time.perf_counter()
         write_manifest(staging)  # sizes and checksums first: a checkpoint with a marker always has them
         checksum_seconds = time.perf_counter() - checksum_start
-        _write_synced(staging / MARKER, f"step {step}\n")
+        write_synced(staging / MARKER, f"step {step}\n")
         if final.exists():  # a rerun of the same step: replace only once the new one is whole
             replaced = self.root / f".replaced-step-{step:08d}"
             shutil.rmtree(replaced, ignore_errors=True)
@@ -343,10 +323,7 @@ class CheckpointManager:
             shutil.rmtree(replaced)
         else:
             staging.rename(final)
-        _sync_dir(self.root)
-        if self.cfg.keep_latest > 0:
-            for old in complete_checkpoints(self.root)[: -self.cfg.keep_latest]:
-                shutil.rmtree(old)
+        sync_dir(self.root)
         log.info(
             "saved checkpoint %s (training blocked %.2fs, written in %.2fs, checksummed in %.2fs)",
             final,
@@ -358,63 +335,3 @@ class CheckpointManager:
     def _abandon(self, staging: Path) -> None:
         if self.is_rank0:
             shutil.rmtree(staging, ignore_errors=True)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _sync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _os_error(error: BaseException) -> OSError | None:
-    """The OSError behind a save failure, looking through DCP's per-rank wrapping."""
-    seen = set()
-    stack = [error]
-    while stack:
-        current = stack.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, OSError) and current.errno is not None:
-            return current
-        stack += [current.__cause__, current.__context__]
-        if isinstance(current, CheckpointException):  # {rank: (exception, traceback)}
-            stack += [exception for exception, _ in current.failures.values()]
-    return None
-
-
-def _save_error(error: BaseException, step: int, root: Path) -> CheckpointError:
-    previous = complete_checkpoints(root)
-    kept = f"The last good checkpoint, {previous[-1].name}, is intact." if previous else "No earlier checkpoint exists."
-    os_error = _os_error(error)
-    if os_error is not None and os_error.errno == errno.ENOSPC:
-        return CheckpointError(
-            f"No space left on the device while saving checkpoint step {step} into {root}. {kept} Free space there, "
-            f"keep fewer checkpoints (--checkpoint.keep_latest=1) or point --job.output_dir at a larger filesystem, "
-            f"then run the same command again to resume."
-        )
-    if os_error is not None and os_error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return CheckpointError(
-            f"Cannot write checkpoint step {step} into {root} ({os_error.strerror}). {kept} Fix the permissions or "
-            f"point --job.output_dir at a writable folder, then run the same command again to resume."
-        )
-    cause = os_error or _first_failure(error)
-    return CheckpointError(
-        f"Saving checkpoint step {step} into {root} failed ({type(cause).__name__}: {cause}). "
-        f"{kept} Run the same command again to resume from it."
-    )
-
-
-def _first_failure(error: BaseException) -> BaseException:
-    if isinstance(error, CheckpointException) and error.failures:
-        return next(iter(error.failures.values()))[0]
-    return error

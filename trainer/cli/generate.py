@@ -72,7 +72,7 @@ def sampling_from(ns: argparse.Namespace) -> Sampling:
 def load_for_generation(path: Path, device: torch.device):
     """(model in eval mode on `device`, tokenizer) from a run, step or exported Hugging Face folder."""
     from trillion.trainer.checkpoint.export import RUN_CONFIG, load_checkpoint_model, resolve_checkpoint
-    from trillion.trainer.checkpoint.manager import CONFIG_FILE
+    from trillion.trainer.checkpoint.folders import CONFIG_FILE
     from trillion.trainer.data.tokenizer import build_tokenizer
 
     if not path.exists():
@@ -103,7 +103,7 @@ def load_for_generation(path: Path, device: torch.device):
 def _load_hf_folder(path: Path):
     from trillion.models import Transformer
     from trillion.models.hf import args_from_hf_config, family_classes
-    from trillion.trainer.checkpoint.manager import load_model_weights
+    from trillion.trainer.checkpoint.state import load_model_weights
 
     try:
         args = args_from_hf_config(json.loads((path / "config.json").read_text()))

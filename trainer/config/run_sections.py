@@ -124,6 +124,13 @@ class Checkpoint:
         "writes one); ignored when the run resumes.",
         ExistingPath("Give a checkpoint step directory or a Hugging Face folder (`trillion export` writes one)."),
     )
+    load_step: int = doc(
+        0,
+        "Resume from this step's checkpoint instead of the newest intact one (0 = the newest): to go back past "
+        "checkpoints a diverging run wrote. The later ones are set aside as abandoned-step-* (kept, never loaded or "
+        "pruned); once the run has saved past that step, the same command resumes from its newest checkpoint.",
+        NONNEGATIVE,
+    )
     save_final: bool = doc(True, "Save a checkpoint after the last step.", Flag())
     accept_data_change: bool = doc(
         False,
