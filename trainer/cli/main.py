@@ -1,52 +1,55 @@
 """The `trillion` command: `trillion <command> [args]`. User errors print one paragraph (no
 traceback) and exit with status 2."""
 
+import importlib
 import logging
 import os
 import sys
+from typing import NamedTuple
 
 from trillion.errors import ConfigError, RunAborted
 
 
-def entry_module(command: str):
-    """The module whose `main(argv) -> int` runs `command`, imported only when it runs (`trillion plan`
-    needs no model code)."""
-    if command == "train":
-        from trillion.trainer.cli import train as module
-    elif command == "prepare-data":
-        from trillion.trainer.cli import prepare_data as module
-    elif command == "plan":
-        from trillion.trainer.tools import plan_cli as module
-    elif command == "tune":
-        from trillion.trainer.tools import tune as module
-    elif command == "estimate":
-        from trillion.trainer.tools.estimate import cli as module
-    elif command == "export":
-        from trillion.trainer.cli import export as module
-    else:
-        assert command == "generate", command
-        from trillion.trainer.cli import generate as module
-    return module
+class Command(NamedTuple):
+    module: str  # whose `main(argv) -> int` runs the command, imported only when it runs (`plan` needs no model)
+    summary: str
 
 
-# command -> one-line summary
 COMMANDS = {
-    "train": "train a model: trillion train [--config FILE] [--section.field=value ...]",
-    "prepare-data": "tokenize a corpus once into a token store: trillion prepare-data --out DIR "
-    "[--workers N] [--data.path=...]",
-    "plan": "choose a parallel layout: trillion plan --model M --hardware H --gpus N --global-batch B",
-    "tune": "measure the planner's best layouts: trillion tune --config FILE --nproc N --hardware H",
-    "estimate": "check a layout's memory per rank at full scale on one CPU: trillion estimate "
-    "--config FILE --world-size N",
-    "export": "a checkpoint as a Hugging Face model: trillion export --checkpoint DIR --format hf OUT",
-    "generate": "continue a prompt: trillion generate --checkpoint RUN_DIR --prompt TEXT "
-    "[--max-new-tokens N] [--temperature T] [--top-k K]",
+    "train": Command(
+        "trillion.trainer.cli.train", "train a model: trillion train [--config FILE] [--section.field=value ...]"
+    ),
+    "prepare-data": Command(
+        "trillion.trainer.cli.prepare_data",
+        "tokenize a corpus once into a token store: trillion prepare-data --out DIR [--workers N] [--data.path=...]",
+    ),
+    "plan": Command(
+        "trillion.trainer.tools.plan_cli",
+        "choose a parallel layout: trillion plan --model M --hardware H --gpus N --global-batch B",
+    ),
+    "tune": Command(
+        "trillion.trainer.tools.tune",
+        "measure the planner's best layouts: trillion tune --config FILE --nproc N --hardware H",
+    ),
+    "estimate": Command(
+        "trillion.trainer.tools.estimate.cli",
+        "check a layout's memory per rank at full scale on one CPU: trillion estimate --config FILE --world-size N",
+    ),
+    "export": Command(
+        "trillion.trainer.cli.export",
+        "a checkpoint as a Hugging Face model: trillion export --checkpoint DIR --format hf OUT",
+    ),
+    "generate": Command(
+        "trillion.trainer.cli.generate",
+        "continue a prompt: trillion generate --checkpoint RUN_DIR --prompt TEXT [--max-new-tokens N] "
+        "[--temperature T] [--top-k K]",
+    ),
 }
 
 
 def usage() -> str:
     lines = ["usage: trillion <command> [args]", "", "commands:"]
-    lines += [f"  {name:12s} {summary}" for name, summary in COMMANDS.items()]
+    lines += [f"  {name:12s} {command.summary}" for name, command in COMMANDS.items()]
     return "\n".join(lines)
 
 
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None, *, hooks=None) -> int:
         print(f"trillion: unknown command {argv[0]!r}.\n\n{usage()}", file=sys.stderr)
         return 2
     try:
-        module = entry_module(argv[0])
+        module = importlib.import_module(COMMANDS[argv[0]].module)
         return module.main(argv[1:], hooks) if hooks is not None else module.main(argv[1:])
     except KeyboardInterrupt as error:  # Ctrl-C: one line, no traceback, the shell's status for SIGINT
         print(f"trillion {argv[0]}: {error or 'interrupted (Ctrl-C)'}", file=sys.stderr)
