@@ -7,6 +7,7 @@ from functools import lru_cache
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, ROW
+from trillion.parallel.layout import Layout
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.memory import tp_local_linears
 from trillion.parallel.planner.moe import moe_passes
@@ -113,24 +114,14 @@ def tp_gather_bytes(
     return tuple(sublayers)
 
 
-def block_passes(
-    args: ModelArgs,
-    hw: HardwareProfile,
-    batch: int,
-    seq_len: int,
-    tp: int,
-    compiled: bool,
-    cp: int,
-    float8: bool,
-    ep: int,
-    imbalance: float,
-    routed: bool,
-) -> Passes:
-    """One dense block, or one MoE block (its attention and shared experts, then moe.py's routed experts)."""
+def block_passes(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, *, routed: bool) -> Passes:
+    """One dense block, or one MoE block (its attention and shared experts, then moe.py's routed experts),
+    of one micro-batch at `layout`'s micro-batch size, tp, cp, ep, compile and float8."""
+    shape = (args, hw, layout.micro_batch_size, seq_len, layout.tp, layout.compile, layout.cp, layout.float8)
     if not routed:
-        return layer_passes(args, hw, batch, seq_len, tp, compiled, cp, float8)
-    shared = layer_passes(args, hw, batch, seq_len, tp, compiled, cp, float8, True)
-    return shared + moe_passes(args, hw, batch * seq_len // cp, tp, ep, imbalance)
+        return layer_passes(*shape)
+    tokens = layout.micro_batch_size * seq_len // layout.cp
+    return layer_passes(*shape, True) + moe_passes(args, hw, tokens, layout.tp, layout.ep, layout.moe_load_imbalance)
 
 
 @lru_cache(maxsize=8192)

@@ -73,7 +73,7 @@ from trillion.parallel.planner.memory import (
     pipeline_ranks,
     replicated_numel,
 )
-from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, expert_numel
+from trillion.parallel.planner.moe import expert_numel
 from trillion.parallel.planner.timing import (  # noqa: F401 (collective_time, Passes: the planner's names here)
     Passes,
     _gemm,
@@ -113,44 +113,33 @@ class StepTime:
 
 @lru_cache(maxsize=65536)
 def rank_passes(
-    args: ModelArgs,
-    hw: HardwareProfile,
-    micro_batch_size: int,
-    seq_len: int,
-    tp: int,
-    activation_checkpoint: str,
-    compiled: bool,
-    rank: RankParams,
-    cp: int = 1,
-    float8: bool = False,
-    ep: int = 1,
-    imbalance: float = MOE_LOAD_IMBALANCE,
+    args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, rank: RankParams
 ) -> tuple[Passes, Passes]:
-    """(passes of one micro-batch through all of the rank's layers and MTP modules, the recomputed forwards)."""
-    block = (args, hw, micro_batch_size, seq_len, tp, compiled, cp, float8, ep, imbalance)
-    layer = block_passes(*block, routed=False)
+    """(passes of one micro-batch through all of the rank's layers and MTP modules, the recomputed forwards);
+    `layout` is a pipeline_part (its data-parallel settings play no part, so the cache holds fewer entries)."""
+    layer = block_passes(args, hw, layout, seq_len, routed=False)
     dense = rank.layers - rank.routed_layers
     total = layer * dense
     forward_sum = layer * dense
     if rank.routed_layers:
-        moe_layer = block_passes(*block, routed=True)
+        moe_layer = block_passes(args, hw, layout, seq_len, routed=True)
         total = total + moe_layer * rank.routed_layers
         forward_sum = forward_sum + moe_layer * rank.routed_layers
-    tokens = micro_batch_size * seq_len // cp
+    tokens, tp = layout.micro_batch_size * seq_len // layout.cp, layout.tp
     if rank.last:
         total = total + output_passes(args, hw, tokens, tp)
     if rank.ahead_modules:  # models/parts/mtp.py: a block, its projection (whole on every tp rank), the head again
         _, ahead = parts.ahead_modules(args)
         projection = sum(_gemm(hw, tokens, x.in_features, x.out_features) for x in ahead.linears)
-        module = block_passes(*block, routed=parts.routed_layer(args, args.n_layers)) + output_passes(
-            args, hw, tokens, tp
-        )
+        module = block_passes(
+            args, hw, layout, seq_len, routed=parts.routed_layer(args, args.n_layers)
+        ) + output_passes(args, hw, tokens, tp)
         total = total + (module + Passes(projection, projection, projection)) * rank.ahead_modules
     mean = forward_sum * (1 / max(rank.layers, 1))  # a recomputed layer: the mean of the rank's layers
     recompute = Passes(
         forward=mean.forward, tp_forward=mean.tp_forward, cp_forward=mean.cp_forward, ep_forward=mean.ep_forward
     )
-    return total, recompute * rank.checkpointed(activation_checkpoint)
+    return total, recompute * rank.checkpointed(layout.activation_checkpoint)
 
 
 def float8_gathered(args: ModelArgs, layout: Layout, rank: RankParams) -> int:
@@ -205,23 +194,7 @@ def _pipeline(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     """Per-micro-batch compute of the pipeline's ranks: (slowest rank index, its passes, its
     recompute, seconds of the slowest and of the mean rank, mean TP, CP and EP seconds).
     `layout` is a pipeline_part: this is independent of dp."""
-    timed = [
-        rank_passes(
-            args,
-            hw,
-            layout.micro_batch_size,
-            seq_len,
-            layout.tp,
-            layout.activation_checkpoint,
-            layout.compile,
-            rank,
-            layout.cp,
-            layout.float8,
-            layout.ep,
-            layout.moe_load_imbalance,
-        )
-        for rank in pipeline_ranks(args, layout)
-    ]
+    timed = [rank_passes(args, hw, layout, seq_len, rank) for rank in pipeline_ranks(args, layout)]
     pp = layout.pp
     per_rank = [ps.forward + rc.forward + ps.input_grad + ps.weight_grad for ps, rc in timed]
     slowest = max(range(pp), key=per_rank.__getitem__)

@@ -108,9 +108,9 @@ def test_the_mtp_module_sits_on_the_last_stage_and_costs_a_block_and_the_head():
     assert [r.ahead_modules for r in ranks] == [0, 0, 0, 1]
     assert sum(r.numel(args, 1, 1)[0] for r in ranks) == _one_rank(args)[0].numel(args, 1, 1)[0]
     last, without = ranks[-1], dataclasses.replace(ranks[-1], ahead_modules=0)
-    timed = (args, H100, 1, 4096, 8, "none", False)
-    with_mtp, plain = rank_passes(*timed, last)[0], rank_passes(*timed, without)[0]
-    block = block_passes(args, H100, 1, 4096, 8, False, 1, False, 1, 1.16, routed=True)
+    layout = Layout(tp=8)
+    with_mtp, plain = rank_passes(args, H100, layout, 4096, last)[0], rank_passes(args, H100, layout, 4096, without)[0]
+    block = block_passes(args, H100, layout, 4096, routed=True)
     added = with_mtp.forward - plain.forward
     head = output_passes(args, H100, 4096, 8).forward
     projection = _gemm(H100, 4096, 2 * args.dim, args.dim)  # 2 dim -> dim, whole on every tp rank

@@ -127,8 +127,8 @@ def test_one_expert_of_top_one_is_the_dense_mlp():
     )
     rank, dense_rank_params = RankParams(4, False, False, routed_layers=4), RankParams(4, False, False)
     assert rank.numel(moe, 1, 1)[0] == dense_rank_params.numel(dense, 1, 1)[0] + 4 * h  # the router: dim x 1 a layer
-    moe_rank, _ = rank_passes(moe, H100, 2, 1024, 1, "none", False, rank, 1, False, 1, 1.0)
-    dense_rank, _ = rank_passes(dense, H100, 2, 1024, 1, "none", False, dense_rank_params)
+    moe_rank, _ = rank_passes(moe, H100, Layout(micro_batch_size=2, moe_load_imbalance=1.0), 1024, rank)
+    dense_rank, _ = rank_passes(dense, H100, Layout(micro_batch_size=2), 1024, dense_rank_params)
     router = _gemm(H100, tokens, h, 1)  # the weight gradient: the experts' are the MLP's, plus the router's
     assert moe_rank.weight_grad == pytest.approx(dense_rank.weight_grad + 4 * router)
 
