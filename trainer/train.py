@@ -42,7 +42,7 @@ from trillion.trainer.metrics.pipeline_timeline import PipelineTimeline
 from trillion.trainer.metrics.profiling import PhaseTimer, StepProfiler
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
 from trillion.trainer.preflight import check_memory
-from trillion.trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy
+from trillion.trainer.resilience import CheckpointAdvice, NonFiniteGuard, RunCounters, StopPolicy
 from trillion.trainer.step import train_step
 
 log = logging.getLogger("trillion")
@@ -88,6 +88,7 @@ class Run:
     timeline: PipelineTimeline | None
     hooks: RunHooks
     lock: RunDirectoryLock | None  # rank 0's hold on the run directory
+    advice: CheckpointAdvice
 
     def close(self) -> None:
         self.stop.close()
@@ -153,7 +154,8 @@ def train_loop(run: Run) -> dict:
                 run.guard.check(step)  # the skipped-step flags since the last check, in one read
                 run.checkpointer.confirm(step)
             values = step_values(done) if logged else None  # a logged step's host reads
-            run.meter.add(done.tokens_per_device, time.perf_counter() - done.start, done.data_seconds)
+            step_seconds = time.perf_counter() - done.start
+            run.meter.add(done.tokens_per_device, step_seconds, done.data_seconds)
             evaluation = evaluate(run, step) if evaluated else {}
             if logged:
                 record = step_record(run, step, done, values, evaluation, checkpoint_seconds)
@@ -161,7 +163,10 @@ def train_loop(run: Run) -> dict:
                 checkpoint_seconds = 0.0
             else:
                 run.log.tick(step)
-            checkpoint_seconds += run.checkpointer.maybe_save(step, last=last, stopping_early=stopping_early)
+            spent = run.checkpointer.maybe_save(step, last=last, stopping_early=stopping_early)
+            checkpoint_seconds += spent
+            if run.checkpointer.last_saved_step == step:
+                run.advice.after_save(step, spent, step_seconds)
         if last:
             if stopping_early:
                 log.info("%s: checkpoint saved, exiting; the same command continues the run", run.stop.reason)
@@ -297,6 +302,7 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
         *build_observers(config, env, model_args, pipeline, counters.step, dtype, n_microbatches),
         hooks,
         lock,
+        CheckpointAdvice(config.checkpoint, env.world_size, t.steps, env.is_logging_rank),
     )
 
 
