@@ -27,6 +27,7 @@ TESTS = [
     "tests/checkpoint/test_guards.py::test_nonfinite_steps_are_skipped_and_counted",
     "tests/test_launch.py::test_a_hung_rank_ends_the_job_with_the_step_and_rank",
     "tests/test_fail_fast.py::test_a_bad_flag_on_one_rank_ends_both_within_60_s",
+    "tests/fault_tolerance/test_kill_rejoin.py::test_a_killed_group_leaves_the_other_training_and_rejoins_live_bitwise",
 ]
 
 
