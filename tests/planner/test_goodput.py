@@ -103,3 +103,28 @@ def test_estimate_prices_the_measured_checkpoint(capsys):
     assert figures["gpus"] == 2 and figures["failures_per_day"] == pytest.approx(24 * 2 / 10)
     assert figures["save_s"] == pytest.approx(optimizer * 1.5 / 1e9)  # at the assumed 1 GB/s per GPU
     assert figures["step_s"] > 0 and math.isfinite(figures["goodput_fault_tolerant"])
+
+
+GPT_1T = "--model gpt-1t --hardware frontier --gpus 3072 --global-batch 3072 --tp 4 --pp 128 --cp 1 --dp-shard 6"
+KIMI = "--model kimi-k2 --hardware dgx-h100 --gpus 4096 --global-batch 4096 --seq-len 4096 --tokens 15.5e12"
+
+
+@pytest.mark.parametrize(
+    ("argv", "figures"),
+    [
+        (
+            f"{GPT_1T} --dp-replicate 1 --micro-batch-size 1 --tokens 20e12",
+            ["1.45 a day expected on 3,072 GPUs", "every 12.3 min of training = 3 steps", "97.8% restarting", "98.4%"],
+        ),
+        pytest.param(
+            KIMI,
+            ["1.94 a day expected on 4,096 GPUs", "every 8.9 min of training = 97 steps", "97.5% restarting", "98.7%"],
+            marks=pytest.mark.slow,  # a search over MoE layouts: half a minute
+        ),
+    ],
+    ids=["gpt-1t-3072-mi250x", "kimi-k2-4096-h100"],
+)
+def test_the_readme_goodput_figures(argv, figures, capsys):
+    assert trillion(["plan", *argv.split(), "--top", "1", "--config-out", ""]) == 0
+    out = capsys.readouterr().out
+    assert all(figure in out for figure in figures), out[-800:]
