@@ -17,6 +17,7 @@ from tests.helpers.fault_record import report
 from tests.helpers.flags import TINY, with_flags
 from tests.helpers.lighthouse import Groups, lighthouse
 from tests.helpers.runs import run
+from trillion.trainer.checkpoint import complete_checkpoints
 from trillion.trainer.step import train_step
 from trillion.trainer.train import RunHooks
 
@@ -117,6 +118,9 @@ def check_survival_and_rejoin(tmp_path: Path, steps: int, processes: int, extra=
     a, b = digests(tmp_path / "a.sha"), digests(tmp_path / "b.sha")
     assert set(b) == {r["step"] for r in joined} and all(a[step] == b[step] for step in b)
     assert [r["loss"] for r in joined] == [r["loss"] for r in survivor if r["step"] >= joined[0]["step"]]
+    # one copy of the final checkpoint, by the first group alive, for a cold restart
+    assert complete_checkpoints(out / "replica_0" / "checkpoints")[-1].name == f"step-{steps:08d}"
+    assert not complete_checkpoints(out / "replica_1" / "checkpoints")
     # the survivor's losses: one process's with the same groups alive at each step (as either group logged them)
     members = {r["step"]: r["replica_groups"] for r in [*rejoined, *survivor]}
     assert sorted(members) == list(range(1, steps + 1)) and {tuple(m) for m in members.values()} >= {(0,), (0, 1)}

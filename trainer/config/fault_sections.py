@@ -8,7 +8,7 @@ from trillion.errors import ConfigError
 from trillion.trainer.config.checks import Flag, OneOf, Range
 from trillion.trainer.config.fields import NONNEGATIVE, POSITIVE, doc
 
-SEMI_SYNC_METHODS = ("", "diloco", "local_sgd")  # "": every step synchronous
+SEMI_SYNC_METHODS = ("none", "diloco", "local_sgd")  # none: every step synchronous
 
 
 @dataclass
@@ -33,14 +33,16 @@ class FaultTolerance:
         1, "A step commits only when at least this many groups took part; fewer wait for more to join.", POSITIVE
     )
     semi_sync_method: str = doc(
-        "",
-        "'' (every step synchronous) | diloco | local_sgd: groups train alone and meet every sync_steps steps "
+        "none",
+        "none (every step synchronous) | diloco | local_sgd: groups train alone and meet every sync_steps steps "
         "(DiLoCo: an outer Nesterov SGD step on the averaged change; LocalSGD: the weights averaged).",
         OneOf(SEMI_SYNC_METHODS),
     )
     sync_steps: int = doc(5, "Semi-synchronous methods: inner steps between two synchronisations.", POSITIVE)
     outer_lr: float = doc(0.7, "DiLoCo's outer learning rate (the DiLoCo paper's 0.7).", Range(0, open_low=True))
-    outer_momentum: float = doc(0.9, "DiLoCo's outer Nesterov momentum (the DiLoCo paper's 0.9).", Range(0, 1))
+    outer_momentum: float = doc(
+        0.9, "DiLoCo's outer Nesterov momentum (the DiLoCo paper's 0.9; 0: plain SGD).", Range(0, 1)
+    )
     process_group: str = doc(
         "auto",
         "The collectives between groups: auto (nccl on GPUs, gloo on CPU) | gloo | nccl.",

@@ -53,7 +53,7 @@ def join_replica_groups(config: Config, rank: int, world_size: int, states: RunS
     if not cfg.enabled:
         return None
     model, optimizer = states.model_parts[0], states.optimizers[0]
-    synchronous = not cfg.semi_sync_method
+    synchronous = cfg.semi_sync_method == "none"
     progress = (TrainingState(states.counters, states.scheduler, states.loader), RNGStates(states.device))
     live = LiveState(model, optimizer, *(progress if synchronous else (None, None)))
     groups = ReplicaGroups(cfg, rank, world_size, states.device, live)

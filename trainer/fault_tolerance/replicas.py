@@ -2,7 +2,7 @@
 process group between the groups, the commit vote, live recovery), joined once the group has resumed from
 its own checkpoint if it has one, and asked for a quorum at the start of every iteration.
 
-Synchronous groups (semi_sync_method empty) vote on every step (step.py); semi-synchronous ones meet every
+Synchronous groups (semi_sync_method none) vote on every step (step.py); semi-synchronous ones meet every
 sync_steps steps through torchft's DiLoCo or LocalSGD (semi_sync.py). Every wait is bounded
 (fault_tolerance.timeout_s, process_group_timeout_ms): an unreachable Lighthouse or a lost quorum ends the
 group with exit 1 instead of hanging it."""

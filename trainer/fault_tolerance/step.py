@@ -14,6 +14,7 @@ after a new quorum; the step counts once. Data rule: group g always trains the g
 so a departed group's share of a step is skipped (the global batch shrinks to the groups alive; the loss is the
 mean over the tokens trained, the learning rate unchanged)."""
 
+import itertools
 import logging
 import time
 
@@ -112,25 +113,14 @@ class SynchronousStep:
     def __init__(self, groups: ReplicaGroups, inner):
         self.groups, self.inner = groups, inner
 
-    def __call__(
-        self,
-        runner,
-        micro_batches,
-        optimizer,
-        scaler,
-        autocast,
-        max_grad_norm,
-        dims=None,
-        guard=None,
-        timer=None,
-        *,
-        clip,
-        step_hooks=(),
-    ):
+    def __call__(self, *args, clip, step_hooks=()):
+        """train_step's arguments: (runner, micro_batches, optimizer, scaler, autocast, max_grad_norm, dims, guard,
+        timer); the last three are the seams taken here."""
+        head, (dims, guard, timer) = args[:6], args[6:9]
         groups, manager = self.groups, self.groups.manager
         hooks = [h for h in step_hooks if h is not groups]
         start = time.monotonic()
-        for attempt in range(1, 1_000_000):
+        for attempt in itertools.count(1):
             if attempt > 1:
                 groups.quorum()
             if manager.num_participants() < groups.cfg.min_replica_size:
@@ -139,12 +129,7 @@ class SynchronousStep:
             members = groups.members()
             gate = CommitGate(manager, guard)
             loss, norm = self.inner(
-                runner,
-                micro_batches,
-                optimizer,
-                scaler,
-                autocast,
-                max_grad_norm,
+                *head,
                 AcrossGroups(dims, manager),
                 gate,
                 timer,
