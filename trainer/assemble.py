@@ -139,8 +139,9 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
     )  # no mesh: the degrees checked against the world
     degrees.validate(model_args, t.seq_len)
     check_whole_sequences(model_args, degrees)
-    check_batch_split(t, degrees.dp_size)
-    micro_batch_size, microbatches = batch_split(t, degrees.dp_size)
+    dp_ranks = degrees.dp_size * config.fault_tolerance.groups  # fault-tolerant replica groups share each batch
+    check_batch_split(t, dp_ranks)
+    micro_batch_size, microbatches = batch_split(t, dp_ranks)
     experts_recomputed = degrees.ep > 1 and p.activation_checkpoint != "none"
     # schedule, stage sizes and micro-batches checked before any work (stage sizes without a pipeline refused)
     pp_schedule, virtual_stages = validate_pipeline(
@@ -181,7 +182,8 @@ def check_batch_split(t: Training, dp_size: int) -> None:
         raise ConfigError(
             f"training.global_batch_size={t.global_batch_size} does not split into micro-batches of "
             f"training.micro_batch_size={t.micro_batch_size} over {dp_size} data-parallel ranks (dp_replicate x "
-            f"dp_shard); each rank takes global / dp sequences. Use e.g. {fix}."
+            f"dp_shard, x fault_tolerance.group_size with fault tolerance); each rank takes global / dp sequences. "
+            f"Use e.g. {fix}."
         )
 
 

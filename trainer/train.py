@@ -34,6 +34,8 @@ from trillion.trainer.config import Config, to_toml
 from trillion.trainer.config.schema import Training
 from trillion.trainer.data import build_data_loader, build_tokenizer, held_out_fraction
 from trillion.trainer.evaluate import Evaluator, build_evaluator
+from trillion.trainer.fault_tolerance import check_fault_tolerance, replica_group_config
+from trillion.trainer.fault_tolerance.attach import FaultTolerantRun, join_replica_groups
 from trillion.trainer.launch import LaunchEnv, RunDirectoryLock, check_same_config, init_launch_env, restarted
 from trillion.trainer.metrics import ThroughputMeter, peak_memory_gb
 from trillion.trainer.metrics.meters import StepLog
@@ -42,7 +44,7 @@ from trillion.trainer.metrics.pipeline_timeline import PipelineTimeline
 from trillion.trainer.metrics.profiling import PhaseTimer, StepProfiler
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
 from trillion.trainer.preflight import check_memory
-from trillion.trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy
+from trillion.trainer.resilience import CheckpointAdvice, NonFiniteGuard, RunCounters, StopPolicy
 from trillion.trainer.step import train_step
 
 log = logging.getLogger("trillion")
@@ -88,8 +90,12 @@ class Run:
     timeline: PipelineTimeline | None
     hooks: RunHooks
     lock: RunDirectoryLock | None  # rank 0's hold on the run directory
+    advice: CheckpointAdvice
+    replicas: FaultTolerantRun | None  # this job's replica group among the others (fault_tolerance.enabled)
 
     def close(self) -> None:
+        if self.replicas is not None:
+            self.replicas.close()
         self.stop.close()
         self.profiler.close()
         self.checkpointer.close()
@@ -153,7 +159,8 @@ def train_loop(run: Run) -> dict:
                 run.guard.check(step)  # the skipped-step flags since the last check, in one read
                 run.checkpointer.confirm(step)
             values = step_values(done) if logged else None  # a logged step's host reads
-            run.meter.add(done.tokens_per_device, time.perf_counter() - done.start, done.data_seconds)
+            step_seconds = time.perf_counter() - done.start
+            run.meter.add(done.tokens_per_device, step_seconds, done.data_seconds)
             evaluation = evaluate(run, step) if evaluated else {}
             if logged:
                 record = step_record(run, step, done, values, evaluation, checkpoint_seconds)
@@ -161,7 +168,10 @@ def train_loop(run: Run) -> dict:
                 checkpoint_seconds = 0.0
             else:
                 run.log.tick(step)
-            checkpoint_seconds += run.checkpointer.maybe_save(step, last=last, stopping_early=stopping_early)
+            spent = run.checkpointer.maybe_save(step, last=last, stopping_early=stopping_early)
+            checkpoint_seconds += spent
+            if run.checkpointer.last_saved_step == step:
+                run.advice.after_save(step, spent, step_seconds)
         if last:
             if stopping_early:
                 log.info("%s: checkpoint saved, exiting; the same command continues the run", run.stop.reason)
@@ -239,16 +249,19 @@ def set_up(config: Config, hooks: RunHooks) -> Run:
     work), then the model, optimizer and checkpoints (resuming if the run has one), then the meters.
     Rank 0 holds the run directory's lock from here to Run.close."""
     job_start = time.monotonic()  # training.exit_after_minutes counts set-up and loading too
+    config = replica_group_config(config)  # a fault-tolerant replica group's own run directory
     env = init_launch_env(config.job.device, config.job.collective_timeout_s)
     check_same_config(to_toml(config))
     validate_training(config, env)
+    check_fault_tolerance(config)
     output_dir, lock = Path(config.job.output_dir), None
     if env.is_logging_rank:
         lock = RunDirectoryLock(output_dir)
         lock.acquire()
     try:
         if lock is not None:
-            check_run_directory(output_dir, overwrite=config.job.overwrite, restarted=restarted())
+            rejoining = restarted() or config.fault_tolerance.enabled  # a replica group takes the others' state
+            check_run_directory(output_dir, overwrite=config.job.overwrite, restarted=rejoining)
         return _set_up_locked(config, hooks, env, job_start, lock)
     except BaseException:
         if lock is not None:
@@ -262,13 +275,14 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
     model_args = build_model_args(config, tokenizer.vocab_size)
     check_grouped_gemm(model_args, env.device, compute_dtype(t.dtype, env.device.type))
     dims = build_parallel_dims(config, env, model_args)
-    micro_batch_size, n_microbatches = batch_split(t, dims.dp_size)
+    groups = config.fault_tolerance.groups  # replica groups sharing each batch (1 without fault tolerance)
+    micro_batch_size, n_microbatches = batch_split(t, dims.dp_size * groups)
     check_memory(
-        dims.layout, model_args, env, model_name=config.model.name, global_batch_size=t.global_batch_size
+        dims.layout, model_args, env, model_name=config.model.name, global_batch_size=t.global_batch_size // groups
     )  # before any allocation or file
     loader, first_batch, evaluator = read_data(config, tokenizer, dims, micro_batch_size, env.device)
     dtype = compute_dtype(t.dtype, env.device.type)
-    runner, pipeline, optimizer, scheduler, counters, checkpointer = build_training(
+    runner, pipeline, optimizer, scheduler, counters, checkpointer, replicas = build_training(
         config, env, model_args, dims, n_microbatches, loader, dtype
     )
     if counters.step > 0:  # the data position moved on: the batch read up front is not the next one
@@ -284,7 +298,7 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
         first_batch,
         evaluator,
         runner,
-        find_step_hooks(runner.model),
+        find_step_hooks(runner.model) + (replicas.step_hooks if replicas else ()),
         pipeline,
         optimizer,
         scheduler,
@@ -295,14 +309,17 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
         NonFiniteGuard(t.max_nonfinite_skips, counters),
         StopPolicy(t, counters.step, job_start),
         *build_observers(config, env, model_args, pipeline, counters.step, dtype, n_microbatches),
-        hooks,
+        replicas.wrap(hooks) if replicas else hooks,
         lock,
+        CheckpointAdvice(config.checkpoint, env.world_size * groups, t.steps, env.is_logging_rank),
+        replicas,
     )
 
 
 def build_training(config: Config, env: LaunchEnv, model_args, dims: ParallelDims, n_microbatches: int, loader, dtype):
-    """(runner, pipeline, optimizer, LR schedule, counters, checkpointer): the model materialized and
-    parallelized, its optimizer, and the run's newest checkpoint loaded into them if it has one."""
+    """(runner, pipeline, optimizer, LR schedule, counters, checkpointer, replica group): the model materialized
+    and parallelized, its optimizer, the run's newest checkpoint loaded into them if it has one, and, with fault
+    tolerance, the group joined to the others (a group behind them copies a healthy one's state here)."""
     runner, pipeline = build_runner(config, dims, model_args, n_microbatches, env.device, dtype)
     torch.manual_seed(config.job.seed)
     optimizer = build_optimizer(runner.model, config.optimizer, env.device.type)
@@ -319,6 +336,7 @@ def build_training(config: Config, env: LaunchEnv, model_args, dims: ParallelDim
         is_rank0=env.is_logging_rank,
     )
     checkpointer.resume()
+    replicas = join_replica_groups(config, env.rank, env.world_size, states, checkpointer)
     if env.is_logging_rank:  # the run is accepted: its resolved settings become the directory's record
         write_run_config(Path(config.job.output_dir), to_toml(config))
     if counters.step >= config.training.steps:
@@ -329,19 +347,20 @@ def build_training(config: Config, env: LaunchEnv, model_args, dims: ParallelDim
             counters.step,
             config.training.steps,
         )
-    return runner, pipeline, optimizer, scheduler, counters, checkpointer
+    return runner, pipeline, optimizer, scheduler, counters, checkpointer, replicas
 
 
 def read_data(config: Config, tokenizer, dims: ParallelDims, micro_batch_size: int, device: torch.device):
     """(loader, first batch, evaluator): an empty or unreadable dataset, or evaluation set, fails here."""
     t = config.training
+    dp_rank, dp_size = config.fault_tolerance.data_rank(dims.dp_rank, dims.dp_size)  # over every replica group
     if micro_batch_size < t.micro_batch_size:
         log.info(
             "training.micro_batch_size=%d is more than the %d sequences of each of the %d data-parallel ranks; "
             "using micro-batches of %d",
             t.micro_batch_size,
             micro_batch_size,
-            dims.dp_size,
+            dp_size,
             micro_batch_size,
         )
     loader = build_data_loader(
@@ -352,8 +371,8 @@ def read_data(config: Config, tokenizer, dims: ParallelDims, micro_batch_size: i
         global_batch_size=t.global_batch_size,
         micro_batch_size=micro_batch_size,
         held_out=held_out_fraction(config.eval),
-        dp_rank=dims.dp_rank,
-        dp_size=dims.dp_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
     )
     first_batch = loader.next_batch()  # an empty or unreadable dataset fails here, before any model work
     evaluator = build_evaluator(

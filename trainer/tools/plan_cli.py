@@ -4,6 +4,7 @@ memory, time-to-train, energy and cost, and write the best one as a `trillion tr
   trillion plan --model gpt-1t --hardware frontier --gpus 3072 --global-batch 1024 --tokens 20e12
   trillion plan ... --tp 4 --pp 128 --micro-batch-size 1     (fixed settings: evaluate one layout)
   trillion plan ... --format json | --plot DIR | --config-out FILE
+  trillion plan ... --mtbf-hours-per-gpu 50000 --checkpoint-save-s 20 --restart-s 600   (goodput under failures)
   trillion plan --calibrate [--model M --seq-len S --micro-batch-size B] [--calibrate-out FILE]
       (measure this machine into a profile: M's own GEMM shapes and attention, memory, collectives)
 """
@@ -27,6 +28,7 @@ from trillion.parallel.planner.space import LAYOUT_FIELDS
 from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.checks import creatable_problem
 from trillion.trainer.config.schema import Config, load_config, to_toml
+from trillion.trainer.tools.goodput_args import add_goodput_arguments, check_goodput_arguments, goodput
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"{MOE_LOAD_IMBALANCE:g}, assumed: parallel/planner/moe.py)",
     )
     _add_part_arguments(p)
+    add_goodput_arguments(p)
     return p
 
 
@@ -150,6 +153,7 @@ def argument_problems(ns: argparse.Namespace) -> tuple[list[str], object]:
     for flag, setting in PART_FLAGS.items():
         if getattr(ns, flag) is not None and getattr(ns, flag) < 0:
             problems.append(f"--{flag.replace('_', '-')} {getattr(ns, flag)} must be 0 or more (0: none; {setting})")
+    problems += check_goodput_arguments(ns)
     if ns.seq_len < 0:
         problems.append(f"--seq-len {ns.seq_len} must be positive (or 0: the model's max_seq_len)")
     if not math.isfinite(ns.tokens) or ns.tokens < 0:
@@ -316,6 +320,14 @@ def main(argv: list[str]) -> int:
     result = search(request)
     rows = [metrics(request, c) for c in result.ranked[: max(ns.top, 1)]]
     why_ep = ep_choice(request, result)
+    hw = request.hardware
+    best = goodput(
+        ns,
+        request.gpus,
+        rows[0]["memory"]["optimizer"] * 1e9,
+        rows[0]["step_time_s"],
+        hw.node_bandwidth_gbs / hw.gpus_per_node,
+    )
     if ns.format == "json":
         json.dump(
             {
@@ -324,6 +336,7 @@ def main(argv: list[str]) -> int:
                 "fitting": sum(c.fits for c in result.ranked),
                 "candidates": rows,
                 **({"ep_choice": why_ep} if why_ep else {}),
+                "goodput": best.as_dict(),
             },
             sys.stdout,
             indent=1,
@@ -333,6 +346,7 @@ def main(argv: list[str]) -> int:
         print(format_table(request, rows, result.considered, sum(c.fits for c in result.ranked)))
         if why_ep:
             print(why_ep["why"])
+        print("\n".join(f"best layout: {line}" for line in best.lines()))
     out = (
         ns.config_out
         if ns.config_out is not None
