@@ -18,8 +18,9 @@ from trillion.trainer.config.schema import Optimizer
 from trillion.trainer.optim import build_optimizer
 
 STEPS, LR, DECAY, SEED = 10, 2e-2, 0.1, 3
+# debug-moe: a dense block, then routed experts (stacks), their gate and a shared expert; debug-deepseek: latent
+# attention's low-rank projections
 MODELS = {
-    "debug": dataclasses.replace(PRESETS["debug"], n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96),
     "debug-moe": dataclasses.replace(PRESETS["debug-moe"], n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96),
     "debug-deepseek": dataclasses.replace(PRESETS["debug-deepseek"], n_layers=2, dim=64, ffn_dim=96, mtp_modules=0),
 }
