@@ -12,18 +12,16 @@ import dataclasses
 import pytest
 import torch
 
-from trillion.models import PRESETS, Transformer
+from tests.moe.harness import MODELS as MOE_MODELS
+from trillion.models import Transformer
 from trillion.parallel.muon.matrices import hidden_matrices
 from trillion.trainer.config.schema import Optimizer
 from trillion.trainer.optim import build_optimizer
 
 STEPS, LR, DECAY, SEED = 10, 2e-2, 0.1, 3
-# debug-moe: a dense block, then routed experts (stacks), their gate and a shared expert; debug-deepseek: latent
-# attention's low-rank projections
-MODELS = {
-    "debug-moe": dataclasses.replace(PRESETS["debug-moe"], n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96),
-    "debug-deepseek": dataclasses.replace(PRESETS["debug-deepseek"], n_layers=2, dim=64, ffn_dim=96, mtp_modules=0),
-}
+# debug-moe's kind (a dense block, then routed expert stacks, their gate and a shared expert) and debug-deepseek's
+# (latent attention's low-rank projections, group-limited routing), at the expert-parallel tests' small sizes
+MODELS = {name: dataclasses.replace(MOE_MODELS[kind], n_layers=2) for name, kind in (("moe", "gqa"), ("mla", "mla"))}
 
 
 def _model(args) -> torch.nn.Module:
@@ -34,7 +32,7 @@ def _model(args) -> torch.nn.Module:
 
 def _batches():
     generator = torch.Generator().manual_seed(SEED)
-    return [torch.randint(0, 128, (4, 17), generator=generator) for _ in range(STEPS)]
+    return [torch.randint(0, 128, (2, 17), generator=generator) for _ in range(STEPS)]
 
 
 def _loss(model, tokens) -> torch.Tensor:
