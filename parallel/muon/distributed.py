@@ -12,49 +12,23 @@ matrix to every data-parallel rank and lets each orthogonalize it: the work is r
 spread.
 
 The ranks of one pipeline stage (every axis but pp) hold the stage's parameters, so that is the group. Once
-(the first step) they exchange their boxes; each parameter is cut into units (a 2-D weight is one; an expert
-stack runs of about E / ranks experts, cut where the ranks' boxes end) and the units are dealt out by longest
-processing time first (Newton-Schulz FLOPs, parallel/muon/matrices.py) to the least loaded rank, preferring one
-that holds the whole unit already. Each step is then one all-to-all that brings every unit's pieces to its owner
-(one copy of each piece: the lowest rank of its replicas sends it, or the owner's own), the owners' Newton-Schulz
-on their units (batched by shape), and one all-to-all that returns every rank its pieces of the results. Both
-carry the Newton-Schulz dtype (bfloat16 halves them): the values it computes in anyway. Gather, compute and
-scatter run in turn (no overlap); the planner charges them so (parallel/planner/optimizer.py).
+(the first step) they exchange their boxes, and each makes the same plan (plan.py: units, owners balanced by
+Newton-Schulz FLOPs, rounds). Each round of a step is then one all-to-all that brings every unit's pieces to its
+owner, the owners' Newton-Schulz on their units (batched by shape), and one all-to-all that returns every rank
+its pieces of the results, which the optimizer applies as they arrive. Both carry the Newton-Schulz dtype
+(bfloat16 halves them): the values it computes in anyway. Gather, compute and scatter run in turn (no overlap);
+the planner charges them so (parallel/planner/optimizer.py).
 """
 
-import math
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from trillion.parallel.muon.matrices import newton_schulz_flops
 from trillion.parallel.muon.newton_schulz import orthogonalize
-
-
-@dataclass(frozen=True)
-class Box:
-    """A block of a (matrices, rows, cols) tensor: its first index and its size in each dimension."""
-
-    start: tuple[int, int, int]
-    size: tuple[int, int, int]
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.size)
-
-    def matrices(self, first: int, last: int) -> "Box | None":
-        """This box's part of matrices [first, last), or None."""
-        lo, hi = max(first, self.start[0]), min(last, self.start[0] + self.size[0])
-        if hi <= lo or not self.numel:
-            return None
-        return Box((lo, *self.start[1:]), (hi - lo, *self.size[1:]))
-
-    def inside(self, outer: "Box") -> tuple[slice, slice, slice]:
-        """The slices of this box in a tensor holding `outer`."""
-        return tuple(slice(s - o, s - o + n) for s, o, n in zip(self.start, outer.start, self.size))
+from trillion.parallel.muon.plan import ROUND_ELEMENTS, Box, OrthogonalizationPlan, Piece, Round
 
 
 def as_stack(tensor: torch.Tensor) -> torch.Tensor:
@@ -73,105 +47,12 @@ def local_box(param: torch.Tensor) -> Box:
     return Box(tuple(start), tuple(size))
 
 
-@dataclass(frozen=True)
-class Unit:
-    """Matrices [first, last) of parameter `param`, orthogonalized together by `owner`."""
-
-    param: int
-    first: int
-    last: int
-    owner: int
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A block of unit `unit` (of parameter `param`) that moves: `box` in global coordinates."""
-
-    unit: int
-    param: int
-    box: Box
-
-
-def _units(count: int, boxes: list[Box], ranks: int) -> list[tuple[int, int]]:
-    """Matrices of one parameter in runs of at most ceil(count / ranks), none crossing a rank's box edge."""
-    edges = {0, count} | {e for b in boxes if b.numel for e in (b.start[0], b.start[0] + b.size[0])}
-    edges, run, found = sorted(edges), max(1, math.ceil(count / ranks)), []
-    for lo, hi in zip(edges, edges[1:]):
-        found += [(s, min(s + run, hi)) for s in range(lo, hi, run)]
-    return found
-
-
-class OrthogonalizationPlan:
-    """Who owns which unit and which pieces travel where, the same on every rank of the group, from every rank's
-    boxes (`boxes[rank][param]`) and each parameter's matrix shape (`shapes[param]`: rows, cols)."""
-
-    def __init__(self, shapes: list[tuple[int, int]], boxes: list[list[Box]], rank: int, steps: int):
-        self.rank, self.ranks = rank, len(boxes)
-        self.mine = boxes[rank]
-        self.units = self._deal(shapes, boxes, steps)
-        self.gather_send: list[list[Piece]] = [[] for _ in range(self.ranks)]
-        self.gather_receive: list[list[Piece]] = [[] for _ in range(self.ranks)]
-        self.scatter_send: list[list[Piece]] = [[] for _ in range(self.ranks)]
-        self.scatter_receive: list[list[Piece]] = [[] for _ in range(self.ranks)]
-        for index, unit in enumerate(self.units):
-            self._route(index, unit, boxes)
-        self.owned = [i for i, u in enumerate(self.units) if u.owner == rank]
-
-    def _deal(self, shapes, boxes, steps: int) -> list[Unit]:
-        cut = []
-        for p, (rows, cols) in enumerate(shapes):
-            count = max(b[p].start[0] + b[p].size[0] for b in boxes)
-            cost = newton_schulz_flops(rows, cols, steps)
-            cut += [(p, lo, hi, (hi - lo) * cost) for lo, hi in _units(count, [b[p] for b in boxes], self.ranks)]
-        self.load, units = [0.0] * self.ranks, []
-        for p, lo, hi, cost in sorted(cut, key=lambda u: (-u[3], u[0], u[1])):  # longest first
-            holders = {r for r in range(self.ranks) if _holds(boxes[r][p], lo, hi, rows_cols=shapes[p])}
-            owner = min(range(self.ranks), key=lambda r: (self.load[r], r not in holders, r))
-            self.load[owner] += cost
-            units.append(Unit(p, lo, hi, owner))
-        return sorted(units, key=lambda u: (u.param, u.first))
-
-    def _route(self, index: int, unit: Unit, boxes: list[list[Box]]) -> None:
-        """Gather: each distinct box's piece once, from the owner if it holds it, else from its lowest holder.
-        Scatter: every holder's piece (replicas included) from the owner."""
-        p, owner = unit.param, unit.owner
-        senders: dict[Box, int] = {}
-        for r in range(self.ranks):
-            senders.setdefault(boxes[r][p], r)
-        if boxes[owner][p] in senders:
-            senders[boxes[owner][p]] = owner
-        for box, sender in senders.items():
-            self._add(self.gather_send, self.gather_receive, sender, owner, Piece(index, p, box), unit)
-        for r in range(self.ranks):
-            self._add(self.scatter_send, self.scatter_receive, owner, r, Piece(index, p, boxes[r][p]), unit)
-
-    def _add(self, send, receive, source: int, target: int, piece: Piece, unit: Unit) -> None:
-        """Piece (its box cut to the unit's matrices) from `source` to `target`, where this rank is either (or
-        both: the all-to-all's own share)."""
-        box = piece.box.matrices(unit.first, unit.last)
-        if box is None:
-            return
-        piece = Piece(piece.unit, piece.param, box)
-        if self.rank == source:
-            send[target].append(piece)
-        if self.rank == target:
-            receive[source].append(piece)
-
-
-def _holds(box: Box, first: int, last: int, rows_cols: tuple[int, int]) -> bool:
-    """Whether `box` holds matrices [first, last) whole."""
-    return (
-        box.start == (box.start[0], 0, 0)
-        and box.size[1:] == tuple(rows_cols)
-        and box.matrices(first, last) == Box((first, 0, 0), (last - first, *rows_cols))
-    )
-
-
 def _exchange(pieces_out, pieces_in, values_of, dtype: torch.dtype, device, group) -> list[torch.Tensor]:
     """One all-to-all over `group`: to each peer its pieces (`values_of(piece)`), in `dtype`; returns the arriving
     pieces, each flat, in the order of `pieces_in` (without a group, this rank's own pieces are all there is)."""
     out = [values_of(piece).reshape(-1).to(dtype) for peer in pieces_out for piece in peer]
     send = torch.cat(out) if out else torch.empty(0, dtype=dtype, device=device)
+    del out
     if group is None:
         receive = send
     else:
@@ -180,6 +61,10 @@ def _exchange(pieces_out, pieces_in, values_of, dtype: torch.dtype, device, grou
         receive = send.new_empty(sum(sizes_in))
         dist.all_to_all_single(receive, send, sizes_in, sizes_out, group=group)
     return list(receive.split([p.box.numel for peer in pieces_in for p in peer]))
+
+
+# apply(param index, the piece's slices in this rank's (matrices, rows, cols) view of it, its orthogonalized values)
+Apply = Callable[[int, tuple[slice, ...], torch.Tensor], None]
 
 
 class Orthogonalizer:
@@ -191,43 +76,46 @@ class Orthogonalizer:
         self.params, self.shapes, self.steps, self.group = params, shapes, steps, group
         self.plan: OrthogonalizationPlan | None = None
         self.orthogonalized = 0
+        self.round_elements = ROUND_ELEMENTS
 
     def _make_plan(self) -> OrthogonalizationPlan:
         mine = [local_box(p) for p in self.params]
         if self.group is None:
-            return OrthogonalizationPlan(self.shapes, [mine], 0, self.steps)
+            return OrthogonalizationPlan(self.shapes, [mine], 0, self.steps, self.round_elements)
         everyone = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(everyone, mine, group=self.group)
-        return OrthogonalizationPlan(self.shapes, everyone, dist.get_rank(self.group), self.steps)
+        return OrthogonalizationPlan(self.shapes, everyone, dist.get_rank(self.group), self.steps, self.round_elements)
 
-    def __call__(self, updates: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
-        """This rank's pieces (as_stack views, any dtype) of each parameter's update -> its pieces of the
-        orthogonalized updates, in `dtype`."""
-        plan = self.plan = self.plan or self._make_plan()
-        device = updates[0].device if updates else torch.device("cpu")
-        whole = {i: torch.empty(self._unit_shape(plan.units[i]), dtype=dtype, device=device) for i in plan.owned}
+    def __call__(self, updates: list[torch.Tensor], dtype: torch.dtype, apply: Apply) -> None:
+        """This rank's pieces (as_stack views) of each parameter's update in, `apply` called on each of this
+        rank's pieces of the orthogonalized updates (in `dtype`), round by round."""
+        self.plan = self.plan or self._make_plan()
+        for round_ in self.plan.rounds:
+            self._round(round_, updates, dtype, apply)
 
-        def in_unit(piece: Piece) -> tuple[slice, ...]:
-            return piece.box.inside(Box((plan.units[piece.unit].first, 0, 0), whole[piece.unit].shape))
+    def _round(self, round_: Round, updates: list[torch.Tensor], dtype: torch.dtype, apply: Apply) -> None:
+        plan, device = self.plan, updates[0].device if updates else torch.device("cpu")
+        units = {i: (plan.units[i], plan.units[i].box(self.shapes[plan.units[i].param])) for i in round_.owned}
+        whole = {i: torch.empty(box.size, dtype=dtype, device=device) for i, (_, box) in units.items()}
 
         def in_local(piece: Piece) -> tuple[slice, ...]:
             return piece.box.inside(plan.mine[piece.param])
 
+        def in_unit(piece: Piece) -> tuple[slice, ...]:
+            return piece.box.inside(units[piece.unit][1])
+
         def exchange(send, receive, values_of) -> list[torch.Tensor]:
             return _exchange(send, receive, values_of, dtype, device, self.group)
 
-        arrived = exchange(plan.gather_send, plan.gather_receive, lambda p: updates[p.param][in_local(p)])
-        for piece, values in zip((p for peer in plan.gather_receive for p in peer), arrived):
+        arrived = exchange(round_.gather_send, round_.gather_receive, lambda p: updates[p.param][in_local(p)])
+        for piece, values in zip((p for peer in round_.gather_receive for p in peer), arrived):
             whole[piece.unit][in_unit(piece)] = values.view(piece.box.size)
+        del arrived
         self._orthogonalize(whole)
-        returned = exchange(plan.scatter_send, plan.scatter_receive, lambda p: whole[p.unit][in_unit(p)])
-        results = [torch.empty(u.shape, dtype=dtype, device=device) for u in updates]
-        for piece, values in zip((p for peer in plan.scatter_receive for p in peer), returned):
-            results[piece.param][in_local(piece)] = values.view(piece.box.size)
-        return results
-
-    def _unit_shape(self, unit: Unit) -> tuple[int, int, int]:
-        return (unit.last - unit.first, *self.shapes[unit.param])
+        returned = exchange(round_.scatter_send, round_.scatter_receive, lambda p: whole[p.unit][in_unit(p)])
+        whole.clear()
+        for piece, values in zip((p for peer in round_.scatter_receive for p in peer), returned):
+            apply(piece.param, in_local(piece), values.view(piece.box.size))
 
     def _orthogonalize(self, whole: dict[int, torch.Tensor]) -> None:
         """The owned units, one batched Newton-Schulz per matrix shape, in place."""

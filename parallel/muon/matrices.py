@@ -52,9 +52,8 @@ class HiddenMatrix:
         return MATCH_ADAMW_RMS * max(self.rows, self.cols) ** 0.5
 
 
-def block_matrices(args: ModelArgs, index: int, prefix: str) -> list[HiddenMatrix]:
-    """Block `index`'s hidden matrices, named under `prefix` ("layers.3.", "mtp.4.block.")."""
-    block = parts.layer_block(args, index)
+def block_matrices(block: parts.Block, prefix: str) -> list[HiddenMatrix]:
+    """A block's hidden matrices (its declaration, models/parts), named under `prefix` ("layers.3.")."""
     found = [
         HiddenMatrix(f"{prefix}{x.name}.weight", 1, x.out_features, x.in_features, x.tp_dim) for x in block.linears
     ]
@@ -70,10 +69,10 @@ def block_matrices(args: ModelArgs, index: int, prefix: str) -> list[HiddenMatri
 
 def hidden_matrices(args: ModelArgs) -> dict[str, HiddenMatrix]:
     """Every hidden matrix of the model by parameter name (a pipeline stage holds some of them)."""
-    found = [m for i in range(args.n_layers) for m in block_matrices(args, i, f"layers.{i}.")]
+    found = [m for i in range(args.n_layers) for m in block_matrices(parts.layer_block(args, i), f"layers.{i}.")]
     count, ahead = parts.ahead_modules(args)
     for i in range(args.n_layers, args.n_layers + count):
-        found += block_matrices(args, i, f"mtp.{i}.block.")
+        found += block_matrices(parts.layer_block(args, i), f"mtp.{i}.block.")
         found += [
             HiddenMatrix(f"mtp.{i}.{x.name}.weight", 1, x.out_features, x.in_features, x.tp_dim) for x in ahead.linears
         ]

@@ -80,12 +80,11 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, group: dict) -> None:
         lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
-        params = group["params"]
-        updates = []
+        params, updates = group["params"], []
         for param in params:
             grad = param.grad
             if grad is None:  # every rank of the stage alike: it still takes part in the exchange, with zeros
-                updates.append(as_stack(torch.zeros_like(_local(param))))
+                updates.append(as_stack(torch.zeros_like(_local(param), dtype=self.dtype)))
                 continue
             if isinstance(grad, DTensor) and grad.placements != param.placements:
                 grad = grad.redistribute(placements=param.placements)
@@ -94,14 +93,15 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(param)
             buffer, grad = _local(state["momentum_buffer"]), _local(grad)
             buffer.lerp_(grad, 1 - momentum)
-            updates.append(as_stack(grad.lerp(buffer, momentum) if group["nesterov"] else buffer))
-        orthogonal = self.orthogonalizer(updates, self.dtype)
-        for param, matrix, update in zip(params, self.matrices, orthogonal):
-            if param.grad is None:
-                continue
-            local = _local(param)
-            local.mul_(1 - lr * decay)
-            local.add_(update.view_as(local), alpha=-lr * matrix.update_scale)
+            updates.append(as_stack((grad.lerp(buffer, momentum) if group["nesterov"] else buffer).to(self.dtype)))
+            _local(param).mul_(1 - lr * decay)  # decoupled decay; the update adds to it piece by piece below
+        locals_ = [as_stack(_local(p)) for p in params]
+
+        def apply(index: int, where: tuple[slice, ...], values: torch.Tensor) -> None:
+            if params[index].grad is not None:
+                locals_[index][where].add_(values, alpha=-lr * self.matrices[index].update_scale)
+
+        self.orthogonalizer(updates, self.dtype, apply)
 
     @property
     def orthogonalized(self) -> int:

@@ -96,6 +96,7 @@ def train_case(case: dict, world_size: int) -> dict:
     runner, model_parts = _build(case, dims, args)
     initial = {n: _full(p) for part in model_parts for n, p in part.named_parameters()}
     optimizer = build_optimizer(runner.model, optimizer_config(case), "cpu", model_args=args, dims=dims)
+    optimizer.orthogonalizer.round_elements = case.get("round_elements", optimizer.orthogonalizer.round_elements)
     loader = DataLoader(
         RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, MICRO_BATCH, dims.dp_rank, dims.dp_size
     )

@@ -11,7 +11,13 @@ TAU, PUMP = 2.0, 30.0  # head 0 of each layer starts with logits past tau, the o
 FAST_TWO = [
     {"name": "dp_shard 2 zero3", "dp_shard": 2},
     {"name": "tp 2", "tp": 2},
-    {"name": "ep 2 (debug-moe)", "model": "moe", "dp_shard": 2, "ep": 2},
+    {
+        "name": "ep 2 (debug-moe), in rounds of 8192 elements",
+        "model": "moe",
+        "dp_shard": 2,
+        "ep": 2,
+        "round_elements": 8192,
+    },
     {"name": "pp 2", "pp": 2},
     {"name": "MuonClip tp 2 (heads sharded)", "tp": 2, "qk_clip": TAU, "pump": PUMP},
     {"name": "MuonClip dp_shard 2 (maxima reduced)", "dp_shard": 2, "qk_clip": TAU, "pump": PUMP},
