@@ -4,9 +4,9 @@ State (fp32, on the rank's FSDP shard): AdamW two moments, 8 bytes per parameter
 4 bytes per hidden-matrix element (parallel/muon/matrices.py: every 2-D weight of the blocks and of the
 multi-token prediction modules, the router's gate, every routed expert) and AdamW's 8 for the rest (embeddings,
 output head, norms, biases). Muon's step also holds, for its length only (after the backward has freed the
-activations), its exchange buffers: about MUON_STEP_BUFFERS elements of the Newton-Schulz dtype per hidden-matrix
-element of the rank, plus the Newton-Schulz workspace of its largest matrix; memory.py charges them where they
-pass the activation peak they follow.
+activations), its updates in the Newton-Schulz dtype (one per hidden-matrix element of the rank) and one round's
+exchange buffers (MUON_ROUND_BUFFERS x a round of at most parallel/muon/plan.py ROUND_ELEMENTS), plus the
+Newton-Schulz workspace of its largest matrix; memory.py charges them where they pass the activation peak.
 
 Step time (nothing overlapped: parallel/muon/distributed.py runs gather, compute and scatter in turn):
   element-wise  AdamW: OPTIMIZER_BYTES_PER_PARAM per parameter (work.py); Muon: MUON_FIXED_BYTES plus
@@ -27,6 +27,7 @@ from functools import lru_cache
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.parallel.muon.matrices import NEWTON_SCHULZ_STEPS, block_matrices, newton_schulz_flops
+from trillion.parallel.muon.plan import ROUND_ELEMENTS
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.moe import expert_numel, routed_block
 from trillion.parallel.planner.shards import ParamSpec, local_numel
@@ -41,9 +42,9 @@ ADAMW_STATE_BYTES, MUON_STATE_BYTES = 8, 4  # fp32 moments per parameter: AdamW 
 # 2, unpacked on the owner 2, stacked for the batched Newton-Schulz 2, packed for the scatter 2, unpacked 2, read
 # by the add_ 1: MUON_NS_ELEMENTS
 MUON_FIXED_BYTES, MUON_NS_ELEMENTS = 48, 12
-# Exchange buffers alive at once per hidden-matrix element, in the Newton-Schulz dtype (distributed.py): the update,
-# the gather's send and receive, the owned matrices (the scatter's send, receive and results replace them)
-MUON_STEP_BUFFERS = 4
+# A round's buffers alive at once, per element, in the Newton-Schulz dtype (distributed.py): the gather's send and
+# receive, the owned matrices and their stacked copy for the batched Newton-Schulz (the scatter's replace them)
+MUON_ROUND_BUFFERS = 4
 
 
 def muon_numel(args: ModelArgs, rank, tp: int, dp_shard: int, ep: int) -> tuple[int, int]:
@@ -86,14 +87,14 @@ def state_bytes(args: ModelArgs, layout, rank, shard_numel: int) -> float:
 
 
 def step_buffer_bytes(args: ModelArgs, layout, rank, element_bytes: int) -> float:
-    """Muon's exchange buffers and its largest Newton-Schulz workspace (X, its transpose's product A, A A and B X),
-    alive during the step only; 0 for AdamW."""
+    """Muon's updates, one round's exchange buffers and its largest Newton-Schulz workspace (X, A = X X^T, A A and
+    B X), alive during the step only; 0 for AdamW."""
     if layout.optimizer != "muon":
         return 0.0
     hidden = muon_numel(args, rank, layout.tp, layout.dp_shard * layout.cp, layout.ep)[1]
     largest = max(((min(r, c), max(r, c)) for r, c, _ in _stage_matrices(args, rank)), default=(0, 0), key=math.prod)
     m, n = largest
-    return element_bytes * (MUON_STEP_BUFFERS * hidden + 3 * m * n + 2 * m * m)
+    return element_bytes * (hidden + MUON_ROUND_BUFFERS * min(hidden, ROUND_ELEMENTS) + 3 * m * n + 2 * m * m)
 
 
 def _stage_matrices(args: ModelArgs, rank) -> list[tuple[int, int, int]]:
