@@ -7,7 +7,7 @@ keys, values wkv_a (dim -> kv_lora_rank + qk_rope_head_dim): the latent and the 
 output       wo (heads x v_head_dim -> dim)
 logits       a head's logit is its no-position query rows (of wq_b or wq) against its key rows of wkv_b, plus its
              rotary query rows against the rotary key all heads share (from wkv_a, which QK-clip leaves alone: the
-             Kimi K2 report, arXiv 2507.20534, section 2.1)
+             Kimi K2 report, arXiv 2507.20534, on MuonClip)
 TP           splits heads (wq_b or wq and wkv_b column-wise, wo row-wise); the down projections and the latent
              norms stay whole on every tp rank, as torchtitan's DeepSeek-V3 plan keeps them (NoParallel), so each
              tp rank runs them on the whole gathered sequence; its tensors stay DTensors up to `attend`.

@@ -20,8 +20,9 @@ QUINTIC = (3.4445, -4.7750, 2.0315)
 NEWTON_SCHULZ_STEPS = 5  # the published iteration count, torch.optim.Muon's default
 MAX_NEWTON_SCHULZ_STEPS = 20  # optimizer.newton_schulz_steps' ceiling (config check says why)
 MOMENTUM = 0.95  # Muon's (Nesterov) momentum in Moonlight and Kimi K2, torch.optim.Muon's default
-# Moonlight's update scale (arXiv 2502.16982, section 2.2): 0.2 x sqrt(max(rows, cols)) gives the orthogonalized
-# update AdamW's RMS, so AdamW's learning rate, weight decay and schedule carry over (torch's match_rms_adamw)
+# Moonlight's update scale ("Muon is Scalable for LLM Training", arXiv 2502.16982): 0.2 x sqrt(max(rows, cols))
+# gives the orthogonalized update AdamW's RMS, so AdamW's learning rate, weight decay and schedule carry over
+# (torch.optim.Muon's adjust_lr_fn="match_rms_adamw")
 MATCH_ADAMW_RMS = 0.2
 
 

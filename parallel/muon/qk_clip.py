@@ -1,4 +1,4 @@
-"""MuonClip's QK-clip (the Kimi K2 report, arXiv 2507.20534, section 2.1): after each optimizer step, every
+"""MuonClip's QK-clip (the Kimi K2 report, arXiv 2507.20534, its MuonClip): after each optimizer step, every
 attention head whose largest pre-softmax logit in the step passed tau has its query and key weights scaled by
 gamma = tau / max logit, so that the same inputs would give it at most tau.
 
