@@ -116,6 +116,7 @@ class MaxLogitHooks(StepHooks):
         """attention/max_logit (the largest over the layers) and attention/max_logit/layer{i} (over that layer's
         heads): the last optimizer step's, before the clip scaled the weights."""
         per_layer = {i: p.step_max.max().item() for i, p in self.probes.items() if p.step_max is not None}
+        per_layer = {i: value for i, value in per_layer.items() if value > float("-inf")}  # a layer no forward ran
         if not per_layer:
             return {}
         return {

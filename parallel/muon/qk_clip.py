@@ -63,7 +63,8 @@ class QKClip:
         if not self.layers:
             return
         maxima = self._reduced_maxima()
-        gamma = (self.tau / maxima).clamp(max=1.0)  # -inf (no forward) and below tau: 1
+        # past tau: tau / max; at or below it, or -inf (no training forward since the reset): 1
+        gamma = torch.where(maxima > self.tau, self.tau / maxima, torch.ones_like(maxima))
         for (probe, module, part, linears), layer_max, layer_gamma in zip(self.layers, maxima, gamma):
             probe.step_max = layer_max
             scales = {}

@@ -15,8 +15,9 @@ from tests.muon.harness import MODELS, pump_first_head
 from trillion.errors import ConfigError
 from trillion.models import Transformer
 from trillion.models.logit_probe import attention_probes, head_max_logits, install_probes
+from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop
-from trillion.parallel.muon.qk_clip import check_clippable
+from trillion.parallel.muon.qk_clip import QKClip, check_clippable
 from trillion.trainer.config.schema import Optimizer
 from trillion.trainer.optim import build_optimizer
 from trillion.trainer.step import train_step
@@ -122,3 +123,15 @@ def test_max_logits_are_those_of_the_whole_score_matrix():
 def test_qk_clip_refuses_an_attention_that_cannot_report_clippable_logits():
     with pytest.raises(ConfigError, match=r"optimizer.qk_clip=100.*QK norms.*--optimizer.qk_clip=0"):
         check_clippable(dataclasses.replace(MODELS["dense"], qk_norm=True), "optimizer.qk_clip=100")
+
+
+def test_a_step_without_a_measured_forward_leaves_the_weights():
+    """No forward since the reset (a resume's optimizer step on zero gradients, which DCP runs to make the state it
+    loads into): every maximum is -inf, and the clip scales by 1."""
+    args = MODELS["dense"]
+    model = Transformer(args)
+    install_probes(model)
+    model.init_weights(SEED)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    QKClip(model, args, TAU, ParallelDims(world_size=1)).apply()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
