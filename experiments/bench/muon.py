@@ -13,9 +13,12 @@ repeats alternating AdamW and Muon, medians. Under 2 ranks each rank times its o
 `curves`: `trillion train` in-process for each model, optimizer and learning rate of the sweep (the same seed,
 data, schedule and batch), the held-out loss every `--eval-interval` steps (a run already in --out with the same
 settings is read, not trained again). For each model and optimizer the best learning rate is the one with the
-lowest final held-out loss (each default sweep brackets its optimizer's best at debug size); the figure is the
-tokens Muon, at its best, takes to reach AdamW's best final held-out loss (linear between evaluations), against
-AdamW's whole run. It writes a JSON record and a Markdown table into --out. One intra-op thread per process (the
+lowest final held-out loss (each default sweep brackets its optimizer's best at debug size). The figure is the
+tokens Muon, at its best learning rate, needs to reach AdamW's best final held-out loss: Muon trained again for
+shorter budgets (`--budgets`, each run with its whole schedule, as Moonlight compares), the final losses
+interpolated linearly between budgets; beside it, where Muon's full run first gets below that loss (a mid-run
+figure, at a higher learning rate than AdamW's final one, and as noisy as one evaluation). It writes a JSON
+record and a Markdown table into --out. One intra-op thread per process (the
 machine's cores are shared).
 """
 
@@ -32,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-LRS = {"adamw": (3e-4, 1e-3, 3e-3, 1e-2), "muon": (1e-3, 3e-3, 1e-2, 3e-2)}  # each brackets its best at debug size
+LRS = {"adamw": (3e-4, 1e-3, 3e-3), "muon": (3e-3, 1e-2, 3e-2)}  # each brackets its best at debug size (measured)
 RUN_FLAGS = ["--logging.wandb=false", "--checkpoint.save_final=false", "--logging.progress_bar=lines"]
 
 
@@ -88,6 +91,7 @@ def _rank(rank: int, world_size: int, store: str, layout: dict, ns: argparse.Nam
 def step(ns: argparse.Namespace) -> None:
     layout = {"dp": {"dp_shard": 2}, "tp": {"tp": 2}}.get(ns.layout, {}) if ns.ranks > 1 else {}
     print(f"# load average before: {os.getloadavg()[0]:.2f}")
+    torch.set_num_threads(ns.threads)
     if ns.ranks == 1:
         results = [optimizer_step_ms(ns.model, {}, 1, ns.steps, ns.repeats, ns.smoke)]
     else:
@@ -103,27 +107,30 @@ def step(ns: argparse.Namespace) -> None:
     print(f"# load average after: {os.getloadavg()[0]:.2f}")
 
 
-def train_curve(model: str, optimizer: str, lr: float, ns: argparse.Namespace, out: Path) -> list[tuple[int, float]]:
-    """(tokens, held-out loss) of one run of `trillion train`."""
+def train_curve(
+    model: str, optimizer: str, lr: float, ns: argparse.Namespace, out: Path, steps: int = 0
+) -> list[tuple[int, float]]:
+    """(tokens, held-out loss) of one run of `trillion train` (`steps`: a shorter run with its own whole schedule)."""
     from trillion.trainer.config.schema import load_config
     from trillion.trainer.train import train
 
-    folder = out / f"{model}-{optimizer}-{lr:g}"
+    steps = steps or ns.train_steps
+    folder = out / (f"{model}-{optimizer}-{lr:g}" + (f"-{steps}steps" if steps != ns.train_steps else ""))
     tokens = ns.batch * ns.seq_len
     if (folder / "metrics.jsonl").is_file():  # a finished run of the same settings (the runs are deterministic)
         records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
         curve = [(r["step"] * tokens, r["eval_loss"]) for r in records if "eval_loss" in r]
-        if curve and curve[-1][0] == ns.train_steps * tokens:
+        if curve and curve[-1][0] == steps * tokens:
             return curve
     flags = [
         f"--model.name={model}",
         f"--optimizer.name={optimizer}",
         f"--optimizer.lr={lr}",
-        f"--training.steps={ns.train_steps}",
+        f"--training.steps={steps}",
         f"--training.seq_len={ns.seq_len}",
         f"--training.global_batch_size={ns.batch}",
         f"--training.micro_batch_size={ns.batch}",
-        f"--lr_schedule.warmup_steps={max(1, ns.train_steps // 10)}",
+        f"--lr_schedule.warmup_steps={max(1, steps // 10)}",
         f"--eval.interval={ns.eval_interval}",
         f"--eval.steps={ns.eval_steps}",
         f"--metrics.log_freq={ns.eval_interval}",
@@ -155,14 +162,16 @@ def curves(ns: argparse.Namespace) -> None:
         runs = {(opt, lr): train_curve(model, opt, lr, ns, out) for opt in lrs for lr in lrs[opt]}
         best = {opt: min(lrs[opt], key=lambda lr, opt=opt: runs[(opt, lr)][-1][1]) for opt in lrs}
         target, adamw_tokens = runs[("adamw", best["adamw"])][-1][1], runs[("adamw", best["adamw"])][-1][0]
-        reached = tokens_to_reach(runs[("muon", best["muon"])], target)
+        budgets = [train_curve(model, "muon", best["muon"], ns, out, round(f * ns.train_steps))[-1] for f in ns.budgets]
         record["models"][model] = {
             "final": {f"{o}@{lr:g}": runs[(o, lr)][-1][1] for o, lr in runs},
             "best_lr": best,
             "curves": {o: runs[(o, best[o])] for o in best},
             "adamw_final": target,
-            "muon_tokens_to_adamw_final": reached,
             "adamw_tokens": adamw_tokens,
+            "muon_budgets": [*budgets, runs[("muon", best["muon"])][-1]],  # (tokens, final held-out loss)
+            "muon_budget_to_adamw_final": tokens_to_reach([*budgets, runs[("muon", best["muon"])][-1]], target),
+            "muon_run_crosses_adamw_final": tokens_to_reach(runs[("muon", best["muon"])], target),
         }
     record["minutes"] = (time.time() - started) / 60
     (out / "muon_curves.json").write_text(json.dumps(record, indent=1))
@@ -172,22 +181,28 @@ def curves(ns: argparse.Namespace) -> None:
 
 def markdown(record: dict) -> str:
     lines = [
-        "| model | AdamW best lr | its final held-out loss | Muon best lr | its final | Muon's tokens to AdamW's final "
-        "| of AdamW's tokens |",
+        "| model | AdamW best lr | its final held-out loss | Muon best lr | its final | Muon's budget reaching AdamW's "
+        "final | its run first below it |",
         "|---|---|---|---|---|---|---|",
     ]
+
+    def share(tokens, r) -> str:
+        return "not reached" if tokens is None else f"{tokens:,.0f} tokens ({tokens / r['adamw_tokens']:.0%})"
+
     for model, r in record["models"].items():
-        muon_final = r["curves"]["muon"][-1][1]
-        reached = r["muon_tokens_to_adamw_final"]
-        share = f"{reached / r['adamw_tokens']:.0%}" if reached is not None else "not reached"
         lines.append(
             f"| {model} | {r['best_lr']['adamw']:g} | {r['adamw_final']:.4f} | {r['best_lr']['muon']:g} | "
-            f"{muon_final:.4f} | {'not reached' if reached is None else f'{reached:,.0f}'} | {share} |"
+            f"{r['curves']['muon'][-1][1]:.4f} | {share(r['muon_budget_to_adamw_final'], r)} | "
+            f"{share(r['muon_run_crosses_adamw_final'], r)} |"
         )
-    finals = ", ".join(
+    finals = "; ".join(
         f"{m}: " + ", ".join(f"{k} {v:.4f}" for k, v in r["final"].items()) for m, r in record["models"].items()
     )
-    return "\n".join(lines + ["", f"Final held-out loss of every run: {finals}."])
+    budgets = "; ".join(
+        f"{m}: " + ", ".join(f"{t:,} tokens {loss:.4f}" for t, loss in r["muon_budgets"])
+        for m, r in record["models"].items()
+    )
+    return "\n".join(lines + ["", f"Final held-out loss of every run: {finals}.", "", f"Muon's budgets: {budgets}."])
 
 
 def main() -> None:
@@ -202,7 +217,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["debug", "debug-moe"], help="curves: the presets")
     parser.add_argument("--adamw-lrs", nargs="+", type=float, default=list(LRS["adamw"]))
     parser.add_argument("--muon-lrs", nargs="+", type=float, default=list(LRS["muon"]))
-    parser.add_argument("--train-steps", type=int, default=120)
+    parser.add_argument("--train-steps", type=int, default=100)
+    parser.add_argument(
+        "--budgets", nargs="+", type=float, default=[0.5, 0.7, 0.85], help="curves: Muon's shorter runs, x train-steps"
+    )
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--eval-interval", type=int, default=10)
@@ -212,7 +230,7 @@ def main() -> None:
     ns = parser.parse_args()
     if ns.smoke:
         ns.steps, ns.repeats, ns.train_steps, ns.eval_interval, ns.eval_steps = 2, 2, 4, 2, 1
-        ns.adamw_lrs = ns.muon_lrs = [1e-3, 1e-2]
+        ns.adamw_lrs, ns.muon_lrs, ns.budgets = [1e-3], [1e-3, 1e-2], [0.5]
         ns.seq_len, ns.models = 32, ns.models[:1] if ns.what == "curves" else ns.models
     step(ns) if ns.what == "step" else curves(ns)
 
