@@ -210,8 +210,12 @@ def build_runner(
     whatever the layout)."""
     with torch.device("meta"):
         model = Transformer(model_args)
-    if config.optimizer.qk_clip > 0:  # MuonClip: each attention's per-head max logits, measured in the forward
-        install_probes(model)
+    if config.optimizer.qk_clip > 0 and (unmeasured := install_probes(model)):  # MuonClip: per-head max logits
+        raise ConfigError(
+            f"optimizer.qk_clip={config.optimizer.qk_clip:g}: the attention modules {', '.join(unmeasured[:3])} run no "
+            "`attend` callable (models/attention.py's seam) through which their logits could be measured. Use "
+            "--optimizer.qk_clip=0 with this model, or give its attention kind an `attend`."
+        )
     parts, pipeline = build_model(config, dims, model, n_microbatches, device, dtype)
     for part in parts:
         part.to_empty(device=device)

@@ -135,3 +135,11 @@ def test_a_step_without_a_measured_forward_leaves_the_weights():
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     QKClip(model, args, TAU, ParallelDims(world_size=1)).apply()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_an_attention_without_an_attend_seam_is_named():
+    """What the trainer refuses qk_clip with (trainer/assemble.py): an attention its probe cannot wrap."""
+    with torch.device("meta"):
+        model = Transformer(MODELS["dense"])
+    del model.layers["1"].attention.attend
+    assert install_probes(model) == ["layers.1.attention"]
