@@ -2,6 +2,7 @@
 buffers included); a checkpoint saved at tp 2 resumes in one process on the same curve (1e-6), its momentum
 resharded; and a checkpoint resumed with another optimizer is refused before any tensor is read."""
 
+import json
 import shutil
 
 import pytest
@@ -30,6 +31,9 @@ def _two_ranks(rank, world_size, root):
 def test_muon_resumes_bitwise_at_dp_2_and_from_tp_2_in_one_process(tmp_path):
     run_ranks(_two_ranks, 2, tmp_path)
     assert losses(tmp_path / "chained") == losses(tmp_path / "straight")
+    logged = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    maxima = [r for r in logged if "attention/max_logit" in r]  # MuonClip's per-layer maxima, reduced over dp
+    assert maxima and all(0 < r["attention/max_logit/layer0"] <= r["attention/max_logit"] for r in maxima)
     straight, chained = read_checkpoint(tmp_path / "straight", step=3), read_checkpoint(tmp_path / "chained", step=3)
     assert any(n.endswith("momentum_buffer") for n in straight) and any(n.endswith("exp_avg") for n in straight)
     for name, value in straight.items():
