@@ -87,35 +87,54 @@ def _gather_sequence(t: torch.Tensor, group, rank_count: int) -> torch.Tensor:
 
 
 def attention_across_shards(
-    q, k, v, *, group, rank: int, cp: int, impl: str = "sdpa", causal: bool = True, softmax_scale: float | None = None
+    q,
+    k,
+    v,
+    *,
+    group,
+    rank: int,
+    cp: int,
+    impl: str = "sdpa",
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    attend=attention,
 ) -> torch.Tensor:
     """Attention of this cp rank's queries (b, hq, s / cp, d), in the load-balanced layout, over the
-    keys and values of the whole sequence, whose shards k, v (b, hkv, s / cp, d) every cp rank holds."""
+    keys and values of the whole sequence, whose shards k, v (b, hkv, s / cp, d) every cp rank holds;
+    each query chunk's attention through `attend` (kernels.attention, or what the module ran it through)."""
     k_all, v_all = _gather_sequence(k, group, cp), _gather_sequence(v, group, cp)
     if not causal:
-        return attention(q, k_all, v_all, impl=impl, causal=False, softmax_scale=softmax_scale)
+        return attend(q, k_all, v_all, impl=impl, causal=False, softmax_scale=softmax_scale)
     size = q.shape[2] // 2
     outs = []
     for chunk, q_chunk in zip(chunks_of(rank, cp), q.split(size, dim=2)):
         end = (chunk + 1) * size  # lower-right alignment: the chunk's last query sees the prefix's last key
         outs.append(
-            attention(
-                q_chunk, k_all[:, :, :end], v_all[:, :, :end], impl=impl, causal=True, softmax_scale=softmax_scale
-            )
+            attend(q_chunk, k_all[:, :, :end], v_all[:, :, :end], impl=impl, causal=True, softmax_scale=softmax_scale)
         )
     return torch.cat(outs, dim=2)
 
 
 class _AcrossShards:
     """The `attend` of each attention module under context parallelism (the model calls it like
-    kernels.attention)."""
+    kernels.attention); each chunk's attention runs through the module's own `attend` it replaced (a
+    measuring wrapper keeps measuring: models/logit_probe.py)."""
 
-    def __init__(self, group, rank: int, cp: int):
-        self.group, self.rank, self.cp = group, rank, cp
+    def __init__(self, group, rank: int, cp: int, attend=attention):
+        self.group, self.rank, self.cp, self.attend = group, rank, cp, attend
 
     def __call__(self, q, k, v, *, impl: str = "sdpa", causal: bool = True, softmax_scale: float | None = None):
         return attention_across_shards(
-            q, k, v, group=self.group, rank=self.rank, cp=self.cp, impl=impl, causal=causal, softmax_scale=softmax_scale
+            q,
+            k,
+            v,
+            group=self.group,
+            rank=self.rank,
+            cp=self.cp,
+            impl=impl,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            attend=self.attend,
         )
 
 
@@ -132,4 +151,4 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
 
     model.register_forward_pre_hook(pass_positions, with_kwargs=True)
     for block in model.layers.values():
-        block.attention.attend = _AcrossShards(group, rank, cp)
+        block.attention.attend = _AcrossShards(group, rank, cp, block.attention.attend)

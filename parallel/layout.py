@@ -1,5 +1,6 @@
 """A run's parallel layout as one frozen value: the degree of every axis and the shape of a step (ZeRO
-mode, pipeline schedule and its chunks, micro-batches, activation checkpointing, compile, float8).
+mode, pipeline schedule and its chunks, micro-batches, activation checkpointing, compile, float8), and the
+optimizer, whose state and step the planner costs.
 
 The planner searches and costs layouts, the memory pre-flight and `trillion estimate` size the trainer's
 own (trainer/layout.py builds it from a config), and ParallelDims (dims.py) builds the mesh of its
@@ -35,6 +36,7 @@ class Layout:
     float8_all_gather: bool = True  # with float8 and FSDP: the converted weights are all-gathered in float8
     ep: int = 1  # expert parallelism: routed experts over ep of the dp_shard x cp ranks
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE  # the busiest rank's routed tokens over the mean (planner)
+    optimizer: str = "adamw"  # adamw | muon: the optimizer's state and step work (planner/optimizer.py)
 
     @property
     def dp(self) -> int:

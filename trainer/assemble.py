@@ -13,11 +13,13 @@ from torch import nn
 from trillion.errors import ConfigError
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.models import ModelArgs, Transformer, get_preset, parts
+from trillion.models.logit_probe import install_probes
 from trillion.models.parts import apply_settings as apply_part_settings
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, degrees_of
+from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
 from trillion.trainer.config.schema import Config, Training, divisor_near, validate_config
@@ -88,6 +90,8 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
         raise ConfigError(f"kernels.attention={attention_impl!r} is not known. Use auto, {', '.join(ATTENTION_IMPLS)}.")
     if norm_impl not in NORM_IMPLS:
         raise ConfigError(f"kernels.norm={norm_impl!r} is not known. Use auto, {', '.join(NORM_IMPLS)}.")
+    if config.optimizer.qk_clip > 0:  # MuonClip needs each head's query and key rows declared
+        check_clippable(args, f"optimizer.qk_clip={config.optimizer.qk_clip:g}")
     return args
 
 
@@ -167,6 +171,7 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         compile=config.compile.enabled,
         float8=f.enabled,
         float8_all_gather=gathers,
+        optimizer=config.optimizer.name,
     )
 
 
@@ -207,6 +212,12 @@ def build_runner(
     whatever the layout)."""
     with torch.device("meta"):
         model = Transformer(model_args)
+    if config.optimizer.qk_clip > 0 and (unmeasured := install_probes(model)):  # MuonClip: per-head max logits
+        raise ConfigError(
+            f"optimizer.qk_clip={config.optimizer.qk_clip:g}: the attention modules {', '.join(unmeasured[:3])} run no "
+            "`attend` callable (models/attention.py's seam) through which their logits could be measured. Use "
+            "--optimizer.qk_clip=0 with this model, or give its attention kind an `attend`."
+        )
     parts, pipeline = build_model(config, dims, model, n_microbatches, device, dtype)
     for part in parts:
         part.to_empty(device=device)

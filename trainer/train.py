@@ -322,7 +322,7 @@ def build_training(config: Config, env: LaunchEnv, model_args, dims: ParallelDim
     tolerance, the group joined to the others (a group behind them copies a healthy one's state here)."""
     runner, pipeline = build_runner(config, dims, model_args, n_microbatches, env.device, dtype)
     torch.manual_seed(config.job.seed)
-    optimizer = build_optimizer(runner.model, config.optimizer, env.device.type)
+    optimizer = build_optimizer(runner.model, config.optimizer, env.device.type, model_args=model_args, dims=dims)
     scheduler = build_lr_scheduler(optimizer, config.lr_schedule, config.training.steps)
     counters = RunCounters()
     states = RunStates(

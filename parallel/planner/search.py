@@ -206,6 +206,7 @@ def model_summary(request: Request) -> dict:
         "seq_len": request.seq_len,
         "tokens": request.tokens,
         "float8": bool(request.fixed.get("float8", False)),
+        "optimizer": request.fixed.get("optimizer", "adamw"),
     }
 
 

@@ -25,6 +25,7 @@ from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
 from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, ep_degrees
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+OPTIMIZERS = ("adamw", "muon")  # optimizer.name: not searched (it changes the training), costed as given
 LAYOUT_FIELDS = (
     "tp",
     "pp",
@@ -40,6 +41,7 @@ LAYOUT_FIELDS = (
     "float8",
     "ep",
     "moe_load_imbalance",
+    "optimizer",
 )
 
 
@@ -89,6 +91,8 @@ def check_request(request: Request) -> None:
             f"--activation-checkpoint {request.fixed['activation_checkpoint']!r} is not known. "
             f"Use {', '.join(SEARCHED_CHECKPOINT_MODES)}."
         )
+    if request.fixed.get("optimizer", "adamw") not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer {request.fixed['optimizer']!r} is not known. Use {' or '.join(OPTIMIZERS)}.")
     if "pp_schedule" in request.fixed:
         modes.schedule(request.fixed["pp_schedule"], "--pp-schedule")
     if request.gpus < 1 or request.global_batch < 1:
@@ -217,4 +221,5 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                             float8=request.fixed.get("float8", False),
                             ep=ep,
                             moe_load_imbalance=request.fixed.get("moe_load_imbalance", MOE_LOAD_IMBALANCE),
+                            optimizer=request.fixed.get("optimizer", "adamw"),
                         )

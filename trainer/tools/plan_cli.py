@@ -3,6 +3,7 @@ memory, time-to-train, energy and cost, and write the best one as a `trillion tr
 
   trillion plan --model gpt-1t --hardware frontier --gpus 3072 --global-batch 1024 --tokens 20e12
   trillion plan ... --tp 4 --pp 128 --micro-batch-size 1     (fixed settings: evaluate one layout)
+  trillion plan ... --optimizer muon                           (Muon's state and step instead of AdamW's)
   trillion plan ... --format json | --plot DIR | --config-out FILE
   trillion plan ... --mtbf-hours-per-gpu 50000 --checkpoint-save-s 20 --restart-s 600   (goodput under failures)
   trillion plan --calibrate [--model M --seq-len S --micro-batch-size B] [--calibrate-out FILE]
@@ -24,7 +25,7 @@ from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
 from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
 from trillion.parallel.planner.search import Request, metrics, model_summary, search
-from trillion.parallel.planner.space import LAYOUT_FIELDS
+from trillion.parallel.planner.space import LAYOUT_FIELDS, OPTIMIZERS
 from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.checks import creatable_problem
 from trillion.trainer.config.schema import Config, load_config, to_toml
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("activation_checkpoint", str, SEARCHED_CHECKPOINT_MODES),
         ("cp", int, None),
         ("ep", int, None),
+        ("optimizer", str, OPTIMIZERS),
     ):
         fixed.add_argument(
             f"--{name.replace('_', '-')}",
@@ -222,6 +224,7 @@ def train_config_toml(request: Request, row: dict) -> str:
         field = setting.removeprefix("model.")
         if getattr(request.args, field) != getattr(get_preset(request.model), field):
             setattr(config.model, field, getattr(request.args, field))
+    config.optimizer.name = row["optimizer"]
     config.compile.enabled = row["compile"]
     config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather on (auto): what the plan timed
     header = [
@@ -245,7 +248,8 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
         f"{request.model} ({s['parameters'] / 1e9:.1f}B parameters) on {request.gpus} x {request.hardware.name} "
         f"({request.hardware.device.name}, {request.hardware.device.memory_gb:g} GB), global batch "
         f"{request.global_batch} x {request.seq_len} tokens"
-        f"{', float8 linears' if request.fixed.get('float8') else ''}: {considered} layouts considered, "
+        f"{', float8 linears' if request.fixed.get('float8') else ''}"
+        f"{', Muon' if request.fixed.get('optimizer') == 'muon' else ''}: {considered} layouts considered, "
         f"{fitting} fit in memory{'' if fitting else ' (those that fit in the device are shown, with a warning)'}.",
         "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp/cp/ep = exposed communication "
         "(ep: MoE all-to-alls). "
