@@ -4,8 +4,9 @@ FT_STEP_SLEEP: seconds each iteration takes at least (a real step's compute, so 
 FT_KILL_AT: SIGKILL this process inside its first step at or after this step (a node lost mid-step);
 FT_DIGESTS: append "step sha256-of-this-rank's-parameter-shards" to FT_DIGESTS.RANK after each step, to
 compare groups bitwise;
-FT_TOGETHER=DIR:N: once imported, wait until N processes are (the groups of a job started together; the go
-file of a process started early and released later)."""
+FT_TOGETHER=DIR:N: before the first quorum, wait until N processes have their Manager (the groups of a job
+started together: each Lighthouse heartbeat exists before either asks for a quorum, so the first quorum holds
+both however slowly each process set up; the go file serves a process started early and released later)."""
 
 import contextlib
 import hashlib
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 from trillion.trainer.cli.main import main
+from trillion.trainer.fault_tolerance.replicas import ReplicaGroups
 from trillion.trainer.step import train_step
 from trillion.trainer.train import RunHooks
 
@@ -58,9 +60,17 @@ def iteration(at: int):
             out.write(f"{at} {digest.hexdigest()}\n")
 
 
+def join_together(join):
+    def joined(self, step: int) -> None:
+        start_together()
+        return join(self, step)
+
+    return joined
+
+
 if __name__ == "__main__":
     if os.environ.get("FT_TOGETHER"):
-        start_together()
+        ReplicaGroups.join = join_together(ReplicaGroups.join)
     if os.environ.get("FT_GO_FILE"):
         while not Path(os.environ["FT_GO_FILE"]).exists():
             time.sleep(0.05)
