@@ -10,7 +10,8 @@ from the shapes alone, and each program finds its group on the device from OFFSE
 last group's end get zeros. Dots take input_precision="ieee" (fp32 inputs get fp32 math, not TF32,
 as PyTorch's default), float8 dots e4m3 operands; accumulation is in fp32. The row and group counts are
 not specialized on (do_not_specialize): they change with the routing and the expert-parallel degree, and would
-otherwise recompile when one stops being a multiple of 16.
+otherwise recompile when one stops being a multiple of 16; nor are the scales' strides, which follow the dims
+in 128-blocks (56 for DeepSeek-V3's 7168, 32 for Mixtral's 4096): every preset runs the reported binaries.
 """
 
 import triton
@@ -47,7 +48,9 @@ def _tile_group(tile, OFFSETS, n_groups, BLOCK_G: tl.constexpr, BLOCK_M: tl.cons
     return g, first_tile, done
 
 
-@triton.jit(do_not_specialize=["rows", "n_groups"])
+@triton.jit(
+    do_not_specialize=["rows", "n_groups", "stride_xsm", "stride_xsk", "stride_wsg", "stride_wsk", "stride_wsn"]
+)
 def grouped_mm_fwd(
     X,
     W,
@@ -75,9 +78,9 @@ def grouped_mm_fwd(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SCALED: tl.constexpr = False,
-    SCALE_BLOCK: tl.constexpr = 128,
-    W_SCALE_COLUMNS: tl.constexpr = 128,
+    SCALED: tl.constexpr,
+    SCALE_BLOCK: tl.constexpr,
+    W_SCALE_COLUMNS: tl.constexpr,
 ):
     """Grid (cdiv(rows, BLOCK_M) + n_groups, cdiv(N, BLOCK_N)): group g owns cdiv(size_g, BLOCK_M)
     row tiles, numbered group after group; the tiles after the groups' zero the rows past them.
@@ -124,7 +127,7 @@ def grouped_mm_fwd(
     tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & (offs_n[None, :] < N))
 
 
-@triton.jit(do_not_specialize=["n_groups"])
+@triton.jit(do_not_specialize=["n_groups", "stride_xst", "stride_dyst"])
 def grouped_mm_dw(
     X,
     DY,
@@ -150,7 +153,7 @@ def grouped_mm_dw(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SCALED: tl.constexpr = False,
+    SCALED: tl.constexpr,
 ):
     """Grid (cdiv(K, BLOCK_K) * cdiv(N, BLOCK_N), n_groups): one (K, N) tile of dw[g], summed over
     the group's rows; an empty group's tile is zeros. SCALED: X and DY are float8 scaled per (token tile,

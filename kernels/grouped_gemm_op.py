@@ -42,7 +42,7 @@ _CONFIGS: dict[str, dict[str, list[tuple]]] = {
     "sm90": {
         "mm": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)],
         "dw": [(64, 128, 128, 8, 3), (32, 128, 128, 8, 4), (64, 64, 128, 4, 3)],
-        "mm8": [(128, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 64, 128, 4, 3)],
+        "mm8": [(128, 128, 64, 8, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 3)],
         "dw8": [(64, 128, 128, 8, 3), (64, 64, 128, 4, 3)],
     },
     "gfx90a": {
@@ -61,6 +61,7 @@ _CONFIGS: dict[str, dict[str, list[tuple]]] = {
 # The float8 kernels ("mm8", "dw8": SCALED) run where float8 matrix units are (sm90 stands for sm89 and later;
 # parallel/float8.py refuses the rest); their BLOCK_K divides the 128 of a scale block.
 _KERNEL_NAMES = {"mm": "grouped_mm_fwd", "dw": "grouped_mm_dw", "mm8": "grouped_mm_fwd", "dw8": "grouped_mm_dw"}
+SCALE_BLOCK = 128  # the float8 scales' block along the reduction (kernels/float8_scaling.py BLOCK)
 # The groups a program searches for its own at a time: a constant, so one binary serves every expert
 # count; the interpreter's is small, so that tests with a few groups search several blocks.
 GROUP_SEARCH_BLOCK, INTERPRETER_GROUP_SEARCH_BLOCK = 128, 8
@@ -100,13 +101,13 @@ def kernel_args(kernel: str, x, weight, offsets, out, scales: tuple = ()) -> tup
         n = weight.shape[2]
         x_scale, w_scale, columns = scales if scaled else (offsets[:1].view(1, 1), offsets[:1].view(1, 1, 1), 1)
         strides = (*x.stride(), *weight.stride(), *out.stride(), *_scale_strides(x_scale), *_scale_strides(w_scale))
-        meta = {"BLOCK_G": GROUP_SEARCH_BLOCK} | ({"SCALED": True, "W_SCALE_COLUMNS": columns} if scaled else {})
+        meta = {"BLOCK_G": GROUP_SEARCH_BLOCK, "SCALED": scaled, "SCALE_BLOCK": SCALE_BLOCK, "W_SCALE_COLUMNS": columns}
         return (x, weight, out, offsets, x_scale, w_scale, rows, groups, k, n, *strides), meta
     dy = weight
     x_scale, dy_scale, tiles = scales if scaled else (offsets[:1].view(1, 1), offsets[:1].view(1, 1), None)
     bounds = (tiles.start, tiles.end, tiles.group_end) if scaled else (offsets, offsets, offsets)
     strides = (*x.stride(), *dy.stride(), *out.stride(), x_scale.stride(0), dy_scale.stride(0))
-    meta = {"SCALED": True} if scaled else {}
+    meta = {"SCALED": scaled}
     return (x, dy, out, offsets, x_scale, dy_scale, *bounds, groups, x.shape[1], dy.shape[1], *strides), meta
 
 

@@ -66,13 +66,14 @@ def kernel_fn(kernel: str):
     return getattr(_permute_kernels, kernel)
 
 
-def kernel_args(kernel: str, rows: torch.Tensor, positions, out, weights=None, extra=()) -> tuple[tuple, dict]:
+def kernel_args(
+    kernel: str, rows: torch.Tensor, positions, out, weights=None, extra=(), block_d: int = BLOCK_D
+) -> tuple[tuple, dict]:
     """(positional arguments, constexprs) of one launch (the launchers and kernels/aot.py build them here):
     permute_*: rows the tokens' (fwd) or the slots' gradient (bwd), out the other; unpermute_fwd: rows the
     routed rows, out the tokens'; unpermute_bwd: rows the tokens' gradient, extra (routed, drouted, dweights)."""
     top_k = positions.shape[1]
-    block = INTERPRETER_BLOCK_D if interpreting() else BLOCK_D
-    meta = {"TOP_K": top_k, "BLOCK_D": block}
+    meta = {"TOP_K": top_k, "BLOCK_D": block_d}
     dim = rows.shape[1]
     if kernel == "permute_fwd":
         return (rows, positions, out, dim, rows.stride(0), out.stride(0)), meta
@@ -86,7 +87,8 @@ def kernel_args(kernel: str, rows: torch.Tensor, positions, out, weights=None, e
 
 
 def _launch(kernel: str, rows, positions, out, weights=None, extra=()):
-    args, meta = kernel_args(kernel, rows, positions, out, weights, extra)
+    block_d = INTERPRETER_BLOCK_D if interpreting() else BLOCK_D
+    args, meta = kernel_args(kernel, rows, positions, out, weights, extra, block_d)
     tokens = positions.shape[0]
     grid = (tokens,) if kernel == "unpermute_bwd" else (tokens, -(-rows.shape[1] // meta["BLOCK_D"]))
     if tokens and rows.shape[1]:
