@@ -173,6 +173,8 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         compile=config.compile.enabled,
         float8=f.enabled,
         float8_all_gather=gathers,
+        float8_experts=f.experts,
+        float8_dispatch=f.dispatch,
     )
 
 

@@ -38,6 +38,8 @@ LAYOUT_FIELDS = (
     "cp",
     "compile",
     "float8",
+    "float8_experts",
+    "float8_dispatch",
     "ep",
     "moe_load_imbalance",
 )
@@ -215,6 +217,8 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                             compile=request.fixed.get("compile", False),
                             cp=cp,
                             float8=request.fixed.get("float8", False),
+                            float8_experts=request.fixed.get("float8_experts", "auto"),
+                            float8_dispatch=request.fixed.get("float8_dispatch", False) and ep > 1,
                             ep=ep,
                             moe_load_imbalance=request.fixed.get("moe_load_imbalance", MOE_LOAD_IMBALANCE),
                         )
