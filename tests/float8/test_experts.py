@@ -76,6 +76,29 @@ def test_a_short_debug_deepseek_run_in_emulated_float8_keeps_the_plain_loss(tmp_
     assert losses["float8"] != losses["plain"]  # float8 ran
 
 
+def test_a_compiled_moe_layer_with_float8_experts_gives_the_eager_one():
+    """torch.compile (aot_eager) around an MoE layer whose experts run the emulated float8 product: the same output
+    and gradients as eager (the loop backend: torch._grouped_mm's fake kernel takes bf16 only)."""
+    from trillion.models.moe import MoE
+
+    spec = dataclasses.replace(DEEPSEEK.moe, experts_impl="loop", n_groups=1, topk_groups=1)
+    torch.manual_seed(0)
+    layer = MoE(64, spec)
+    for weight in layer.experts.parameters():
+        torch.nn.init.normal_(weight, std=0.1)
+    layer.experts.float8 = float8_grouped_gemm.Float8GroupedMM("blockwise", emulate=True, impl="loop")
+    x = torch.randn(2, 16, 64)
+    results = []
+    for run in (layer, torch.compile(layer, backend="aot_eager")):
+        inputs = x.clone().requires_grad_()
+        out = run(inputs)
+        out.square().sum().backward()
+        results.append((out.detach(), inputs.grad, layer.experts.w1.grad.clone()))
+        layer.zero_grad()
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
 def test_float8_dispatch_needs_float8_experts_and_expert_parallelism(capsys, tmp_path):
     err = refusal(capsys, tmp_path, *EMULATED, "--float8.experts=off", "--float8.dispatch=true")
     assert "float8.dispatch=true with float8.experts=off" in err and "--float8.experts=auto" in err
