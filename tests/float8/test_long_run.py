@@ -31,9 +31,10 @@ def test_200_steps_of_emulated_float8_end_within_the_band_of_the_plain_run(tmp_p
 
 @pytest.mark.slow
 def test_50_steps_of_debug_deepseek_with_float8_experts_keep_the_plain_loss(tmp_path, caplog):
-    """The README's routed-experts figure (slow: about 25 minutes on two CPU cores): debug-deepseek, 50 steps on the
-    embedded corpus, emulated float8 (the experts' grouped GEMMs blockwise, the linears tensorwise) and plain, same
-    seed and data: the mean training loss of the last 10 steps within BAND of the plain run's."""
+    """The README's routed-experts figure (slow: about 50 minutes on two shared CPU cores): debug-deepseek, 50 steps
+    on the embedded corpus, emulated float8 (the experts' grouped GEMMs blockwise, the linears tensorwise) and plain,
+    same seed and data: the mean training loss of the last 10 steps within BAND of the plain run's (measured 2026-12-04:
+    1.8% below it, README)."""
     from trillion.trainer.cli.main import main
 
     flags = ["--model.name=debug-deepseek", "--training.steps=50", "--eval.interval=0", "--checkpoint.interval=0",
