@@ -70,3 +70,31 @@ def test_auto_is_torch_on_a_cpu_and_triton_is_the_fused_kernel(monkeypatch):
     permute(x, order, positions, 2, "triton")
     unpermute(torch.randn(8, 16), positions, torch.rand(4, 2), "triton")
     assert calls == ["permute_fwd", "unpermute_fwd"]
+
+
+def test_an_moe_layer_with_the_fused_permutation_equals_its_torch_permutation():
+    """models/moe.py with kernels.permutation=triton and =torch, a capacity that drops slots: the same output and
+    experts' gradients in fp32, bit for bit (dim 64: torch's slot sum adds in order there); the input's gradient,
+    which takes the routing weights' through the router, to fp32 rounding."""
+    import dataclasses
+
+    from trillion.models.moe import MoE
+    from trillion.models.presets import get_preset
+
+    spec = dataclasses.replace(get_preset("debug-moe").moe, capacity_factor=1.0, experts_impl="loop")
+    torch.manual_seed(0)
+    layer = MoE(64, spec)
+    for weight in layer.experts.parameters():
+        torch.nn.init.normal_(weight, std=0.1)
+    x = torch.randn(2, 12, 64)
+    results = []
+    for impl in ("torch", "triton"):
+        layer.moe = dataclasses.replace(spec, permute_impl=impl)
+        inputs = x.clone().requires_grad_()
+        out = layer(inputs)
+        out.square().sum().backward()
+        results.append((out.detach(), layer.experts.w2.grad.clone(), inputs.grad))
+        layer.zero_grad()
+    (out, w2, dx), (fused_out, fused_w2, fused_dx) = results
+    assert torch.equal(fused_out, out) and torch.equal(fused_w2, w2)
+    torch.testing.assert_close(fused_dx, dx, rtol=1e-5, atol=1e-6)
