@@ -10,7 +10,9 @@ for sm80 (A100), sm90 (H100), gfx90a (MI250X) and gfx942 (MI300X) on a machine w
 Attention (forward, delta, dK/dV, dQ) at head dims 64, 128 and latent attention's 192/128 (--all: 32
 to 256 too), bf16 and fp16, causal and not, each config its autotuner may pick; RMSNorm and LayerNorm
 forward and backward at the presets' hidden sizes; the experts' grouped GEMM (forward, dx, dweight)
-with each of its configs. Registers, spills, scratch, shared memory / LDS, occupancy and the matrix
+with each of its configs, its float8 kernels on sm90 and gfx942 (which must use float8 matrix
+instructions), and the fused token permutation.
+Registers, spills, scratch, shared memory / LDS, occupancy and the matrix
 instructions come from the compiled artifacts (kernels/aot.py). Exit status 1 when a config fails a
 gate (does not compile, spills, uses scratch, exceeds shared memory, or a matmul kernel has no
 matrix instructions).
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import triton
 
-from trillion.kernels import aot, norm
+from trillion.kernels import aot, aot_moe, norm
 
 # The search grid: tiles, warps and stages (and on CDNA the occupancy target) around the shipped ones.
 SEARCH_BLOCKS = ((16, 64), (32, 32), (32, 64), (32, 128), (64, 32), (64, 64), (64, 128), (128, 32), (128, 64))
@@ -56,7 +58,7 @@ def search(spec: str, use_cache: bool = True, progress=None) -> dict:
     return {"spec": spec, "rows": rows, "spill_free": [r["config"] for r in rows if not r["problems"]]}
 
 
-KINDS = ("attention", "norm", "grouped_gemm")
+KINDS = ("attention", "norm", "grouped_gemm", "permutation")
 
 
 def reusable_rows(path: str) -> dict[str, dict]:
@@ -129,7 +131,11 @@ def markdown(rows: list[dict], searches: list[dict], command: str, wide_norms: l
         f"{aot.GEMM_ROWS} rows over {aot.GEMM_GROUPS} experts).",
         "Size is the head dim (attention; q-k/v where they differ), the row width (norms) or K/N (grouped GEMM:",
         "gmm_fwd is x (rows, K) @ w (K, N) per expert, gmm_dx the same kernel on w transposed, gmm_dw x^T dy per",
-        "expert; the sizes are run-time arguments, so every preset's expert shapes compile to these binaries).",
+        "expert; the sizes are run-time arguments, so every preset's expert shapes compile to these binaries;",
+        "gmm8_* the same in float8 with DeepSeek-V3's 1 x 128 / 128 x 128 scales, *_rowwise with rowwise ones, on",
+        f"sm90 (e4m3fn) and gfx942 (e4m3fnuz) with bf16 out; perm_*/unperm_* the fused permutation of "
+        f"{aot_moe.PERMUTE_TOKENS} tokens,",
+        f"top-{aot_moe.PERMUTE_TOP_K}, size the row width).",
         "Registers are per thread (NVIDIA) or VGPRs incl. AGPRs per lane",
         "(AMD, SGPRs in brackets); occupancy is what the AMD compiler reports (waves per SIMD) and, on NVIDIA,",
         "resident warps per SM computed from registers and shared memory.",

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from trillion.errors import ConfigError
 from trillion.kernels.grouped_gemm import backend_unavailable, grouped_mm
+from trillion.kernels.permute import inverse_order, permute, unpermute
 from trillion.models.args import ModelArgs, MoEArgs
 from trillion.models.step_hooks import StepHooks, register_step_hooks
 
@@ -70,16 +71,27 @@ class RoutedExperts(nn.Module):
     def __init__(self, dim: int, moe: MoEArgs):
         super().__init__()
         self.impl = moe.experts_impl
+        self.float8 = None  # a float8 grouped product (parallel/float8.py), in place of grouped_mm
         self.w1 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
         self.w3 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
         self.w2 = nn.Parameter(torch.empty(moe.n_experts, moe.expert_ffn_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (rows, dim) sorted by expert, `counts` rows per expert of this rank (rows past them: zeros)."""
+        """x (rows, dim) sorted by expert, `counts` rows per expert of this rank (rows past them: zeros), or
+        (sources, experts): rows per expert from each source rank, each expert's in source order."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        offsets = counts.cumsum(0).to(torch.int32)
-        hidden = F.silu(grouped_mm(x, w1, offsets, self.impl)) * grouped_mm(x, w3, offsets, self.impl)
-        return grouped_mm(hidden, w2, offsets, self.impl)
+        per_source = counts.dim() == 2
+        offsets = (counts.sum(0) if per_source else counts).cumsum(0).to(torch.int32)
+        segments = counts.t().flatten().cumsum(0).to(torch.int32) if per_source else offsets
+        hidden = F.silu(self._product(x, w1, offsets, segments)) * self._product(x, w3, offsets, segments)
+        return self._product(hidden, w2, offsets, segments)
+
+    def _product(self, x, weight, offsets, segments) -> torch.Tensor:
+        """The grouped GEMM; a float8 one bounds its weight gradient's token tiles by the segments (one source's
+        rows of one expert: kernels/float8_scaling.py)."""
+        if self.float8 is None:
+            return grouped_mm(x, weight, offsets, self.impl)
+        return self.float8(x, weight, offsets, segments)
 
 
 class MoE(nn.Module):
@@ -108,9 +120,9 @@ class MoE(nn.Module):
         counts = torch.zeros(moe.n_experts + 1, dtype=torch.long, device=x.device)
         counts = counts.scatter_add_(0, slots, torch.ones_like(slots))[: moe.n_experts]
         self._tally(counts, slots.numel() - counts.sum(), scores, chosen, shape[0])
-        routed = self.dispatch(x[order // moe.top_k], counts)
-        unsorted = routed[torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))]
-        out = (unsorted.view(-1, moe.top_k, shape[-1]) * weights.unsqueeze(-1).to(x.dtype)).sum(dim=1)
+        positions = inverse_order(order)
+        routed = self.dispatch(permute(x, order, positions, moe.top_k, moe.permute_impl), counts)
+        out = unpermute(routed, positions, weights, moe.permute_impl)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         if (moe.aux_loss_coef > 0 or moe.seq_aux_loss_coef > 0) and torch.is_grad_enabled():
@@ -259,6 +271,11 @@ def moe_step_hooks(model: nn.Module) -> list[MoEStepHooks]:
     """One MoEStepHooks for the model's MoE layers; none for a model (or pipeline stage) without them."""
     layers = moe_layers(model)
     return [MoEStepHooks(layers)] if layers else []
+
+
+def routed_expert_stacks(model: nn.Module) -> list[RoutedExperts]:
+    """The RoutedExperts of this module's MoE layers (parallel/float8_experts.py gives them a float8 product)."""
+    return [layer.experts for layer in moe_layers(model).values()]
 
 
 def routed_expert_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -55,7 +55,7 @@ class _Route:
 
     send: list[int]  # rows to each ep rank
     receive: list[int]  # rows from each ep rank
-    local_counts: torch.Tensor  # (E / ep,) rows for each local expert
+    local_counts: torch.Tensor  # (ep, E / ep) rows for each local expert from each source rank
     by_expert: torch.Tensor  # received rows, re-sorted by local expert
     back: torch.Tensor  # its inverse
 
@@ -63,8 +63,9 @@ class _Route:
 class ExpertAllToAll:
     """An MoE layer's `dispatch` under expert parallelism (a plain callable, not a module: no new names)."""
 
-    def __init__(self, layer: MoE, ep_mesh):
+    def __init__(self, layer: MoE, ep_mesh, send_tokens=funcol.all_to_all_single_autograd):
         self.experts = layer.experts
+        self.send_tokens = send_tokens  # the dispatch's all-to-all: float8 dispatch swaps it (float8_dispatch.py)
         self.group = ep_mesh.get_group()
         self.ep = ep_mesh.size()
         self.recompute_from_cache = False  # set for checkpointed blocks (parallelize.py)
@@ -79,7 +80,7 @@ class ExpertAllToAll:
     def _dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         route = self._route(counts)
         kept = sum(route.send)
-        received = funcol.all_to_all_single_autograd(x[:kept].contiguous(), route.receive, route.send, self.group)
+        received = self.send_tokens(x[:kept].contiguous(), route.receive, route.send, self.group)
         out = self.experts(received[route.by_expert], route.local_counts)[route.back]
         combined = funcol.all_to_all_single_autograd(out.contiguous(), route.send, route.receive, self.group)
         if kept < x.shape[0]:
@@ -102,7 +103,7 @@ class ExpertAllToAll:
         expert_of_row = block.repeat_interleave(arriving.flatten(), output_size=sum(receive)) % local_experts
         by_expert = expert_of_row.argsort(stable=True)
         back = torch.empty_like(by_expert).scatter_(0, by_expert, torch.arange(by_expert.numel(), device=counts.device))
-        route = _Route(send, receive, arriving.sum(0), by_expert, back)
+        route = _Route(send, receive, arriving, by_expert, back)
         if self.recompute_from_cache and torch.is_grad_enabled() and not recomputing:
             self.routes.append(route)
         return route
@@ -119,8 +120,9 @@ def _outside_selective_checkpoint():
         yield
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
-    """Shard every MoE layer's routed experts over the 1-D `ep_mesh` and route its tokens by all-to-all."""
+def apply_expert_parallel(model: nn.Module, ep_mesh, send_tokens=funcol.all_to_all_single_autograd) -> None:
+    """Shard every MoE layer's routed experts over the 1-D `ep_mesh` and route its tokens by all-to-all
+    (`send_tokens`: the dispatch's, funcol.all_to_all_single_autograd's call)."""
     for layer in moe_layers(model).values():
         experts = layer.experts
         if layer.moe.n_experts % ep_mesh.size():
@@ -129,7 +131,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
             param = getattr(experts, name)
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        layer.dispatch = ExpertAllToAll(layer, ep_mesh)
+        layer.dispatch = ExpertAllToAll(layer, ep_mesh, send_tokens)
 
 
 def cache_routes_for_recompute(block: nn.Module) -> None:

@@ -34,6 +34,8 @@ class Layout:
     cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence; FSDP shards over dp_shard x cp
     float8: bool = False  # the blocks' linears compute in float8; the output projection stays bf16
     float8_all_gather: bool = True  # with float8 and FSDP: the converted weights are all-gathered in float8
+    float8_experts: str = "auto"  # with float8: the routed experts' recipe (float8.experts), "off" keeps them bf16
+    float8_dispatch: bool = False  # with float8 experts and ep > 1: the dispatch all-to-all carries float8 rows
     ep: int = 1  # expert parallelism: routed experts over ep of the dp_shard x cp ranks
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE  # the busiest rank's routed tokens over the mean (planner)
     optimizer: str = "adamw"  # adamw | muon: the optimizer's state and step work (planner/optimizer.py)

@@ -3,19 +3,19 @@
     float8 swap -> context parallelism -> tensor parallelism -> expert parallelism -> activation
     checkpointing -> torch.compile -> FSDP2
 
-The float8 swap first (float8.py): it replaces the blocks' nn.Linear modules by torchao's Float8Linear,
-which TP then shards with float8-aware styles and FSDP gathers in float8; everything after must see
-the swapped modules (torchtitan's order). CP next: it only swaps each block's attention for attention
-across sequence shards and passes the rank's token positions, so everything after wraps the same
-modules. TP next, because it changes what a parameter is (a DTensor over the tp axis) and inserts
-the collectives the later wrappers must see; expert parallelism next (expert_parallel.py: the routed
-experts become DTensors on the ep mesh, whole on their rank, and the dispatch all-to-alls; the
-shared experts and attention keep TP's layout); AC next, so recomputation replays those collectives;
-compile then traces the parallel blocks; FSDP last, so it shards the TP shards again over dp and
-its hooks wrap everything (the routed experts under ep apart, over the data-parallel ranks ep
-leaves). Call it before `to_empty` + `init_weights`, which then give the same values whatever the
-layout (see models.transformer.Transformer.init_weights).
-"""
+The float8 swap first (float8.py): it replaces the blocks' nn.Linear modules by torchao's Float8Linear
+(and gives the routed experts their float8 grouped product, float8_experts.py; float8 dispatch,
+float8_dispatch.py, is the all-to-all expert parallelism is given), which TP then shards with float8-aware
+styles and FSDP gathers in float8; everything after must see the swapped modules (torchtitan's order). CP
+next: it only swaps each block's attention for attention across sequence shards and passes the rank's
+token positions, so everything after wraps the same modules. TP next, because it changes what a parameter
+is (a DTensor over the tp axis) and inserts the collectives the later wrappers must see; expert
+parallelism next (expert_parallel.py: the routed experts become DTensors on the ep mesh, whole on their
+rank, and the dispatch all-to-alls; the shared experts and attention keep TP's layout); AC next, so
+recomputation replays those collectives; compile then traces the parallel blocks; FSDP last, so it shards
+the TP shards again over dp and its hooks wrap everything (the routed experts under ep apart, over the
+data-parallel ranks ep leaves). Call it before `to_empty` + `init_weights`, which then give the same
+values whatever the layout (see models.transformer.Transformer.init_weights)."""
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from trillion.parallel.dims import ParallelDims
 from trillion.parallel.expert_parallel import apply_expert_parallel, cache_routes_for_recompute
 from trillion.parallel.float8 import Float8Training
 from trillion.parallel.float8 import convert as convert_to_float8
+from trillion.parallel.float8_dispatch import Float8Dispatch
 from trillion.parallel.fsdp import apply_fsdp
 from trillion.parallel.modes import checkpointed_blocks, schedule, zero_mode
 from trillion.parallel.tensor_parallel import apply_tensor_parallel
@@ -63,7 +64,8 @@ def parallelize(
             expert_parallel=ep_mesh is not None,
         )
     if ep_mesh is not None:
-        apply_expert_parallel(model, ep_mesh)
+        dispatch = {"send_tokens": Float8Dispatch(float8.experts, float8.emulate)} if float8 and float8.dispatch else {}
+        apply_expert_parallel(model, ep_mesh, **dispatch)
     apply_activation_checkpointing(model, activation_checkpoint)
     if ep_mesh is not None:
         blocks = list(model.layers.values())

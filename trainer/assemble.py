@@ -17,8 +17,10 @@ from trillion.models.logit_probe import install_probes
 from trillion.models.parts import apply_settings as apply_part_settings
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.float8_experts import check_experts
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, degrees_of
+from trillion.parallel.modes import float8_dispatch
 from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
@@ -97,10 +99,13 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
 
 def part_settings(config: Config) -> dict:
     """The user's settings the model's parts read ("section.field": value; models/parts apply_settings): the
-    model section's and the moe section's fields, and the experts' grouped GEMM backend."""
+    model section's and the moe section's fields, and the experts' grouped GEMM and permutation backends."""
     settings = {f"model.{f.name}": getattr(config.model, f.name) for f in dataclasses.fields(config.model)}
     settings |= {f"moe.{f.name}": getattr(config.moe, f.name) for f in dataclasses.fields(config.moe)}
-    return settings | {"kernels.grouped_gemm": config.kernels.grouped_gemm}
+    return settings | {
+        "kernels.grouped_gemm": config.kernels.grouped_gemm,
+        "kernels.permutation": config.kernels.permutation,
+    }
 
 
 def check_whole_sequences(args: ModelArgs, dims: ParallelDims) -> None:
@@ -120,6 +125,8 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
     if config.float8.enabled:  # the device first: on an A100 the answer is no whether torchao is there or not
         float8.check_device(env.device, config.float8.emulate)
         float8.require_torchao()
+        check_experts(config.float8.experts, env.device, config.float8.emulate)
+        float8_dispatch(config.float8.dispatch, True, config.float8.experts, config.parallel.ep)
         if not config.float8.emulate and not config.compile.enabled:
             log.info(
                 "float8 without --compile.enabled=true: torchao's casts and scales run as separate kernels, which "
@@ -130,7 +137,7 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
 def float8_training(config: Config, fsdp: bool) -> float8.Float8Training | None:
     """float8.* as parallelize applies it (None: off); FSDP float8 all-gather only where FSDP shards."""
     f = config.float8
-    return float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, fsdp) if f.enabled else None
+    return float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, fsdp, f.experts, f.dispatch) if f.enabled else None
 
 
 def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layout:
@@ -171,6 +178,8 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         compile=config.compile.enabled,
         float8=f.enabled,
         float8_all_gather=gathers,
+        float8_experts=f.experts,
+        float8_dispatch=f.dispatch,
         optimizer=config.optimizer.name,
     )
 

@@ -32,10 +32,12 @@ HARDWARE = ("frontier", "dgx-h100", "mi300x")
 # to 15360 sequences over the first 469B tokens, 15360 after (planned here at 15360 throughout).
 DEEPSEEK = {"gpus": 2048, "global_batch": 15360, "seq_len": 4096, "tokens": 14.8e12, "gpu_hours": 2.664e6}
 DEEPSEEK_LAYOUT = {"tp": 1, "pp": 16, "ep": 64, "dp_shard": 128, "dp_shard_mode": "zero1"}
+# DeepSeek-V3's float8 (section 3.3): the experts' GEMMs blockwise, the dispatch in float8, the combine in bf16
+DEEPSEEK_FLOAT8 = {"float8": True, "float8_experts": "blockwise", "float8_dispatch": True}
 
 
 def command(request: Request) -> str:
-    fixed = "".join(f" --{k.replace('_', '-')} {v}" if v is not True else f" --{k}" for k, v in request.fixed.items())
+    fixed = "".join(f" --{k.replace('_', '-')}" + (f" {v}" if v is not True else "") for k, v in request.fixed.items())
     if request.args.mtp_modules != get_preset(request.model).mtp_modules:
         fixed += f" --mtp-modules {request.args.mtp_modules}"
     return (
@@ -146,8 +148,10 @@ def section_deepseek(lines: list[str]) -> None:
     base = dataclasses.replace(base, tokens=DEEPSEEK["tokens"])
     cases = [
         ("searched, bf16", base),
+        ("searched, float8 linears only", dataclasses.replace(base, fixed={"float8": True, "float8_experts": "off"})),
         ("searched, float8", dataclasses.replace(base, fixed={"float8": True})),
         ("DeepSeek's layout, float8", dataclasses.replace(base, fixed={**DEEPSEEK_LAYOUT, "float8": True})),
+        ("DeepSeek's layout and recipe", dataclasses.replace(base, fixed={**DEEPSEEK_LAYOUT, **DEEPSEEK_FLOAT8})),
     ]
     lines += [
         "## 3. DeepSeek-V3 on 2048 H800s against its published GPU-hours (unfitted)",
@@ -171,12 +175,15 @@ def section_deepseek(lines: list[str]) -> None:
     lines += [
         "",
         "What the planner can express of DeepSeek's run: the layout (pp 16, ep 64 inside dp_shard 128, ZeRO-1 as "
-        "zero1, tp 1), MLA, group-limited routing and float8 linears (torchao's tensorwise recipe: the routed "
-        "experts stay bf16). What it cannot: the MTP module beside a pipeline (above), DualPipe's overlap of the "
-        "all-to-alls with computation (the planner charges every dispatch and combine on the compute stream, "
+        "zero1, tp 1), MLA, group-limited routing, float8 linears (torchao's tensorwise recipe), the routed "
+        "experts' grouped GEMMs in float8 (`--float8` prices them as the trainer's float8.experts=auto runs them, "
+        "torchao's rowwise recipe; the last row as DeepSeek ran them, blockwise 1 x 128 / 128 x 128 scaling, with "
+        "the dispatch in float8 and the combine in bf16; rates and sources in parallel/planner/moe.py) and the "
+        "fused token permutation. What it cannot: the MTP module beside a pipeline (above), DualPipe's overlap of "
+        "the all-to-alls with computation (the planner charges every dispatch and combine on the compute stream, "
         "never overlapped: the EP column), node-limited routing (each token reaches at most 4 nodes and crosses "
-        "InfiniBand once per node; the planner sends each of the top-8 copies to its expert's rank), FP8 for the "
-        "routed experts and fine-grained (1 x 128 tile) scaling, DeepSeek's own stage split (the planner splits "
+        "InfiniBand once per node; the planner sends each of the top-8 copies to its expert's rank), DeepSeek's "
+        "own stage split (the planner splits "
         "the 61 layers evenly, with the embedding on the first stage and the output head on the last: the "
         "imbalance column; the trainer counts both as units of its split, section 4), and the batch ramp. All "
         "but the MTP module make the planner slower than DeepSeek's run, the sign of the error above.",

@@ -80,7 +80,9 @@ def apply_settings(args: ModelArgs, settings: dict) -> ModelArgs:
                 f"experts). Use an MoE preset ({routed}) or drop the settings."
             )
         return args
-    routing = dataclasses.replace(args.moe, experts_impl=settings.get("kernels.grouped_gemm", "auto"), **overrides)
+    impls = {"experts_impl": settings.get("kernels.grouped_gemm", "auto")}
+    impls["permute_impl"] = settings.get("kernels.permutation", "auto")
+    routing = dataclasses.replace(args.moe, **impls, **overrides)
     if routing.top_k > routing.n_experts:
         raise ConfigError(
             f"model.top_k={routing.top_k} is more than the model's {routing.n_experts} experts: each token picks "

@@ -18,12 +18,17 @@ experts stay whole, replicated over tp, parallel/tensor_parallel.py; the shared 
              (timing.all_to_all_time): on the node's link for the ep ranks in the node (the ep group sits
              just outside tp: ep x tp consecutive GPUs), on the network for the rest. On the compute
              stream, never overlapped (the dispatch needs the counts before it can size its buffers).
-  element-wise  per token of the tp group: the permutation into expert order and back (x[order], the
-             inverse gather) 2 x 2 k h, the weighting by the scores 2 k h, their sum k h + h, SwiGLU on the
-             expert hidden 5 k f, the router's softmax and top-k 3 E (read scores, write them, read
-             for top-k), its loss-free bias 2 E (the add: read, write) and DeepSeek-V3's group-limited choice
-             3 E (the per-group top-2 reads the scores, the mask of the other groups reads and writes them:
-             Router.forward); the same under torch.compile (the data-dependent shapes break the graph).
+  element-wise  per token of the tp group: the fused permutation into expert order and back
+             (kernels/permute.py, kernels.permutation=auto on GPUs; PERMUTATION_ROWS), SwiGLU on the expert
+             hidden 5 k f, the router's softmax and top-k 3 E (read scores, write them, read for top-k), its
+             loss-free bias 2 E (the add: read, write) and DeepSeek-V3's group-limited choice 3 E (the per-group
+             top-2 reads the scores, the mask of the other groups reads and writes them: Router.forward); the
+             same under torch.compile (the data-dependent shapes break the graph).
+  float8     (layout.float8 with float8_experts not off, parallel/float8_experts.py) the experts' grouped GEMMs,
+             forward and both gradients, at the recipe's float8 rate (FLOAT8_EXPERT_SHARE), plus their casts
+             (each GEMM casts both operands: FLOAT8_CAST_BYTES per element); with float8_dispatch the
+             forward dispatch all-to-all carries float8 rows and their scales (dispatch_row_bytes), the combine
+             and both backward all-to-alls stay bf16.
 Memory: expert parameters total / (ep x efsdp), efsdp = dp_shard x cp / ep, so a rank's states are
 those of its E / ep experts sharded over efsdp (the states per rank do not depend on ep; FSDP's gathered
 copies, its buffers and its traffic do: one layer's E / ep experts, all-gathered over the efsdp ranks).
@@ -39,7 +44,7 @@ from trillion.models.args import ModelArgs
 from trillion.models.parts import Block
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time
-from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE
+from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, FLOAT8_CAST_BYTES
 
 # The busiest rank's routed tokens over the mean, by default. MEASURED on debug-moe (sigmoid scores, loss-free
 # bias 1e-2; `trillion train --model.name=debug-moe --training.steps=100 --metrics.log_freq=10`, default corpus):
@@ -49,9 +54,25 @@ from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE
 # Give another figure with `trillion plan --moe-load-imbalance X`. It is a rank's figure: rank_load_imbalance
 # turns per-expert loads into it for an ep (an expert's max/mean overstates it when a rank holds several).
 MOE_LOAD_IMBALANCE = 1.16
-# Rows of dim one routed (token, expert) pair's routing reads and writes in a forward (the module docstring's
-# element-wise line: the permutation and its inverse 4, the weighting 2, the sum 1)
-ROUTING_ROWS_PER_CHOICE = 7
+# Rows of dim the fused permutation (kernels/permute.py) reads and writes per token, as (per choice, per token):
+# forward, permute reads the token's row and writes a copy per choice (k + 1), unpermute reads the k routed rows
+# and writes their weighted sum (k + 1); backward, permute's gradient reads the k copies' and writes one (k + 1),
+# unpermute's reads the output's gradient (once: its k reads hit the cache), the k routed rows, and writes their k
+# gradients (2 k + 1). torch's path (kernels.permutation=torch) moved 7 per choice and 1 forward (the gathers,
+# the weighting's product and the sum, each materialised), twice that backward: 57 and 114 at top-8, now 18, 26.
+PERMUTATION_ROWS = {"forward": (2, 2), "backward": (3, 2)}
+# The routed experts' float8 grouped GEMMs (float8_experts) as a share of the device's dense fp8 GEMM plateau
+# (devices.toml fp8_gemm_efficiency), by recipe:
+# - rowwise, torchao's _scaled_grouped_mm (what float8.experts=auto runs on sm90 and gfx942): pytorch/ao PR 2490
+#   on an H100, 0.885 ms against bf16 torch._grouped_mm's 1.31 ms at M 8192, K 5120, N 8192, 16 experts: 1.48 x
+#   the bf16 grouped rate, 1.48 x 794.5 / 1402.6 = 0.838 of the H100's fp8 plateau (both [mamf], devices.toml);
+# - blockwise, DeepSeek-V3's 1 x 128 / 128 x 128 scales (the Triton kernel): DeepGEMM's contiguous grouped GEMMs at
+#   DeepSeek-V3's expert shapes on an H800 (deepseek-ai/DeepGEMM README, February 2025: 1297, 1099, 1288 and
+#   1093 TFLOP/s), mean 1194 = 0.851 of the same plateau. ASSUMED for Trillion's Triton kernel, which no GPU
+#   has timed yet: DeepGEMM's rate is what the recipe reaches on Hopper.
+# On gfx942 no grouped float8 figure is published: the same shares of its fp8 plateau (itself assumed, devices.toml).
+FLOAT8_EXPERT_SHARE = {"rowwise": 0.838, "blockwise": 0.851}
+BLOCKWISE_TILE, SCALE_BYTES = 128, 4  # a dispatched row's float32 scale per 1 x 128 tile (or per row)
 
 
 def routed_block(args: ModelArgs) -> Block:
@@ -88,38 +109,89 @@ def all_to_all_bytes(args: ModelArgs, tokens: int, ep: int, element_bytes: int, 
     return payload * (ep - 1) / ep
 
 
+def float8_expert_recipe(float8: bool, setting: str) -> str | None:
+    """The recipe the trainer's float8.experts=`setting` runs on a float8 GPU (None: the experts stay bf16): auto
+    is torchao's rowwise, which runs wherever the planner prices float8 (sm90 and later, gfx942 and later)."""
+    if not float8 or setting == "off":
+        return None
+    return "rowwise" if setting == "auto" else setting
+
+
+def dispatch_row_bytes(dim: int, recipe: str) -> int:
+    """Bytes of one token row on a float8 dispatch's wire (parallel/float8_dispatch.py): a byte per element and
+    a float32 scale per 1 x 128 tile (blockwise) or per row (rowwise), against 2 per element in bf16."""
+    return dim + SCALE_BYTES * (-(-dim // BLOCKWISE_TILE) if recipe == "blockwise" else 1)
+
+
 def moe_passes(
-    args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, ep: int, imbalance: float = MOE_LOAD_IMBALANCE
+    args: ModelArgs,
+    hw: HardwareProfile,
+    tokens: int,
+    tp: int,
+    ep: int,
+    imbalance: float = MOE_LOAD_IMBALANCE,
+    float8: str | None = None,
+    float8_dispatch: bool = False,
 ) -> Passes:
-    """What one MoE layer adds to its block's attention and shared experts (the module docstring)."""
+    """What one MoE layer adds to its block's attention and shared experts (the module docstring); `float8` the
+    experts' float8 recipe (float8_expert_recipe), `float8_dispatch` the forward dispatch in float8."""
     block, h, launch = routed_block(args), args.dim, hw.device.kernel_overhead_us * 1e-6
     routing, f = block.routing, expert_width(block)  # the routed experts are whole on every tp rank
-    experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance)
+    experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance, float8)
+    casts = expert_float8_casts(args, hw, tokens, ep, imbalance) if float8 else (0.0, 0.0, 0.0)
     router = _gemm(hw, tokens, routing.gate.in_features, routing.gate.out_features)
     k, imb = routing.top_k, effective_imbalance(ep, imbalance)
-    elements = tokens * ((ROUTING_ROWS_PER_CHOICE * k * h + 5 * k * f) * imb + h + routing.elements)
-    elementwise = _memory_bound(hw, elements * hw.element_bytes) + routing.kernels * launch
-    payload = tokens * k * h * hw.element_bytes * imb  # one all-to-all's per-rank bytes, own share included
-    a2a = all_to_all_time(hw, payload, ep, tp)
+    swiglu = tokens * (5 * k * f * imb + routing.elements)
+    forward_rows, backward_rows = (tokens * (c * k * imb + t) * h for c, t in PERMUTATION_ROWS.values())
+    elementwise = _memory_bound(hw, (swiglu + forward_rows) * hw.element_bytes) + routing.kernels * launch
+    backward_elementwise = (
+        _memory_bound(hw, (BACKWARD_ELEMENTWISE * swiglu + backward_rows) * hw.element_bytes)
+        + BACKWARD_ELEMENTWISE * routing.kernels * launch
+    )
+    rows = tokens * k * imb  # one all-to-all's rows per rank, own share included
+    a2a = all_to_all_time(hw, rows * h * hw.element_bytes, ep, tp)
+    dispatch = all_to_all_time(hw, rows * dispatch_row_bytes(h, float8), ep, tp) if float8_dispatch else a2a
     counts = all_to_all_time(hw, 0.0, ep, tp)  # the counts' exchange: its latency
-    forward_a2a, backward_a2a = 2 * a2a + counts, 2 * a2a
+    forward_a2a, backward_a2a = dispatch + a2a + counts, 2 * a2a
     return Passes(
-        forward=router + experts + elementwise + forward_a2a,
-        input_grad=router + experts + BACKWARD_ELEMENTWISE * elementwise + backward_a2a,
-        weight_grad=router + experts,
+        forward=router + experts + casts[0] + elementwise + forward_a2a,
+        input_grad=router + experts + casts[1] + backward_elementwise + backward_a2a,
+        weight_grad=router + experts + casts[2],
         ep_forward=forward_a2a,
         ep_backward=backward_a2a,
     )
 
 
-def expert_gemm_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, ep: int, imbalance: float) -> float:
+def expert_gemm_seconds(
+    args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, ep: int, imbalance: float, float8: str | None = None
+) -> float:
     """One pass of the routed experts' three grouped GEMMs on the busiest rank: each local expert's GEMMs at its
     own shape (rows x dim x f twice, rows x f x dim), one launch per projection; `tp` does not split them
-    (each tp rank runs the same tokens through whole experts)."""
+    (each tp rank runs the same tokens through whole experts); `float8`: at that recipe's float8 rate."""
     block, launch = routed_block(args), hw.device.kernel_overhead_us * 1e-6
     rows, local = expert_rows(args, tokens, ep, imbalance), block.routing.n_experts // ep
-    per_expert = sum(_gemm(hw, rows, s.in_features, s.out_features) - launch for s in block.experts)
+    share = FLOAT8_EXPERT_SHARE[float8] if float8 else 1.0
+    per_expert = sum(
+        _gemm(hw, rows, s.in_features, s.out_features, bool(float8), share) - launch for s in block.experts
+    )
     return local * per_expert + len(block.experts) * launch
+
+
+def expert_float8_casts(
+    args: ModelArgs, hw: HardwareProfile, tokens: int, ep: int, imbalance: float
+) -> tuple[float, float, float]:
+    """Seconds of the float8 experts' casts in (forward, input gradient, weight gradient) on the busiest rank: each
+    grouped GEMM casts its two operands, the local experts' rows and weights (forward: input and weight; input
+    gradient: the output's gradient and the weight; weight gradient: input and output's gradient along the
+    tokens), FLOAT8_CAST_BYTES per element, two launches each."""
+    block, launch = routed_block(args), hw.device.kernel_overhead_us * 1e-6
+    rows = expert_rows(args, tokens, ep, imbalance) * (block.routing.n_experts // ep)
+    weights = [s.n_experts // ep * s.in_features * s.out_features for s in block.experts]
+    forward = sum(rows * s.in_features + w for s, w in zip(block.experts, weights))
+    input_grad = sum(rows * s.out_features + w for s, w in zip(block.experts, weights))
+    weight_grad = sum(rows * (s.in_features + s.out_features) for s in block.experts)
+    launches = 2 * len(block.experts) * launch
+    return tuple(_memory_bound(hw, FLOAT8_CAST_BYTES * n) + launches for n in (forward, input_grad, weight_grad))
 
 
 def expert_numel(args: ModelArgs, routed_layers: int, tp: int, ep: int, efsdp: int) -> tuple[int, int]:

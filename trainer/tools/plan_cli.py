@@ -19,7 +19,7 @@ from pathlib import Path
 from trillion.errors import ConfigError
 from trillion.models import parts
 from trillion.models.presets import PRESETS, get_preset
-from trillion.parallel.modes import SCHEDULES, ZERO_MODES
+from trillion.parallel.modes import FLOAT8_EXPERTS, SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
@@ -91,14 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="plan for torch.compile of each block (fused element-wise kernels; the trainer's compile.enabled)",
     )
-    fixed.add_argument(
-        "--float8",
-        action="store_const",
-        const=True,
-        default=None,
-        help="plan the blocks' linears in float8 (fp8 GEMMs and their casts; FSDP all-gathers their weights in "
-        "float8); refused on hardware without float8 tensor cores",
-    )
+    _add_float8_arguments(fixed)
     fixed.add_argument(
         "--moe-load-imbalance",
         dest="moe_load_imbalance",
@@ -110,6 +103,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_part_arguments(p)
     add_goodput_arguments(p)
     return p
+
+
+def _add_float8_arguments(fixed) -> None:
+    """--float8 and what it covers of the routed experts (the trainer's float8.experts and float8.dispatch)."""
+    fixed.add_argument(
+        "--float8",
+        action="store_const",
+        const=True,
+        default=None,
+        help="plan the blocks' linears and the routed experts in float8 (fp8 GEMMs and their casts; FSDP all-gathers "
+        "the linears' weights in float8); refused on hardware without float8 tensor cores",
+    )
+    fixed.add_argument(
+        "--float8-experts",
+        dest="float8_experts",
+        choices=FLOAT8_EXPERTS,
+        default=None,
+        help="with --float8: the routed experts' grouped GEMMs by recipe (default auto: torchao's rowwise, as the "
+        "trainer's float8.experts=auto on these GPUs; off keeps them bf16)",
+    )
+    fixed.add_argument(
+        "--float8-dispatch",
+        dest="float8_dispatch",
+        action="store_const",
+        const=True,
+        default=None,
+        help="with --float8 and float8 experts: the expert dispatch all-to-all carries float8 rows and their "
+        "scales (the trainer's float8.dispatch, under ep > 1)",
+    )
 
 
 # plan flag -> the model setting it gives the parts (models/parts apply_settings), each a count, 0 or more
@@ -227,6 +249,8 @@ def train_config_toml(request: Request, row: dict) -> str:
     config.optimizer.name = row["optimizer"]
     config.compile.enabled = row["compile"]
     config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather on (auto): what the plan timed
+    config.float8.experts = row["float8_experts"]
+    config.float8.dispatch = row["float8_dispatch"]  # only under ep > 1 (space.py), as the trainer allows it
     header = [
         f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} "
         f"({request.hardware.device.name})",
