@@ -25,7 +25,9 @@ class Attention(nn.Module):
         # context parallelism (parallel/context_parallel.py) puts attention across sequence shards here
         self.attend = attention
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None, document_ids=None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 instead of the head count: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -37,5 +39,5 @@ class Attention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:  # generation: attend to the cached positions too (causal aligns lower right)
             k, v = cache.append(k, v)
-        out = self.attend(q, k, v, impl=self.impl, causal=True)
+        out = self.attend(q, k, v, impl=self.impl, causal=True, document_ids=document_ids)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
