@@ -35,6 +35,7 @@ class Layout:
     float8_all_gather: bool = True  # with float8 and FSDP: the converted weights are all-gathered in float8
     ep: int = 1  # expert parallelism: routed experts over ep of the dp_shard x cp ranks
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE  # the busiest rank's routed tokens over the mean (planner)
+    attention_share: float = 1.0  # document masking: the attention work left (models/flops.py; planner)
 
     @property
     def dp(self) -> int:

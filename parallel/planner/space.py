@@ -217,4 +217,5 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                             float8=request.fixed.get("float8", False),
                             ep=ep,
                             moe_load_imbalance=request.fixed.get("moe_load_imbalance", MOE_LOAD_IMBALANCE),
+                            attention_share=request.fixed.get("attention_share", 1.0),
                         )
