@@ -389,6 +389,7 @@ def run(selected: list[Case], use_cache: bool = True, progress=None, known: dict
             progress(
                 f"[{number}/{len(selected)}] {case.arch} {case.kernel} {case.dtype} {case.size}"
                 f"{'' if case.out_size is None else f'/{case.out_size}'} "
-                f"causal={case.causal} {case.label}: {'; '.join(rows[-1]['problems']) or 'ok'}"
+                f"causal={case.causal}{' documents' if case.documents else ''} {case.label}: "
+                f"{'; '.join(rows[-1]['problems']) or 'ok'}"
             )
     return rows
