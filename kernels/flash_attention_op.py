@@ -228,7 +228,7 @@ def reference_attention(
     scores = (q @ k.transpose(-1, -2)) * softmax_scale
     rows = torch.arange(q_len, device=q.device)[:, None]
     cols = torch.arange(kv_len, device=q.device)[None, :]
-    visible = cols <= rows + (kv_len - q_len) if causal else torch.ones(q_len, kv_len, dtype=torch.bool)
+    visible = cols <= rows + (kv_len - q_len) if causal else cols >= 0  # without causality: every key
     if document_ids is not None:
         visible = visible & (document_ids[:, None, kv_len - q_len :, None] == document_ids[:, None, None, :])
     if not causal and document_ids is None:

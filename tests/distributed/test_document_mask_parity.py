@@ -7,6 +7,8 @@ elementwise tolerance. Later steps' gradients are not held to 1e-6: they start f
 by rounding-sized amounts, which AdamW's normalization magnifies (the unmasked layouts' reach 4e-6). A run whose
 attention drops the document ids must differ (the masks reach the attention)."""
 
+import pytest
+
 from tests.helpers.parity import check_cases
 from tests.helpers.pp_parity import check_pipeline_cases
 from tests.helpers.spawn import run_ranks
@@ -20,21 +22,11 @@ def unmasked(q, k, v, *, impl="sdpa", causal=True, softmax_scale=None, document_
     return attention(q, k, v, impl=impl, causal=causal, softmax_scale=softmax_scale)
 
 
+DOCUMENTS = {"documents": True, "relative": RELATIVE}
+
+
 def test_fsdp_tp_and_cp_mask_documents_as_one_process():
-    docs = {"documents": True, "relative": RELATIVE}
     cases = [
-        {"name": "llama-fsdp2-docs", "family": "llama", "dp_shard": 2, **docs},
-        {"name": "llama-tp2-docs", "family": "llama", "tp": 2, **docs},
-        {"name": "llama-cp2-docs", "family": "llama", "cp": 2, **docs},
-        {"name": "gpt-cp2-docs-reset", "family": "gpt", "cp": 2, "reset": True, **docs},
-        {
-            "name": "llama-tp2-docs-ac-op-compile",
-            "family": "llama",
-            "tp": 2,
-            "ac": "selective:op",
-            "compile": "aot_eager",
-            **docs,
-        },
         {
             "name": "gpt-fsdp2-docs-reset-ac-full-compile",
             "family": "gpt",
@@ -42,26 +34,57 @@ def test_fsdp_tp_and_cp_mask_documents_as_one_process():
             "reset": True,
             "ac": "full",
             "compile": "aot_eager",
-            **docs,
+            **DOCUMENTS,
         },
-        {"name": "llama-tp2-docs-dropped", "family": "llama", "tp": 2, "attend": unmasked, "differs": True, **docs},
+        {"name": "llama-tp2-docs", "family": "llama", "tp": 2, **DOCUMENTS},
+        {"name": "llama-cp2-docs", "family": "llama", "cp": 2, **DOCUMENTS},
+        {
+            "name": "llama-tp2-docs-dropped",
+            "family": "llama",
+            "tp": 2,
+            "attend": unmasked,
+            "differs": True,
+            **DOCUMENTS,
+        },
     ]
     run_ranks(check_cases, 2, cases)
 
 
 def test_pipeline_carries_the_document_ids_with_each_micro_batch():
-    docs = {"documents": True, "relative": RELATIVE}
+    run_ranks(
+        check_pipeline_cases,
+        2,
+        [{"name": "llama-pp2-1f1b-docs", "family": "llama", "pp": 2, "schedule": "1F1B", **DOCUMENTS}],
+    )
+
+
+@pytest.mark.slow
+def test_more_layouts_mask_documents_as_one_process():
     cases = [
-        {"name": "llama-pp2-1f1b-docs", "family": "llama", "pp": 2, "schedule": "1F1B", **docs},
+        {"name": "llama-fsdp2-docs", "family": "llama", "dp_shard": 2, **DOCUMENTS},
+        {"name": "gpt-cp2-docs-reset", "family": "gpt", "cp": 2, "reset": True, **DOCUMENTS},
         {
-            "name": "gpt-pp2-interleaved-docs-reset",
-            "family": "gpt",
-            "pp": 2,
-            "schedule": "Interleaved1F1B",
-            "virtual": 2,
-            "micro": 1,
-            "reset": True,
-            **docs,
+            "name": "llama-tp2-docs-ac-op-compile",
+            "family": "llama",
+            "tp": 2,
+            "ac": "selective:op",
+            "compile": "aot_eager",
+            **DOCUMENTS,
         },
     ]
-    run_ranks(check_pipeline_cases, 2, cases)
+    run_ranks(check_cases, 2, cases)
+
+
+@pytest.mark.slow
+def test_an_interleaved_pipeline_carries_the_document_ids_and_positions():
+    case = {
+        "name": "gpt-pp2-interleaved-docs-reset",
+        "family": "gpt",
+        "pp": 2,
+        "schedule": "Interleaved1F1B",
+        "virtual": 2,
+        "micro": 1,
+        "reset": True,
+        **DOCUMENTS,
+    }
+    run_ranks(check_pipeline_cases, 2, [case])
