@@ -153,3 +153,36 @@ def test_evaluation_masks_as_its_setting_says():
     assert Eval(document_mask="masked").masks_documents(Data()) and not Eval(document_mask="unmasked").masks_documents(
         Data(document_mask=True)
     )
+
+
+@pytest.mark.slow
+def test_the_readme_s_masked_default_run_logs_the_held_out_losses_it_states(tmp_path):
+    """`trillion train --training.steps=200 --data.document_mask=true` as a user types it: the held-out losses
+    the README sets beside the unmasked default run's (to 0.05, for another CPU's rounding)."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "masked"
+    command = ["train", "--training.steps=200", "--data.document_mask=true", f"--job.output_dir={out}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "trillion", *command],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env={**os.environ, "WANDB_MODE": "offline"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    losses = [record["eval_loss"] for record in map(json.loads, lines) if "eval_loss" in record]
+    text = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    stated = re.search(
+        r"`trillion train --training.steps=200 --data.document_mask=true`\): held-out loss (\d\.\d\d) at step 0, "
+        r"(\d\.\d\d) at 50, (\d\.\d\d) at 100, (\d\.\d\d) at 150 and (\d\.\d\d) at step 200",
+        text,
+    )
+    assert stated, "README's sentence on the masked run moved"
+    assert all(abs(float(s) - loss) < 0.05 for s, loss in zip(stated.groups(), losses)), (stated.groups(), losses)
