@@ -1,5 +1,5 @@
-"""How the flash attention kernels tile a head dim, free of Triton (the planner prices attention with it):
-q/k's dim in one padded power-of-two block or two, v's padded, and what a query-key pair then costs."""
+"""How the flash attention kernels tile a head dim, free of Triton: q/k's dim in one padded power-of-two block
+or two, v's padded (the ahead-of-time report counts each tile's FLOPs and their padding with it)."""
 
 from trillion.kernels._triton_setup import next_power_of_2
 
@@ -18,9 +18,3 @@ def block_dims_for(head_dim: int) -> tuple[int, int]:
         return padded, 0
     rest = block_d_for(head_dim - main)
     return (main, rest) if main + rest < padded else (padded, 0)
-
-
-def executed_width(qk_head_dim: int, v_head_dim: int) -> int:
-    """The q/k plus v width the kernels' matmuls run per query-key pair, padding included (against
-    qk_head_dim + v_head_dim of useful work): 320 for latent attention's 192/128, 256 for 128/128."""
-    return sum(block_dims_for(qk_head_dim)) + block_d_for(v_head_dim)

@@ -19,6 +19,7 @@ from torch import nn
 
 from trillion.kernels import attention
 from trillion.models.args import ModelArgs
+from trillion.models.attention import with_documents
 from trillion.models.kv_cache import LayerKV
 from trillion.models.rope import apply_rope, yarn_mscale
 
@@ -72,6 +73,6 @@ class MLAttention(nn.Module):
         if cache is not None:  # generation: attend to the cached positions too (causal aligns lower right)
             k, v = cache.append(k, v)
         out = self.attend(
-            q, k, v, impl=self.impl, causal=True, softmax_scale=self.softmax_scale, document_ids=document_ids
+            q, k, v, impl=self.impl, causal=True, softmax_scale=self.softmax_scale, **with_documents(document_ids)
         )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

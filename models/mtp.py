@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from trillion.models.attention import with_documents
+
 
 class MultiTokenPrediction(nn.Module):
     """One depth: (previous hidden (batch, n, dim), embedded later tokens (batch, n, dim)) -> (its hidden, the
@@ -34,8 +36,8 @@ class MultiTokenPrediction(nn.Module):
     def forward(
         self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor | None, document_ids=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        documents = {} if document_ids is None else {"document_ids": document_ids}
-        h = self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)), rope, **documents)
+        h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
+        h = self.block(h, rope, **with_documents(document_ids))
         return h, self.norm(h)
 
 

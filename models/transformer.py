@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trillion.models.args import ModelArgs
+from trillion.models.attention import with_documents
 from trillion.models.kv_cache import KVCache, LayerKV
 from trillion.models.moe import MoE, reset_moe_state
 from trillion.models.mtp import MultiTokenPrediction, predict_ahead
@@ -75,8 +76,7 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         # keywords: TP plans list positional inputs; document ids only where given (an attention kind that
         # cannot mask documents is refused before a run: models/parts AttentionKind.masks_documents)
-        documents = {} if document_ids is None else {"document_ids": document_ids}
-        x = x + self.attention(self.attention_norm(x), rope, cache=cache, **documents)
+        x = x + self.attention(self.attention_norm(x), rope, cache=cache, **with_documents(document_ids))
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -136,7 +136,7 @@ class Transformer(nn.Module):
         rope = self.rope[:, positions] if self.rope is not None else None
         if rope is not None and positions.dim() == 2:  # per sequence: (2, batch, 1, seq, rotary dim), over the heads
             rope = rope.unsqueeze(2)
-        documents = {} if document_ids is None else {"document_ids": document_ids}
+        documents = with_documents(document_ids)
         for name, layer in self.layers.items():
             h = layer(h, rope, cache=cache.layers[name]) if cache is not None else layer(h, rope, **documents)
         h = self.norm(h) if self.norm is not None else h

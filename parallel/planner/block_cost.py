@@ -4,7 +4,6 @@ its heads' widths, their element-wise work, and their sublayers' TP collectives.
 
 from functools import lru_cache
 
-from trillion.kernels.head_dims import executed_width
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, ROW
@@ -33,14 +32,6 @@ def attention_flops(args: ModelArgs, tokens: int, seq_len: int, tp: int, attenti
     return tokens * seq_len * heads.heads * (heads.qk_head_dim + heads.v_head_dim) / tp * attention_share
 
 
-def attention_padding(args: ModelArgs) -> float:
-    """The flash attention kernels' matmul work over the useful, for the model's head dims: their blocks pad a
-    head dim to a power of two (or two powers of two: latent attention's 192 runs as 128 + 64, no padding;
-    kernels/head_dims.py)."""
-    heads = parts.block(args).heads
-    return executed_width(heads.qk_head_dim, heads.v_head_dim) / (heads.qk_head_dim + heads.v_head_dim)
-
-
 @lru_cache(maxsize=8192)
 def layer_passes(
     args: ModelArgs,
@@ -66,7 +57,7 @@ def layer_passes(
     casts = [float8_casts(hw, tokens, k, n) for k, n, fp8 in shapes if fp8]
     cast_forward, cast_input_grad, cast_weight_grad = (sum(c[i] for c in casts) for i in range(3))
     peak_attention = hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency * hw.device.sustained
-    attention = attention_flops(args, tokens, seq_len, tp, attention_share) * attention_padding(args) / peak_attention
+    attention = attention_flops(args, tokens, seq_len, tp, attention_share) / peak_attention
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled, routed) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
     reduce_scatters = 2 * collective_time(hw, tokens * h * hw.element_bytes, tp, tp, "reduce_scatter")

@@ -36,7 +36,7 @@ def test_fsdp_tp_and_cp_mask_documents_as_one_process():
             "compile": "aot_eager",
             **DOCUMENTS,
         },
-        {"name": "llama-tp2-docs", "family": "llama", "tp": 2, **DOCUMENTS},
+        {"name": "gpt-tp2-docs-reset", "family": "gpt", "tp": 2, "reset": True, **DOCUMENTS},
         {"name": "llama-cp2-docs", "family": "llama", "cp": 2, **DOCUMENTS},
         {
             "name": "llama-tp2-docs-dropped",
@@ -62,6 +62,7 @@ def test_pipeline_carries_the_document_ids_with_each_micro_batch():
 def test_more_layouts_mask_documents_as_one_process():
     cases = [
         {"name": "llama-fsdp2-docs", "family": "llama", "dp_shard": 2, **DOCUMENTS},
+        {"name": "llama-tp2-docs", "family": "llama", "tp": 2, **DOCUMENTS},
         {"name": "gpt-cp2-docs-reset", "family": "gpt", "cp": 2, "reset": True, **DOCUMENTS},
         {
             "name": "llama-tp2-docs-ac-op-compile",

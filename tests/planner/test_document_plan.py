@@ -1,9 +1,8 @@
 """The planner under document masking and at the attention kernels' real head dims: attention priced at the
 share a corpus's document lengths leave (models/flops.py DocumentLengths, measured by `trillion prepare-data`),
 against packing simulated window by window; `trillion plan --documents DIR` plans with it and its MFU counts
-the masked work; latent attention's 192/128 pays no padding."""
+the masked work."""
 
-import dataclasses
 import json
 import logging
 
@@ -12,7 +11,7 @@ import pytest
 
 from trillion.models.flops import DocumentLengths
 from trillion.models.presets import get_preset
-from trillion.parallel.planner.block_cost import attention_padding, layer_passes
+from trillion.parallel.planner.block_cost import layer_passes
 from trillion.parallel.planner.hardware import load_profile
 from trillion.trainer.data.token_store import MANIFEST, TokenStore, write_store
 
@@ -35,17 +34,13 @@ def test_the_expected_attention_share_matches_packing_window_by_window(window):
     assert expected == pytest.approx(packed_share(lengths, window), rel=0.02)
 
 
-def test_attention_time_follows_the_share_and_the_kernels_padding():
+def test_attention_time_follows_the_share():
     args = get_preset("debug")
     whole = layer_passes(args, H100, 2, 1024, 1, False)
     quarter = layer_passes(args, H100, 2, 1024, 1, False, attention_share=0.25)
     none = layer_passes(args, H100, 2, 1024, 1, False, attention_share=0.0)
     assert none.forward < quarter.forward < whole.forward
     assert quarter.forward - none.forward == pytest.approx(0.25 * (whole.forward - none.forward))
-    # the kernels run latent attention's 192/128 unpadded (128 + 64), and pad an 80-wide head to 64 + 16, v to 128
-    assert attention_padding(get_preset("deepseek-v3-671b")) == attention_padding(args) == 1.0
-    eighty = dataclasses.replace(args, dim=640, n_heads=8)
-    assert attention_padding(eighty) == pytest.approx((80 + 128) / 160)
 
 
 def store(path, lengths, recorded=True):
