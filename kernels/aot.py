@@ -30,7 +30,8 @@ import triton
 from trillion.kernels import aot_moe, norm
 from trillion.kernels.aot_moe import FLOAT8_ARCHS, FLOAT8_GEMM_KERNELS, GEMM_KERNELS, PERMUTATION_KERNELS
 from trillion.kernels.flash_attention_configs import configs
-from trillion.kernels.flash_attention_op import DELTA_BLOCK_M, block_d_for, kernel_args, kernel_fn
+from trillion.kernels.flash_attention_launch import DELTA_BLOCK_M, kernel_args, kernel_fn
+from trillion.kernels.head_dims import block_d_for, block_dims_for
 
 # Chip limits: shared memory / LDS per block (the opt-in maximum on NVIDIA), registers per thread.
 ARCHS = {
@@ -83,6 +84,7 @@ class Case:
     causal: bool | None  # None for kernels without a causal variant
     config: tuple = ()  # sorted (name, value) pairs: BLOCK_M, BLOCK_N, num_warps, num_stages, AMD options
     out_size: int | None = None  # attention: v's head dim where it is not `size`; grouped GEMM: N
+    documents: bool = False  # attention: with document masking (HAS_DOCS)
 
     @property
     def label(self) -> str:
@@ -97,19 +99,20 @@ def cases(
     archs, head_dims=HEAD_DIMS, dtypes=tuple(DTYPES), causal_modes=(True, False), norms=True, gemms=True
 ) -> list[Case]:
     """Every launch the trainer can make on `archs`: each attention kernel with each config its
-    autotuner may pick for the head dim, the norm kernels at the presets' widths, the grouped
-    GEMM's kernels with each of their configs (`gemms`: the float8 ones where float8 runs, in bf16, and
-    the token permutation's too)."""
+    autotuner may pick for the head dim (causal or not, and causal with document masking, the way training
+    masks documents), the norm kernels at the presets' widths, the grouped GEMM's kernels with each of
+    their configs (`gemms`: the float8 ones where float8 runs, in bf16, and the token permutation's too)."""
     out = []
     for arch, dtype in itertools.product(archs, dtypes):
         for dims in head_dims:
             d, dv = (dims, None) if isinstance(dims, int) else dims
             out.append(Case("delta", arch, dtype, d, None, (("BLOCK_M", DELTA_BLOCK_M),), dv))
-            block_dims = block_d_for(d), block_d_for(dv or d)
-            for kernel, causal in itertools.product(("fwd", "dkdv", "dq"), causal_modes):
+            block_dims = sum(block_dims_for(d)), block_d_for(dv or d)
+            masks = [(causal, False) for causal in causal_modes] + [(True, True)] * (True in causal_modes)
+            for kernel, (causal, documents) in itertools.product(("fwd", "dkdv", "dq"), masks):
                 out += [
-                    Case(kernel, arch, dtype, d, causal, _config_tuple(c), dv)
-                    for c in configs(kernel, arch, *block_dims)
+                    Case(kernel, arch, dtype, d, causal, _config_tuple(c), dv, documents)
+                    for c in configs(kernel, arch, *block_dims, documents)
                 ]
         if norms:
             out += [Case(k, arch, dtype, w, None) for k in NORM_KERNELS for w in NORM_WIDTHS]
@@ -151,19 +154,9 @@ def _launch(case: Case):
         v, out, grad_out = layout(kv_heads, v_size), layout(Q_HEADS, v_size), layout(Q_HEADS, v_size)
         lse, delta = (torch.empty(BATCH, Q_HEADS, SEQ, device="meta") for _ in range(2))
         grads = (layout(kv_heads), layout(kv_heads, v_size)) if case.kernel == "dkdv" else (dq,)
-        args, meta = kernel_args(
-            case.kernel,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            bool(case.causal),
-            case.size**-0.5,
-            grad_out=grad_out,
-            delta=delta,
-            grads=grads,
-        )
+        bounds = tuple(torch.empty(BATCH, SEQ, device="meta", dtype=torch.int32) for _ in range(2))
+        extra = dict(grad_out=grad_out, delta=delta, grads=grads, documents=bounds if case.documents else None)
+        args, meta = kernel_args(case.kernel, q, k, v, out, lse, bool(case.causal), case.size**-0.5, **extra)
         return kernel_fn(case.kernel), args, {**meta, **config}, options
     if case.kernel in (*GEMM_KERNELS, *FLOAT8_GEMM_KERNELS):
         fn, args, meta = aot_moe.gemm_launch(case.kernel, dtype, case.arch, GEMM_ROWS, GEMM_GROUPS, GEMM_K, GEMM_N)
@@ -393,6 +386,7 @@ def run(selected: list[Case], use_cache: bool = True, progress=None, known: dict
             progress(
                 f"[{number}/{len(selected)}] {case.arch} {case.kernel} {case.dtype} {case.size}"
                 f"{'' if case.out_size is None else f'/{case.out_size}'} "
-                f"causal={case.causal} {case.label}: {'; '.join(rows[-1]['problems']) or 'ok'}"
+                f"causal={case.causal}{' documents' if case.documents else ''} {case.label}: "
+                f"{'; '.join(rows[-1]['problems']) or 'ok'}"
             )
     return rows

@@ -30,10 +30,18 @@ QUERY_CHUNK_SCORES = 1 << 24
 
 
 @torch.no_grad()
-def head_max_logits(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, softmax_scale: float | None = None):
+def head_max_logits(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    document_ids: torch.Tensor | None = None,
+):
     """(q_heads,) float32: each head's largest q . k x scale over the batch and the positions the mask keeps. q
     (batch, q_heads, q_len, dim), k (batch, kv_heads, kv_len, dim): query head h reads key head h // (q_heads /
-    kv_heads), and a causal mask is aligned to the lower right, as kernels.attention's backends do."""
+    kv_heads), and a causal mask is aligned to the lower right, as kernels.attention's backends do, and so are
+    `document_ids` (batch, kv_len): a query sees only its own document's keys, as the attention does."""
     batch, heads, q_len, dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     scale = softmax_scale if softmax_scale is not None else dim**-0.5
@@ -47,6 +55,10 @@ def head_max_logits(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True, so
             last_key = torch.arange(start, start + scores.shape[-2], device=q.device) + (kv_len - q_len)
             hidden = torch.arange(kv_len, device=q.device) > last_key[:, None]
             scores = scores.masked_fill(hidden, float("-inf"))
+        if document_ids is not None:
+            rows = document_ids[:, kv_len - q_len + start : kv_len - q_len + start + scores.shape[-2]]
+            other = rows[:, :, None] != document_ids[:, None, :]  # (batch, queries, keys)
+            scores = scores.masked_fill(other[:, None, None], float("-inf"))
         best = torch.maximum(best, scores.amax(dim=(0, 3, 4)).flatten())
     return best
 
@@ -66,13 +78,15 @@ class MaxLogitProbe:
 
     def __call__(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None, **kwargs):
         if torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:  # not in a recompute, not eval
-            self._record(q, k, causal, softmax_scale)
+            self._record(q, k, causal, softmax_scale, kwargs.get("document_ids"))
         return self.attend(q, k, v, causal=causal, softmax_scale=softmax_scale, **kwargs)
 
     # torch.compiler.disable imports torch._dynamo when applied; this form, on the first call (models/moe.py)
     @torch._disable_dynamo
-    def _record(self, q, k, causal, softmax_scale) -> None:
-        found = head_max_logits(q.detach(), k.detach(), causal=causal, softmax_scale=softmax_scale)
+    def _record(self, q, k, causal, softmax_scale, document_ids) -> None:
+        found = head_max_logits(
+            q.detach(), k.detach(), causal=causal, softmax_scale=softmax_scale, document_ids=document_ids
+        )
         self.running = found if self.running is None else torch.maximum(self.running, found)
 
 

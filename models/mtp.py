@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from trillion.models.attention import with_documents
+
 
 class MultiTokenPrediction(nn.Module):
     """One depth: (previous hidden (batch, n, dim), embedded later tokens (batch, n, dim)) -> (its hidden, the
@@ -32,20 +34,28 @@ class MultiTokenPrediction(nn.Module):
         self.norm = make_norm()  # before the shared head (the checkpoint's shared_head.norm)
 
     def forward(
-        self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor | None
+        self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor | None, document_ids=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)), rope)
+        h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
+        h = self.block(h, rope, **with_documents(document_ids))
         return h, self.norm(h)
 
 
 def predict_ahead(
-    modules: nn.ModuleDict, embed: nn.Module, head: nn.Module, tokens: torch.Tensor, h: torch.Tensor, rope
+    modules: nn.ModuleDict,
+    embed: nn.Module,
+    head: nn.Module,
+    tokens: torch.Tensor,
+    h: torch.Tensor,
+    rope,
+    document_ids: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Each depth's logits, depth k's of shape (batch, seq - k, vocab): position i predicts token i + k + 1 from
     the trunk's final hidden states `h` (after its final norm) and `tokens` (batch, seq). The rotary table's first
-    positions serve each depth, whose position i is the trunk's."""
+    positions serve each depth, whose position i is the trunk's; so do the trunk's `document_ids`."""
     logits = []
     for depth, module in enumerate(modules.values(), start=1):
-        h, normed = module(h[:, :-1], embed(tokens[:, depth:]), rope)
+        ids = None if document_ids is None else document_ids[:, : tokens.shape[1] - depth]
+        h, normed = module(h[:, :-1], embed(tokens[:, depth:]), rope, ids)
         logits.append(head(normed))
     return logits

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trillion.models.args import ModelArgs
+from trillion.models.attention import with_documents
 from trillion.models.kv_cache import KVCache, LayerKV
 from trillion.models.moe import MoE, reset_moe_state
 from trillion.models.mtp import MultiTokenPrediction, predict_ahead
@@ -70,8 +71,12 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = build_norm(args)
         self.feed_forward = build_feed_forward(args, index)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, cache=cache)  # a keyword: TP plans list positional inputs
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None, document_ids=None
+    ) -> torch.Tensor:
+        # keywords: TP plans list positional inputs; document ids only where given (an attention kind that
+        # cannot mask documents is refused before a run: models/parts AttentionKind.masks_documents)
+        x = x + self.attention(self.attention_norm(x), rope, cache=cache, **with_documents(document_ids))
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -114,11 +119,14 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         *,
         with_mtp: bool = False,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
         """`positions` (seq,): the position of each token in its sequence, 0..seq-1 unless given; a
-        context-parallel rank, which holds chunks of every sequence, passes theirs. With a `cache`
-        (generation) the tokens continue the positions it holds and are added to it. `with_mtp` (training
-        with multi-token prediction): (logits, each MTP depth's logits) instead (models/mtp.py)."""
+        context-parallel rank, which holds chunks of every sequence, passes theirs; (batch, seq) where they
+        restart at each document. With a `cache` (generation) the tokens continue the positions it holds and
+        are added to it. `with_mtp` (training with multi-token prediction): (logits, each MTP depth's logits)
+        instead (models/mtp.py). `document_ids` (batch, the whole sequence): attention stays within each
+        document packed into a sequence (kernels.attention)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             start = cache.length if cache is not None else 0
@@ -126,12 +134,15 @@ class Transformer(nn.Module):
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)
         rope = self.rope[:, positions] if self.rope is not None else None
+        if rope is not None and positions.dim() == 2:  # per sequence: (2, batch, 1, seq, rotary dim), over the heads
+            rope = rope.unsqueeze(2)
+        documents = with_documents(document_ids)
         for name, layer in self.layers.items():
-            h = layer(h, rope, cache=cache.layers[name]) if cache is not None else layer(h, rope)
+            h = layer(h, rope, cache=cache.layers[name]) if cache is not None else layer(h, rope, **documents)
         h = self.norm(h) if self.norm is not None else h
         logits = self.output(h) if self.output is not None else h
         if with_mtp:
-            return logits, predict_ahead(self.mtp, self.tok_embeddings, self.output, tokens, h, rope)
+            return logits, predict_ahead(self.mtp, self.tok_embeddings, self.output, tokens, h, rope, document_ids)
         return logits
 
     @torch.no_grad()

@@ -38,6 +38,42 @@ def lookahead_loss(depth_logits: list[torch.Tensor], labels: torch.Tensor, token
     return sum(losses) / len(losses)
 
 
+class MicroBatch(tuple):
+    """(inputs, labels), unpacking as the pair a micro-batch has always been, with the model's inputs besides the
+    tokens: `document_ids` (batch, seq) of the documents packed into each sequence (data.document_mask: attention
+    stays within them) and `positions` (batch, seq) restarting at each document (data.reset_positions). Under
+    context parallelism the ids stay whole (attention reads every key's) while the rest is sharded."""
+
+    document_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+
+    def __new__(cls, inputs, labels, document_ids=None, positions=None):
+        batch = super().__new__(cls, (inputs, labels))
+        batch.document_ids, batch.positions = document_ids, positions
+        return batch
+
+
+def model_inputs(micro_batch) -> dict:
+    """The model's keyword inputs a micro-batch carries besides its tokens; none for a plain (inputs, labels) pair."""
+    found = {name: getattr(micro_batch, name, None) for name in ("document_ids", "positions")}
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def map_tensors(micro_batch, fn, whole=None):
+    """`micro_batch` with `fn` applied to each of its tensors (`whole` to its document ids, if given), of its kind."""
+    inputs, labels = micro_batch
+    extra = model_inputs(micro_batch)
+    if not extra:
+        return fn(inputs), fn(labels)
+    ids = extra.get("document_ids")
+    return MicroBatch(
+        fn(inputs),
+        fn(labels),
+        document_ids=None if ids is None else (whole or fn)(ids),
+        positions=fn(extra["positions"]) if "positions" in extra else None,
+    )
+
+
 def target_tokens(micro_batches) -> torch.Tensor:
     """The target tokens of this rank's micro-batches (labels not IGNORE_INDEX)."""
     return sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches)
@@ -79,8 +115,12 @@ class MicroBatchLoop:
         self.ahead_loss = torch.zeros((), device=device) if self.ahead_weight else None
         for index, (inputs, labels) in enumerate(micro_batches):
             set_micro_batch(self.model, self.dp_shard_mode, is_last=index == len(micro_batches) - 1)
+            extra = model_inputs(micro_batches[index])
             with autocast:
-                logits, ahead = self.model(inputs, with_mtp=True) if self.ahead_weight else (self.model(inputs), [])
+                if self.ahead_weight:
+                    logits, ahead = self.model(inputs, with_mtp=True, **extra)
+                else:
+                    logits, ahead = self.model(inputs, **extra), []
             with loss_context(self.tp_enabled):
                 loss = total = token_loss(logits, labels, tokens)
                 if ahead:

@@ -39,6 +39,7 @@ class Layout:
     ep: int = 1  # expert parallelism: routed experts over ep of the dp_shard x cp ranks
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE  # the busiest rank's routed tokens over the mean (planner)
     optimizer: str = "adamw"  # adamw | muon: the optimizer's state and step work (planner/optimizer.py)
+    attention_share: float = 1.0  # document masking: the attention work left (models/flops.py; planner)
 
     @property
     def dp(self) -> int:

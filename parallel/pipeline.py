@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trillion.errors import ConfigError
-from trillion.parallel.forward_backward import token_loss
+from trillion.parallel.forward_backward import model_inputs, token_loss
 from trillion.parallel.modes import SCHEDULES, check_schedule
 from trillion.parallel.tensor_parallel import loss_context
 
@@ -363,10 +363,24 @@ class Pipeline:
         first = self.pp_rank == 0
         with loss_context(self.dims.tp_enabled):  # the last stage's loss forward and backward
             # return_outputs=False: the last stage would otherwise keep every micro-batch's logits
-            schedule_step(*((inputs,) if first else ()), target=labels, losses=losses, return_outputs=False)
+            schedule_step(
+                *((inputs,) if first else ()),
+                target=labels,
+                losses=losses,
+                return_outputs=False,
+                **carried_inputs(micro_batches),
+            )
         losses = [part.to_local() if isinstance(part, DTensor) else part for part in losses]
         loss = (
             torch.stack([part.detach() for part in losses]).sum() if losses else torch.zeros((), device=inputs.device)
         )
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds it: the others add zero
         return loss
+
+
+def carried_inputs(micro_batches) -> dict:
+    """What the micro-batches carry for the model besides their tokens (document ids, positions), joined along the
+    batch as the tokens are: the schedule splits keyword inputs back into micro-batches and hands every stage, not
+    only the first, its micro-batch's, so each stage's attention masks the documents of the micro-batch it runs."""
+    carried = [model_inputs(mb) for mb in micro_batches]
+    return {name: torch.cat([inputs[name] for inputs in carried]) for name in carried[0]}

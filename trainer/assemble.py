@@ -99,12 +99,14 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
 
 def part_settings(config: Config) -> dict:
     """The user's settings the model's parts read ("section.field": value; models/parts apply_settings): the
-    model section's and the moe section's fields, and the experts' grouped GEMM and permutation backends."""
+    model section's and the moe section's fields, the experts' grouped GEMM and permutation backends and
+    document masking."""
     settings = {f"model.{f.name}": getattr(config.model, f.name) for f in dataclasses.fields(config.model)}
     settings |= {f"moe.{f.name}": getattr(config.moe, f.name) for f in dataclasses.fields(config.moe)}
     return settings | {
         "kernels.grouped_gemm": config.kernels.grouped_gemm,
         "kernels.permutation": config.kernels.permutation,
+        "data.document_mask": config.data.document_mask,
     }
 
 

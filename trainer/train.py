@@ -16,7 +16,7 @@ from trillion.models.moe import check_grouped_gemm
 from trillion.models.step_hooks import StepHooks, find_step_hooks
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.dims import ParallelDims
-from trillion.parallel.forward_backward import Runner
+from trillion.parallel.forward_backward import Runner, map_tensors
 from trillion.parallel.pipeline import Pipeline
 from trillion.trainer.assemble import (
     batch_split,
@@ -33,6 +33,7 @@ from trillion.trainer.checkpoint.state import RunStates
 from trillion.trainer.config import Config, to_toml
 from trillion.trainer.config.schema import Training
 from trillion.trainer.data import build_data_loader, build_tokenizer, held_out_fraction
+from trillion.trainer.data.documents import step_attention_share
 from trillion.trainer.evaluate import Evaluator, build_evaluator
 from trillion.trainer.fault_tolerance import check_fault_tolerance, replica_group_config
 from trillion.trainer.fault_tolerance.attach import FaultTolerantRun, join_replica_groups
@@ -113,6 +114,7 @@ class StepDone:
     ahead_loss: torch.Tensor | None  # the multi-token prediction modules' mean loss, with them
     lr: float
     tokens_per_device: float
+    attention_share: float  # the attention work document masking left (1.0 without it): models/flops.py
     start: float  # perf_counter when the step's compute began
     data_seconds: float
     timer: PhaseTimer
@@ -160,7 +162,7 @@ def train_loop(run: Run) -> dict:
                 run.checkpointer.confirm(step)
             values = step_values(done) if logged else None  # a logged step's host reads
             step_seconds = time.perf_counter() - done.start
-            run.meter.add(done.tokens_per_device, step_seconds, done.data_seconds)
+            run.meter.add(done.tokens_per_device, step_seconds, done.data_seconds, done.attention_share)
             evaluation = evaluate(run, step) if evaluated else {}
             if logged:
                 record = step_record(run, step, done, values, evaluation, checkpoint_seconds)
@@ -186,8 +188,8 @@ def one_step(run: Run, step: int) -> StepDone:
     batch = run.first_batch if step == run.log.first_step else run.loader.next_batch()
     device = run.env.device
     if device.type == "cuda":  # a copy from pageable memory would wait for the device; pinned memory does not
-        batch = [(x.pin_memory(), y.pin_memory()) for x, y in batch]
-    micro_batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batch]
+        batch = [map_tensors(mb, torch.Tensor.pin_memory) for mb in batch]
+    micro_batches = [map_tensors(mb, lambda t: t.to(device, non_blocking=True)) for mb in batch]
     timer.mark("data")
     start = time.perf_counter()
     recording = run.timeline.recording(step) if run.timeline else contextlib.nullcontext()
@@ -211,8 +213,10 @@ def one_step(run: Run, step: int) -> StepDone:
     lr = run.scheduler.get_last_lr()[0]
     run.scheduler.step()
     tokens_per_device = sum(x.numel() for x, _ in batch) * run.dims.dp_size / run.env.world_size
+    share = step_attention_share(batch)  # from the host's document ids
     # the runner's tensor of this step (the next step makes a new one), read on the host only when logged
-    return StepDone(loss, grad_norm, run.runner.ahead_loss, lr, tokens_per_device, start, start - data_start, timer)
+    done = (loss, grad_norm, run.runner.ahead_loss, lr, tokens_per_device, share, start, start - data_start, timer)
+    return StepDone(*done)
 
 
 def step_values(done: StepDone) -> dict:

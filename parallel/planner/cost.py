@@ -3,7 +3,9 @@ part of TP, PP and DP communication, and the optimizer step.
 
 Compute per layer per micro-batch: each GEMM at the device's large-GEMM efficiency or, if slower,
 at the memory bandwidth its operands need (the roofline), flash attention (causal: half of the
-4 b s^2 h the FLOP formulas count) at the device's attention efficiency, the element-wise
+4 b s^2 h the FLOP formulas count, at the heads' own widths, which the kernels run unpadded for 64, 128 and
+latent attention's 192/128; under document masking the share of it the corpus's document lengths leave,
+layout.attention_share) at the device's attention efficiency, the element-wise
 kernels work.py counts (eager or compiled) at the device's memory bandwidth, and a launch
 overhead per kernel. GEMMs and attention keep the device's `sustained` share of those microbenchmark rates
 through a step (devices.py; fitted per device family in trillion/fitted.toml where published runs show the gap,

@@ -226,4 +226,5 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                             ep=ep,
                             moe_load_imbalance=request.fixed.get("moe_load_imbalance", MOE_LOAD_IMBALANCE),
                             optimizer=request.fixed.get("optimizer", "adamw"),
+                            attention_share=request.fixed.get("attention_share", 1.0),
                         )

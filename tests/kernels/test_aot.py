@@ -55,6 +55,19 @@ def test_report_covers_every_shipped_config_and_every_row_passes_the_gates(recor
     assert mla == {(arch, k) for arch in aot.ARCHS for k in aot.ATTENTION_KERNELS}  # latent attention's dims
 
 
+def test_document_masked_configs_and_latent_attention_s_unpadded_tiles_are_reported(record):
+    """Every target reports its document-masked launches (causal, each head dim) passing the gates, and the
+    tiles of latent attention's 192/128 hold no padded work."""
+    data, _ = record
+    masked = [r for r in data["rows"] if r.get("documents")]
+    reported = {(r["arch"], r["kernel"], r["size"], r.get("out_size")) for r in masked}
+    heads = [(d, None) if isinstance(d, int) else d for d in aot.HEAD_DIMS]
+    assert reported == {(a, k, d, dv) for a in aot.ARCHS for k in ("fwd", "dkdv", "dq") for d, dv in heads}
+    assert all(r["causal"] and not r["problems"] and r["spill_bytes"] == 0 for r in masked)
+    latent = [r for r in data["rows"] if (r["size"], r.get("out_size")) == (192, 128) and r["kernel"] != "delta"]
+    assert latent and all(report.tile_flops(r)[0] == report.tile_flops(r)[1] for r in latent)
+
+
 def _compiler_process(code: str, tmp_path) -> dict:
     """Runs `code` (which prints JSON) in a process without TRITON_INTERPRET: the tests' own
     interpreter setting turns every Triton jit function into one the compiler cannot take."""

@@ -8,6 +8,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,30 +47,40 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class ThroughputMeter:
-    """Turns tokens and seconds of the steps since the last report into per-device rates."""
+    """Turns tokens and seconds of the steps since the last report into per-device rates. The FLOPs per token
+    are functions of the attention share document masking leaves (models/flops.py), which each step reports."""
 
-    def __init__(self, model_flops_per_token: float, hardware_flops_per_token: float, peak_flops: float | None):
+    def __init__(
+        self,
+        model_flops_per_token: Callable[[float], float],
+        hardware_flops_per_token: Callable[[float], float],
+        peak_flops: float | None,
+    ):
         self.model_flops_per_token, self.hardware_flops_per_token = model_flops_per_token, hardware_flops_per_token
         self.peak = peak_flops
         self.reset()
 
     def reset(self) -> None:
-        self.tokens, self.seconds, self.data_seconds, self.steps = 0, 0.0, 0.0, 0
+        self.tokens, self.seconds, self.data_seconds, self.steps, self.shared = 0, 0.0, 0.0, 0, 0.0
 
-    def add(self, tokens_per_device: int, step_seconds: float, data_seconds: float) -> None:
+    def add(self, tokens_per_device: int, step_seconds: float, data_seconds: float, attention_share=1.0) -> None:
         self.tokens += tokens_per_device
+        self.shared += tokens_per_device * attention_share
         self.seconds += step_seconds
         self.data_seconds += data_seconds
         self.steps += 1
 
     def report(self) -> dict:
         tokens_per_s = self.tokens / max(self.seconds, 1e-9)
-        model_flops = tokens_per_s * self.model_flops_per_token
+        share = self.shared / max(self.tokens, 1e-9)  # the FLOPs are linear in it: its token-weighted mean
+        model_flops = tokens_per_s * self.model_flops_per_token(share)
+        hardware_flops = tokens_per_s * self.hardware_flops_per_token(share)
         out = {
             "tokens_per_s": tokens_per_s,
             "tflops": model_flops / 1e12,
             "mfu": model_flops / self.peak if self.peak else None,
-            "hfu": tokens_per_s * self.hardware_flops_per_token / self.peak if self.peak else None,
+            "hfu": hardware_flops / self.peak if self.peak else None,
+            "attention_share": share,  # the attention work document masking left (1.0: none masked)
             "step_time_s": self.seconds / max(self.steps, 1),
             "data_wait_s": self.data_seconds / max(self.steps, 1),
         }

@@ -6,6 +6,7 @@ memory, time-to-train, energy and cost, and write the best one as a `trillion tr
   trillion plan ... --optimizer muon                           (Muon's state and step instead of AdamW's)
   trillion plan ... --format json | --plot DIR | --config-out FILE
   trillion plan ... --mtbf-hours-per-gpu 50000 --checkpoint-save-s 20 --restart-s 600   (goodput under failures)
+  trillion plan ... --documents DIR     (document-masked training: attention priced from a token store's documents)
   trillion plan --calibrate [--model M --seq-len S --micro-batch-size B] [--calibrate-out FILE]
       (measure this machine into a profile: M's own GEMM shapes and attention, memory, collectives)
 """
@@ -29,6 +30,7 @@ from trillion.parallel.planner.space import LAYOUT_FIELDS, OPTIMIZERS
 from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.checks import creatable_problem
 from trillion.trainer.config.schema import Config, load_config, to_toml
+from trillion.trainer.data.token_store import TokenStore
 from trillion.trainer.tools.goodput_args import add_goodput_arguments, check_goodput_arguments, goodput
 
 
@@ -102,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_part_arguments(p)
     add_goodput_arguments(p)
+    _add_documents_argument(p)
     return p
 
 
@@ -136,6 +139,16 @@ def _add_float8_arguments(fixed) -> None:
 
 # plan flag -> the model setting it gives the parts (models/parts apply_settings), each a count, 0 or more
 PART_FLAGS = {"mtp_modules": "model.mtp_modules"}
+
+
+def _add_documents_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--documents",
+        metavar="DIR",
+        default=None,
+        help="plan training with documents masked (data.document_mask) on the token store DIR (`trillion prepare-data "
+        "--out DIR`): attention priced, and counted in the MFU, at the share its document lengths leave",
+    )
 
 
 def _add_part_arguments(p: argparse.ArgumentParser) -> None:
@@ -208,17 +221,11 @@ def request_from(ns: argparse.Namespace) -> Request:
     given = {setting: getattr(ns, flag) for flag, setting in PART_FLAGS.items() if getattr(ns, flag) is not None}
     args = parts.apply_settings(get_preset(ns.model), {"model.name": ns.model, **given})
     fixed = {k: getattr(ns, k) for k in LAYOUT_FIELDS if getattr(ns, k) is not None}
-    return Request(
-        ns.model,
-        args,
-        profile,
-        ns.gpus,
-        ns.global_batch,
-        ns.seq_len or args.max_seq_len,
-        ns.tokens,
-        ns.price_per_gpu_hour,
-        fixed,
-    )
+    seq_len = ns.seq_len or args.max_seq_len
+    if ns.documents:
+        lengths = TokenStore(ns.documents, setting="--documents", sample_seed=None).document_lengths()
+        fixed["attention_share"] = lengths.attention_share(seq_len)
+    return Request(ns.model, args, profile, ns.gpus, ns.global_batch, seq_len, ns.tokens, ns.price_per_gpu_hour, fixed)
 
 
 def train_config_toml(request: Request, row: dict) -> str:
@@ -247,6 +254,7 @@ def train_config_toml(request: Request, row: dict) -> str:
         if getattr(request.args, field) != getattr(get_preset(request.model), field):
             setattr(config.model, field, getattr(request.args, field))
     config.optimizer.name = row["optimizer"]
+    config.data.document_mask = row["attention_share"] < 1.0  # --documents: the plan timed masked attention
     config.compile.enabled = row["compile"]
     config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather on (auto): what the plan timed
     config.float8.experts = row["float8_experts"]
@@ -262,6 +270,11 @@ def train_config_toml(request: Request, row: dict) -> str:
     return "\n".join(header) + to_toml(config)
 
 
+def documents_note(request: Request) -> str:
+    share = request.fixed.get("attention_share")
+    return "" if share is None else f", documents masked (attention {100 * share:.1f}% of the unmasked)"
+
+
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
 
@@ -273,7 +286,8 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
         f"({request.hardware.device.name}, {request.hardware.device.memory_gb:g} GB), global batch "
         f"{request.global_batch} x {request.seq_len} tokens"
         f"{', float8 linears' if request.fixed.get('float8') else ''}"
-        f"{', Muon' if request.fixed.get('optimizer') == 'muon' else ''}: {considered} layouts considered, "
+        f"{', Muon' if request.fixed.get('optimizer') == 'muon' else ''}{documents_note(request)}: "
+        f"{considered} layouts considered, "
         f"{fitting} fit in memory{'' if fitting else ' (those that fit in the device are shown, with a warning)'}.",
         "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp/cp/ep = exposed communication "
         "(ep: MoE all-to-alls). "
