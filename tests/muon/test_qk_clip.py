@@ -120,6 +120,22 @@ def test_max_logits_are_those_of_the_whole_score_matrix():
     torch.testing.assert_close(head_max_logits(q, k, softmax_scale=0.3), scores.amax(dim=(0, 2, 3)))
 
 
+def test_max_logits_under_document_masking_leave_out_other_documents_keys():
+    """With document ids, only a query's own document's keys count, as in the attention (a query chunk at the end
+    of a longer key sequence, as context parallelism runs it): a huge logit against another document is ignored."""
+    generator = torch.Generator().manual_seed(1)
+    q, k = torch.randn(1, 2, 4, 8, generator=generator), torch.randn(1, 2, 6, 8, generator=generator)
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2]])
+    k[:, :, 0] = 50 * q[:, :, 1]  # key 0 (document 0) would win every head's maximum for query 1 (document 1)
+    scores = q @ k.transpose(-2, -1)
+    query_ids = ids[:, 2:]
+    keep = torch.ones(4, 6, dtype=torch.bool).tril(2) & (query_ids[0, :, None] == ids[0, None, :])
+    expected = scores.masked_fill(~keep, float("-inf")).amax(dim=(0, 2, 3))
+    found = head_max_logits(q, k, softmax_scale=1.0, document_ids=ids)
+    torch.testing.assert_close(found, expected)
+    assert (found < head_max_logits(q, k, softmax_scale=1.0)).all()
+
+
 def test_qk_clip_refuses_an_attention_that_cannot_report_clippable_logits():
     with pytest.raises(ConfigError, match=r"optimizer.qk_clip=100.*QK norms.*--optimizer.qk_clip=0"):
         check_clippable(dataclasses.replace(MODELS["dense"], qk_norm=True), "optimizer.qk_clip=100")
