@@ -108,6 +108,13 @@ def check_whole_sequences(args: ModelArgs, dims: ParallelDims) -> None:
 
 def validate_training(config: Config, env: LaunchEnv) -> None:
     validate_config(config)  # a Config built in code has not been through load_config
+    planned = config.job.world_size
+    if planned and planned != env.world_size:
+        raise ConfigError(
+            f"job.world_size={planned} (the processes the layout is planned for) but the launcher started "
+            f"{env.world_size}. Launch {planned} processes (torchrun --nproc-per-node / --nnodes, srun --ntasks), or "
+            "give --job.world_size=0 and degrees for this world."
+        )
     if env.world_size > 1 and config.training.dtype == "fp16":
         raise ConfigError(
             "training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "

@@ -196,7 +196,11 @@ def request_from(ns: argparse.Namespace) -> Request:
 def train_config_toml(request: Request, row: dict) -> str:
     """The best layout as a config `trillion train --config` loads (checked by loading it back)."""
     config = Config()
+    config.job.world_size = request.gpus
+    config.job.hardware = hardware_setting(request.hardware)
     config.model.name = request.model
+    if request.tokens > 0:  # the budget's steps, so that the file trains the plan as is
+        config.training.steps = math.ceil(request.tokens / (request.global_batch * request.seq_len))
     config.training.global_batch_size = request.global_batch
     config.training.micro_batch_size = row["micro_batch_size"]
     config.training.seq_len = request.seq_len
@@ -229,6 +233,11 @@ def train_config_toml(request: Request, row: dict) -> str:
         "",
     ]
     return "\n".join(header) + to_toml(config)
+
+
+def hardware_setting(profile) -> str:
+    """job.hardware for a plan on `profile`: its name where that finds it again, else the file it came from."""
+    return profile.name if profile.name in profile_names() else profile.source
 
 
 def _pct(x: float) -> str:
