@@ -17,6 +17,7 @@ Each MoE layer tallies its loads over the step in `load_tally` for both and for 
 """
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,9 @@ class MoE(nn.Module):
         self.shared_experts = shared_experts
         self.register_buffer("load_tally", torch.zeros(moe.n_experts - DROPPED), persistent=False)
         self.token_scale: torch.Tensor | None = None  # MoEStepHooks.before_step: 1 / the step's target tokens
+        # Per-sequence statistics summed over the ranks holding other positions of the same sequences (context
+        # parallelism sets it: parallel/context_parallel.py), with their count; None: every rank holds whole ones
+        self.sequence_shards: SequenceShards | None = None
         self.last_step_tally: torch.Tensor | None = None  # MoEStepHooks.after_step: the last step's, summed over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,16 +111,18 @@ class MoE(nn.Module):
         # scatter_add, not bincount: bincount reads its input's maximum on the host under CUDA
         counts = torch.zeros(moe.n_experts + 1, dtype=torch.long, device=x.device)
         counts = counts.scatter_add_(0, slots, torch.ones_like(slots))[: moe.n_experts]
-        self._tally(counts, slots.numel() - counts.sum(), scores, chosen, shape[0])
+        balancing = (moe.aux_loss_coef > 0 or moe.seq_aux_loss_coef > 0) and torch.is_grad_enabled()
+        seq_aux = self._sequence_aux_loss(scores, chosen, shape[0]) if balancing and moe.seq_aux_loss_coef > 0 else None
+        self._tally(counts, slots.numel() - counts.sum(), scores, seq_aux)
         routed = self.dispatch(x[order // moe.top_k], counts)
         unsorted = routed[torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))]
         out = (unsorted.view(-1, moe.top_k, shape[-1]) * weights.unsqueeze(-1).to(x.dtype)).sum(dim=1)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        if (moe.aux_loss_coef > 0 or moe.seq_aux_loss_coef > 0) and torch.is_grad_enabled():
+        if balancing:
             balance = moe.aux_loss_coef * self._aux_loss(scores, counts) if moe.aux_loss_coef > 0 else 0.0
-            if moe.seq_aux_loss_coef > 0:
-                balance = balance + moe.seq_aux_loss_coef * self._sequence_aux_loss(scores, chosen, shape[0])
+            if seq_aux is not None:
+                balance = balance + moe.seq_aux_loss_coef * seq_aux
             out = _AuxLossGrad.apply(out, balance, self._token_share(x.shape[0]))
         return out.view(shape)
 
@@ -141,15 +147,21 @@ class MoE(nn.Module):
     def _sequence_aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, sequences: int) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss without its coefficient (arXiv 2412.19437 eq. 18-20), the
         mean over the micro-batch's sequences of sum_e f_e P_e: f_e = E / (top_k T) x the sequence's tokens
-        choosing e, P_e = the sequence's mean of the scores normalised to sum to one over the experts."""
+        choosing e, P_e = the sequence's mean of the scores normalised to sum to one over the experts. The
+        statistics are sums over the sequence's tokens (its E counts and E score sums), so a rank holding only
+        part of each sequence (context parallelism) adds the other parts' in before the product."""
         n_experts, top_k = self.moe.n_experts, self.moe.top_k
         scores = scores.view(sequences, -1, n_experts)
         picks = chosen.view(sequences, -1)
         counts = torch.zeros(sequences, n_experts, device=scores.device, dtype=scores.dtype)
         counts = counts.scatter_add_(1, picks, torch.ones_like(picks, dtype=scores.dtype))
-        share = counts * n_experts / (top_k * scores.shape[1])
-        mean_scores = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
-        return (share * mean_scores).sum(dim=-1).mean()
+        statistics = torch.cat([counts, (scores / scores.sum(dim=-1, keepdim=True)).sum(dim=1)], dim=-1)
+        length = scores.shape[1]
+        if self.sequence_shards is not None:
+            statistics, length = self.sequence_shards.sum(statistics), length * self.sequence_shards.count
+        counts, score_sums = statistics.split(n_experts, dim=-1)
+        share = counts * n_experts / (top_k * length)
+        return (share * score_sums / length).sum(dim=-1).mean()
 
     def _token_share(self, tokens: int) -> torch.Tensor | float:
         """This micro-batch's share of the step's tokens (set by MoEStepHooks.before_step), the balance losses'
@@ -159,7 +171,7 @@ class MoE(nn.Module):
     # torch.compiler.disable imports torch._dynamo when applied (about a second per process); this form, on the
     # first call, so a process that never runs an MoE layer never pays it
     @torch._disable_dynamo
-    def _tally(self, counts, dropped, scores, chosen, sequences: int) -> None:
+    def _tally(self, counts, dropped, scores, seq_aux: torch.Tensor | None) -> None:
         # Training forwards only (evaluation runs without gradients); a recomputed forward (activation
         # checkpointing, inside the backward) routes as the first did: count once.
         if not (self.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
@@ -170,9 +182,17 @@ class MoE(nn.Module):
             self.load_tally[TOKENS] += scores.shape[0]
             if self.moe.aux_loss_coef > 0:
                 self.load_tally[AUX_TIMES_TOKENS] += self._aux_loss(scores, counts) * scores.shape[0]
-            if self.moe.seq_aux_loss_coef > 0:
-                seq_aux = self._sequence_aux_loss(scores, chosen, sequences)
-                self.load_tally[SEQ_AUX_TIMES_TOKENS] += seq_aux * scores.shape[0]
+            if seq_aux is not None:
+                self.load_tally[SEQ_AUX_TIMES_TOKENS] += seq_aux.detach() * scores.shape[0]
+
+
+class SequenceShards(Protocol):
+    """The other ranks holding positions of the same sequences: `count` of them in all (this one included), each
+    an equal share; `sum(tensor)` adds their tensors to this one's, with autograd (the gradient summed back)."""
+
+    count: int
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 class _AuxLossGrad(torch.autograd.Function):

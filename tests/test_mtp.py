@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 from tests.helpers.flags import TINY
 from tests.test_evaluate import corpus, evaluator  # noqa: F401 (corpus: the fixture evaluator reads)
-from trillion.errors import ConfigError
 from trillion.models import PRESETS, Transformer
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import MicroBatchLoop
@@ -215,10 +214,9 @@ def test_layouts_without_whole_sequences_exit_2_with_one_paragraph(layout, named
     assert all(fragment in err for fragment in (*named, "model.mtp_modules=1", "--model.mtp_modules=0")), err
 
 
-def test_data_and_expert_parallelism_run_mtp_and_cp_refuses_the_sequence_wise_loss():
+def test_data_and_expert_parallelism_run_mtp_and_every_layout_the_sequence_wise_loss():
     args = dataclasses.replace(PRESETS["debug-moe"], mtp_modules=1, mtp_loss_weight=0.3)
     check_whole_sequences(args, ParallelDims.of(world_size=4, dp_replicate=2, dp_shard=2, ep=2))
     per_sequence = dataclasses.replace(args, mtp_modules=0, moe=dataclasses.replace(args.moe, seq_aux_loss_coef=1e-4))
-    check_whole_sequences(per_sequence, ParallelDims.of(world_size=4, dp_shard=2, tp=2))
-    with pytest.raises(ConfigError, match="moe.seq_aux_loss_coef=0.0001 with parallel.cp=2.*--parallel.cp=1"):
-        check_whole_sequences(per_sequence, ParallelDims.of(world_size=4, dp_shard=2, cp=2))
+    for layout in ({"tp": 2}, {"cp": 2}, {"pp": 2}):  # cp: its statistics summed over the cp ranks (test_ep_parity)
+        check_whole_sequences(per_sequence, ParallelDims.of(world_size=4, dp_shard=2, **layout))

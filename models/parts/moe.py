@@ -8,7 +8,7 @@ import dataclasses
 from trillion.errors import ConfigError
 from trillion.models.args import ModelArgs
 from trillion.models.parts import mlp
-from trillion.models.parts.spec import REPLICATED, WHOLE_TOKENS, ExpertStack, Linear, Part, Refusal, Routing
+from trillion.models.parts.spec import REPLICATED, WHOLE_TOKENS, ExpertStack, Linear, Part, Routing
 from trillion.models.presets import expert_presets
 
 # Kernel launches an MoE layer adds besides its GEMMs, counted from models/moe.py (MoE.forward and
@@ -32,21 +32,6 @@ def router_elements(moe) -> int:
     return (3 + bias + groups) * moe.n_experts
 
 
-def _refusals(args: ModelArgs) -> tuple[Refusal, ...]:
-    coef = args.moe.seq_aux_loss_coef
-    if coef <= 0:
-        return ()
-    why = (
-        "DeepSeek-V3's sequence-wise balance loss counts each sequence's expert choices, and context parallelism "
-        "gives every rank only chunks of each sequence"
-    )
-    fix = (
-        "Use --parallel.cp=1, or --moe.seq_aux_loss_coef=0 (the auxiliary-loss-free bias, moe.bias_update_rate, "
-        "balances without it)."
-    )
-    return (Refusal(f"moe.seq_aux_loss_coef={coef:g}", (("cp", why),), fix),)
-
-
 def declare(args: ModelArgs) -> Part:
     moe, h = args.moe, args.dim
     f, e = moe.expert_ffn_dim, moe.n_experts
@@ -64,7 +49,6 @@ def declare(args: ModelArgs) -> Part:
         eager=shared.eager,
         compiled=shared.compiled,
         tp_style=WHOLE_TOKENS,
-        refusals=_refusals(args),
     )
 
 

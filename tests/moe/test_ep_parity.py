@@ -27,6 +27,8 @@ def test_two_ranks_ep2_checkpointing_aux_loss_and_cp():
             {"name": "ep2-mtp", "dp_shard": 2, "ep": 2, "variant": "mtp"},
             {"name": "ep2-zero1", "dp_shard": 2, "ep": 2, "mode": "zero1"},
             {"name": "ep2xcp2", "dp_shard": 1, "cp": 2, "ep": 2},
+            # its per-sequence statistics summed over the cp ranks before the product: cp 2 = cp 1
+            {"name": "cp2-seq-aux-loss", "dp_shard": 1, "cp": 2, "variant": "seq-aux"},
             {"name": "tp2-ep1", "dp_shard": 1, "tp": 2},  # an MoE model under TP alone
             # the balancing bias after 10 steps: equal on both ranks and to one process's
             {"name": "ep2-bias", "dp_shard": 2, "ep": 2, "variant": "bias", "steps": 10},

@@ -144,7 +144,7 @@ def test_the_planner_refuses_whole_sequence_objectives_where_the_trainer_does(ax
         planner = trainer_refusal(args, layout)
         assert bool(planner) == bool(trainer), (axis, planner, trainer)
         outcomes.append(bool(trainer))
-    assert outcomes == {"pp": [1, 0, 0], "cp": [1, 1, 0], "tp": [1, 0, 0]}.get(axis, [0, 0, 0])
+    assert outcomes == {"pp": [1, 0, 0], "cp": [1, 0, 0], "tp": [1, 0, 0]}.get(axis, [0, 0, 0])
 
 
 @pytest.mark.parametrize("name", ["debug-deepseek", "deepseek-v2-lite", "moonlight-16b-a3b", "deepseek-v3-671b"])
