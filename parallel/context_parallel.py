@@ -132,7 +132,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
         return args, kwargs
 
     model.register_forward_pre_hook(pass_positions, with_kwargs=True)
-    for block in model.layers.values():
+    for block in model.blocks().values():
         block.attention.attend = _AcrossShards(group, rank, cp)
     shards = _SequenceShards(group, cp)
     for module in model.modules():  # parts with per-sequence statistics (models/moe.py SequenceShards)

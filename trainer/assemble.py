@@ -160,6 +160,7 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         layers=StageLayers.from_config(p),
         compile=config.compile.enabled,
         experts_recomputed=experts_recomputed,
+        output_end_reads=parts.ahead_modules(model_args)[0] > 0,  # multi-token prediction reads the embedding
     )
     gathers = f.enabled and float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, degrees.fsdp_enabled).fsdp_all_gather
     return Layout(
@@ -212,15 +213,19 @@ def build_runner(
     whatever the layout)."""
     with torch.device("meta"):
         model = Transformer(model_args)
-    parts, pipeline = build_model(config, dims, model, n_microbatches, device, dtype)
-    for part in parts:
+    modules, pipeline = build_model(config, dims, model, n_microbatches, device, dtype)
+    for part in modules:
         part.to_empty(device=device)
         part.init_weights(config.job.seed)
     if pipeline is not None:
         pipeline.build()
         return pipeline, pipeline
-    # the look-ahead (multi-token prediction) loss weight: 0.0 for a model without such modules (models/parts/mtp.py)
-    return MicroBatchLoop(parts[0], dims.tp_enabled, config.parallel.dp_shard_mode, model_args.mtp_loss_weight), None
+    # the look-ahead (multi-token prediction) depths and loss weight: 0 for a model without them (models/parts/mtp.py)
+    depths = parts.ahead_modules(model_args)[0]
+    loop = MicroBatchLoop(
+        modules[0], dims.tp_enabled, config.parallel.dp_shard_mode, model_args.mtp_loss_weight, depths
+    )
+    return loop, None
 
 
 def layout_fn(

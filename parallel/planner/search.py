@@ -70,6 +70,7 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
             layout.compile,
             n_layers=args.n_layers,
             experts_recomputed=layout.ep > 1 and layout.activation_checkpoint != "none",
+            output_end_reads=parts.ahead_modules(args)[0] > 0,
         )
     except ConfigError as error:
         return str(error)

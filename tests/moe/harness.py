@@ -96,7 +96,7 @@ def _build(case: dict, dims: ParallelDims, args):
         layout(model)
         model.to_empty(device="cpu")
         model.init_weights(SEED)
-        return MicroBatchLoop(model, dims.tp_enabled, mode, args.mtp_loss_weight), [model]
+        return MicroBatchLoop(model, dims.tp_enabled, mode, args.mtp_loss_weight, args.mtp_modules), [model]
     n_micro = GLOBAL_BATCH // (MICRO_BATCH * dims.dp_size)
     pipeline = Pipeline(model, dims, case.get("schedule", "1F1B"), n_micro, torch.device("cpu"), parallelize_fn=layout)
     for part in pipeline.parts:
@@ -119,7 +119,7 @@ def train_case(case: dict, world_size: int) -> dict:
         RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, MICRO_BATCH, dims.dp_rank, dims.dp_size
     )
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    losses, norms, loads = [], [], []
+    losses, norms, loads, ahead = [], [], [], []
     layers = {i: layer for part in parts for i, layer in moe_layers(part).items()}
     for _ in range(case.get("steps", 3)):
         loss, norm = train_step(
@@ -127,10 +127,13 @@ def train_case(case: dict, world_size: int) -> dict:
         )
         losses.append(loss.item())
         norms.append(norm.item())
+        if runner.ahead_loss is not None:  # multi-token prediction's, summed over the ranks by train_step
+            ahead.append(runner.ahead_loss.item())
         loads.append({i: layer.last_step_tally.clone() for i, layer in layers.items()})
     result = {
         "losses": losses,
         "norms": norms,
+        "ahead": ahead,
         "grads": grads,
         "initial": initial,
         "loads": loads,
@@ -222,6 +225,7 @@ def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
             if key not in references:
                 references[key] = train_case({"variant": key[0], "steps": key[1], "model": key[2]}, world_size=1)
             _compare_stepwise(name, result, references[key])
+            torch.testing.assert_close(result["ahead"], references[key]["ahead"], rtol=2e-4, atol=2e-6)
             _compare_routing(name, result, references[key])
             if "same_as" in case:
                 _compare_stepwise(f"{name} vs {case['same_as']}", result, results[case["same_as"]], exact=True)

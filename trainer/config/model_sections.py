@@ -43,7 +43,8 @@ class Model:
         "DeepSeek-V3's multi-token prediction: modules trained beside the model, module k predicting the token k + 1 "
         "after the next from the previous depth's hidden state and token k's embedding, sharing the embedding and "
         "output head (-1 = the preset's, 0 = off). Training only: evaluation, generation and export use the main "
-        "head; with data and expert parallelism only (no pp, cp or tp).",
+        "head. Every layout but the V-shaped pipeline schedules: a pipeline runs the modules on its last stage "
+        "with a copy of the embedding.",
         Range(0, also={-1: "keep the preset's"}),
     )
     mtp_loss_weight: float = doc(

@@ -116,8 +116,8 @@ def _add_part_arguments(p: argparse.ArgumentParser) -> None:
         "--mtp-modules",
         type=int,
         default=None,
-        help="multi-token prediction modules to plan (default: the preset's; 0 plans without them, which layouts "
-        "with pp, cp or tp need: the trainer runs MTP only without those)",
+        help="multi-token prediction modules to plan (default: the preset's; 0 plans without them, which the "
+        "V-shaped pipeline schedules need)",
     )
 
 
