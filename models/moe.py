@@ -103,22 +103,19 @@ class MoE(nn.Module):
         moe, shape = self.moe, x.shape
         x = x.reshape(-1, shape[-1])
         scores, chosen, weights = self.router(x)
-        slots = chosen.flatten()  # token t's j-th choice is slot t * top_k + j
-        kept = self._capacity_mask(slots)
-        if kept is not None:  # a dropped slot goes to a sentinel expert E, sorted last and never run
-            slots = slots.masked_fill(~kept, moe.n_experts)
-        order = slots.argsort(stable=True)
+        kept = self._kept(chosen)
+        ids = chosen if kept is None else chosen.masked_fill(~kept, -1)  # a dropped choice: expert -1, never run
         # scatter_add, not bincount: bincount reads its input's maximum on the host under CUDA
         counts = torch.zeros(moe.n_experts + 1, dtype=torch.long, device=x.device)
-        counts = counts.scatter_add_(0, slots, torch.ones_like(slots))[: moe.n_experts]
+        counts = counts.scatter_add_(0, ids.flatten() % (moe.n_experts + 1), torch.ones_like(ids.flatten()))
+        counts = counts[: moe.n_experts]  # (-1 % (E + 1) = E: the dropped choices' bin, cut)
         balancing = (moe.aux_loss_coef > 0 or moe.seq_aux_loss_coef > 0) and torch.is_grad_enabled()
         seq_aux = self._sequence_aux_loss(scores, chosen, shape[0]) if balancing and moe.seq_aux_loss_coef > 0 else None
-        self._tally(counts, slots.numel() - counts.sum(), scores, seq_aux)
-        routed = self.dispatch(x[order // moe.top_k], counts)
-        unsorted = routed[torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))]
-        out = (unsorted.view(-1, moe.top_k, shape[-1]) * weights.unsqueeze(-1).to(x.dtype)).sum(dim=1)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        self._tally(counts, ids.numel() - counts.sum(), scores, seq_aux)
+        shared = (lambda: self.shared_experts(x)) if self.shared_experts is not None else None
+        out, beside = self.dispatch(x, ids, weights, shared)
+        if beside is not None:
+            out = out + beside
         if balancing:
             balance = moe.aux_loss_coef * self._aux_loss(scores, counts) if moe.aux_loss_coef > 0 else 0.0
             if seq_aux is not None:
@@ -126,15 +123,25 @@ class MoE(nn.Module):
             out = _AuxLossGrad.apply(out, balance, self._token_share(x.shape[0]))
         return out.view(shape)
 
-    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Expert-sorted tokens -> the experts' outputs, same order. Expert parallelism replaces this."""
-        return self.experts(x, counts)
+    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, beside=None):
+        """(tokens (T, dim), chosen experts (T, top_k; -1: dropped), their weights (T, top_k), work to run while the
+        routed tokens travel or None) -> (each token's weighted sum of its experts' outputs (T, dim), that work's
+        result). Here the experts are local; expert parallelism (parallel/expert_parallel.py) replaces this."""
+        return run_experts(self.experts, x, ids, weights), beside() if beside is not None else None
 
-    def _capacity_mask(self, slots: torch.Tensor) -> torch.Tensor | None:
+    def _kept(self, chosen: torch.Tensor) -> torch.Tensor | None:
+        """Which (token, choice) slots the capacities keep (T, top_k), or None when dropless."""
+        moe, kept = self.moe, None
+        if moe.capacity_factor > 0:
+            kept = self._capacity_mask(chosen.flatten()).view_as(chosen)
+        if moe.rank_capacity_factor > 0:
+            by_rank = rank_capacity_mask(chosen, moe.n_experts, moe.capacity_ranks, moe.rank_capacity_factor)
+            kept = by_rank if kept is None else kept & by_rank
+        return kept
+
+    def _capacity_mask(self, slots: torch.Tensor) -> torch.Tensor:
         """With a capacity factor: which slots their expert takes (the first `capacity` in token order)."""
         moe = self.moe
-        if moe.capacity_factor <= 0:
-            return None
         capacity = math.ceil(moe.capacity_factor * slots.numel() / moe.n_experts)
         one_hot = F.one_hot(slots, moe.n_experts)
         position_in_expert = (one_hot.cumsum(dim=0) * one_hot).sum(dim=1)  # 1-based, in token order
@@ -184,6 +191,46 @@ class MoE(nn.Module):
                 self.load_tally[AUX_TIMES_TOKENS] += self._aux_loss(scores, counts) * scores.shape[0]
             if seq_aux is not None:
                 self.load_tally[SEQ_AUX_TIMES_TOKENS] += seq_aux.detach() * scores.shape[0]
+
+
+def reach_share(n_experts: int, top_k: int, held: int) -> float:
+    """The chance that a token's top_k distinct experts, drawn evenly from n_experts, include one of `held` ones: the
+    share of tokens a rank (or node) holding them receives under even routing."""
+    return 1 - math.comb(n_experts - held, top_k) / math.comb(n_experts, top_k)
+
+
+def rank_capacity(tokens: int, top_k: int, n_experts: int, ranks: int, factor: float) -> int:
+    """Rows one source sends one of `ranks` destinations (each E / ranks experts) at most: `factor` x an even share,
+    the tokens x reach_share."""
+    return math.ceil(factor * tokens * reach_share(n_experts, top_k, n_experts // ranks))
+
+
+def rank_capacity_mask(chosen: torch.Tensor, n_experts: int, ranks: int, factor: float) -> torch.Tensor:
+    """(T, top_k) which choices a per-rank capacity keeps: experts in `ranks` equal groups (an ep rank's); each group
+    takes the first rank_capacity(...) tokens that chose any of its experts, in token order, and a token past it
+    loses every choice in that group. Expert parallelism's fixed-size dispatch drops exactly these."""
+    group = chosen // (n_experts // ranks)
+    reaches = torch.zeros(chosen.shape[0], ranks, dtype=torch.long, device=chosen.device).scatter_(1, group, 1)
+    position = reaches.cumsum(dim=0) - 1  # (T, ranks): the token's place among those reaching the group
+    fits = position < rank_capacity(chosen.shape[0], chosen.shape[1], n_experts, ranks, factor)
+    return fits.gather(1, group)
+
+
+def run_experts(experts: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, held: range = None):
+    """(R, dim) rows, each with top_k slots of expert ids (R, top_k; -1: none) and weights -> (R, dim) each row's
+    weighted sum over its slots of the experts' outputs; `experts` holds the experts `held` (all by default), which
+    every slot's id is one of. The slots are sorted by expert (no per-token Python), the experts run as one grouped
+    GEMM per projection, and the weighted outputs return to row order."""
+    rows, top_k = ids.shape
+    held = range(experts.w1.shape[0]) if held is None else held
+    local, slots = len(held), ids.flatten()
+    key = torch.where(slots >= 0, slots - held.start, local)  # no slot: sorted last, never run
+    order = key.argsort(stable=True)
+    counts = torch.zeros(local + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
+    out = experts(x[order // top_k], counts[:local])  # rows past the counts are zeros
+    out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
+    return out[inverse].view(rows, top_k, -1).sum(dim=1)
 
 
 class SequenceShards(Protocol):

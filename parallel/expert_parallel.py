@@ -4,27 +4,33 @@ the tokens carried to them and back by all-to-alls.
 `apply_expert_parallel` makes w1, w2, w3 of every RoutedExperts a DTensor sharded on the expert
 dimension (Shard(0): rank r of ep holds experts r*E/ep .. (r+1)*E/ep - 1; init_weights draws the full
 tensor and keeps this shard, so the values do not depend on the layout) and replaces each MoE's
-`dispatch` (models/moe.py: expert-sorted rows and per-expert counts in, the experts' outputs in the
-same order out) by the all-to-all path:
+`dispatch` (models/moe.py: tokens, their chosen experts and weights in, each token's weighted sum of its
+experts' outputs out) by an ExpertDispatch in one of three modes (parallel.ep_dispatch):
 
-1. the counts exchanged: an all-to-all of the (E,) counts gives, for each source rank, how many rows
-   it sends to each of this rank's experts;
-2. one host read per layer and forward: the split sizes (rows to and from each ep rank), which
-   `all_to_all_single` must have on the host;
-3. the rows sent with uneven splits (the autograd all-to-all: its backward is the reverse one);
-   they arrive grouped by source rank, then expert, and are re-sorted by local expert;
-4. the local experts on the local counts, the sort undone, the combining all-to-all back; rows of
-   dropped slots (past sum(counts)) stay zeros and never travel.
+- expert: a token travels once per chosen expert (top_k rows), as torchtitan's standard dispatcher;
+- rank: once per ep rank holding any of its experts, with its weights and expert ids (ep_routing.py); that
+  rank runs them and sums their weighted outputs, so the combine also returns one row per (token, rank);
+- node: the ep group spans nodes (ParallelDims.ep_nodes): once per node over the network, to the rank of that
+  node with this rank's place in its node, which forwards it once to each rank of its node holding some of
+  the token's experts (two hops on the (ep_node, ep_local) sub-meshes); with group-limited routing lined up
+  with the nodes (each group one node's experts) a token crosses the network at most topk_groups times.
+
+Split sizes. Dropless (the default): the rows to each member are counted on the device and exchanged
+(per node: the node counts with the per-rank counts inside them, then the second hop's among the node's
+ranks), then read on the host once per layer and forward: the copy to the host is issued as soon as the
+counts are there, and the shared experts run before it is waited on. With moe.rank_capacity_factor each rank
+sends each member a fixed C rows (the capacity models/moe.py's rank_capacity_mask applied: the same tokens
+dropped as in one process): no host read at all.
 
 Activation checkpointing: in a recomputed block the routing is the first forward's (the same input
-and weights choose the same experts), so the route of step 1-2 is kept from the first forward of a
+and weights choose the same experts), so the split sizes are kept from the first forward of a
 checkpointed block (`recompute_from_cache`) and replayed by its recompute, first in first out, with no
 second exchange of counts and no host read; the token all-to-alls and the experts run again. Under
 selective:op the dispatch stays outside the op-level policy (as under full AC): torch 2.13's
 selective checkpointing requires the recompute to issue exactly the first forward's ops, and the
 cached route and the experts' own FSDP group (all-gathers inside the checkpointed block) do not;
 the routed experts' grouped matmuls are recomputed either way. The dispatch runs eager under
-torch.compile (its split sizes are data on the host): the rest of the block is compiled.
+torch.compile: the rest of the block is compiled.
 
 Placement in parallelize: after tensor parallelism (attention and shared experts tensor-parallel,
 routed experts whole on their ep rank and replicated over tp, tensor_parallel.py), before
@@ -33,79 +39,170 @@ ep leaves (fsdp.py, ParallelDims.expert_fsdp_mesh) and everything else as withou
 """
 
 import contextlib
+import math
 from collections import deque
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
-from trillion.models.moe import MoE, moe_layers
+from trillion.models.moe import MoE, moe_layers, rank_capacity, reach_share, run_experts
+from trillion.parallel.ep_exchange import Exchange
+from trillion.parallel.ep_routing import PAYLOAD, Hop, combine, pack_routing, place, unpack_routing
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
-@dataclass
-class _Route:
-    """Where one forward's rows go: split sizes on the host, the local re-sort on the device."""
+class _HostCopy:
+    """Split sizes copied to the host as soon as they exist, waited on only when `read` (the one host read)."""
 
-    send: list[int]  # rows to each ep rank
-    receive: list[int]  # rows from each ep rank
-    local_counts: torch.Tensor  # (E / ep,) rows for each local expert
-    by_expert: torch.Tensor  # received rows, re-sorted by local expert
-    back: torch.Tensor  # its inverse
+    def __init__(self, sizes: torch.Tensor):
+        if sizes.device.type == "cuda":
+            self.host = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
+            self.host.copy_(sizes, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host, self.ready = sizes, None
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
-class ExpertAllToAll:
+class ExpertDispatch:
     """An MoE layer's `dispatch` under expert parallelism (a plain callable, not a module: no new names)."""
 
-    def __init__(self, layer: MoE, ep_mesh):
-        self.experts = layer.experts
-        self.group = ep_mesh.get_group()
-        self.ep = ep_mesh.size()
+    def __init__(self, layer: MoE, mode: str, exchange: Exchange, inter: Exchange = None, intra: Exchange = None):
+        """`exchange`: the ep group's; `inter`, `intra` (the node mode's): the ranks with this rank's place in their
+        node, one a node, and this rank's node."""
+        moe = layer.moe
+        self.experts, self.mode, self.top_k = layer.experts, mode, moe.top_k
+        self.ep = exchange.size
+        self.per_rank = moe.n_experts // self.ep
+        self.held = range(exchange.me * self.per_rank, (exchange.me + 1) * self.per_rank)
+        self.capacity_factor = moe.rank_capacity_factor  # 0: dropless
+        self.exchange, self.inter, self.intra = exchange, inter, intra
+        if mode == "node":
+            self.nodes, self.members = inter.size, intra.size
         self.recompute_from_cache = False  # set for checkpointed blocks (parallelize.py)
-        self.routes: deque[_Route] = deque()
+        self.routes: deque[list[int]] = deque()
         self.host_reads = 0  # split-size reads on the host (tests count them)
 
+    def capacity(self, tokens: int) -> int:
+        """Rows to each ep rank with a per-rank capacity (0: dropless)."""
+        if not self.capacity_factor:
+            return 0
+        return rank_capacity(tokens, self.top_k, self.per_rank * self.ep, self.ep, self.capacity_factor)
+
+    def exchanges(self) -> list[Exchange]:
+        return [self.inter, self.intra] if self.mode == "node" else [self.exchange]
+
+    def even_sizes(self, tokens: int) -> list[int]:
+        """The split sizes `_sizes` reads, as even routing would make them (the dry run's, on meta tensors)."""
+        experts = self.per_rank * self.ep
+        if self.mode == "expert":
+            return [tokens * self.top_k // self.ep] * 2 * self.ep
+        rank = math.ceil(tokens * reach_share(experts, self.top_k, self.per_rank))
+        if self.mode == "rank":
+            return [rank] * 2 * self.ep
+        node = math.ceil(tokens * reach_share(experts, self.top_k, self.per_rank * self.members))
+        return [node] * 2 * self.nodes + [rank * self.nodes] * 2 * self.members
+
     @torch._disable_dynamo  # torch.compiler.disable's, imported on the first call (models/moe.py says why)
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, beside=None):
+        beside = _Once(beside)  # the shared experts: run while the first exchange is in flight
         with _outside_selective_checkpoint():
-            return self._dispatch(x, counts)
+            if self.exchange.traffic is not None and torch._C._current_graph_task_id() == -1:
+                self.exchange.traffic.tokens += x.shape[0]
+            if self.mode == "node":
+                out = self._by_node(x, ids, weights, beside)
+            elif self.mode == "expert":  # each (token, choice) its own row
+                rows = self._one_hop(x.repeat_interleave(self.top_k, 0), ids.view(-1, 1), weights.view(-1, 1), beside)
+                out = rows.view(x.shape[0], self.top_k, -1).sum(dim=1)
+            else:
+                out = self._one_hop(x, ids, weights, beside)
+        return out, beside()
 
-    def _dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        route = self._route(counts)
-        kept = sum(route.send)
-        received = funcol.all_to_all_single_autograd(x[:kept].contiguous(), route.receive, route.send, self.group)
-        out = self.experts(received[route.by_expert], route.local_counts)[route.back]
-        combined = funcol.all_to_all_single_autograd(out.contiguous(), route.send, route.receive, self.group)
-        if kept < x.shape[0]:
-            combined = torch.cat([combined, combined.new_zeros(x.shape[0] - kept, *combined.shape[1:])])
-        return combined
+    def _one_hop(self, x, ids, weights, beside):
+        """Rows to the ranks owning their experts and back (the expert and rank modes)."""
+        hop = Hop.plan(ids, lambda e: e // self.per_rank, self.ep)
+        capacity = self.capacity(x.shape[0])
+        if capacity:
+            send = recv = [capacity] * self.ep
+        else:
+            sizes = self._sizes(lambda: torch.cat([hop.counts(), self.exchange.counts(hop.counts())]), beside, x)
+            send, recv = sizes[: self.ep], sizes[self.ep :]
+        placement = place(hop, send, capacity)
+        received, routing = self._travel(self.exchange, x, ids, weights, hop, placement, send, recv, beside)
+        expert_ids, expert_weights = unpack_routing(routing)
+        out = run_experts(self.experts, received, expert_ids, expert_weights, self.held)
+        return combine(self.exchange.rows(out, recv, send, "combine").wait(), placement)
 
-    def _route(self, counts: torch.Tensor) -> _Route:
+    def _travel(self, exchange, x, ids, weights, hop, placement, send, recv, beside):
+        """(rows received, their routing): the payload and its routing posted, `beside` run while they travel."""
+        payload = [exchange.rows(t, send, recv, "dispatch") for t in PAYLOAD.pack(x, placement.rows)]
+        routing = exchange.rows(pack_routing(hop, placement, ids, weights), send, recv, "routing")
+        beside()
+        return PAYLOAD.unpack([part.wait() for part in payload]), routing.wait()
+
+    def _by_node(self, x, ids, weights, beside):
+        """Once to each node over the network, then once to each rank of the node (the module docstring)."""
+        n, m = self.nodes, self.members
+        first = Hop.plan(ids, lambda e: e // (self.per_rank * m), n)
+        by_rank = Hop.plan(ids, lambda e: e // self.per_rank, self.ep)
+
+        def exchanged():  # the node counts with the per-rank counts inside them, then the second hop's
+            node_counts, inner = first.counts(), by_rank.counts().view(n, m)
+            arriving = self.inter.counts(torch.cat([node_counts.unsqueeze(1), inner], dim=1).flatten()).view(n, 1 + m)
+            onward = arriving[:, 1:].sum(dim=0)
+            return torch.cat([node_counts, arriving[:, 0], onward, self.intra.counts(onward)])
+
+        sizes = self._sizes(exchanged, beside, x)
+        send1, recv1, send2, recv2 = sizes[:n], sizes[n : 2 * n], sizes[2 * n : 2 * n + m], sizes[2 * n + m :]
+        placement1 = place(first, send1)
+        received, routing = self._travel(self.inter, x, ids, weights, first, placement1, send1, recv1, beside)
+        node_ids, node_weights = unpack_routing(routing)
+        second = Hop.plan(node_ids, lambda e: (e // self.per_rank) % m, m)
+        placement2 = place(second, send2)
+        rows, routing = self._travel(
+            self.intra, received, node_ids, node_weights, second, placement2, send2, recv2, beside
+        )
+        expert_ids, expert_weights = unpack_routing(routing)
+        out = run_experts(self.experts, rows, expert_ids, expert_weights, self.held)
+        node_sums = combine(self.intra.rows(out, recv2, send2, "combine").wait(), placement2)
+        return combine(self.inter.rows(node_sums, recv1, send1, "combine").wait(), placement1)
+
+    def _sizes(self, exchanged, beside, x: torch.Tensor) -> list[int]:
+        """The split sizes on the host: the counts exchanged on the device, copied to the host, `beside` run, then the
+        one read. A checkpointed block's recompute replays the first forward's sizes. (`x`: the rows routed; the dry
+        run's meta tensors hold no counts and take even_sizes.)"""
         recomputing = torch._C._current_graph_task_id() != -1
         if recomputing and self.routes:
+            beside()  # where the first forward ran it: the recompute saves its tensors in the same order
             return self.routes.popleft()
-        sent = counts.view(self.ep, -1)
-        arriving = torch.empty_like(counts)
-        dist.all_to_all_single(arriving, counts, group=self.group)  # [source rank, local expert]
-        arriving = arriving.view(self.ep, -1)
-        sizes = torch.cat([sent.sum(1), arriving.sum(1)]).tolist()  # the one host read
+        copy = _HostCopy(exchanged())
+        beside()
+        sizes = copy.read()
         self.host_reads += 1
-        send, receive = sizes[: self.ep], sizes[self.ep :]
-        local_experts = arriving.shape[1]
-        block = torch.arange(arriving.numel(), device=counts.device)
-        expert_of_row = block.repeat_interleave(arriving.flatten(), output_size=sum(receive)) % local_experts
-        by_expert = expert_of_row.argsort(stable=True)
-        back = torch.empty_like(by_expert).scatter_(0, by_expert, torch.arange(by_expert.numel(), device=counts.device))
-        route = _Route(send, receive, arriving.sum(0), by_expert, back)
         if self.recompute_from_cache and torch.is_grad_enabled() and not recomputing:
-            self.routes.append(route)
-        return route
+            self.routes.append(sizes)
+        return sizes
+
+
+class _Once:
+    """Work to run once, at the first call; later calls return its result (None: no work)."""
+
+    def __init__(self, work):
+        self.work, self.result = work, None
+
+    def __call__(self):
+        if self.work is not None:
+            self.result, self.work = self.work(), None
+        return self.result
 
 
 @contextlib.contextmanager
@@ -119,8 +216,9 @@ def _outside_selective_checkpoint():
         yield
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
-    """Shard every MoE layer's routed experts over the 1-D `ep_mesh` and route its tokens by all-to-all."""
+def apply_expert_parallel(model: nn.Module, ep_mesh, mode: str = "rank", ranks_per_node: int = 1, node_mesh=None):
+    """Shard every MoE layer's routed experts over the 1-D `ep_mesh` and route its tokens by all-to-all (`mode`
+    the module docstring's; `node_mesh` the (ep_node, ep_local) view of ep_mesh for the per-node mode)."""
     for layer in moe_layers(model).values():
         experts = layer.experts
         if layer.moe.n_experts % ep_mesh.size():
@@ -129,27 +227,29 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
             param = getattr(experts, name)
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        layer.dispatch = ExpertAllToAll(layer, ep_mesh)
+        exchanges = [Exchange(ep_mesh, ranks_per_node)]
+        if mode == "node":
+            exchanges += [Exchange(node_mesh[name], ranks_per_node) for name in ("ep_node", "ep_local")]
+        layer.dispatch = ExpertDispatch(layer, mode, *exchanges)
+
+
+def expert_dispatches(module: nn.Module) -> list[ExpertDispatch]:
+    """The ExpertDispatch of every MoE layer `module` holds under expert parallelism."""
+    return [m.dispatch for m in module.modules() if isinstance(m, MoE) and isinstance(m.dispatch, ExpertDispatch)]
 
 
 def cache_routes_for_recompute(block: nn.Module) -> None:
     """A checkpointed block: its recompute replays the first forward's routes (no second exchange)."""
-    for module in block.modules():
-        if isinstance(module, MoE) and isinstance(module.dispatch, ExpertAllToAll):
-            module.dispatch.recompute_from_cache = True
+    for dispatch in expert_dispatches(block):
+        dispatch.recompute_from_cache = True
 
 
 def forget_routes(module: nn.Module) -> None:
     """Drop the routes cached for recomputes that will not come (pipeline metadata inference)."""
-    for layer in moe_layers(module).values():
-        if isinstance(layer.dispatch, ExpertAllToAll):
-            layer.dispatch.routes.clear()
+    for dispatch in expert_dispatches(module):
+        dispatch.routes.clear()
 
 
 def expert_parallel_modules(block: nn.Module) -> list[nn.Module]:
     """The RoutedExperts of `block` whose weights live on the ep mesh (FSDP shards them apart)."""
-    return [
-        module.experts
-        for module in block.modules()
-        if isinstance(module, MoE) and isinstance(module.dispatch, ExpertAllToAll)
-    ]
+    return [dispatch.experts for dispatch in expert_dispatches(block)]

@@ -63,7 +63,8 @@ def parallelize(
             expert_parallel=ep_mesh is not None,
         )
     if ep_mesh is not None:
-        apply_expert_parallel(model, ep_mesh)
+        layout = dims.layout
+        apply_expert_parallel(model, ep_mesh, layout.ep_dispatch, layout.ranks_per_node, dims.ep_node_mesh)
     apply_activation_checkpointing(model, activation_checkpoint)
     if ep_mesh is not None:
         blocks = list(model.layers.values())

@@ -6,6 +6,7 @@ it as simulated ranks of a fake world."""
 
 import dataclasses
 import logging
+import os
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from trillion.models import ModelArgs, Transformer, get_preset, parts
 from trillion.models.parts import apply_settings as apply_part_settings
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.ep_checks import resolve_dispatch
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, degrees_of
 from trillion.parallel.parallelize import parallelize
@@ -96,7 +98,8 @@ def part_settings(config: Config) -> dict:
     model section's and the moe section's fields, and the experts' grouped GEMM backend."""
     settings = {f"model.{f.name}": getattr(config.model, f.name) for f in dataclasses.fields(config.model)}
     settings |= {f"moe.{f.name}": getattr(config.moe, f.name) for f in dataclasses.fields(config.moe)}
-    return settings | {"kernels.grouped_gemm": config.kernels.grouped_gemm}
+    # the ep degree: a per-rank capacity (moe.rank_capacity_factor) drops tokens per ep rank, in one process too
+    return settings | {"kernels.grouped_gemm": config.kernels.grouped_gemm, "parallel.ep": config.parallel.ep}
 
 
 def check_whole_sequences(args: ModelArgs, dims: ParallelDims) -> None:
@@ -144,7 +147,8 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
     degrees = ParallelDims.of(
         world_size, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.ep
     )  # no mesh: the degrees checked against the world
-    degrees.validate(model_args, t.seq_len)
+    expert_dispatch = dispatch_layout(config, degrees, world_size)
+    ParallelDims(dataclasses.replace(degrees.layout, **expert_dispatch), world_size).validate(model_args, t.seq_len)
     check_whole_sequences(model_args, degrees)
     check_batch_split(t, degrees.dp_size)
     micro_batch_size, microbatches = batch_split(t, degrees.dp_size)
@@ -174,7 +178,33 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         compile=config.compile.enabled,
         float8=f.enabled,
         float8_all_gather=gathers,
+        **expert_dispatch,
     )
+
+
+def dispatch_layout(config: Config, degrees: ParallelDims, world_size: int) -> dict:
+    """The expert dispatch's Layout fields: ranks per node (parallel.ranks_per_node, else the launcher's
+    LOCAL_WORLD_SIZE, else job.hardware's node, else one node), the dispatch mode (auto resolved), the per-rank
+    capacity and the overlap."""
+    p = config.parallel
+    ranks_per_node = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or hardware_node(config.job)
+    ranks_per_node = ranks_per_node or world_size
+    probe = ParallelDims(dataclasses.replace(degrees.layout, ranks_per_node=ranks_per_node), world_size)
+    return {
+        "ranks_per_node": ranks_per_node,
+        "ep_dispatch": resolve_dispatch(p.ep_dispatch, probe.ep_nodes[0]),
+        "ep_capacity": config.moe.rank_capacity_factor,
+        "ep_overlap": p.ep_overlap,
+    }
+
+
+def hardware_node(job) -> int:
+    """GPUs per node of job.hardware's profile (0: none given)."""
+    if not job.hardware:
+        return 0
+    from trillion.parallel.planner.hardware import load_profile
+
+    return load_profile(job.hardware).gpus_per_node
 
 
 def check_batch_split(t: Training, dp_size: int) -> None:

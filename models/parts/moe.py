@@ -43,7 +43,13 @@ def declare(args: ModelArgs) -> Part:
         linears=shared.linears,
         experts=tuple(ExpertStack(f"feed_forward.experts.{name}", e, i, o) for name, i, o in stacks),
         routing=Routing(
-            Linear("feed_forward.router.gate", h, e, REPLICATED), e, moe.top_k, router_elements(moe), kernels
+            Linear("feed_forward.router.gate", h, e, REPLICATED),
+            e,
+            moe.top_k,
+            router_elements(moe),
+            kernels,
+            moe.n_groups,
+            moe.topk_groups,
         ),
         saved=shared.saved,
         eager=shared.eager,
@@ -64,7 +70,12 @@ def apply_settings(args: ModelArgs, settings: dict) -> ModelArgs:
                 f"experts). Use an MoE preset ({routed}) or drop the settings."
             )
         return args
-    routing = dataclasses.replace(args.moe, experts_impl=settings.get("kernels.grouped_gemm", "auto"), **overrides)
+    per_rank = {"rank_capacity_factor": settings.get("moe.rank_capacity_factor", 0.0)}
+    if per_rank["rank_capacity_factor"] > 0:  # the ranks whose capacity one process applies too
+        per_rank["capacity_ranks"] = settings.get("parallel.ep", 1)
+    routing = dataclasses.replace(
+        args.moe, experts_impl=settings.get("kernels.grouped_gemm", "auto"), **overrides, **per_rank
+    )
     if routing.top_k > routing.n_experts:
         raise ConfigError(
             f"model.top_k={routing.top_k} is more than the model's {routing.n_experts} experts: each token picks "

@@ -102,8 +102,8 @@ def train_case(case: dict, world_size: int) -> dict:
     return {"losses": losses, "norms": norms, "grads": grads, "initial": initial}
 
 
-def _compare(name: str, actual: dict, expected: dict, exact: bool = False) -> None:
-    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-4, "atol": 2e-6}
+def _compare(name: str, actual: dict, expected: dict, exact: bool = False, tol: dict | None = None) -> None:
+    tol = tol or ({"rtol": 0, "atol": 0} if exact else {"rtol": 2e-4, "atol": 2e-6})
     assert actual["initial"].keys() == expected["initial"].keys(), name
     for key, value in expected["initial"].items():
         assert torch.equal(actual["initial"][key], value), f"{name}: initial value of {key} differs"

@@ -1,6 +1,8 @@
 """Expert parallelism reproduces one process (tests/moe/harness.py): losses, gradient norms, every
 gradient, the initial weights, the router's choices and per-step loads, the balancing bias (equal on
-every rank), fp32 on gloo. Cases share a process group to amortize start-up."""
+every rank), fp32 on gloo. Cases share a process group to amortize start-up. Every dispatch mode
+(parallel/expert_parallel.py): per rank (the default), per expert, per node (4 ranks as 2 nodes of 2),
+and the per-rank capacity (the same tokens dropped as one process told of the 2 ranks)."""
 
 import pytest
 
@@ -17,6 +19,9 @@ def test_two_ranks_ep2_checkpointing_aux_loss_and_cp():
         2,
         [
             {"name": "ep2", "dp_shard": 2, "ep": 2, "host_reads": READS},
+            {"name": "ep2-per-expert", "dp_shard": 2, "ep": 2, "ep_dispatch": "expert", "steps": 8},
+            # fixed-size buffers: no split size read on the host, and tokens dropped as in one process
+            {"name": "ep2-capacity", "dp_shard": 2, "ep": 2, "variant": "capacity", "host_reads": 0, "drops": True},
             # the recompute routes as the first forward did, from its cached route: no second exchange
             {"name": "ep2-ac-full", "dp_shard": 2, "ep": 2, "ac": "full", "same_as": "ep2", "host_reads": READS},
             {"name": "ep2-ac-op", "dp_shard": 2, "ep": 2, "ac": "selective:op", "host_reads": READS},
@@ -36,8 +41,21 @@ def test_two_ranks_ep2_checkpointing_aux_loss_and_cp():
     )
 
 
-def test_four_ranks_ep2_x_tp2():
-    run_ranks(check_cases, 4, [{"name": "ep2xtp2", "dp_shard": 2, "tp": 2, "ep": 2}])
+TWO_NODES = {"dp_shard": 4, "ep": 4, "ranks_per_node": 2, "steps": 8}  # ep 4 over 2 "nodes" of 2 ranks
+
+
+def test_four_ranks_ep2_x_tp2_and_ep4_as_two_nodes_of_two():
+    run_ranks(
+        check_cases,
+        4,
+        [
+            {"name": "ep2xtp2", "dp_shard": 2, "tp": 2, "ep": 2},
+            {"name": "ep4-per-rank", **TWO_NODES, "ep_dispatch": "rank"},
+            {"name": "ep4-per-node", **TWO_NODES, "ep_dispatch": "node", "host_reads": 8},
+            # debug-deepseek's kind (4 routing groups, 2 chosen: each node holds 2), recomputed under full AC
+            {"name": "ep4-per-node-mla-ac", **TWO_NODES, "ep_dispatch": "node", "model": "mla", "ac": "full"},
+        ],
+    )
 
 
 @pytest.mark.slow  # about two minutes on two cores

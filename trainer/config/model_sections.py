@@ -82,6 +82,14 @@ class Moe:
         "dropped and counted. 0 = dropless (every token reaches its top_k), -1 = the preset's.",
         Range(1, also={0.0: "dropless", **PRESET_VALUE}),
     )
+    rank_capacity_factor: float = doc(
+        0.0,
+        "Expert parallelism without a host read: each rank sends each ep rank at most this multiple of an even share "
+        "(the tokens x the chance that top_k experts drawn evenly include one of that rank's), in buffers of that "
+        "fixed size, so no split size is read on the host; the rest is dropped and counted, the same tokens in one "
+        "process (at least 1; 0 = dropless, one host read per layer forward).",
+        Range(1, also={0.0: "dropless"}),
+    )
 
 
 @dataclass

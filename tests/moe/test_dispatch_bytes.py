@@ -1,0 +1,73 @@
+"""The expert dispatch's bytes, counted where it posts its all-to-alls (parallel/ep_exchange.py), against the rows
+each mode must send, computed here from the routing alone: per expert one row per (token, expert on another rank);
+per rank one per (token, other rank holding any of its experts); per node one per (token, other node) across the
+network, at most topk_groups when each routing group is one node's experts. 8 ranks as 4 nodes of 2, simulated in
+threads around the real ExpertDispatch (experiments/bench/ep_dispatch.py), which also checks every token gets back
+the weighted sum of its rows."""
+
+import pytest
+
+from experiments.bench.ep_dispatch import random_routing, simulate
+from trillion.models.args import MoEArgs
+from trillion.parallel.ep_exchange import STAGES
+
+EP, PER_NODE, TOKENS, DIM = 8, 2, 24, 32
+MOE = MoEArgs(n_experts=16, top_k=4, expert_ffn_dim=8, score_func="sigmoid", n_groups=4, topk_groups=2)
+
+
+def _owners(routing, per_owner: int, rank_of_owner=lambda owner: owner, distinct: bool = True) -> list[int]:
+    """Per rank, each token's owners (experts // per_owner; once each if `distinct`) other than the rank's own."""
+    counts = []
+    for rank, (ids, _) in enumerate(routing):
+        for token in ids.tolist():
+            owners = [expert // per_owner for expert in token if expert // per_owner != rank_of_owner(rank)]
+            counts.append(len(set(owners)) if distinct else len(owners))
+    return counts
+
+
+@pytest.fixture(scope="module")
+def routing():
+    return random_routing(MOE, EP, TOKENS, seed=3)
+
+
+def _rows(traffic, stages=STAGES) -> float:
+    return sum(traffic.sent_rows.get(("dispatch", stage), 0) for stage in stages)
+
+
+def test_per_expert_sends_a_row_per_choice_on_another_rank(routing):
+    traffic = simulate(routing, MOE, EP, PER_NODE, DIM, "expert")
+    assert _rows(traffic) == sum(_owners(routing, MOE.n_experts // EP, distinct=False))
+
+
+def test_per_rank_sends_a_row_per_destination_rank(routing):
+    traffic = simulate(routing, MOE, EP, PER_NODE, DIM, "rank")
+    per_rank = MOE.n_experts // EP
+    assert _rows(traffic) == sum(_owners(routing, per_rank)) < sum(_owners(routing, per_rank, distinct=False))
+    assert traffic.tokens == EP * TOKENS
+
+
+def test_per_node_crosses_the_network_at_most_topk_groups_times_per_token(routing):
+    traffic = simulate(routing, MOE, EP, PER_NODE, DIM, "node")
+    nodes = EP // PER_NODE
+    assert MOE.n_groups == nodes  # one routing group per node: a token's experts lie in topk_groups nodes
+    distinct = _owners(routing, MOE.n_experts // nodes, rank_of_owner=lambda rank: rank // PER_NODE)
+    assert _rows(traffic, (STAGES[0],)) == sum(distinct)
+    assert max(distinct) <= MOE.topk_groups
+    rank = simulate(routing, MOE, EP, PER_NODE, DIM, "rank")
+    network = [t.per_token("dispatch", STAGES[0]) + t.per_token("routing", STAGES[0]) for t in (traffic, rank)]
+    assert network[0] < 0.8 * network[1]  # fewer network bytes than per rank (measured 0.6)
+
+
+def test_a_wrong_route_is_caught(routing, monkeypatch):
+    """The simulation checks the rows that come back: a dispatch that loses a token's slot fails it."""
+    import trillion.parallel.ep_routing as ep_routing
+
+    def losing_a_slot(hop, send, capacity=0):
+        placement = ep_routing.place(hop, send, capacity)
+        placement.combine_index = placement.combine_index.clone()
+        placement.combine_index[0, 0] = placement.total  # token 0's first slot comes back as zeros
+        return placement
+
+    monkeypatch.setattr("trillion.parallel.expert_parallel.place", losing_a_slot)
+    with pytest.raises(AssertionError):
+        simulate(routing, MOE, EP, PER_NODE, DIM, "rank")
