@@ -112,8 +112,7 @@ class MoE(nn.Module):
         balancing = (moe.aux_loss_coef > 0 or moe.seq_aux_loss_coef > 0) and torch.is_grad_enabled()
         seq_aux = self._sequence_aux_loss(scores, chosen, shape[0]) if balancing and moe.seq_aux_loss_coef > 0 else None
         self._tally(counts, ids.numel() - counts.sum(), scores, seq_aux)
-        shared = (lambda: self.shared_experts(x)) if self.shared_experts is not None else None
-        out, beside = self.dispatch(x, ids, weights, shared)
+        out, beside = self.dispatch(x, ids, weights, self.shared_experts)
         if beside is not None:
             out = out + beside
         if balancing:
@@ -124,10 +123,11 @@ class MoE(nn.Module):
         return out.view(shape)
 
     def dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, beside=None):
-        """(tokens (T, dim), chosen experts (T, top_k; -1: dropped), their weights (T, top_k), work to run while the
-        routed tokens travel or None) -> (each token's weighted sum of its experts' outputs (T, dim), that work's
-        result). Here the experts are local; expert parallelism (parallel/expert_parallel.py) replaces this."""
-        return run_experts(self.experts, x, ids, weights), beside() if beside is not None else None
+        """(tokens (T, dim), chosen experts (T, top_k; -1: dropped), their weights (T, top_k), work on the tokens to
+        run while the routed ones travel (rows -> rows) or None) -> (each token's weighted sum of its experts' outputs
+        (T, dim), that work's result). Here the experts are local; expert parallelism (parallel/expert_parallel.py)
+        replaces this."""
+        return run_experts(self.experts, x, ids, weights), beside(x) if beside is not None else None
 
     def _kept(self, chosen: torch.Tensor) -> torch.Tensor | None:
         """Which (token, choice) slots the capacities keep (T, top_k), or None when dropless."""

@@ -174,6 +174,11 @@ class ParallelDims:
 
     def _validate_ep(self, model_args) -> None:
         if self.ep == 1:
+            if self.layout.ep_overlap:
+                raise ConfigError(
+                    "parallel.ep_overlap=true overlaps the expert all-to-alls with compute, but parallel.ep=1 has none. "
+                    "Give --parallel.ep=2 or more (an MoE model), or drop --parallel.ep_overlap."
+                )
             return
         check_ep_dispatch(self.layout, self.ep_nodes, model_args)
         experts = parts.routed_experts(model_args)

@@ -86,6 +86,7 @@ class ExpertDispatch:
         self.held = range(exchange.me * self.per_rank, (exchange.me + 1) * self.per_rank)
         self.capacity_factor = moe.rank_capacity_factor  # 0: dropless
         self.exchange, self.inter, self.intra = exchange, inter, intra
+        self.overlap = False  # parallel.ep_overlap: the module docstring's overlap
         if mode == "node":
             self.nodes, self.members = inter.size, intra.size
         self.recompute_from_cache = False  # set for checkpointed blocks (parallelize.py)
@@ -114,40 +115,59 @@ class ExpertDispatch:
 
     @torch._disable_dynamo  # torch.compiler.disable's, imported on the first call (models/moe.py says why)
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, beside=None):
-        beside = _Once(beside)  # the shared experts: run while the first exchange is in flight
+        beside = _Beside(beside, x)  # the shared experts, a function of rows
+        if not self.overlap:
+            beside.upto(x.shape[0])  # all of them first: nothing runs beside the all-to-alls
         with _outside_selective_checkpoint():
             if self.exchange.traffic is not None and torch._C._current_graph_task_id() == -1:
                 self.exchange.traffic.tokens += x.shape[0]
-            if self.mode == "node":
-                out = self._by_node(x, ids, weights, beside)
-            elif self.mode == "expert":  # each (token, choice) its own row
-                rows = self._one_hop(x.repeat_interleave(self.top_k, 0), ids.view(-1, 1), weights.view(-1, 1), beside)
-                out = rows.view(x.shape[0], self.top_k, -1).sum(dim=1)
-            else:
-                out = self._one_hop(x, ids, weights, beside)
-        return out, beside()
+            out = (
+                self._by_node(x, ids, weights, beside)
+                if self.mode == "node"
+                else self._one_hop(x, ids, weights, beside)
+            )
+        return out, beside.result()
 
     def _one_hop(self, x, ids, weights, beside):
-        """Rows to the ranks owning their experts and back (the expert and rank modes)."""
-        hop = Hop.plan(ids, lambda e: e // self.per_rank, self.ep)
-        capacity = self.capacity(x.shape[0])
-        if capacity:
-            send = recv = [capacity] * self.ep
+        """Rows to the ranks owning their experts and back (the expert and rank modes); with overlap in two chunks
+        of the tokens, the second's all-to-alls beside the first's experts and the first's beside the second's."""
+        tokens, parts = x.shape[0], 2 if self.overlap and x.shape[0] > 1 else 1
+        bounds = [(tokens * c // parts, tokens * (c + 1) // parts) for c in range(parts)]
+        chunks = [_Chunk(*self._rows(x[a:b], ids[a:b], weights[a:b]), self) for a, b in bounds]
+        capacity = self.capacity(tokens)
+        if capacity:  # each chunk's rows to a member are at most the whole layer's (models/moe.py dropped the rest)
+            for chunk in chunks:
+                size = min(capacity, chunk.x.shape[0])
+                chunk.placed([size] * self.ep, capacity=size)
         else:
-            sizes = self._sizes(lambda: torch.cat([hop.counts(), self.exchange.counts(hop.counts())]), beside, x)
-            send, recv = sizes[: self.ep], sizes[self.ep :]
-        placement = place(hop, send, capacity)
-        received, routing = self._travel(self.exchange, x, ids, weights, hop, placement, send, recv, beside)
-        expert_ids, expert_weights = unpack_routing(routing)
-        out = run_experts(self.experts, received, expert_ids, expert_weights, self.held)
-        return combine(self.exchange.rows(out, recv, send, "combine").wait(), placement)
+            sizes = self._sizes(lambda: self._exchange_counts(chunks), beside, bounds[0][1], x)
+            for c, chunk in enumerate(chunks):  # sizes: each member's (chunk 0, chunk 1, ...), sent then received
+                chunk.placed(sizes[c : parts * self.ep : parts], recv=sizes[parts * self.ep + c :: parts])
+        for chunk in chunks:
+            chunk.post(self.exchange)
+        beside.upto(bounds[0][1])  # the first chunk's shared experts while the dispatch travels
+        for chunk in chunks:
+            chunk.run_experts(self.experts, self.held, self.exchange)
+        beside.upto(tokens)  # the rest beside the last chunk's combine
+        return torch.cat([chunk.combined(self.top_k if self.mode == "expert" else 0) for chunk in chunks])
 
-    def _travel(self, exchange, x, ids, weights, hop, placement, send, recv, beside):
-        """(rows received, their routing): the payload and its routing posted, `beside` run while they travel."""
-        payload = [exchange.rows(t, send, recv, "dispatch") for t in PAYLOAD.pack(x, placement.rows)]
-        routing = exchange.rows(pack_routing(hop, placement, ids, weights), send, recv, "routing")
-        beside()
-        return PAYLOAD.unpack([part.wait() for part in payload]), routing.wait()
+    def _rows(self, x, ids, weights):
+        """(rows, their expert ids, weights): the tokens, or under the per-expert mode each (token, choice)."""
+        if self.mode == "expert":
+            return x.repeat_interleave(self.top_k, 0), ids.reshape(-1, 1), weights.reshape(-1, 1)
+        return x, ids, weights
+
+    def _exchange_counts(self, chunks):
+        """Posts the chunks' counts to every member; returns what gives (sent, received) counts once they arrive."""
+        counts = torch.stack([chunk.hop.counts() for chunk in chunks], dim=1).flatten()
+        even = [len(chunks)] * self.ep
+        arriving, work = self.exchange.post(counts, even, even, "counts")
+
+        def arrived():
+            work.wait()
+            return torch.cat([counts, arriving])
+
+        return arrived
 
     def _by_node(self, x, ids, weights, beside):
         """Once to each node over the network, then once to each rank of the node (the module docstring)."""
@@ -155,37 +175,53 @@ class ExpertDispatch:
         first = Hop.plan(ids, lambda e: e // (self.per_rank * m), n)
         by_rank = Hop.plan(ids, lambda e: e // self.per_rank, self.ep)
 
-        def exchanged():  # the node counts with the per-rank counts inside them, then the second hop's
+        def exchange_counts():  # the node counts with the per-rank counts inside them, then the second hop's
             node_counts, inner = first.counts(), by_rank.counts().view(n, m)
-            arriving = self.inter.counts(torch.cat([node_counts.unsqueeze(1), inner], dim=1).flatten()).view(n, 1 + m)
-            onward = arriving[:, 1:].sum(dim=0)
-            return torch.cat([node_counts, arriving[:, 0], onward, self.intra.counts(onward)])
+            even = [1 + m] * n
+            arriving, work = self.inter.post(torch.cat([node_counts.unsqueeze(1), inner], dim=1).flatten(), even, even)
 
-        sizes = self._sizes(exchanged, beside, x)
+            def arrived():
+                work.wait()
+                onward = arriving.view(n, 1 + m)[:, 1:].sum(dim=0)
+                return torch.cat([node_counts, arriving.view(n, 1 + m)[:, 0], onward, self.intra.counts(onward)])
+
+            return arrived
+
+        sizes = self._sizes(exchange_counts, beside, x.shape[0], x)
         send1, recv1, send2, recv2 = sizes[:n], sizes[n : 2 * n], sizes[2 * n : 2 * n + m], sizes[2 * n + m :]
         placement1 = place(first, send1)
-        received, routing = self._travel(self.inter, x, ids, weights, first, placement1, send1, recv1, beside)
+        received, routing = self._travel(self.inter, x, ids, weights, first, placement1, send1, recv1)
         node_ids, node_weights = unpack_routing(routing)
         second = Hop.plan(node_ids, lambda e: (e // self.per_rank) % m, m)
         placement2 = place(second, send2)
-        rows, routing = self._travel(
-            self.intra, received, node_ids, node_weights, second, placement2, send2, recv2, beside
-        )
+        rows, routing = self._travel(self.intra, received, node_ids, node_weights, second, placement2, send2, recv2)
         expert_ids, expert_weights = unpack_routing(routing)
         out = run_experts(self.experts, rows, expert_ids, expert_weights, self.held)
         node_sums = combine(self.intra.rows(out, recv2, send2, "combine").wait(), placement2)
         return combine(self.inter.rows(node_sums, recv1, send1, "combine").wait(), placement1)
 
-    def _sizes(self, exchanged, beside, x: torch.Tensor) -> list[int]:
-        """The split sizes on the host: the counts exchanged on the device, copied to the host, `beside` run, then the
-        one read. A checkpointed block's recompute replays the first forward's sizes. (`x`: the rows routed; the dry
-        run's meta tensors hold no counts and take even_sizes.)"""
+    def _travel(self, exchange, x, ids, weights, hop, placement, send, recv):
+        """(rows received, their routing): the payload and its routing posted, then waited for."""
+        payload = [exchange.rows(t, send, recv, "dispatch") for t in PAYLOAD.pack(x, placement.rows)]
+        routing = exchange.rows(pack_routing(hop, placement, ids, weights), send, recv, "routing")
+        return PAYLOAD.unpack([part.wait() for part in payload]), routing.wait()
+
+    def _sizes(self, start, beside, beside_rows: int, x: torch.Tensor) -> list[int]:
+        """The split sizes on the host, read once: `start()` posts the counts and returns what gives them on the
+        device once they arrive; the shared experts of the first `beside_rows` rows run meanwhile (on a GPU after the
+        copy to the host is issued, the device keeping the order). A checkpointed block's recompute replays the
+        first forward's sizes. (`x`: the rows routed; the dry run's meta tensors hold no counts: even_sizes.)"""
         recomputing = torch._C._current_graph_task_id() != -1
         if recomputing and self.routes:
-            beside()  # where the first forward ran it: the recompute saves its tensors in the same order
+            beside.upto(beside_rows)  # where the first forward ran it: the recompute saves tensors in the same order
             return self.routes.popleft()
-        copy = _HostCopy(exchanged())
-        beside()
+        arrived = start()
+        if x.device.type == "cuda":
+            copy = _HostCopy(arrived())
+            beside.upto(beside_rows)
+        else:  # the host itself waits for a CPU collective: the shared experts first
+            beside.upto(beside_rows)
+            copy = _HostCopy(arrived())
         sizes = copy.read()
         self.host_reads += 1
         if self.recompute_from_cache and torch.is_grad_enabled() and not recomputing:
@@ -193,16 +229,52 @@ class ExpertDispatch:
         return sizes
 
 
-class _Once:
-    """Work to run once, at the first call; later calls return its result (None: no work)."""
+class _Chunk:
+    """Some of a layer's tokens on their way through one hop (ExpertDispatch._one_hop)."""
 
-    def __init__(self, work):
-        self.work, self.result = work, None
+    def __init__(self, x, ids, weights, dispatch: ExpertDispatch):
+        self.x, self.ids, self.weights = x, ids, weights
+        self.hop = Hop.plan(ids, lambda e: e // dispatch.per_rank, dispatch.ep)
 
-    def __call__(self):
-        if self.work is not None:
-            self.result, self.work = self.work(), None
-        return self.result
+    def placed(self, send: list[int], recv: list[int] | None = None, capacity: int = 0) -> None:
+        self.send, self.recv = send, send if recv is None else recv
+        self.placement = place(self.hop, send, capacity)
+
+    def post(self, exchange: Exchange) -> None:
+        """The rows and their routing posted to the members owning their experts."""
+        packed = PAYLOAD.pack(self.x, self.placement.rows)
+        self.payload = [exchange.rows(part, self.send, self.recv, "dispatch") for part in packed]
+        routing = pack_routing(self.hop, self.placement, self.ids, self.weights)
+        self.routing = exchange.rows(routing, self.send, self.recv, "routing")
+
+    def run_experts(self, experts, held: range, exchange: Exchange) -> None:
+        """The rows that arrived through this rank's experts, their weighted sums posted back."""
+        received = PAYLOAD.unpack([part.wait() for part in self.payload])
+        expert_ids, expert_weights = unpack_routing(self.routing.wait())
+        out = run_experts(experts, received, expert_ids, expert_weights, held)
+        self.returning = exchange.rows(out, self.recv, self.send, "combine")
+
+    def combined(self, choices: int) -> torch.Tensor:
+        """Each token's sum of what came back (per-expert rows summed over the token's `choices`, if any)."""
+        out = combine(self.returning.wait(), self.placement)
+        return out.view(-1, choices, out.shape[-1]).sum(dim=1) if choices else out
+
+
+class _Beside:
+    """Work on the layer's rows beside the dispatch (the shared experts: rows -> rows), run piece by piece in row
+    order where the dispatch has time (`upto`), its pieces joined (`result`; None without work)."""
+
+    def __init__(self, work, x: torch.Tensor):
+        self.work, self.x, self.done, self.pieces = work, x, 0, []
+
+    def upto(self, end: int) -> None:
+        if self.work is not None and end > self.done:
+            self.pieces.append(self.work(self.x[self.done : end]))
+            self.done = end
+
+    def result(self) -> torch.Tensor | None:
+        self.upto(self.x.shape[0])
+        return (self.pieces[0] if len(self.pieces) == 1 else torch.cat(self.pieces)) if self.pieces else None
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ def _layout(world: int, args=MOE, capacity: float = 0.0, **parallel):
         (12, {"ep": 4, "ranks_per_node": 6}, ["parallel.ep=4 does not divide the 6", "straddle"]),
         (4, {"ep": 4, "ep_dispatch": "node"}, ["parallel.ep_dispatch=node", "share one node", "ep_dispatch=rank"]),
         (4, {"ep": 2, "capacity": 1.5, "ep_dispatch": "expert"}, ["rank_capacity_factor=1.5", "ep_dispatch=rank"]),
+        (4, {"ep": 1, "ep_overlap": True}, ["parallel.ep_overlap=true", "parallel.ep=1", "--parallel.ep=2"]),
     ],
 )
 def test_bad_dispatch_settings_are_refused_with_the_fix(world, settings, words, monkeypatch):

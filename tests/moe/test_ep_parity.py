@@ -25,6 +25,16 @@ def test_two_ranks_ep2_checkpointing_aux_loss_and_cp():
             # the recompute routes as the first forward did, from its cached route: no second exchange
             {"name": "ep2-ac-full", "dp_shard": 2, "ep": 2, "ac": "full", "same_as": "ep2", "host_reads": READS},
             {"name": "ep2-ac-op", "dp_shard": 2, "ep": 2, "ac": "selective:op", "host_reads": READS},
+            # the all-to-alls beside the shared experts and the other chunk's experts, recomputed under AC
+            {
+                "name": "ep2-overlap-ac-full",
+                "dp_shard": 2,
+                "ep": 2,
+                "ep_overlap": True,
+                "ac": "full",
+                "host_reads": READS,
+            },
+            {"name": "ep2-overlap-ac-op", "dp_shard": 2, "ep": 2, "ep_overlap": True, "ac": "selective:op"},
             {"name": "ep2-aux-loss-zero2", "dp_shard": 2, "ep": 2, "variant": "aux", "mode": "zero2"},
             # DeepSeek-V3's sequence-wise balance loss: per-sequence statistics, which ep must leave alone
             {"name": "ep2-seq-aux-loss", "dp_shard": 2, "ep": 2, "variant": "seq-aux"},
@@ -76,4 +86,58 @@ def test_four_ranks_fsdp_hsdp_pp_with_ep2():
 
 @pytest.mark.slow  # compile on two cores
 def test_ep2_compiled_per_block():
-    run_ranks(check_cases, 2, [{"name": "ep2-compile", "dp_shard": 2, "ep": 2, "compile": "aot_eager"}])
+    run_ranks(
+        check_cases,
+        2,
+        [
+            {"name": "ep2-compile", "dp_shard": 2, "ep": 2, "compile": "aot_eager"},
+            {"name": "ep2-per-expert-compile", "dp_shard": 2, "ep": 2, "ep_dispatch": "expert", "compile": "aot_eager"},
+            {"name": "ep2-capacity-compile", "dp_shard": 2, "ep": 2, "variant": "capacity", "compile": "aot_eager"},
+            {"name": "ep2-overlap-compile", "dp_shard": 2, "ep": 2, "ep_overlap": True, "compile": "aot_eager"},
+        ],
+    )
+
+
+@pytest.mark.slow  # about a minute on two cores
+def test_two_ranks_overlap_breadth():
+    run_ranks(
+        check_cases,
+        2,
+        [
+            {"name": "ep2-overlap", "dp_shard": 2, "ep": 2, "ep_overlap": True, "steps": 8},
+            {"name": "ep2-overlap-selective", "dp_shard": 2, "ep": 2, "ep_overlap": True, "ac": "selective"},
+            {"name": "ep2-overlap-capacity", "dp_shard": 2, "ep": 2, "ep_overlap": True, "variant": "capacity"},
+            {"name": "ep2-overlap-per-expert", "dp_shard": 2, "ep": 2, "ep_overlap": True, "ep_dispatch": "expert"},
+            {"name": "ep2-overlap-zero3-mla", "dp_shard": 2, "ep": 2, "ep_overlap": True, "model": "mla"},
+            # the first two steps at 1e-6 relative (after them AdamW's normalisation magnifies float rounding)
+            {"name": "ep2-tight", "dp_shard": 2, "ep": 2, "steps": 2, "tol": {"rtol": 1e-6, "atol": 1e-8}},
+        ],
+    )
+
+
+@pytest.mark.slow  # about two minutes on two cores
+def test_four_ranks_two_nodes_breadth():
+    run_ranks(
+        check_cases,
+        4,
+        [
+            {"name": "ep4-per-expert", **TWO_NODES, "ep_dispatch": "expert"},
+            {"name": "ep4-per-node-overlap", **TWO_NODES, "ep_dispatch": "node", "ep_overlap": True},
+            {"name": "ep4-per-node-ac-op", **TWO_NODES, "ep_dispatch": "node", "ac": "selective:op"},
+            {
+                "name": "ep4-per-node-mla-seq-aux",
+                **TWO_NODES,
+                "ep_dispatch": "node",
+                "model": "mla",
+                "variant": "seq-aux",
+            },
+            {
+                "name": "ep4-per-node-tight",
+                **TWO_NODES,
+                "ep_dispatch": "node",
+                "steps": 2,
+                "tol": {"rtol": 1e-6, "atol": 1e-8},
+            },
+            {"name": "ep2xpp2-overlap", "pp": 2, "dp_shard": 2, "ep": 2, "ep_overlap": True},
+        ],
+    )
