@@ -176,8 +176,8 @@ class ParallelDims:
         if self.ep == 1:
             if self.layout.ep_overlap:
                 raise ConfigError(
-                    "parallel.ep_overlap=true overlaps the expert all-to-alls with compute, but parallel.ep=1 has none. "
-                    "Give --parallel.ep=2 or more (an MoE model), or drop --parallel.ep_overlap."
+                    "parallel.ep_overlap=true overlaps the expert all-to-alls with compute, but parallel.ep=1 has "
+                    "none. Give --parallel.ep=2 or more (an MoE model), or drop --parallel.ep_overlap."
                 )
             return
         check_ep_dispatch(self.layout, self.ep_nodes, model_args)

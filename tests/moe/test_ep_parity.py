@@ -11,6 +11,9 @@ from tests.moe.harness import check_cases
 
 # one split-size read per layer per forward: 2 micro-batches per rank x 3 steps
 READS = 2 * 3
+OVERLAP = {"dp_shard": 2, "ep": 2, "ep_overlap": True}
+# the first two steps at 1e-6 relative (after them AdamW's normalisation magnifies float rounding: 2e-4)
+TIGHT = {"rtol": 1e-6, "atol": 1e-8}
 
 
 def test_two_ranks_ep2_checkpointing_aux_loss_and_cp():
@@ -110,7 +113,7 @@ def test_two_ranks_overlap_breadth():
             {"name": "ep2-overlap-per-expert", "dp_shard": 2, "ep": 2, "ep_overlap": True, "ep_dispatch": "expert"},
             {"name": "ep2-overlap-zero3-mla", "dp_shard": 2, "ep": 2, "ep_overlap": True, "model": "mla"},
             # the first two steps at 1e-6 relative (after them AdamW's normalisation magnifies float rounding)
-            {"name": "ep2-tight", "dp_shard": 2, "ep": 2, "steps": 2, "tol": {"rtol": 1e-6, "atol": 1e-8}},
+            {"name": "ep2-tight", "dp_shard": 2, "ep": 2, "steps": 2, "tol": TIGHT},
         ],
     )
 
