@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from trillion.errors import ConfigError
 from trillion.kernels.grouped_gemm import backend_unavailable, grouped_mm
 from trillion.models.args import ModelArgs, MoEArgs
+from trillion.models.parts.moe import reach_share
 from trillion.models.step_hooks import StepHooks, register_step_hooks
 
 # load_tally holds E loads, then these four
@@ -193,12 +194,6 @@ class MoE(nn.Module):
                 self.load_tally[SEQ_AUX_TIMES_TOKENS] += seq_aux.detach() * scores.shape[0]
 
 
-def reach_share(n_experts: int, top_k: int, held: int) -> float:
-    """The chance that a token's top_k distinct experts, drawn evenly from n_experts, include one of `held` ones: the
-    share of tokens a rank (or node) holding them receives under even routing."""
-    return 1 - math.comb(n_experts - held, top_k) / math.comb(n_experts, top_k)
-
-
 def rank_capacity(tokens: int, top_k: int, n_experts: int, ranks: int, factor: float) -> int:
     """Rows one source sends one of `ranks` destinations (each E / ranks experts) at most: `factor` x an even share,
     the tokens x reach_share."""
@@ -216,19 +211,27 @@ def rank_capacity_mask(chosen: torch.Tensor, n_experts: int, ranks: int, factor:
     return fits.gather(1, group)
 
 
-def run_experts(experts: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, held: range = None):
+def run_experts(
+    experts: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, held: range = None, slots: int = 0
+):
     """(R, dim) rows, each with top_k slots of expert ids (R, top_k; -1: none) and weights -> (R, dim) each row's
     weighted sum over its slots of the experts' outputs; `experts` holds the experts `held` (all by default), which
     every slot's id is one of. The slots are sorted by expert (no per-token Python), the experts run as one grouped
-    GEMM per projection, and the weighted outputs return to row order."""
+    GEMM per projection, and the weighted outputs return to row order. `slots` (expert parallelism's receivers, whose
+    rows hold few of their top_k slots here): how many slots are filled at most; only that many rows are gathered
+    and run, and their outputs are added into their rows (else every slot's row, summed in slot order)."""
     rows, top_k = ids.shape
     held = range(experts.w1.shape[0]) if held is None else held
-    local, slots = len(held), ids.flatten()
-    key = torch.where(slots >= 0, slots - held.start, local)  # no slot: sorted last, never run
+    local, flat = len(held), ids.flatten()
+    key = torch.where(flat >= 0, flat - held.start, local)  # no slot: sorted last, never run
     order = key.argsort(stable=True)
+    if slots:
+        order = order[:slots]
     counts = torch.zeros(local + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     out = experts(x[order // top_k], counts[:local])  # rows past the counts are zeros
     out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
+    if slots:
+        return out.new_zeros(rows, out.shape[-1]).index_add_(0, order // top_k, out)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
     return out[inverse].view(rows, top_k, -1).sum(dim=1)
 

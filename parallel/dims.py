@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from trillion.errors import ConfigError
 from trillion.models import parts
 from trillion.parallel.context_parallel import check_sequence
-from trillion.parallel.ep_checks import check_ep_dispatch
+from trillion.parallel.ep_checks import check_ep_dispatch, ep_nodes
 from trillion.parallel.layout import AXES, Layout, check_degrees, degrees_of, divisors
 
 log = logging.getLogger("trillion")
@@ -167,10 +167,8 @@ class ParallelDims:
 
     @property
     def ep_nodes(self) -> tuple[int, int]:
-        """(nodes the ep group spans, its ranks in each): the group's ranks are tp apart (tp innermost), so a node
-        of ranks_per_node holds ranks_per_node / tp of them. (1, ep) inside one node."""
-        members = max(1, self.layout.ranks_per_node // self.tp)
-        return (self.ep // members, members) if self.ep > members else (1, self.ep)
+        """(nodes the ep group spans, its ranks in each): ep_checks.ep_nodes."""
+        return ep_nodes(self.layout)
 
     def _validate_ep(self, model_args) -> None:
         if self.ep == 1:

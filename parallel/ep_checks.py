@@ -10,18 +10,25 @@ from trillion.models import parts
 log = logging.getLogger("trillion")
 
 
+def ep_nodes(layout) -> tuple[int, int]:
+    """(nodes the ep group spans, its ranks in each): the group's ranks are tp apart (tp innermost), so a node of
+    ranks_per_node holds ranks_per_node / tp of them. (1, ep) inside one node."""
+    members = max(1, layout.ranks_per_node // layout.tp)
+    return (layout.ep // members, members) if layout.ep > members else (1, layout.ep)
+
+
 def resolve_dispatch(requested: str, nodes: int) -> str:
     """parallel.ep_dispatch: auto is node where the ep group spans nodes, else rank."""
     return ("node" if nodes > 1 else "rank") if requested == "auto" else requested
 
 
-def check_ep_dispatch(layout, nodes_and_members: tuple[int, int], model_args) -> None:
-    """ConfigError where the dispatch cannot run; a warning where group-limited routing is not lined up with the
-    nodes (each node should hold whole groups, so that a token reaches at most its groups' nodes)."""
+def check_ep_dispatch(layout, nodes_and_members: tuple[int, int], model_args, warn: bool = True) -> None:
+    """ConfigError where the dispatch cannot run; with `warn`, a warning where group-limited routing is not lined up
+    with the nodes (each node should hold whole groups, so that a token reaches at most its groups' nodes)."""
     if layout.ranks_per_node < layout.gpus:  # more than one node
         _check_ranks_per_node(layout)
     if layout.ep_dispatch == "node":
-        _check_node_dispatch(layout, nodes_and_members[0], model_args)
+        _check_node_dispatch(layout, nodes_and_members[0], model_args, warn)
     if layout.ep_capacity > 0 and layout.ep_dispatch != "rank":
         raise ConfigError(
             f"moe.rank_capacity_factor={layout.ep_capacity:g} gives each destination rank fixed-size buffers, which "
@@ -48,7 +55,7 @@ def _check_ranks_per_node(layout) -> None:
         )
 
 
-def _check_node_dispatch(layout, nodes: int, model_args) -> None:
+def _check_node_dispatch(layout, nodes: int, model_args, warn: bool) -> None:
     if nodes == 1:
         raise ConfigError(
             f"parallel.ep_dispatch=node, but the parallel.ep={layout.ep} ranks of each ep group share one node "
@@ -56,7 +63,7 @@ def _check_node_dispatch(layout, nodes: int, model_args) -> None:
             "--parallel.ep_dispatch=rank (or auto), or a larger ep."
         )
     routing = parts.routing(model_args)
-    if routing is None or routing.groups <= 1 or routing.groups % nodes == 0:
+    if not warn or routing is None or routing.groups <= 1 or routing.groups % nodes == 0:
         return
     log.warning(
         "parallel.ep_dispatch=node: the routing's %d groups do not line up with the %d nodes the ep group spans "

@@ -19,10 +19,13 @@ compute that runs between the post and the wait hides it.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from trillion.parallel.expert_overlap import after_post
 
 STAGES = ("inter-node", "intra-node")
 
@@ -48,17 +51,20 @@ class Traffic:
 
 
 class _Late:
-    """A posted collective that completes no earlier than `delay` seconds after its post (a timer thread)."""
+    """A posted collective that completes no earlier than `delay` seconds after its post (a timer thread); the time its
+    waits block is added to `exchange.blocked_s` (the communication left exposed, as the benchmarks read it)."""
 
-    def __init__(self, work, delay: float):
-        self.work, self.done = work, threading.Event()
+    def __init__(self, work, delay: float, exchange: Exchange):
+        self.work, self.done, self.exchange = work, threading.Event(), exchange
         timer = threading.Timer(delay, self.done.set)
         timer.daemon = True
         timer.start()
 
     def wait(self) -> None:
+        start = time.perf_counter()
         self.work.wait()
         self.done.wait()
+        self.exchange.blocked_s += time.perf_counter() - start
 
 
 class Exchange:
@@ -75,7 +81,7 @@ class Exchange:
         nodes = [rank // max(ranks_per_node, 1) for rank in ranks]
         self.stage_of = [STAGES[nodes[j] == nodes[me]] for j in range(self.size)]
         self.traffic: Traffic | None = None
-        self.delay_s = 0.0
+        self.delay_s, self.blocked_s = 0.0, 0.0
 
     def post(self, x: torch.Tensor, send: list[int], recv: list[int], what: str = ""):
         """(the receive buffer, the work) of an all-to-all sending send[j] rows of `x` to member j."""
@@ -87,7 +93,10 @@ class Exchange:
                 if member != self.me:
                     self.traffic.add(what, self.stage_of[member], rows, rows * row_bytes)
         work = self._all_to_all(out, x, recv, send)
-        return out, (_Late(work, self.delay_s) if self.delay_s > 0 else work)
+        work = _Late(work, self.delay_s, self) if self.delay_s > 0 else work
+        if what != "dispatch":  # the rows' routing is posted right after them: one turn for both
+            after_post()  # a paired micro-batch's turn while these travel (expert_overlap.py)
+        return out, work
 
     def _all_to_all(self, out: torch.Tensor, x: torch.Tensor, recv: list[int], send: list[int]):
         return dist.all_to_all_single(out, x, recv, send, group=self.group, async_op=True)
@@ -138,7 +147,7 @@ class _Post(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         box = ctx.box
         box.back_work.wait()
-        back, box.back, box.back_input = box.back, None, None
+        back, box.back, box.back_input, box.back_work = box.back, None, None, None
         return back, None
 
 
@@ -146,6 +155,7 @@ class _Finish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, box: _Box) -> torch.Tensor:
         box.work.wait()
+        box.work = None  # a finished work still holds its buffers; the graph keeps the box until the backward
         ctx.box = box
         return out.view_as(out)
 

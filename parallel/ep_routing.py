@@ -53,8 +53,10 @@ class Hop:
         return cls(members, dest, reach.scatter_(1, dest, True)[:, :members])
 
     def counts(self) -> torch.Tensor:
-        """Rows to each member (members,), on the device."""
-        return self.reach.sum(dim=0)
+        """(rows, filled slots) to each member (members, 2), on the device."""
+        slots = torch.zeros(self.members + 1, dtype=torch.long, device=self.dest.device)
+        slots = slots.scatter_add_(0, self.dest.flatten(), torch.ones_like(self.dest.flatten()))[: self.members]
+        return torch.stack([self.reach.sum(dim=0), slots], dim=1)
 
 
 @dataclass

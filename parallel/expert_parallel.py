@@ -24,8 +24,9 @@ dropped as in one process): no host read at all.
 
 Activation checkpointing: in a recomputed block the routing is the first forward's (the same input
 and weights choose the same experts), so the split sizes are kept from the first forward of a
-checkpointed block (`recompute_from_cache`) and replayed by its recompute, first in first out, with no
-second exchange of counts and no host read; the token all-to-alls and the experts run again. Under
+checkpointed block (`recompute_from_cache`), keyed by the block's input, and replayed by its recompute, with no
+second exchange of counts and no host read (in any order of recomputes: micro-batches paired by the overlap
+recompute the other's blocks first); the token all-to-alls and the experts run again. Under
 selective:op the dispatch stays outside the op-level policy (as under full AC): torch 2.13's
 selective checkpointing requires the recompute to issue exactly the first forward's ops, and the
 cached route and the experts' own FSDP group (all-gathers inside the checkpointed block) do not;
@@ -47,10 +48,14 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
-from trillion.models.moe import MoE, moe_layers, rank_capacity, reach_share, run_experts
+from trillion.models.moe import MoE, moe_layers, rank_capacity, run_experts
+from trillion.models.parts.moe import reach_share
+from trillion.parallel.activation_checkpoint import recompute_key
 from trillion.parallel.ep_exchange import Exchange
 from trillion.parallel.ep_routing import PAYLOAD, Hop, combine, pack_routing, place, unpack_routing
+from trillion.parallel.expert_overlap import paired
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
@@ -90,7 +95,8 @@ class ExpertDispatch:
         if mode == "node":
             self.nodes, self.members = inter.size, intra.size
         self.recompute_from_cache = False  # set for checkpointed blocks (parallelize.py)
-        self.routes: deque[list[int]] = deque()
+        # each checkpointed forward's split sizes by its block's input, for its recompute (whichever comes first)
+        self.routes = WeakTensorKeyDictionary()
         self.host_reads = 0  # split-size reads on the host (tests count them)
 
     def capacity(self, tokens: int) -> int:
@@ -102,16 +108,22 @@ class ExpertDispatch:
     def exchanges(self) -> list[Exchange]:
         return [self.inter, self.intra] if self.mode == "node" else [self.exchange]
 
-    def even_sizes(self, tokens: int) -> list[int]:
-        """The split sizes `_sizes` reads, as even routing would make them (the dry run's, on meta tensors)."""
-        experts = self.per_rank * self.ep
+    def even_sizes(self, tokens: int, parts: int = 1) -> list[int]:
+        """The split sizes `_sizes` reads for `tokens` in `parts` chunks, as even routing would make them (the dry
+        run's, on meta tensors): a member gets top_k / ep of every source's slots."""
+        experts, tokens = self.per_rank * self.ep, tokens // parts
+        slots = math.ceil(tokens * self.top_k / self.ep)
         if self.mode == "expert":
-            return [tokens * self.top_k // self.ep] * 2 * self.ep
+            return [slots, slots] * 2 * self.ep * parts
         rank = math.ceil(tokens * reach_share(experts, self.top_k, self.per_rank))
         if self.mode == "rank":
-            return [rank] * 2 * self.ep
+            return [rank, slots] * 2 * self.ep * parts
         node = math.ceil(tokens * reach_share(experts, self.top_k, self.per_rank * self.members))
-        return [node] * 2 * self.nodes + [rank * self.nodes] * 2 * self.members
+        return (
+            [node] * 2 * self.nodes
+            + [rank * self.nodes] * self.members
+            + [rank * self.nodes, slots * self.nodes] * self.members
+        )
 
     @torch._disable_dynamo  # torch.compiler.disable's, imported on the first call (models/moe.py says why)
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, beside=None):
@@ -131,18 +143,22 @@ class ExpertDispatch:
     def _one_hop(self, x, ids, weights, beside):
         """Rows to the ranks owning their experts and back (the expert and rank modes); with overlap in two chunks
         of the tokens, the second's all-to-alls beside the first's experts and the first's beside the second's."""
-        tokens, parts = x.shape[0], 2 if self.overlap and x.shape[0] > 1 else 1
+        tokens, parts = x.shape[0], 2 if self.overlap and not paired() and x.shape[0] > 1 else 1
         bounds = [(tokens * c // parts, tokens * (c + 1) // parts) for c in range(parts)]
         chunks = [_Chunk(*self._rows(x[a:b], ids[a:b], weights[a:b]), self) for a, b in bounds]
         capacity = self.capacity(tokens)
         if capacity:  # each chunk's rows to a member are at most the whole layer's (models/moe.py dropped the rest)
             for chunk in chunks:
                 size = min(capacity, chunk.x.shape[0])
-                chunk.placed([size] * self.ep, capacity=size)
+                chunk.placed(
+                    [size] * self.ep, capacity=size, slots=size * self.ep * min(chunk.ids.shape[1], self.per_rank)
+                )
         else:
-            sizes = self._sizes(lambda: self._exchange_counts(chunks), beside, bounds[0][1], x)
-            for c, chunk in enumerate(chunks):  # sizes: each member's (chunk 0, chunk 1, ...), sent then received
-                chunk.placed(sizes[c : parts * self.ep : parts], recv=sizes[parts * self.ep + c :: parts])
+            sizes = self._sizes(lambda: self._exchange_counts(chunks), beside, bounds[0][1], x, parts)
+            half = len(sizes) // 2  # sent, then received: each member's (rows, slots) of chunk 0, chunk 1, ...
+            for c, chunk in enumerate(chunks):
+                rows, received = sizes[2 * c : half : 2 * parts], sizes[half + 2 * c :: 2 * parts]
+                chunk.placed(rows, recv=received, slots=sum(sizes[half + 2 * c + 1 :: 2 * parts]))
         for chunk in chunks:
             chunk.post(self.exchange)
         beside.upto(bounds[0][1])  # the first chunk's shared experts while the dispatch travels
@@ -159,8 +175,8 @@ class ExpertDispatch:
 
     def _exchange_counts(self, chunks):
         """Posts the chunks' counts to every member; returns what gives (sent, received) counts once they arrive."""
-        counts = torch.stack([chunk.hop.counts() for chunk in chunks], dim=1).flatten()
-        even = [len(chunks)] * self.ep
+        counts = torch.stack([chunk.hop.counts() for chunk in chunks], dim=1).flatten()  # (member, chunk, 2)
+        even = [2 * len(chunks)] * self.ep
         arriving, work = self.exchange.post(counts, even, even, "counts")
 
         def arrived():
@@ -175,20 +191,24 @@ class ExpertDispatch:
         first = Hop.plan(ids, lambda e: e // (self.per_rank * m), n)
         by_rank = Hop.plan(ids, lambda e: e // self.per_rank, self.ep)
 
-        def exchange_counts():  # the node counts with the per-rank counts inside them, then the second hop's
-            node_counts, inner = first.counts(), by_rank.counts().view(n, m)
-            even = [1 + m] * n
-            arriving, work = self.inter.post(torch.cat([node_counts.unsqueeze(1), inner], dim=1).flatten(), even, even)
+        def exchange_counts():  # each node's rows with its ranks' (rows, slots) inside them, then the second hop's
+            node_counts, inner = first.counts()[:, 0], by_rank.counts().view(n, m, 2)
+            table = torch.cat([node_counts.unsqueeze(1), inner[..., 0], inner[..., 1]], dim=1)  # (node, 1 + 2m)
+            arriving, work = self.inter.post(table.flatten(), [1 + 2 * m] * n, [1 + 2 * m] * n)
 
             def arrived():
                 work.wait()
-                onward = arriving.view(n, 1 + m)[:, 1:].sum(dim=0)
-                return torch.cat([node_counts, arriving.view(n, 1 + m)[:, 0], onward, self.intra.counts(onward)])
+                onward = arriving.view(n, 1 + 2 * m)[:, 1:].sum(dim=0).view(2, m).t().flatten()  # (member, 2)
+                onward_rows = onward.view(m, 2)[:, 0]
+                return torch.cat(
+                    [node_counts, arriving.view(n, 1 + 2 * m)[:, 0], onward_rows, self.intra.counts(onward)]
+                )
 
             return arrived
 
         sizes = self._sizes(exchange_counts, beside, x.shape[0], x)
-        send1, recv1, send2, recv2 = sizes[:n], sizes[n : 2 * n], sizes[2 * n : 2 * n + m], sizes[2 * n + m :]
+        send1, recv1, send2, second_in = sizes[:n], sizes[n : 2 * n], sizes[2 * n : 2 * n + m], sizes[2 * n + m :]
+        recv2, slots = second_in[::2], sum(second_in[1::2])
         placement1 = place(first, send1)
         received, routing = self._travel(self.inter, x, ids, weights, first, placement1, send1, recv1)
         node_ids, node_weights = unpack_routing(routing)
@@ -196,7 +216,7 @@ class ExpertDispatch:
         placement2 = place(second, send2)
         rows, routing = self._travel(self.intra, received, node_ids, node_weights, second, placement2, send2, recv2)
         expert_ids, expert_weights = unpack_routing(routing)
-        out = run_experts(self.experts, rows, expert_ids, expert_weights, self.held)
+        out = run_experts(self.experts, rows, expert_ids, expert_weights, self.held, slots)
         node_sums = combine(self.intra.rows(out, recv2, send2, "combine").wait(), placement2)
         return combine(self.inter.rows(node_sums, recv1, send1, "combine").wait(), placement1)
 
@@ -206,15 +226,16 @@ class ExpertDispatch:
         routing = exchange.rows(pack_routing(hop, placement, ids, weights), send, recv, "routing")
         return PAYLOAD.unpack([part.wait() for part in payload]), routing.wait()
 
-    def _sizes(self, start, beside, beside_rows: int, x: torch.Tensor) -> list[int]:
+    def _sizes(self, start, beside, beside_rows: int, x: torch.Tensor, parts: int = 1) -> list[int]:
         """The split sizes on the host, read once: `start()` posts the counts and returns what gives them on the
         device once they arrive; the shared experts of the first `beside_rows` rows run meanwhile (on a GPU after the
         copy to the host is issued, the device keeping the order). A checkpointed block's recompute replays the
-        first forward's sizes. (`x`: the rows routed; the dry run's meta tensors hold no counts: even_sizes.)"""
-        recomputing = torch._C._current_graph_task_id() != -1
-        if recomputing and self.routes:
+        first forward's sizes. (`x`, in `parts` chunks: the rows routed; the dry run's meta tensors hold no counts:
+        even_sizes.)"""
+        recomputing, key = torch._C._current_graph_task_id() != -1, recompute_key()
+        if recomputing and key is not None and self.routes.get(key):
             beside.upto(beside_rows)  # where the first forward ran it: the recompute saves tensors in the same order
-            return self.routes.popleft()
+            return self.routes[key].popleft()
         arrived = start()
         if x.device.type == "cuda":
             copy = _HostCopy(arrived())
@@ -224,8 +245,8 @@ class ExpertDispatch:
             copy = _HostCopy(arrived())
         sizes = copy.read()
         self.host_reads += 1
-        if self.recompute_from_cache and torch.is_grad_enabled() and not recomputing:
-            self.routes.append(sizes)
+        if self.recompute_from_cache and torch.is_grad_enabled() and not recomputing and key is not None:
+            self.routes.setdefault(key, deque()).append(sizes)
         return sizes
 
 
@@ -236,8 +257,9 @@ class _Chunk:
         self.x, self.ids, self.weights = x, ids, weights
         self.hop = Hop.plan(ids, lambda e: e // dispatch.per_rank, dispatch.ep)
 
-    def placed(self, send: list[int], recv: list[int] | None = None, capacity: int = 0) -> None:
-        self.send, self.recv = send, send if recv is None else recv
+    def placed(self, send: list[int], recv: list[int] | None = None, capacity: int = 0, slots: int = 0) -> None:
+        """Sizes known: rows to and from each member, the filled slots arriving in all (at most, with a capacity)."""
+        self.send, self.recv, self.slots = send, send if recv is None else recv, slots
         self.placement = place(self.hop, send, capacity)
 
     def post(self, exchange: Exchange) -> None:
@@ -251,7 +273,7 @@ class _Chunk:
         """The rows that arrived through this rank's experts, their weighted sums posted back."""
         received = PAYLOAD.unpack([part.wait() for part in self.payload])
         expert_ids, expert_weights = unpack_routing(self.routing.wait())
-        out = run_experts(experts, received, expert_ids, expert_weights, held)
+        out = run_experts(experts, received, expert_ids, expert_weights, held, self.slots)
         self.returning = exchange.rows(out, self.recv, self.send, "combine")
 
     def combined(self, choices: int) -> torch.Tensor:

@@ -10,6 +10,8 @@ gradients over ranks changes nothing: it is the mean over every target token of 
 not a mean of per-micro-batch means.
 """
 
+import copy
+import functools
 from typing import Protocol
 
 import torch
@@ -19,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trillion.models.mtp import lookahead_labels, lookahead_tokens
+from trillion.parallel.expert_overlap import Pair
 from trillion.parallel.fsdp import set_micro_batch
 from trillion.parallel.tensor_parallel import loss_context
 
@@ -91,24 +94,33 @@ class MicroBatchLoop:
         dp_shard_mode: str = "zero3",
         ahead_weight: float = 0.0,
         lookahead: int = 0,
+        paired: bool = False,
     ):
+        """`paired`: two micro-batches in flight at once (parallel/expert_overlap.py)."""
         self.model, self.tp_enabled, self.dp_shard_mode = model, tp_enabled, dp_shard_mode
-        self.ahead_weight, self.lookahead = ahead_weight, lookahead
+        self.ahead_weight, self.lookahead, self.paired = ahead_weight, lookahead, paired
         self.ahead_loss: torch.Tensor | None = None
 
     def forward_backward(self, micro_batches, tokens: torch.Tensor, autocast, scaler) -> torch.Tensor:
         device = micro_batches[0][0].device
         loss_sum = torch.zeros((), device=device)
         self.ahead_loss = torch.zeros((), device=device) if self.lookahead else None
-        for index, (inputs, labels) in enumerate(micro_batches):
-            set_micro_batch(self.model, self.dp_shard_mode, is_last=index == len(micro_batches) - 1)
-            with autocast:
-                output = self.model(inputs, ahead=lookahead_tokens(labels)) if self.lookahead else self.model(inputs)
+        size = 2 if self.paired else 1
+        for start in range(0, len(micro_batches), size):
+            group = micro_batches[start : start + size]
+            set_micro_batch(self.model, self.dp_shard_mode, is_last=start + len(group) == len(micro_batches))
+            forwards = [functools.partial(self._forward, inputs, labels, autocast) for inputs, labels in group]
+            outputs = Pair().run(*forwards) if len(forwards) == 2 else [forwards[0]()]
             with loss_context(self.tp_enabled):
-                loss, total = self.losses(output, labels, tokens)
-                scaler.scale(total).backward()
-            loss_sum += loss.detach().to_local() if self.tp_enabled else loss.detach()
+                losses = [self.losses(output, labels, tokens) for output, (_, labels) in zip(outputs, group)]
+                scaler.scale(sum(total for _, total in losses)).backward()
+            for loss, _ in losses:
+                loss_sum += loss.detach().to_local() if self.tp_enabled else loss.detach()
         return loss_sum
+
+    def _forward(self, inputs: torch.Tensor, labels: torch.Tensor, autocast):
+        with copy.copy(autocast):  # its own: a paired forward runs in a thread of its own
+            return self.model(inputs, ahead=lookahead_tokens(labels)) if self.lookahead else self.model(inputs)
 
     def losses(self, output, labels: torch.Tensor, tokens) -> tuple[torch.Tensor, torch.Tensor]:
         """(the trunk's loss, the loss to differentiate) of one micro-batch's output: the logits, or with

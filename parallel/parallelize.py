@@ -24,6 +24,7 @@ from trillion.parallel.activation_checkpoint import apply_activation_checkpointi
 from trillion.parallel.compile import apply_compile
 from trillion.parallel.context_parallel import apply_context_parallel
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.expert_overlap import apply_pairing_gates
 from trillion.parallel.expert_parallel import apply_expert_parallel, cache_routes_for_recompute
 from trillion.parallel.float8 import Float8Training
 from trillion.parallel.float8 import convert as convert_to_float8
@@ -82,4 +83,6 @@ def parallelize(
             keep_gathered_after_forward=split_backward,
             expert_mesh=dims.expert_fsdp_mesh if ep_mesh is not None else None,
         )
+    if dims.layout.ep_overlap and dims.pp == 1:
+        apply_pairing_gates(model)  # last, outside every other hook (FSDP's); harmless while nothing pairs
     return model

@@ -18,6 +18,7 @@ from trillion.models.parts import apply_settings as apply_part_settings
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.ep_checks import resolve_dispatch
+from trillion.parallel.expert_overlap import pairs_micro_batches
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, degrees_of
 from trillion.parallel.parallelize import parallelize
@@ -251,11 +252,9 @@ def build_runner(
         pipeline.build()
         return pipeline, pipeline
     # the look-ahead (multi-token prediction) depths and loss weight: 0 for a model without them (models/parts/mtp.py)
-    depths = parts.ahead_modules(model_args)[0]
-    loop = MicroBatchLoop(
-        modules[0], dims.tp_enabled, config.parallel.dp_shard_mode, model_args.mtp_loss_weight, depths
-    )
-    return loop, None
+    depths, weight = parts.ahead_modules(model_args)[0], model_args.mtp_loss_weight
+    paired = pairs_micro_batches(dims.layout, dims.fsdp_enabled)  # two micro-batches in flight (ep_overlap)
+    return MicroBatchLoop(modules[0], dims.tp_enabled, config.parallel.dp_shard_mode, weight, depths, paired), None
 
 
 def layout_fn(

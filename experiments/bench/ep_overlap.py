@@ -7,8 +7,9 @@ communication is the step time with D minus the step time without, with parallel
     hidden = 1 - exposed(on) / exposed(off)
 
 D is set from the layer's own compute (the step without delay, per MoE layer and pass: forward, input and weight
-gradients), times each --scales factor. debug-moe's shape widened so the experts dominate, ep 2 x dp_shard 2,
-two micro-batches of 4 x 128 tokens per step, fp32; dropless and with a per-rank capacity.
+gradients), times each --scales factor. debug-moe's shape widened so the experts dominate, ep 2 x dp_shard 2 (zero2:
+the two micro-batches of a step, 4 x 128 tokens each, in flight together with the overlap), fp32; dropless and with
+a per-rank capacity.
 
     python experiments/bench/ep_overlap.py [--ranks 2] [--steps 6] [--scales 0.5,1,2] [--out DIR]
     python experiments/bench/ep_overlap.py --smoke         # tiny, seconds (tested)
@@ -42,19 +43,20 @@ def model_args(smoke: bool, capacity: float):
     moe = dataclasses.replace(base.moe, rank_capacity_factor=capacity, capacity_ranks=2 if capacity else 1)
     if smoke:
         return dataclasses.replace(base, n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, moe=moe)
-    moe = dataclasses.replace(moe, expert_ffn_dim=768, n_shared_experts=2)
-    return dataclasses.replace(base, n_layers=3, dim=384, n_heads=6, n_kv_heads=2, ffn_dim=768, moe=moe)
+    moe = dataclasses.replace(moe, expert_ffn_dim=512, n_shared_experts=2)  # 8 MoE layers: few edges of the pairing
+    return dataclasses.replace(base, n_layers=9, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512, moe=moe)
 
 
 class Run:
     """One model on the ep group, its step timed under any (overlap, delay): both are read at every step."""
 
     def __init__(self, args, world: int, batch: tuple):
-        self.dims = ParallelDims.of(world, dp_shard=world, ep=world)
+        layout = ParallelDims.of(world, dp_shard=world, ep=world).layout
+        self.dims = ParallelDims(dataclasses.replace(layout, ep_overlap=True, dp_shard_mode="zero2"), world)
         self.dims.build_mesh("cpu")
         with torch.device("meta"):
             model = Transformer(args)
-        parallelize(model, self.dims)
+        parallelize(model, self.dims, dp_shard_mode="zero2")  # the blocks stay gathered: micro-batches pair
         model.to_empty(device="cpu")
         model.init_weights(0)
         self.dispatches = expert_dispatches(model)
@@ -64,6 +66,7 @@ class Run:
         self.generator = torch.Generator().manual_seed(self.dims.dp_rank)
 
     def step(self, overlap: bool, delay_s: float) -> float:
+        self.runner.paired = overlap  # as assemble.py sets it for parallel.ep_overlap at pp 1 and zero2
         for dispatch in self.dispatches:
             dispatch.overlap = overlap
             for exchange in {dispatch.exchange, *dispatch.exchanges()}:
@@ -72,21 +75,26 @@ class Run:
         windows = torch.randint(0, self.args.vocab_size, (count, micro, seq + 1), generator=self.generator)
         micro_batches = [(w[:, :-1], w[:, 1:]) for w in windows]
         scaler = torch.amp.GradScaler("cpu", enabled=False)
+        exchanges = {e for d in self.dispatches for e in (d.exchange, *d.exchanges())}
+        blocked = sum(e.blocked_s for e in exchanges)
         dist.barrier()
         start = time.perf_counter()
         train_step(self.runner, micro_batches, self.optimizer, scaler, contextlib.nullcontext(), 1.0, dims=self.dims)
+        self.blocked = sum(e.blocked_s for e in exchanges) - blocked  # this step's waits on the delayed all-to-alls
         return time.perf_counter() - start
 
 
 def measure(run: Run, settings: list[tuple], rounds: int) -> dict:
     """Median step seconds of each (overlap, delay) setting, the settings taking turns step by step (the machine's
     other load falls on all of them alike); one warm-up round first."""
-    times = {setting: [] for setting in settings}
+    times, blocked = {setting: [] for setting in settings}, {setting: [] for setting in settings}
     for round_ in range(rounds + 1):
         for setting in settings:
             seconds = run.step(*setting)
             if round_:
                 times[setting].append(seconds)
+                blocked[setting].append(run.blocked)
+    run.blocked_medians = {setting: statistics.median(values) for setting, values in blocked.items()}
     return {setting: statistics.median(values) for setting, values in times.items()}
 
 
@@ -113,6 +121,10 @@ def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
                 "exposed_off_s": exposed[False],
                 "exposed_on_s": exposed[True],
                 "hidden": 1 - exposed[True] / exposed[False] if exposed[False] > 0 else float("nan"),
+                # the same, read off the waits: seconds a step blocked on the delayed all-to-alls (rank 0)
+                "blocked_off_s": run.blocked_medians[False, delay],
+                "blocked_on_s": run.blocked_medians[True, delay],
+                "hidden_by_waits": 1 - run.blocked_medians[True, delay] / run.blocked_medians[False, delay],
             }
             rows.append(row)
             if rank == 0:
@@ -124,13 +136,15 @@ def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| dispatch | delay ms (x layer compute) | step s off / on | exposed s, overlap off | exposed s, on | hidden |",
-        "|---|---|---|---|---|---|",
+        "| dispatch | delay ms (x layer compute) | step s off / on | exposed s, overlap off / on | hidden "
+        "| blocked in waits s, off / on | hidden by the waits |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['mode']} | {r['delay_ms']:.1f} ({r['delay_per_layer_compute']:g}x) | {r['step_s']:.3f} / "
-            f"{r['step_overlap_s']:.3f} | {r['exposed_off_s']:.3f} | {r['exposed_on_s']:.3f} | {r['hidden']:.0%} |"
+            f"{r['step_overlap_s']:.3f} | {r['exposed_off_s']:.3f} / {r['exposed_on_s']:.3f} | {r['hidden']:.0%} "
+            f"| {r['blocked_off_s']:.3f} / {r['blocked_on_s']:.3f} | {r['hidden_by_waits']:.0%} |"
         )
     return "\n".join(lines)
 

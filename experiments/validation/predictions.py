@@ -15,7 +15,7 @@ from trillion.models.presets import get_preset
 from trillion.parallel.planner.hardware import HardwareProfile, load_profile
 from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import pipeline_ranks
-from trillion.parallel.planner.moe import ROUTING_ROWS_PER_CHOICE, effective_imbalance
+from trillion.parallel.planner.moe import ROUTING_ROWS_PER_CHOICE, dispatch_seconds, effective_imbalance
 from trillion.parallel.planner.search import Request, evaluate, metrics, scaling
 from trillion.parallel.planner.timing import _memory_bound, all_to_all_time
 from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE
@@ -36,8 +36,10 @@ UNFUSED_BYTES_PER_SCORE = 45
 # receiver reads it and writes it out), TE's permute R + top_k (a read per received copy, a write per expert), TE's
 # unpermute top_k + R (the sum only: the router's weights are applied inside the experts' SwiGLU) and DeepEP's combine
 # 3 R + 1 (a copy into the origin's buffer, the fp32 sum written once); the backward runs the same kernels reversed.
-# Its all-to-alls carry a token R times where Trillion's carry it top_k times. The planner charges Trillion's layer
-# (moe.py): ROUTING_ROWS_PER_CHOICE top_k rows per forward, BACKWARD_ELEMENTWISE times that in the backward.
+# Its all-to-alls carry a token R times; Trillion's per-rank dispatch (the default) too, but the planner's model of it
+# (moe.py dispatch_rows) counts the ranks an evenly routed token reaches, where the recipe's fake gate sends each token
+# to one rank. The planner charges Trillion's layer (moe.py): ROUTING_ROWS_PER_CHOICE top_k rows per forward,
+# BACKWARD_ELEMENTWISE times that in the backward.
 
 
 def deepep_routing_rows(top_k: int, ranks: int) -> int:
@@ -125,8 +127,9 @@ def unfused_attention_share(run: dict, row: dict) -> float:
 
 def deepep_share(run: dict, row: dict) -> float:
     """The share of the planner's step that Automodel's DeepEP dispatch and fused permutation do not pay (negative):
-    the routing's element-wise traffic and the all-to-alls' extra copies of each MoE layer and micro-batch in the
-    forward, the backward and the recomputed forward, at the planner's memory-bound and all-to-all times."""
+    the routing's element-wise traffic and the all-to-alls' copies beyond the run's ranks per token, of each MoE
+    layer and micro-batch in the forward, the backward and the recomputed forward, at the planner's memory-bound and
+    all-to-all times."""
     args, layout, hw = run_args(run), run_layout(run, run["gpus"]), load_profile(run["hardware"])
     k, ranks = args.moe.top_k, run["moe_ranks_per_token"]
     recomputed = int(layout.activation_checkpoint == "full")
@@ -135,7 +138,9 @@ def deepep_share(run: dict, row: dict) -> float:
     # moe_passes: the forward, the backward (BACKWARD_ELEMENTWISE times it) and the recomputed forward
     trillion_rows = ROUTING_ROWS_PER_CHOICE * k * (1 + BACKWARD_ELEMENTWISE + recomputed)
     routing = _memory_bound(hw, (trillion_rows - deepep_routing_rows(k, ranks) * (2 + recomputed)) * row_bytes)
-    per_copy = all_to_all_time(hw, row_bytes * k, layout.ep, layout.tp) - all_to_all_time(
+    tokens = layout.micro_batch_size * run["seq_len"] // layout.cp
+    modeled = dispatch_seconds(args, hw, tokens, dataclasses.replace(layout, moe_load_imbalance=1.0))
+    per_copy = modeled * effective_imbalance(layout.ep, layout.moe_load_imbalance) - all_to_all_time(
         hw, row_bytes * ranks, layout.ep, layout.tp
     )
     copies = 2 * (2 + recomputed) * per_copy  # the dispatch and the combine of each pass

@@ -4,6 +4,7 @@ SwiGLU experts as three stacks (whole on every tp rank, split over ep), and shar
 all-gathered tokens, so the router, its balancing tallies and the auxiliary loss are the one-process ones."""
 
 import dataclasses
+import math
 
 from trillion.errors import ConfigError
 from trillion.models.args import ModelArgs
@@ -21,6 +22,28 @@ GROUP_ROUTING_KERNELS = 6
 # the MoE settings a user may give (section.field), each applied when set (>= 0, or > 0 for the counts)
 COUNTS = ("n_experts", "top_k")
 BALANCING = ("aux_loss_coef", "seq_aux_loss_coef", "bias_update_rate", "capacity_factor")
+
+
+def reach_share(n_experts: int, top_k: int, held: int) -> float:
+    """The chance that a token's top_k distinct experts, drawn evenly from n_experts, include one of `held` ones: the
+    share of tokens a rank (or node) holding them receives under even routing."""
+    return 1 - math.comb(n_experts - held, top_k) / math.comb(n_experts, top_k)
+
+
+def member_reach(routing, held: int) -> float:
+    """The chance that a token reaches a member (an ep rank, or a node of them) holding `held` consecutive experts
+    of a Routing declaration. Group-limited routing (topk_groups of n_groups, DeepSeek-V3), the member inside a group:
+    its group chosen, times its experts among the top_k / topk_groups the token takes in each chosen group (the
+    router chooses groups by their best two, which spreads the choices over them: at DeepSeek-V3's shape this gives
+    the per-rank dispatch's counted rows within 1%, experiments/bench/ep_dispatch.py); the member holding whole
+    groups: one of its groups chosen; otherwise top_k drawn evenly."""
+    experts, groups, chosen = routing.n_experts, routing.groups, routing.groups_chosen
+    group = experts // groups
+    if groups > 1 and group % held == 0:
+        return chosen / groups * reach_share(group, max(1, round(routing.top_k / chosen)), held)
+    if groups > 1 and held % group == 0:
+        return 1 - math.comb(groups - held // group, chosen) / math.comb(groups, chosen)
+    return reach_share(experts, routing.top_k, held)
 
 
 def router_elements(moe) -> int:

@@ -121,7 +121,8 @@ def block_passes(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: 
     if not routed:
         return layer_passes(*shape)
     tokens = layout.micro_batch_size * seq_len // layout.cp
-    return layer_passes(*shape, True) + moe_passes(args, hw, tokens, layout.tp, layout.ep, layout.moe_load_imbalance)
+    around = layer_passes(*shape, True)  # attention and shared experts: a paired micro-batch computes them meanwhile
+    return around + moe_passes(args, hw, tokens, layout, around)
 
 
 @lru_cache(maxsize=8192)

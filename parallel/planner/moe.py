@@ -37,6 +37,7 @@ import math
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.models.parts import Block
+from trillion.models.parts.moe import member_reach
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time
 from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE
@@ -52,6 +53,9 @@ MOE_LOAD_IMBALANCE = 1.16
 # Rows of dim one routed (token, expert) pair's routing reads and writes in a forward (the module docstring's
 # element-wise line: the permutation and its inverse 4, the weighting 2, the sum 1)
 ROUTING_ROWS_PER_CHOICE = 7
+# Kernels the dropless dispatch launches between reading its split sizes on the host and posting its all-to-all:
+# counted by tests/planner/test_dispatch_plan.py, which runs that stretch under a dispatch mode
+HOST_READ_LAUNCHES = 39
 
 
 def routed_block(args: ModelArgs) -> Block:
@@ -82,34 +86,143 @@ def expert_rows(args: ModelArgs, tokens: int, ep: int, imbalance: float) -> int:
     return math.ceil(tokens * routing.top_k * ep / routing.n_experts * effective_imbalance(ep, imbalance))
 
 
-def all_to_all_bytes(args: ModelArgs, tokens: int, ep: int, element_bytes: int, imbalance: float = 1.0) -> float:
-    """Bytes one rank sends to its ep peers in one all-to-all: tokens x top_k x dim x bytes x (ep - 1) / ep."""
-    payload = tokens * routed_block(args).routing.top_k * args.dim * element_bytes * effective_imbalance(ep, imbalance)
-    return payload * (ep - 1) / ep
+def members_per_node(hw: HardwareProfile, tp: int, ep: int) -> int:
+    """The ep group's ranks on one node (the group sits just outside tp: ep x tp consecutive GPUs)."""
+    return max(1, min(ep, hw.gpus_per_node // tp))
 
 
-def moe_passes(
-    args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, ep: int, imbalance: float = MOE_LOAD_IMBALANCE
-) -> Passes:
-    """What one MoE layer adds to its block's attention and shared experts (the module docstring)."""
+def dispatch_mode(layout, hw: HardwareProfile) -> str:
+    """The layout's dispatch mode as it runs on `hw`: the per-node one only where the ep group spans nodes."""
+    if layout.ep_dispatch == "node" and layout.ep <= members_per_node(hw, layout.tp, layout.ep):
+        return "rank"
+    return layout.ep_dispatch
+
+
+def dispatch_rows(args: ModelArgs, mode: str, ep: int, members: int) -> tuple[tuple[float, float], ...]:
+    """Per hop, the rows one rank sends per token of its MoE input in one direction (the combine sends as many back),
+    (over the network, over the node's link), as parallel/expert_parallel.py sends them: per expert one a choice on
+    another rank; per rank one a reached rank; per node one a reached node over the network, then one a reached rank
+    of that node besides the one it arrived at (models/parts/moe.py member_reach). Tested against the rows the
+    dispatch's own all-to-alls count (tests/planner/test_dispatch_plan.py)."""
+    routing = routed_block(args).routing
+    per_rank, nodes = routing.n_experts // ep, max(1, ep // members)
+    if mode == "expert":
+        return ((routing.top_k * (ep - members) / ep, routing.top_k * (members - 1) / ep),)
+    rank = member_reach(routing, per_rank)
+    if mode == "rank" or nodes == 1:
+        return (((ep - members) * rank, (members - 1) * rank),)
+    node = member_reach(routing, per_rank * members)
+    return (((nodes - 1) * node, 0.0), (0.0, ep * rank * (members - 1) / members))
+
+
+def row_bytes(args: ModelArgs, mode: str, element_bytes: int) -> int:
+    """A dispatched row: the token in the compute dtype, and its weights and expert ids in float32 (ep_routing.py)."""
+    slots = 1 if mode == "expert" else routed_block(args).routing.top_k
+    return args.dim * element_bytes + 2 * slots * 4
+
+
+def dispatch_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, layout) -> float:
+    """One direction's all-to-alls (the dispatch; the combine takes as long) on the busiest rank: each hop's network
+    and node-link shares at once, the hops one after the other, a latency each."""
+    ep, tp = layout.ep, layout.tp
+    if ep <= 1:
+        return 0.0
+    members, mode = members_per_node(hw, tp, ep), dispatch_mode(layout, hw)
+    size = tokens * row_bytes(args, mode, hw.element_bytes) * effective_imbalance(ep, layout.moe_load_imbalance)
+    seconds = 0.0
+    for network, link in dispatch_rows(args, mode, ep, members):
+        hop, latency = 0.0, 0.0
+        if link:
+            bandwidth, latency = hw.collective_link(members * tp, False, "all_to_all")
+            hop = size * link / bandwidth
+        if network:
+            bandwidth, latency = hw.collective_link(ep * tp, True, "all_to_all")
+            hop = max(hop, size * network / bandwidth)
+        seconds += hop + latency
+    return seconds
+
+
+def exposed_all_to_alls(layout, hw, one_way: float, counts: float, shared: float, experts: float) -> float:
+    """Seconds of one pass's all-to-alls left exposed: the dispatch and the combine (`one_way` each) and `counts` (the
+    split sizes' exchange and read; 0 where none: a capacity, a recompute, the backward), beside the pass's `shared`
+    experts and routed `experts`. Without overlap all of it. With it (parallel/expert_parallel.py) each all-to-all's
+    wait sees the compute run since its post: the counts the first chunk's shared experts; of two chunks (the expert
+    and rank modes) posted together, the first dispatch half the first shared experts with a capacity (dropless:
+    nothing), the second the first chunk's experts, the first combine half the second chunk's experts, the last the
+    second shared experts. The per-node mode runs in one chunk: only the counts hide, behind the shared experts."""
+    if not layout.ep_overlap:
+        return counts + 2 * one_way
+    if dispatch_mode(layout, hw) == "node":
+        return max(0.0, counts - shared) + 2 * one_way
+    half = one_way / 2
+    first = max(0.0, half - (0.0 if counts else shared / 2))
+    return max(0.0, counts - shared / 2) + first + 2 * max(0.0, half - experts / 2) + max(0.0, half - shared / 2)
+
+
+def pairs(layout) -> bool:
+    """parallel.ep_overlap pairs micro-batches here (parallel/expert_overlap.py pairs_micro_batches's rule)."""
+    gathered = layout.dp_shard * layout.cp == 1 or layout.dp_shard_mode != "zero3"
+    return layout.ep_overlap and layout.ep > 1 and layout.pp == 1 and layout.microbatches > 1 and gathered
+
+
+def exposed_paired(one_way: float, counts: float, segment: float) -> float:
+    """Seconds of one pass's all-to-alls left exposed with two micro-batches in flight: each waits beside one
+    segment of the other's compute, its pass between two of its posts (`segment`)."""
+    return sum(max(0.0, phase - segment) for phase in (counts, one_way, one_way) if phase)
+
+
+def moe_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, layout, around: Passes | None = None) -> Passes:
+    """What one MoE layer adds to its block's attention and shared experts (`around`; the module docstring)."""
     block, h, launch = routed_block(args), args.dim, hw.device.kernel_overhead_us * 1e-6
+    tp, ep, imbalance = layout.tp, layout.ep, layout.moe_load_imbalance
     routing, f = block.routing, expert_width(block)  # the routed experts are whole on every tp rank
     experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance)
     router = _gemm(hw, tokens, routing.gate.in_features, routing.gate.out_features)
     k, imb = routing.top_k, effective_imbalance(ep, imbalance)
     elements = tokens * ((ROUTING_ROWS_PER_CHOICE * k * h + 5 * k * f) * imb + h + routing.elements)
     elementwise = _memory_bound(hw, elements * hw.element_bytes) + routing.kernels * launch
-    payload = tokens * k * h * hw.element_bytes * imb  # one all-to-all's per-rank bytes, own share included
-    a2a = all_to_all_time(hw, payload, ep, tp)
-    counts = all_to_all_time(hw, 0.0, ep, tp)  # the counts' exchange: its latency
-    forward_a2a, backward_a2a = 2 * a2a + counts, 2 * a2a
+    exposed = [0.0, 0.0, 0.0]  # forward, backward, recomputed forward
+    if ep > 1:
+        one_way, shared = dispatch_seconds(args, hw, tokens, layout), shared_expert_seconds(args, hw, tokens, tp)
+        counts = 0.0 if layout.ep_capacity else all_to_all_time(hw, 0.0, ep, tp) + host_read_stall(hw)
+        exposed = [
+            exposed_all_to_alls(layout, hw, one_way, counts, shared, experts),
+            exposed_all_to_alls(layout, hw, one_way, 0.0, 2 * shared, 2 * experts),
+            exposed_all_to_alls(layout, hw, one_way, 0.0, shared, experts),
+        ]
+        if around is not None and pairs(layout):  # the other micro-batch's layer computes beside each all-to-all
+            forward = around.forward - around.tp_forward - around.cp_forward + router + experts + elementwise
+            backward = forward + around.input_grad + around.weight_grad - around.forward + experts + router
+            turns = 3 if counts else 2  # a forward hands the turn over after the counts, the rows, the combine
+            exposed = [
+                exposed_paired(one_way, counts, forward / turns),
+                exposed_paired(one_way, 0.0, backward / 2),
+                exposed_paired(one_way, 0.0, forward / 2),
+            ]
     return Passes(
-        forward=router + experts + elementwise + forward_a2a,
-        input_grad=router + experts + BACKWARD_ELEMENTWISE * elementwise + backward_a2a,
+        forward=router + experts + elementwise + exposed[0],
+        input_grad=router + experts + BACKWARD_ELEMENTWISE * elementwise + exposed[1],
         weight_grad=router + experts,
-        ep_forward=forward_a2a,
-        ep_backward=backward_a2a,
+        ep_forward=exposed[0],
+        ep_backward=exposed[1],
+        ep_recompute=exposed[2],
     )
+
+
+def shared_expert_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) -> float:
+    """One forward of the shared experts' GEMMs (tp-split as declared): what the overlap runs beside the dispatch."""
+    part = next(p for p in routed_block(args).parts if p.routing is not None)
+    split = {0: (1, tp), 1: (tp, 1), None: (1, 1)}
+    return sum(
+        _gemm(hw, tokens, x.in_features // split[x.tp_dim][0], x.out_features // split[x.tp_dim][1])
+        for x in part.linears
+    )
+
+
+def host_read_stall(hw: HardwareProfile) -> float:
+    """The device's idle time per dropless MoE forward: the host waits for the split sizes, then launches the
+    HOST_READ_LAUNCHES kernels before the all-to-all one by one onto an empty queue."""
+    return HOST_READ_LAUNCHES * hw.device.kernel_overhead_us * 1e-6
 
 
 def expert_gemm_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, ep: int, imbalance: float) -> float:

@@ -20,6 +20,7 @@ from trillion.models import PRESETS, Transformer
 from trillion.models.args import MLAArgs, YaRNArgs
 from trillion.models.moe import AUX_TIMES_TOKENS, DROPPED, SEQ_AUX_TIMES_TOKENS, moe_layers
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.expert_overlap import pairs_micro_batches
 from trillion.parallel.expert_parallel import ExpertDispatch
 from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
@@ -101,7 +102,8 @@ def _build(case: dict, dims: ParallelDims, args):
         layout(model)
         model.to_empty(device="cpu")
         model.init_weights(SEED)
-        return MicroBatchLoop(model, dims.tp_enabled, mode, args.mtp_loss_weight, args.mtp_modules), [model]
+        paired = pairs_micro_batches(dataclasses.replace(dims.layout, dp_shard_mode=mode, microbatches=2), True)
+        return MicroBatchLoop(model, dims.tp_enabled, mode, args.mtp_loss_weight, args.mtp_modules, paired), [model]
     n_micro = GLOBAL_BATCH // (MICRO_BATCH * dims.dp_size)
     pipeline = Pipeline(model, dims, case.get("schedule", "1F1B"), n_micro, torch.device("cpu"), parallelize_fn=layout)
     for part in pipeline.parts:

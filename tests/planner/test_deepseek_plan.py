@@ -106,7 +106,8 @@ def test_the_mtp_module_sits_on_the_last_stage_and_costs_a_block_and_the_head():
     args = get_preset("deepseek-v3-671b")
     ranks = _one_rank(args, pp=4)
     assert [r.ahead_modules for r in ranks] == [0, 0, 0, 1]
-    assert sum(r.numel(args, 1, 1)[0] for r in ranks) == _one_rank(args)[0].numel(args, 1, 1)[0]
+    embedding = args.vocab_size * args.dim  # the last stage's copy, which the MTP module reads (pipeline_ahead.py)
+    assert sum(r.numel(args, 1, 1)[0] for r in ranks) == _one_rank(args)[0].numel(args, 1, 1)[0] + embedding
     last, without = ranks[-1], dataclasses.replace(ranks[-1], ahead_modules=0)
     layout = Layout(tp=8)
     with_mtp, plain = rank_passes(args, H100, layout, 4096, last)[0], rank_passes(args, H100, layout, 4096, without)[0]
@@ -199,3 +200,56 @@ def test_the_fullest_rank_can_be_a_middle_one():
     assert ranks[0].routed_layers == 0 and ranks[16].routed_layers == 2
     first, last = (rank_memory(args, layout, 4096, ranks[i], n).total for i, n in ((0, 32), (31, 1)))
     assert layout_memory(args, layout, 4096).total > 1.2 * max(first, last)  # 60.6 GB against 21.8 and 47.9
+
+
+DEEPSEEK_PLAN = ["plan", "--model", "deepseek-v3-671b", "--hardware", "dgx-h800", "--gpus", "2048"]
+DEEPSEEK_PLAN += [
+    "--global-batch",
+    "15360",
+    "--seq-len",
+    "4096",
+    "--tokens",
+    "14.8e12",
+    "--format",
+    "json",
+    "--top",
+    "1",
+]
+DEEPSEEK_LAYOUT = ["--pp", "16", "--ep", "64", "--dp-shard", "128", "--dp-shard-mode", "zero1", "--float8"]
+
+
+def test_deepseeks_own_layout_plans_with_mtp_per_node_and_its_cost_beside_the_published(tmp_path, capsys):
+    """DeepSeek-V3's layout (pp 16, ep 64 over 8 nodes, zero1) in float8 plans with its MTP module and the per-node
+    dispatch, and the plan file carries them; the README's comparison with the published 2.664M H800 GPU-hours is
+    the planner's."""
+    import json
+    from pathlib import Path
+
+    from trillion.trainer.cli.main import main
+    from trillion.trainer.config.schema import load_config
+
+    assert main([*DEEPSEEK_PLAN, *DEEPSEEK_LAYOUT, "--config-out", str(tmp_path / "ds.toml")]) == 0
+    row = json.loads(capsys.readouterr().out)["candidates"][0]
+    assert (row["pp"], row["ep"], row["ep_dispatch"], row["ep_overlap"]) == (16, 64, "node", True)
+    config = load_config(str(tmp_path / "ds.toml"))
+    assert config.model.mtp_modules == -1 and get_preset("deepseek-v3-671b").mtp_modules == 1  # the preset's MTP
+    assert (config.job.world_size, config.job.hardware, config.parallel.ep_dispatch) == (2048, "dgx-h800", "auto")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    quoted = f"{row['gpu_hours'] / 1e6:.2f}M GPU-hours ({row['gpu_hours'] / 2.664e6 - 1:+.0%} against DeepSeek's"
+    assert quoted in readme, quoted
+
+
+@pytest.mark.slow  # about 30 s (70k layouts) and the 2048-rank dry run about 15 s on two cores
+def test_deepseek_v3_on_2048_h800_plans_with_mtp_and_its_own_layout_dry_runs(tmp_path, capsys):
+    import json
+
+    from trillion.trainer.cli.main import main
+
+    assert main([*DEEPSEEK_PLAN, "--config-out", str(tmp_path / "searched.toml")]) == 0
+    assert json.loads(capsys.readouterr().out)["request"]["model"] == "deepseek-v3-671b"
+    assert main([*DEEPSEEK_PLAN, *DEEPSEEK_LAYOUT, "--config-out", str(tmp_path / "ds.toml")]) == 0
+    capsys.readouterr()
+    code = main(["estimate", "--config", str(tmp_path / "ds.toml"), "--format", "json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code in (0, 1) and data["world_size"] == 2048 and len(data["ranks"]) == 5
+    assert all(rank["activations_source"] == "measured" for rank in data["ranks"])

@@ -17,6 +17,7 @@ from pathlib import Path
 from trillion.errors import ConfigError
 from trillion.models import parts
 from trillion.models.presets import PRESETS, get_preset
+from trillion.parallel.layout import EP_DISPATCH
 from trillion.parallel.modes import SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile, profile_names
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan the blocks' linears in float8 (fp8 GEMMs and their casts; FSDP all-gathers their weights in "
         "float8); refused on hardware without float8 tensor cores",
     )
+    _add_dispatch_arguments(fixed)
     fixed.add_argument(
         "--moe-load-imbalance",
         dest="moe_load_imbalance",
@@ -105,6 +107,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_part_arguments(p)
     return p
+
+
+def _add_dispatch_arguments(fixed) -> None:
+    """The expert dispatch's settings (MoE models), each fixed when given."""
+    fixed.add_argument(
+        "--ep-dispatch",
+        choices=EP_DISPATCH,
+        default=None,
+        help="MoE models: how tokens reach the experts (default: per node where the ep group spans nodes, else per "
+        "rank; parallel.ep_dispatch)",
+    )
+    fixed.add_argument(
+        "--ep-overlap",
+        choices=("on", "off"),
+        default=None,
+        help="MoE models: overlap the expert all-to-alls with compute (default on with ep > 1; parallel.ep_overlap)",
+    )
+    fixed.add_argument(
+        "--ep-capacity",
+        type=float,
+        default=None,
+        help="MoE models: a per-rank capacity, as a multiple of an even share (no host read; moe.rank_capacity_factor, "
+        "at least 1); default dropless",
+    )
 
 
 # plan flag -> the model setting it gives the parts (models/parts apply_settings), each a count, 0 or more
@@ -150,6 +176,10 @@ def argument_problems(ns: argparse.Namespace) -> tuple[list[str], object]:
     for flag, setting in PART_FLAGS.items():
         if getattr(ns, flag) is not None and getattr(ns, flag) < 0:
             problems.append(f"--{flag.replace('_', '-')} {getattr(ns, flag)} must be 0 or more (0: none; {setting})")
+    if ns.ep_capacity is not None and ns.ep_capacity < 1:
+        problems.append(
+            f"--ep-capacity {ns.ep_capacity:g} must be at least 1 (an even share; moe.rank_capacity_factor)"
+        )
     if ns.seq_len < 0:
         problems.append(f"--seq-len {ns.seq_len} must be positive (or 0: the model's max_seq_len)")
     if not math.isfinite(ns.tokens) or ns.tokens < 0:
@@ -180,6 +210,8 @@ def request_from(ns: argparse.Namespace) -> Request:
     given = {setting: getattr(ns, flag) for flag, setting in PART_FLAGS.items() if getattr(ns, flag) is not None}
     args = parts.apply_settings(get_preset(ns.model), {"model.name": ns.model, **given})
     fixed = {k: getattr(ns, k) for k in LAYOUT_FIELDS if getattr(ns, k) is not None}
+    if "ep_overlap" in fixed:
+        fixed["ep_overlap"] = fixed["ep_overlap"] == "on"
     return Request(
         ns.model,
         args,
@@ -222,6 +254,9 @@ def train_config_toml(request: Request, row: dict) -> str:
         field = setting.removeprefix("model.")
         if getattr(request.args, field) != getattr(get_preset(request.model), field):
             setattr(config.model, field, getattr(request.args, field))
+    config.parallel.ep_dispatch = request.fixed.get("ep_dispatch", "auto")  # auto: as the plan resolved it
+    config.parallel.ep_overlap = row["ep_overlap"] and row["ep"] > 1
+    config.moe.rank_capacity_factor = row["ep_capacity"]
     config.compile.enabled = row["compile"]
     config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather on (auto): what the plan timed
     header = [

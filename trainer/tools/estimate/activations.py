@@ -178,11 +178,11 @@ def _moe_on_meta():
         bounds = [x.shape[0] * g // weight.shape[0] for g in range(weight.shape[0] + 1)]
         return torch.cat([x[a:b] @ weight[g] for g, (a, b) in enumerate(zip(bounds, bounds[1:]))])
 
-    def sizes_on_meta(self, exchanged, beside, x):
+    def sizes_on_meta(self, start, beside, beside_rows, x, parts=1):
         if x.device.type != "meta":
-            return sizes(self, exchanged, beside, x)
-        beside()
-        return self.even_sizes(x.shape[0])
+            return sizes(self, start, beside, beside_rows, x, parts)
+        beside.upto(beside_rows)
+        return self.even_sizes(x.shape[0], parts)
 
     grouped.grouped_mm_unavailable, grouped.loop_grouped_mm = unavailable_on_meta, loop_on_meta
     expert_parallel.ExpertDispatch._sizes = sizes_on_meta
