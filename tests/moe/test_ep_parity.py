@@ -28,16 +28,10 @@ def test_two_ranks_ep2_checkpointing_aux_loss_and_cp():
             # the recompute routes as the first forward did, from its cached route: no second exchange
             {"name": "ep2-ac-full", "dp_shard": 2, "ep": 2, "ac": "full", "same_as": "ep2", "host_reads": READS},
             {"name": "ep2-ac-op", "dp_shard": 2, "ep": 2, "ac": "selective:op", "host_reads": READS},
-            # the all-to-alls beside the shared experts and the other chunk's experts, recomputed under AC
-            {
-                "name": "ep2-overlap-ac-full",
-                "dp_shard": 2,
-                "ep": 2,
-                "ep_overlap": True,
-                "ac": "full",
-                "host_reads": READS,
-            },
-            {"name": "ep2-overlap-ac-op", "dp_shard": 2, "ep": 2, "ep_overlap": True, "ac": "selective:op"},
+            # the all-to-alls beside the shared experts and the other chunk's experts (zero3), recomputed under AC
+            {"name": "ep2-overlap-ac-full", **OVERLAP, "ac": "full", "host_reads": READS},
+            # zero2 keeps the blocks gathered: a step's two micro-batches in flight together (expert_overlap.py)
+            {"name": "ep2-paired-ac-op", **OVERLAP, "mode": "zero2", "ac": "selective:op", "host_reads": READS},
             {"name": "ep2-aux-loss-zero2", "dp_shard": 2, "ep": 2, "variant": "aux", "mode": "zero2"},
             # DeepSeek-V3's sequence-wise balance loss: per-sequence statistics, which ep must leave alone
             {"name": "ep2-seq-aux-loss", "dp_shard": 2, "ep": 2, "variant": "seq-aux"},
@@ -112,6 +106,9 @@ def test_two_ranks_overlap_breadth():
             {"name": "ep2-overlap-capacity", "dp_shard": 2, "ep": 2, "ep_overlap": True, "variant": "capacity"},
             {"name": "ep2-overlap-per-expert", "dp_shard": 2, "ep": 2, "ep_overlap": True, "ep_dispatch": "expert"},
             {"name": "ep2-overlap-zero3-mla", "dp_shard": 2, "ep": 2, "ep_overlap": True, "model": "mla"},
+            {"name": "ep2-paired-zero1-ac-full", **OVERLAP, "mode": "zero1", "ac": "full", "steps": 8},
+            {"name": "ep2-paired-mla-mtp", **OVERLAP, "mode": "zero2", "model": "mla", "variant": "mtp"},
+            {"name": "ep2-paired-selective", **OVERLAP, "mode": "zero2", "ac": "selective"},
             # the first two steps at 1e-6 relative (after them AdamW's normalisation magnifies float rounding)
             {"name": "ep2-tight", "dp_shard": 2, "ep": 2, "steps": 2, "tol": TIGHT},
         ],
