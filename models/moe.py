@@ -212,7 +212,12 @@ def rank_capacity_mask(chosen: torch.Tensor, n_experts: int, ranks: int, factor:
 
 
 def run_experts(
-    experts: nn.Module, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, held: range = None, slots: int = 0
+    experts: nn.Module,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    held: range | None = None,
+    slots: int | None = None,
 ):
     """(R, dim) rows, each with top_k slots of expert ids (R, top_k; -1: none) and weights -> (R, dim) each row's
     weighted sum over its slots of the experts' outputs; `experts` holds the experts `held` (all by default), which
@@ -225,12 +230,12 @@ def run_experts(
     local, flat = len(held), ids.flatten()
     key = torch.where(flat >= 0, flat - held.start, local)  # no slot: sorted last, never run
     order = key.argsort(stable=True)
-    if slots:
+    if slots is not None:
         order = order[:slots]
     counts = torch.zeros(local + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
     out = experts(x[order // top_k], counts[:local])  # rows past the counts are zeros
     out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
-    if slots:
+    if slots is not None:
         return out.new_zeros(rows, out.shape[-1]).index_add_(0, order // top_k, out)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
     return out[inverse].view(rows, top_k, -1).sum(dim=1)

@@ -257,7 +257,7 @@ class _Chunk:
         self.x, self.ids, self.weights = x, ids, weights
         self.hop = Hop.plan(ids, lambda e: e // dispatch.per_rank, dispatch.ep)
 
-    def placed(self, send: list[int], recv: list[int] | None = None, capacity: int = 0, slots: int = 0) -> None:
+    def placed(self, send: list[int], slots: int, recv: list[int] | None = None, capacity: int = 0) -> None:
         """Sizes known: rows to and from each member, the filled slots arriving in all (at most, with a capacity)."""
         self.send, self.recv, self.slots = send, send if recv is None else recv, slots
         self.placement = place(self.hop, send, capacity)

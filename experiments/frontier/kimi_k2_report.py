@@ -35,7 +35,8 @@ DEEPSEEK_LAYOUT = {"tp": 1, "pp": 16, "ep": 64, "dp_shard": 128, "dp_shard_mode"
 
 
 def command(request: Request) -> str:
-    fixed = "".join(f" --{k.replace('_', '-')} {v}" if v is not True else f" --{k}" for k, v in request.fixed.items())
+    flags = {k: ({True: "on", False: "off"}[v] if k == "ep_overlap" else v) for k, v in request.fixed.items()}
+    fixed = "".join(f" --{k.replace('_', '-')} {v}" if v is not True else f" --{k}" for k, v in flags.items())
     if request.args.mtp_modules != get_preset(request.model).mtp_modules:
         fixed += f" --mtp-modules {request.args.mtp_modules}"
     return (

@@ -86,14 +86,15 @@ def expert_rows(args: ModelArgs, tokens: int, ep: int, imbalance: float) -> int:
     return math.ceil(tokens * routing.top_k * ep / routing.n_experts * effective_imbalance(ep, imbalance))
 
 
-def members_per_node(hw: HardwareProfile, tp: int, ep: int) -> int:
-    """The ep group's ranks on one node (the group sits just outside tp: ep x tp consecutive GPUs)."""
-    return max(1, min(ep, hw.gpus_per_node // tp))
+def members_per_node(layout) -> int:
+    """The ep group's ranks on one node of layout.ranks_per_node (the planner's: its hardware's GPUs per node; the group
+    sits just outside tp: ep x tp consecutive GPUs)."""
+    return max(1, min(layout.ep, layout.ranks_per_node // layout.tp))
 
 
-def dispatch_mode(layout, hw: HardwareProfile) -> str:
-    """The layout's dispatch mode as it runs on `hw`: the per-node one only where the ep group spans nodes."""
-    if layout.ep_dispatch == "node" and layout.ep <= members_per_node(hw, layout.tp, layout.ep):
+def dispatch_mode(layout) -> str:
+    """The layout's dispatch mode as it runs: the per-node one only where the ep group spans nodes."""
+    if layout.ep_dispatch == "node" and layout.ep <= members_per_node(layout):
         return "rank"
     return layout.ep_dispatch
 
@@ -127,7 +128,7 @@ def dispatch_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, layout) 
     ep, tp = layout.ep, layout.tp
     if ep <= 1:
         return 0.0
-    members, mode = members_per_node(hw, tp, ep), dispatch_mode(layout, hw)
+    members, mode = members_per_node(layout), dispatch_mode(layout)
     size = tokens * row_bytes(args, mode, hw.element_bytes) * effective_imbalance(ep, layout.moe_load_imbalance)
     seconds = 0.0
     for network, link in dispatch_rows(args, mode, ep, members):
@@ -152,7 +153,7 @@ def exposed_all_to_alls(layout, hw, one_way: float, counts: float, shared: float
     second shared experts. The per-node mode runs in one chunk: only the counts hide, behind the shared experts."""
     if not layout.ep_overlap:
         return counts + 2 * one_way
-    if dispatch_mode(layout, hw) == "node":
+    if dispatch_mode(layout) == "node":
         return max(0.0, counts - shared) + 2 * one_way
     half = one_way / 2
     first = max(0.0, half - (0.0 if counts else shared / 2))

@@ -71,3 +71,22 @@ def test_a_wrong_route_is_caught(routing, monkeypatch):
     monkeypatch.setattr("trillion.parallel.expert_parallel.place", losing_a_slot)
     with pytest.raises(AssertionError):
         simulate(routing, MOE, EP, PER_NODE, DIM, "rank")
+
+
+def test_a_rank_that_receives_no_rows_runs_no_expert():
+    """An ep rank to which no token goes this micro-batch (seen with one sequence a micro-batch at ep 4) gets no rows
+    and no filled slots: its experts run on nothing, and its combine sends nothing back."""
+    import dataclasses
+
+    import torch
+
+    from trillion.models.moe import RoutedExperts, run_experts
+
+    experts = RoutedExperts(8, dataclasses.replace(MOE, n_experts=2))  # this rank's 2 of the 16: experts 2 and 3
+    for weight in experts.parameters():
+        torch.nn.init.normal_(weight)
+    none = torch.zeros(0, 4, dtype=torch.long)
+    assert run_experts(experts, torch.zeros(0, 8), none, torch.zeros(0, 4), range(2, 4), slots=0).shape == (0, 8)
+    elsewhere = torch.full((3, 4), -1)  # rows whose slots are all another rank's
+    rows = run_experts(experts, torch.ones(3, 8), elsewhere, torch.ones(3, 4), range(2, 4), slots=0)
+    assert torch.equal(rows, torch.zeros(3, 8))
