@@ -30,7 +30,7 @@ class Pair:
         self.turn, self.running, self.inside = 0, [True, True], [None, None]
 
     def run(self, first, second) -> list:
-        results, errors = [None, None], []
+        results = [None, None]
 
         def body(side: int, work) -> None:
             _LOCAL.pair, _LOCAL.side = self, side
@@ -38,21 +38,13 @@ class Pair:
                 self.turns.wait_for(lambda: self.turn == side)
             try:
                 results[side] = work()
-            except BaseException as error:  # noqa: BLE001 (raised by run, in the caller's thread)
-                errors.append(error)
             finally:
                 _LOCAL.pair = None
                 with self.turns:
                     self.running[side], self.turn = False, 1 - side
                     self.turns.notify_all()
 
-        threads = [threading.Thread(target=body, args=(side, work)) for side, work in enumerate((first, second))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
+        in_threads([lambda side=side, work=work: body(side, work) for side, work in enumerate((first, second))])
         return results
 
     def hand_over(self, side: int) -> None:
@@ -63,6 +55,25 @@ class Pair:
             self.turn = 1 - side
             self.turns.notify_all()
             self.turns.wait_for(lambda: self.turn == side)
+
+
+def in_threads(bodies) -> None:
+    """Each of `bodies` in a thread of its own, all joined; the first error any raised is raised here."""
+    errors = []
+
+    def guarded(body) -> None:
+        try:
+            body()
+        except BaseException as error:  # noqa: BLE001 (raised below, in the caller's thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=guarded, args=(body,)) for body in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 def pairs_micro_batches(layout, fsdp: bool) -> bool:

@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trillion.models.args import MoEArgs  # noqa: E402
 from trillion.models.moe import Router  # noqa: E402
 from trillion.parallel.ep_exchange import STAGES, Exchange, Traffic  # noqa: E402
+from trillion.parallel.expert_overlap import in_threads  # noqa: E402
 from trillion.parallel.expert_parallel import ExpertDispatch  # noqa: E402
 
 MODES = ("expert", "rank", "node")
@@ -91,7 +92,7 @@ def _dispatches(moe: MoEArgs, ep: int, ranks_per_node: int, mode: str) -> list[E
 def simulate(routing: list[tuple], moe: MoEArgs, ep: int, ranks_per_node: int, dim: int, mode: str) -> Traffic:
     """Every rank's dispatch of its tokens (routing: per rank (chosen experts, weights)), in threads; the traffic
     summed over the ranks. Raises if a token does not get back the weighted sum of its rows."""
-    dispatches, total, errors = _dispatches(moe, ep, ranks_per_node, mode), Traffic(), []
+    dispatches, total = _dispatches(moe, ep, ranks_per_node, mode), Traffic()
     for dispatch in dispatches:
         for exchange in dispatch.exchanges():
             exchange.traffic = total
@@ -105,18 +106,12 @@ def simulate(routing: list[tuple], moe: MoEArgs, ep: int, ranks_per_node: int, d
                 out, _ = dispatches[rank](x, ids, weights)
             expected = x.float() * weights.sum(dim=1, keepdim=True)
             torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
-        except BaseException as error:  # noqa: BLE001 (reported by the caller)
-            errors.append(error)
+        except BaseException:
             for board in {e.board for d in dispatches for e in d.exchanges()}:
-                board.barrier.abort()
+                board.barrier.abort()  # the other threads stop waiting for this one
+            raise
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(ep)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        raise errors[0]
+    in_threads([lambda rank=rank: run(rank) for rank in range(ep)])
     return total
 
 

@@ -9,16 +9,12 @@ from tests.helpers.spawn import run_ranks
 from tests.moe.harness import check_cases
 
 
-def test_mtp_with_pp2():
-    run_ranks(check_cases, 2, [{"name": "mtp-pp2", "pp": 2, "dp_shard": 1, "variant": "mtp"}])
-
-
-@pytest.mark.slow  # about 20 s on two cores
-def test_mtp_with_tp2_and_cp2():
+def test_mtp_with_pp2_tp2_and_cp2():
     run_ranks(
         check_cases,
         2,
         [
+            {"name": "mtp-pp2", "pp": 2, "dp_shard": 1, "variant": "mtp"},
             {"name": "mtp-tp2", "dp_shard": 1, "tp": 2, "variant": "mtp"},
             {"name": "mtp-cp2", "dp_shard": 1, "cp": 2, "variant": "mtp"},
         ],
