@@ -27,9 +27,11 @@ from pathlib import Path
 import torch
 import triton
 
-from trillion.kernels import grouped_gemm_op, norm
+from trillion.kernels import aot_moe, norm
+from trillion.kernels.aot_moe import FLOAT8_ARCHS, FLOAT8_GEMM_KERNELS, GEMM_KERNELS, PERMUTATION_KERNELS
 from trillion.kernels.flash_attention_configs import configs
-from trillion.kernels.flash_attention_op import DELTA_BLOCK_M, block_d_for, kernel_args, kernel_fn
+from trillion.kernels.flash_attention_launch import DELTA_BLOCK_M, kernel_args, kernel_fn
+from trillion.kernels.head_dims import block_d_for, block_dims_for
 
 # Chip limits: shared memory / LDS per block (the opt-in maximum on NVIDIA), registers per thread.
 ARCHS = {
@@ -66,10 +68,11 @@ NORM_ROWS, NORM_WIDTHS, WIDE_NORM_WIDTHS = 16384, (2048, 4096, 8192), (12288, 25
 ATTENTION_KERNELS = ("fwd", "delta", "dkdv", "dq")
 NORM_KERNELS = ("rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd")
 # The experts' grouped GEMM: forward, dx (the same kernel on weight transposed) and dweight, for 8192 tokens
-# top-8 over 256 DeepSeek-V3/Kimi K2 experts of 7168 x 2048; every preset's shapes compile to this binary.
-GEMM_KERNELS = ("gmm_fwd", "gmm_dx", "gmm_dw")
+# top-8 over 256 DeepSeek-V3/Kimi K2 experts of 7168 x 2048; every preset's shapes compile to this binary. Its
+# float8 kernels (kernels/aot_moe.py) on the float8 targets only, bf16 out; the permutation on every target.
 GEMM_ROWS, GEMM_GROUPS, GEMM_K, GEMM_N = 8192 * 8, 256, 7168, 2048
-MATMUL_KERNELS = ("fwd", "dkdv", "dq", *GEMM_KERNELS)  # the kernels whose matmuls must use matrix instructions
+MATMUL_KERNELS = ("fwd", "dkdv", "dq", *GEMM_KERNELS, *FLOAT8_GEMM_KERNELS)  # must use matrix instructions
+FLOAT8_INSTRUCTION = re.compile(r"e4m3|fp8")  # wgmma ... .e4m3.e4m3 (sm90), v_mfma_*_fp8_fp8 (gfx942)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +84,7 @@ class Case:
     causal: bool | None  # None for kernels without a causal variant
     config: tuple = ()  # sorted (name, value) pairs: BLOCK_M, BLOCK_N, num_warps, num_stages, AMD options
     out_size: int | None = None  # attention: v's head dim where it is not `size`; grouped GEMM: N
+    documents: bool = False  # attention: with document masking (HAS_DOCS)
 
     @property
     def label(self) -> str:
@@ -95,33 +99,39 @@ def cases(
     archs, head_dims=HEAD_DIMS, dtypes=tuple(DTYPES), causal_modes=(True, False), norms=True, gemms=True
 ) -> list[Case]:
     """Every launch the trainer can make on `archs`: each attention kernel with each config its
-    autotuner may pick for the head dim, the norm kernels at the presets' widths and the grouped
-    GEMM's kernels with each of their configs."""
+    autotuner may pick for the head dim (causal or not, and causal with document masking, the way training
+    masks documents), the norm kernels at the presets' widths, the grouped GEMM's kernels with each of
+    their configs (`gemms`: the float8 ones where float8 runs, in bf16, and the token permutation's too)."""
     out = []
     for arch, dtype in itertools.product(archs, dtypes):
         for dims in head_dims:
             d, dv = (dims, None) if isinstance(dims, int) else dims
             out.append(Case("delta", arch, dtype, d, None, (("BLOCK_M", DELTA_BLOCK_M),), dv))
-            block_dims = block_d_for(d), block_d_for(dv or d)
-            for kernel, causal in itertools.product(("fwd", "dkdv", "dq"), causal_modes):
+            block_dims = sum(block_dims_for(d)), block_d_for(dv or d)
+            masks = [(causal, False) for causal in causal_modes] + [(True, True)] * (True in causal_modes)
+            for kernel, (causal, documents) in itertools.product(("fwd", "dkdv", "dq"), masks):
                 out += [
-                    Case(kernel, arch, dtype, d, causal, _config_tuple(c), dv)
-                    for c in configs(kernel, arch, *block_dims)
+                    Case(kernel, arch, dtype, d, causal, _config_tuple(c), dv, documents)
+                    for c in configs(kernel, arch, *block_dims, documents)
                 ]
         if norms:
             out += [Case(k, arch, dtype, w, None) for k in NORM_KERNELS for w in NORM_WIDTHS]
         if gemms:
+            float8 = FLOAT8_GEMM_KERNELS if arch in FLOAT8_ARCHS and dtype == "bf16" else ()
             out += [
                 Case(k, arch, dtype, GEMM_K, None, _config_tuple(c), GEMM_N)
-                for k in GEMM_KERNELS
-                for c in grouped_gemm_op.configs("dw" if k == "gmm_dw" else "mm", arch)
+                for k in (*GEMM_KERNELS, *float8)
+                for c in aot_moe.gemm_configs(k, arch)
             ]
+            warps = (("num_warps", aot_moe.permute.NUM_WARPS),)
+            out += [Case(k, arch, dtype, aot_moe.PERMUTE_DIM, None, warps) for k in PERMUTATION_KERNELS]
     return out
 
 
 def kernel_kind(case: Case) -> str:
     """What --kernels selects it by."""
-    kinds = {"attention": ATTENTION_KERNELS, "norm": NORM_KERNELS, "grouped_gemm": GEMM_KERNELS}
+    gemm, permutation = (*GEMM_KERNELS, *FLOAT8_GEMM_KERNELS), PERMUTATION_KERNELS
+    kinds = {"attention": ATTENTION_KERNELS, "norm": NORM_KERNELS, "grouped_gemm": gemm, "permutation": permutation}
     return next(kind for kind, kernels in kinds.items() if case.kernel in kernels)
 
 
@@ -144,22 +154,15 @@ def _launch(case: Case):
         v, out, grad_out = layout(kv_heads, v_size), layout(Q_HEADS, v_size), layout(Q_HEADS, v_size)
         lse, delta = (torch.empty(BATCH, Q_HEADS, SEQ, device="meta") for _ in range(2))
         grads = (layout(kv_heads), layout(kv_heads, v_size)) if case.kernel == "dkdv" else (dq,)
-        args, meta = kernel_args(
-            case.kernel,
-            q,
-            k,
-            v,
-            out,
-            lse,
-            bool(case.causal),
-            case.size**-0.5,
-            grad_out=grad_out,
-            delta=delta,
-            grads=grads,
-        )
+        bounds = tuple(torch.empty(BATCH, SEQ, device="meta", dtype=torch.int32) for _ in range(2))
+        extra = dict(grad_out=grad_out, delta=delta, grads=grads, documents=bounds if case.documents else None)
+        args, meta = kernel_args(case.kernel, q, k, v, out, lse, bool(case.causal), case.size**-0.5, **extra)
         return kernel_fn(case.kernel), args, {**meta, **config}, options
-    if case.kernel in GEMM_KERNELS:
-        fn, args, meta = _gemm_launch(case.kernel, dtype)
+    if case.kernel in (*GEMM_KERNELS, *FLOAT8_GEMM_KERNELS):
+        fn, args, meta = aot_moe.gemm_launch(case.kernel, dtype, case.arch, GEMM_ROWS, GEMM_GROUPS, GEMM_K, GEMM_N)
+        return fn, args, {**meta, **config}, options
+    if case.kernel in PERMUTATION_KERNELS:
+        fn, args, meta = aot_moe.permutation_launch(case.kernel, dtype)
         return fn, args, {**meta, **config}, options
     kind, direction = case.kernel.split("_")
     x = torch.empty(NORM_ROWS, case.size, device="meta", dtype=dtype)
@@ -185,20 +188,6 @@ def _launch(case: Case):
     )
     options["num_warps"] = meta.pop("num_warps")
     return getattr(norm.kernel_module(), f"norm_{direction}"), args, meta, options
-
-
-def _gemm_launch(kernel: str, dtype: torch.dtype):
-    """(jit function, positional args, constexprs) of one grouped GEMM launch, as models/moe.py makes it."""
-    x, dy = (torch.empty(GEMM_ROWS, n, device="meta", dtype=dtype) for n in (GEMM_K, GEMM_N))
-    weight = torch.empty(GEMM_GROUPS, GEMM_K, GEMM_N, device="meta", dtype=dtype)
-    offsets = torch.empty(GEMM_GROUPS, device="meta", dtype=torch.int32)
-    if kernel == "gmm_fwd":
-        args, meta = grouped_gemm_op.kernel_args("mm", x, weight, offsets, torch.empty_like(dy))
-    elif kernel == "gmm_dx":
-        args, meta = grouped_gemm_op.kernel_args("mm", dy, weight.transpose(1, 2), offsets, torch.empty_like(x))
-    else:
-        args, meta = grouped_gemm_op.kernel_args("dw", x, dy, offsets, torch.empty_like(weight))
-    return grouped_gemm_op.kernel_fn("dw" if kernel == "gmm_dw" else "mm"), args, meta
 
 
 def specialize(fn, args, constexprs) -> tuple[dict, dict, dict]:
@@ -358,6 +347,8 @@ def problems(case: Case, result: dict) -> list[str]:
         found.append(f"shared memory {result['shared']} B over the chip's {ARCHS[case.arch]['shared']} B")
     if case.kernel in MATMUL_KERNELS and not result["matrix_instructions"]:
         found.append("no matrix instructions")
+    elif case.kernel in FLOAT8_GEMM_KERNELS and not any(map(FLOAT8_INSTRUCTION.search, result["matrix_instructions"])):
+        found.append("no float8 matrix instructions")
     return found
 
 
@@ -395,6 +386,7 @@ def run(selected: list[Case], use_cache: bool = True, progress=None, known: dict
             progress(
                 f"[{number}/{len(selected)}] {case.arch} {case.kernel} {case.dtype} {case.size}"
                 f"{'' if case.out_size is None else f'/{case.out_size}'} "
-                f"causal={case.causal} {case.label}: {'; '.join(rows[-1]['problems']) or 'ok'}"
+                f"causal={case.causal}{' documents' if case.documents else ''} {case.label}: "
+                f"{'; '.join(rows[-1]['problems']) or 'ok'}"
             )
     return rows

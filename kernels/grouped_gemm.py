@@ -19,6 +19,7 @@ GROUPED_GEMM_IMPLS = ("auto", "torch", "triton", "loop")
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 if has_triton():
+    from trillion.kernels import grouped_gemm_op
     from trillion.kernels.grouped_gemm_op import triton_grouped_mm
 
 
@@ -72,6 +73,19 @@ def _triton_dtype(x: torch.Tensor, weight: torch.Tensor) -> str:
     if x.dtype != weight.dtype or x.dtype not in _TRITON_DTYPES:
         return f"the Triton grouped GEMM takes float16, bfloat16 or float32, not {x.dtype} x {weight.dtype}"
     return ""
+
+
+def grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor, impl: str = "auto") -> torch.Tensor:
+    """(groups, k, n): each group's x^T @ dy over its rows (x (rows, k), dy (rows, n)), what grouped_mm's weight
+    gradient is; rows past the last group take no part. Run by the backend `impl` chooses for (x, dy)."""
+    impl = _choose(impl, x, dy.unsqueeze(0))
+    if impl == "triton":
+        return grouped_gemm_op._dw_op(x, dy, offsets)
+    if impl == "torch":
+        return torch._grouped_mm(x.t(), dy, offs=offsets)
+    ends = offsets.tolist()
+    starts = [0, *ends[:-1]]
+    return torch.stack([x[start:end].t() @ dy[start:end] for start, end in zip(starts, ends)])
 
 
 def loop_grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,8 @@ _CONFIGS: dict[str, dict[str, list[tuple]]] = {
     "sm90": {
         "mm": [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4)],
         "dw": [(64, 128, 128, 8, 3), (32, 128, 128, 8, 4), (64, 64, 128, 4, 3)],
+        "mm8": [(128, 128, 64, 8, 4), (64, 128, 128, 4, 4), (128, 64, 128, 4, 3)],
+        "dw8": [(64, 128, 128, 8, 3), (64, 64, 128, 4, 3)],
     },
     "gfx90a": {
         "mm": [(128, 128, 32, 8, 2, _amd(1)), (128, 64, 32, 4, 2, _amd(2)), (64, 64, 64, 4, 2, _amd(2))],
@@ -50,11 +52,16 @@ _CONFIGS: dict[str, dict[str, list[tuple]]] = {
     "gfx942": {
         "mm": [(128, 128, 64, 8, 2, _amd(1)), (128, 128, 32, 4, 2, _amd(2)), (64, 128, 64, 4, 2, _amd(2))],
         "dw": [(64, 128, 128, 8, 2, _amd(1)), (32, 64, 128, 4, 2, _amd(2))],
+        "mm8": [(128, 128, 128, 8, 2, _amd(1)), (64, 128, 128, 4, 2, _amd(2))],
+        "dw8": [(64, 128, 128, 8, 2, _amd(1)), (64, 64, 128, 4, 2, _amd(2))],
     },
     # The interpreter runs one small config, so that test shapes span several tiles in every dim.
-    "interpreter": {"mm": [(16, 16, 16, 4, 1)], "dw": [(16, 16, 16, 4, 1)]},
+    "interpreter": {kernel: [(16, 16, 16, 4, 1)] for kernel in ("mm", "dw", "mm8", "dw8")},
 }
-_KERNEL_NAMES = {"mm": "grouped_mm_fwd", "dw": "grouped_mm_dw"}
+# The float8 kernels ("mm8", "dw8": SCALED) run where float8 matrix units are (sm90 stands for sm89 and later;
+# parallel/float8.py refuses the rest); their BLOCK_K divides the 128 of a scale block.
+_KERNEL_NAMES = {"mm": "grouped_mm_fwd", "dw": "grouped_mm_dw", "mm8": "grouped_mm_fwd", "dw8": "grouped_mm_dw"}
+SCALE_BLOCK = 128  # the float8 scales' block along the reduction (kernels/float8_scaling.py BLOCK)
 # The groups a program searches for its own at a time: a constant, so one binary serves every expert
 # count; the interpreter's is small, so that tests with a few groups search several blocks.
 GROUP_SEARCH_BLOCK, INTERPRETER_GROUP_SEARCH_BLOCK = 128, 8
@@ -81,41 +88,58 @@ def _tuned(kernel: str, arch: str):
     return triton.autotune(configs(kernel, arch), key=["K", "N"])(kernel_fn(kernel))
 
 
-def kernel_args(kernel: str, x, weight, offsets, out) -> tuple[tuple, dict]:
+def kernel_args(kernel: str, x, weight, offsets, out, scales: tuple = ()) -> tuple[tuple, dict]:
     """(positional arguments, constexprs) of one launch, block sizes excluded. "mm": out = x @ weight
     per group (weight (groups, K, N), any strides: dx passes weight transposed); "dw": out (groups,
-    K, N) = x^T @ weight per group, where `weight` is dy (rows, N). The launchers below and the
-    ahead-of-time report (kernels/aot.py) both build their launches here."""
-    groups = offsets.shape[0]
-    if kernel == "mm":
+    K, N) = x^T @ weight per group, where `weight` is dy (rows, N). The float8 kernels ("mm8", "dw8") take
+    `scales`: (x's (rows, K blocks), weight's (groups, K blocks, N blocks), columns per weight scale) for
+    "mm8", (x's (tiles, K), dy's (tiles, N), kernels/float8_scaling.py's TokenTiles) for "dw8". The
+    launchers below and the ahead-of-time report (kernels/aot.py) both build their launches here."""
+    groups, scaled = offsets.shape[0], kernel.endswith("8")
+    if kernel.startswith("mm"):
         rows, k = x.shape
         n = weight.shape[2]
-        strides = (*x.stride(), *weight.stride(), *out.stride())
-        return (x, weight, out, offsets, rows, groups, k, n, *strides), {"BLOCK_G": GROUP_SEARCH_BLOCK}
+        x_scale, w_scale, columns = scales if scaled else (offsets[:1].view(1, 1), offsets[:1].view(1, 1, 1), 1)
+        strides = (*x.stride(), *weight.stride(), *out.stride(), *_scale_strides(x_scale), *_scale_strides(w_scale))
+        meta = {"BLOCK_G": GROUP_SEARCH_BLOCK, "SCALED": scaled, "SCALE_BLOCK": SCALE_BLOCK, "W_SCALE_COLUMNS": columns}
+        return (x, weight, out, offsets, x_scale, w_scale, rows, groups, k, n, *strides), meta
     dy = weight
-    strides = (*x.stride(), *dy.stride(), *out.stride())
-    return (x, dy, out, offsets, groups, x.shape[1], dy.shape[1], *strides), {}
+    x_scale, dy_scale, tiles = scales if scaled else (offsets[:1].view(1, 1), offsets[:1].view(1, 1), None)
+    bounds = (tiles.start, tiles.end, tiles.group_end) if scaled else (offsets, offsets, offsets)
+    strides = (*x.stride(), *dy.stride(), *out.stride(), x_scale.stride(0), dy_scale.stride(0))
+    meta = {"SCALED": scaled}
+    return (x, dy, out, offsets, x_scale, dy_scale, *bounds, groups, x.shape[1], dy.shape[1], *strides), meta
+
+
+def _scale_strides(scale) -> tuple:
+    """A scale tensor's strides, 0 along a dim of one block (one scale spans it, whatever its length)."""
+    return tuple(0 if size == 1 else stride for size, stride in zip(scale.shape, scale.stride()))
 
 
 def _grid(kernel: str, x, weight, offsets):
     """The launch grid as a function of the config: an upper bound from the shapes alone."""
-    if kernel == "mm":
+    if kernel.startswith("mm"):
         rows, n, groups = x.shape[0], weight.shape[2], offsets.shape[0]
         return lambda c: (triton.cdiv(rows, c["BLOCK_M"]) + groups, triton.cdiv(n, c["BLOCK_N"]))
     k, n, groups = x.shape[1], weight.shape[1], offsets.shape[0]
     return lambda c: (triton.cdiv(k, c["BLOCK_K"]) * triton.cdiv(n, c["BLOCK_N"]), groups)
 
 
-def _launch(kernel: str, x, weight, offsets, out) -> torch.Tensor:
-    args, meta = kernel_args(kernel, x, weight, offsets, out)
+def _launch(kernel: str, x, weight, offsets, out, scales: tuple = ()) -> torch.Tensor:
+    args, meta = kernel_args(kernel, x, weight, offsets, out, scales)
     grid = _grid(kernel, x, weight, offsets)
     if interpreting():
         (config,) = configs(kernel, "interpreter")
         meta = {**meta, "BLOCK_G": INTERPRETER_GROUP_SEARCH_BLOCK} if "BLOCK_G" in meta else meta
         kernel_fn(kernel)[grid(config.kwargs)](*args, **meta, **config.kwargs)
         return out
+    arch = device_arch(x.device)
+    if (
+        kernel.endswith("8") and arch == "sm80"
+    ):  # float8 on sm89 (Ada): the sm90 set; its autotuner drops what won't fit
+        arch = "sm90"
     with torch.cuda.device(x.device):
-        _tuned(kernel, device_arch(x.device))[grid](*args, **meta)
+        _tuned(kernel, arch)[grid](*args, **meta)
     return out
 
 

@@ -10,7 +10,9 @@ for sm80 (A100), sm90 (H100), gfx90a (MI250X) and gfx942 (MI300X) on a machine w
 Attention (forward, delta, dK/dV, dQ) at head dims 64, 128 and latent attention's 192/128 (--all: 32
 to 256 too), bf16 and fp16, causal and not, each config its autotuner may pick; RMSNorm and LayerNorm
 forward and backward at the presets' hidden sizes; the experts' grouped GEMM (forward, dx, dweight)
-with each of its configs. Registers, spills, scratch, shared memory / LDS, occupancy and the matrix
+with each of its configs, its float8 kernels on sm90 and gfx942 (which must use float8 matrix
+instructions), and the fused token permutation.
+Registers, spills, scratch, shared memory / LDS, occupancy and the matrix
 instructions come from the compiled artifacts (kernels/aot.py). Exit status 1 when a config fails a
 gate (does not compile, spills, uses scratch, exceeds shared memory, or a matmul kernel has no
 matrix instructions).
@@ -28,7 +30,8 @@ from pathlib import Path
 
 import triton
 
-from trillion.kernels import aot, norm
+from trillion.kernels import aot, aot_moe, norm
+from trillion.kernels.head_dims import block_d_for, block_dims_for
 
 # The search grid: tiles, warps and stages (and on CDNA the occupancy target) around the shipped ones.
 SEARCH_BLOCKS = ((16, 64), (32, 32), (32, 64), (32, 128), (64, 32), (64, 64), (64, 128), (128, 32), (128, 64))
@@ -38,15 +41,27 @@ SEARCH_WAVES = (1, 2)
 
 
 def search_cases(spec: str) -> list[aot.Case]:
-    """Candidate configs of `spec` = KERNEL:ARCH:HEAD_DIM (bf16, causal)."""
-    kernel, arch, head_dim = spec.split(":")
+    """Candidate configs of `spec` = KERNEL:ARCH:HEAD_DIM[/V_HEAD_DIM][:documents] (bf16, causal; documents:
+    with document masking)."""
+    kernel, arch, dims, *masked = spec.split(":")
+    head_dim, _, v_head_dim = dims.partition("/")
     backend = aot.ARCHS[arch]["target"][0]
     out = []
     for (bm, bn), warps, stages in itertools.product(SEARCH_BLOCKS, SEARCH_WARPS, SEARCH_STAGES[backend]):
         base = {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
         extras = [{"waves_per_eu": w, "matrix_instr_nonkdim": 16} for w in SEARCH_WAVES] if backend == "hip" else [{}]
         out += [
-            aot.Case(kernel, arch, "bf16", int(head_dim), True, tuple(sorted({**base, **e}.items()))) for e in extras
+            aot.Case(
+                kernel,
+                arch,
+                "bf16",
+                int(head_dim),
+                True,
+                tuple(sorted({**base, **e}.items())),
+                int(v_head_dim) if v_head_dim else None,
+                masked == ["documents"],
+            )
+            for e in extras
         ]
     return out
 
@@ -56,7 +71,7 @@ def search(spec: str, use_cache: bool = True, progress=None) -> dict:
     return {"spec": spec, "rows": rows, "spill_free": [r["config"] for r in rows if not r["problems"]]}
 
 
-KINDS = ("attention", "norm", "grouped_gemm")
+KINDS = ("attention", "norm", "grouped_gemm", "permutation")
 
 
 def reusable_rows(path: str) -> dict[str, dict]:
@@ -68,6 +83,31 @@ def reusable_rows(path: str) -> dict[str, dict]:
         return {}
     everything = earlier["rows"] + earlier["wide_norms"] + [r for s in earlier["searches"] for r in s["rows"]]
     return {row["key"]: row for row in everything if "key" in row and "error" not in row}
+
+
+# Per attention tile (BLOCK_M queries x BLOCK_N keys), the matmuls' widths in q/k and v head dims: the forward's
+# QK^T and PV; dK/dV's S^T again, dV, dP^T and dK; dQ's S again, dP and dQ.
+TILE_MATMULS = {"fwd": (1, 1), "dkdv": (2, 2), "dq": (2, 1)}
+
+
+def tile_flops(row: dict) -> tuple[int, int] | None:
+    """(FLOPs one tile of an attention matmul kernel executes, padding included; those of them that are useful),
+    or None for other kernels."""
+    if row["kernel"] not in TILE_MATMULS:
+        return None
+    qk_matmuls, v_matmuls = TILE_MATMULS[row["kernel"]]
+    d, dv = row["size"], row.get("out_size") or row["size"]
+    pairs = 2 * row["config"]["BLOCK_M"] * row["config"]["BLOCK_N"]
+    executed = pairs * (qk_matmuls * sum(block_dims_for(d)) + v_matmuls * block_d_for(dv))
+    return executed, pairs * (qk_matmuls * d + v_matmuls * dv)
+
+
+def _tile_cell(row: dict) -> str:
+    flops = tile_flops(row)
+    if flops is None:
+        return "-"
+    executed, useful = flops
+    return f"{executed / 1e6:.2f}M ({100 * (executed - useful) / executed:.0f}% padding)"
 
 
 def _cell(row: dict, key: str) -> str:
@@ -85,10 +125,10 @@ def _short(instruction: str) -> str:
 def _table(rows: list[dict]) -> list[str]:
     lines = [
         (
-            "| kernel | dtype | size | causal | config | regs | spill B | scratch B | shared B | occupancy "
-            "| matrix instr. | gate |"
+            "| kernel | dtype | size | causal | documents | config | regs | spill B | scratch B | shared B | occupancy "
+            "| matrix instr. | tile FLOPs | gate |"
         ),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         config = (
@@ -98,9 +138,10 @@ def _table(rows: list[dict]) -> list[str]:
         instructions = ", ".join(_short(i) for i in row.get("matrix_instructions", [])) or "none"
         size = f"{row['size']}/{row['out_size']}" if row.get("out_size") else row["size"]
         lines.append(
-            f"| {row['kernel']} | {row['dtype']} | {size} | {_cell(row, 'causal')} | {config} | {regs} | "
+            f"| {row['kernel']} | {row['dtype']} | {size} | {_cell(row, 'causal')} | "
+            f"{'masked' if row.get('documents') else '-'} | {config} | {regs} | "
             f"{_cell(row, 'spill_bytes')} | {_cell(row, 'scratch_bytes')} | {_cell(row, 'shared')} | "
-            f"{_cell(row, 'occupancy')} | {instructions} | {'; '.join(row['problems']) or 'ok'} |"
+            f"{_cell(row, 'occupancy')} | {instructions} | {_tile_cell(row)} | {'; '.join(row['problems']) or 'ok'} |"
         )
     return lines
 
@@ -129,7 +170,14 @@ def markdown(rows: list[dict], searches: list[dict], command: str, wide_norms: l
         f"{aot.GEMM_ROWS} rows over {aot.GEMM_GROUPS} experts).",
         "Size is the head dim (attention; q-k/v where they differ), the row width (norms) or K/N (grouped GEMM:",
         "gmm_fwd is x (rows, K) @ w (K, N) per expert, gmm_dx the same kernel on w transposed, gmm_dw x^T dy per",
-        "expert; the sizes are run-time arguments, so every preset's expert shapes compile to these binaries).",
+        "expert; the sizes are run-time arguments, so every preset's expert shapes compile to these binaries;",
+        "gmm8_* the same in float8 with DeepSeek-V3's 1 x 128 / 128 x 128 scales, *_rowwise with rowwise ones, on",
+        f"sm90 (e4m3fn) and gfx942 (e4m3fnuz) with bf16 out; perm_*/unperm_* the fused permutation of "
+        f"{aot_moe.PERMUTE_TOKENS} tokens,",
+        f"top-{aot_moe.PERMUTE_TOP_K}, size the row width).",
+        "Documents: masked rows are launches with document masking (causal, as training masks documents). Tile",
+        "FLOPs: what one BLOCK_M x BLOCK_N tile's matmuls execute, and the share of it spent on padding the head",
+        "dims to the kernels' power-of-two blocks (latent attention's 192 runs as 128 + 64: none).",
         "Registers are per thread (NVIDIA) or VGPRs incl. AGPRs per lane",
         "(AMD, SGPRs in brackets); occupancy is what the AMD compiler reports (waves per SIMD) and, on NVIDIA,",
         "resident warps per SM computed from registers and shared memory.",
@@ -178,8 +226,9 @@ def main(argv=None) -> int:
         "--search",
         action="append",
         default=[],
-        metavar="KERNEL:ARCH:HEAD_DIM",
-        help="also compile every candidate tile of a kernel (fwd, dkdv, dq) on an architecture",
+        metavar="KERNEL:ARCH:HEAD_DIM[/V_HEAD_DIM][:documents]",
+        help="also compile every candidate tile of a kernel (fwd, dkdv, dq) on an architecture (e.g. dkdv:sm80:192/128,"
+        " fwd:gfx942:64:documents)",
     )
     parser.add_argument("--no-cache", action="store_true", help="recompile what the cache already holds")
     parser.add_argument(

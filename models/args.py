@@ -30,6 +30,7 @@ class MoEArgs:
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss, its alpha (0 = off)
     bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing bias step (0 = off)
     experts_impl: str = "auto"  # filled from kernels.grouped_gemm: auto | torch | loop
+    permute_impl: str = "auto"  # filled from kernels.permutation: auto | triton | torch
 
 
 @dataclass(frozen=True)

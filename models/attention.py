@@ -11,6 +11,12 @@ from trillion.models.kv_cache import LayerKV
 from trillion.models.rope import apply_rope
 
 
+def with_documents(document_ids: torch.Tensor | None) -> dict:
+    """The keyword that hands `document_ids` on, where there are some: what takes none (a generation step, an
+    `attend` swapped in by a test, an attention kind that cannot mask documents) keeps its signature."""
+    return {} if document_ids is None else {"document_ids": document_ids}
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -25,7 +31,9 @@ class Attention(nn.Module):
         # context parallelism (parallel/context_parallel.py) puts attention across sequence shards here
         self.attend = attention
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None, document_ids=None
+    ) -> torch.Tensor:
         batch, seq, _ = x.shape
         # -1 instead of the head count: under tensor parallelism each rank holds a slice of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -37,5 +45,5 @@ class Attention(nn.Module):
             q, k = apply_rope(q, rope), apply_rope(k, rope)
         if cache is not None:  # generation: attend to the cached positions too (causal aligns lower right)
             k, v = cache.append(k, v)
-        out = self.attend(q, k, v, impl=self.impl, causal=True)
+        out = self.attend(q, k, v, impl=self.impl, causal=True, **with_documents(document_ids))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

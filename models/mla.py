@@ -19,6 +19,7 @@ from torch import nn
 
 from trillion.kernels import attention
 from trillion.models.args import ModelArgs
+from trillion.models.attention import with_documents
 from trillion.models.kv_cache import LayerKV
 from trillion.models.rope import apply_rope, yarn_mscale
 
@@ -55,7 +56,9 @@ class MLAttention(nn.Module):
         # context parallelism (parallel/context_parallel.py) puts attention across sequence shards here
         self.attend = attention
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: LayerKV | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, cache: LayerKV | None = None, document_ids=None
+    ) -> torch.Tensor:
         mla, (batch, seq, _) = self.mla, x.shape
         q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
         # -1 instead of the head count: under tensor parallelism each rank holds a slice of the heads.
@@ -69,5 +72,7 @@ class MLAttention(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         if cache is not None:  # generation: attend to the cached positions too (causal aligns lower right)
             k, v = cache.append(k, v)
-        out = self.attend(q, k, v, impl=self.impl, causal=True, softmax_scale=self.softmax_scale)
+        out = self.attend(
+            q, k, v, impl=self.impl, causal=True, softmax_scale=self.softmax_scale, **with_documents(document_ids)
+        )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))

@@ -3,9 +3,10 @@ the tokens are permuted into expert order (no per-token Python), the experts run
 matrix product per projection (kernels/grouped_gemm.py), and the outputs return to token order,
 weighted by the router's scores; shared experts, if any, see every token.
 
-Where the experts live is not this file's business: `MoE.dispatch` takes the expert-sorted tokens and
-their per-expert counts and returns the experts' outputs in the same order. Here it runs the local
-experts; expert parallelism (parallel/expert_parallel.py) replaces it by all-to-alls around them.
+Where the experts live is not this file's business: `MoE.dispatch` takes the tokens, their chosen experts and
+weights and returns each token's weighted sum of its experts' outputs. Here it runs the local experts
+(models/expert_rows.py, through the fused permutation); expert parallelism (parallel/expert_parallel.py)
+replaces it by all-to-alls around them.
 
 Balancing, on the router's choices: the auxiliary loss (Switch/Mixtral: E * sum_e f_e P_e, f_e the
 share of tokens choosing e, P_e the mean score of e) and DeepSeek-V3's sequence-wise one (the same
@@ -27,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from trillion.errors import ConfigError
 from trillion.kernels.grouped_gemm import backend_unavailable, grouped_mm
 from trillion.models.args import ModelArgs, MoEArgs
+from trillion.models.expert_rows import run_experts
 from trillion.models.parts.moe import reach_share
 from trillion.models.step_hooks import StepHooks, register_step_hooks
 
@@ -71,17 +73,28 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, dim: int, moe: MoEArgs):
         super().__init__()
-        self.impl = moe.experts_impl
+        self.impl, self.permute_impl = moe.experts_impl, moe.permute_impl
+        self.float8 = None  # a float8 grouped product (parallel/float8.py), in place of grouped_mm
         self.w1 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
         self.w3 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
         self.w2 = nn.Parameter(torch.empty(moe.n_experts, moe.expert_ffn_dim, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (rows, dim) sorted by expert, `counts` rows per expert of this rank (rows past them: zeros)."""
+        """x (rows, dim) sorted by expert, `counts` rows per expert of this rank (rows past them: zeros), or
+        (sources, experts): rows per expert from each source rank, each expert's in source order."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
-        offsets = counts.cumsum(0).to(torch.int32)
-        hidden = F.silu(grouped_mm(x, w1, offsets, self.impl)) * grouped_mm(x, w3, offsets, self.impl)
-        return grouped_mm(hidden, w2, offsets, self.impl)
+        per_source = counts.dim() == 2
+        offsets = (counts.sum(0) if per_source else counts).cumsum(0).to(torch.int32)
+        segments = counts.t().flatten().cumsum(0).to(torch.int32) if per_source else offsets
+        hidden = F.silu(self._product(x, w1, offsets, segments)) * self._product(x, w3, offsets, segments)
+        return self._product(hidden, w2, offsets, segments)
+
+    def _product(self, x, weight, offsets, segments) -> torch.Tensor:
+        """The grouped GEMM; a float8 one bounds its weight gradient's token tiles by the segments (one source's
+        rows of one expert: kernels/float8_scaling.py)."""
+        if self.float8 is None:
+            return grouped_mm(x, weight, offsets, self.impl)
+        return self.float8(x, weight, offsets, segments)
 
 
 class MoE(nn.Module):
@@ -211,36 +224,6 @@ def rank_capacity_mask(chosen: torch.Tensor, n_experts: int, ranks: int, factor:
     return fits.gather(1, group)
 
 
-def run_experts(
-    experts: nn.Module,
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    held: range | None = None,
-    slots: int | None = None,
-):
-    """(R, dim) rows, each with top_k slots of expert ids (R, top_k; -1: none) and weights -> (R, dim) each row's
-    weighted sum over its slots of the experts' outputs; `experts` holds the experts `held` (all by default), which
-    every slot's id is one of. The slots are sorted by expert (no per-token Python), the experts run as one grouped
-    GEMM per projection, and the weighted outputs return to row order. `slots` (expert parallelism's receivers, whose
-    rows hold few of their top_k slots here): how many slots are filled at most; only that many rows are gathered
-    and run, and their outputs are added into their rows (else every slot's row, summed in slot order)."""
-    rows, top_k = ids.shape
-    held = range(experts.w1.shape[0]) if held is None else held
-    local, flat = len(held), ids.flatten()
-    key = torch.where(flat >= 0, flat - held.start, local)  # no slot: sorted last, never run
-    order = key.argsort(stable=True)
-    if slots is not None:
-        order = order[:slots]
-    counts = torch.zeros(local + 1, dtype=torch.long, device=x.device).scatter_add_(0, key, torch.ones_like(key))
-    out = experts(x[order // top_k], counts[:local])  # rows past the counts are zeros
-    out = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
-    if slots is not None:
-        return out.new_zeros(rows, out.shape[-1]).index_add_(0, order // top_k, out)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=x.device))
-    return out[inverse].view(rows, top_k, -1).sum(dim=1)
-
-
 class SequenceShards(Protocol):
     """The other ranks holding positions of the same sequences: `count` of them in all (this one included), each
     an equal share; `sum(tensor)` adds their tensors to this one's, with autograd (the gradient summed back)."""
@@ -334,6 +317,11 @@ def moe_step_hooks(model: nn.Module) -> list[MoEStepHooks]:
     """One MoEStepHooks for the model's MoE layers; none for a model (or pipeline stage) without them."""
     layers = moe_layers(model)
     return [MoEStepHooks(layers)] if layers else []
+
+
+def routed_expert_stacks(model: nn.Module) -> list[RoutedExperts]:
+    """The RoutedExperts of this module's MoE layers (parallel/float8_experts.py gives them a float8 product)."""
+    return [layer.experts for layer in moe_layers(model).values()]
 
 
 def routed_expert_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trillion.models.attention import with_documents
+
 
 class MultiTokenPrediction(nn.Module):
     """One depth: (previous hidden (batch, n, dim), embedded later tokens (batch, n, dim)) -> (its hidden, the
@@ -39,20 +41,28 @@ class MultiTokenPrediction(nn.Module):
         self.norm = make_norm()  # before the shared head (the checkpoint's shared_head.norm)
 
     def forward(
-        self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor | None
+        self, h: torch.Tensor, embedded: torch.Tensor, rope: torch.Tensor | None, document_ids=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.block(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1)), rope)
+        h = self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], dim=-1))
+        h = self.block(h, rope, **with_documents(document_ids))
         return h, self.norm(h)
 
 
 def predict_ahead(
-    modules: nn.ModuleDict, embed: nn.Module, head: nn.Module, ahead: torch.Tensor, h: torch.Tensor, rope
+    modules: nn.ModuleDict,
+    embed: nn.Module,
+    head: nn.Module,
+    ahead: torch.Tensor,
+    h: torch.Tensor,
+    rope,
+    document_ids: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Each depth's logits (batch, seq, vocab): position i of depth k predicts token i + k + 1 from the trunk's final
-    hidden states `h` (after its final norm) and `ahead[..., k - 1]`, the token k further on (batch, seq, D)."""
+    hidden states `h` (after its final norm) and `ahead[..., k - 1]`, the token k further on (batch, seq, D). Each
+    depth runs at the trunk's positions, so its attention takes the trunk's `document_ids` as they are."""
     logits = []
     for depth, module in enumerate(modules.values(), start=1):
-        h, normed = module(h, embed(ahead[..., depth - 1]), rope)
+        h, normed = module(h, embed(ahead[..., depth - 1]), rope, document_ids)
         logits.append(head(normed))
     return logits
 

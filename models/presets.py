@@ -128,6 +128,8 @@ DEEPSEEK_V3_671B = _deepseek(
     yarn=YaRNArgs(factor=40, original_max_seq_len=4096, mscale=1.0, mscale_all_dim=1.0),
     mtp_modules=1,
 )  # fmt: skip
+# Kimi K2 trained with MuonClip (--optimizer.name=muon --optimizer.qk_clip=100, lr 2e-4, weight decay 0.1; the whole
+# recipe: experiments/configs/kimi_k2_muonclip.toml)
 KIMI_K2 = _deepseek(
     61, 7168, 64, 18432, vocab_size=163840, max_seq_len=131072, rope_theta=50000.0, mla=_MLA_V3,
     moe=MoEArgs(n_experts=384, top_k=8, expert_ffn_dim=2048, n_shared_experts=1, n_dense_layers=1,

@@ -29,12 +29,13 @@ def model_rope_cache(args: ModelArgs, device=None) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate x (batch, heads, seq, head_dim) by the first `seq` positions of the cache.
+    """Rotate x (batch, heads, seq, head_dim) by the first `seq` positions of the cache: (2, positions,
+    head_dim), or (2, batch, 1, positions, head_dim) where each sequence has positions of its own.
 
     The half-split ("rotate_half") convention is the one Hugging Face Llama checkpoints use,
     so weights move between the two without permuting rows.
     """
-    cos, sin = rope[0, : x.shape[-2]].to(x.dtype), rope[1, : x.shape[-2]].to(x.dtype)
+    cos, sin = rope[0][..., : x.shape[-2], :].to(x.dtype), rope[1][..., : x.shape[-2], :].to(x.dtype)
     first, second = x.chunk(2, dim=-1)
     rotated = torch.cat([-second, first], dim=-1)
     return x * cos + rotated * sin

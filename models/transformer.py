@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trillion.models.args import ModelArgs
+from trillion.models.attention import with_documents
 from trillion.models.kv_cache import KVCache, LayerKV
 from trillion.models.moe import MoE, reset_moe_state
 from trillion.models.mtp import MultiTokenPrediction, predict_ahead
@@ -70,8 +71,12 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = build_norm(args)
         self.feed_forward = build_feed_forward(args, index)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, cache=cache)  # a keyword: TP plans list positional inputs
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None, document_ids=None
+    ) -> torch.Tensor:
+        # keywords: TP plans list positional inputs; document ids only where given (an attention kind that
+        # cannot mask documents is refused before a run: models/parts AttentionKind.masks_documents)
+        x = x + self.attention(self.attention_norm(x), rope, cache=cache, **with_documents(document_ids))
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -133,13 +138,15 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         *,
         ahead: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """`tokens` (batch, seq) token ids, or a pipeline stage's hidden state (floating point). `positions` (seq,):
         the position of each token in its sequence, 0..seq-1 unless given; a context-parallel rank, which holds
-        chunks of every sequence, passes theirs. With a `cache` (generation) the tokens continue the positions it
-        holds and are added to it. `ahead` (batch, seq, D) (training with multi-token prediction): at each
-        position the tokens 1..D further on (models/mtp.py); the module holding the head then returns (logits,
-        depth 1's logits, ..., depth D's)."""
+        chunks of every sequence, passes theirs; (batch, seq) where they restart at each document. With a `cache`
+        (generation) the tokens continue the positions it holds and are added to it. `ahead` (batch, seq, D)
+        (training with multi-token prediction): at each position the tokens 1..D further on (models/mtp.py); the
+        module holding the head then returns (logits, depth 1's logits, ..., depth D's). `document_ids` (batch, the
+        whole sequence): attention stays within each document packed into a sequence (kernels.attention)."""
         embeds = self.tok_embeddings is not None and not torch.is_floating_point(tokens)
         h = self.tok_embeddings(tokens) if embeds else tokens
         if positions is None:
@@ -148,12 +155,16 @@ class Transformer(nn.Module):
         if self.pos_embeddings is not None:
             h = h + self.pos_embeddings(positions)
         rope = self.rope[:, positions] if self.rope is not None else None
+        if rope is not None and positions.dim() == 2:  # per sequence: (2, batch, 1, seq, rotary dim), over the heads
+            rope = rope.unsqueeze(2)
+        documents = with_documents(document_ids)
         for name, layer in self.layers.items():
-            h = layer(h, rope, cache=cache.layers[name]) if cache is not None else layer(h, rope)
+            h = layer(h, rope, cache=cache.layers[name]) if cache is not None else layer(h, rope, **documents)
         h = self.norm(h) if self.norm is not None else h
         logits = self.output(h) if self.output is not None else h
         if ahead is not None and self.mtp is not None:
-            return (logits, *predict_ahead(self.mtp, self.tok_embeddings, self.output, ahead, h, rope))
+            ahead_logits = predict_ahead(self.mtp, self.tok_embeddings, self.output, ahead, h, rope, document_ids)
+            return (logits, *ahead_logits)
         return logits
 
     @torch.no_grad()

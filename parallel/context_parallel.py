@@ -27,6 +27,7 @@ from torch.distributed._functional_collectives import all_gather_single
 
 from trillion.errors import ConfigError
 from trillion.kernels import attention
+from trillion.parallel.forward_backward import map_tensors
 
 
 def check_sequence(cp: int, tp: int, seq_len: int) -> None:
@@ -67,12 +68,13 @@ def shard_sequence(tensor: torch.Tensor, rank: int, cp: int, dim: int = 1) -> to
 
 
 def shard_batch(micro_batches: list, cp_mesh) -> list:
-    """This cp rank's share of every (inputs, labels) micro-batch; unchanged without context parallelism.
-    Labels follow their inputs, so the loss counts each target token on exactly one cp rank."""
+    """This cp rank's share of every (inputs, labels) micro-batch (and of its positions); unchanged without
+    context parallelism. Labels follow their inputs, so the loss counts each target token on exactly one cp
+    rank. Document ids stay whole: the rank's queries are masked against every key's document."""
     if cp_mesh is None:
         return micro_batches
     rank, cp = cp_mesh.get_local_rank(), cp_mesh.size()
-    return [(shard_sequence(x, rank, cp), shard_sequence(y, rank, cp)) for x, y in micro_batches]
+    return [map_tensors(mb, lambda t: shard_sequence(t, rank, cp), whole=lambda ids: ids) for mb in micro_batches]
 
 
 def _gather_sequence(t: torch.Tensor, group, rank_count: int) -> torch.Tensor:
@@ -88,20 +90,42 @@ def _gather_sequence(t: torch.Tensor, group, rank_count: int) -> torch.Tensor:
 
 
 def attention_across_shards(
-    q, k, v, *, group, rank: int, cp: int, impl: str = "sdpa", causal: bool = True, softmax_scale: float | None = None
+    q,
+    k,
+    v,
+    *,
+    group,
+    rank: int,
+    cp: int,
+    impl: str = "sdpa",
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    attend=attention,
+    document_ids=None,
 ) -> torch.Tensor:
     """Attention of this cp rank's queries (b, hq, s / cp, d), in the load-balanced layout, over the
-    keys and values of the whole sequence, whose shards k, v (b, hkv, s / cp, d) every cp rank holds."""
+    keys and values of the whole sequence, whose shards k, v (b, hkv, s / cp, d) every cp rank holds;
+    each query chunk's attention through `attend` (kernels.attention, or what the module ran it through).
+    `document_ids` (b, s): the whole sequence's, so each query chunk is masked by global positions."""
     k_all, v_all = _gather_sequence(k, group, cp), _gather_sequence(v, group, cp)
     if not causal:
-        return attention(q, k_all, v_all, impl=impl, causal=False, softmax_scale=softmax_scale)
+        if document_ids is not None:  # the chunks' queries against every key, masked by their own documents
+            raise NotImplementedError("context parallelism masks documents under causal attention only")
+        return attend(q, k_all, v_all, impl=impl, causal=False, softmax_scale=softmax_scale)
     size = q.shape[2] // 2
     outs = []
     for chunk, q_chunk in zip(chunks_of(rank, cp), q.split(size, dim=2)):
         end = (chunk + 1) * size  # lower-right alignment: the chunk's last query sees the prefix's last key
+        ids = None if document_ids is None else document_ids[:, :end]  # the chunk is the prefix's last positions
         outs.append(
-            attention(
-                q_chunk, k_all[:, :, :end], v_all[:, :, :end], impl=impl, causal=True, softmax_scale=softmax_scale
+            attend(
+                q_chunk,
+                k_all[:, :, :end],
+                v_all[:, :, :end],
+                impl=impl,
+                causal=True,
+                softmax_scale=softmax_scale,
+                document_ids=ids,
             )
         )
     return torch.cat(outs, dim=2)
@@ -109,14 +133,25 @@ def attention_across_shards(
 
 class _AcrossShards:
     """The `attend` of each attention module under context parallelism (the model calls it like
-    kernels.attention)."""
+    kernels.attention); each chunk's attention runs through the module's own `attend` it replaced (a
+    measuring wrapper keeps measuring: models/logit_probe.py)."""
 
-    def __init__(self, group, rank: int, cp: int):
-        self.group, self.rank, self.cp = group, rank, cp
+    def __init__(self, group, rank: int, cp: int, attend=attention):
+        self.group, self.rank, self.cp, self.attend = group, rank, cp, attend
 
-    def __call__(self, q, k, v, *, impl: str = "sdpa", causal: bool = True, softmax_scale: float | None = None):
+    def __call__(self, q, k, v, *, impl: str = "sdpa", causal: bool = True, softmax_scale=None, document_ids=None):
         return attention_across_shards(
-            q, k, v, group=self.group, rank=self.rank, cp=self.cp, impl=impl, causal=causal, softmax_scale=softmax_scale
+            q,
+            k,
+            v,
+            group=self.group,
+            rank=self.rank,
+            cp=self.cp,
+            impl=impl,
+            causal=causal,
+            softmax_scale=softmax_scale,
+            attend=self.attend,
+            document_ids=document_ids,
         )
 
 
@@ -133,7 +168,7 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
 
     model.register_forward_pre_hook(pass_positions, with_kwargs=True)
     for block in model.blocks().values():
-        block.attention.attend = _AcrossShards(group, rank, cp)
+        block.attention.attend = _AcrossShards(group, rank, cp, block.attention.attend)
     shards = _SequenceShards(group, cp)
     for module in model.modules():  # parts with per-sequence statistics (models/moe.py SequenceShards)
         if hasattr(module, "sequence_shards"):

@@ -289,12 +289,12 @@ class ParallelDims:
         mesh = self.dp_mesh
         return mesh.get_local_rank() if mesh is not None else 0
 
-    def all_reduce_dp(self, tensor):
-        """Sum `tensor` in place over the ranks holding other tokens: data-parallel x cp (a no-op on one)."""
+    def all_reduce_dp(self, tensor, op=dist.ReduceOp.SUM):
+        """Sum (or `op`) `tensor` in place over the ranks holding other tokens: data-parallel x cp (a no-op on one)."""
         if self.cp > 1:
             dist.all_reduce(
-                tensor, group=self.mesh[self._flat(("dp_replicate", "dp_shard", "cp"), "dp_cp")].get_group()
+                tensor, op=op, group=self.mesh[self._flat(("dp_replicate", "dp_shard", "cp"), "dp_cp")].get_group()
             )
         elif self.dp_group is not None:
-            dist.all_reduce(tensor, group=self.dp_group)
+            dist.all_reduce(tensor, op=op, group=self.dp_group)
         return tensor

@@ -3,7 +3,9 @@ group with uneven splits, started and finished apart so that compute can run whi
 and in the backward; counted where they are posted; optionally completed late (latency injection).
 
 `Exchange.rows(x, send, recv)` posts the all-to-all and returns a `Pending`; `.wait()` gives the received rows.
-Autograd sees two nodes: the post, and the wait. The wait's backward posts the reverse all-to-all of the gradient
+With a `wire` (ep_routing.Wire: float8 dispatch's) the rows travel encoded and are decoded on arrival; their
+gradient travels back in the compute dtype, straight through the encoding. Autograd sees two nodes: the post, and
+the wait. The wait's backward posts the reverse all-to-all of the gradient
 and returns at once; the post's backward waits for it. So whatever the forward computed between the post and the
 wait (the shared experts, the other chunk's experts) has its backward run between the two in the backward too: the
 autograd engine runs a node's backward after every node created later that feeds it, and in reverse creation order
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from trillion.parallel.ep_routing import Wire
 from trillion.parallel.expert_overlap import after_post
 
 STAGES = ("inter-node", "intra-node")
@@ -109,15 +112,15 @@ class Exchange:
         work.wait()
         return out
 
-    def rows(self, x: torch.Tensor, send: list[int], recv: list[int], what: str = "") -> Pending:
-        return Pending(self, x, send, recv, what)
+    def rows(self, x: torch.Tensor, send: list[int], recv: list[int], what: str = "", wire=None) -> Pending:
+        return Pending(self, x, send, recv, what, wire)
 
 
 class Pending:
     """An all-to-all in flight: `wait()` returns the rows received (autograd: the module docstring)."""
 
-    def __init__(self, exchange: Exchange, x: torch.Tensor, send: list[int], recv: list[int], what: str):
-        self.box = _Box(exchange, send, recv, what)
+    def __init__(self, exchange: Exchange, x: torch.Tensor, send: list[int], recv: list[int], what: str, wire=None):
+        self.box = _Box(exchange, send, recv, what, wire)
         self.out = _Post.apply(x, self.box)
 
     def wait(self) -> torch.Tensor:
@@ -130,7 +133,10 @@ class _Box:
     send: list[int]
     recv: list[int]
     what: str
+    wire: Wire | None
     work: object = None
+    arrived: torch.Tensor | None = None  # with a wire: the encoded rows received (the wait decodes them)
+    row_shape: tuple = ()  # with a wire: (dim, dtype) of the rows sent, which the decoded rows take
     back: torch.Tensor | None = None  # the reverse all-to-all's buffer (the backward)
     back_work: object = None
     back_input: torch.Tensor | None = None  # kept alive while it travels
@@ -139,9 +145,14 @@ class _Box:
 class _Post(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, box: _Box) -> torch.Tensor:
-        out, box.work = box.exchange.post(x, box.send, box.recv, box.what)
+        """The receive buffer; with a wire an empty tensor that only links the wait to this post in autograd (the
+        encoded buffer is not differentiable), the buffer kept in the box."""
+        out, box.work = box.exchange.post(x if box.wire is None else box.wire.encode(x), box.send, box.recv, box.what)
         ctx.box = box
-        return out
+        if box.wire is None:
+            return out
+        box.arrived, box.row_shape = out, (x.shape[1], x.dtype)
+        return x.new_empty(0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -157,11 +168,14 @@ class _Finish(torch.autograd.Function):
         box.work.wait()
         box.work = None  # a finished work still holds its buffers; the graph keeps the box until the backward
         ctx.box = box
-        return out.view_as(out)
+        if box.wire is None:
+            return out.view_as(out)
+        rows, box.arrived = box.wire.decode(box.arrived, *box.row_shape), None
+        return rows
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         box = ctx.box
         box.back_input = grad.contiguous()
         box.back, box.back_work = box.exchange.post(box.back_input, box.recv, box.send)
-        return grad, None
+        return (grad if box.wire is None else grad.new_zeros(0)), None

@@ -8,33 +8,42 @@ and sends one row back; the hop then sums each row's returns (`combine`). Everyt
 at shapes known on the host: with dropless splits the sizes read once per layer (expert_parallel.py), or with a
 capacity, C rows per member (rows past it dropped: models/moe.py's rank_capacity_mask has dropped the same).
 
-The payload's form is one replaceable pair of functions, `PAYLOAD.pack` (the rows to send, gathered into member
-order: the permutation) and `PAYLOAD.unpack` (the rows received, in the compute dtype): a float8 payload or a fused
-permutation kernel replaces them, nothing else. The routing (weights and expert ids) travels beside it in float32.
+The payload's form is one replaceable pair, a Payload: `pack` (the rows to send, gathered into member order: the
+permutation) and `wire` (their form on the wire, decoded on arrival to the compute dtype; None: as they are).
+Float8 dispatch gives the wire (parallel/float8_dispatch.py); a fused permutation kernel would give the pack. The
+routing (weights and expert ids) travels beside it in float32.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 
-@dataclass
+class Wire(Protocol):
+    """A payload's form on the wire: `encode(rows)` -> the tensor posted; `decode(tensor, dim, dtype)` -> the rows
+    (n, dim) in the compute dtype. The gradient travels back in the compute dtype (ep_exchange.py)."""
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, wire: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The rows of x that the send slots carry (rows[i]; len(x): an empty slot, zeros)."""
+    return torch.cat([x, x.new_zeros(1, x.shape[1])])[rows]
+
+
+@dataclass(frozen=True)
 class Payload:
-    """How a hop's rows travel: `pack(x, rows)` -> the tensors to send (rows[i]: the row of x that send slot i
-    carries; len(x) = an empty slot, zeros); `unpack(tensors)` -> the received rows (n, dim) in the compute dtype."""
+    """How a hop's rows travel: `pack(x, rows)` -> the rows to send (gather_rows' contract), on the wire as `wire`
+    has them (None: as they are)."""
 
-    pack: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]]
-    unpack: Callable[[list[torch.Tensor]], torch.Tensor]
-
-
-def _gather_rows(x: torch.Tensor, rows: torch.Tensor) -> list[torch.Tensor]:
-    return [torch.cat([x, x.new_zeros(1, x.shape[1])])[rows]]
-
-
-PAYLOAD = Payload(pack=_gather_rows, unpack=lambda tensors: tensors[0])
+    pack: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gather_rows
+    wire: Wire | None = None
 
 
 @dataclass

@@ -50,11 +50,12 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_t
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from trillion.models.moe import MoE, moe_layers, rank_capacity, run_experts
+from trillion.models.expert_rows import run_experts
+from trillion.models.moe import MoE, moe_layers, rank_capacity
 from trillion.models.parts.moe import reach_share
 from trillion.parallel.activation_checkpoint import recompute_key
 from trillion.parallel.ep_exchange import Exchange
-from trillion.parallel.ep_routing import PAYLOAD, Hop, combine, pack_routing, place, unpack_routing
+from trillion.parallel.ep_routing import Hop, Payload, combine, pack_routing, place, unpack_routing
 from trillion.parallel.expert_overlap import paired
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
@@ -81,16 +82,16 @@ class _HostCopy:
 class ExpertDispatch:
     """An MoE layer's `dispatch` under expert parallelism (a plain callable, not a module: no new names)."""
 
-    def __init__(self, layer: MoE, mode: str, exchange: Exchange, inter: Exchange = None, intra: Exchange = None):
+    def __init__(self, layer: MoE, mode: str, exchange: Exchange, inter=None, intra=None, payload=Payload()):
         """`exchange`: the ep group's; `inter`, `intra` (the node mode's): the ranks with this rank's place in their
-        node, one a node, and this rank's node."""
+        node, one a node, and this rank's node; `payload`: how the rows travel (float8 dispatch's wire)."""
         moe = layer.moe
         self.experts, self.mode, self.top_k = layer.experts, mode, moe.top_k
         self.ep = exchange.size
         self.per_rank = moe.n_experts // self.ep
         self.held = range(exchange.me * self.per_rank, (exchange.me + 1) * self.per_rank)
         self.capacity_factor = moe.rank_capacity_factor  # 0: dropless
-        self.exchange, self.inter, self.intra = exchange, inter, intra
+        self.exchange, self.inter, self.intra, self.payload = exchange, inter, intra, payload
         self.overlap = False  # parallel.ep_overlap: the module docstring's overlap
         if mode == "node":
             self.nodes, self.members = inter.size, intra.size
@@ -122,7 +123,7 @@ class ExpertDispatch:
         return (
             [node] * 2 * self.nodes
             + [rank * self.nodes] * self.members
-            + [rank * self.nodes, slots * self.nodes] * self.members
+            + ([rank] * self.nodes + [slots * self.nodes]) * self.members
         )
 
     @torch._disable_dynamo  # torch.compiler.disable's, imported on the first call (models/moe.py says why)
@@ -160,7 +161,7 @@ class ExpertDispatch:
                 rows, received = sizes[2 * c : half : 2 * parts], sizes[half + 2 * c :: 2 * parts]
                 chunk.placed(rows, recv=received, slots=sum(sizes[half + 2 * c + 1 :: 2 * parts]))
         for chunk in chunks:
-            chunk.post(self.exchange)
+            chunk.post(self.exchange, self.payload)
         beside.upto(bounds[0][1])  # the first chunk's shared experts while the dispatch travels
         for chunk in chunks:
             chunk.run_experts(self.experts, self.held, self.exchange)
@@ -198,17 +199,19 @@ class ExpertDispatch:
 
             def arrived():
                 work.wait()
-                onward = arriving.view(n, 1 + 2 * m)[:, 1:].sum(dim=0).view(2, m).t().flatten()  # (member, 2)
-                onward_rows = onward.view(m, 2)[:, 0]
-                return torch.cat(
-                    [node_counts, arriving.view(n, 1 + 2 * m)[:, 0], onward_rows, self.intra.counts(onward)]
-                )
+                table = arriving.view(n, 1 + 2 * m)
+                rows_from = table[:, 1 : 1 + m]  # (source node, member): the rows this rank forwards
+                # to each member: the rows from each source node (its experts' tiles restart there), then the slots
+                onward = torch.cat([rows_from.t(), table[:, 1 + m :].sum(dim=0).unsqueeze(1)], dim=1).flatten()
+                return torch.cat([node_counts, table[:, 0], rows_from.sum(dim=0), self.intra.counts(onward)])
 
             return arrived
 
         sizes = self._sizes(exchange_counts, beside, x.shape[0], x)
-        send1, recv1, send2, second_in = sizes[:n], sizes[n : 2 * n], sizes[2 * n : 2 * n + m], sizes[2 * n + m :]
-        recv2, slots = second_in[::2], sum(second_in[1::2])
+        send1, recv1, send2 = sizes[:n], sizes[n : 2 * n], sizes[2 * n : 2 * n + m]
+        second_in = [sizes[2 * n + m + j * (n + 1) :][: n + 1] for j in range(m)]  # from each member
+        sources = [rows for member in second_in for rows in member[:n]]  # arriving in (member, source node) order
+        recv2, slots = [sum(member[:n]) for member in second_in], sum(member[n] for member in second_in)
         placement1 = place(first, send1)
         received, routing = self._travel(self.inter, x, ids, weights, first, placement1, send1, recv1)
         node_ids, node_weights = unpack_routing(routing)
@@ -216,15 +219,15 @@ class ExpertDispatch:
         placement2 = place(second, send2)
         rows, routing = self._travel(self.intra, received, node_ids, node_weights, second, placement2, send2, recv2)
         expert_ids, expert_weights = unpack_routing(routing)
-        out = run_experts(self.experts, rows, expert_ids, expert_weights, self.held, slots)
+        out = run_experts(self.experts, rows, expert_ids, expert_weights, self.held, slots, sources)
         node_sums = combine(self.intra.rows(out, recv2, send2, "combine").wait(), placement2)
         return combine(self.inter.rows(node_sums, recv1, send1, "combine").wait(), placement1)
 
     def _travel(self, exchange, x, ids, weights, hop, placement, send, recv):
         """(rows received, their routing): the payload and its routing posted, then waited for."""
-        payload = [exchange.rows(t, send, recv, "dispatch") for t in PAYLOAD.pack(x, placement.rows)]
+        payload = exchange.rows(self.payload.pack(x, placement.rows), send, recv, "dispatch", self.payload.wire)
         routing = exchange.rows(pack_routing(hop, placement, ids, weights), send, recv, "routing")
-        return PAYLOAD.unpack([part.wait() for part in payload]), routing.wait()
+        return payload.wait(), routing.wait()
 
     def _sizes(self, start, beside, beside_rows: int, x: torch.Tensor, parts: int = 1) -> list[int]:
         """The split sizes on the host, read once: `start()` posts the counts and returns what gives them on the
@@ -262,18 +265,18 @@ class _Chunk:
         self.send, self.recv, self.slots = send, send if recv is None else recv, slots
         self.placement = place(self.hop, send, capacity)
 
-    def post(self, exchange: Exchange) -> None:
+    def post(self, exchange: Exchange, payload: Payload) -> None:
         """The rows and their routing posted to the members owning their experts."""
-        packed = PAYLOAD.pack(self.x, self.placement.rows)
-        self.payload = [exchange.rows(part, self.send, self.recv, "dispatch") for part in packed]
+        packed = payload.pack(self.x, self.placement.rows)
+        self.payload = exchange.rows(packed, self.send, self.recv, "dispatch", payload.wire)
         routing = pack_routing(self.hop, self.placement, self.ids, self.weights)
         self.routing = exchange.rows(routing, self.send, self.recv, "routing")
 
     def run_experts(self, experts, held: range, exchange: Exchange) -> None:
         """The rows that arrived through this rank's experts, their weighted sums posted back."""
-        received = PAYLOAD.unpack([part.wait() for part in self.payload])
+        received = self.payload.wait()
         expert_ids, expert_weights = unpack_routing(self.routing.wait())
-        out = run_experts(experts, received, expert_ids, expert_weights, held, self.slots)
+        out = run_experts(experts, received, expert_ids, expert_weights, held, self.slots, self.recv)
         self.returning = exchange.rows(out, self.recv, self.send, "combine")
 
     def combined(self, choices: int) -> torch.Tensor:
@@ -310,9 +313,12 @@ def _outside_selective_checkpoint():
         yield
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh, mode: str = "rank", ranks_per_node: int = 1, node_mesh=None):
+def apply_expert_parallel(
+    model: nn.Module, ep_mesh, mode: str = "rank", ranks_per_node: int = 1, node_mesh=None, payload=Payload()
+):
     """Shard every MoE layer's routed experts over the 1-D `ep_mesh` and route its tokens by all-to-all (`mode`
-    the module docstring's; `node_mesh` the (ep_node, ep_local) view of ep_mesh for the per-node mode)."""
+    the module docstring's; `node_mesh` the (ep_node, ep_local) view of ep_mesh for the per-node mode; `payload` how
+    the rows travel: float8 dispatch gives its wire, parallel/float8_dispatch.py)."""
     for layer in moe_layers(model).values():
         experts = layer.experts
         if layer.moe.n_experts % ep_mesh.size():
@@ -324,7 +330,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, mode: str = "rank", ranks_p
         exchanges = [Exchange(ep_mesh, ranks_per_node)]
         if mode == "node":
             exchanges += [Exchange(node_mesh[name], ranks_per_node) for name in ("ep_node", "ep_local")]
-        layer.dispatch = ExpertDispatch(layer, mode, *exchanges)
+        layer.dispatch = ExpertDispatch(layer, mode, *exchanges, payload=payload)
 
 
 def expert_dispatches(module: nn.Module) -> list[ExpertDispatch]:

@@ -11,10 +11,11 @@ Recipes (torchao's Float8LinearRecipeName; torchao >= 0.18):
   styles assume tensorwise scaling), as torchtitan does.
 - rowwise_with_gw_hp: rowwise, but the weight gradient's GEMM stays in high precision.
 
-What is converted: every nn.Linear except the output projection (`output`: the logits are the most
-sensitive GEMM and torchtitan keeps it too), any MoE router or gate, and any linear whose dimensions, as
-each tensor-parallel rank holds them, are not multiples of 16 (the float8 GEMM's constraint). The log
-names what was converted and why the rest was kept.
+What is converted: the routed experts' grouped GEMMs (float8.experts, parallel/float8_experts.py) and every
+nn.Linear except the output projection (`output`: the logits are the most sensitive GEMM and torchtitan keeps
+it too), any MoE router or gate, and any linear whose dimensions, as each tensor-parallel rank holds them, are
+not multiples of 16 (the float8 GEMM's constraint). The log names what was converted and why the rest was
+kept.
 
 FSDP2 float8 all-gather (float8.fsdp_all_gather): the weight is a torchao tensor subclass that casts its
 shard to float8 before the all-gather (half bf16's bytes); its scale is precomputed once per step for all
@@ -52,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trillion.errors import ConfigError
+from trillion.parallel.float8_experts import convert_experts
 from trillion.parallel.modes import float8_recipe
 
 log = logging.getLogger("trillion")
@@ -71,6 +73,8 @@ class Float8Training:
     recipe: str = "tensorwise"
     emulate: bool = False
     fsdp_all_gather: bool = False
+    experts: str = "auto"  # float8.experts: the routed experts' grouped GEMMs (parallel/float8_experts.py)
+    dispatch: bool = False  # float8.dispatch: the expert all-to-all's tokens in float8 (parallel/float8_dispatch.py)
 
     @property
     def float8_tp(self) -> bool:
@@ -78,12 +82,14 @@ class Float8Training:
         return float8_recipe(self.recipe).float8_tp
 
 
-def resolve(recipe: str, emulate: bool, fsdp_all_gather: str, fsdp_enabled: bool) -> Float8Training:
+def resolve(
+    recipe: str, emulate: bool, fsdp_all_gather: str, fsdp_enabled: bool, experts: str = "auto", dispatch: bool = False
+) -> Float8Training:
     """The Float8Training of a layout: float8 all-gather where asked for (or, with auto, supported) and FSDP on;
     a combination torchao lacks refused (parallel/modes.py's FLOAT8_RECIPES)."""
     supported = float8_recipe(recipe, fsdp_all_gather).fsdp_float8_all_gather
     gather = fsdp_enabled and (fsdp_all_gather == "on" or (fsdp_all_gather == "auto" and supported))
-    return Float8Training(recipe=recipe, emulate=emulate, fsdp_all_gather=gather)
+    return Float8Training(recipe, emulate, gather, experts, dispatch)
 
 
 # --- torchao, imported only when float8 is on ------------------------------------------------------------
@@ -157,7 +163,8 @@ def check_device(device: torch.device, emulate: bool) -> None:
     if device.type != "cuda":
         raise ConfigError(
             f"float8.enabled=true on {device.type}: float8 GEMMs need e4m3/e5m2 matrix units (NVIDIA sm89 and later, "
-            "AMD gfx942 and later), and a CPU has none. Add --float8.emulate=true to run torchao's float8 "
+            "AMD gfx942 and later), the routed experts' float8 grouped GEMMs too, and a CPU has none. Add "
+            "--float8.emulate=true to run torchao's float8 "
             "quantisation with high-precision matmuls (for tests and debugging: the same numerics, not faster), "
             "or run on such a GPU."
         )
@@ -165,7 +172,8 @@ def check_device(device: torch.device, emulate: bool) -> None:
     if not supported:
         raise ConfigError(
             f"float8.enabled=true on {name!r}{_table_name(name)}, architecture {arch}: it has no float8 "
-            "(e4m3/e5m2) matrix units, so torch's float8 GEMM (_scaled_mm) does not run on it. Float8 needs NVIDIA "
+            "(e4m3/e5m2) matrix units, so torch's float8 GEMM (_scaled_mm) does not run on it, nor the routed experts' "
+            "float8 grouped GEMMs (float8.experts: torchao's or the Triton one). Float8 needs NVIDIA "
             f"sm89 or later (L40S, H100, H200, B200) or AMD {' / '.join(AMD_FLOAT8_ARCHS)} (MI300X and later); "
             "the A100 (sm80) and the MI250X (gfx90a) train in bf16. Drop --float8.enabled, or add "
             "--float8.emulate=true to check float8's numerics on this device (not faster)."
@@ -221,6 +229,7 @@ def convert(model: nn.Module, settings: Float8Training, tp: int = 1) -> dict[str
     float8.convert_to_float8_training(
         model, config=config, module_filter_fn=lambda module, fqn: decisions.get(fqn, "") is None
     )
+    convert_experts(model, settings.experts, settings.emulate)
     if dist.is_initialized() and dist.get_backend() == "gloo":
         _float8_all_gather_as_bytes()
     if settings.fsdp_all_gather:

@@ -44,6 +44,56 @@ def lookahead_loss(depth_logits, stacked: torch.Tensor, tokens: torch.Tensor | i
     return sum(losses) / len(losses)
 
 
+class MicroBatch(tuple):
+    """(inputs, labels), unpacking as the pair a micro-batch has always been, with the model's inputs besides the
+    tokens: `document_ids` (batch, seq) of the documents packed into each sequence (data.document_mask: attention
+    stays within them) and `positions` (batch, seq) restarting at each document (data.reset_positions). Under
+    context parallelism the ids stay whole (attention reads every key's) while the rest is sharded."""
+
+    document_ids: torch.Tensor | None
+    positions: torch.Tensor | None
+
+    def __new__(cls, inputs, labels, document_ids=None, positions=None):
+        batch = super().__new__(cls, (inputs, labels))
+        batch.document_ids, batch.positions = document_ids, positions
+        return batch
+
+
+def model_inputs(micro_batch) -> dict:
+    """The model's keyword inputs a micro-batch carries besides its tokens; none for a plain (inputs, labels) pair."""
+    found = {name: getattr(micro_batch, name, None) for name in ("document_ids", "positions")}
+    return {name: value for name, value in found.items() if value is not None}
+
+
+def carried_inputs(micro_batches) -> dict:
+    """What the micro-batches carry for the model besides their tokens (document ids, positions), joined along the
+    batch as the tokens are: the schedule splits keyword inputs back into micro-batches and hands every stage, not
+    only the first, its micro-batch's, so each stage's attention masks the documents of the micro-batch it runs."""
+    carried = [model_inputs(mb) for mb in micro_batches]
+    return {name: torch.cat([inputs[name] for inputs in carried]) for name in carried[0]}
+
+
+def with_labels(micro_batch, labels: torch.Tensor):
+    """`micro_batch` with other labels, of its kind (its other inputs kept)."""
+    extra = model_inputs(micro_batch)
+    return MicroBatch(micro_batch[0], labels, **extra) if extra else (micro_batch[0], labels)
+
+
+def map_tensors(micro_batch, fn, whole=None):
+    """`micro_batch` with `fn` applied to each of its tensors (`whole` to its document ids, if given), of its kind."""
+    inputs, labels = micro_batch
+    extra = model_inputs(micro_batch)
+    if not extra:
+        return fn(inputs), fn(labels)
+    ids = extra.get("document_ids")
+    return MicroBatch(
+        fn(inputs),
+        fn(labels),
+        document_ids=None if ids is None else (whole or fn)(ids),
+        positions=fn(extra["positions"]) if "positions" in extra else None,
+    )
+
+
 def trunk_labels(labels: torch.Tensor) -> torch.Tensor:
     """The trunk's (batch, seq) labels, from plain labels or from labels stacked for multi-token prediction."""
     return labels[..., 0] if labels.dim() == 3 else labels
@@ -54,7 +104,7 @@ def with_lookahead(micro_batches, depths: int) -> list:
     lookahead_labels); unchanged without them. Done before the batch is split along the sequence."""
     if not depths:
         return micro_batches
-    return [(inputs, lookahead_labels(labels, depths, IGNORE_INDEX)) for inputs, labels in micro_batches]
+    return [with_labels(batch, lookahead_labels(batch[1], depths, IGNORE_INDEX)) for batch in micro_batches]
 
 
 def target_tokens(micro_batches) -> torch.Tensor:
@@ -109,7 +159,7 @@ class MicroBatchLoop:
         for start in range(0, len(micro_batches), size):
             group = micro_batches[start : start + size]
             set_micro_batch(self.model, self.dp_shard_mode, is_last=start + len(group) == len(micro_batches))
-            forwards = [functools.partial(self._forward, inputs, labels, autocast) for inputs, labels in group]
+            forwards = [functools.partial(self._forward, batch, autocast) for batch in group]
             outputs = Pair().run(*forwards) if len(forwards) == 2 else [forwards[0]()]
             with loss_context(self.tp_enabled):
                 losses = [self.losses(output, labels, tokens) for output, (_, labels) in zip(outputs, group)]
@@ -118,9 +168,12 @@ class MicroBatchLoop:
                 loss_sum += loss.detach().to_local() if self.tp_enabled else loss.detach()
         return loss_sum
 
-    def _forward(self, inputs: torch.Tensor, labels: torch.Tensor, autocast):
+    def _forward(self, micro_batch, autocast):
+        (inputs, labels), extra = micro_batch, model_inputs(micro_batch)
+        if self.lookahead:
+            extra["ahead"] = lookahead_tokens(labels)
         with copy.copy(autocast):  # its own: a paired forward runs in a thread of its own
-            return self.model(inputs, ahead=lookahead_tokens(labels)) if self.lookahead else self.model(inputs)
+            return self.model(inputs, **extra)
 
     def losses(self, output, labels: torch.Tensor, tokens) -> tuple[torch.Tensor, torch.Tensor]:
         """(the trunk's loss, the loss to differentiate) of one micro-batch's output: the logits, or with

@@ -1,5 +1,6 @@
 """A run's parallel layout as one frozen value: the degree of every axis and the shape of a step (ZeRO
-mode, pipeline schedule and its chunks, micro-batches, activation checkpointing, compile, float8).
+mode, pipeline schedule and its chunks, micro-batches, activation checkpointing, compile, float8), and the
+optimizer, whose state and step the planner costs.
 
 The planner searches and costs layouts, the memory pre-flight and `trillion estimate` size the trainer's
 own (trainer/layout.py builds it from a config), and ParallelDims (dims.py) builds the mesh of its
@@ -37,12 +38,16 @@ class Layout:
     cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence; FSDP shards over dp_shard x cp
     float8: bool = False  # the blocks' linears compute in float8; the output projection stays bf16
     float8_all_gather: bool = True  # with float8 and FSDP: the converted weights are all-gathered in float8
+    float8_experts: str = "auto"  # with float8: the routed experts' recipe (float8.experts), "off" keeps them bf16
+    float8_dispatch: bool = False  # with float8 experts and ep > 1: the dispatch all-to-all carries float8 rows
     ep: int = 1  # expert parallelism: routed experts over ep of the dp_shard x cp ranks
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE  # the busiest rank's routed tokens over the mean (planner)
     ep_dispatch: str = "rank"  # how tokens reach the experts: one row per expert, per rank or per node (EP_DISPATCH)
     ranks_per_node: int = 8  # the processes of one node (the per-node dispatch's two hops; the planner's node)
     ep_capacity: float = 0.0  # rows per destination rank as a multiple of the even share (0: dropless)
     ep_overlap: bool = False  # the dispatch's all-to-alls run beside the shared experts and the other micro-batch
+    optimizer: str = "adamw"  # adamw | muon: the optimizer's state and step work (planner/optimizer.py)
+    attention_share: float = 1.0  # document masking: the attention work left (models/flops.py; planner)
 
     @property
     def dp(self) -> int:

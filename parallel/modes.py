@@ -278,6 +278,7 @@ FLOAT8_RECIPES: dict[str, Float8Recipe] = {
     )
 }
 FLOAT8_ALL_GATHER = ("auto", "on", "off")  # float8.fsdp_all_gather
+FLOAT8_EXPERTS = ("auto", "blockwise", "rowwise", "off")  # float8.experts (kernels/float8_grouped_gemm.py)
 
 
 def float8_recipe(name: str, fsdp_all_gather: str = "auto") -> Float8Recipe:
@@ -296,3 +297,24 @@ def float8_recipe(name: str, fsdp_all_gather: str = "auto") -> Float8Recipe:
             "all-gather, or --float8.recipe=tensorwise."
         )
     return recipe
+
+
+def float8_dispatch(dispatch: bool, enabled: bool, experts: str, ep: int | None = None) -> None:
+    """Refuse float8.dispatch where it cannot work: the tokens go out in the float8 the experts' GEMMs would
+    quantise them to anyway, so it needs float8 experts, and an expert all-to-all (parallel.ep > 1) to carry them.
+    `ep` None: not known yet (the config alone)."""
+    if not dispatch:
+        return
+    if not enabled or experts == "off":
+        why = "float8.enabled=false" if not enabled else "float8.experts=off"
+        raise ConfigError(
+            f"float8.dispatch=true with {why}: the dispatch sends the tokens in the float8 (and the scales) the "
+            "experts' float8 GEMMs quantise them to, so the experts' first GEMMs see what they would have computed "
+            "anyway; with high-precision experts it would only lose precision. Add --float8.enabled=true with "
+            "--float8.experts=auto (or blockwise, rowwise), or drop --float8.dispatch."
+        )
+    if ep is not None and ep < 2:
+        raise ConfigError(
+            f"float8.dispatch=true with parallel.ep={ep}: without expert parallelism there is no dispatch "
+            "all-to-all to carry the tokens in float8. Use --parallel.ep=2 or more, or drop --float8.dispatch."
+        )

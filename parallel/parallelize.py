@@ -3,19 +3,19 @@
     float8 swap -> context parallelism -> tensor parallelism -> expert parallelism -> activation
     checkpointing -> torch.compile -> FSDP2
 
-The float8 swap first (float8.py): it replaces the blocks' nn.Linear modules by torchao's Float8Linear,
-which TP then shards with float8-aware styles and FSDP gathers in float8; everything after must see
-the swapped modules (torchtitan's order). CP next: it only swaps each block's attention for attention
-across sequence shards and passes the rank's token positions, so everything after wraps the same
-modules. TP next, because it changes what a parameter is (a DTensor over the tp axis) and inserts
-the collectives the later wrappers must see; expert parallelism next (expert_parallel.py: the routed
-experts become DTensors on the ep mesh, whole on their rank, and the dispatch all-to-alls; the
-shared experts and attention keep TP's layout); AC next, so recomputation replays those collectives;
-compile then traces the parallel blocks; FSDP last, so it shards the TP shards again over dp and
-its hooks wrap everything (the routed experts under ep apart, over the data-parallel ranks ep
-leaves). Call it before `to_empty` + `init_weights`, which then give the same values whatever the
-layout (see models.transformer.Transformer.init_weights).
-"""
+The float8 swap first (float8.py): it replaces the blocks' nn.Linear modules by torchao's Float8Linear
+(and gives the routed experts their float8 grouped product, float8_experts.py; float8 dispatch,
+float8_dispatch.py, is the wire expert parallelism's rows travel in), which TP then shards with float8-aware
+styles and FSDP gathers in float8; everything after must see the swapped modules (torchtitan's order). CP
+next: it only swaps each block's attention for attention across sequence shards and passes the rank's
+token positions, so everything after wraps the same modules. TP next, because it changes what a parameter
+is (a DTensor over the tp axis) and inserts the collectives the later wrappers must see; expert
+parallelism next (expert_parallel.py: the routed experts become DTensors on the ep mesh, whole on their
+rank, and the dispatch all-to-alls; the shared experts and attention keep TP's layout); AC next, so
+recomputation replays those collectives; compile then traces the parallel blocks; FSDP last, so it shards
+the TP shards again over dp and its hooks wrap everything (the routed experts under ep apart, over the
+data-parallel ranks ep leaves). Call it before `to_empty` + `init_weights`, which then give the same
+values whatever the layout (see models.transformer.Transformer.init_weights)."""
 
 import torch
 from torch import nn
@@ -24,10 +24,12 @@ from trillion.parallel.activation_checkpoint import apply_activation_checkpointi
 from trillion.parallel.compile import apply_compile
 from trillion.parallel.context_parallel import apply_context_parallel
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.ep_routing import Payload
 from trillion.parallel.expert_overlap import apply_pairing_gates
 from trillion.parallel.expert_parallel import apply_expert_parallel, cache_routes_for_recompute
 from trillion.parallel.float8 import Float8Training
 from trillion.parallel.float8 import convert as convert_to_float8
+from trillion.parallel.float8_dispatch import Float8Wire
 from trillion.parallel.fsdp import apply_fsdp
 from trillion.parallel.modes import checkpointed_blocks, schedule, zero_mode
 from trillion.parallel.tensor_parallel import apply_tensor_parallel
@@ -65,7 +67,9 @@ def parallelize(
         )
     if ep_mesh is not None:
         layout = dims.layout
-        apply_expert_parallel(model, ep_mesh, layout.ep_dispatch, layout.ranks_per_node, dims.ep_node_mesh)
+        payload = Payload(wire=Float8Wire(float8.experts, float8.emulate)) if float8 and float8.dispatch else Payload()
+        mode, ranks_per_node = layout.ep_dispatch, layout.ranks_per_node
+        apply_expert_parallel(model, ep_mesh, mode, ranks_per_node, dims.ep_node_mesh, payload)
     apply_activation_checkpointing(model, activation_checkpoint)
     if ep_mesh is not None:
         blocks = list(model.layers.values())

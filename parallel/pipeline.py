@@ -52,7 +52,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trillion.errors import ConfigError
-from trillion.parallel.forward_backward import token_loss
+from trillion.parallel.forward_backward import carried_inputs, token_loss
 from trillion.parallel.modes import SCHEDULES, check_schedule
 from trillion.parallel.pipeline_ahead import AheadOutputs
 from trillion.parallel.tensor_parallel import loss_context
@@ -388,9 +388,8 @@ class Pipeline:
         first = self.pp_rank == 0
         with loss_context(self.dims.tp_enabled):  # the last stage's loss forward and backward
             # return_outputs=False: the last stage would otherwise keep every micro-batch's logits
-            schedule_step(
-                *((inputs,) if first else ()), target=labels, losses=losses, return_outputs=False, **stage_inputs
-            )
+            carried = {**carried_inputs(micro_batches), **stage_inputs}
+            schedule_step(*((inputs,) if first else ()), target=labels, losses=losses, return_outputs=False, **carried)
         losses = [part.to_local() if isinstance(part, DTensor) else part for part in losses]
         loss = (
             torch.stack([part.detach() for part in losses]).sum() if losses else torch.zeros((), device=inputs.device)

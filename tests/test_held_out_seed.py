@@ -64,7 +64,7 @@ def evaluation_documents(data: Data) -> set[str]:
     """The documents of the evaluation set, read whole: one lane and 8-token windows, so the dropped end
     of the last window (under 8 tokens) cannot hold a whole marker of a document longer than that."""
     tokenizer = ByteTokenizer()
-    windows = read_eval_windows(
+    windows, _ = read_eval_windows(
         Eval(held_out=FRACTION, steps=10_000), dataclasses.replace(data, lanes=1), tokenizer, 7, 1
     )
     return set(MARKER.findall(tokenizer.decode(windows.flatten().tolist())))

@@ -14,13 +14,17 @@ from torch import nn
 from trillion.errors import ConfigError
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.models import ModelArgs, Transformer, get_preset, parts
+from trillion.models.logit_probe import install_probes
 from trillion.models.parts import apply_settings as apply_part_settings
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.ep_checks import resolve_dispatch
 from trillion.parallel.expert_overlap import pairs_micro_batches
+from trillion.parallel.float8_experts import check_experts
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, degrees_of
+from trillion.parallel.modes import float8_dispatch
+from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
 from trillion.trainer.config.schema import Config, Training, divisor_near, validate_config
@@ -91,16 +95,24 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
         raise ConfigError(f"kernels.attention={attention_impl!r} is not known. Use auto, {', '.join(ATTENTION_IMPLS)}.")
     if norm_impl not in NORM_IMPLS:
         raise ConfigError(f"kernels.norm={norm_impl!r} is not known. Use auto, {', '.join(NORM_IMPLS)}.")
+    if config.optimizer.qk_clip > 0:  # MuonClip needs each head's query and key rows declared
+        check_clippable(args, f"optimizer.qk_clip={config.optimizer.qk_clip:g}")
     return args
 
 
 def part_settings(config: Config) -> dict:
     """The user's settings the model's parts read ("section.field": value; models/parts apply_settings): the
-    model section's and the moe section's fields, and the experts' grouped GEMM backend."""
+    model section's and the moe section's fields, the experts' grouped GEMM and permutation backends and
+    document masking."""
     settings = {f"model.{f.name}": getattr(config.model, f.name) for f in dataclasses.fields(config.model)}
     settings |= {f"moe.{f.name}": getattr(config.moe, f.name) for f in dataclasses.fields(config.moe)}
-    # the ep degree: a per-rank capacity (moe.rank_capacity_factor) drops tokens per ep rank, in one process too
-    return settings | {"kernels.grouped_gemm": config.kernels.grouped_gemm, "parallel.ep": config.parallel.ep}
+    return settings | {
+        "kernels.grouped_gemm": config.kernels.grouped_gemm,
+        "kernels.permutation": config.kernels.permutation,
+        "data.document_mask": config.data.document_mask,
+        # the ep degree: a per-rank capacity (moe.rank_capacity_factor) drops tokens per ep rank, in one process too
+        "parallel.ep": config.parallel.ep,
+    }
 
 
 def check_whole_sequences(args: ModelArgs, dims: ParallelDims) -> None:
@@ -127,6 +139,8 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
     if config.float8.enabled:  # the device first: on an A100 the answer is no whether torchao is there or not
         float8.check_device(env.device, config.float8.emulate)
         float8.require_torchao()
+        check_experts(config.float8.experts, env.device, config.float8.emulate)
+        float8_dispatch(config.float8.dispatch, True, config.float8.experts, config.parallel.ep)
         if not config.float8.emulate and not config.compile.enabled:
             log.info(
                 "float8 without --compile.enabled=true: torchao's casts and scales run as separate kernels, which "
@@ -137,7 +151,7 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
 def float8_training(config: Config, fsdp: bool) -> float8.Float8Training | None:
     """float8.* as parallelize applies it (None: off); FSDP float8 all-gather only where FSDP shards."""
     f = config.float8
-    return float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, fsdp) if f.enabled else None
+    return float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, fsdp, f.experts, f.dispatch) if f.enabled else None
 
 
 def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layout:
@@ -151,8 +165,9 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
     expert_dispatch = dispatch_layout(config, degrees, world_size)
     ParallelDims(dataclasses.replace(degrees.layout, **expert_dispatch), world_size).validate(model_args, t.seq_len)
     check_whole_sequences(model_args, degrees)
-    check_batch_split(t, degrees.dp_size)
-    micro_batch_size, microbatches = batch_split(t, degrees.dp_size)
+    dp_ranks = degrees.dp_size * config.fault_tolerance.groups  # fault-tolerant replica groups share each batch
+    check_batch_split(t, dp_ranks)
+    micro_batch_size, microbatches = batch_split(t, dp_ranks)
     experts_recomputed = degrees.ep > 1 and p.activation_checkpoint != "none"
     # schedule, stage sizes and micro-batches checked before any work (stage sizes without a pipeline refused)
     pp_schedule, virtual_stages = validate_pipeline(
@@ -179,6 +194,9 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         compile=config.compile.enabled,
         float8=f.enabled,
         float8_all_gather=gathers,
+        float8_experts=f.experts,
+        float8_dispatch=f.dispatch,
+        optimizer=config.optimizer.name,
         **expert_dispatch,
     )
 
@@ -220,7 +238,8 @@ def check_batch_split(t: Training, dp_size: int) -> None:
         raise ConfigError(
             f"training.global_batch_size={t.global_batch_size} does not split into micro-batches of "
             f"training.micro_batch_size={t.micro_batch_size} over {dp_size} data-parallel ranks (dp_replicate x "
-            f"dp_shard); each rank takes global / dp sequences. Use e.g. {fix}."
+            f"dp_shard, x fault_tolerance.group_size with fault tolerance); each rank takes global / dp sequences. "
+            f"Use e.g. {fix}."
         )
 
 
@@ -244,6 +263,12 @@ def build_runner(
     whatever the layout)."""
     with torch.device("meta"):
         model = Transformer(model_args)
+    if config.optimizer.qk_clip > 0 and (unmeasured := install_probes(model)):  # MuonClip: per-head max logits
+        raise ConfigError(
+            f"optimizer.qk_clip={config.optimizer.qk_clip:g}: the attention modules {', '.join(unmeasured[:3])} run no "
+            "`attend` callable (models/attention.py's seam) through which their logits could be measured. Use "
+            "--optimizer.qk_clip=0 with this model, or give its attention kind an `attend`."
+        )
     modules, pipeline = build_model(config, dims, model, n_microbatches, device, dtype)
     for part in modules:
         part.to_empty(device=device)

@@ -10,7 +10,9 @@ data-parallel ranks take disjoint slices of it; the loss is the mean over every 
 summed in float64 over the ranks, so one process and any layout agree to rounding.
 
 Under pipelining torch's forward-only schedule (`schedule.eval`) runs the micro-batches: no
-backward, no gradient buffers. Under TP the loss runs vocabulary-parallel as in training.
+backward, no gradient buffers. Under TP the loss runs vocabulary-parallel as in training. Documents are
+masked as in training unless eval.document_mask says otherwise; positions restart at each document as
+training's do (data.reset_positions).
 """
 
 import dataclasses
@@ -23,13 +25,14 @@ import torch
 
 from trillion.errors import ConfigError
 from trillion.parallel.context_parallel import shard_batch
-from trillion.parallel.forward_backward import target_tokens, token_loss
+from trillion.parallel.forward_backward import map_tensors, model_inputs, target_tokens, token_loss
 from trillion.parallel.tensor_parallel import loss_context
 from trillion.trainer.config.schema import Data as DataConfig
 from trillion.trainer.config.schema import Eval as EvalConfig
+from trillion.trainer.data.documents import window_micro_batches
 from trillion.trainer.data.held_out import is_held_out
 from trillion.trainer.data.sources import HFDocuments, build_documents
-from trillion.trainer.data.windows import dealt_windows, token_documents
+from trillion.trainer.data.windows import dealt_windows_with_documents, token_documents
 
 log = logging.getLogger("trillion")
 # The held-out documents are read in the corpus order of this seed, not the run's, so runs with
@@ -72,18 +75,22 @@ def eval_documents(cfg: EvalConfig, data: DataConfig):
         raise ConfigError(message) from None
 
 
-def read_eval_windows(cfg: EvalConfig, data: DataConfig, tokenizer, seq_len: int, batch_size: int) -> torch.Tensor:
+def read_eval_windows(
+    cfg: EvalConfig, data: DataConfig, tokenizer, seq_len: int, batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The evaluation set: eval.steps batches of batch_size windows of seq_len + 1 tokens, or as many
-    whole batches as the set holds (never a window twice)."""
+    whole batches as the set holds (never a window twice), and their document ids."""
     count = cfg.steps * batch_size
     if data.prepared and not (cfg.path or cfg.name):  # prepare-data kept the held-out documents beside each store
         from trillion.trainer.data.prepared import read_held_out_windows
 
-        windows = read_held_out_windows(data, tokenizer, seq_len, count)
+        windows, ids = read_held_out_windows(data, tokenizer, seq_len, count)
     else:
         documents, keep = eval_documents(cfg, data)
-        windows = dealt_windows(token_documents(documents, tokenizer, keep), data.lanes, seq_len + 1, count)
-    return windows[: len(windows) // batch_size * batch_size]
+        token_docs = token_documents(documents, tokenizer, keep)
+        windows, ids = dealt_windows_with_documents(token_docs, data.lanes, seq_len + 1, count)
+    whole = len(windows) // batch_size * batch_size
+    return windows[:whole], ids[:whole]
 
 
 class Evaluator:
@@ -98,12 +105,20 @@ class Evaluator:
         dp_size: int,
         device: torch.device,
         interval: int = 1,
+        *,
+        document_ids: torch.Tensor | None = None,
+        mask: bool = False,
+        reset: bool = False,
     ):
+        """`document_ids`: the windows', for masking (`mask`) and restarting positions (`reset`)."""
         local = batch_size // dp_size
-        self.batches = [
-            batch[dp_rank * local : (dp_rank + 1) * local].split(micro_batch_size)
-            for batch in windows.split(batch_size)
-        ]
+        mine = slice(dp_rank * local, (dp_rank + 1) * local)
+        self.batches = [batch[mine].split(micro_batch_size) for batch in windows.split(batch_size)]
+        if document_ids is None:  # windows without their documents: nothing to mask
+            self.document_ids = [(None,) * len(batch) for batch in self.batches]
+        else:
+            self.document_ids = [ids[mine].split(micro_batch_size) for ids in document_ids.split(batch_size)]
+        self.mask, self.reset = mask, reset
         self.device, self.interval, self.best = device, interval, None
 
     def keep_best(self, output_dir: Path, resumed_step: int) -> None:
@@ -128,22 +143,29 @@ class Evaluator:
         )
         return result
 
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.device)
+
     @torch.no_grad()
     def evaluate(self, model, dims, autocast, pipeline=None) -> dict:
         """eval_loss (mean over every target token of the set), eval_ppl and eval_tokens, the same on every rank."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
-        for batch in self.batches:
-            micro_batches = [(mb[:, :-1].to(self.device), mb[:, 1:].to(self.device)) for mb in batch]
+        for batch, ids in zip(self.batches, self.document_ids):
+            micro_batches = [
+                map_tensors(window_micro_batches(w, i, len(w), mask=self.mask, reset=self.reset)[0], self._to_device)
+                for w, i in zip(batch, ids)
+            ]
             micro_batches = shard_batch(micro_batches, dims.cp_mesh)  # this cp rank's share of every sequence
             tokens += target_tokens(micro_batches)
             if pipeline is not None:
                 with autocast:
                     loss_sum += pipeline.evaluate(micro_batches)
                 continue
-            for inputs, labels in micro_batches:
+            for micro_batch in micro_batches:
+                inputs, labels = micro_batch
                 with autocast:
-                    logits = model(inputs)
+                    logits = model(inputs, **model_inputs(micro_batch))
                 with loss_context(dims.tp_enabled):
                     loss = token_loss(logits, labels, 1)
                 loss_sum += loss.to_local() if dims.tp_enabled else loss
@@ -195,7 +217,7 @@ def build_evaluator(
     if not cfg.interval:
         return None
     batch_size = eval_batch_size(cfg, global_batch_size, dims.dp_size, micro_batch_size, dims.pp)
-    windows = read_eval_windows(cfg, data, tokenizer, seq_len, batch_size)
+    windows, ids = read_eval_windows(cfg, data, tokenizer, seq_len, batch_size)
     source = cfg.path or cfg.name or f"eval.held_out={cfg.held_out:g} of the documents"
     batches = len(windows) // batch_size
     if batches == 0:
@@ -211,4 +233,18 @@ def build_evaluator(
     if batches < cfg.steps:
         log.info("the evaluation set holds %d of the eval.steps=%d batches: evaluating on those", batches, cfg.steps)
     log.info("evaluation every %d steps on %d windows of %d tokens (%s)", cfg.interval, len(windows), seq_len, source)
-    return Evaluator(windows, batch_size, micro_batch_size, dims.dp_rank, dims.dp_size, device, cfg.interval)
+    mask, reset = cfg.masks_documents(data), data.reset_positions
+    if mask:
+        log.info("evaluation masks attention within each document (eval.document_mask=%s)", cfg.document_mask)
+    return Evaluator(
+        windows,
+        batch_size,
+        micro_batch_size,
+        dims.dp_rank,
+        dims.dp_size,
+        device,
+        cfg.interval,
+        document_ids=ids,
+        mask=mask,
+        reset=reset,
+    )

@@ -13,19 +13,19 @@ from trillion.errors import ConfigError
 from trillion.models import ModelArgs
 from trillion.parallel.layout import Layout
 from trillion.parallel.planner.memory import pipeline_ranks, states_bytes
+from trillion.parallel.planner.optimizer import state_bytes as optimizer_state_bytes
 
 
 def states_per_rank(model_args: ModelArgs, layout: Layout) -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer) bytes of the fullest rank."""
+    """(parameters, gradients, optimizer) bytes of the fullest rank (the optimizer's: AdamW's or Muon's)."""
     mode = "zero1" if layout.pp > 1 else layout.dp_shard_mode  # a pipeline keeps its stages gathered (memory.py)
-    return max(
-        (
-            # FSDP: dp_shard x cp; the routed experts E / ep a rank, sharded over the dp_shard x cp / ep left
-            states_bytes(*rank.numel(model_args, layout.tp, layout.dp_shard * layout.cp, layout.ep), mode)
-            for rank in pipeline_ranks(model_args, layout)
-        ),
-        key=sum,
-    )
+    found = []
+    for rank in pipeline_ranks(model_args, layout):
+        # FSDP: dp_shard x cp; the routed experts E / ep a rank, sharded over the dp_shard x cp / ep left
+        tp_numel, shard_numel = rank.numel(model_args, layout.tp, layout.dp_shard * layout.cp, layout.ep)
+        parameters, gradients, _ = states_bytes(tp_numel, shard_numel, mode)
+        found.append((parameters, gradients, optimizer_state_bytes(model_args, layout, rank, shard_numel)))
+    return max(found, key=sum)
 
 
 def memory_available(device: torch.device, local_processes: int) -> tuple[float, str]:

@@ -1,7 +1,7 @@
 """What keeps a long run alive and restartable: the counters a checkpoint carries, the guard
 that skips updates with a non-finite loss or gradient norm, and the clean early stop
 (`training.exit_interval`, `training.exit_after_minutes`, SIGTERM or SIGUSR1) for time-limited or
-preempted jobs that chain."""
+preempted jobs that chain, and the advice on checkpoint.interval once a save was timed."""
 
 import logging
 import signal
@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 
 from trillion.errors import Interrupted, RunAborted
+from trillion.parallel.planner.goodput import interval_advice
+from trillion.trainer.config.schema import Checkpoint as CheckpointConfig
 from trillion.trainer.config.schema import Training as TrainingConfig
 
 log = logging.getLogger("trillion")
@@ -179,3 +181,22 @@ class StopPolicy:
         work.wait()
         time_up, signalled = READ_HOST_TENSOR(flags)
         return bool(time_up), bool(signalled)
+
+
+class CheckpointAdvice:
+    """After the job's first save before its last step: one warning when checkpoint.interval is more than twice
+    off the Young/Daly optimum for this job's GPUs (all replica groups'), measured save time and step time
+    (parallel/planner/goodput.py; checkpoint.mtbf_hours_per_gpu=0 turns it off)."""
+
+    def __init__(self, cfg: CheckpointConfig, gpus: int, steps: int, is_logging_rank: bool):
+        self.cfg, self.gpus, self.steps, self.pending = cfg, gpus, steps, is_logging_rank
+
+    def after_save(self, step: int, save_s: float, step_s: float) -> None:
+        if not self.pending or step >= self.steps:
+            return
+        self.pending = False
+        message = interval_advice(
+            self.cfg.interval, step_s, save_s, self.gpus, self.cfg.mtbf_hours_per_gpu, self.steps - step
+        )
+        if message:
+            log.warning(message)

@@ -16,7 +16,7 @@ from trillion.models.moe import check_grouped_gemm
 from trillion.models.step_hooks import StepHooks, find_step_hooks
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.dims import ParallelDims
-from trillion.parallel.forward_backward import Runner
+from trillion.parallel.forward_backward import Runner, map_tensors
 from trillion.parallel.pipeline import Pipeline
 from trillion.trainer.assemble import (
     batch_split,
@@ -33,7 +33,10 @@ from trillion.trainer.checkpoint.state import RunStates
 from trillion.trainer.config import Config, to_toml
 from trillion.trainer.config.schema import Training
 from trillion.trainer.data import build_data_loader, build_tokenizer, held_out_fraction
+from trillion.trainer.data.documents import step_attention_share
 from trillion.trainer.evaluate import Evaluator, build_evaluator
+from trillion.trainer.fault_tolerance import check_fault_tolerance, replica_group_config
+from trillion.trainer.fault_tolerance.attach import FaultTolerantRun, join_replica_groups
 from trillion.trainer.launch import LaunchEnv, RunDirectoryLock, check_same_config, init_launch_env, restarted
 from trillion.trainer.metrics import ThroughputMeter, peak_memory_gb
 from trillion.trainer.metrics.meters import StepLog
@@ -42,7 +45,7 @@ from trillion.trainer.metrics.pipeline_timeline import PipelineTimeline
 from trillion.trainer.metrics.profiling import PhaseTimer, StepProfiler
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
 from trillion.trainer.preflight import check_memory
-from trillion.trainer.resilience import NonFiniteGuard, RunCounters, StopPolicy
+from trillion.trainer.resilience import CheckpointAdvice, NonFiniteGuard, RunCounters, StopPolicy
 from trillion.trainer.step import train_step
 
 log = logging.getLogger("trillion")
@@ -88,8 +91,12 @@ class Run:
     timeline: PipelineTimeline | None
     hooks: RunHooks
     lock: RunDirectoryLock | None  # rank 0's hold on the run directory
+    advice: CheckpointAdvice
+    replicas: FaultTolerantRun | None  # this job's replica group among the others (fault_tolerance.enabled)
 
     def close(self) -> None:
+        if self.replicas is not None:
+            self.replicas.close()
         self.stop.close()
         self.profiler.close()
         self.checkpointer.close()
@@ -107,6 +114,7 @@ class StepDone:
     ahead_loss: torch.Tensor | None  # the multi-token prediction modules' mean loss, with them
     lr: float
     tokens_per_device: float
+    attention_share: float  # the attention work document masking left (1.0 without it): models/flops.py
     start: float  # perf_counter when the step's compute began
     data_seconds: float
     timer: PhaseTimer
@@ -153,7 +161,8 @@ def train_loop(run: Run) -> dict:
                 run.guard.check(step)  # the skipped-step flags since the last check, in one read
                 run.checkpointer.confirm(step)
             values = step_values(done) if logged else None  # a logged step's host reads
-            run.meter.add(done.tokens_per_device, time.perf_counter() - done.start, done.data_seconds)
+            step_seconds = time.perf_counter() - done.start
+            run.meter.add(done.tokens_per_device, step_seconds, done.data_seconds, done.attention_share)
             evaluation = evaluate(run, step) if evaluated else {}
             if logged:
                 record = step_record(run, step, done, values, evaluation, checkpoint_seconds)
@@ -161,7 +170,10 @@ def train_loop(run: Run) -> dict:
                 checkpoint_seconds = 0.0
             else:
                 run.log.tick(step)
-            checkpoint_seconds += run.checkpointer.maybe_save(step, last=last, stopping_early=stopping_early)
+            spent = run.checkpointer.maybe_save(step, last=last, stopping_early=stopping_early)
+            checkpoint_seconds += spent
+            if run.checkpointer.last_saved_step == step:
+                run.advice.after_save(step, spent, step_seconds)
         if last:
             if stopping_early:
                 log.info("%s: checkpoint saved, exiting; the same command continues the run", run.stop.reason)
@@ -176,8 +188,8 @@ def one_step(run: Run, step: int) -> StepDone:
     batch = run.first_batch if step == run.log.first_step else run.loader.next_batch()
     device = run.env.device
     if device.type == "cuda":  # a copy from pageable memory would wait for the device; pinned memory does not
-        batch = [(x.pin_memory(), y.pin_memory()) for x, y in batch]
-    micro_batches = [(x.to(device, non_blocking=True), y.to(device, non_blocking=True)) for x, y in batch]
+        batch = [map_tensors(mb, torch.Tensor.pin_memory) for mb in batch]
+    micro_batches = [map_tensors(mb, lambda t: t.to(device, non_blocking=True)) for mb in batch]
     timer.mark("data")
     start = time.perf_counter()
     recording = run.timeline.recording(step) if run.timeline else contextlib.nullcontext()
@@ -201,8 +213,10 @@ def one_step(run: Run, step: int) -> StepDone:
     lr = run.scheduler.get_last_lr()[0]
     run.scheduler.step()
     tokens_per_device = sum(x.numel() for x, _ in batch) * run.dims.dp_size / run.env.world_size
+    share = step_attention_share(batch)  # from the host's document ids
     # the runner's tensor of this step (the next step makes a new one), read on the host only when logged
-    return StepDone(loss, grad_norm, run.runner.ahead_loss, lr, tokens_per_device, start, start - data_start, timer)
+    done = (loss, grad_norm, run.runner.ahead_loss, lr, tokens_per_device, share, start, start - data_start, timer)
+    return StepDone(*done)
 
 
 def step_values(done: StepDone) -> dict:
@@ -239,16 +253,19 @@ def set_up(config: Config, hooks: RunHooks) -> Run:
     work), then the model, optimizer and checkpoints (resuming if the run has one), then the meters.
     Rank 0 holds the run directory's lock from here to Run.close."""
     job_start = time.monotonic()  # training.exit_after_minutes counts set-up and loading too
+    config = replica_group_config(config)  # a fault-tolerant replica group's own run directory
     env = init_launch_env(config.job.device, config.job.collective_timeout_s)
     check_same_config(to_toml(config))
     validate_training(config, env)
+    check_fault_tolerance(config)
     output_dir, lock = Path(config.job.output_dir), None
     if env.is_logging_rank:
         lock = RunDirectoryLock(output_dir)
         lock.acquire()
     try:
         if lock is not None:
-            check_run_directory(output_dir, overwrite=config.job.overwrite, restarted=restarted())
+            rejoining = restarted() or config.fault_tolerance.enabled  # a replica group takes the others' state
+            check_run_directory(output_dir, overwrite=config.job.overwrite, restarted=rejoining)
         return _set_up_locked(config, hooks, env, job_start, lock)
     except BaseException:
         if lock is not None:
@@ -262,13 +279,14 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
     model_args = build_model_args(config, tokenizer.vocab_size)
     check_grouped_gemm(model_args, env.device, compute_dtype(t.dtype, env.device.type))
     dims = build_parallel_dims(config, env, model_args)
-    micro_batch_size, n_microbatches = batch_split(t, dims.dp_size)
+    groups = config.fault_tolerance.groups  # replica groups sharing each batch (1 without fault tolerance)
+    micro_batch_size, n_microbatches = batch_split(t, dims.dp_size * groups)
     check_memory(
-        dims.layout, model_args, env, model_name=config.model.name, global_batch_size=t.global_batch_size
+        dims.layout, model_args, env, model_name=config.model.name, global_batch_size=t.global_batch_size // groups
     )  # before any allocation or file
     loader, first_batch, evaluator = read_data(config, tokenizer, dims, micro_batch_size, env.device)
     dtype = compute_dtype(t.dtype, env.device.type)
-    runner, pipeline, optimizer, scheduler, counters, checkpointer = build_training(
+    runner, pipeline, optimizer, scheduler, counters, checkpointer, replicas = build_training(
         config, env, model_args, dims, n_microbatches, loader, dtype
     )
     if counters.step > 0:  # the data position moved on: the batch read up front is not the next one
@@ -284,7 +302,7 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
         first_batch,
         evaluator,
         runner,
-        find_step_hooks(runner.model),
+        find_step_hooks(runner.model) + (replicas.step_hooks if replicas else ()),
         pipeline,
         optimizer,
         scheduler,
@@ -295,17 +313,20 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, job_start: f
         NonFiniteGuard(t.max_nonfinite_skips, counters),
         StopPolicy(t, counters.step, job_start),
         *build_observers(config, env, model_args, pipeline, counters.step, dtype, n_microbatches),
-        hooks,
+        replicas.wrap(hooks) if replicas else hooks,
         lock,
+        CheckpointAdvice(config.checkpoint, env.world_size * groups, t.steps, env.is_logging_rank),
+        replicas,
     )
 
 
 def build_training(config: Config, env: LaunchEnv, model_args, dims: ParallelDims, n_microbatches: int, loader, dtype):
-    """(runner, pipeline, optimizer, LR schedule, counters, checkpointer): the model materialized and
-    parallelized, its optimizer, and the run's newest checkpoint loaded into them if it has one."""
+    """(runner, pipeline, optimizer, LR schedule, counters, checkpointer, replica group): the model materialized
+    and parallelized, its optimizer, the run's newest checkpoint loaded into them if it has one, and, with fault
+    tolerance, the group joined to the others (a group behind them copies a healthy one's state here)."""
     runner, pipeline = build_runner(config, dims, model_args, n_microbatches, env.device, dtype)
     torch.manual_seed(config.job.seed)
-    optimizer = build_optimizer(runner.model, config.optimizer, env.device.type)
+    optimizer = build_optimizer(runner.model, config.optimizer, env.device.type, model_args=model_args, dims=dims)
     scheduler = build_lr_scheduler(optimizer, config.lr_schedule, config.training.steps)
     counters = RunCounters()
     states = RunStates(
@@ -319,6 +340,7 @@ def build_training(config: Config, env: LaunchEnv, model_args, dims: ParallelDim
         is_rank0=env.is_logging_rank,
     )
     checkpointer.resume()
+    replicas = join_replica_groups(config, env.rank, env.world_size, states, checkpointer)
     if env.is_logging_rank:  # the run is accepted: its resolved settings become the directory's record
         write_run_config(Path(config.job.output_dir), to_toml(config))
     if counters.step >= config.training.steps:
@@ -329,19 +351,20 @@ def build_training(config: Config, env: LaunchEnv, model_args, dims: ParallelDim
             counters.step,
             config.training.steps,
         )
-    return runner, pipeline, optimizer, scheduler, counters, checkpointer
+    return runner, pipeline, optimizer, scheduler, counters, checkpointer, replicas
 
 
 def read_data(config: Config, tokenizer, dims: ParallelDims, micro_batch_size: int, device: torch.device):
     """(loader, first batch, evaluator): an empty or unreadable dataset, or evaluation set, fails here."""
     t = config.training
+    dp_rank, dp_size = config.fault_tolerance.data_rank(dims.dp_rank, dims.dp_size)  # over every replica group
     if micro_batch_size < t.micro_batch_size:
         log.info(
             "training.micro_batch_size=%d is more than the %d sequences of each of the %d data-parallel ranks; "
             "using micro-batches of %d",
             t.micro_batch_size,
             micro_batch_size,
-            dims.dp_size,
+            dp_size,
             micro_batch_size,
         )
     loader = build_data_loader(
@@ -352,8 +375,8 @@ def read_data(config: Config, tokenizer, dims: ParallelDims, micro_batch_size: i
         global_batch_size=t.global_batch_size,
         micro_batch_size=micro_batch_size,
         held_out=held_out_fraction(config.eval),
-        dp_rank=dims.dp_rank,
-        dp_size=dims.dp_size,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
     )
     first_batch = loader.next_batch()  # an empty or unreadable dataset fails here, before any model work
     evaluator = build_evaluator(

@@ -32,11 +32,13 @@ HARDWARE = ("frontier", "dgx-h100", "mi300x")
 # to 15360 sequences over the first 469B tokens, 15360 after (planned here at 15360 throughout).
 DEEPSEEK = {"gpus": 2048, "global_batch": 15360, "seq_len": 4096, "tokens": 14.8e12, "gpu_hours": 2.664e6}
 DEEPSEEK_LAYOUT = {"tp": 1, "pp": 16, "ep": 64, "dp_shard": 128, "dp_shard_mode": "zero1"}
+# DeepSeek-V3's float8 (section 3.3): the experts' GEMMs blockwise, the dispatch in float8, the combine in bf16
+DEEPSEEK_FLOAT8 = {"float8": True, "float8_experts": "blockwise", "float8_dispatch": True}
 
 
 def command(request: Request) -> str:
     flags = {k: ({True: "on", False: "off"}[v] if k == "ep_overlap" else v) for k, v in request.fixed.items()}
-    fixed = "".join(f" --{k.replace('_', '-')} {v}" if v is not True else f" --{k}" for k, v in flags.items())
+    fixed = "".join(f" --{k.replace('_', '-')}" + (f" {v}" if v is not True else "") for k, v in flags.items())
     if request.args.mtp_modules != get_preset(request.model).mtp_modules:
         fixed += f" --mtp-modules {request.args.mtp_modules}"
     return (
@@ -143,11 +145,13 @@ def section_deepseek(lines: list[str]) -> None:
     base = dataclasses.replace(base, tokens=DEEPSEEK["tokens"])
     cases = [
         ("searched, bf16", base),
+        ("searched, float8 linears only", dataclasses.replace(base, fixed={"float8": True, "float8_experts": "off"})),
         ("searched, float8", dataclasses.replace(base, fixed={"float8": True})),
         ("DeepSeek's layout, float8", dataclasses.replace(base, fixed={**DEEPSEEK_LAYOUT, "float8": True})),
+        ("DeepSeek's layout and recipe", dataclasses.replace(base, fixed={**DEEPSEEK_LAYOUT, **DEEPSEEK_FLOAT8})),
         (
-            "DeepSeek's layout, float8, no overlap",
-            dataclasses.replace(base, fixed={**DEEPSEEK_LAYOUT, "float8": True, "ep_overlap": False}),
+            "DeepSeek's layout and recipe, no overlap",
+            dataclasses.replace(base, fixed={**DEEPSEEK_LAYOUT, **DEEPSEEK_FLOAT8, "ep_overlap": False}),
         ),
     ]
     lines += [
@@ -172,14 +176,17 @@ def section_deepseek(lines: list[str]) -> None:
         "",
         "What the planner can express of DeepSeek's run: the layout (pp 16, ep 64 inside dp_shard 128, ZeRO-1 as "
         "zero1, tp 1), MLA, group-limited routing and its node-limited dispatch, the MTP module on the last "
-        "stage (with a copy of the embedding), float8 linears (torchao's tensorwise recipe: the routed experts "
-        "stay bf16). What it cannot: DualPipe's overlap of one micro-batch's all-to-alls with another's compute "
-        "under a pipeline (the trainer pairs micro-batches only on one stage; under pp 16 its overlap stays inside "
-        "each MoE layer, whose last combine and first exchange stay exposed: the EP column), FP8 for the routed "
-        "experts and their dispatch payload and fine-grained (1 x 128 tile) scaling, DeepSeek's own stage split "
-        "(the planner splits the 61 layers evenly, with the embedding on the first stage and the output head and "
-        "MTP module on the last: the imbalance column), and the batch ramp. All of them make the planner slower "
-        "than DeepSeek's run, the sign of the error above; the EP column is the largest.",
+        "stage (with a copy of the embedding), float8 linears (torchao's tensorwise recipe), the routed experts' "
+        "grouped GEMMs in float8 (`--float8` prices them as the trainer's float8.experts=auto runs them, torchao's "
+        "rowwise recipe; the recipe rows as DeepSeek ran them, blockwise 1 x 128 / 128 x 128 scaling, with the "
+        "dispatch in float8 and the combine in bf16; rates and sources in parallel/planner/moe.py). What it "
+        "cannot: DualPipe's overlap of one micro-batch's all-to-alls with another's compute under a pipeline (the "
+        "trainer pairs micro-batches only on one stage; under pp 16 its overlap stays inside each MoE layer, whose "
+        "last combine and first exchange stay exposed: the EP column), a fused permutation inside the dispatch "
+        "(the dispatch's gathers run in torch), DeepSeek's own stage split (the planner splits the 61 layers "
+        "evenly, with the embedding on the first stage and the output head and MTP module on the last: the "
+        "imbalance column), and the batch ramp. All of them make the planner slower than DeepSeek's run, the sign "
+        "of the error above.",
         "",
     ]
 
@@ -192,7 +199,8 @@ DRY_RUNS = [  # (model, hardware, GPUs, global batch, extra plan flags): the pla
         "dgx-h800",
         DEEPSEEK["gpus"],
         DEEPSEEK["global_batch"],
-        ["--pp", "16", "--ep", "64", "--dp-shard", "128", "--dp-shard-mode", "zero1", "--float8"],
+        ["--pp", "16", "--ep", "64", "--dp-shard", "128", "--dp-shard-mode", "zero1", "--float8"]
+        + ["--float8-experts", "blockwise", "--float8-dispatch"],
     ),
 ]
 

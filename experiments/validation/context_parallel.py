@@ -48,20 +48,7 @@ def rows() -> list[dict]:
         dp = GPUS // cp
         request = Request("llama3-8b", args, hardware, GPUS, dp * local, seq)
         checkpointing = "full" if float8 else "selective"  # Table 2 full, Table 1 selective
-        layout = Layout(
-            tp=1,
-            pp=1,
-            dp_replicate=1,
-            dp_shard=dp,
-            dp_shard_mode="zero3",
-            pp_schedule="1F1B",
-            virtual_stages=1,
-            micro_batch_size=local,
-            microbatches=1,
-            activation_checkpoint=checkpointing,
-            compile=True,
-            cp=cp,
-        )
+        layout = Layout(dp_shard=dp, micro_batch_size=local, activation_checkpoint=checkpointing, compile=True, cp=cp)
         candidate = evaluate(request, layout)
         predicted = dp * local * seq / candidate.step.total / GPUS
         linear = 6 * count_params(args).non_embedding / model_flops_per_token(args, seq)

@@ -15,10 +15,9 @@ from trillion.models.presets import get_preset
 from trillion.parallel.planner.hardware import HardwareProfile, load_profile
 from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import pipeline_ranks
-from trillion.parallel.planner.moe import ROUTING_ROWS_PER_CHOICE, dispatch_seconds, effective_imbalance
+from trillion.parallel.planner.moe import dispatch_seconds, effective_imbalance, permutation_rows
 from trillion.parallel.planner.search import Request, evaluate, metrics, scaling
 from trillion.parallel.planner.timing import _memory_bound, all_to_all_time
-from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE
 
 HERE = Path(__file__).parent
 RUNS_FILE = HERE / "runs.toml"
@@ -38,8 +37,8 @@ UNFUSED_BYTES_PER_SCORE = 45
 # 3 R + 1 (a copy into the origin's buffer, the fp32 sum written once); the backward runs the same kernels reversed.
 # Its all-to-alls carry a token R times; Trillion's per-rank dispatch (the default) too, but the planner's model of it
 # (moe.py dispatch_rows) counts the ranks an evenly routed token reaches, where the recipe's fake gate sends each token
-# to one rank. The planner charges Trillion's layer (moe.py): ROUTING_ROWS_PER_CHOICE top_k rows per forward,
-# BACKWARD_ELEMENTWISE times that in the backward.
+# to one rank. The planner charges Trillion's layer (moe.py): its permutation's rows per token (permutation_rows: under
+# ep the dispatch's own gathers), forward and backward.
 
 
 def deepep_routing_rows(top_k: int, ranks: int) -> int:
@@ -82,6 +81,8 @@ def run_layout(run: dict, gpus: int) -> Layout:
         compile=spec.get("compile", False),
         float8=spec.get("float8", False),
         float8_all_gather=spec.get("float8_all_gather", True),
+        float8_experts=spec.get("float8_experts", "auto"),
+        float8_dispatch=spec.get("float8_dispatch", False),
         ep=spec.get("ep", 1),
         moe_load_imbalance=spec.get("moe_load_imbalance", Layout.moe_load_imbalance),
     )
@@ -135,8 +136,9 @@ def deepep_share(run: dict, row: dict) -> float:
     recomputed = int(layout.activation_checkpoint == "full")
     row_bytes = layout.micro_batch_size * run["seq_len"] * args.dim * hw.element_bytes
     row_bytes *= effective_imbalance(layout.ep, layout.moe_load_imbalance)
-    # moe_passes: the forward, the backward (BACKWARD_ELEMENTWISE times it) and the recomputed forward
-    trillion_rows = ROUTING_ROWS_PER_CHOICE * k * (1 + BACKWARD_ELEMENTWISE + recomputed)
+    # moe_passes: the forward, the backward and the recomputed forward (the per-token rows taken at the imbalance too)
+    forward, backward = (choice * k + token for choice, token in permutation_rows(layout.ep).values())
+    trillion_rows = forward * (1 + recomputed) + backward
     routing = _memory_bound(hw, (trillion_rows - deepep_routing_rows(k, ranks) * (2 + recomputed)) * row_bytes)
     tokens = layout.micro_batch_size * run["seq_len"] // layout.cp
     modeled = dispatch_seconds(args, hw, tokens, dataclasses.replace(layout, moe_load_imbalance=1.0))

@@ -62,7 +62,9 @@ def _ep(spec: dict) -> str:
 def _float8(spec: dict) -> str:
     if not spec.get("float8"):
         return ""
-    return ", float8" + (" (float8 all-gather)" if spec.get("float8_all_gather", True) else "")
+    gather = " (float8 all-gather)" if spec.get("float8_all_gather", True) else ""
+    experts = f", {spec['float8_experts']} float8 experts" if spec.get("float8_experts", "auto") != "auto" else ""
+    return ", float8" + gather + experts + (", float8 dispatch" if spec.get("float8_dispatch") else "")
 
 
 def comparable(record: dict) -> bool:

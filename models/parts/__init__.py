@@ -32,11 +32,13 @@ __all__ = ["ATTENTION_KINDS", "AttentionKind", "Block", "Root", "block", "layer_
 class AttentionKind:
     """An attention: its declaration, its module (a class taking ModelArgs, or "module:Class", imported when
     first built so that the declarations stay torch-free) and its settings check (ModelArgs, settings) -> ModelArgs.
-    The module's forward is (x, rope, cache=None) -> x, as models/transformer.py's Attention."""
+    The module's forward is (x, rope, cache=None) -> x, as models/transformer.py's Attention; one that
+    `masks_documents` takes document_ids=(batch, seq) too (data.document_mask) and passes it to its attend."""
 
     declare: Callable[[ModelArgs], Part]
     module: str | Callable
     check_settings: Callable[[ModelArgs, dict], ModelArgs] | None = None
+    masks_documents: bool = False
 
     def build(self, args: ModelArgs):
         module = self.module
@@ -47,8 +49,8 @@ class AttentionKind:
 
 
 ATTENTION_KINDS: dict[str, AttentionKind] = {
-    "gqa": AttentionKind(gqa.declare, "trillion.models.attention:Attention"),
-    "mla": AttentionKind(mla.declare, "trillion.models.mla:MLAttention", mla.check_settings),
+    "gqa": AttentionKind(gqa.declare, "trillion.models.attention:Attention", masks_documents=True),
+    "mla": AttentionKind(mla.declare, "trillion.models.mla:MLAttention", mla.check_settings, masks_documents=True),
 }
 
 
@@ -141,5 +143,12 @@ def layout_refusal(args: ModelArgs, layout) -> str:
 def apply_settings(args: ModelArgs, settings: dict) -> ModelArgs:
     """The preset with the user's part settings ("section.field": value) applied and checked by each part."""
     args = mtp.apply_settings(moe.apply_settings(args, settings), settings)
+    if settings.get("data.document_mask") and not attention_kind(args).masks_documents:
+        masking = ", ".join(name for name, kind in ATTENTION_KINDS.items() if kind.masks_documents)
+        raise ConfigError(
+            f"data.document_mask=true, but the model's attention {attention_name(args)!r} cannot mask documents: its "
+            f"module takes no document ids. Train with --data.document_mask=false, or with an attention that masks "
+            f"them ({masking})."
+        )
     check = attention_kind(args).check_settings
     return check(args, settings) if check is not None else args

@@ -1,9 +1,10 @@
 """Grouped-query attention (models/transformer.py Attention), declared: q, k, v column-wise over the heads,
-wo row-wise, optional per-head QK norms; flash attention keeps q, k, v, its output and wo's input."""
+wo row-wise, optional per-head QK norms; flash attention keeps q, k, v, its output and wo's input. A head's logit is
+its wq rows against its group's wk rows; with QK norms the norms undo any scaling of those rows."""
 
 from trillion.models.args import ModelArgs
 from trillion.models.parts.counts import ROPE_COMPILED, ROPE_EAGER
-from trillion.models.parts.spec import COLUMN, ROW, Divides, Heads, Linear, Norm, Part, PerToken
+from trillion.models.parts.spec import COLUMN, ROW, Divides, HeadRows, Heads, Linear, LogitTerm, Norm, Part, PerToken
 
 
 def declare(args: ModelArgs) -> Part:
@@ -26,5 +27,14 @@ def declare(args: ModelArgs) -> Part:
         tp_divides=(
             Divides("model.n_heads", args.n_heads, "query heads"),
             Divides("model.n_kv_heads", args.kv_heads, "key/value heads"),
+        ),
+        logit_terms=()
+        if args.qk_norm
+        else (LogitTerm(HeadRows("attention.wq", d, 0, d), HeadRows("attention.wk", d, 0, d)),),
+        logit_terms_absent=(
+            "its per-head QK norms normalise q and k after the projections, so scaling their rows changes no logit "
+            "(the norms' own weights, shared by every head, bound them)"
+            if args.qk_norm
+            else ""
         ),
     )

@@ -5,6 +5,9 @@ queries      q_lora_rank > 0: wq_a (dim -> q_lora_rank), its RMSNorm q_norm, wq_
 keys, values wkv_a (dim -> kv_lora_rank + qk_rope_head_dim): the latent and the rotary key part all heads share;
              the latent's RMSNorm kv_norm; wkv_b (kv_lora_rank -> heads x (qk_nope_head_dim + v_head_dim))
 output       wo (heads x v_head_dim -> dim)
+logits       a head's logit is its no-position query rows (of wq_b or wq) against its key rows of wkv_b, plus its
+             rotary query rows against the rotary key all heads share (from wkv_a, which QK-clip leaves alone: the
+             Kimi K2 report, arXiv 2507.20534, on MuonClip)
 TP           splits heads (wq_b or wq and wkv_b column-wise, wo row-wise); the down projections and the latent
              norms stay whole on every tp rank, as torchtitan's DeepSeek-V3 plan keeps them (NoParallel), so each
              tp rank runs them on the whole gathered sequence; its tensors stay DTensors up to `attend`.
@@ -26,8 +29,10 @@ from trillion.models.parts.spec import (
     REPLICATED,
     ROW,
     Divides,
+    HeadRows,
     Heads,
     Linear,
+    LogitTerm,
     Norm,
     Part,
     PerToken,
@@ -57,6 +62,17 @@ def _norms(args: ModelArgs) -> tuple[Norm, ...]:
     return query + (Norm("attention.kv_norm", mla.kv_lora_rank),)
 
 
+def _logit_terms(args: ModelArgs) -> tuple[LogitTerm, ...]:
+    mla = args.mla
+    query = "attention.wq_b" if mla.q_lora_rank else "attention.wq"
+    nope, rope = mla.qk_nope_head_dim, mla.qk_rope_head_dim
+    key = HeadRows("attention.wkv_b", nope + mla.v_head_dim, 0, nope)
+    return (
+        LogitTerm(HeadRows(query, mla.qk_head_dim, 0, nope), key),
+        LogitTerm(HeadRows(query, mla.qk_head_dim, nope, rope), None),
+    )
+
+
 def declare(args: ModelArgs) -> Part:
     mla, heads = args.mla, args.n_heads
     qk, v = mla.qk_head_dim, mla.v_head_dim
@@ -74,6 +90,7 @@ def declare(args: ModelArgs) -> Part:
         compiled=PerToken(ROPE_COMPILED * 2 * heads * qk, RMSNORM_COMPILED * latents),
         tp_style=DTENSOR_HEADS,
         tp_divides=(Divides("model.n_heads", heads, "query heads"),),
+        logit_terms=_logit_terms(args),
     )
 
 

@@ -93,12 +93,12 @@ def apply_settings(args: ModelArgs, settings: dict) -> ModelArgs:
                 f"experts). Use an MoE preset ({routed}) or drop the settings."
             )
         return args
+    impls = {"experts_impl": settings.get("kernels.grouped_gemm", "auto")}
+    impls["permute_impl"] = settings.get("kernels.permutation", "auto")
     per_rank = {"rank_capacity_factor": settings.get("moe.rank_capacity_factor", 0.0)}
     if per_rank["rank_capacity_factor"] > 0:  # the ranks whose capacity one process applies too
         per_rank["capacity_ranks"] = settings.get("parallel.ep", 1)
-    routing = dataclasses.replace(
-        args.moe, experts_impl=settings.get("kernels.grouped_gemm", "auto"), **overrides, **per_rank
-    )
+    routing = dataclasses.replace(args.moe, **impls, **overrides, **per_rank)
     if routing.top_k > routing.n_experts:
         raise ConfigError(
             f"model.top_k={routing.top_k} is more than the model's {routing.n_experts} experts: each token picks "

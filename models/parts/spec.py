@@ -96,6 +96,28 @@ class Heads:
 
 
 @dataclass(frozen=True)
+class HeadRows:
+    """Rows of a linear's weight (and bias) that make one attention head's part of its queries or keys: block h
+    of `linear` is rows [h * stride + offset, h * stride + offset + width)."""
+
+    linear: str
+    stride: int
+    offset: int
+    width: int
+
+
+@dataclass(frozen=True)
+class LogitTerm:
+    """One term of each head's pre-softmax logit, (query rows) . (key rows): head h's `query` block times the key
+    block h // (heads / key blocks) of `key` (grouped-query attention shares one key block among a group), or a key
+    every head shares (`key` None: latent attention's rotary key, which QK-clip leaves as it is). A head's logit is
+    the sum of its terms; the QK-clip (parallel/muon/qk_clip.py) scales each term's rows to scale the logit."""
+
+    query: HeadRows
+    key: HeadRows | None
+
+
+@dataclass(frozen=True)
 class PerToken:
     """Elements per token: `split` divided over the tp ranks, `whole` on every one of them."""
 
@@ -164,6 +186,8 @@ class Part:
     tp_style: str = HEADS
     tp_divides: tuple[Divides, ...] = ()
     refusals: tuple[Refusal, ...] = ()
+    logit_terms: tuple[LogitTerm, ...] = ()  # an attention's: what makes each head's logit (QK-clip scales them)
+    logit_terms_absent: str = ""  # an attention without them: why its logits cannot be clipped by its weights
 
     @property
     def numel(self) -> int:

@@ -24,11 +24,12 @@ from trillion.parallel.planner.work import (
 LOSS_PARALLEL_ALL_REDUCES = 3
 
 
-def attention_flops(args: ModelArgs, tokens: int, seq_len: int, tp: int) -> float:
+def attention_flops(args: ModelArgs, tokens: int, seq_len: int, tp: int, attention_share: float = 1.0) -> float:
     """Forward FLOPs of causal attention for `tokens` against `seq_len` keys, on one of `tp` ranks: per head
-    QK^T at the query/key width and PV at the value width, half of the full square."""
+    QK^T at the query/key width and PV at the value width, half of the full square; under document masking
+    the share of it the documents leave (models/flops.py)."""
     heads = parts.block(args).heads
-    return tokens * seq_len * heads.heads * (heads.qk_head_dim + heads.v_head_dim) / tp
+    return tokens * seq_len * heads.heads * (heads.qk_head_dim + heads.v_head_dim) / tp * attention_share
 
 
 @lru_cache(maxsize=8192)
@@ -42,10 +43,12 @@ def layer_passes(
     cp: int = 1,
     float8: bool = False,
     routed: bool = False,
+    attention_share: float = 1.0,
 ) -> Passes:
     """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
     holding 1/cp of each sequence; with float8, its converted linears in fp8 (cost.py's docstring); `routed`: an
-    MoE layer's attention and shared experts (moe.py adds the rest)."""
+    MoE layer's attention and shared experts (moe.py adds the rest); `attention_share`: document masking's
+    (models/flops.py)."""
     h = args.dim
     tokens = batch * seq_len // cp
     # (k, n, in fp8) of each linear on this rank: the GEMM is tokens x k x n
@@ -54,7 +57,7 @@ def layer_passes(
     casts = [float8_casts(hw, tokens, k, n) for k, n, fp8 in shapes if fp8]
     cast_forward, cast_input_grad, cast_weight_grad = (sum(c[i] for c in casts) for i in range(3))
     peak_attention = hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency * hw.device.sustained
-    attention = attention_flops(args, tokens, seq_len, tp) / peak_attention
+    attention = attention_flops(args, tokens, seq_len, tp, attention_share) / peak_attention
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled, routed) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
     reduce_scatters = 2 * collective_time(hw, tokens * h * hw.element_bytes, tp, tp, "reduce_scatter")
@@ -116,12 +119,13 @@ def tp_gather_bytes(
 
 def block_passes(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, *, routed: bool) -> Passes:
     """One dense block, or one MoE block (its attention and shared experts, then moe.py's routed experts),
-    of one micro-batch at `layout`'s micro-batch size, tp, cp, ep, compile and float8."""
+    of one micro-batch at `layout`'s micro-batch size, tp, cp, ep, compile, float8 and attention share."""
     shape = (args, hw, layout.micro_batch_size, seq_len, layout.tp, layout.compile, layout.cp, layout.float8)
     if not routed:
-        return layer_passes(*shape)
+        return layer_passes(*shape, attention_share=layout.attention_share)
     tokens = layout.micro_batch_size * seq_len // layout.cp
-    around = layer_passes(*shape, True)  # attention and shared experts: a paired micro-batch computes them meanwhile
+    # attention and shared experts: what a paired micro-batch computes beside this one's all-to-alls
+    around = layer_passes(*shape, True, layout.attention_share)
     return around + moe_passes(args, hw, tokens, layout, around)
 
 

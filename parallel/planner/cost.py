@@ -3,7 +3,9 @@ part of TP, PP and DP communication, and the optimizer step.
 
 Compute per layer per micro-batch: each GEMM at the device's large-GEMM efficiency or, if slower,
 at the memory bandwidth its operands need (the roofline), flash attention (causal: half of the
-4 b s^2 h the FLOP formulas count) at the device's attention efficiency, the element-wise
+4 b s^2 h the FLOP formulas count, at the heads' own widths, which the kernels run unpadded for 64, 128 and
+latent attention's 192/128; under document masking the share of it the corpus's document lengths leave,
+layout.attention_share) at the device's attention efficiency, the element-wise
 kernels work.py counts (eager or compiled) at the device's memory bandwidth, and a launch
 overhead per kernel. GEMMs and attention keep the device's `sustained` share of those microbenchmark rates
 through a step (devices.py; fitted per device family in trillion/fitted.toml where published runs show the gap,
@@ -41,7 +43,9 @@ trainer's DeviceMesh does):
   EP: an MoE layer (moe.py) is its attention and shared experts as a dense block, plus the router, the
       routed experts at their per-expert shapes and the dispatch and combine all-to-alls, forward and
       backward, never overlapped; with ep > 1 the experts' FSDP traffic runs over the dp_shard x cp / ep ranks.
-Optimizer: AdamW and gradient clipping on the rank's shard, at memory bandwidth (work.py).
+Optimizer: AdamW and gradient clipping on the rank's shard, at memory bandwidth (work.py); with Muon
+(layout.optimizer) also its Newton-Schulz on the stage's matrices spread over its ranks and its two all-to-alls,
+unhidden (optimizer.py).
 
 Float8 (layout.float8, `trillion plan --float8`; tensorwise scaling, as the trainer's default recipe and
 torchao's Float8Linear): every linear of the blocks whose features on a TP rank are multiples of 16
@@ -74,6 +78,7 @@ from trillion.parallel.planner.memory import (
     replicated_numel,
 )
 from trillion.parallel.planner.moe import expert_numel
+from trillion.parallel.planner.optimizer import step_seconds as optimizer_step_seconds
 from trillion.parallel.planner.timing import (  # noqa: F401 (collective_time, Passes: the planner's names here)
     Passes,
     _gemm,
@@ -87,7 +92,6 @@ from trillion.parallel.planner.work import (
     FSDP_FLOAT8_GATHER_COPY_BYTES,
     FSDP_GATHER_COPY_BYTES,
     FSDP_REDUCE_COPY_BYTES,
-    OPTIMIZER_BYTES_PER_PARAM,
 )
 
 
@@ -258,7 +262,7 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     dp_exposed += fsdp_copies(hw, layout, tp_numel, float8_gathered(args, layout, rank))
 
     copy_back = 2 * tp_numel if layout.dp_shard_mode in ("zero1", "zero2") else 0
-    optimizer = _memory_bound(hw, OPTIMIZER_BYTES_PER_PARAM * shard_numel + copy_back)
+    optimizer = _memory_bound(hw, copy_back) + optimizer_step_seconds(args, hw, layout, rank, shard_numel)
 
     replicated_grads = 0.0
     if layout.tp > 1 and layout.dp_shard * layout.cp * layout.dp_replicate == 1:  # without FSDP: once per step

@@ -8,8 +8,10 @@ replicated: parallel/tensor_parallel.py's plan):
   zero3  parameters 4 (fp32 shard)          gradients 4 (shard)          optimizer 8 (shard)
   zero2  + 2 bytes: the gathered bf16 copy, kept through all micro-batches of the step
   zero1  + the bf16 copy, and gradients accumulate unsharded in fp32 until the last micro-batch
-(bytes per parameter), as parallel/fsdp.py does. The root (embeddings, final norm, output) is
-never resharded after forward, so under zero3 its bf16 copy is held through the step too. A
+(bytes per parameter), as parallel/fsdp.py does; with Muon (layout.optimizer) a hidden matrix keeps one 4-byte
+state instead of AdamW's 8, and its step's buffers count where they pass the activations (optimizer.py). The
+root (embeddings, final norm, output) is never resharded after forward, so under zero3 its bf16 copy is held
+through the step too. A
 pipeline schedule turns gradient sync off until the last micro-batch and keeps its stages
 gathered from their first backward on, whatever the mode, so with pp > 1 every mode costs zero1's
 bytes (measured in gloo runs by `trillion estimate`, trainer/tools/estimate/dry_run.py).
@@ -34,17 +36,12 @@ from trillion.parallel import modes
 from trillion.parallel.modes import checkpointed_blocks
 from trillion.parallel.planner.layout import Layout, in_flight_microbatches, rank_of_virtual_stage, stage_layers
 from trillion.parallel.planner.moe import expert_numel, moe_activation_bytes, pairs
+from trillion.parallel.planner.optimizer import state_bytes, step_buffer_bytes
+from trillion.parallel.planner.shards import ParamSpec, local_numel
 
 ACTIVATION_BYTES = 2  # bf16
 FRAMEWORK_BYTES = 1e9  # CUDA/HIP context, BLAS workspaces
 MEMORY_HEADROOM = 0.9  # share of device memory a plan may fill; the rest is allocator fragmentation
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    name: str
-    shape: tuple[int, ...]
-    tp_dim: int | None  # dimension tensor parallelism splits; None = replicated
 
 
 def block_linears(args: ModelArgs, routed: bool = False) -> list[tuple[str, int, int, int | None]]:
@@ -118,16 +115,6 @@ def mtp_params(args: ModelArgs) -> list[ParamSpec]:
         return []
     linears = [ParamSpec(f"mtp.{s.name}", s.shape, s.tp_dim) for x in ahead.linears for s in linear_params(x)]
     return [spec for n in ahead.norms for spec in norm_params(n, "mtp.")] + linears
-
-
-def local_numel(spec: ParamSpec, tp: int, dp_shard: int) -> tuple[int, int]:
-    """(elements after TP, elements after TP and FSDP) on the rank holding the most: rank 0."""
-    shape = list(spec.shape)
-    if spec.tp_dim is not None:
-        shape[spec.tp_dim] = math.ceil(shape[spec.tp_dim] / tp)
-    tp_local = math.prod(shape)
-    shape[0] = math.ceil(shape[0] / dp_shard)
-    return tp_local, math.prod(shape)
 
 
 @lru_cache(maxsize=4096)
@@ -304,7 +291,8 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     sp = layout.sequence_parallel
     tp_numel, shard_numel = rank.numel(args, tp, layout.dp_shard * cp, layout.ep)
     mode = "zero1" if layout.pp > 1 else layout.dp_shard_mode
-    parameters, gradients, optimizer = states_bytes(tp_numel, shard_numel, mode)
+    parameters, gradients, _ = states_bytes(tp_numel, shard_numel, mode)
+    optimizer = state_bytes(args, layout, rank, shard_numel)  # AdamW's or Muon's (optimizer.py)
 
     n_ckpt = rank.checkpointed(layout.activation_checkpoint)
     dense_layer, moe_layer, kept = _layer_bytes(args, tokens, tp, sp, layout.ep, layout.moe_load_imbalance)
@@ -319,6 +307,8 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     per_microbatch += rank.ahead_modules * mtp
     output = output_activation_bytes(args, tokens, tp, sp) * (1 + rank.ahead_modules) if rank.last else 0
     activations = in_flight * per_microbatch + output
+    # Muon's step buffers live after the backward, where the activations were: only what passes them adds
+    optimizer += max(0.0, step_buffer_bytes(args, layout, rank, ACTIVATION_BYTES) - activations)
 
     d = layout.dp_shard * cp
     dense_blocks, moe_blocks = rank.blocks(args)

@@ -12,18 +12,25 @@ experts stay whole, replicated over tp, parallel/tensor_parallel.py; the shared 
              ep > 1, where the all-to-alls make every rank wait for the busiest one; with ep 1 a rank runs
              every expert on all its tokens (tokens x top_k rows in all, whatever the balance), so there it
              is 1. MOE_LOAD_IMBALANCE is its default (see its note).
-  all-to-all per MoE layer forward: the dispatch (an all-to-all of the per-expert counts, latency only,
-             then the tokens with uneven splits) and the combine; backward the two again (their gradients).
-             Each moves tokens x top_k x dim x bytes x imbalance per rank, (ep - 1) / ep of it to peers
-             (timing.all_to_all_time): on the node's link for the ep ranks in the node (the ep group sits
-             just outside tp: ep x tp consecutive GPUs), on the network for the rest. On the compute
-             stream, never overlapped (the dispatch needs the counts before it can size its buffers).
-  element-wise  per token of the tp group: the permutation into expert order and back (x[order], the
-             inverse gather) 2 x 2 k h, the weighting by the scores 2 k h, their sum k h + h, SwiGLU on the
-             expert hidden 5 k f, the router's softmax and top-k 3 E (read scores, write them, read
-             for top-k), its loss-free bias 2 E (the add: read, write) and DeepSeek-V3's group-limited choice
-             3 E (the per-group top-2 reads the scores, the mask of the other groups reads and writes them:
-             Router.forward); the same under torch.compile (the data-dependent shapes break the graph).
+  all-to-all per MoE layer forward: the counts' exchange (latency) and the host read's stall (host_read_stall;
+             none with a capacity, parallel.ep_capacity), the dispatch and the combine; backward the two again
+             (their gradients). The rows a token sends per hop and stage (network, the node's link) follow the
+             dispatch mode the trainer runs (dispatch_rows: per expert, per rank, per node; the ep group sits just
+             outside tp: ep x tp consecutive GPUs), each row the token and its routing (row_bytes), at the
+             imbalance (dispatch_seconds). With parallel.ep_overlap what hides is what the mechanism puts beside
+             each all-to-all's wait (exposed_all_to_alls; paired micro-batches: exposed_paired); else all of it.
+  element-wise  per token of the tp group: the fused permutation into expert order and back
+             (kernels/permute.py, kernels.permutation=auto on GPUs; PERMUTATION_ROWS; under ep the dispatch's
+             own gathers in torch, DISPATCH_PERMUTATION_ROWS), SwiGLU on the expert
+             hidden 5 k f, the router's softmax and top-k 3 E (read scores, write them, read for top-k), its
+             loss-free bias 2 E (the add: read, write) and DeepSeek-V3's group-limited choice 3 E (the per-group
+             top-2 reads the scores, the mask of the other groups reads and writes them: Router.forward); the
+             same under torch.compile (the data-dependent shapes break the graph).
+  float8     (layout.float8 with float8_experts not off, parallel/float8_experts.py) the experts' grouped GEMMs,
+             forward and both gradients, at the recipe's float8 rate (FLOAT8_EXPERT_SHARE), plus their casts
+             (each GEMM casts both operands: FLOAT8_CAST_BYTES per element); with float8_dispatch the
+             forward dispatch all-to-all carries float8 rows and their scales (dispatch_row_bytes), the combine
+             and both backward all-to-alls stay bf16.
 Memory: expert parameters total / (ep x efsdp), efsdp = dp_shard x cp / ep, so a rank's states are
 those of its E / ep experts sharded over efsdp (the states per rank do not depend on ep; FSDP's gathered
 copies, its buffers and its traffic do: one layer's E / ep experts, all-gathered over the efsdp ranks).
@@ -40,7 +47,7 @@ from trillion.models.parts import Block
 from trillion.models.parts.moe import member_reach
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time
-from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE
+from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, FLOAT8_CAST_BYTES
 
 # The busiest rank's routed tokens over the mean, by default. MEASURED on debug-moe (sigmoid scores, loss-free
 # bias 1e-2; `trillion train --model.name=debug-moe --training.steps=100 --metrics.log_freq=10`, default corpus):
@@ -50,12 +57,32 @@ from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE
 # Give another figure with `trillion plan --moe-load-imbalance X`. It is a rank's figure: rank_load_imbalance
 # turns per-expert loads into it for an ep (an expert's max/mean overstates it when a rank holds several).
 MOE_LOAD_IMBALANCE = 1.16
-# Rows of dim one routed (token, expert) pair's routing reads and writes in a forward (the module docstring's
-# element-wise line: the permutation and its inverse 4, the weighting 2, the sum 1)
-ROUTING_ROWS_PER_CHOICE = 7
+# Rows of dim the fused permutation (kernels/permute.py) reads and writes per token, as (per choice, per token):
+# forward, permute reads the token's row and writes a copy per choice (k + 1), unpermute reads the k routed rows
+# and writes their weighted sum (k + 1); backward, permute's gradient reads the k copies' and writes one (k + 1),
+# unpermute's reads the output's gradient (once: its k reads hit the cache), the k routed rows, and writes their k
+# gradients (2 k + 1). torch's path (kernels.permutation=torch) moved 7 per choice and 1 forward (the gathers,
+# the weighting's product and the sum, each materialised), twice that backward: 57 and 114 at top-8, now 18, 26.
+PERMUTATION_ROWS = {"forward": (2, 2), "backward": (3, 2)}
+# Under expert parallelism the dispatch permutes the rows itself, in torch (parallel/ep_routing.py: the rows
+# gathered per destination, the receivers' gather into expert order, the weighting, the sum back and the combine's
+# gather and sum), counted as torch's path above: 7 per choice and 1 forward, twice that backward.
+DISPATCH_PERMUTATION_ROWS = {"forward": (7, 1), "backward": (14, 2)}
 # Kernels the dropless dispatch launches between reading its split sizes on the host and posting its all-to-all:
 # counted by tests/planner/test_dispatch_plan.py, which runs that stretch under a dispatch mode
 HOST_READ_LAUNCHES = 39
+# The routed experts' float8 grouped GEMMs (float8_experts) as a share of the device's dense fp8 GEMM plateau
+# (devices.toml fp8_gemm_efficiency), by recipe:
+# - rowwise, torchao's _scaled_grouped_mm (what float8.experts=auto runs on sm90 and gfx942): pytorch/ao PR 2490
+#   on an H100, 0.885 ms against bf16 torch._grouped_mm's 1.31 ms at M 8192, K 5120, N 8192, 16 experts: 1.48 x
+#   the bf16 grouped rate, 1.48 x 794.5 / 1402.6 = 0.838 of the H100's fp8 plateau (both [mamf], devices.toml);
+# - blockwise, DeepSeek-V3's 1 x 128 / 128 x 128 scales (the Triton kernel): DeepGEMM's contiguous grouped GEMMs at
+#   DeepSeek-V3's expert shapes on an H800 (deepseek-ai/DeepGEMM README, February 2025: 1297, 1099, 1288 and
+#   1093 TFLOP/s), mean 1194 = 0.851 of the same plateau. ASSUMED for Trillion's Triton kernel, which no GPU
+#   has timed yet: DeepGEMM's rate is what the recipe reaches on Hopper.
+# On gfx942 no grouped float8 figure is published: the same shares of its fp8 plateau (itself assumed, devices.toml).
+FLOAT8_EXPERT_SHARE = {"rowwise": 0.838, "blockwise": 0.851}
+BLOCKWISE_TILE, SCALE_BYTES = 128, 4  # a dispatched row's float32 scale per 1 x 128 tile (or per row)
 
 
 def routed_block(args: ModelArgs) -> Block:
@@ -92,6 +119,20 @@ def members_per_node(layout) -> int:
     return max(1, min(layout.ep, layout.ranks_per_node // layout.tp))
 
 
+def float8_expert_recipe(float8: bool, setting: str) -> str | None:
+    """The recipe the trainer's float8.experts=`setting` runs on a float8 GPU (None: the experts stay bf16): auto
+    is torchao's rowwise, which runs wherever the planner prices float8 (sm90 and later, gfx942 and later)."""
+    if not float8 or setting == "off":
+        return None
+    return "rowwise" if setting == "auto" else setting
+
+
+def dispatch_row_bytes(dim: int, recipe: str) -> int:
+    """Bytes of one token row on a float8 dispatch's wire (parallel/float8_dispatch.py): a byte per element and
+    a float32 scale per 1 x 128 tile (blockwise) or per row (rowwise), against 2 per element in bf16."""
+    return dim + SCALE_BYTES * (-(-dim // BLOCKWISE_TILE) if recipe == "blockwise" else 1)
+
+
 def dispatch_mode(layout) -> str:
     """The layout's dispatch mode as it runs: the per-node one only where the ep group spans nodes."""
     if layout.ep_dispatch == "node" and layout.ep <= members_per_node(layout):
@@ -116,20 +157,23 @@ def dispatch_rows(args: ModelArgs, mode: str, ep: int, members: int) -> tuple[tu
     return (((nodes - 1) * node, 0.0), (0.0, ep * rank * (members - 1) / members))
 
 
-def row_bytes(args: ModelArgs, mode: str, element_bytes: int) -> int:
-    """A dispatched row: the token in the compute dtype, and its weights and expert ids in float32 (ep_routing.py)."""
+def row_bytes(args: ModelArgs, mode: str, payload_bytes: int) -> int:
+    """A dispatched row: its payload (the token: dim x the compute dtype's bytes, or a float8 wire row), and its weights
+    and expert ids in float32 (ep_routing.py)."""
     slots = 1 if mode == "expert" else routed_block(args).routing.top_k
-    return args.dim * element_bytes + 2 * slots * 4
+    return payload_bytes + 2 * slots * 4
 
 
-def dispatch_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, layout) -> float:
-    """One direction's all-to-alls (the dispatch; the combine takes as long) on the busiest rank: each hop's network
-    and node-link shares at once, the hops one after the other, a latency each."""
+def dispatch_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, layout, payload_bytes: int = 0) -> float:
+    """One direction's all-to-alls (the dispatch, its rows of `payload_bytes`, default the token in the compute dtype;
+    the combine takes as long in that dtype) on the busiest rank: each hop's network and node-link shares at once, the
+    hops one after the other, a latency each."""
     ep, tp = layout.ep, layout.tp
     if ep <= 1:
         return 0.0
     members, mode = members_per_node(layout), dispatch_mode(layout)
-    size = tokens * row_bytes(args, mode, hw.element_bytes) * effective_imbalance(ep, layout.moe_load_imbalance)
+    row = row_bytes(args, mode, payload_bytes or args.dim * hw.element_bytes)
+    size = tokens * row * effective_imbalance(ep, layout.moe_load_imbalance)
     seconds = 0.0
     for network, link in dispatch_rows(args, mode, ep, members):
         hop, latency = 0.0, 0.0
@@ -143,21 +187,21 @@ def dispatch_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, layout) 
     return seconds
 
 
-def exposed_all_to_alls(layout, hw, one_way: float, counts: float, shared: float, experts: float) -> float:
-    """Seconds of one pass's all-to-alls left exposed: the dispatch and the combine (`one_way` each) and `counts` (the
-    split sizes' exchange and read; 0 where none: a capacity, a recompute, the backward), beside the pass's `shared`
-    experts and routed `experts`. Without overlap all of it. With it (parallel/expert_parallel.py) each all-to-all's
-    wait sees the compute run since its post: the counts the first chunk's shared experts; of two chunks (the expert
-    and rank modes) posted together, the first dispatch half the first shared experts with a capacity (dropless:
-    nothing), the second the first chunk's experts, the first combine half the second chunk's experts, the last the
-    second shared experts. The per-node mode runs in one chunk: only the counts hide, behind the shared experts."""
+def exposed_all_to_alls(layout, dispatch: float, combine: float, counts: float, shared: float, experts: float) -> float:
+    """Seconds of one pass's all-to-alls left exposed: the `dispatch` and the `combine` and `counts` (the split sizes'
+    exchange and read; 0 where none: a capacity, a recompute, the backward), beside the pass's `shared` experts and
+    routed `experts`. Without overlap all of it. With it (parallel/expert_parallel.py) each all-to-all's wait sees the
+    compute run since its post: the counts the first chunk's shared experts; of two chunks (the expert and rank
+    modes) posted together, the first dispatch half the first shared experts with a capacity (dropless: nothing), the
+    second the first chunk's experts, the first combine half the second chunk's experts, the last the second shared
+    experts. The per-node mode runs in one chunk: only the counts hide, behind the shared experts."""
     if not layout.ep_overlap:
-        return counts + 2 * one_way
+        return counts + dispatch + combine
     if dispatch_mode(layout) == "node":
-        return max(0.0, counts - shared) + 2 * one_way
-    half = one_way / 2
-    first = max(0.0, half - (0.0 if counts else shared / 2))
-    return max(0.0, counts - shared / 2) + first + 2 * max(0.0, half - experts / 2) + max(0.0, half - shared / 2)
+        return max(0.0, counts - shared) + dispatch + combine
+    first = max(0.0, dispatch / 2 - (0.0 if counts else shared / 2))
+    beside_experts = max(0.0, dispatch / 2 - experts / 2) + max(0.0, combine / 2 - experts / 2)
+    return max(0.0, counts - shared / 2) + first + beside_experts + max(0.0, combine / 2 - shared / 2)
 
 
 def pairs(layout) -> bool:
@@ -166,48 +210,79 @@ def pairs(layout) -> bool:
     return layout.ep_overlap and layout.ep > 1 and layout.pp == 1 and layout.microbatches > 1 and gathered
 
 
-def exposed_paired(one_way: float, counts: float, segment: float) -> float:
+def exposed_paired(dispatch: float, combine: float, counts: float, segment: float) -> float:
     """Seconds of one pass's all-to-alls left exposed with two micro-batches in flight: each waits beside one
     segment of the other's compute, its pass between two of its posts (`segment`)."""
-    return sum(max(0.0, phase - segment) for phase in (counts, one_way, one_way) if phase)
+    return sum(max(0.0, phase - segment) for phase in (counts, dispatch, combine) if phase)
+
+
+def permutation_rows(ep: int) -> dict:
+    """Rows of dim per token the permutation into expert order and back moves, (per choice, per token) forward and
+    backward: the fused permutation's in one process, the dispatch's own gathers under ep."""
+    return PERMUTATION_ROWS if ep == 1 else DISPATCH_PERMUTATION_ROWS
 
 
 def moe_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, layout, around: Passes | None = None) -> Passes:
-    """What one MoE layer adds to its block's attention and shared experts (`around`; the module docstring)."""
+    """What one MoE layer adds to its block's attention and shared experts (`around`; the module docstring), with the
+    layout's float8 experts (float8_expert_recipe) and float8 dispatch."""
     block, h, launch = routed_block(args), args.dim, hw.device.kernel_overhead_us * 1e-6
     tp, ep, imbalance = layout.tp, layout.ep, layout.moe_load_imbalance
+    float8 = float8_expert_recipe(layout.float8, layout.float8_experts)
     routing, f = block.routing, expert_width(block)  # the routed experts are whole on every tp rank
-    experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance)
+    experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance, float8)
+    casts = expert_float8_casts(args, hw, tokens, ep, imbalance) if float8 else (0.0, 0.0, 0.0)
     router = _gemm(hw, tokens, routing.gate.in_features, routing.gate.out_features)
     k, imb = routing.top_k, effective_imbalance(ep, imbalance)
-    elements = tokens * ((ROUTING_ROWS_PER_CHOICE * k * h + 5 * k * f) * imb + h + routing.elements)
-    elementwise = _memory_bound(hw, elements * hw.element_bytes) + routing.kernels * launch
+    swiglu = tokens * (5 * k * f * imb + routing.elements)
+    forward_rows, backward_rows = (tokens * (c * k * imb + t) * h for c, t in permutation_rows(ep).values())
+    elementwise = _memory_bound(hw, (swiglu + forward_rows) * hw.element_bytes) + routing.kernels * launch
+    backward_elementwise = (
+        _memory_bound(hw, (BACKWARD_ELEMENTWISE * swiglu + backward_rows) * hw.element_bytes)
+        + BACKWARD_ELEMENTWISE * routing.kernels * launch
+    )
+    forward, input_grad, weight_grad = (
+        router + experts + casts[0] + elementwise,
+        router + experts + casts[1] + backward_elementwise,
+        router + experts + casts[2],
+    )
     exposed = [0.0, 0.0, 0.0]  # forward, backward, recomputed forward
     if ep > 1:
-        one_way, shared = dispatch_seconds(args, hw, tokens, layout), shared_expert_seconds(args, hw, tokens, tp)
-        counts = 0.0 if layout.ep_capacity else all_to_all_time(hw, 0.0, ep, tp) + host_read_stall(hw)
-        exposed = [
-            exposed_all_to_alls(layout, hw, one_way, counts, shared, experts),
-            exposed_all_to_alls(layout, hw, one_way, 0.0, 2 * shared, 2 * experts),
-            exposed_all_to_alls(layout, hw, one_way, 0.0, shared, experts),
-        ]
-        if around is not None and pairs(layout):  # the other micro-batch's layer computes beside each all-to-all
-            forward = around.forward - around.tp_forward - around.cp_forward + router + experts + elementwise
-            backward = forward + around.input_grad + around.weight_grad - around.forward + experts + router
-            turns = 3 if counts else 2  # a forward hands the turn over after the counts, the rows, the combine
-            exposed = [
-                exposed_paired(one_way, counts, forward / turns),
-                exposed_paired(one_way, 0.0, backward / 2),
-                exposed_paired(one_way, 0.0, forward / 2),
-            ]
+        routed = (forward, input_grad + weight_grad)
+        exposed = exposed_seconds(args, hw, tokens, layout, float8, experts, routed, around)
     return Passes(
-        forward=router + experts + elementwise + exposed[0],
-        input_grad=router + experts + BACKWARD_ELEMENTWISE * elementwise + exposed[1],
-        weight_grad=router + experts,
+        forward=forward + exposed[0],
+        input_grad=input_grad + exposed[1],
+        weight_grad=weight_grad,
         ep_forward=exposed[0],
         ep_backward=exposed[1],
         ep_recompute=exposed[2],
     )
+
+
+def exposed_seconds(args, hw, tokens: int, layout, float8, experts: float, routed: tuple, around) -> list[float]:
+    """Seconds of the all-to-alls left exposed in (the forward, the backward, a recomputed forward) of one MoE layer
+    under ep: the dispatch in float8 in the forwards with float8 dispatch (its backward and the combine in the compute
+    dtype); beside the shared experts and the routed `experts`, or with paired micro-batches beside the other's layer
+    (`routed`: this layer's routed forward and backward, both gradients, `around` its attention and shared experts)."""
+    tp, ep = layout.tp, layout.ep
+    one_way, shared = dispatch_seconds(args, hw, tokens, layout), shared_expert_seconds(args, hw, tokens, tp)
+    wire = dispatch_row_bytes(args.dim, float8) if float8 and layout.float8_dispatch else 0
+    dispatch = dispatch_seconds(args, hw, tokens, layout, wire) if wire else one_way
+    counts = 0.0 if layout.ep_capacity else all_to_all_time(hw, 0.0, ep, tp) + host_read_stall(hw)
+    if around is not None and pairs(layout):  # the other micro-batch's layer computes beside each all-to-all
+        forward = around.forward - around.tp_forward - around.cp_forward + routed[0]
+        backward = around.input_grad + around.weight_grad - around.tp_forward - around.cp_forward + routed[1]
+        turns = 3 if counts else 2  # a forward hands the turn over after the counts, the rows, the combine
+        return [
+            exposed_paired(dispatch, one_way, counts, forward / turns),
+            exposed_paired(one_way, one_way, 0.0, backward / 2),
+            exposed_paired(dispatch, one_way, 0.0, forward / 2),
+        ]
+    return [
+        exposed_all_to_alls(layout, dispatch, one_way, counts, shared, experts),
+        exposed_all_to_alls(layout, one_way, one_way, 0.0, 2 * shared, 2 * experts),
+        exposed_all_to_alls(layout, dispatch, one_way, 0.0, shared, experts),
+    ]
 
 
 def shared_expert_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) -> float:
@@ -226,14 +301,36 @@ def host_read_stall(hw: HardwareProfile) -> float:
     return HOST_READ_LAUNCHES * hw.device.kernel_overhead_us * 1e-6
 
 
-def expert_gemm_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, ep: int, imbalance: float) -> float:
+def expert_gemm_seconds(
+    args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, ep: int, imbalance: float, float8: str | None = None
+) -> float:
     """One pass of the routed experts' three grouped GEMMs on the busiest rank: each local expert's GEMMs at its
     own shape (rows x dim x f twice, rows x f x dim), one launch per projection; `tp` does not split them
-    (each tp rank runs the same tokens through whole experts)."""
+    (each tp rank runs the same tokens through whole experts); `float8`: at that recipe's float8 rate."""
     block, launch = routed_block(args), hw.device.kernel_overhead_us * 1e-6
     rows, local = expert_rows(args, tokens, ep, imbalance), block.routing.n_experts // ep
-    per_expert = sum(_gemm(hw, rows, s.in_features, s.out_features) - launch for s in block.experts)
+    share = FLOAT8_EXPERT_SHARE[float8] if float8 else 1.0
+    per_expert = sum(
+        _gemm(hw, rows, s.in_features, s.out_features, bool(float8), share) - launch for s in block.experts
+    )
     return local * per_expert + len(block.experts) * launch
+
+
+def expert_float8_casts(
+    args: ModelArgs, hw: HardwareProfile, tokens: int, ep: int, imbalance: float
+) -> tuple[float, float, float]:
+    """Seconds of the float8 experts' casts in (forward, input gradient, weight gradient) on the busiest rank: each
+    grouped GEMM casts its two operands, the local experts' rows and weights (forward: input and weight; input
+    gradient: the output's gradient and the weight; weight gradient: input and output's gradient along the
+    tokens), FLOAT8_CAST_BYTES per element, two launches each."""
+    block, launch = routed_block(args), hw.device.kernel_overhead_us * 1e-6
+    rows = expert_rows(args, tokens, ep, imbalance) * (block.routing.n_experts // ep)
+    weights = [s.n_experts // ep * s.in_features * s.out_features for s in block.experts]
+    forward = sum(rows * s.in_features + w for s, w in zip(block.experts, weights))
+    input_grad = sum(rows * s.out_features + w for s, w in zip(block.experts, weights))
+    weight_grad = sum(rows * (s.in_features + s.out_features) for s in block.experts)
+    launches = 2 * len(block.experts) * launch
+    return tuple(_memory_bound(hw, FLOAT8_CAST_BYTES * n) + launches for n in (forward, input_grad, weight_grad))
 
 
 def expert_numel(args: ModelArgs, routed_layers: int, tp: int, ep: int, efsdp: int) -> tuple[int, int]:

@@ -148,9 +148,10 @@ def metrics(request: Request, candidate: Candidate) -> dict:
     tokens_per_step = request.global_batch * request.seq_len
     tokens_per_s = tokens_per_step / step
     peak = hw.device.peak_tflops_bf16 * 1e12
-    model_flops = model_flops_per_token(args, request.seq_len) * tokens_per_s / request.gpus
+    share = layout.attention_share  # document masking: MFU counts the attention work done
+    model_flops = model_flops_per_token(args, request.seq_len, share) * tokens_per_s / request.gpus
     recompute = recompute_fraction(args, layout)
-    hardware_flops = hardware_flops_per_token(args, request.seq_len, recompute) * tokens_per_s / request.gpus
+    hardware_flops = hardware_flops_per_token(args, request.seq_len, recompute, share) * tokens_per_s / request.gpus
     megatron = megatron_flops_per_iteration(args, request.global_batch, request.seq_len, recompute == 1.0)
     out = {
         **layout.as_dict(),
@@ -210,6 +211,7 @@ def model_summary(request: Request) -> dict:
         "seq_len": request.seq_len,
         "tokens": request.tokens,
         "float8": bool(request.fixed.get("float8", False)),
+        "optimizer": request.fixed.get("optimizer", "adamw"),
     }
 
 

@@ -26,6 +26,7 @@ from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
 from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, ep_degrees
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+OPTIMIZERS = ("adamw", "muon")  # optimizer.name: not searched (it changes the training), costed as given
 LAYOUT_FIELDS = (
     "tp",
     "pp",
@@ -39,11 +40,14 @@ LAYOUT_FIELDS = (
     "cp",
     "compile",
     "float8",
+    "float8_experts",
+    "float8_dispatch",
     "ep",
     "moe_load_imbalance",
     "ep_dispatch",
     "ep_capacity",
     "ep_overlap",
+    "optimizer",
 )
 
 
@@ -93,6 +97,8 @@ def check_request(request: Request) -> None:
             f"--activation-checkpoint {request.fixed['activation_checkpoint']!r} is not known. "
             f"Use {', '.join(SEARCHED_CHECKPOINT_MODES)}."
         )
+    if request.fixed.get("optimizer", "adamw") not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer {request.fixed['optimizer']!r} is not known. Use {' or '.join(OPTIMIZERS)}.")
     if "pp_schedule" in request.fixed:
         modes.schedule(request.fixed["pp_schedule"], "--pp-schedule")
     if request.gpus < 1 or request.global_batch < 1:
@@ -219,9 +225,13 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                             compile=request.fixed.get("compile", False),
                             cp=cp,
                             float8=request.fixed.get("float8", False),
+                            float8_experts=request.fixed.get("float8_experts", "auto"),
+                            float8_dispatch=request.fixed.get("float8_dispatch", False) and ep > 1,
                             ep=ep,
                             moe_load_imbalance=request.fixed.get("moe_load_imbalance", MOE_LOAD_IMBALANCE),
                             **dispatch,
+                            optimizer=request.fixed.get("optimizer", "adamw"),
+                            attention_share=request.fixed.get("attention_share", 1.0),
                         )
 
 

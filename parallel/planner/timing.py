@@ -31,11 +31,13 @@ class Passes:
         return Passes(*(getattr(self, f.name) * k for f in fields(Passes)))
 
 
-def _gemm(hw: HardwareProfile, m: int, k: int, n: int, float8: bool = False) -> float:
+def _gemm(hw: HardwareProfile, m: int, k: int, n: int, float8: bool = False, float8_share: float = 1.0) -> float:
+    """Seconds of an m x k x n GEMM; `float8_share` scales the fp8 rate (a grouped float8 GEMM's, moe.py)."""
     flops = 2.0 * m * k * n
     device = hw.device
     if float8:  # fp8 operands, output in the compute dtype
-        compute = flops / (float8_peak_tflops(hw) * 1e12 * device.gemm_share_of_peak(flops, "fp8") * device.sustained)
+        rate = float8_peak_tflops(hw) * 1e12 * device.gemm_share_of_peak(flops, "fp8") * float8_share
+        compute = flops / (rate * device.sustained)
         operands = _memory_bound(hw, FLOAT8_BYTES * (m * k + k * n) + hw.element_bytes * m * n)
     else:
         compute = flops / (device.peak_tflops_bf16 * 1e12 * device.gemm_share_of_peak(flops) * device.sustained)

@@ -18,7 +18,7 @@ MAX_TOP_LEVEL_MODULES = 8  # trainer/*.py, __init__.py included
 # The program: the loop and what it is assembled from, trainer/'s top level; each module is a node.
 PROGRAM = {"__init__", "train", "step", "assemble", "optim", "evaluate", "resilience", "preflight"}
 # The components below the program: it may import any of them.
-BELOW_PROGRAM = {"config", "launch", "data", "metrics", "checkpoint"}
+BELOW_PROGRAM = {"config", "launch", "data", "metrics", "checkpoint", "fault_tolerance"}
 # node -> what it may import besides itself: a component (trainer/<name>/), a top-level module
 # (trainer/<name>.py), or one module of a component ("cli.args"). A new component or top-level
 # module must be added here.
@@ -31,6 +31,8 @@ MAY_IMPORT = {
     # model a checkpoint was saved with from its config (assemble.build_model_args), which the
     # no-cycle test below keeps sound: assemble must never reach checkpoint.
     "checkpoint": {"config", "data", "assemble"},
+    # fault-tolerant replica groups: what a restarted group copies live is the checkpoint's training state
+    "fault_tolerance": {"config", "checkpoint"},
     **{name: BELOW_PROGRAM | PROGRAM for name in PROGRAM},
     # the tools run the program's code; of the command line only its one argument parser
     "tools": BELOW_PROGRAM | PROGRAM | {"cli.args"},

@@ -2,6 +2,8 @@
 the user reads one paragraph saying what happened and what to do (no space, unwritable folder)."""
 
 import errno
+import io
+import json
 import time
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from tests.helpers.flags import TINY
 from tests.helpers.runs import checkpoints, losses, run
 from trillion.trainer.checkpoint.manager import CheckpointError
 from trillion.trainer.cli.main import main
+from trillion.trainer.metrics import meters
 
 
 def fail_on_save(monkeypatch, method: str, error: Exception, after: int = 1):
@@ -89,3 +92,52 @@ def test_unwritable_directory_fails_before_training(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError, match=r"checkpoints is not writable \(Permission denied\).*--job.output_dir"):
         run(tmp_path / "run")
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before the first step
+
+
+class FullDiskAfter(io.FileIO):
+    """A file on a disk that fills up during the `full_at`-th write: half of that write lands, then ENOSPC."""
+
+    writes = 0
+    full_at = 0
+
+    def write(self, data):
+        FullDiskAfter.writes += 1
+        if FullDiskAfter.writes == FullDiskAfter.full_at:
+            super().write(bytes(data)[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write(data)
+
+
+def test_a_full_disk_while_writing_metrics_is_one_paragraph_and_no_half_line(straight, tmp_path, monkeypatch, capsys):
+    _, expected = straight
+    out = tmp_path / "run"
+    original_open = open
+
+    def open_on_full_disk(path, mode="r", buffering=-1, **kwargs):
+        if Path(path).name != "metrics.jsonl":
+            return original_open(path, mode, buffering, **kwargs)
+        assert buffering == 0 and "b" in mode  # each record one unbuffered write: nothing left for close to flush
+        return FullDiskAfter(path, mode.replace("b", ""))
+
+    FullDiskAfter.writes, FullDiskAfter.full_at = 0, 5  # the step-4 record (the step-0 evaluation, steps 1-3 before it)
+    monkeypatch.setattr(meters, "open", open_on_full_disk, raising=False)
+    flags = [*TINY, "--training.steps=6", "--checkpoint.interval=2", f"--job.output_dir={out}"]
+    assert main(["train", *flags]) == 1
+    err = capsys.readouterr().err
+    assert "No space left on the device while writing" in err and "metrics.jsonl" in err
+    assert "Traceback" not in err and "During handling" not in err
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2, 3] and all(line.endswith("\n") for line in lines)
+    failed_at = time.time()
+
+    monkeypatch.undo()
+    assert main(["train", *flags]) == 0
+    assert losses(out) == expected
+    report(
+        "disk full while writing metrics.jsonl",
+        err.strip().splitlines()[-1].split(" Checkpoints are")[0] + " (exit 1, no traceback)",
+        2,  # steps 3 and 4, trained after the step-2 checkpoint
+        True,
+        first_step_time(out / "metrics.jsonl", 3) - failed_at,
+        "ENOSPC halfway through the step-4 record of metrics.jsonl (checkpoint.interval=2); the same command again",
+    )

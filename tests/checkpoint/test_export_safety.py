@@ -65,8 +65,11 @@ def test_a_damaged_shard_is_named_and_the_intact_checkpoint_beside_it_used(sourc
         caplog.clear()
         assert main(["generate", "--checkpoint", str(source), "--max-new-tokens", "2", "--prompt", "a"]) == 0
         assert "truncated" in caplog.text and "step-00000001" in caplog.text
-        assert export(damaged, tmp_path / "again") == 0  # a damaged step named directly: the one before it
-        assert damaged.is_dir()  # read-only: not set aside as training does
+        capsys.readouterr()
+        assert export(damaged, tmp_path / "again") == 1  # a damaged step named directly: refused, never swapped
+        err = capsys.readouterr().err
+        assert "IS DAMAGED" in err and f"give the intact {source / 'checkpoints' / 'step-00000001'}" in err
+        assert not (tmp_path / "again").exists() and damaged.is_dir()  # read-only: not set aside as training does
     finally:
         path.write_bytes(original)
     warning = next(line for line in caplog.text.splitlines() if "IS DAMAGED" in line)

@@ -1,5 +1,5 @@
 """The GPU tier (`pytest -m gpu`, skipped without a GPU): the kernels natively in bf16 and fp16 with
-autotuning on (attention and the norms under torch.compile; latent attention's 192/128; the grouped
+autotuning on (attention and the norms under torch.compile; latent attention's 192/128; document masking; the grouped
 GEMM without a host sync), against a float64 reference; and a short training run with
 Triton attention against SDPA. Under 5 minutes on one H100/H200; run by experiments/bench/device_check.sh.
 """
@@ -69,6 +69,27 @@ def test_flash_attention_under_compile_matches_float64(dtype, head_dim, causal):
             # PyTorch's own error in this dtype, twice, plus a floor of a few units in the last place.
             bound = 2 * _err(theirs, truth) + 4 * torch.finfo(dtype).eps * truth.abs().max().item()
             assert _err(mine, truth) <= bound, (name, (batch, hq, hkv, lq, lk), _err(mine, truth), bound)
+
+
+@pytest.mark.parametrize("head_dim", (128, (192, 128)), ids=("d128", "d192-v128"))
+def test_document_masked_flash_attention_under_compile_matches_float64(head_dim):
+    """bf16, documents of 1 to 700 tokens in 2048-token windows (one window a single document)."""
+    from trillion.kernels.flash_attention_op import flash_attention, reference_attention
+
+    gen = torch.Generator("cuda").manual_seed(7)
+    d, dv = (head_dim, head_dim) if isinstance(head_dim, int) else head_dim
+    q, k = (torch.randn(2, 8, 2048, d, device="cuda", generator=gen) for _ in range(2))
+    v, grad = (torch.randn(2, 8, 2048, dv, device="cuda", generator=gen) for _ in range(2))
+    starts = torch.rand(2, 2048, device="cuda", generator=gen) < 1 / 300
+    starts[1] = False
+    ids = starts.cumsum(dim=1)
+    compiled = torch.compile(lambda *t: flash_attention(*t, document_ids=ids), fullgraph=True)
+    exact = _attention_grads(lambda *t: reference_attention(*t, document_ids=ids), q, k, v, grad, torch.float64)
+    ours = _attention_grads(compiled, q, k, v, grad, torch.bfloat16)
+    torch_same = _attention_grads(lambda *t: reference_attention(*t, document_ids=ids), q, k, v, grad, torch.bfloat16)
+    for name, mine, truth, theirs in zip(("out", "dq", "dk", "dv"), ours, exact, torch_same):
+        bound = 2 * _err(theirs, truth) + 4 * torch.finfo(torch.bfloat16).eps * truth.abs().max().item()
+        assert torch.isfinite(mine).all() and _err(mine, truth) <= bound, (name, _err(mine, truth), bound)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

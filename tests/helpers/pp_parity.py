@@ -16,14 +16,14 @@ from tests.helpers.parity import (
     SEED,
     SEQ_LEN,
     STEPS,
-    RandomWindows,
     _full,
+    random_loader,
+    reference_key,
 )
 from trillion.models import Transformer
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers
-from trillion.trainer.data.loader import DataLoader
 from trillion.trainer.step import train_step
 
 
@@ -73,7 +73,7 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
     optimizer = torch.optim.AdamW([p for _, p in named], lr=3e-3, weight_decay=0.1, foreach=True)
     grads = []
     optimizer.register_step_pre_hook(lambda *_: grads.append({n: _full(p.grad) for n, p in named}))
-    loader = DataLoader(RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, micro, dims.dp_rank, dims.dp_size)
+    loader = random_loader(case, args, micro, dims)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     losses, norms = [], []
     for _ in range(STEPS):
@@ -98,9 +98,9 @@ def check_pipeline_cases(rank: int, world_size: int, cases: list[dict]) -> None:
     for case in cases:
         result = train_pipeline_case(case, world_size)
         if rank == 0:
-            family = case["family"]
-            if family not in references:
-                references[family] = parity.train_case({"family": family}, world_size=1)
-            parity._compare(case["name"], result, references[family])
+            key = reference_key(case)
+            if key not in references:
+                references[key] = parity.train_case(dict(zip(("family", "documents", "reset"), key)), world_size=1)
+            parity._compare(case["name"], result, references[key], relative=case.get("relative", 0.0))
             print("PASSED", case["name"], flush=True)
         dist.barrier()

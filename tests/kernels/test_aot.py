@@ -38,12 +38,34 @@ def test_report_covers_every_shipped_config_and_every_row_passes_the_gates(recor
         if by_key[aot.launch_key(c)]["problems"]
     ]
     assert not failing, failing
-    for arch in aot.ARCHS:  # every kernel that multiplies matrices uses the matrix cores
+    for arch in aot.ARCHS:  # every kernel that multiplies matrices uses the matrix cores, float8 ones float8 cores
         rows = [r for r in data["rows"] if r["arch"] == arch and r["kernel"] in aot.MATMUL_KERNELS]
-        assert {r["kernel"] for r in rows} == set(aot.MATMUL_KERNELS), arch
+        float8 = set(aot.FLOAT8_GEMM_KERNELS) if arch in aot.FLOAT8_ARCHS else set()
+        assert {r["kernel"] for r in rows} == set(aot.MATMUL_KERNELS) - set(aot.FLOAT8_GEMM_KERNELS) | float8, arch
         assert all(r["matrix_count"] > 0 for r in rows), arch
+        for row in (r for r in rows if r["kernel"] in float8):
+            assert any(map(aot.FLOAT8_INSTRUCTION.search, row["matrix_instructions"])), (arch, row["kernel"])
+        permutation = {
+            (r["kernel"], r["dtype"])
+            for r in data["rows"]
+            if r["arch"] == arch and r["kernel"] in aot.PERMUTATION_KERNELS
+        }
+        assert permutation == {(k, d) for k in aot.PERMUTATION_KERNELS for d in aot.DTYPES}, arch
     mla = {(r["arch"], r["kernel"]) for r in data["rows"] if (r["size"], r.get("out_size")) == (192, 128)}
     assert mla == {(arch, k) for arch in aot.ARCHS for k in aot.ATTENTION_KERNELS}  # latent attention's dims
+
+
+def test_document_masked_configs_and_latent_attention_s_unpadded_tiles_are_reported(record):
+    """Every target reports its document-masked launches (causal, each head dim) passing the gates, and the
+    tiles of latent attention's 192/128 hold no padded work."""
+    data, _ = record
+    masked = [r for r in data["rows"] if r.get("documents")]
+    reported = {(r["arch"], r["kernel"], r["size"], r.get("out_size")) for r in masked}
+    heads = [(d, None) if isinstance(d, int) else d for d in aot.HEAD_DIMS]
+    assert reported == {(a, k, d, dv) for a in aot.ARCHS for k in ("fwd", "dkdv", "dq") for d, dv in heads}
+    assert all(r["causal"] and not r["problems"] and r["spill_bytes"] == 0 for r in masked)
+    latent = [r for r in data["rows"] if (r["size"], r.get("out_size")) == (192, 128) and r["kernel"] != "delta"]
+    assert latent and all(report.tile_flops(r)[0] == report.tile_flops(r)[1] for r in latent)
 
 
 def _compiler_process(code: str, tmp_path) -> dict:
@@ -176,6 +198,14 @@ def test_gates_fail_spills_scratch_shared_memory_and_scalar_fallbacks():
     assert aot.problems(case, {**good, "matrix_instructions": []}) == ["no matrix instructions"]
     assert aot.problems(aot.Case("rms_bwd", "gfx942", "bf16", 2048, None), {**good, "matrix_instructions": []}) == []
     assert aot.problems(case, {"error": "CompilationError: boom"})
+    float8 = aot.Case("gmm8_fwd", "sm90", "bf16", 7168, None)  # a float8 kernel on bf16 instructions fails
+    assert aot.problems(
+        float8, {**good, "matrix_instructions": ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"]}
+    )
+    assert (
+        aot.problems(float8, {**good, "matrix_instructions": ["wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"]})
+        == []
+    )
 
 
 def test_report_command_prints_json_and_writes_markdown(tmp_path):

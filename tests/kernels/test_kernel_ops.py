@@ -92,6 +92,22 @@ def test_dtensor_head_sharded_attention_runs_on_the_local_shard(fake_mesh_of_two
         assert leaves[1].grad.placements == (kv_grad_placement,)
 
 
+def test_dtensor_sharded_attention_takes_document_ids(fake_mesh_of_two):
+    """Document ids have no head dim: replicated beside head-sharded q, k, v; sharded with the batch."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = fake_mesh_of_two
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 24, 16, generator=gen) for h in (2, 1, 1))
+    ids = torch.tensor([[0] * 10 + [1] * 14, [0] * 24])
+    expected = flash_attention(q, k, v, document_ids=ids)
+    for qkv, placed_ids in ((Shard(1), Replicate()), (Shard(0), Shard(0))):
+        leaves = [DTensor.from_local(t, mesh, [qkv]) for t in (q, k, v)]
+        out = flash_attention(*leaves, document_ids=DTensor.from_local(ids, mesh, [placed_ids]))
+        assert out.placements == (qkv,)
+        torch.testing.assert_close(out.to_local(), expected)
+
+
 def test_dtensor_sequence_sharded_norms_run_on_the_local_shard(fake_mesh_of_two):
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 

@@ -94,6 +94,7 @@ def _build(case: dict, dims: ParallelDims, args):
             compile=bool(case.get("compile")),
             compile_backend=case.get("compile") or "inductor",
             pp_schedule=case.get("schedule", "1F1B"),
+            float8=case.get("float8"),  # a Float8Training (tests/float8/test_experts_parity.py)
         )
 
     with torch.device("meta"):

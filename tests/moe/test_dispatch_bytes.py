@@ -80,7 +80,8 @@ def test_a_rank_that_receives_no_rows_runs_no_expert():
 
     import torch
 
-    from trillion.models.moe import RoutedExperts, run_experts
+    from trillion.models.expert_rows import run_experts
+    from trillion.models.moe import RoutedExperts
 
     experts = RoutedExperts(8, dataclasses.replace(MOE, n_experts=2))  # this rank's 2 of the 16: experts 2 and 3
     for weight in experts.parameters():

@@ -14,18 +14,7 @@ from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import pipeline_ranks
 
 ARGS = get_preset("llama3-8b")
-TP8 = Layout(
-    tp=8,
-    pp=1,
-    dp_replicate=1,
-    dp_shard=1,
-    dp_shard_mode="zero3",
-    pp_schedule="1F1B",
-    virtual_stages=1,
-    micro_batch_size=1,
-    microbatches=1,
-    activation_checkpoint="none",
-)
+TP8 = Layout(tp=8)
 SEQ = 4096
 
 
@@ -52,36 +41,14 @@ def test_dtensor_host_work_is_charged_per_block_and_pass_only_under_tp():
     hosted = dataclasses.replace(stock, tp_layer_host_s=(1e-3, 2e-3))
     added = step_time(ARGS, hosted, TP8, SEQ).total - step_time(ARGS, stock, TP8, SEQ).total
     assert added == pytest.approx(ARGS.n_layers * 3e-3)
-    no_tp = Layout(
-        tp=1,
-        pp=1,
-        dp_replicate=1,
-        dp_shard=8,
-        dp_shard_mode="zero3",
-        pp_schedule="1F1B",
-        virtual_stages=1,
-        micro_batch_size=1,
-        microbatches=1,
-        activation_checkpoint="none",
-    )
+    no_tp = Layout(dp_shard=8)
     assert step_time(ARGS, hosted, no_tp, SEQ).total == step_time(ARGS, stock, no_tp, SEQ).total
 
 
 def test_without_overlap_every_fsdp_collective_is_charged():
     stock = load_profile("dgx-h100")
     cpu_like = dataclasses.replace(stock, overlaps_collectives=False)
-    fsdp = Layout(
-        tp=1,
-        pp=1,
-        dp_replicate=1,
-        dp_shard=8,
-        dp_shard_mode="zero3",
-        pp_schedule="1F1B",
-        virtual_stages=1,
-        micro_batch_size=1,
-        microbatches=4,
-        activation_checkpoint="none",
-    )
+    fsdp = Layout(dp_shard=8, microbatches=4)
     per_microbatch, after_backward, before_forward = dp_comm(ARGS, cpu_like, fsdp, pipeline_ranks(ARGS, fsdp)[0])
     hidden, charged = step_time(ARGS, stock, fsdp, SEQ).dp_exposed, step_time(ARGS, cpu_like, fsdp, SEQ).dp_exposed
     assert charged - hidden > 0.5 * 4 * per_microbatch  # most of it hid behind compute on the GPU profile

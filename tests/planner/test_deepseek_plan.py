@@ -183,19 +183,7 @@ def test_the_fullest_rank_can_be_a_middle_one():
     blocks and the embedding, the middle ranks routed experts. The planner's memory is the fullest rank's, which
     here is a middle one (`trillion estimate` measured 70 GB there against 19 GB on the first rank)."""
     args = dataclasses.replace(get_preset("deepseek-v3-671b"), mtp_modules=0)
-    layout = Layout(
-        tp=1,
-        pp=32,
-        dp_replicate=1,
-        dp_shard=64,
-        dp_shard_mode="zero1",
-        pp_schedule="1F1B",
-        virtual_stages=1,
-        micro_batch_size=1,
-        microbatches=240,
-        activation_checkpoint="full",
-        ep=4,
-    )
+    layout = Layout(pp=32, dp_shard=64, dp_shard_mode="zero1", microbatches=240, activation_checkpoint="full", ep=4)
     ranks = pipeline_ranks(args, layout)
     assert ranks[0].routed_layers == 0 and ranks[16].routed_layers == 2
     first, last = (rank_memory(args, layout, 4096, ranks[i], n).total for i, n in ((0, 32), (31, 1)))

@@ -13,12 +13,10 @@ from experiments.bench.ep_dispatch import random_routing, simulate
 from trillion.models.args import MoEArgs
 from trillion.models.presets import get_preset
 from trillion.parallel.ep_exchange import STAGES
-from trillion.parallel.ep_routing import PAYLOAD, Hop, pack_routing, place
-from trillion.parallel.planner.hardware import load_profile
+from trillion.parallel.ep_routing import Hop, gather_rows, pack_routing, place
 from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.moe import HOST_READ_LAUNCHES, dispatch_rows, exposed_all_to_alls
 
-H800 = load_profile("dgx-h800")
 EP, PER_NODE, TOKENS = 8, 2, 64
 MOE = MoEArgs(n_experts=16, top_k=4, expert_ffn_dim=8, score_func="sigmoid", n_groups=4, topk_groups=2)
 ARGS = dataclasses.replace(get_preset("debug-deepseek"), moe=MOE)
@@ -60,20 +58,23 @@ def test_the_host_read_stall_counts_the_kernels_between_the_read_and_the_all_to_
     send = hop.counts()[:, 0].tolist()
     with _Launches() as counted:
         placement = place(hop, send)
-        PAYLOAD.pack(torch.randn(32, 8), placement.rows)
+        gather_rows(torch.randn(32, 8), placement.rows)
         pack_routing(hop, placement, ids, weights)
     assert counted.launches == HOST_READ_LAUNCHES
 
 
 def test_overlap_hides_what_the_mechanism_puts_beside_each_all_to_all():
     off, on = Layout(ep=8, ep_dispatch="rank"), Layout(ep=8, ep_dispatch="rank", ep_overlap=True)
-    assert exposed_all_to_alls(off, H800, 1.0, 0.1, 5.0, 5.0) == pytest.approx(2.1)
+    assert exposed_all_to_alls(off, 1.0, 1.0, 0.1, 5.0, 5.0) == pytest.approx(2.1)
     # dropless: the counts hide behind the first chunk's shared experts, the first dispatch half is exposed
-    assert exposed_all_to_alls(on, H800, 1.0, 0.1, 5.0, 5.0) == pytest.approx(0.5)
+    assert exposed_all_to_alls(on, 1.0, 1.0, 0.1, 5.0, 5.0) == pytest.approx(0.5)
+    # a float8 dispatch (half the combine's bytes): its own time where the dispatch's is taken, the combine's stays
+    assert exposed_all_to_alls(off, 0.5, 1.0, 0.1, 5.0, 5.0) == pytest.approx(1.6)
+    assert exposed_all_to_alls(on, 0.5, 1.0, 0.1, 5.0, 5.0) == pytest.approx(0.25)
     # with a capacity nothing is exposed once the compute beside each half is longer than it
-    assert exposed_all_to_alls(on, H800, 1.0, 0.0, 5.0, 5.0) == 0.0
+    assert exposed_all_to_alls(on, 1.0, 1.0, 0.0, 5.0, 5.0) == 0.0
     # no compute beside: all of it, as without overlap
-    assert exposed_all_to_alls(on, H800, 1.0, 0.0, 0.0, 0.0) == pytest.approx(2.0)
+    assert exposed_all_to_alls(on, 1.0, 1.0, 0.0, 0.0, 0.0) == pytest.approx(2.0)
     # the per-node dispatch (one chunk) hides the counts only
     node = dataclasses.replace(on, ep=64, ep_dispatch="node")
-    assert exposed_all_to_alls(node, H800, 1.0, 0.1, 5.0, 5.0) == pytest.approx(2.0)
+    assert exposed_all_to_alls(node, 1.0, 1.0, 0.1, 5.0, 5.0) == pytest.approx(2.0)

@@ -46,18 +46,7 @@ def _stage(model: Transformer, rank: RankParams, first_layer: int) -> Transforme
 @pytest.mark.parametrize("preset,tp,dp_shard,pp", [("debug-gpt", 2, 3, 1), ("debug", 2, 3, 2), ("debug-gpt", 4, 2, 2)])
 def test_states_match_fsdp_tp_on_fake_process_group(fake_world, preset, tp, dp_shard, pp):
     args = dataclasses.replace(get_preset(preset), n_layers=4)
-    layout = Layout(
-        tp=tp,
-        pp=pp,
-        dp_replicate=1,
-        dp_shard=dp_shard,
-        dp_shard_mode="zero3",
-        pp_schedule="1F1B",
-        virtual_stages=1,
-        micro_batch_size=1,
-        microbatches=4,
-        activation_checkpoint="none",
-    )
+    layout = Layout(tp=tp, pp=pp, dp_shard=dp_shard, microbatches=4)
     rank = pipeline_ranks(args, layout)[0]
     predicted_tp, predicted_shard = rank.numel(args, tp, dp_shard)
 

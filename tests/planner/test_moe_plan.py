@@ -61,18 +61,7 @@ def test_states_count_every_parameter_of_the_model():
         args = get_preset(name)
         (rank,) = pipeline_ranks(
             args,
-            Layout(
-                tp=1,
-                pp=1,
-                dp_replicate=1,
-                dp_shard=1,
-                dp_shard_mode="zero3",
-                pp_schedule="1F1B",
-                virtual_stages=1,
-                micro_batch_size=1,
-                microbatches=1,
-                activation_checkpoint="none",
-            ),
+            Layout(),
         )
         assert rank.routed_layers == args.n_layers - args.moe.n_dense_layers
         assert rank.numel(args, 1, 1)[0] == count_params(args).total, name
@@ -142,34 +131,12 @@ def test_pipeline_ranks_count_their_moe_layers():
     args = get_preset("debug-moe")  # 4 layers, the first dense
     ranks = pipeline_ranks(
         args,
-        Layout(
-            tp=1,
-            pp=2,
-            dp_replicate=1,
-            dp_shard=1,
-            dp_shard_mode="zero3",
-            pp_schedule="1F1B",
-            virtual_stages=1,
-            micro_batch_size=1,
-            microbatches=2,
-            activation_checkpoint="none",
-        ),
+        Layout(pp=2, microbatches=2),
     )
     assert [(r.layers, r.routed_layers) for r in ranks] == [(2, 1), (2, 2)]
     v_shape = pipeline_ranks(
         args,
-        Layout(
-            tp=1,
-            pp=2,
-            dp_replicate=1,
-            dp_shard=1,
-            dp_shard_mode="zero3",
-            pp_schedule="ZBVZeroBubble",
-            virtual_stages=2,
-            micro_batch_size=1,
-            microbatches=4,
-            activation_checkpoint="none",
-        ),
+        Layout(pp=2, pp_schedule="ZBVZeroBubble", virtual_stages=2, microbatches=4),
     )
     assert [(r.layers, r.routed_layers) for r in v_shape] == [(2, 1), (2, 2)]  # rank 0: layers 0 and 3
 
@@ -182,18 +149,7 @@ def test_ep_degrees():
 
 def test_expert_parallelism_shrinks_fsdp_buffers_not_states():
     args = get_preset("qwen3-30b-a3b")
-    base = Layout(
-        tp=1,
-        pp=1,
-        dp_replicate=1,
-        dp_shard=8,
-        dp_shard_mode="zero3",
-        pp_schedule="1F1B",
-        virtual_stages=1,
-        micro_batch_size=1,
-        microbatches=8,
-        activation_checkpoint="full",
-    )
+    base = Layout(dp_shard=8, microbatches=8, activation_checkpoint="full")
     ep1, ep8 = layout_memory(args, base, 4096), layout_memory(args, dataclasses.replace(base, ep=8), 4096)
     assert ep8.optimizer == ep1.optimizer and ep8.parameters == ep1.parameters
     assert ep8.buffers < ep1.buffers  # one layer's 16 experts gathered instead of 128

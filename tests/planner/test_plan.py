@@ -87,12 +87,10 @@ def test_schedules_order_bubbles_and_memory():
             Layout(
                 tp=4,
                 pp=16,
-                dp_replicate=1,
                 dp_shard=2,
                 dp_shard_mode="zero1",
                 pp_schedule=schedule,
                 virtual_stages=v,
-                micro_batch_size=1,
                 microbatches=32,
                 activation_checkpoint="full",
             ),
@@ -115,12 +113,10 @@ def test_pipeline_stages_cost_zero1_whatever_the_mode():
             Layout(
                 tp=4,
                 pp=pp,
-                dp_replicate=1,
                 dp_shard=32 // pp,
                 dp_shard_mode=mode,
                 pp_schedule=schedule,
                 virtual_stages=v,
-                micro_batch_size=1,
                 microbatches=64 // (32 // pp),
                 activation_checkpoint="full",
             ),
@@ -251,12 +247,9 @@ def test_hfu_counts_the_recompute_each_stage_does():
             Layout(
                 tp=4,
                 pp=pp,
-                dp_replicate=1,
-                dp_shard=1,
                 dp_shard_mode="zero1",
                 pp_schedule=schedule,
                 virtual_stages=v,
-                micro_batch_size=1,
                 microbatches=2 * pp,
                 activation_checkpoint="selective",
             ),
@@ -270,16 +263,7 @@ def test_hfu_counts_the_recompute_each_stage_does():
         evaluate(
             request,
             Layout(
-                tp=4,
-                pp=128,
-                dp_replicate=1,
-                dp_shard=2,
-                dp_shard_mode="zero1",
-                pp_schedule="1F1B",
-                virtual_stages=1,
-                micro_batch_size=1,
-                microbatches=512,
-                activation_checkpoint="selective",
+                tp=4, pp=128, dp_shard=2, dp_shard_mode="zero1", microbatches=512, activation_checkpoint="selective"
             ),
         ),
     )
@@ -287,18 +271,7 @@ def test_hfu_counts_the_recompute_each_stage_does():
         request,
         evaluate(
             request,
-            Layout(
-                tp=4,
-                pp=128,
-                dp_replicate=1,
-                dp_shard=2,
-                dp_shard_mode="zero1",
-                pp_schedule="1F1B",
-                virtual_stages=1,
-                micro_batch_size=1,
-                microbatches=512,
-                activation_checkpoint="full",
-            ),
+            Layout(tp=4, pp=128, dp_shard=2, dp_shard_mode="zero1", microbatches=512, activation_checkpoint="full"),
         ),
     )
     assert row["hfu"] == pytest.approx(full["hfu"])  # same work, same step time
@@ -315,12 +288,10 @@ def test_pipeline_bubble_is_p_minus_1_idle_slots_exactly(schedule, v):
         Layout(
             tp=4,
             pp=p,
-            dp_replicate=1,
             dp_shard=2,
             dp_shard_mode="zero1",
             pp_schedule=schedule,
             virtual_stages=v,
-            micro_batch_size=1,
             microbatches=m,
             activation_checkpoint="full",
         ),

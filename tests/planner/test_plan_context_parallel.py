@@ -16,19 +16,7 @@ def test_activations_divide_by_cp_and_the_exchange_is_costed():
     one, four = (
         evaluate(
             request,
-            Layout(
-                tp=1,
-                pp=1,
-                dp_replicate=1,
-                dp_shard=8 // cp,
-                dp_shard_mode="zero3",
-                pp_schedule="1F1B",
-                virtual_stages=1,
-                micro_batch_size=1,
-                microbatches=8 // (8 // cp),
-                activation_checkpoint="full",
-                cp=cp,
-            ),
+            Layout(dp_shard=8 // cp, microbatches=8 // (8 // cp), activation_checkpoint="full", cp=cp),
         )
         for cp in (1, 4)
     )

@@ -46,4 +46,8 @@ def store(corpus, tmp_path_factory):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "tokens/s" in result.stderr
+    store_summaries.append(result.stderr)
     return out
+
+
+store_summaries = []  # what prepare-data printed writing the session's store

@@ -232,16 +232,15 @@ def test_held_out_documents_are_excluded_exactly_and_readable_for_evaluation(tmp
         texts = [tok.decode(opened.tokens(a, b - 1).tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
         assert texts == docs
     stream = [t for d in held for t in tok.encode(d) + [tok.eos_id]]
-    assert read_held_out_windows(Data(prepared=str(out), lanes=1), tok, 31, 3).flatten().tolist() == stream[:96]
+    assert read_held_out_windows(Data(prepared=str(out), lanes=1), tok, 31, 3)[0].flatten().tolist() == stream[:96]
     # dealt over lanes, the evaluation set from the store is the on-the-fly one (same documents, same order)
     from trillion.trainer.config.schema import Eval
     from trillion.trainer.evaluate import read_eval_windows
 
-    dealt = read_eval_windows(Eval(held_out=0.3, steps=3), Data(prepared=str(out), lanes=3), tok, 31, 4)
+    dealt, dealt_ids = read_eval_windows(Eval(held_out=0.3, steps=3), Data(prepared=str(out), lanes=3), tok, 31, 4)
     assert dealt.shape == (12, 32) and not torch.equal(dealt.flatten(), torch.tensor(stream[: 12 * 32]))
-    assert torch.equal(
-        dealt, read_eval_windows(Eval(held_out=0.3, steps=3), Data(path=str(corpus), lanes=3), tok, 31, 4)
-    )
+    read = read_eval_windows(Eval(held_out=0.3, steps=3), Data(path=str(corpus), lanes=3), tok, 31, 4)
+    assert torch.equal(dealt, read[0]) and torch.equal(dealt_ids, read[1])  # the same documents, the same ids
     on_the_fly = loader(Data(path=str(corpus), lanes=1), held_out=0.3)  # the loader's own split agrees
     prepared = loader(Data(prepared=str(out), shuffle=False), held_out=0.3)
     assert torch.equal(windows(prepared.next_batch()), windows(on_the_fly.next_batch()))

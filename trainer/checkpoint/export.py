@@ -30,9 +30,16 @@ RUN_CONFIG = "trillion_config.toml"  # the run's config beside the weights: `tri
 def resolve_checkpoint(path: Path) -> Path:
     """A step directory, or the newest intact one of a run directory or its checkpoints/ folder: each
     file checked against the checkpoint's manifest (as training does at resume), so a damaged shard is
-    named instead of read. Read-only: a damaged one is skipped, not renamed as training does."""
+    named instead of read. Read-only: a damaged one is skipped, not renamed as training does. A step
+    named explicitly is never swapped for another: when damaged, the intact one to give is named."""
     if is_complete(path):
-        return intact(path, complete_checkpoints(path.parent))
+        if problems := damaged_files(path):
+            older = _newest_intact([c for c in complete_checkpoints(path.parent) if c.name < path.name])
+            instead = f"give the intact {older} instead" if older else "no older intact checkpoint is beside it"
+            raise RunAborted(
+                f"--checkpoint {path} IS DAMAGED: {'; '.join(problems)}. Restore its files from a copy, or {instead}."
+            )
+        return path
     if path.name.startswith("step-") and path.is_dir():
         raise ConfigError(
             f"--checkpoint {path} is not a complete checkpoint (no COMPLETE marker: its save was "
@@ -40,31 +47,33 @@ def resolve_checkpoint(path: Path) -> Path:
         )
     for root in (path / "checkpoints", path):
         if found := complete_checkpoints(root):
-            return intact(found[-1], found)
+            if newest := _newest_intact(found):
+                return newest
+            raise RunAborted(
+                f"--checkpoint {path}: every checkpoint in {root} IS DAMAGED (see the warnings above). Restore "
+                f"their files from a copy, or give another --checkpoint."
+            )
     raise ConfigError(
         f"--checkpoint {path}: no complete checkpoint there. Give a step directory "
         f"(<output_dir>/checkpoints/step-NNNNNNNN) or a run's output_dir."
     )
 
 
-def intact(step: Path, beside: list[Path]) -> Path:
-    """`step` when its files match their manifest, else the newest intact checkpoint older than it."""
-    problems = damaged_files(step)
-    if not problems:
-        return step
-    for older in reversed([other for other in beside if other.name < step.name]):
-        if not damaged_files(older):
-            log.warning(
-                "CHECKPOINT %s IS DAMAGED, not reading it: %s. Using the intact %s beside it instead.",
-                step,
-                "; ".join(problems),
-                older.name,
-            )
-            return older
-    raise ConfigError(
-        f"--checkpoint {step} IS DAMAGED: {'; '.join(problems)}, and no older intact checkpoint is beside it. "
-        f"Restore its files from a copy, or give another --checkpoint."
-    )
+def _newest_intact(checkpoints: list[Path]) -> Path | None:
+    """The newest of `checkpoints` (oldest first) whose files match their manifest; each damaged one
+    passed over is named in a warning."""
+    passed_over = False
+    for step in reversed(checkpoints):
+        problems = damaged_files(step)
+        if not problems:
+            if passed_over:
+                log.warning("Using the intact %s instead.", step)
+            return step
+        log.warning(
+            "CHECKPOINT %s IS DAMAGED, not reading it: %s. Trying the one before it.", step, "; ".join(problems)
+        )
+        passed_over = True
+    return None
 
 
 def load_checkpoint_model(step: Path) -> Transformer:

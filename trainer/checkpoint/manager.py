@@ -88,6 +88,9 @@ class CheckpointManager:
         self.pending = None  # (future, staging dir, step, start time) of the async save in flight
         self.blocked_seconds = 0.0  # how long the async save in flight held training up
         self.unconfirmed = None  # the step of the newest checkpoint no finite step after it has vouched for yet
+        self.last_saved_step = None  # the step of the last save this job started
+        # Whether this job writes the checkpoints: fault-tolerant replica groups leave it to the first one alive.
+        self.elected = lambda: True
         self._check_writable()
 
     # --- agreement across ranks -------------------------------------------------------------------
@@ -183,7 +186,7 @@ class CheckpointManager:
         """Checkpoint `step` on every rank. Async mode returns once the state is copied to host memory;
         the write goes on in the background and is published by `poll`, the next save or `close`."""
         self.wait()
-        self.unconfirmed = step
+        self.unconfirmed = self.last_saved_step = step
         staging = self.root / f".staging-step-{step:08d}"
         start, error = time.perf_counter(), None
         if self.is_rank0:
@@ -229,7 +232,7 @@ class CheckpointManager:
         and always when the job stops early); otherwise let an async save in flight move on. The last
         save blocks until written. Returns the seconds spent here."""
         start = time.perf_counter()
-        if self.due(step, last=last, stopping_early=stopping_early) and self._healthy(step):
+        if self.due(step, last=last, stopping_early=stopping_early) and self._healthy(step) and self.elected():
             self.save(step, blocking=last)
         else:
             self.poll()

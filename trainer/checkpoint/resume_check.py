@@ -23,6 +23,8 @@ BREAKS_RESUME = {
     "eval.held_out": "which documents training skips",
     "eval.path": "whether training documents are held out",
     "eval.name": "whether training documents are held out",
+    "optimizer.name": "the optimizer state the checkpoint holds (AdamW's two moments per parameter, or Muon's one "
+    "momentum per hidden matrix and AdamW's moments for the rest); neither is the other's, so no rule converts them",
 }
 
 # Settings added since checkpoints were first written, with the value that reproduces what a

@@ -42,6 +42,16 @@ class Data:
         "another). The evaluation set deals its documents over as many lanes.",
         POSITIVE,
     )
+    document_mask: bool = doc(
+        False,
+        "Attention stays within each document packed into a window: a token sees only earlier tokens of its own "
+        "document (the batch carries each window's document ids; the attention kernels skip the other documents' "
+        "tiles). Token stores give their recorded document boundaries.",
+        Flag(),
+    )
+    reset_positions: bool = doc(
+        False, "Positions (rotary or learned) restart at 0 where each document starts within a window.", Flag()
+    )
 
 
 @dataclass
@@ -104,6 +114,15 @@ class Eval:
     split: str = doc(
         "", "Split of eval.path or eval.name (empty: train for local files, validation for hub datasets).", Text()
     )
+    document_mask: str = doc(
+        "auto",
+        "Attention within each document during evaluation: auto (as data.document_mask) | masked | unmasked.",
+        OneOf(("auto", "masked", "unmasked")),
+    )
+
+    def masks_documents(self, data: Data) -> bool:
+        """Whether evaluation masks documents, given the run's data settings."""
+        return data.document_mask if self.document_mask == "auto" else self.document_mask == "masked"
 
     def check_relations(self) -> None:
         if self.path and self.name:

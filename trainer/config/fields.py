@@ -31,6 +31,12 @@ def grouped_gemm_impls() -> tuple:
     return GROUPED_GEMM_IMPLS
 
 
+def permutation_impls() -> tuple:
+    from trillion.kernels.permute import PERMUTE_IMPLS
+
+    return PERMUTE_IMPLS
+
+
 def doc(default, text: str, check: Check | None = None):
     """A dataclass field with a default, the help text `--help` shows and the check of its values
     (tests/test_config_validation.py fails for a field declared without one)."""

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from trillion.parallel.modes import FLOAT8_ALL_GATHER, FLOAT8_RECIPES, float8_recipe
+from trillion.parallel.modes import FLOAT8_ALL_GATHER, FLOAT8_EXPERTS, FLOAT8_RECIPES, float8_dispatch, float8_recipe
 from trillion.trainer.config.checks import Flag, OneOf, Range
 from trillion.trainer.config.fields import (
     KEEP,
@@ -11,6 +11,7 @@ from trillion.trainer.config.fields import (
     doc,
     grouped_gemm_impls,
     norm_impls,
+    permutation_impls,
     preset_names,
 )
 
@@ -112,6 +113,12 @@ class Kernels:
         "CUDA sm80+ and ROCm) | loop (one matmul per expert).",
         OneOf(grouped_gemm_impls),
     )
+    permutation: str = doc(
+        "auto",
+        "The tokens' permutation into expert order and the weighted sum back: auto (triton on GPUs, torch on CPU) | "
+        "triton (one fused kernel each way, forward and backward) | torch (indexing and a sum: the reference).",
+        OneOf(permutation_impls),
+    )
 
 
 @dataclass
@@ -149,6 +156,24 @@ class Float8:
         OneOf(FLOAT8_ALL_GATHER),
     )
 
+    experts: str = doc(
+        "auto",
+        "The routed experts' grouped GEMMs (w1, w3, w2; forward and both gradients) in float8: auto (rowwise "
+        "through torchao where torch._scaled_grouped_mm runs, sm90+/gfx942+, else blockwise in the Triton grouped "
+        "GEMM; blockwise when emulated) | blockwise (DeepSeek-V3: 1 x 128 activation tiles, 128 x 128 weight "
+        "blocks; dims not multiples of 128 end in a short block) | rowwise (one scale per row / column) | off. "
+        "Routers stay high precision.",
+        OneOf(FLOAT8_EXPERTS),
+    )
+    dispatch: bool = doc(
+        False,
+        "Carry the tokens of the expert all-to-all dispatch in float8 with their scales (the experts' activation "
+        "quantisation, half bf16's bytes); the combine stays high precision. Needs float8 experts and "
+        "parallel.ep > 1.",
+        Flag(),
+    )
+
     def check_relations(self) -> None:
         if self.enabled:
             float8_recipe(self.recipe, self.fsdp_all_gather)
+        float8_dispatch(self.dispatch, self.enabled, self.experts)

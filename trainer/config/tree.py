@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from trillion.errors import ConfigError
 from trillion.trainer.config.checks import OneOf
 from trillion.trainer.config.data_sections import Data, Eval, Tokenizer
+from trillion.trainer.config.fault_sections import FaultTolerance
 from trillion.trainer.config.model_sections import Compile, Float8, Kernels, Model, Moe
 from trillion.trainer.config.observe_sections import Logging, Metrics, Profiling
 from trillion.trainer.config.parallel_sections import Parallel
@@ -33,6 +34,7 @@ class Config:
     float8: Float8 = field(default_factory=Float8)
     profiling: Profiling = field(default_factory=Profiling)
     eval: Eval = field(default_factory=Eval)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
 
 def validate_config(config: Config) -> None:

@@ -11,9 +11,8 @@ The names of the files beside it are importable from here too, as they were when
 
 import os
 
-import torch
-
 from trillion.trainer.config.schema import Data as DataConfig
+from trillion.trainer.data.documents import window_micro_batches
 from trillion.trainer.data.held_out import held_out_fraction, is_held_out
 from trillion.trainer.data.prepared import build_prepared_loader
 from trillion.trainer.data.sources import HFDocuments, build_documents, default_corpus_files
@@ -33,20 +32,34 @@ __all__ = [
 
 
 class DataLoader:
-    """Yields, per optimizer step, this data-parallel rank's micro-batches as (inputs, labels)."""
+    """Yields, per optimizer step, this data-parallel rank's micro-batches as (inputs, labels), with their
+    document ids or positions (forward_backward.MicroBatch) under data.document_mask or data.reset_positions."""
 
     def __init__(
-        self, windows: LanedWindows, global_batch_size: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1
+        self,
+        windows: LanedWindows,
+        global_batch_size: int,
+        micro_batch_size: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        *,
+        mask: bool = False,
+        reset: bool = False,
     ):
         self.windows = windows
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.local = global_batch_size // dp_size
         self.dp_rank = dp_rank
+        self.mask, self.reset = mask, reset
 
-    def next_batch(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        batch = self.windows.next_windows(self.global_batch_size)
-        mine = batch[self.dp_rank * self.local : (self.dp_rank + 1) * self.local]
-        return [(mb[:, :-1], mb[:, 1:]) for mb in mine.split(self.micro_batch_size)]
+    def next_batch(self) -> list:
+        mine = slice(self.dp_rank * self.local, (self.dp_rank + 1) * self.local)
+        if self.mask or self.reset:
+            batch, ids = self.windows.next_windows_with_documents(self.global_batch_size)
+            ids = ids[mine]
+        else:
+            batch, ids = self.windows.next_windows(self.global_batch_size), None
+        return window_micro_batches(batch[mine], ids, self.micro_batch_size, mask=self.mask, reset=self.reset)
 
     def state_dict(self) -> dict:
         return self.windows.state_dict()
@@ -90,4 +103,12 @@ def build_data_loader(
         lanes=lane_count(documents, cfg.lanes),
         setting=cfg.lanes,
     )
-    return DataLoader(windows, global_batch_size, micro_batch_size, dp_rank, dp_size)
+    return DataLoader(
+        windows,
+        global_batch_size,
+        micro_batch_size,
+        dp_rank,
+        dp_size,
+        mask=cfg.document_mask,
+        reset=cfg.reset_positions,
+    )

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from trillion.errors import ConfigError, Interrupted, RunAborted
+from trillion.models.flops import DocumentLengths
 from trillion.trainer.config.checks import creatable_problem
 from trillion.trainer.data.held_out import held_out_fraction, is_held_out
 from trillion.trainer.data.sources import build_documents
@@ -118,6 +119,8 @@ def prepare(config, out: Path, workers: int) -> dict:
         workers,
         manifest["n_tokens"] / seconds,
     )
+    # what the planner prices document-masked attention with (trillion plan --documents DIR)
+    log.info("prepare-data: document lengths: %s", DocumentLengths.from_json(manifest["document_lengths"]).describe())
     return {**manifest, "seconds": seconds, "workers": workers}
 
 

@@ -25,8 +25,9 @@ import torch
 
 from trillion.errors import ConfigError
 from trillion.trainer.config.schema import Data as DataConfig
+from trillion.trainer.data.documents import window_micro_batches
 from trillion.trainer.data.token_store import CHUNKS, HELD_OUT, TokenStore
-from trillion.trainer.data.windows import dealt_windows
+from trillion.trainer.data.windows import dealt_windows_with_documents
 
 log = logging.getLogger("trillion")
 FEISTEL_ROUNDS = 6
@@ -81,7 +82,9 @@ def parse_prepared(spec: str) -> list[tuple[str, float]]:
 
 
 class PreparedLoader:
-    """Yields, per optimizer step, this data-parallel rank's micro-batches as (inputs, labels)."""
+    """Yields, per optimizer step, this data-parallel rank's micro-batches as (inputs, labels), with their
+    document ids (from the stores' document offsets) or positions under data.document_mask or
+    data.reset_positions."""
 
     def __init__(
         self,
@@ -94,8 +97,12 @@ class PreparedLoader:
         micro_batch_size: int,
         dp_rank: int = 0,
         dp_size: int = 1,
+        *,
+        mask: bool = False,
+        reset: bool = False,
     ):
         self.stores, self.window, self.seed, self.shuffle = stores, window, seed, shuffle
+        self.mask, self.reset = mask, reset
         self.weights = np.asarray(weights, dtype=np.float64) / sum(weights)
         self.n_windows = [store.n_tokens // window for store in stores]
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
@@ -133,13 +140,20 @@ class PreparedLoader:
         sources, numbers = self._assign(self.global_batch_size)
         mine = slice(self.dp_rank * self.local, (self.dp_rank + 1) * self.local)
         sources, numbers = sources[mine], numbers[mine]
+        documents = self.mask or self.reset
         batch = np.empty((self.local, self.window), dtype=np.int64)
+        ids = np.empty_like(batch) if documents else None
         for source in np.unique(sources):
             rows = np.flatnonzero(sources == source)
             for row, k in zip(rows, self._windows(int(source), numbers[rows])):
-                batch[row] = self.stores[source].tokens(int(k) * self.window, (int(k) + 1) * self.window)
-        tensor = torch.from_numpy(batch)
-        return [(mb[:, :-1], mb[:, 1:]) for mb in tensor.split(self.micro_batch_size)]
+                span = int(k) * self.window, (int(k) + 1) * self.window
+                batch[row] = self.stores[source].tokens(*span)
+                if documents:
+                    ids[row] = self.stores[source].document_ids(*span)
+        ids = torch.from_numpy(ids) if documents else None
+        return window_micro_batches(
+            torch.from_numpy(batch), ids, self.micro_batch_size, mask=self.mask, reset=self.reset
+        )
 
     def shares(self) -> list[float]:
         """Each source's share of the samples so far."""
@@ -224,6 +238,8 @@ def build_prepared_loader(
         micro_batch_size,
         dp_rank,
         dp_size,
+        mask=cfg.document_mask,
+        reset=cfg.reset_positions,
     )
     for store, weight, windows in zip(stores, loader.weights, loader.n_windows):
         log.info(
@@ -239,11 +255,11 @@ def build_prepared_loader(
     return loader
 
 
-def read_held_out_windows(cfg: DataConfig, tokenizer, seq_len: int, count: int) -> torch.Tensor:
+def read_held_out_windows(cfg: DataConfig, tokenizer, seq_len: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """At most `count` windows of seq_len + 1 tokens of the stores' held-out documents (each store's
     DIR/held_out/, in the order data.prepared names them), dealt over data.lanes lanes as the
-    on-the-fly evaluation set is (`windows.dealt_windows`): the evaluation set. Fewer (none) when they
-    hold fewer: the evaluation decides what that means."""
+    on-the-fly evaluation set is (`windows.dealt_windows`), and their document ids: the evaluation set.
+    Fewer (none) when they hold fewer: the evaluation decides what that means."""
     stores = [TokenStore(Path(path) / HELD_OUT) for path, _ in parse_prepared(cfg.prepared)]
     for store in stores:
         store.check_tokenizer(tokenizer)
@@ -254,4 +270,4 @@ def read_held_out_windows(cfg: DataConfig, tokenizer, seq_len: int, count: int) 
             for start, stop in zip(offsets[:-1], offsets[1:]):
                 yield store.tokens(int(start), int(stop))
 
-    return dealt_windows(documents(), cfg.lanes, seq_len + 1, count)
+    return dealt_windows_with_documents(documents(), cfg.lanes, seq_len + 1, count)

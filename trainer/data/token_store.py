@@ -5,7 +5,8 @@
     DIR/documents.npy   int64 offsets: document d is tokens[offsets[d]:offsets[d + 1]] (EOS included)
     DIR/chunks.sha256   the sha256 of each `chunk_bytes` piece of tokens.bin, 32 bytes each
     DIR/manifest.json   format, dtype, counts, the tokenizer's identity, the source, the held-out
-                        share, sizes and hashes
+                        share, the document-length distribution (models/flops.py DocumentLengths), sizes
+                        and hashes
     DIR/held_out/       the documents held out for evaluation, a store of the same form
 
 The manifest is written last and the directory published by one rename, so a store that exists is
@@ -13,17 +14,24 @@ whole. Opening one checks every file's size (a truncated store), the hashes of t
 of a sample of token chunks (the first, the last and a few more chosen by the reader's seed, so
 the data-parallel ranks together check different ones): a few MiB per rank, so a rank's cost stays
 its windows. Every chunk is checked by `trillion prepare-data --verify DIR`.
+
+The document offsets are where each window's documents start (data.document_mask, data.reset_positions:
+`document_ids`), without re-tokenizing; every store has them. A store written before the manifest recorded the
+length distribution has it measured from them when asked (`document_lengths`, which says so).
 """
 
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
 import numpy as np
 
 from trillion.errors import ConfigError, RunAborted
+from trillion.models.flops import DocumentLengths
 
+log = logging.getLogger("trillion")
 FORMAT, VERSION = "trillion-token-store", 1
 CHUNK_BYTES = 1 << 20
 SAMPLED_CHUNKS = 8  # checked at open besides the first and the last
@@ -81,14 +89,16 @@ def write_store(out: Path, token_parts, dtype: np.dtype, manifest: dict) -> dict
         for f in (tokens_file, chunks_file):
             f.flush()
             os.fsync(f.fileno())
-    np.save(out / DOCUMENTS, np.concatenate(offsets))
+    offsets = np.concatenate(offsets)
+    np.save(out / DOCUMENTS, offsets)
     manifest = {
         "format": FORMAT,
         "version": VERSION,
         "dtype": dtype.name,
         "n_tokens": int(n_tokens),
-        "n_documents": int(sum(len(o) for o in offsets) - 1),
+        "n_documents": len(offsets) - 1,
         "chunk_bytes": CHUNK_BYTES,
+        "document_lengths": DocumentLengths.measure(np.diff(offsets)).to_json(),
         **manifest,
         "files": {
             name: {"bytes": (out / name).stat().st_size, "sha256": file_sha256(out / name)}
@@ -138,6 +148,7 @@ class TokenStore:
         self.n_tokens = self.manifest["n_tokens"]
         self.chunk_tokens = self.manifest["chunk_bytes"] // self.dtype.itemsize
         self._chunk_hashes = (self.path / CHUNKS).read_bytes()
+        self._offsets = None
         self.n_chunks = len(self._chunk_hashes) // 32
         self._tokens = (
             np.memmap(self.path / TOKENS, dtype=self.dtype, mode="r") if self.n_tokens else np.zeros(0, self.dtype)
@@ -236,4 +247,23 @@ class TokenStore:
 
     def documents(self) -> np.ndarray:
         """Offsets of the documents (n_documents + 1), checked when the store was opened."""
-        return np.load(self.path / DOCUMENTS, mmap_mode="r")
+        if self._offsets is None:
+            self._offsets = np.load(self.path / DOCUMENTS, mmap_mode="r")
+        return self._offsets
+
+    def document_ids(self, start: int, stop: int) -> np.ndarray:
+        """The document of each of tokens[start:stop], numbered as the store's documents (non-decreasing)."""
+        return np.searchsorted(self.documents(), np.arange(start, stop), side="right") - 1
+
+    def document_lengths(self) -> DocumentLengths:
+        """The store's document-length distribution: from its manifest, or measured from its offsets."""
+        if "document_lengths" in self.manifest:
+            return DocumentLengths.from_json(self.manifest["document_lengths"])
+        log.info(
+            "%s=%s was prepared before token stores recorded their document-length distribution: measuring it from "
+            "its %d document offsets",
+            self.setting,
+            self.path,
+            self.manifest["n_documents"],
+        )
+        return DocumentLengths.measure(np.diff(self.documents()))

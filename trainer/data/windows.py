@@ -11,6 +11,10 @@ The position is, per lane, (epoch, document index, token offset within that docu
 lane the next window comes from: a few integers that mean the same thing under any layout, so a
 resumed run sees exactly the batches it would have seen. A finite set (evaluation) is dealt over
 lanes the same way, once (dealt_windows).
+
+The packer records where each document starts in every window: beside the tokens, each window's document
+ids (non-decreasing along the window, a new id where a document starts), for document masking and the
+position reset (trainer/data/documents.py).
 """
 
 import itertools
@@ -71,6 +75,10 @@ class PackedWindows:
 
     def next_windows(self, count: int) -> torch.Tensor:
         """The next `count` windows, shape (count, window); advances the position past them."""
+        return self.next_windows_with_documents(count)[0]
+
+    def next_windows_with_documents(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next `count` windows and their document ids, both (count, window); advances the position."""
         if self._stream is None:
             self._stream, self._pending = self._chunks(), []
         need = count * self.window
@@ -78,17 +86,19 @@ class PackedWindows:
         while have < need:
             self._pending.append(next(self._stream))
             have += len(self._pending[-1][3])
-        flat = []
+        flat, ids = [], []
         while len(flat) < need:
             epoch, index, start, tokens = self._pending.pop(0)
             use = min(len(tokens), need - len(flat))
             flat.extend(tokens[:use])
+            ids.extend([ids[-1] + 1 if ids else 0] * use)  # one id per document piece, counting up
             if use < len(tokens):
                 self._pending.insert(0, (epoch, index, start + use, tokens[use:]))
                 self.epoch, self.doc_index, self.offset = epoch, index, start + use
             else:
                 self.epoch, self.doc_index, self.offset = epoch, index + self.lanes, 0
-        return torch.tensor(flat, dtype=torch.long).view(count, self.window)
+        shape = (count, self.window)
+        return torch.tensor(flat, dtype=torch.long).view(shape), torch.tensor(ids, dtype=torch.long).view(shape)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "doc_index": self.doc_index, "offset": self.offset}
@@ -121,15 +131,19 @@ class LanedWindows:
 
     def next_windows(self, count: int) -> torch.Tensor:
         """The next `count` windows of the interleaved stream, shape (count, window)."""
+        return self.next_windows_with_documents(count)[0]
+
+    def next_windows_with_documents(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next `count` windows of the interleaved stream and their document ids, both (count, window)."""
         lanes = len(self.lanes)
         order = (self.next_lane + torch.arange(count)) % lanes
-        out = torch.empty(count, self.window, dtype=torch.long)
+        out, ids = (torch.empty(count, self.window, dtype=torch.long) for _ in range(2))
         for lane in range(lanes):
             rows = torch.nonzero(order == lane).flatten()
             if len(rows):
-                out[rows] = self.lanes[lane].next_windows(len(rows))
+                out[rows], ids[rows] = self.lanes[lane].next_windows_with_documents(len(rows))
         self.next_lane = (self.next_lane + count) % lanes
-        return out
+        return out, ids
 
     def state_dict(self) -> dict:
         if len(self.lanes) == 1:
@@ -181,8 +195,13 @@ def dealt_windows(token_documents, lanes: int, window: int, count: int) -> torch
     and the windows are taken from the lanes in turn; a lane whose documents are used up leaves the
     turn (its partial last window is dropped), and the set ends when every lane has. Never a window
     twice; with one lane, the first `count` windows of the documents joined."""
+    return dealt_windows_with_documents(token_documents, lanes, window, count)[0]
+
+
+def dealt_windows_with_documents(token_documents, lanes: int, window: int, count: int):
+    """dealt_windows' windows and their document ids (document m's tokens have id m), both (windows, window)."""
     documents, dealt = iter(token_documents), 0
-    pending = [[] for _ in range(lanes)]  # per lane: token arrays not yet in a window
+    pending = [[] for _ in range(lanes)]  # per lane: (tokens, ids) arrays not yet in a window
     held = [0] * lanes
     turn, out = list(range(lanes)), []
     place = 0
@@ -194,16 +213,16 @@ def dealt_windows(token_documents, lanes: int, window: int, count: int) -> torch
             if tokens is None:
                 break
             if len(tokens):
-                pending[dealt % lanes].append(np.asarray(tokens, dtype=np.int64))
+                pending[dealt % lanes].append((np.asarray(tokens, dtype=np.int64), np.full(len(tokens), dealt)))
                 held[dealt % lanes] += len(tokens)
                 dealt += 1
         if held[lane] < window:  # its documents are used up
             turn.pop(place)
             continue
-        flat = np.concatenate(pending[lane])
-        out.append(flat[:window])
-        pending[lane], held[lane] = [flat[window:]], held[lane] - window
+        flat, ids = (np.concatenate(part) for part in zip(*pending[lane]))
+        out.append((flat[:window], ids[:window]))
+        pending[lane], held[lane] = [(flat[window:], ids[window:])], held[lane] - window
         place += 1
     if not out:
-        return torch.empty(0, window, dtype=torch.long)
-    return torch.from_numpy(np.stack(out))
+        return torch.empty(0, window, dtype=torch.long), torch.empty(0, window, dtype=torch.long)
+    return tuple(torch.from_numpy(np.stack(part)) for part in zip(*out))

@@ -1,18 +1,20 @@
 """Per-step metrics (loss, grad norm, LR, tokens/s, TFLOP/s, MFU/HFU, memory, data wait) and
 where they go: metrics.jsonl always, Weights & Biases and TensorBoard when enabled, the console."""
 
+import errno
 import json
 import logging
 import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from trillion.devices import lookup_device
-from trillion.errors import ConfigError
+from trillion.errors import ConfigError, RunAborted
 from trillion.trainer.config.schema import Logging as LoggingConfig
 
 log = logging.getLogger("trillion")
@@ -45,30 +47,40 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 class ThroughputMeter:
-    """Turns tokens and seconds of the steps since the last report into per-device rates."""
+    """Turns tokens and seconds of the steps since the last report into per-device rates. The FLOPs per token
+    are functions of the attention share document masking leaves (models/flops.py), which each step reports."""
 
-    def __init__(self, model_flops_per_token: float, hardware_flops_per_token: float, peak_flops: float | None):
+    def __init__(
+        self,
+        model_flops_per_token: Callable[[float], float],
+        hardware_flops_per_token: Callable[[float], float],
+        peak_flops: float | None,
+    ):
         self.model_flops_per_token, self.hardware_flops_per_token = model_flops_per_token, hardware_flops_per_token
         self.peak = peak_flops
         self.reset()
 
     def reset(self) -> None:
-        self.tokens, self.seconds, self.data_seconds, self.steps = 0, 0.0, 0.0, 0
+        self.tokens, self.seconds, self.data_seconds, self.steps, self.shared = 0, 0.0, 0.0, 0, 0.0
 
-    def add(self, tokens_per_device: int, step_seconds: float, data_seconds: float) -> None:
+    def add(self, tokens_per_device: int, step_seconds: float, data_seconds: float, attention_share=1.0) -> None:
         self.tokens += tokens_per_device
+        self.shared += tokens_per_device * attention_share
         self.seconds += step_seconds
         self.data_seconds += data_seconds
         self.steps += 1
 
     def report(self) -> dict:
         tokens_per_s = self.tokens / max(self.seconds, 1e-9)
-        model_flops = tokens_per_s * self.model_flops_per_token
+        share = self.shared / max(self.tokens, 1e-9)  # the FLOPs are linear in it: its token-weighted mean
+        model_flops = tokens_per_s * self.model_flops_per_token(share)
+        hardware_flops = tokens_per_s * self.hardware_flops_per_token(share)
         out = {
             "tokens_per_s": tokens_per_s,
             "tflops": model_flops / 1e12,
             "mfu": model_flops / self.peak if self.peak else None,
-            "hfu": tokens_per_s * self.hardware_flops_per_token / self.peak if self.peak else None,
+            "hfu": hardware_flops / self.peak if self.peak else None,
+            "attention_share": share,  # the attention work document masking left (1.0: none masked)
             "step_time_s": self.seconds / max(self.steps, 1),
             "data_wait_s": self.data_seconds / max(self.steps, 1),
         }
@@ -80,13 +92,15 @@ class MetricsSink:
     """metrics.jsonl, plus W&B and TensorBoard. Only the logging rank creates one."""
 
     def __init__(self, output_dir: Path, cfg: LoggingConfig, resolved_config: dict, resume: bool = False):
-        self.jsonl = open(output_dir / "metrics.jsonl", "a" if resume else "w")
+        # Unbuffered: a record reaches the file in `write` or not at all, so a failing disk is met there,
+        # where the partial line can be cut off, and never again in a flush at close.
+        self.path = output_dir / "metrics.jsonl"
+        self.jsonl = open(self.path, "ab" if resume else "wb", buffering=0)
         self.wandb_run = _start_wandb(output_dir, cfg, resolved_config, resume) if cfg.wandb else None
         self.tensorboard = _start_tensorboard(output_dir) if cfg.tensorboard else None
 
     def write(self, record: dict) -> None:
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        self._append_line((json.dumps(record) + "\n").encode())
         numbers = {k: v for k, v in record.items() if isinstance(v, (int, float)) and k != "step"}
         if self.wandb_run is not None:
             try:
@@ -98,6 +112,17 @@ class MetricsSink:
             for key, value in numbers.items():
                 self.tensorboard.add_scalar(key, value, record["step"])
 
+    def _append_line(self, line: bytes) -> None:
+        """The whole line, or nothing: on a write error the file is cut back to its last whole record."""
+        end = self.jsonl.seek(0, os.SEEK_END)
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[self.jsonl.write(view) :]
+        except OSError as error:
+            self.jsonl.truncate(end)
+            raise metrics_write_error(error, self.path) from None
+
     def close(self) -> None:
         self.jsonl.close()
         if self.wandb_run is not None:
@@ -107,6 +132,16 @@ class MetricsSink:
                 log.warning("W&B run did not finish cleanly: %s", error)
         if self.tensorboard is not None:
             self.tensorboard.close()
+
+
+def metrics_write_error(error: OSError, path: Path) -> RunAborted:
+    """The one paragraph a failed metrics write ends the run with, as a failed checkpoint save does."""
+    cause = "No space left on the device" if error.errno == errno.ENOSPC else f"{error.strerror or error}"
+    return RunAborted(
+        f"{cause} while writing {path}: the record was not written (the file ends at the one before it). "
+        f"Checkpoints are untouched. Free space there or point --job.output_dir at a larger filesystem, then run "
+        f"the same command again to resume from the newest checkpoint."
+    )
 
 
 def _start_wandb(output_dir: Path, cfg: LoggingConfig, resolved_config: dict, resume: bool):

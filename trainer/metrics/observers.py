@@ -2,6 +2,7 @@
 console), the torch profiler and the pipeline schedule's timeline, built once the model is."""
 
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 
@@ -26,9 +27,9 @@ def build_observers(config: Config, env, model_args, pipeline: Pipeline | None, 
         if pipeline is None
         else stages_recompute_fraction(mode, pipeline.blocks_per_stage)
     )
-    meter = ThroughputMeter(
-        model_flops_per_token(model_args, t.seq_len),
-        hardware_flops_per_token(model_args, t.seq_len, recompute),
+    meter = ThroughputMeter(  # as functions of the attention share document masking leaves
+        functools.partial(model_flops_per_token, model_args, t.seq_len),
+        functools.partial(hardware_flops_per_token, model_args, t.seq_len, recompute),
         device_peak_flops(env.device, config.metrics.peak_tflops),
     )
     params = count_params(model_args)

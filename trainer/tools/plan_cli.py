@@ -3,7 +3,10 @@ memory, time-to-train, energy and cost, and write the best one as a `trillion tr
 
   trillion plan --model gpt-1t --hardware frontier --gpus 3072 --global-batch 1024 --tokens 20e12
   trillion plan ... --tp 4 --pp 128 --micro-batch-size 1     (fixed settings: evaluate one layout)
+  trillion plan ... --optimizer muon                           (Muon's state and step instead of AdamW's)
   trillion plan ... --format json | --plot DIR | --config-out FILE
+  trillion plan ... --mtbf-hours-per-gpu 50000 --checkpoint-save-s 20 --restart-s 600   (goodput under failures)
+  trillion plan ... --documents DIR     (document-masked training: attention priced from a token store's documents)
   trillion plan --calibrate [--model M --seq-len S --micro-batch-size B] [--calibrate-out FILE]
       (measure this machine into a profile: M's own GEMM shapes and attention, memory, collectives)
 """
@@ -17,17 +20,26 @@ from pathlib import Path
 from trillion.errors import ConfigError
 from trillion.models import parts
 from trillion.models.presets import PRESETS, get_preset
-from trillion.parallel.layout import EP_DISPATCH
 from trillion.parallel.modes import SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
 from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
 from trillion.parallel.planner.search import Request, metrics, model_summary, search
-from trillion.parallel.planner.space import LAYOUT_FIELDS
+from trillion.parallel.planner.space import LAYOUT_FIELDS, OPTIMIZERS
 from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.checks import creatable_problem
-from trillion.trainer.config.schema import Config, load_config, to_toml
+from trillion.trainer.config.schema import load_config
+from trillion.trainer.data.token_store import TokenStore
+from trillion.trainer.tools.goodput_args import add_goodput_arguments, check_goodput_arguments, goodput
+from trillion.trainer.tools.plan_args import (
+    PART_FLAGS,
+    add_dispatch_arguments,
+    add_documents_argument,
+    add_float8_arguments,
+    add_part_arguments,
+)
+from trillion.trainer.tools.plan_config import train_config_toml
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("activation_checkpoint", str, SEARCHED_CHECKPOINT_MODES),
         ("cp", int, None),
         ("ep", int, None),
+        ("optimizer", str, OPTIMIZERS),
     ):
         fixed.add_argument(
             f"--{name.replace('_', '-')}",
@@ -88,15 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="plan for torch.compile of each block (fused element-wise kernels; the trainer's compile.enabled)",
     )
-    fixed.add_argument(
-        "--float8",
-        action="store_const",
-        const=True,
-        default=None,
-        help="plan the blocks' linears in float8 (fp8 GEMMs and their casts; FSDP all-gathers their weights in "
-        "float8); refused on hardware without float8 tensor cores",
-    )
-    _add_dispatch_arguments(fixed)
+    add_float8_arguments(fixed)
+    add_dispatch_arguments(fixed)
     fixed.add_argument(
         "--moe-load-imbalance",
         dest="moe_load_imbalance",
@@ -105,46 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="MoE models: the busiest expert-parallel rank's routed tokens over the mean (default "
         f"{MOE_LOAD_IMBALANCE:g}, assumed: parallel/planner/moe.py)",
     )
-    _add_part_arguments(p)
+    add_part_arguments(p)
+    add_goodput_arguments(p)
+    add_documents_argument(p)
     return p
-
-
-def _add_dispatch_arguments(fixed) -> None:
-    """The expert dispatch's settings (MoE models), each fixed when given."""
-    fixed.add_argument(
-        "--ep-dispatch",
-        choices=EP_DISPATCH,
-        default=None,
-        help="MoE models: how tokens reach the experts (default: per node where the ep group spans nodes, else per "
-        "rank; parallel.ep_dispatch)",
-    )
-    fixed.add_argument(
-        "--ep-overlap",
-        choices=("on", "off"),
-        default=None,
-        help="MoE models: overlap the expert all-to-alls with compute (default on with ep > 1; parallel.ep_overlap)",
-    )
-    fixed.add_argument(
-        "--ep-capacity",
-        type=float,
-        default=None,
-        help="MoE models: a per-rank capacity, as a multiple of an even share (no host read; moe.rank_capacity_factor, "
-        "at least 1); default dropless",
-    )
-
-
-# plan flag -> the model setting it gives the parts (models/parts apply_settings), each a count, 0 or more
-PART_FLAGS = {"mtp_modules": "model.mtp_modules"}
-
-
-def _add_part_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--mtp-modules",
-        type=int,
-        default=None,
-        help="multi-token prediction modules to plan (default: the preset's; 0 plans without them, which the "
-        "V-shaped pipeline schedules need)",
-    )
 
 
 DEFAULT_CONFIG_OUT = "outputs/plan/{model}-{hardware}-{gpus}.toml"
@@ -180,6 +150,7 @@ def argument_problems(ns: argparse.Namespace) -> tuple[list[str], object]:
         problems.append(
             f"--ep-capacity {ns.ep_capacity:g} must be at least 1 (an even share; moe.rank_capacity_factor)"
         )
+    problems += check_goodput_arguments(ns)
     if ns.seq_len < 0:
         problems.append(f"--seq-len {ns.seq_len} must be positive (or 0: the model's max_seq_len)")
     if not math.isfinite(ns.tokens) or ns.tokens < 0:
@@ -212,67 +183,16 @@ def request_from(ns: argparse.Namespace) -> Request:
     fixed = {k: getattr(ns, k) for k in LAYOUT_FIELDS if getattr(ns, k) is not None}
     if "ep_overlap" in fixed:
         fixed["ep_overlap"] = fixed["ep_overlap"] == "on"
-    return Request(
-        ns.model,
-        args,
-        profile,
-        ns.gpus,
-        ns.global_batch,
-        ns.seq_len or args.max_seq_len,
-        ns.tokens,
-        ns.price_per_gpu_hour,
-        fixed,
-    )
+    seq_len = ns.seq_len or args.max_seq_len
+    if ns.documents:
+        lengths = TokenStore(ns.documents, setting="--documents", sample_seed=None).document_lengths()
+        fixed["attention_share"] = lengths.attention_share(seq_len)
+    return Request(ns.model, args, profile, ns.gpus, ns.global_batch, seq_len, ns.tokens, ns.price_per_gpu_hour, fixed)
 
 
-def train_config_toml(request: Request, row: dict) -> str:
-    """The best layout as a config `trillion train --config` loads (checked by loading it back)."""
-    config = Config()
-    config.job.world_size = request.gpus
-    config.job.hardware = hardware_setting(request.hardware)
-    config.model.name = request.model
-    if request.tokens > 0:  # the budget's steps, so that the file trains the plan as is
-        config.training.steps = math.ceil(request.tokens / (request.global_batch * request.seq_len))
-    config.training.global_batch_size = request.global_batch
-    config.training.micro_batch_size = row["micro_batch_size"]
-    config.training.seq_len = request.seq_len
-    if request.seq_len > request.args.max_seq_len:  # a rotary model trained past its preset's length
-        config.model.max_seq_len = request.seq_len
-    for key in (
-        "dp_replicate",
-        "dp_shard",
-        "dp_shard_mode",
-        "tp",
-        "pp",
-        "pp_schedule",
-        "activation_checkpoint",
-        "cp",
-        "ep",
-    ):
-        setattr(config.parallel, key, row[key])
-    for setting in PART_FLAGS.values():  # a part setting the plan changed from the preset's
-        field = setting.removeprefix("model.")
-        if getattr(request.args, field) != getattr(get_preset(request.model), field):
-            setattr(config.model, field, getattr(request.args, field))
-    config.parallel.ep_dispatch = request.fixed.get("ep_dispatch", "auto")  # auto: as the plan resolved it
-    config.parallel.ep_overlap = row["ep_overlap"] and row["ep"] > 1
-    config.moe.rank_capacity_factor = row["ep_capacity"]
-    config.compile.enabled = row["compile"]
-    config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather on (auto): what the plan timed
-    header = [
-        f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} "
-        f"({request.hardware.device.name})",
-        f"# predicted: {row['step_time_s']:.2f} s/step, {row['tokens_per_s']:,.0f} tokens/s, "
-        f"MFU {row['mfu']:.1%}, {row['memory_gb']:.1f} of {row['memory_capacity_gb']:g} GB per GPU",
-        f"# pipeline chunks per rank (virtual stages): {row['virtual_stages']}",
-        "",
-    ]
-    return "\n".join(header) + to_toml(config)
-
-
-def hardware_setting(profile) -> str:
-    """job.hardware for a plan on `profile`: its name where that finds it again, else the file it came from."""
-    return profile.name if profile.name in profile_names() else profile.source
+def documents_note(request: Request) -> str:
+    share = request.fixed.get("attention_share")
+    return "" if share is None else f", documents masked (attention {100 * share:.1f}% of the unmasked)"
 
 
 def _pct(x: float) -> str:
@@ -285,7 +205,9 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
         f"{request.model} ({s['parameters'] / 1e9:.1f}B parameters) on {request.gpus} x {request.hardware.name} "
         f"({request.hardware.device.name}, {request.hardware.device.memory_gb:g} GB), global batch "
         f"{request.global_batch} x {request.seq_len} tokens"
-        f"{', float8 linears' if request.fixed.get('float8') else ''}: {considered} layouts considered, "
+        f"{', float8 linears' if request.fixed.get('float8') else ''}"
+        f"{', Muon' if request.fixed.get('optimizer') == 'muon' else ''}{documents_note(request)}: "
+        f"{considered} layouts considered, "
         f"{fitting} fit in memory{'' if fitting else ' (those that fit in the device are shown, with a warning)'}.",
         "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp/cp/ep = exposed communication "
         "(ep: MoE all-to-alls). "
@@ -360,6 +282,14 @@ def main(argv: list[str]) -> int:
     result = search(request)
     rows = [metrics(request, c) for c in result.ranked[: max(ns.top, 1)]]
     why_ep = ep_choice(request, result)
+    hw = request.hardware
+    best = goodput(
+        ns,
+        request.gpus,
+        rows[0]["memory"]["optimizer"] * 1e9,
+        rows[0]["step_time_s"],
+        hw.node_bandwidth_gbs / hw.gpus_per_node,
+    )
     if ns.format == "json":
         json.dump(
             {
@@ -368,6 +298,7 @@ def main(argv: list[str]) -> int:
                 "fitting": sum(c.fits for c in result.ranked),
                 "candidates": rows,
                 **({"ep_choice": why_ep} if why_ep else {}),
+                "goodput": best.as_dict(),
             },
             sys.stdout,
             indent=1,
@@ -377,6 +308,7 @@ def main(argv: list[str]) -> int:
         print(format_table(request, rows, result.considered, sum(c.fits for c in result.ranked)))
         if why_ep:
             print(why_ep["why"])
+        print("\n".join(f"best layout: {line}" for line in best.lines()))
     out = (
         ns.config_out
         if ns.config_out is not None

@@ -4,6 +4,7 @@
   trillion estimate --config experiments/configs/gpt_1t_frontier.toml --hardware frontier --ranks all
   trillion estimate --config FILE --world-size 3072 --parallel.tp=8 --parallel.dp_shard=384 --steps 2
   trillion estimate --config outputs/plan/qwen3-235b-a22b-dgx-h100-256.toml --world-size 256 --ep 8 --hardware dgx-h100
+  trillion estimate ... --mtbf-hours-per-gpu 50000 --checkpoint-save-s 20 --restart-s 600   (goodput under failures)
 
 Prints, per simulated rank (first, second, middle and last pipeline stage and the rank with the most
 parameters by default), parameter, gradient, optimizer, activation-peak and buffer bytes next to the
@@ -12,6 +13,7 @@ shortfall, what dominates and which setting to change when a rank does not fit. 
 runs the training loop for N steps of a tiny model of the layout (trainer/tools/estimate/steps.py).
 """
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -22,6 +24,7 @@ from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.tools.estimate.dry_run import DEFAULT_RANKS, KINDS, Estimate, estimate, shortfall_message
 from trillion.trainer.tools.estimate.steps import run_steps, summary
+from trillion.trainer.tools.goodput_args import add_goodput_arguments, goodput
 
 
 def parse(argv: list[str]):
@@ -59,6 +62,7 @@ def parse(argv: list[str]):
         help="also run N training steps of a tiny model of the same layout on the fake backend, as the "
         "first and the last simulated rank (see trainer/tools/estimate/steps.py)",
     )
+    add_goodput_arguments(p)
     ns, overrides = p.parse_known_args(argv)
     if ns.config is None and ns.model is None:
         raise ConfigError("trillion estimate needs --config FILE or --model NAME (e.g. --model qwen3-235b-a22b).")
@@ -143,6 +147,27 @@ def table(result: Estimate) -> str:
     return "\n".join(lines)
 
 
+def job_goodput(ns, config, result: Estimate):
+    """Goodput of the job (every replica group's GPUs) from the fullest simulated rank's measured optimizer
+    bytes; the step time and links from the planner on --hardware (without it, unknown: 0)."""
+    step_s, link_gbs = 0.0, 0.0
+    if ns.hardware:
+        from trillion.parallel.planner.cost import step_time
+        from trillion.parallel.planner.hardware import load_profile
+        from trillion.trainer.assemble import build_layout
+        from trillion.trainer.tools.estimate.dry_run import model_args_for
+
+        hw = load_profile(ns.hardware)
+        link_gbs = hw.node_bandwidth_gbs / hw.gpus_per_node
+        model_args = model_args_for(config)
+        with contextlib.suppress(ConfigError, KeyError):  # a layout the planner has no model of: no step time
+            step_s = step_time(
+                model_args, hw, build_layout(config, result.world_size, model_args), config.training.seq_len
+            ).total
+    optimizer = max((r.optimizer for r in result.ranks), default=0)
+    return goodput(ns, result.world_size * config.fault_tolerance.groups, optimizer, step_s, link_gbs)
+
+
 def main(argv: list[str]) -> int:
     ns, overrides = parse(argv)
     config = load_config(ns.config, overrides)
@@ -171,10 +196,15 @@ def main(argv: list[str]) -> int:
         message = " ".join(
             x for x in (message, f"With --steps, the training loop failed as rank {failed.rank}: {failed.failed}") if x
         )
+    failures = job_goodput(ns, config, result)
     if ns.format == "json":
-        print(json.dumps({**result.as_dict(), "error": message, "steps": [run.as_dict() for run in runs]}, indent=1))
+        steps = [run.as_dict() for run in runs]
+        print(
+            json.dumps({**result.as_dict(), "error": message, "steps": steps, "goodput": failures.as_dict()}, indent=1)
+        )
     else:
-        print("\n".join([table(result), *(f"# {line}" for line in summary(runs, model) if runs)]))
+        lines = [table(result), *(f"# {line}" for line in summary(runs, model) if runs)]
+        print("\n".join([*lines, *(f"# {line}" for line in failures.lines())]))
     if message:
         print(f"trillion estimate: {message}", file=sys.stderr)
         return 1

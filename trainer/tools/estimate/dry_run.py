@@ -14,8 +14,9 @@ activations.py measures one micro-batch, pipeline_schedule.py replays the schedu
   the step instead; they are reduce-scattered and freed group by group at its end, so the larger of
   the two is the peak (the reduce-scatter's own buffer is counted in buffers);
 - optimizer: AdamW's exp_avg and exp_avg_sq per local (unpadded) shard in the master dtype, plus
-  its 4-byte `step` per parameter. Counted from the shapes, never from running the optimizer under
-  fake tensors (foreach AdamW inflated that figure);
+  its 4-byte `step` per parameter; with optimizer.name=muon one momentum buffer per hidden-matrix shard
+  instead (parallel/muon/matrices.py; its step's buffers are the planner's figure). Counted from the
+  shapes, never from running the optimizer under fake tensors (foreach AdamW inflated that figure);
 - activations: one micro-batch forward + backward of each of the rank's stages, TP-sharded and
   activation-checkpointed, on meta tensors under `MemTracker` (FSDP does not change activations, so
   it is left out of that run; each weight gradient is dropped once accumulated, as FSDP's

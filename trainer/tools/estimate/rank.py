@@ -239,15 +239,21 @@ class States:
     routed_experts: int = 0  # of `parameters`, the routed experts' (MoE: E / ep experts, FSDP-sharded over efsdp)
 
 
-def state_bytes(parts: list[nn.Module]) -> States:
-    """Parameters, gradients and AdamW state of the sharded `parts`, from the local shard shapes."""
-    params = [p for part in parts for p in part.parameters()]
+def state_bytes(parts: list[nn.Module], muon: frozenset[str] = frozenset()) -> States:
+    """Parameters, gradients and optimizer state of the sharded `parts`, from the local shard shapes: AdamW's, or
+    for the parameters named in `muon` (optimizer.name=muon: its hidden matrices) one momentum buffer."""
+    named = [(n, p) for part in parts for n, p in part.named_parameters()]
+    params = [p for _, p in named]
     experts = [p for part in parts for p in routed_expert_parameters(part)]
     fsdp = any(hasattr(m, "_get_fsdp_state") for part in parts for m in part.modules())
     grad_numel = sum(_padded_local_numel(p) if fsdp else local_tensor(p).numel() for p in params if p.requires_grad)
     grad_item = item_bytes(REDUCE_DTYPE) if fsdp else params[0].element_size()
     optimizer = sum(
-        ADAMW_STATES * local_tensor(p).numel() * p.element_size() + ADAMW_STEP_BYTES for p in params if p.requires_grad
+        local_tensor(p).numel() * p.element_size()
+        if n in muon
+        else ADAMW_STATES * local_tensor(p).numel() * p.element_size() + ADAMW_STEP_BYTES
+        for n, p in named
+        if p.requires_grad
     )
     return States(
         storage_bytes(params),

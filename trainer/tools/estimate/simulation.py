@@ -9,6 +9,7 @@ import logging
 from trillion.errors import ConfigError
 from trillion.models import ModelArgs, parts
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.muon.matrices import hidden_matrices
 from trillion.parallel.pipeline import StageLayers
 from trillion.trainer.config.schema import Config
 from trillion.trainer.tools.estimate.activations import local_tensor
@@ -53,6 +54,7 @@ class Simulation:
         routed = frozenset(i for i in range(model_args.n_layers) if parts.routed_layer(model_args, i))
         self.plan = StagePlan(dims.layout, StageLayers.from_config(config.parallel), model_args.n_layers, routed)
         self.source = StageSource(model_args, dims.pp)
+        self.muon = frozenset(hidden_matrices(model_args) if config.optimizer.name == "muon" else ())
         self.states, self.facts = {}, {}  # (stage shapes, (dp_shard, cp) coordinates) -> States; StageShape -> ...
         self.hidden_bytes = None  # pp > 1: one micro-batch's residual stream between stages, local bytes
         self.schedule = None  # pp > 1: every pipeline rank's actions and how it holds receive buffers
@@ -80,7 +82,7 @@ class Simulation:
             if key not in self.states or self.schedule is None and pipelined:
                 parts, pipeline = rank_parts(self.config, self.source.whole(), dims, self.microbatches)
                 assert [len(part.layers) for part in parts] == [shape.layers for shape in key[0]], "split diverged"
-                self.states[key] = state_bytes(parts)
+                self.states[key] = state_bytes(parts, self.muon)
                 if pipelined and self.schedule is None:
                     self.schedule = schedule_of(pipeline)
 

@@ -1,0 +1,150 @@
+"""Float8 quantisation of the routed experts' GEMM operands, in plain PyTorch: the reference every float8
+path is checked against, and the casts the Triton float8 grouped GEMM consumes (kernels/float8_grouped_gemm.py).
+
+A tensor is cut into scale blocks; each block's values are divided by one scale and cast to e4m3. Scales are
+powers of two (the smallest with |x| / scale <= the format's largest finite value, e4m3fn 448, e4m3fnuz 240),
+as torchao's rowwise recipe and DeepSeek's later UE8M0 scales make them: multiplying by one is exact, so a
+dequantised block quantises again to the same bytes (float8 dispatch relies on it) and the GEMM's rescaling adds
+no rounding. Blocks of a dimension that is not a multiple of the block size end short, as if zero-padded:
+zeros change no maximum.
+
+The two recipes by GEMM operand (x the expert-sorted tokens (rows, K), w (experts, K, N), dy the output's
+gradient (rows, N); arXiv 2412.19437 section 3.3 for blockwise, torchao.prototype.moe_training for rowwise):
+
+    GEMM             operands       blockwise (DeepSeek-V3)               rowwise (torchao)
+    out = x w        x, w           1 x 128 tiles, 128 x 128 blocks       per row; per (expert, column)
+    dx = dy w^T      dy, w^T        1 x 128 tiles, w's blocks transposed  per row; per (expert, row of w)
+    dw = x^T dy      x, dy          128 x 1 tiles along the tokens        per column over the tokens
+
+The weight gradient's operands are quantised along the tokens of each *segment*: an expert's rows from one
+source (one process: the expert's group; expert parallelism: the rows each ep rank sent), tiles restarting
+at every segment's first row. A tile then holds the tokens it holds in one process, whatever the layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 128  # DeepSeek-V3's tile and block edge
+RECIPES = ("blockwise", "rowwise")
+
+
+def float8_max(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max
+
+
+def power_of_two_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The smallest power of two s with amax / s <= float8_max(dtype), in float32; 1 where amax is 0."""
+    ratio = amax.float() / float8_max(dtype)
+    mantissa, exponent = torch.frexp(ratio)
+    exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # an exact power of two is its own scale
+    scale = torch.ldexp(torch.ones_like(ratio), exponent.clamp(min=-126))
+    return torch.where(amax > 0, scale, torch.ones_like(scale))
+
+
+def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    limit = float8_max(dtype)
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+
+
+def _blocked(x: torch.Tensor, rows: int | None, cols: int | None) -> tuple[torch.Tensor, tuple]:
+    """x (..., R, C) viewed as (..., R / rows, rows, C / cols, cols), zero-padded where a block is short (None:
+    the whole dim), and the slice back to (..., R, C) from its (..., R', C') reshape."""
+    r, c = x.shape[-2:]
+    rows, cols = rows or max(r, 1), cols or max(c, 1)
+    padded = F.pad(x, (0, -c % cols, 0, -r % rows)) if r % rows or c % cols else x
+    blocks = padded.reshape(*x.shape[:-2], padded.shape[-2] // rows, rows, padded.shape[-1] // cols, cols)
+    return blocks, (..., slice(0, r), slice(0, c))
+
+
+def _unblocked(blocks: torch.Tensor, back: tuple) -> torch.Tensor:
+    *lead, n_r, rows, n_c, cols = blocks.shape
+    return blocks.reshape(*lead, n_r * rows, n_c * cols)[back]
+
+
+def quantize_blocks(
+    x: torch.Tensor, rows: int | None, cols: int | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., R, C) in blocks of rows x cols (None: the whole dim): (float8 data like x, scales (..., ceil(R /
+    rows), ceil(C / cols)) in float32), x ~ data x its block's scale."""
+    blocks, back = _blocked(x, rows, cols)
+    scale = power_of_two_scale(blocks.abs().amax(dim=(-3, -1)), dtype)
+    data = _cast(blocks, scale.unsqueeze(-2).unsqueeze(-1), dtype)
+    return _unblocked(data, back).contiguous(), scale
+
+
+def dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, rows: int | None, cols: int | None, dtype):
+    blocks, back = _blocked(data.view(torch.uint8), rows, cols)  # pad bytes: F.pad has no float8 kernel
+    values = blocks.view(data.dtype).float() * scale.unsqueeze(-2).unsqueeze(-1)
+    return _unblocked(values, back).to(dtype)
+
+
+@dataclass
+class TokenTiles:
+    """How the rows of a weight gradient's operands split into tiles along the tokens (module docstring):
+    `of_row` (rows,) each row's tile (rows past the last segment: one tile of their own, never read),
+    `start`/`end` (tiles,) each tile's rows, `group_end` (groups,) one past each group's last tile."""
+
+    of_row: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    group_end: torch.Tensor
+
+    @property
+    def count(self) -> int:
+        return self.start.shape[0]
+
+
+def token_tiles(rows: int, offsets: torch.Tensor, segment_ends: torch.Tensor, tile: int | None) -> TokenTiles:
+    """Tiles of `tile` consecutive rows (None: a whole segment) restarting at every segment; `segment_ends`
+    (int32, non-decreasing, every group end among them) and `offsets` the groups' ends. On the device, no host
+    read: the tile count is bounded by the shapes (rows / tile + one per segment, + the rows past them)."""
+    device, seg_ends = offsets.device, segment_ends.long()
+    seg_starts = torch.cat([seg_ends.new_zeros(1), seg_ends[:-1]])
+    sizes = seg_ends - seg_starts
+    per_segment = (sizes + tile - 1) // tile if tile else (sizes > 0).long()
+    first = torch.cumsum(per_segment, 0) - per_segment
+    bound = (rows // tile if tile else 0) + seg_ends.shape[0] + 1
+    row = torch.arange(rows, device=device)
+    segment = torch.searchsorted(seg_ends, row, right=True)
+    inside = segment < seg_ends.shape[0]
+    segment = segment.clamp(max=seg_ends.shape[0] - 1)
+    within = (row - seg_starts[segment]) // tile if tile else torch.zeros_like(row)
+    of_row = torch.where(inside, first[segment] + within, bound - 1)
+    start = torch.full((bound,), rows, device=device).scatter_reduce(0, of_row, row, "amin")
+    end = torch.zeros(bound, dtype=torch.long, device=device).scatter_reduce(0, of_row, row + 1, "amax")
+    end = torch.maximum(end, start)  # a tile no row falls in is empty
+    segments_before = torch.searchsorted(seg_ends, offsets.long(), right=True)
+    ends_of_tiles = torch.cat([per_segment.new_zeros(1), torch.cumsum(per_segment, 0)])
+    return TokenTiles(of_row, start, end, ends_of_tiles[segments_before])
+
+
+def quantize_token_tiles(x: torch.Tensor, tiles: TokenTiles, dtype: torch.dtype):
+    """x (rows, C) scaled per (tile, column): (float8 data like x, scales (tiles, C) in float32). A tile's rows are
+    consecutive and the tiles in row order, so the maxima are a segment reduction."""
+    amax = torch.segment_reduce(x.abs().float(), "max", lengths=tiles.end - tiles.start, unsafe=True, initial=0)
+    scale = power_of_two_scale(amax, dtype)
+    return _cast(x, scale[tiles.of_row], dtype), scale
+
+
+def dequantize_token_tiles(data: torch.Tensor, scale: torch.Tensor, tiles: TokenTiles, dtype) -> torch.Tensor:
+    return (data.float() * scale[tiles.of_row]).to(dtype)
+
+
+# --- the recipes, operand by operand ------------------------------------------------------------------------
+def activation_blocks(recipe: str) -> tuple[int | None, int | None]:
+    """Scale blocks of a token-major operand (x for out, dy for dx): one row by 128 columns, or the whole row."""
+    return (1, BLOCK) if recipe == "blockwise" else (1, None)
+
+
+def weight_blocks(recipe: str) -> tuple[int | None, int | None]:
+    """Scale blocks of a GEMM's (K, N) right operand: 128 x 128, or each column over the whole K."""
+    return (BLOCK, BLOCK) if recipe == "blockwise" else (None, 1)
+
+
+def token_tile(recipe: str) -> int | None:
+    """Rows per tile of the weight gradient's operands: 128, or the whole segment."""
+    return BLOCK if recipe == "blockwise" else None

@@ -1,0 +1,55 @@
+"""experiments/slurm/ft.sbatch run by bash with SLURM's commands replaced by recorders: it starts the
+Lighthouse on the first node, one torchrun per replica group on its own nodes with its own rendezvous, all
+pointed at the Lighthouse, and refuses nodes that do not split into whole groups."""
+
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+STUBS = {
+    "scontrol": 'echo "$SLURM_JOB_NODELIST" | tr "," "\\n"',
+    "srun": 'echo "TORCHFT_LIGHTHOUSE=$TORCHFT_LIGHTHOUSE $*" >> "$RECORD"',
+    "torchft_lighthouse": 'echo "lighthouse $*" >> "$RECORD"; exec sleep 30',
+}
+
+
+def run_script(tmp_path: Path, nodes: str, groups: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    for name, body in STUBS.items():
+        (tmp_path / name).write_text(f"#!/bin/bash\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    record = tmp_path / "record"
+    env = {
+        **os.environ,
+        "PATH": f"{tmp_path}:{os.environ['PATH']}",
+        "RECORD": str(record),
+        "SLURM_JOB_NODELIST": nodes,
+        "SLURM_JOB_ID": "77",
+        "SLURM_SUBMIT_DIR": str(ROOT),
+    }
+    script = ROOT / "experiments" / "slurm" / "ft.sbatch"
+    result = subprocess.run(
+        ["bash", str(script), groups, "my.toml", "--training.steps=5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return result, record.read_text().splitlines() if record.exists() else []
+
+
+def test_the_job_script_starts_the_lighthouse_and_one_torchrun_per_group(tmp_path):
+    result, calls = run_script(tmp_path, "n1,n2,n3,n4", "2")
+    assert result.returncode == 0, result.stderr
+    assert calls[0].startswith("lighthouse --min_replicas 1")
+    groups = sorted(calls[1:])
+    assert len(groups) == 2
+    for g, (line, hosts) in enumerate(zip(groups, ("n1,n2", "n3,n4"))):
+        assert line.startswith("TORCHFT_LIGHTHOUSE=http://n1:29510 ")
+        assert f"--nodelist {hosts}" in line and f"--rdzv-endpoint {hosts[:2]}:29500" in line
+        assert f"--fault_tolerance.replica_id={g} --fault_tolerance.group_size=2 --training.steps=5" in line
+
+
+def test_nodes_that_do_not_split_into_groups_are_refused(tmp_path):
+    result, calls = run_script(tmp_path, "n1,n2,n3", "2")
+    assert result.returncode == 2 and "do not split into 2 replica groups" in result.stderr and calls == []
