@@ -1,7 +1,8 @@
 """Bytes of the expert dispatch per MoE layer and token, by stage (inter-node, intra-node), for each dispatch mode,
 counted where the trainer's own dispatch (parallel/expert_parallel.py) posts its all-to-alls: DeepSeek-V3's
 routing shape (256 experts, top-8, 8 groups of which 4 are allowed, ep 64 over 8 nodes of 8, hidden 7168 in bf16)
-with balanced random routing and with routing recorded from a trained debug-deepseek reshaped to that routing.
+with balanced random routing and with routing recorded from a trained debug-deepseek reshaped to that routing; and
+the per-node dispatch with DeepSeek's float8 wire (float8.dispatch: the rows in float8 with their scales).
 
 The ranks are simulated in one process, one thread each, with the real ExpertDispatch: only the all-to-all itself
 is replaced (ThreadExchange moves the rows between the threads; the count is Exchange's, as on a cluster), and the
@@ -28,10 +29,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from trillion.models.args import MoEArgs  # noqa: E402
 from trillion.models.moe import Router  # noqa: E402
 from trillion.parallel.ep_exchange import STAGES, Exchange, Traffic  # noqa: E402
+from trillion.parallel.ep_routing import Payload  # noqa: E402
 from trillion.parallel.expert_overlap import in_threads  # noqa: E402
 from trillion.parallel.expert_parallel import ExpertDispatch  # noqa: E402
+from trillion.parallel.float8_dispatch import Float8Wire  # noqa: E402
 
 MODES = ("expert", "rank", "node")
+# (label, mode, payload): each mode in bf16, and the per-node dispatch with DeepSeek-V3's float8 wire (blockwise 1 x 128
+# scales, emulated: the bytes are the wire's on any device)
+RUNS = [(mode, mode, Payload()) for mode in MODES] + [
+    ("node, float8 dispatch", "node", Payload(wire=Float8Wire("blockwise", emulate=True)))
+]
 DEEPSEEK_V3 = MoEArgs(n_experts=256, top_k=8, expert_ffn_dim=32, score_func="sigmoid", n_groups=8, topk_groups=4)
 
 
@@ -68,9 +76,9 @@ class _PassThrough(nn.Module):
         return x
 
 
-def _dispatches(moe: MoEArgs, ep: int, ranks_per_node: int, mode: str) -> list[ExpertDispatch]:
+def _dispatches(moe: MoEArgs, ep: int, ranks_per_node: int, mode: str, payload: Payload) -> list[ExpertDispatch]:
     """One ExpertDispatch per simulated rank, on thread exchanges laid out as the trainer's meshes (ranks 0.. of the
-    ep group consecutive, ranks_per_node to a node)."""
+    ep group consecutive, ranks_per_node to a node), its rows travelling as `payload` has them."""
     layer = SimpleNamespace(experts=_PassThrough(), moe=moe)
     whole = _Board(ep)
     members, nodes = min(ranks_per_node, ep), max(1, ep // ranks_per_node)
@@ -85,14 +93,17 @@ def _dispatches(moe: MoEArgs, ep: int, ranks_per_node: int, mode: str) -> list[E
             exchanges.append(
                 ThreadExchange(intra[node], local, list(range(node * members, (node + 1) * members)), ranks_per_node)
             )
-        out.append(ExpertDispatch(layer, mode, *exchanges))
+        out.append(ExpertDispatch(layer, mode, *exchanges, payload=payload))
     return out
 
 
-def simulate(routing: list[tuple], moe: MoEArgs, ep: int, ranks_per_node: int, dim: int, mode: str) -> Traffic:
-    """Every rank's dispatch of its tokens (routing: per rank (chosen experts, weights)), in threads; the traffic
-    summed over the ranks. Raises if a token does not get back the weighted sum of its rows."""
-    dispatches, total = _dispatches(moe, ep, ranks_per_node, mode), Traffic()
+def simulate(
+    routing: list[tuple], moe: MoEArgs, ep: int, ranks_per_node: int, dim: int, mode: str, payload=Payload()
+) -> Traffic:
+    """Every rank's dispatch of its tokens (routing: per rank (chosen experts, weights)), in threads, the rows as
+    `payload` carries them (a float8 wire: parallel/float8_dispatch.py); the traffic summed over the ranks. Raises
+    if a token does not get back the weighted sum of its rows (as the wire delivers them)."""
+    dispatches, total = _dispatches(moe, ep, ranks_per_node, mode, payload), Traffic()
     for dispatch in dispatches:
         for exchange in dispatch.exchanges():
             exchange.traffic = total
@@ -104,7 +115,8 @@ def simulate(routing: list[tuple], moe: MoEArgs, ep: int, ranks_per_node: int, d
             x = torch.randn(ids.shape[0], dim, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
             with torch.no_grad():
                 out, _ = dispatches[rank](x, ids, weights)
-            expected = x.float() * weights.sum(dim=1, keepdim=True)
+                sent = x if payload.wire is None else payload.wire.decode(payload.wire.encode(x), dim, x.dtype)
+            expected = sent.float() * weights.sum(dim=1, keepdim=True)
             torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
         except BaseException:
             for board in {e.board for d in dispatches for e in d.exchanges()}:
@@ -193,9 +205,9 @@ def main(argv=None) -> int:
     rows = []
     for name, routing in routings.items():
         expert_network = None
-        for mode in MODES:
+        for label, mode, payload in RUNS:
             start = time.perf_counter()
-            traffic = simulate(routing, moe, ep, per_node, dim, mode)
+            traffic = simulate(routing, moe, ep, per_node, dim, mode, payload)
             network, intra = (
                 sum(traffic.per_token(what, stage) for what in ("dispatch", "routing")) for stage in STAGES
             )
@@ -203,7 +215,7 @@ def main(argv=None) -> int:
             rows.append(
                 {
                     "routing": name,
-                    "mode": mode,
+                    "mode": label,
                     "network_rows": traffic.per_token("dispatch", STAGES[0], rows=True),
                     "network_kb": network / 1e3,
                     "intra_kb": intra / 1e3,

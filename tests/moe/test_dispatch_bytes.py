@@ -58,6 +58,53 @@ def test_per_node_crosses_the_network_at_most_topk_groups_times_per_token(routin
     assert network[0] < 0.8 * network[1]  # fewer network bytes than per rank (measured 0.6)
 
 
+@pytest.mark.parametrize("mode", ["expert", "rank", "node"])
+def test_float8_dispatch_sends_the_wire_row_and_combines_in_the_compute_dtype(routing, mode):
+    """float8.dispatch in every mode: each dispatched row is posted as its float8 bytes and scales
+    (parallel/float8_dispatch.py), the same rows as in bf16; the combine sends bf16 rows back."""
+    from trillion.parallel.ep_routing import Payload
+    from trillion.parallel.float8_dispatch import Float8Wire, wire_bytes_per_row
+
+    plain = simulate(routing, MOE, EP, PER_NODE, DIM, mode)
+    wired = simulate(routing, MOE, EP, PER_NODE, DIM, mode, Payload(wire=Float8Wire("blockwise", emulate=True)))
+    for stage in STAGES:
+        rows = wired.sent_rows.get(("dispatch", stage), 0)
+        assert rows == plain.sent_rows.get(("dispatch", stage), 0)
+        assert wired.sent_bytes.get(("dispatch", stage), 0) == rows * wire_bytes_per_row(DIM, "blockwise")
+        assert wired.sent_bytes.get(("combine", stage), 0) == plain.sent_bytes.get(("combine", stage), 0)
+    assert plain.sent_bytes["dispatch", STAGES[0]] == plain.sent_rows["dispatch", STAGES[0]] * DIM * 2  # bf16
+
+
+@pytest.mark.parametrize("mode", ["rank", "node"])
+def test_the_experts_get_their_rows_per_source_rank(routing, mode, monkeypatch):
+    """What run_experts is told of the rows' sources (the float8 weight gradient's tiles restart there): split at those
+    sizes, each segment holds exactly one source rank's slots of this rank's experts. Per rank the sources are the ep
+    ranks in order; per node the rows come through each member of the node from each node, so segment (member m,
+    node n) is rank n x PER_NODE + m's."""
+    import threading
+
+    import trillion.parallel.expert_parallel as expert_parallel
+
+    seen, lock, real = [], threading.Lock(), expert_parallel.run_experts
+
+    def recording(experts, x, ids, weights, held=None, slots=None, sources=None):
+        with lock:
+            seen.append((held, ids.clone(), sources))
+        return real(experts, x, ids, weights, held, slots, sources)
+
+    monkeypatch.setattr(expert_parallel, "run_experts", recording)
+    simulate(routing, MOE, EP, PER_NODE, DIM, mode)
+    assert len(seen) == EP
+    nodes = EP // PER_NODE
+    for held, ids, sources in seen:
+        assert sum(sources) == ids.shape[0] and len(sources) == EP
+        for index, segment in enumerate(ids.split(sources)):
+            source = index if mode == "rank" else (index % nodes) * PER_NODE + index // nodes
+            chosen = routing[source][0]
+            for expert in held:
+                assert (segment == expert).sum() == (chosen == expert).sum(), (held, index, expert)
+
+
 def test_a_wrong_route_is_caught(routing, monkeypatch):
     """The simulation checks the rows that come back: a dispatch that loses a token's slot fails it."""
     import trillion.parallel.ep_routing as ep_routing
