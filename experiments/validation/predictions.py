@@ -85,6 +85,8 @@ def run_layout(run: dict, gpus: int) -> Layout:
         float8_dispatch=spec.get("float8_dispatch", False),
         ep=spec.get("ep", 1),
         moe_load_imbalance=spec.get("moe_load_imbalance", Layout.moe_load_imbalance),
+        ep_dispatch=spec.get("ep_dispatch", Layout.ep_dispatch),
+        ep_overlap=spec.get("ep_overlap", False),
     )
 
 
