@@ -35,8 +35,8 @@ Memory: expert parameters total / (ep x efsdp), efsdp = dp_shard x cp / ep, so a
 those of its E / ep experts sharded over efsdp (the states per rank do not depend on ep; FSDP's gathered
 copies, its buffers and its traffic do: one layer's E / ep experts, all-gathered over the efsdp ranks).
 Activations of an MoE layer (not checkpointed): the router's fp32 scores tokens x E x 4 bytes, the
-permuted tokens k h, the experts' w1 and w3 outputs, silu and product 4 k f, their outputs k h, all
-times imbalance where it applies, bf16.
+permuted tokens k h, the experts' w1 and w3 outputs, silu and product 4 k f, their outputs k h, and under ep
+their weighted outputs k h more (WEIGHTED_OUTPUT_ROWS), all times imbalance where it applies, bf16.
 """
 
 import math
@@ -82,6 +82,13 @@ HOST_READ_LAUNCHES = 39
 #   has timed yet: DeepGEMM's rate is what the recipe reaches on Hopper.
 # On gfx942 no grouped float8 figure is published: the same shares of its fp8 plateau (itself assumed, devices.toml).
 FLOAT8_EXPERT_SHARE = {"rowwise": 0.838, "blockwise": 0.851}
+# Rows of dim per choice an MoE layer keeps under ep beyond one process's: the receivers' experts return their
+# outputs by weighting them, then index_add_ into their rows (models/expert_rows.py run_experts with `slots`), and
+# index_add_'s backward keeps its source, the weighted outputs (torch's derivatives.yaml: source's gradient is
+# grad.index_select(...).expand_as(source)); the product keeps the unweighted ones, as the fused unpermute does.
+# Measured: `trillion estimate` of kimi-k2's frontier plan held 3.6 GB more on its second rank once the dispatch
+# took this path, 2 MoE layers x 31 micro-batches x 512 tokens x 8 x 7168 x 2 bytes (KIMI_K2.md section 4).
+WEIGHTED_OUTPUT_ROWS = 1
 BLOCKWISE_TILE, SCALE_BYTES = 128, 4  # a dispatched row's float32 scale per 1 x 128 tile (or per row)
 
 
@@ -347,7 +354,8 @@ def moe_activation_bytes(args: ModelArgs, tokens: int, tp: int, ep: int, imbalan
     """Bytes an MoE layer keeps for backward beyond its attention and shared experts (the module docstring)."""
     block = routed_block(args)
     k, f, imb = block.routing.top_k, expert_width(block), effective_imbalance(ep, imbalance)
-    return tokens * (4 * block.routing.n_experts + (2 * k * args.dim + 4 * k * f) * imb * dtype_bytes)
+    rows = 2 + (WEIGHTED_OUTPUT_ROWS if ep > 1 else 0)  # the permuted tokens, the outputs (and weighted: ep)
+    return tokens * (4 * block.routing.n_experts + (rows * k * args.dim + 4 * k * f) * imb * dtype_bytes)
 
 
 def ep_degrees(args: ModelArgs, shard_ranks: int) -> list[int]:
