@@ -22,6 +22,10 @@ class MoEArgs:
     n_groups: int = 1  # group-limited routing: experts in n_groups groups, tokens choose among topk_groups
     topk_groups: int = 1
     capacity_factor: float = 0.0  # 0: dropless; else each expert takes ceil(cf * tokens * top_k / E) tokens
+    # 0: dropless; else each of `capacity_ranks` groups of E / capacity_ranks experts (an ep rank's) takes at most
+    # ceil(rcf * tokens * min(top_k, capacity_ranks) / capacity_ranks) tokens, the first in token order
+    rank_capacity_factor: float = 0.0
+    capacity_ranks: int = 1
     aux_loss_coef: float = 0.0  # Switch/Mixtral load-balancing loss (0 = off)
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss, its alpha (0 = off)
     bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing bias step (0 = off)

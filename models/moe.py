@@ -3,9 +3,10 @@ the tokens are permuted into expert order (no per-token Python), the experts run
 matrix product per projection (kernels/grouped_gemm.py), and the outputs return to token order,
 weighted by the router's scores; shared experts, if any, see every token.
 
-Where the experts live is not this file's business: `MoE.dispatch` takes the expert-sorted tokens and
-their per-expert counts and returns the experts' outputs in the same order. Here it runs the local
-experts; expert parallelism (parallel/expert_parallel.py) replaces it by all-to-alls around them.
+Where the experts live is not this file's business: `MoE.dispatch` takes the tokens, their chosen experts and
+weights and returns each token's weighted sum of its experts' outputs. Here it runs the local experts
+(models/expert_rows.py, through the fused permutation); expert parallelism (parallel/expert_parallel.py)
+replaces it by all-to-alls around them.
 
 Balancing, on the router's choices: the auxiliary loss (Switch/Mixtral: E * sum_e f_e P_e, f_e the
 share of tokens choosing e, P_e the mean score of e) and DeepSeek-V3's sequence-wise one (the same
@@ -17,6 +18,7 @@ Each MoE layer tallies its loads over the step in `load_tally` for both and for 
 """
 
 import math
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +27,9 @@ from torch.distributed.tensor import DTensor
 
 from trillion.errors import ConfigError
 from trillion.kernels.grouped_gemm import backend_unavailable, grouped_mm
-from trillion.kernels.permute import inverse_order, permute, unpermute
 from trillion.models.args import ModelArgs, MoEArgs
+from trillion.models.expert_rows import run_experts
+from trillion.models.parts.moe import reach_share
 from trillion.models.step_hooks import StepHooks, register_step_hooks
 
 # load_tally holds E loads, then these four
@@ -70,7 +73,7 @@ class RoutedExperts(nn.Module):
 
     def __init__(self, dim: int, moe: MoEArgs):
         super().__init__()
-        self.impl = moe.experts_impl
+        self.impl, self.permute_impl = moe.experts_impl, moe.permute_impl
         self.float8 = None  # a float8 grouped product (parallel/float8.py), in place of grouped_mm
         self.w1 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
         self.w3 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
@@ -105,42 +108,54 @@ class MoE(nn.Module):
         self.shared_experts = shared_experts
         self.register_buffer("load_tally", torch.zeros(moe.n_experts - DROPPED), persistent=False)
         self.token_scale: torch.Tensor | None = None  # MoEStepHooks.before_step: 1 / the step's target tokens
+        # Per-sequence statistics summed over the ranks holding other positions of the same sequences (context
+        # parallelism sets it: parallel/context_parallel.py), with their count; None: every rank holds whole ones
+        self.sequence_shards: SequenceShards | None = None
         self.last_step_tally: torch.Tensor | None = None  # MoEStepHooks.after_step: the last step's, summed over ranks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe, shape = self.moe, x.shape
         x = x.reshape(-1, shape[-1])
         scores, chosen, weights = self.router(x)
-        slots = chosen.flatten()  # token t's j-th choice is slot t * top_k + j
-        kept = self._capacity_mask(slots)
-        if kept is not None:  # a dropped slot goes to a sentinel expert E, sorted last and never run
-            slots = slots.masked_fill(~kept, moe.n_experts)
-        order = slots.argsort(stable=True)
+        kept = self._kept(chosen)
+        ids = chosen if kept is None else chosen.masked_fill(~kept, -1)  # a dropped choice: expert -1, never run
         # scatter_add, not bincount: bincount reads its input's maximum on the host under CUDA
         counts = torch.zeros(moe.n_experts + 1, dtype=torch.long, device=x.device)
-        counts = counts.scatter_add_(0, slots, torch.ones_like(slots))[: moe.n_experts]
-        self._tally(counts, slots.numel() - counts.sum(), scores, chosen, shape[0])
-        positions = inverse_order(order)
-        routed = self.dispatch(permute(x, order, positions, moe.top_k, moe.permute_impl), counts)
-        out = unpermute(routed, positions, weights, moe.permute_impl)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        if (moe.aux_loss_coef > 0 or moe.seq_aux_loss_coef > 0) and torch.is_grad_enabled():
+        counts = counts.scatter_add_(0, ids.flatten() % (moe.n_experts + 1), torch.ones_like(ids.flatten()))
+        counts = counts[: moe.n_experts]  # (-1 % (E + 1) = E: the dropped choices' bin, cut)
+        balancing = (moe.aux_loss_coef > 0 or moe.seq_aux_loss_coef > 0) and torch.is_grad_enabled()
+        seq_aux = self._sequence_aux_loss(scores, chosen, shape[0]) if balancing and moe.seq_aux_loss_coef > 0 else None
+        self._tally(counts, ids.numel() - counts.sum(), scores, seq_aux)
+        out, beside = self.dispatch(x, ids, weights, self.shared_experts)
+        if beside is not None:
+            out = out + beside
+        if balancing:
             balance = moe.aux_loss_coef * self._aux_loss(scores, counts) if moe.aux_loss_coef > 0 else 0.0
-            if moe.seq_aux_loss_coef > 0:
-                balance = balance + moe.seq_aux_loss_coef * self._sequence_aux_loss(scores, chosen, shape[0])
+            if seq_aux is not None:
+                balance = balance + moe.seq_aux_loss_coef * seq_aux
             out = _AuxLossGrad.apply(out, balance, self._token_share(x.shape[0]))
         return out.view(shape)
 
-    def dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Expert-sorted tokens -> the experts' outputs, same order. Expert parallelism replaces this."""
-        return self.experts(x, counts)
+    def dispatch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, beside=None):
+        """(tokens (T, dim), chosen experts (T, top_k; -1: dropped), their weights (T, top_k), work on the tokens to
+        run while the routed ones travel (rows -> rows) or None) -> (each token's weighted sum of its experts' outputs
+        (T, dim), that work's result). Here the experts are local; expert parallelism (parallel/expert_parallel.py)
+        replaces this."""
+        return run_experts(self.experts, x, ids, weights), beside(x) if beside is not None else None
 
-    def _capacity_mask(self, slots: torch.Tensor) -> torch.Tensor | None:
+    def _kept(self, chosen: torch.Tensor) -> torch.Tensor | None:
+        """Which (token, choice) slots the capacities keep (T, top_k), or None when dropless."""
+        moe, kept = self.moe, None
+        if moe.capacity_factor > 0:
+            kept = self._capacity_mask(chosen.flatten()).view_as(chosen)
+        if moe.rank_capacity_factor > 0:
+            by_rank = rank_capacity_mask(chosen, moe.n_experts, moe.capacity_ranks, moe.rank_capacity_factor)
+            kept = by_rank if kept is None else kept & by_rank
+        return kept
+
+    def _capacity_mask(self, slots: torch.Tensor) -> torch.Tensor:
         """With a capacity factor: which slots their expert takes (the first `capacity` in token order)."""
         moe = self.moe
-        if moe.capacity_factor <= 0:
-            return None
         capacity = math.ceil(moe.capacity_factor * slots.numel() / moe.n_experts)
         one_hot = F.one_hot(slots, moe.n_experts)
         position_in_expert = (one_hot.cumsum(dim=0) * one_hot).sum(dim=1)  # 1-based, in token order
@@ -153,15 +168,21 @@ class MoE(nn.Module):
     def _sequence_aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, sequences: int) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss without its coefficient (arXiv 2412.19437 eq. 18-20), the
         mean over the micro-batch's sequences of sum_e f_e P_e: f_e = E / (top_k T) x the sequence's tokens
-        choosing e, P_e = the sequence's mean of the scores normalised to sum to one over the experts."""
+        choosing e, P_e = the sequence's mean of the scores normalised to sum to one over the experts. The
+        statistics are sums over the sequence's tokens (its E counts and E score sums), so a rank holding only
+        part of each sequence (context parallelism) adds the other parts' in before the product."""
         n_experts, top_k = self.moe.n_experts, self.moe.top_k
         scores = scores.view(sequences, -1, n_experts)
         picks = chosen.view(sequences, -1)
         counts = torch.zeros(sequences, n_experts, device=scores.device, dtype=scores.dtype)
         counts = counts.scatter_add_(1, picks, torch.ones_like(picks, dtype=scores.dtype))
-        share = counts * n_experts / (top_k * scores.shape[1])
-        mean_scores = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=1)
-        return (share * mean_scores).sum(dim=-1).mean()
+        statistics = torch.cat([counts, (scores / scores.sum(dim=-1, keepdim=True)).sum(dim=1)], dim=-1)
+        length = scores.shape[1]
+        if self.sequence_shards is not None:
+            statistics, length = self.sequence_shards.sum(statistics), length * self.sequence_shards.count
+        counts, score_sums = statistics.split(n_experts, dim=-1)
+        share = counts * n_experts / (top_k * length)
+        return (share * score_sums / length).sum(dim=-1).mean()
 
     def _token_share(self, tokens: int) -> torch.Tensor | float:
         """This micro-batch's share of the step's tokens (set by MoEStepHooks.before_step), the balance losses'
@@ -171,7 +192,7 @@ class MoE(nn.Module):
     # torch.compiler.disable imports torch._dynamo when applied (about a second per process); this form, on the
     # first call, so a process that never runs an MoE layer never pays it
     @torch._disable_dynamo
-    def _tally(self, counts, dropped, scores, chosen, sequences: int) -> None:
+    def _tally(self, counts, dropped, scores, seq_aux: torch.Tensor | None) -> None:
         # Training forwards only (evaluation runs without gradients); a recomputed forward (activation
         # checkpointing, inside the backward) routes as the first did: count once.
         if not (self.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
@@ -182,9 +203,34 @@ class MoE(nn.Module):
             self.load_tally[TOKENS] += scores.shape[0]
             if self.moe.aux_loss_coef > 0:
                 self.load_tally[AUX_TIMES_TOKENS] += self._aux_loss(scores, counts) * scores.shape[0]
-            if self.moe.seq_aux_loss_coef > 0:
-                seq_aux = self._sequence_aux_loss(scores, chosen, sequences)
-                self.load_tally[SEQ_AUX_TIMES_TOKENS] += seq_aux * scores.shape[0]
+            if seq_aux is not None:
+                self.load_tally[SEQ_AUX_TIMES_TOKENS] += seq_aux.detach() * scores.shape[0]
+
+
+def rank_capacity(tokens: int, top_k: int, n_experts: int, ranks: int, factor: float) -> int:
+    """Rows one source sends one of `ranks` destinations (each E / ranks experts) at most: `factor` x an even share,
+    the tokens x reach_share."""
+    return math.ceil(factor * tokens * reach_share(n_experts, top_k, n_experts // ranks))
+
+
+def rank_capacity_mask(chosen: torch.Tensor, n_experts: int, ranks: int, factor: float) -> torch.Tensor:
+    """(T, top_k) which choices a per-rank capacity keeps: experts in `ranks` equal groups (an ep rank's); each group
+    takes the first rank_capacity(...) tokens that chose any of its experts, in token order, and a token past it
+    loses every choice in that group. Expert parallelism's fixed-size dispatch drops exactly these."""
+    group = chosen // (n_experts // ranks)
+    reaches = torch.zeros(chosen.shape[0], ranks, dtype=torch.long, device=chosen.device).scatter_(1, group, 1)
+    position = reaches.cumsum(dim=0) - 1  # (T, ranks): the token's place among those reaching the group
+    fits = position < rank_capacity(chosen.shape[0], chosen.shape[1], n_experts, ranks, factor)
+    return fits.gather(1, group)
+
+
+class SequenceShards(Protocol):
+    """The other ranks holding positions of the same sequences: `count` of them in all (this one included), each
+    an equal share; `sum(tensor)` adds their tensors to this one's, with autograd (the gradient summed back)."""
+
+    count: int
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 class _AuxLossGrad(torch.autograd.Function):

@@ -8,14 +8,21 @@ embedding of token i + k, and predicts token i + k + 1:
 
 sharing the trunk's embedding and output head. The concatenation puts the embedding first, as the published
 checkpoint's `eh_proj` is laid out (its layer 61: enorm, hnorm, eh_proj, the block, shared_head.norm) and as the
-serving engines that load it read it; the paper writes the two the other way round. Depth k covers seq - k
-positions of a window, so its labels are the window's shifted k more. Evaluation, generation and export use the
-trunk's head only (Transformer.forward without `with_mtp`).
+serving engines that load it read it; the paper writes the two the other way round.
+
+Every depth runs at the trunk's length and positions (as Megatron-Core's MTP rolls its inputs rather than
+cutting them): position i of depth k reads the token k further on, `ahead[..., k - 1]` (`lookahead_tokens`),
+built from the labels before the batch is split, so a rank holding only part of each sequence (context
+parallelism) or only the model's last stage (a pipeline) has every token it needs where it needs it. The last k
+positions, past the window, read token 0 and predict nothing (their labels are ignored); attention is causal,
+so they change no other position, though their tokens do count in the depth's MoE statistics. Evaluation,
+generation and export use the trunk's head only (Transformer.forward without `ahead`).
 """
 
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from trillion.models.attention import with_documents
@@ -45,17 +52,29 @@ def predict_ahead(
     modules: nn.ModuleDict,
     embed: nn.Module,
     head: nn.Module,
-    tokens: torch.Tensor,
+    ahead: torch.Tensor,
     h: torch.Tensor,
     rope,
     document_ids: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """Each depth's logits, depth k's of shape (batch, seq - k, vocab): position i predicts token i + k + 1 from
-    the trunk's final hidden states `h` (after its final norm) and `tokens` (batch, seq). The rotary table's first
-    positions serve each depth, whose position i is the trunk's; so do the trunk's `document_ids`."""
+    """Each depth's logits (batch, seq, vocab): position i of depth k predicts token i + k + 1 from the trunk's final
+    hidden states `h` (after its final norm) and `ahead[..., k - 1]`, the token k further on (batch, seq, D). Each
+    depth runs at the trunk's positions, so its attention takes the trunk's `document_ids` as they are."""
     logits = []
     for depth, module in enumerate(modules.values(), start=1):
-        ids = None if document_ids is None else document_ids[:, : tokens.shape[1] - depth]
-        h, normed = module(h[:, :-1], embed(tokens[:, depth:]), rope, ids)
+        h, normed = module(h, embed(ahead[..., depth - 1]), rope, document_ids)
         logits.append(head(normed))
     return logits
+
+
+def lookahead_labels(labels: torch.Tensor, depths: int, ignore_index: int) -> torch.Tensor:
+    """(batch, seq) labels -> (batch, seq, 1 + depths): column j holds the label j positions further on (column 0
+    the trunk's own), `ignore_index` past the window's end. Depth k predicts column k and reads column k - 1."""
+    columns = [labels] + [F.pad(labels[:, j:], (0, j), value=ignore_index) for j in range(1, depths + 1)]
+    return torch.stack(columns, dim=-1)
+
+
+def lookahead_tokens(stacked: torch.Tensor) -> torch.Tensor:
+    """The tokens the depths read, `ahead` of Transformer.forward: (batch, seq, depths) from the stacked labels
+    (an ignored label reads token 0)."""
+    return stacked[..., :-1].clamp(min=0)

@@ -110,7 +110,26 @@ class Transformer(nn.Module):
     def units(self) -> list[nn.Module]:
         """What FSDP shards one at a time: each block this module holds, then each multi-token prediction
         module (its block and projection, models/mtp.py)."""
-        return [*self.layers.values(), *(self.mtp.values() if self.mtp is not None else ())]
+        return [*self.layers.values(), *self.ahead_modules().values()]
+
+    def ahead_modules(self) -> dict[str, nn.Module]:
+        """The multi-token prediction modules this module holds, by layer index (none: {})."""
+        return dict(self.mtp.items()) if self.mtp is not None else {}
+
+    def blocks(self) -> dict[str, nn.Module]:
+        """Every transformer block this module holds by its layer index: the trunk's, then each multi-token
+        prediction module's (numbered on), which tensor and context parallelism treat as the trunk's."""
+        return {**self.layers, **{index: module.block for index, module in self.ahead_modules().items()}}
+
+    def output_end(self) -> list[nn.Module | None]:
+        """What runs with the output head, on a pipeline's last stage: the final norm, the head and the multi-token
+        prediction modules."""
+        return [self.norm, self.output, self.mtp]
+
+    def output_end_reads(self) -> list[str]:
+        """The input end's modules the output end also reads: the embedding, which the multi-token prediction
+        modules embed later tokens with (a pipeline's last stage keeps a copy: parallel/pipeline_ahead.py)."""
+        return ["tok_embeddings"] if self.mtp is not None else []
 
     def forward(
         self,
@@ -118,16 +137,18 @@ class Transformer(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         *,
-        with_mtp: bool = False,
+        ahead: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
-    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
-        """`positions` (seq,): the position of each token in its sequence, 0..seq-1 unless given; a
-        context-parallel rank, which holds chunks of every sequence, passes theirs; (batch, seq) where they
-        restart at each document. With a `cache` (generation) the tokens continue the positions it holds and
-        are added to it. `with_mtp` (training with multi-token prediction): (logits, each MTP depth's logits)
-        instead (models/mtp.py). `document_ids` (batch, the whole sequence): attention stays within each
-        document packed into a sequence (kernels.attention)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """`tokens` (batch, seq) token ids, or a pipeline stage's hidden state (floating point). `positions` (seq,):
+        the position of each token in its sequence, 0..seq-1 unless given; a context-parallel rank, which holds
+        chunks of every sequence, passes theirs; (batch, seq) where they restart at each document. With a `cache`
+        (generation) the tokens continue the positions it holds and are added to it. `ahead` (batch, seq, D)
+        (training with multi-token prediction): at each position the tokens 1..D further on (models/mtp.py); the
+        module holding the head then returns (logits, depth 1's logits, ..., depth D's). `document_ids` (batch, the
+        whole sequence): attention stays within each document packed into a sequence (kernels.attention)."""
+        embeds = self.tok_embeddings is not None and not torch.is_floating_point(tokens)
+        h = self.tok_embeddings(tokens) if embeds else tokens
         if positions is None:
             start = cache.length if cache is not None else 0
             positions = torch.arange(start, start + h.shape[1], device=h.device)
@@ -141,8 +162,9 @@ class Transformer(nn.Module):
             h = layer(h, rope, cache=cache.layers[name]) if cache is not None else layer(h, rope, **documents)
         h = self.norm(h) if self.norm is not None else h
         logits = self.output(h) if self.output is not None else h
-        if with_mtp:
-            return logits, predict_ahead(self.mtp, self.tok_embeddings, self.output, tokens, h, rope, document_ids)
+        if ahead is not None and self.mtp is not None:
+            ahead_logits = predict_ahead(self.mtp, self.tok_embeddings, self.output, ahead, h, rope, document_ids)
+            return (logits, *ahead_logits)
         return logits
 
     @torch.no_grad()

@@ -15,6 +15,8 @@ Applied from outside by wrapping each block's forward in place, so parameter nam
 (checkpoint_wrapper would add a prefix to them), and before compile and FSDP (parallelize.py).
 """
 
+import contextvars
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -46,12 +48,29 @@ def _op_context():
     return create_selective_checkpoint_contexts(_save_matmuls)
 
 
+# The input of the checkpointed block running (its first forward or its recompute), in this thread: what a part
+# that replays its first forward's choices in the recompute finds them by (parallel/expert_parallel.py)
+_RECOMPUTE_KEY: contextvars.ContextVar = contextvars.ContextVar("recompute_key", default=None)
+
+
+def recompute_key():
+    """The running checkpointed block's input tensor (the same object in its recompute), or None."""
+    return _RECOMPUTE_KEY.get()
+
+
 def _checkpointed_forward(block: nn.Module, op_level: bool):
     plain_forward = block.forward
     extra = {"context_fn": _op_context} if op_level else {}
 
+    def keyed(*args, **kwargs):
+        token = _RECOMPUTE_KEY.set(args[0])
+        try:
+            return plain_forward(*args, **kwargs)
+        finally:
+            _RECOMPUTE_KEY.reset(token)
+
     def forward(*args, **kwargs):
-        return checkpoint(plain_forward, *args, use_reentrant=False, **extra, **kwargs)
+        return checkpoint(keyed, *args, use_reentrant=False, **extra, **kwargs)
 
     return forward
 

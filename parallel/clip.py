@@ -29,7 +29,9 @@ def _by_mesh(grads) -> dict:
 
 
 def total_grad_norm(parameters, pp_group=None) -> torch.Tensor:
-    groups = _by_mesh(p.grad for p in parameters if p.grad is not None)
+    """The norm of every gradient but those of parameters marked `counted_elsewhere` (a pipeline's copy of a
+    parameter another stage holds: parallel/pipeline_ahead.py), whose gradient the other copy's equals."""
+    groups = _by_mesh(p.grad for p in parameters if p.grad is not None and not getattr(p, "counted_elsewhere", False))
     squares = []
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)

@@ -21,6 +21,7 @@ section and /work/notes/cp.md (measured).
 from __future__ import annotations
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed._functional_collectives import all_gather_single
 
@@ -166,5 +167,33 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
         return args, kwargs
 
     model.register_forward_pre_hook(pass_positions, with_kwargs=True)
-    for block in model.layers.values():
+    for block in model.blocks().values():
         block.attention.attend = _AcrossShards(group, rank, cp, block.attention.attend)
+    shards = _SequenceShards(group, cp)
+    for module in model.modules():  # parts with per-sequence statistics (models/moe.py SequenceShards)
+        if hasattr(module, "sequence_shards"):
+            module.sequence_shards = shards
+
+
+class _SequenceShards:
+    """The cp group as the holders of every sequence's other positions: a per-sequence statistic is summed over
+    it (models/moe.py, DeepSeek-V3's sequence-wise balance loss), its gradient summed back the same way."""
+
+    def __init__(self, group, count: int):
+        self.group, self.count = group, count
+
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return _SumOverGroup.apply(tensor, self.group)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) forward; the gradient of every rank's sum reaches each rank's input: all-reduce again."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return funcol.wait_tensor(funcol.all_reduce(tensor.contiguous(), "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.wait_tensor(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None

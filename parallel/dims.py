@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from trillion.errors import ConfigError
 from trillion.models import parts
 from trillion.parallel.context_parallel import check_sequence
+from trillion.parallel.ep_checks import check_ep_dispatch, ep_nodes
 from trillion.parallel.layout import AXES, Layout, check_degrees, degrees_of, divisors
 
 log = logging.getLogger("trillion")
@@ -51,6 +52,7 @@ class ParallelDims:
     world_size: int = 1
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    ep_node_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)  # (ep_node, ep_local)
 
     def __post_init__(self) -> None:
         check_degrees(self.world_size, **degrees_of(self.layout))
@@ -163,9 +165,20 @@ class ParallelDims:
                 node,
             )
 
+    @property
+    def ep_nodes(self) -> tuple[int, int]:
+        """(nodes the ep group spans, its ranks in each): ep_checks.ep_nodes."""
+        return ep_nodes(self.layout)
+
     def _validate_ep(self, model_args) -> None:
         if self.ep == 1:
+            if self.layout.ep_overlap:
+                raise ConfigError(
+                    "parallel.ep_overlap=true overlaps the expert all-to-alls with compute, but parallel.ep=1 has "
+                    "none. Give --parallel.ep=2 or more (an MoE model), or drop --parallel.ep_overlap."
+                )
             return
+        check_ep_dispatch(self.layout, self.ep_nodes, model_args)
         experts = parts.routed_experts(model_args)
         if not experts:
             raise ConfigError(
@@ -209,6 +222,9 @@ class ParallelDims:
         if self.dp_replicate > 1:
             sizes, names = (self.dp_replicate, *sizes), ("edp_replicate", *names)
         self.expert_mesh = self.mesh[region]._unflatten(0, sizes, names)
+        nodes, members = self.ep_nodes
+        if self.layout.ep_dispatch == "node" and nodes > 1:  # the per-node dispatch's two hops
+            self.ep_node_mesh = self.expert_mesh["ep"]._unflatten(0, (nodes, members), ("ep_node", "ep_local"))
 
     def _axis(self, *names: str) -> DeviceMesh | None:
         present = tuple(n for n in names if getattr(self, n) > 1)

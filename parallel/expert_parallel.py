@@ -4,27 +4,34 @@ the tokens carried to them and back by all-to-alls.
 `apply_expert_parallel` makes w1, w2, w3 of every RoutedExperts a DTensor sharded on the expert
 dimension (Shard(0): rank r of ep holds experts r*E/ep .. (r+1)*E/ep - 1; init_weights draws the full
 tensor and keeps this shard, so the values do not depend on the layout) and replaces each MoE's
-`dispatch` (models/moe.py: expert-sorted rows and per-expert counts in, the experts' outputs in the
-same order out) by the all-to-all path:
+`dispatch` (models/moe.py: tokens, their chosen experts and weights in, each token's weighted sum of its
+experts' outputs out) by an ExpertDispatch in one of three modes (parallel.ep_dispatch):
 
-1. the counts exchanged: an all-to-all of the (E,) counts gives, for each source rank, how many rows
-   it sends to each of this rank's experts;
-2. one host read per layer and forward: the split sizes (rows to and from each ep rank), which
-   `all_to_all_single` must have on the host;
-3. the rows sent with uneven splits (the autograd all-to-all: its backward is the reverse one);
-   they arrive grouped by source rank, then expert, and are re-sorted by local expert;
-4. the local experts on the local counts, the sort undone, the combining all-to-all back; rows of
-   dropped slots (past sum(counts)) stay zeros and never travel.
+- expert: a token travels once per chosen expert (top_k rows), as torchtitan's standard dispatcher;
+- rank: once per ep rank holding any of its experts, with its weights and expert ids (ep_routing.py); that
+  rank runs them and sums their weighted outputs, so the combine also returns one row per (token, rank);
+- node: the ep group spans nodes (ParallelDims.ep_nodes): once per node over the network, to the rank of that
+  node with this rank's place in its node, which forwards it once to each rank of its node holding some of
+  the token's experts (two hops on the (ep_node, ep_local) sub-meshes); with group-limited routing lined up
+  with the nodes (each group one node's experts) a token crosses the network at most topk_groups times.
+
+Split sizes. Dropless (the default): the rows to each member are counted on the device and exchanged
+(per node: the node counts with the per-rank counts inside them, then the second hop's among the node's
+ranks), then read on the host once per layer and forward: the copy to the host is issued as soon as the
+counts are there, and the shared experts run before it is waited on. With moe.rank_capacity_factor each rank
+sends each member a fixed C rows (the capacity models/moe.py's rank_capacity_mask applied: the same tokens
+dropped as in one process): no host read at all.
 
 Activation checkpointing: in a recomputed block the routing is the first forward's (the same input
-and weights choose the same experts), so the route of step 1-2 is kept from the first forward of a
-checkpointed block (`recompute_from_cache`) and replayed by its recompute, first in first out, with no
-second exchange of counts and no host read; the token all-to-alls and the experts run again. Under
+and weights choose the same experts), so the split sizes are kept from the first forward of a
+checkpointed block (`recompute_from_cache`), keyed by the block's input, and replayed by its recompute, with no
+second exchange of counts and no host read (in any order of recomputes: micro-batches paired by the overlap
+recompute the other's blocks first); the token all-to-alls and the experts run again. Under
 selective:op the dispatch stays outside the op-level policy (as under full AC): torch 2.13's
 selective checkpointing requires the recompute to issue exactly the first forward's ops, and the
 cached route and the experts' own FSDP group (all-gathers inside the checkpointed block) do not;
 the routed experts' grouped matmuls are recomputed either way. The dispatch runs eager under
-torch.compile (its split sizes are data on the host): the rest of the block is compiled.
+torch.compile: the rest of the block is compiled.
 
 Placement in parallelize: after tensor parallelism (attention and shared experts tensor-parallel,
 routed experts whole on their ep rank and replicated over tp, tensor_parallel.py), before
@@ -33,80 +40,266 @@ ep leaves (fsdp.py, ParallelDims.expert_fsdp_mesh) and everything else as withou
 """
 
 import contextlib
+import math
 from collections import deque
-from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+from torch.utils.weak import WeakTensorKeyDictionary
 
-from trillion.models.moe import MoE, moe_layers
+from trillion.models.expert_rows import run_experts
+from trillion.models.moe import MoE, moe_layers, rank_capacity
+from trillion.models.parts.moe import reach_share
+from trillion.parallel.activation_checkpoint import recompute_key
+from trillion.parallel.ep_exchange import Exchange
+from trillion.parallel.ep_routing import Hop, Payload, combine, pack_routing, place, unpack_routing
+from trillion.parallel.expert_overlap import paired
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 
 
-@dataclass
-class _Route:
-    """Where one forward's rows go: split sizes on the host, the local re-sort on the device."""
+class _HostCopy:
+    """Split sizes copied to the host as soon as they exist, waited on only when `read` (the one host read)."""
 
-    send: list[int]  # rows to each ep rank
-    receive: list[int]  # rows from each ep rank
-    local_counts: torch.Tensor  # (ep, E / ep) rows for each local expert from each source rank
-    by_expert: torch.Tensor  # received rows, re-sorted by local expert
-    back: torch.Tensor  # its inverse
+    def __init__(self, sizes: torch.Tensor):
+        if sizes.device.type == "cuda":
+            self.host = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True)
+            self.host.copy_(sizes, non_blocking=True)
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        else:
+            self.host, self.ready = sizes, None
+
+    def read(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
-class ExpertAllToAll:
+class ExpertDispatch:
     """An MoE layer's `dispatch` under expert parallelism (a plain callable, not a module: no new names)."""
 
-    def __init__(self, layer: MoE, ep_mesh, send_tokens=funcol.all_to_all_single_autograd):
-        self.experts = layer.experts
-        self.send_tokens = send_tokens  # the dispatch's all-to-all: float8 dispatch swaps it (float8_dispatch.py)
-        self.group = ep_mesh.get_group()
-        self.ep = ep_mesh.size()
+    def __init__(self, layer: MoE, mode: str, exchange: Exchange, inter=None, intra=None, payload=Payload()):
+        """`exchange`: the ep group's; `inter`, `intra` (the node mode's): the ranks with this rank's place in their
+        node, one a node, and this rank's node; `payload`: how the rows travel (float8 dispatch's wire)."""
+        moe = layer.moe
+        self.experts, self.mode, self.top_k = layer.experts, mode, moe.top_k
+        self.ep = exchange.size
+        self.per_rank = moe.n_experts // self.ep
+        self.held = range(exchange.me * self.per_rank, (exchange.me + 1) * self.per_rank)
+        self.capacity_factor = moe.rank_capacity_factor  # 0: dropless
+        self.exchange, self.inter, self.intra, self.payload = exchange, inter, intra, payload
+        self.overlap = False  # parallel.ep_overlap: the module docstring's overlap
+        if mode == "node":
+            self.nodes, self.members = inter.size, intra.size
         self.recompute_from_cache = False  # set for checkpointed blocks (parallelize.py)
-        self.routes: deque[_Route] = deque()
+        # each checkpointed forward's split sizes by its block's input, for its recompute (whichever comes first)
+        self.routes = WeakTensorKeyDictionary()
         self.host_reads = 0  # split-size reads on the host (tests count them)
 
+    def capacity(self, tokens: int) -> int:
+        """Rows to each ep rank with a per-rank capacity (0: dropless)."""
+        if not self.capacity_factor:
+            return 0
+        return rank_capacity(tokens, self.top_k, self.per_rank * self.ep, self.ep, self.capacity_factor)
+
+    def exchanges(self) -> list[Exchange]:
+        return [self.inter, self.intra] if self.mode == "node" else [self.exchange]
+
+    def even_sizes(self, tokens: int, parts: int = 1) -> list[int]:
+        """The split sizes `_sizes` reads for `tokens` in `parts` chunks, as even routing would make them (the dry
+        run's, on meta tensors): a member gets top_k / ep of every source's slots."""
+        experts, tokens = self.per_rank * self.ep, tokens // parts
+        slots = math.ceil(tokens * self.top_k / self.ep)
+        if self.mode == "expert":
+            return [slots, slots] * 2 * self.ep * parts
+        rank = math.ceil(tokens * reach_share(experts, self.top_k, self.per_rank))
+        if self.mode == "rank":
+            return [rank, slots] * 2 * self.ep * parts
+        node = math.ceil(tokens * reach_share(experts, self.top_k, self.per_rank * self.members))
+        return (
+            [node] * 2 * self.nodes
+            + [rank * self.nodes] * self.members
+            + ([rank] * self.nodes + [slots * self.nodes]) * self.members
+        )
+
     @torch._disable_dynamo  # torch.compiler.disable's, imported on the first call (models/moe.py says why)
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, beside=None):
+        beside = _Beside(beside, x)  # the shared experts, a function of rows
+        if not self.overlap:
+            beside.upto(x.shape[0])  # all of them first: nothing runs beside the all-to-alls
         with _outside_selective_checkpoint():
-            return self._dispatch(x, counts)
+            if self.exchange.traffic is not None and torch._C._current_graph_task_id() == -1:
+                self.exchange.traffic.tokens += x.shape[0]
+            out = (
+                self._by_node(x, ids, weights, beside)
+                if self.mode == "node"
+                else self._one_hop(x, ids, weights, beside)
+            )
+        return out, beside.result()
 
-    def _dispatch(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        route = self._route(counts)
-        kept = sum(route.send)
-        received = self.send_tokens(x[:kept].contiguous(), route.receive, route.send, self.group)
-        out = self.experts(received[route.by_expert], route.local_counts)[route.back]
-        combined = funcol.all_to_all_single_autograd(out.contiguous(), route.send, route.receive, self.group)
-        if kept < x.shape[0]:
-            combined = torch.cat([combined, combined.new_zeros(x.shape[0] - kept, *combined.shape[1:])])
-        return combined
+    def _one_hop(self, x, ids, weights, beside):
+        """Rows to the ranks owning their experts and back (the expert and rank modes); with overlap in two chunks
+        of the tokens, the second's all-to-alls beside the first's experts and the first's beside the second's."""
+        tokens, parts = x.shape[0], 2 if self.overlap and not paired() and x.shape[0] > 1 else 1
+        bounds = [(tokens * c // parts, tokens * (c + 1) // parts) for c in range(parts)]
+        chunks = [_Chunk(*self._rows(x[a:b], ids[a:b], weights[a:b]), self) for a, b in bounds]
+        capacity = self.capacity(tokens)
+        if capacity:  # each chunk's rows to a member are at most the whole layer's (models/moe.py dropped the rest)
+            for chunk in chunks:
+                size = min(capacity, chunk.x.shape[0])
+                chunk.placed(
+                    [size] * self.ep, capacity=size, slots=size * self.ep * min(chunk.ids.shape[1], self.per_rank)
+                )
+        else:
+            sizes = self._sizes(lambda: self._exchange_counts(chunks), beside, bounds[0][1], x, parts)
+            half = len(sizes) // 2  # sent, then received: each member's (rows, slots) of chunk 0, chunk 1, ...
+            for c, chunk in enumerate(chunks):
+                rows, received = sizes[2 * c : half : 2 * parts], sizes[half + 2 * c :: 2 * parts]
+                chunk.placed(rows, recv=received, slots=sum(sizes[half + 2 * c + 1 :: 2 * parts]))
+        for chunk in chunks:
+            chunk.post(self.exchange, self.payload)
+        beside.upto(bounds[0][1])  # the first chunk's shared experts while the dispatch travels
+        for chunk in chunks:
+            chunk.run_experts(self.experts, self.held, self.exchange)
+        beside.upto(tokens)  # the rest beside the last chunk's combine
+        return torch.cat([chunk.combined(self.top_k if self.mode == "expert" else 0) for chunk in chunks])
 
-    def _route(self, counts: torch.Tensor) -> _Route:
-        recomputing = torch._C._current_graph_task_id() != -1
-        if recomputing and self.routes:
-            return self.routes.popleft()
-        sent = counts.view(self.ep, -1)
-        arriving = torch.empty_like(counts)
-        dist.all_to_all_single(arriving, counts, group=self.group)  # [source rank, local expert]
-        arriving = arriving.view(self.ep, -1)
-        sizes = torch.cat([sent.sum(1), arriving.sum(1)]).tolist()  # the one host read
+    def _rows(self, x, ids, weights):
+        """(rows, their expert ids, weights): the tokens, or under the per-expert mode each (token, choice)."""
+        if self.mode == "expert":
+            return x.repeat_interleave(self.top_k, 0), ids.reshape(-1, 1), weights.reshape(-1, 1)
+        return x, ids, weights
+
+    def _exchange_counts(self, chunks):
+        """Posts the chunks' counts to every member; returns what gives (sent, received) counts once they arrive."""
+        counts = torch.stack([chunk.hop.counts() for chunk in chunks], dim=1).flatten()  # (member, chunk, 2)
+        even = [2 * len(chunks)] * self.ep
+        arriving, work = self.exchange.post(counts, even, even, "counts")
+
+        def arrived():
+            work.wait()
+            return torch.cat([counts, arriving])
+
+        return arrived
+
+    def _by_node(self, x, ids, weights, beside):
+        """Once to each node over the network, then once to each rank of the node (the module docstring)."""
+        n, m = self.nodes, self.members
+        first = Hop.plan(ids, lambda e: e // (self.per_rank * m), n)
+        by_rank = Hop.plan(ids, lambda e: e // self.per_rank, self.ep)
+
+        def exchange_counts():  # each node's rows with its ranks' (rows, slots) inside them, then the second hop's
+            node_counts, inner = first.counts()[:, 0], by_rank.counts().view(n, m, 2)
+            table = torch.cat([node_counts.unsqueeze(1), inner[..., 0], inner[..., 1]], dim=1)  # (node, 1 + 2m)
+            arriving, work = self.inter.post(table.flatten(), [1 + 2 * m] * n, [1 + 2 * m] * n)
+
+            def arrived():
+                work.wait()
+                table = arriving.view(n, 1 + 2 * m)
+                rows_from = table[:, 1 : 1 + m]  # (source node, member): the rows this rank forwards
+                # to each member: the rows from each source node (its experts' tiles restart there), then the slots
+                onward = torch.cat([rows_from.t(), table[:, 1 + m :].sum(dim=0).unsqueeze(1)], dim=1).flatten()
+                return torch.cat([node_counts, table[:, 0], rows_from.sum(dim=0), self.intra.counts(onward)])
+
+            return arrived
+
+        sizes = self._sizes(exchange_counts, beside, x.shape[0], x)
+        send1, recv1, send2 = sizes[:n], sizes[n : 2 * n], sizes[2 * n : 2 * n + m]
+        second_in = [sizes[2 * n + m + j * (n + 1) :][: n + 1] for j in range(m)]  # from each member
+        sources = [rows for member in second_in for rows in member[:n]]  # arriving in (member, source node) order
+        recv2, slots = [sum(member[:n]) for member in second_in], sum(member[n] for member in second_in)
+        placement1 = place(first, send1)
+        received, routing = self._travel(self.inter, x, ids, weights, first, placement1, send1, recv1)
+        node_ids, node_weights = unpack_routing(routing)
+        second = Hop.plan(node_ids, lambda e: (e // self.per_rank) % m, m)
+        placement2 = place(second, send2)
+        rows, routing = self._travel(self.intra, received, node_ids, node_weights, second, placement2, send2, recv2)
+        expert_ids, expert_weights = unpack_routing(routing)
+        out = run_experts(self.experts, rows, expert_ids, expert_weights, self.held, slots, sources)
+        node_sums = combine(self.intra.rows(out, recv2, send2, "combine").wait(), placement2)
+        return combine(self.inter.rows(node_sums, recv1, send1, "combine").wait(), placement1)
+
+    def _travel(self, exchange, x, ids, weights, hop, placement, send, recv):
+        """(rows received, their routing): the payload and its routing posted, then waited for."""
+        payload = exchange.rows(self.payload.pack(x, placement.rows), send, recv, "dispatch", self.payload.wire)
+        routing = exchange.rows(pack_routing(hop, placement, ids, weights), send, recv, "routing")
+        return payload.wait(), routing.wait()
+
+    def _sizes(self, start, beside, beside_rows: int, x: torch.Tensor, parts: int = 1) -> list[int]:
+        """The split sizes on the host, read once: `start()` posts the counts and returns what gives them on the
+        device once they arrive; the shared experts of the first `beside_rows` rows run meanwhile (on a GPU after the
+        copy to the host is issued, the device keeping the order). A checkpointed block's recompute replays the
+        first forward's sizes. (`x`, in `parts` chunks: the rows routed; the dry run's meta tensors hold no counts:
+        even_sizes.)"""
+        recomputing, key = torch._C._current_graph_task_id() != -1, recompute_key()
+        if recomputing and key is not None and self.routes.get(key):
+            beside.upto(beside_rows)  # where the first forward ran it: the recompute saves tensors in the same order
+            return self.routes[key].popleft()
+        arrived = start()
+        if x.device.type == "cuda":
+            copy = _HostCopy(arrived())
+            beside.upto(beside_rows)
+        else:  # the host itself waits for a CPU collective: the shared experts first
+            beside.upto(beside_rows)
+            copy = _HostCopy(arrived())
+        sizes = copy.read()
         self.host_reads += 1
-        send, receive = sizes[: self.ep], sizes[self.ep :]
-        local_experts = arriving.shape[1]
-        block = torch.arange(arriving.numel(), device=counts.device)
-        expert_of_row = block.repeat_interleave(arriving.flatten(), output_size=sum(receive)) % local_experts
-        by_expert = expert_of_row.argsort(stable=True)
-        back = torch.empty_like(by_expert).scatter_(0, by_expert, torch.arange(by_expert.numel(), device=counts.device))
-        route = _Route(send, receive, arriving, by_expert, back)
-        if self.recompute_from_cache and torch.is_grad_enabled() and not recomputing:
-            self.routes.append(route)
-        return route
+        if self.recompute_from_cache and torch.is_grad_enabled() and not recomputing and key is not None:
+            self.routes.setdefault(key, deque()).append(sizes)
+        return sizes
+
+
+class _Chunk:
+    """Some of a layer's tokens on their way through one hop (ExpertDispatch._one_hop)."""
+
+    def __init__(self, x, ids, weights, dispatch: ExpertDispatch):
+        self.x, self.ids, self.weights = x, ids, weights
+        self.hop = Hop.plan(ids, lambda e: e // dispatch.per_rank, dispatch.ep)
+
+    def placed(self, send: list[int], slots: int, recv: list[int] | None = None, capacity: int = 0) -> None:
+        """Sizes known: rows to and from each member, the filled slots arriving in all (at most, with a capacity)."""
+        self.send, self.recv, self.slots = send, send if recv is None else recv, slots
+        self.placement = place(self.hop, send, capacity)
+
+    def post(self, exchange: Exchange, payload: Payload) -> None:
+        """The rows and their routing posted to the members owning their experts."""
+        packed = payload.pack(self.x, self.placement.rows)
+        self.payload = exchange.rows(packed, self.send, self.recv, "dispatch", payload.wire)
+        routing = pack_routing(self.hop, self.placement, self.ids, self.weights)
+        self.routing = exchange.rows(routing, self.send, self.recv, "routing")
+
+    def run_experts(self, experts, held: range, exchange: Exchange) -> None:
+        """The rows that arrived through this rank's experts, their weighted sums posted back."""
+        received = self.payload.wait()
+        expert_ids, expert_weights = unpack_routing(self.routing.wait())
+        out = run_experts(experts, received, expert_ids, expert_weights, held, self.slots, self.recv)
+        self.returning = exchange.rows(out, self.recv, self.send, "combine")
+
+    def combined(self, choices: int) -> torch.Tensor:
+        """Each token's sum of what came back (per-expert rows summed over the token's `choices`, if any)."""
+        out = combine(self.returning.wait(), self.placement)
+        return out.view(-1, choices, out.shape[-1]).sum(dim=1) if choices else out
+
+
+class _Beside:
+    """Work on the layer's rows beside the dispatch (the shared experts: rows -> rows), run piece by piece in row
+    order where the dispatch has time (`upto`), its pieces joined (`result`; None without work)."""
+
+    def __init__(self, work, x: torch.Tensor):
+        self.work, self.x, self.done, self.pieces = work, x, 0, []
+
+    def upto(self, end: int) -> None:
+        if self.work is not None and end > self.done:
+            self.pieces.append(self.work(self.x[self.done : end]))
+            self.done = end
+
+    def result(self) -> torch.Tensor | None:
+        self.upto(self.x.shape[0])
+        return (self.pieces[0] if len(self.pieces) == 1 else torch.cat(self.pieces)) if self.pieces else None
 
 
 @contextlib.contextmanager
@@ -120,9 +313,12 @@ def _outside_selective_checkpoint():
         yield
 
 
-def apply_expert_parallel(model: nn.Module, ep_mesh, send_tokens=funcol.all_to_all_single_autograd) -> None:
-    """Shard every MoE layer's routed experts over the 1-D `ep_mesh` and route its tokens by all-to-all
-    (`send_tokens`: the dispatch's, funcol.all_to_all_single_autograd's call)."""
+def apply_expert_parallel(
+    model: nn.Module, ep_mesh, mode: str = "rank", ranks_per_node: int = 1, node_mesh=None, payload=Payload()
+):
+    """Shard every MoE layer's routed experts over the 1-D `ep_mesh` and route its tokens by all-to-all (`mode`
+    the module docstring's; `node_mesh` the (ep_node, ep_local) view of ep_mesh for the per-node mode; `payload` how
+    the rows travel: float8 dispatch gives its wire, parallel/float8_dispatch.py)."""
     for layer in moe_layers(model).values():
         experts = layer.experts
         if layer.moe.n_experts % ep_mesh.size():
@@ -131,27 +327,29 @@ def apply_expert_parallel(model: nn.Module, ep_mesh, send_tokens=funcol.all_to_a
             param = getattr(experts, name)
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        layer.dispatch = ExpertAllToAll(layer, ep_mesh, send_tokens)
+        exchanges = [Exchange(ep_mesh, ranks_per_node)]
+        if mode == "node":
+            exchanges += [Exchange(node_mesh[name], ranks_per_node) for name in ("ep_node", "ep_local")]
+        layer.dispatch = ExpertDispatch(layer, mode, *exchanges, payload=payload)
+
+
+def expert_dispatches(module: nn.Module) -> list[ExpertDispatch]:
+    """The ExpertDispatch of every MoE layer `module` holds under expert parallelism."""
+    return [m.dispatch for m in module.modules() if isinstance(m, MoE) and isinstance(m.dispatch, ExpertDispatch)]
 
 
 def cache_routes_for_recompute(block: nn.Module) -> None:
     """A checkpointed block: its recompute replays the first forward's routes (no second exchange)."""
-    for module in block.modules():
-        if isinstance(module, MoE) and isinstance(module.dispatch, ExpertAllToAll):
-            module.dispatch.recompute_from_cache = True
+    for dispatch in expert_dispatches(block):
+        dispatch.recompute_from_cache = True
 
 
 def forget_routes(module: nn.Module) -> None:
     """Drop the routes cached for recomputes that will not come (pipeline metadata inference)."""
-    for layer in moe_layers(module).values():
-        if isinstance(layer.dispatch, ExpertAllToAll):
-            layer.dispatch.routes.clear()
+    for dispatch in expert_dispatches(module):
+        dispatch.routes.clear()
 
 
 def expert_parallel_modules(block: nn.Module) -> list[nn.Module]:
     """The RoutedExperts of `block` whose weights live on the ep mesh (FSDP shards them apart)."""
-    return [
-        module.experts
-        for module in block.modules()
-        if isinstance(module, MoE) and isinstance(module.dispatch, ExpertAllToAll)
-    ]
+    return [dispatch.experts for dispatch in expert_dispatches(block)]

@@ -13,8 +13,10 @@ values exactly, so an ep run with float8 dispatch computes what one process with
 (tests/float8/test_experts_parity.py). The gradient passes the quantisation straight through, as the experts'
 own quantisation does.
 
-The hook: parallel/expert_parallel.py's ExpertAllToAll sends the tokens with its `send_tokens`, which
-parallelize sets to `Float8Dispatch(...)` when float8.dispatch is on (apply_expert_parallel's argument).
+The hook: parallel/expert_parallel.py's dispatch carries its rows in the payload's wire form
+(ep_routing.Payload); parallelize gives it `Float8Wire(...)` when float8.dispatch is on, in every dispatch mode:
+expert, rank, capacity and node (whose second hop, inside the node, quantises the rows the first delivered
+again: the same values, by the power-of-two scales).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed._functional_collectives as funcol
 
 from trillion.kernels import float8_scaling as scaling
 from trillion.kernels.float8_grouped_gemm import float8_dtype, resolved
@@ -49,31 +50,18 @@ def wire_bytes_per_row(dim: int, recipe: str) -> int:
     return dim + SCALE_BYTES * (-(-dim // blocks) if blocks else 1)
 
 
-def _all_to_all(tensor, output_split, input_split, group) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_to_all_single(tensor, output_split, input_split, group))
-
-
-class _Float8AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows, output_split, input_split, group, recipe, dtype):
-        ctx.splits, ctx.group = (output_split, input_split), group
-        wire = _all_to_all(to_wire(rows, recipe, dtype), output_split, input_split, group)
-        return from_wire(wire, rows.shape[1], recipe, dtype, rows.dtype)
-
-    @staticmethod
-    def backward(ctx, grad):
-        output_split, input_split = ctx.splits
-        return _all_to_all(grad.contiguous(), input_split, output_split, ctx.group), None, None, None, None, None
-
-
 @dataclass(frozen=True)
-class Float8Dispatch:
-    """funcol.all_to_all_single_autograd's call, the rows carried in float8: the recipe and format of
-    float8.experts=`setting` on the rows' device (the experts' own, kernels/float8_grouped_gemm.py)."""
+class Float8Wire:
+    """The dispatch's rows in float8 on the wire (ep_routing.Wire): the recipe and format of float8.experts=`setting`
+    on the rows' device (the experts' own, kernels/float8_grouped_gemm.py)."""
 
     setting: str = "auto"
     emulate: bool = False
 
-    def __call__(self, rows: torch.Tensor, output_split: list[int], input_split: list[int], group) -> torch.Tensor:
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
         recipe, _ = resolved(self.setting, self.emulate, rows.device)
-        return _Float8AllToAll.apply(rows, output_split, input_split, group, recipe, float8_dtype(rows.device))
+        return to_wire(rows, recipe, float8_dtype(rows.device))
+
+    def decode(self, wire: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+        recipe, _ = resolved(self.setting, self.emulate, wire.device)
+        return from_wire(wire, dim, recipe, float8_dtype(wire.device), dtype)

@@ -10,13 +10,18 @@ gradients over ranks changes nothing: it is the mean over every target token of 
 not a mean of per-micro-batch means.
 """
 
+import copy
+import functools
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from trillion.models.mtp import lookahead_labels, lookahead_tokens
+from trillion.parallel.expert_overlap import Pair
 from trillion.parallel.fsdp import set_micro_batch
 from trillion.parallel.tensor_parallel import loss_context
 
@@ -31,10 +36,11 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor 
     )
 
 
-def lookahead_loss(depth_logits: list[torch.Tensor], labels: torch.Tensor, tokens: torch.Tensor | int) -> torch.Tensor:
-    """The multi-token prediction modules' mean loss: depth k's logits (batch, seq - k, vocab) against the labels
-    shifted k more, each summed over `tokens` as DeepSeek-V3 divides by the trunk's target count (its eq. 24-25)."""
-    losses = [token_loss(logits, labels[:, depth:], tokens) for depth, logits in enumerate(depth_logits, start=1)]
+def lookahead_loss(depth_logits, stacked: torch.Tensor, tokens: torch.Tensor | int) -> torch.Tensor:
+    """The multi-token prediction modules' mean loss: depth k's logits (batch, seq, vocab) against column k of the
+    stacked labels (models/mtp.py lookahead_labels), each summed over `tokens` as DeepSeek-V3 divides by the trunk's
+    target count (its eq. 24-25)."""
+    losses = [token_loss(logits, stacked[..., depth], tokens) for depth, logits in enumerate(depth_logits, start=1)]
     return sum(losses) / len(losses)
 
 
@@ -59,6 +65,20 @@ def model_inputs(micro_batch) -> dict:
     return {name: value for name, value in found.items() if value is not None}
 
 
+def carried_inputs(micro_batches) -> dict:
+    """What the micro-batches carry for the model besides their tokens (document ids, positions), joined along the
+    batch as the tokens are: the schedule splits keyword inputs back into micro-batches and hands every stage, not
+    only the first, its micro-batch's, so each stage's attention masks the documents of the micro-batch it runs."""
+    carried = [model_inputs(mb) for mb in micro_batches]
+    return {name: torch.cat([inputs[name] for inputs in carried]) for name in carried[0]}
+
+
+def with_labels(micro_batch, labels: torch.Tensor):
+    """`micro_batch` with other labels, of its kind (its other inputs kept)."""
+    extra = model_inputs(micro_batch)
+    return MicroBatch(micro_batch[0], labels, **extra) if extra else (micro_batch[0], labels)
+
+
 def map_tensors(micro_batch, fn, whole=None):
     """`micro_batch` with `fn` applied to each of its tensors (`whole` to its document ids, if given), of its kind."""
     inputs, labels = micro_batch
@@ -74,20 +94,35 @@ def map_tensors(micro_batch, fn, whole=None):
     )
 
 
+def trunk_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The trunk's (batch, seq) labels, from plain labels or from labels stacked for multi-token prediction."""
+    return labels[..., 0] if labels.dim() == 3 else labels
+
+
+def with_lookahead(micro_batches, depths: int) -> list:
+    """Each (inputs, labels) with its labels stacked for `depths` multi-token prediction depths (models/mtp.py
+    lookahead_labels); unchanged without them. Done before the batch is split along the sequence."""
+    if not depths:
+        return micro_batches
+    return [with_labels(batch, lookahead_labels(batch[1], depths, IGNORE_INDEX)) for batch in micro_batches]
+
+
 def target_tokens(micro_batches) -> torch.Tensor:
-    """The target tokens of this rank's micro-batches (labels not IGNORE_INDEX)."""
-    return sum((labels != IGNORE_INDEX).sum() for _, labels in micro_batches)
+    """The target tokens of this rank's micro-batches (the trunk's labels not IGNORE_INDEX)."""
+    return sum((trunk_labels(labels) != IGNORE_INDEX).sum() for _, labels in micro_batches)
 
 
 class Runner(Protocol):
     """What the training step needs of a way to run the micro-batches: the module holding this rank's
     parameters (to clip and to optimize), the process group its gradient norm spans beyond the sharded
     layout (the pipeline ranks; None without a pipeline), and the forward and backward of one step
-    returning this rank's summed loss; `ahead_loss`: the step's multi-token prediction loss summed likewise
-    (None without it). MicroBatchLoop and pipeline.Pipeline are the two."""
+    returning this rank's summed loss; `lookahead`: the multi-token prediction depths it trains (0: none;
+    the step stacks their labels, `with_lookahead`); `ahead_loss`: the step's multi-token prediction loss
+    summed likewise (None without it). MicroBatchLoop and pipeline.Pipeline are the two."""
 
     model: nn.Module
     clip_group: dist.ProcessGroup | None
+    lookahead: int
     ahead_loss: torch.Tensor | None
 
     def forward_backward(self, micro_batches, tokens: torch.Tensor, autocast, scaler) -> torch.Tensor: ...
@@ -96,37 +131,57 @@ class Runner(Protocol):
 class MicroBatchLoop:
     """Gradient accumulation: each micro-batch's forward and backward in turn, on the whole model
     (parallelized by parallelize.py). `clip_group` is None: the gradient norm spans no pipeline.
-    `ahead_weight` > 0: the model trains multi-token prediction modules (models/mtp.py), whose mean loss
-    joins the backward with this weight; the returned loss stays the trunk's (comparable with runs
+    `lookahead` depths of multi-token prediction modules (models/mtp.py) train with it: their mean loss
+    joins the backward with `ahead_weight`; the returned loss stays the trunk's (comparable with runs
     without them and with the evaluation's), the modules' in `ahead_loss`."""
 
     clip_group = None
 
     def __init__(
-        self, model: nn.Module, tp_enabled: bool = False, dp_shard_mode: str = "zero3", ahead_weight: float = 0.0
+        self,
+        model: nn.Module,
+        tp_enabled: bool = False,
+        dp_shard_mode: str = "zero3",
+        ahead_weight: float = 0.0,
+        lookahead: int = 0,
+        paired: bool = False,
     ):
+        """`paired`: two micro-batches in flight at once (parallel/expert_overlap.py)."""
         self.model, self.tp_enabled, self.dp_shard_mode = model, tp_enabled, dp_shard_mode
-        self.ahead_weight = ahead_weight
+        self.ahead_weight, self.lookahead, self.paired = ahead_weight, lookahead, paired
         self.ahead_loss: torch.Tensor | None = None
 
     def forward_backward(self, micro_batches, tokens: torch.Tensor, autocast, scaler) -> torch.Tensor:
         device = micro_batches[0][0].device
         loss_sum = torch.zeros((), device=device)
-        self.ahead_loss = torch.zeros((), device=device) if self.ahead_weight else None
-        for index, (inputs, labels) in enumerate(micro_batches):
-            set_micro_batch(self.model, self.dp_shard_mode, is_last=index == len(micro_batches) - 1)
-            extra = model_inputs(micro_batches[index])
-            with autocast:
-                if self.ahead_weight:
-                    logits, ahead = self.model(inputs, with_mtp=True, **extra)
-                else:
-                    logits, ahead = self.model(inputs, **extra), []
+        self.ahead_loss = torch.zeros((), device=device) if self.lookahead else None
+        size = 2 if self.paired else 1
+        for start in range(0, len(micro_batches), size):
+            group = micro_batches[start : start + size]
+            set_micro_batch(self.model, self.dp_shard_mode, is_last=start + len(group) == len(micro_batches))
+            forwards = [functools.partial(self._forward, batch, autocast) for batch in group]
+            outputs = Pair().run(*forwards) if len(forwards) == 2 else [forwards[0]()]
             with loss_context(self.tp_enabled):
-                loss = total = token_loss(logits, labels, tokens)
-                if ahead:
-                    depth_loss = lookahead_loss(ahead, labels, tokens)
-                    self.ahead_loss += depth_loss.detach()
-                    total = loss + self.ahead_weight * depth_loss
-                scaler.scale(total).backward()
-            loss_sum += loss.detach().to_local() if self.tp_enabled else loss.detach()
+                losses = [self.losses(output, labels, tokens) for output, (_, labels) in zip(outputs, group)]
+                scaler.scale(sum(total for _, total in losses)).backward()
+            for loss, _ in losses:
+                loss_sum += loss.detach().to_local() if self.tp_enabled else loss.detach()
         return loss_sum
+
+    def _forward(self, micro_batch, autocast):
+        (inputs, labels), extra = micro_batch, model_inputs(micro_batch)
+        if self.lookahead:
+            extra["ahead"] = lookahead_tokens(labels)
+        with copy.copy(autocast):  # its own: a paired forward runs in a thread of its own
+            return self.model(inputs, **extra)
+
+    def losses(self, output, labels: torch.Tensor, tokens) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the trunk's loss, the loss to differentiate) of one micro-batch's output: the logits, or with
+        multi-token prediction (logits, each depth's logits), whose mean loss is added to `ahead_loss`."""
+        if not isinstance(output, tuple):
+            loss = token_loss(output, trunk_labels(labels), tokens)
+            return loss, loss
+        loss = token_loss(output[0], labels[..., 0], tokens)
+        depth_loss = lookahead_loss(output[1:], labels, tokens)
+        self.ahead_loss += depth_loss.detach().to_local() if isinstance(depth_loss, DTensor) else depth_loss.detach()
+        return loss, loss + self.ahead_weight * depth_loss

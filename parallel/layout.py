@@ -14,6 +14,10 @@ from trillion.errors import ConfigError
 from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's axes, outermost first (dims.py)
+# parallel.ep_dispatch: a token travels to each expert it chose (as torchtitan's standard dispatcher), once to each
+# ep rank holding some of them, or once to each node and then on to the node's ranks (DeepSeek's DeepEP);
+# "auto" resolves to "node" when the ep group spans nodes, else "rank" (parallel/expert_parallel.py)
+EP_DISPATCH = ("expert", "rank", "node")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +42,10 @@ class Layout:
     float8_dispatch: bool = False  # with float8 experts and ep > 1: the dispatch all-to-all carries float8 rows
     ep: int = 1  # expert parallelism: routed experts over ep of the dp_shard x cp ranks
     moe_load_imbalance: float = MOE_LOAD_IMBALANCE  # the busiest rank's routed tokens over the mean (planner)
+    ep_dispatch: str = "rank"  # how tokens reach the experts: one row per expert, per rank or per node (EP_DISPATCH)
+    ranks_per_node: int = 8  # the processes of one node (the per-node dispatch's two hops; the planner's node)
+    ep_capacity: float = 0.0  # rows per destination rank as a multiple of the even share (0: dropless)
+    ep_overlap: bool = False  # the dispatch's all-to-alls run beside the shared experts and the other micro-batch
     optimizer: str = "adamw"  # adamw | muon: the optimizer's state and step work (planner/optimizer.py)
     attention_share: float = 1.0  # document masking: the attention work left (models/flops.py; planner)
 

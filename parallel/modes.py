@@ -103,11 +103,14 @@ def check_schedule(
     *,
     n_layers: int | None = None,
     experts_recomputed: bool = False,
+    output_end_reads: bool = False,
 ) -> tuple[Schedule, int]:
     """Raise ConfigError for a schedule the trainer cannot run with pp ranks and n_microbatches per
     step (and, given n_layers, more stages than the model's n_layers + embedding + output units);
     returns (the schedule, stages per rank). With pp = 1 no pipeline runs: only the name is checked.
-    `experts_recomputed`: expert parallelism under activation checkpointing (its recompute replays routes)."""
+    `experts_recomputed`: expert parallelism under activation checkpointing (its recompute replays routes).
+    `output_end_reads`: the model's last stage reads the embedding too (multi-token prediction), which a copy
+    there serves (parallel/pipeline_ahead.py)."""
     if pp < 1:
         raise ConfigError(f"parallel.pp={pp} must be a positive degree; use 1 to turn pipelining off.")
     s = schedule(name)
@@ -146,6 +149,13 @@ def check_schedule(
             f"parallel.pp_schedule={s.name} splits each backward into input- and weight-gradient passes, "
             "which torch.distributed.pipelining does not support for compiled stages. Use "
             "--compile.enabled=false, or a schedule with a full backward (1F1B, Interleaved1F1B)."
+        )
+    if output_end_reads and s.v_shape:
+        raise ConfigError(
+            f"parallel.pp_schedule={s.name} places the first and the last stage on one rank, and the last stage "
+            "keeps its own copy of the embedding (multi-token prediction, model.mtp_modules, reads it), which the "
+            "copy of the first stage would share a name with there. Use a schedule with one rank per end (1F1B, "
+            "Interleaved1F1B, InterleavedZeroBubble), or --model.mtp_modules=0."
         )
     if experts_recomputed and s.split_backward:
         raise ConfigError(

@@ -5,7 +5,7 @@
 
 The float8 swap first (float8.py): it replaces the blocks' nn.Linear modules by torchao's Float8Linear
 (and gives the routed experts their float8 grouped product, float8_experts.py; float8 dispatch,
-float8_dispatch.py, is the all-to-all expert parallelism is given), which TP then shards with float8-aware
+float8_dispatch.py, is the wire expert parallelism's rows travel in), which TP then shards with float8-aware
 styles and FSDP gathers in float8; everything after must see the swapped modules (torchtitan's order). CP
 next: it only swaps each block's attention for attention across sequence shards and passes the rank's
 token positions, so everything after wraps the same modules. TP next, because it changes what a parameter
@@ -24,10 +24,12 @@ from trillion.parallel.activation_checkpoint import apply_activation_checkpointi
 from trillion.parallel.compile import apply_compile
 from trillion.parallel.context_parallel import apply_context_parallel
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.ep_routing import Payload
+from trillion.parallel.expert_overlap import apply_pairing_gates
 from trillion.parallel.expert_parallel import apply_expert_parallel, cache_routes_for_recompute
 from trillion.parallel.float8 import Float8Training
 from trillion.parallel.float8 import convert as convert_to_float8
-from trillion.parallel.float8_dispatch import Float8Dispatch
+from trillion.parallel.float8_dispatch import Float8Wire
 from trillion.parallel.fsdp import apply_fsdp
 from trillion.parallel.modes import checkpointed_blocks, schedule, zero_mode
 from trillion.parallel.tensor_parallel import apply_tensor_parallel
@@ -64,8 +66,10 @@ def parallelize(
             expert_parallel=ep_mesh is not None,
         )
     if ep_mesh is not None:
-        dispatch = {"send_tokens": Float8Dispatch(float8.experts, float8.emulate)} if float8 and float8.dispatch else {}
-        apply_expert_parallel(model, ep_mesh, **dispatch)
+        layout = dims.layout
+        payload = Payload(wire=Float8Wire(float8.experts, float8.emulate)) if float8 and float8.dispatch else Payload()
+        mode, ranks_per_node = layout.ep_dispatch, layout.ranks_per_node
+        apply_expert_parallel(model, ep_mesh, mode, ranks_per_node, dims.ep_node_mesh, payload)
     apply_activation_checkpointing(model, activation_checkpoint)
     if ep_mesh is not None:
         blocks = list(model.layers.values())
@@ -83,4 +87,6 @@ def parallelize(
             keep_gathered_after_forward=split_backward,
             expert_mesh=dims.expert_fsdp_mesh if ep_mesh is not None else None,
         )
+    if dims.layout.ep_overlap and dims.pp == 1:
+        apply_pairing_gates(model)  # last, outside every other hook (FSDP's); harmless while nothing pairs
     return model

@@ -52,8 +52,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trillion.errors import ConfigError
-from trillion.parallel.forward_backward import model_inputs, token_loss
+from trillion.parallel.forward_backward import carried_inputs, token_loss
 from trillion.parallel.modes import SCHEDULES, check_schedule
+from trillion.parallel.pipeline_ahead import AheadOutputs
 from trillion.parallel.tensor_parallel import loss_context
 
 log = logging.getLogger("trillion")
@@ -116,11 +117,20 @@ def validate_pipeline(
     layers: StageLayers = AUTOMATIC,
     compile: bool = False,
     experts_recomputed: bool = False,
+    output_end_reads: bool = False,
 ) -> tuple[str, int]:
     """Raise ConfigError for a pipeline this build cannot run; returns (schedule name, stages per rank).
-    The schedule's own rules are modes.check_schedule's, which the planner applies too."""
+    The schedule's own rules are modes.check_schedule's, which the planner applies too. `output_end_reads`: the
+    last stage reads the embedding too (Transformer.output_end_reads)."""
     s, v = check_schedule(
-        schedule, pp, n_microbatches, virtual, compile, n_layers=n_layers, experts_recomputed=experts_recomputed
+        schedule,
+        pp,
+        n_microbatches,
+        virtual,
+        compile,
+        n_layers=n_layers,
+        experts_recomputed=experts_recomputed,
+        output_end_reads=output_end_reads,
     )
     if pp == 1:
         if layers != AUTOMATIC:
@@ -195,13 +205,17 @@ def describe_split(ranges: list[range], n_layers: int) -> str:
 def stage_module(model: nn.Module, units: range) -> nn.Module:
     """A copy of the (meta) model keeping only `units`; parameter names stay global. What the stage
     drops is never copied (deepcopy's memo maps it to None), so a stage of a 128-layer model costs
-    its own layers, not the whole model."""
+    its own layers, not the whole model. The last stage holds the output end (Transformer.output_end: the head
+    and what runs with it) and a copy of what of the input end that reads (the embedding, for multi-token
+    prediction: pipeline_ahead.py keeps the copies equal)."""
     n_layers = len(model.layers)
+    last = n_layers + 1 in units
     dropped = [block for key, block in model.layers.items() if int(key) + 1 not in units]
     if 0 not in units:
-        dropped += [model.tok_embeddings, model.pos_embeddings]
-    if n_layers + 1 not in units:
-        dropped += [model.norm, model.output]
+        kept = model.output_end_reads() if last else []
+        dropped += [getattr(model, name) for name in ("tok_embeddings", "pos_embeddings") if name not in kept]
+    if not last:
+        dropped += model.output_end()
     stage = copy.deepcopy(model, memo={id(part): None for part in dropped if part is not None})
     for key in [key for key, block in stage.layers.items() if block is None]:
         del stage.layers[key]
@@ -236,8 +250,6 @@ class Pipeline:
     micro-batches (the interface of forward_backward.MicroBatchLoop). `parallelize_fn` is
     parallelize with this schedule (`pp_schedule`), applied to each stage."""
 
-    ahead_loss = None  # multi-token prediction is refused under a pipeline (trainer/assemble.py)
-
     def __init__(
         self,
         model: nn.Module,
@@ -262,6 +274,7 @@ class Pipeline:
             virtual=virtual,
             tie_embeddings=model.args.tie_embeddings,
             layers=layers,
+            output_end_reads=bool(model.output_end_reads()),
         )
         pp_mesh = dims.mesh["pp"]
         self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp
@@ -282,6 +295,8 @@ class Pipeline:
         self.tokens = None
         self.dims = dims
         self.eval_stages, self._eval_schedule = [], None  # made by the first evaluation
+        self.ahead = AheadOutputs(model.args, model.output_end_reads())  # multi-token prediction, if it trains
+        self.lookahead = self.ahead.depths
         log.info(
             "pipeline: %s, %d stages (%d per rank) over pp=%d, %d micro-batches, bubble (p-1)/(v m+p-1) = %.1f%%; "
             "layers per stage: %s",
@@ -301,6 +316,11 @@ class Pipeline:
         stages = self.stages[0] if self._single else self.stages
         self.schedule = self._schedule_cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
         self.model = stages_as_one_module(self.parts)
+        self.ahead.find_copies(self.parts, self.dims.mesh["pp"], self.pp_rank)
+
+    @property
+    def ahead_loss(self) -> torch.Tensor | None:
+        return self.ahead.loss
 
     @property
     def clip_group(self):
@@ -311,8 +331,10 @@ class Pipeline:
         """The mesh a received DTensor activation lives on (the tp axis), for PipelineStage to rebuild it."""
         return self.dims.mesh[names]
 
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return token_loss(logits, labels, self.tokens)
+    def _loss(self, output, labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(output, tuple):  # with multi-token prediction's logits: pipeline_ahead.py
+            return self.ahead.loss_to_differentiate(output, labels, self.tokens)
+        return token_loss(output, labels, self.tokens)
 
     def forward_backward(self, micro_batches, tokens: torch.Tensor, autocast, scaler) -> torch.Tensor:
         """`step` under autocast, which changes only the forwards the schedule interleaves with
@@ -324,7 +346,10 @@ class Pipeline:
     def step(self, micro_batches, tokens: torch.Tensor) -> torch.Tensor:
         """Forward and backward of all micro-batches; returns the loss summed over them on every pp rank
         (before the data-parallel sum)."""
-        return self._run(self.schedule.step, micro_batches, tokens)
+        self.ahead.start_step(micro_batches[0][0].device)
+        loss = self._run(self.schedule.step, micro_batches, tokens, **self.ahead.stage_inputs(micro_batches))
+        self.ahead.finish_step(self.pp_group)
+        return self.ahead.trunk_loss(loss)
 
     @torch.no_grad()
     def evaluate(self, micro_batches) -> torch.Tensor:
@@ -353,7 +378,7 @@ class Pipeline:
             self._eval_schedule = forward_only(schedule)
         return self._eval_schedule
 
-    def _run(self, schedule_step, micro_batches, tokens: torch.Tensor) -> torch.Tensor:
+    def _run(self, schedule_step, micro_batches, tokens: torch.Tensor, **stage_inputs) -> torch.Tensor:
         if len(micro_batches) != self.n_microbatches:
             raise ValueError(f"pipeline built for {self.n_microbatches} micro-batches, got {len(micro_batches)}")
         self.tokens = tokens
@@ -363,24 +388,11 @@ class Pipeline:
         first = self.pp_rank == 0
         with loss_context(self.dims.tp_enabled):  # the last stage's loss forward and backward
             # return_outputs=False: the last stage would otherwise keep every micro-batch's logits
-            schedule_step(
-                *((inputs,) if first else ()),
-                target=labels,
-                losses=losses,
-                return_outputs=False,
-                **carried_inputs(micro_batches),
-            )
+            carried = {**carried_inputs(micro_batches), **stage_inputs}
+            schedule_step(*((inputs,) if first else ()), target=labels, losses=losses, return_outputs=False, **carried)
         losses = [part.to_local() if isinstance(part, DTensor) else part for part in losses]
         loss = (
             torch.stack([part.detach() for part in losses]).sum() if losses else torch.zeros((), device=inputs.device)
         )
         dist.all_reduce(loss, group=self.pp_group)  # only the last stage's rank holds it: the others add zero
         return loss
-
-
-def carried_inputs(micro_batches) -> dict:
-    """What the micro-batches carry for the model besides their tokens (document ids, positions), joined along the
-    batch as the tokens are: the schedule splits keyword inputs back into micro-batches and hands every stage, not
-    only the first, its micro-batch's, so each stage's attention masks the documents of the micro-batch it runs."""
-    carried = [model_inputs(mb) for mb in micro_batches]
-    return {name: torch.cat([inputs[name] for inputs in carried]) for name in carried[0]}

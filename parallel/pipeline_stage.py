@@ -15,6 +15,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._utils import _make_tensor_from_meta
 from torch.distributed.pipelining.schedules import _ComputationType, _PipelineScheduleRuntime
 
+from trillion.parallel.pipeline_ahead import shape_inference
+
 # What a forward-only run of a lowered schedule keeps: the forwards, their sends and receives, and FSDP's
 # gathering of a stage's parameters around them (parallel/pipeline.py Pipeline.eval_schedule).
 FORWARD_ACTIONS = frozenset(
@@ -99,7 +101,8 @@ class InFlightReceiveStage(PipelineStage):
 
     torch's metadata inference (the first step's forward and backward on empty tensors, to learn the
     shapes) leaves no trace in a mixture-of-experts stage: its loads are not tallied (balancing and the
-    statistics see only real tokens) and the routes it cached for a recompute are dropped.
+    statistics see only real tokens) and the routes it cached for a recompute are dropped; nor in the
+    losses multi-token prediction records (pipeline_ahead.py).
     """
 
     def _forward_metadata_inference(self, *args, **kwargs):
@@ -107,7 +110,7 @@ class InFlightReceiveStage(PipelineStage):
             return super()._forward_metadata_inference(*args, **kwargs)
 
     def _backward_metadata_inference(self, *args, **kwargs):
-        with _without_moe_traces(self.submod):
+        with _without_moe_traces(self.submod), shape_inference():
             return super()._backward_metadata_inference(*args, **kwargs)
 
     def _setup_forward_recv_info(self, num_microbatches: int, has_backward: bool) -> None:

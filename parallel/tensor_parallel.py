@@ -81,7 +81,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, float8_tp: bool = False,
         top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, tp_mesh, top)
 
-    for index, block in model.layers.items():
+    for index, block in model.blocks().items():  # the trunk's, then any multi-token prediction module's
         declared = parts.layer_block(model.args, int(index))
         style = _Styles(block, float8_tp)
         plan = {norm.name: SequenceParallel() for norm in declared.norms}
@@ -90,6 +90,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, float8_tp: bool = False,
         parallelize_module(block, tp_mesh, plan)
         for part in declared.sublayers:
             _replicate_whole(block, part, tp_mesh, experts=not expert_parallel)
+    _, ahead = parts.ahead_modules(model.args)
+    for module in model.ahead_modules().values():  # their norms on the stream, their projection replicated
+        parallelize_module(module, tp_mesh, {norm.name: SequenceParallel() for norm in ahead.norms})
+        for linear in ahead.linears:
+            distribute_module(module.get_submodule(linear.name), tp_mesh)
 
 
 def _heads_plan(part: Part, style) -> dict:

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -144,3 +146,18 @@ def test_device_check_smoke_runs_each_part_and_keeps_its_results(tmp_path):
     assert all(row.get("torch_ms", 1) > 0 and 0 < row.get("dispatch_share", 0.5) < 1.5 for row in moe)
     assert "grouped_gemm:" in section and "| debug-moe |" in section
     assert len(result.stdout.splitlines()) < 40  # the summary stays short: only the output's tail comes back
+
+
+@pytest.mark.slow  # about 20 s each on two cores
+@pytest.mark.parametrize("script", ["ep_overlap.py", "ep_dispatch.py"])
+def test_expert_parallel_benchmarks_smoke(script, tmp_path):
+    """The latency-injection benchmark (2 gloo ranks) and the dispatch-bytes benchmark (threads) at tiny sizes."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "experiments/bench" / script), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "| dispatch |" in result.stdout or "| routing | dispatch |" in result.stdout

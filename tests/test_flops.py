@@ -59,20 +59,20 @@ def test_model_flops_match_flop_counter(name):
 
 def test_multi_token_prediction_flops_match_flop_counter():
     """The MTP module's block, eh_proj and shared head cost 6 FLOPs per parameter and its attention 12 H d T per
-    token, as the trunk's; it runs on seq - 1 positions of each window (a (seq - 1)^2 attention)."""
+    token, as the trunk's; it runs at the trunk's length (models/mtp.py: every position, the last ones padded)."""
     args = dataclasses.replace(PRESETS["debug"], n_layers=1, dim=128, attention_impl="eager")
     mtp_args = dataclasses.replace(args, mtp_modules=1, mtp_loss_weight=0.3)
     seq, attention = 32, 12 * args.n_heads * args.head_dim
     model = Transformer(mtp_args)
     tokens = torch.randint(0, args.vocab_size, (2, seq))
     with FlopCounterMode(display=False) as counter:
-        logits, ahead = model(tokens, with_mtp=True)
-        (logits.sum() + ahead[0].sum()).backward()
+        logits, ahead = model(tokens, ahead=tokens.unsqueeze(-1))  # any tokens: FLOPs do not depend on them
+        (logits.sum() + ahead.sum()).backward()
     extra = counter.get_total_flops() - _measured_flops_per_token(args, seq) * tokens.numel()
     norms = sum(p.numel() for n, p in model.mtp.named_parameters() if "norm" in n)
     module = model_flops_per_token(mtp_args, seq) - model_flops_per_token(args, seq) - attention * seq
     assert module > 6 * args.vocab_size * args.dim  # the shared head's matmul is counted
-    assert extra == 2 * (seq - 1) * (module - 6 * norms + attention * (seq - 1))
+    assert extra == 2 * seq * (module - 6 * norms + attention * seq)
 
 
 def test_hardware_flops_count_the_recomputed_forward():

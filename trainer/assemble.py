@@ -6,6 +6,7 @@ it as simulated ranks of a fake world."""
 
 import dataclasses
 import logging
+import os
 
 import torch
 from torch import nn
@@ -17,6 +18,8 @@ from trillion.models.logit_probe import install_probes
 from trillion.models.parts import apply_settings as apply_part_settings
 from trillion.parallel import float8
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.ep_checks import resolve_dispatch
+from trillion.parallel.expert_overlap import pairs_micro_batches
 from trillion.parallel.float8_experts import check_experts
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, degrees_of
@@ -107,6 +110,8 @@ def part_settings(config: Config) -> dict:
         "kernels.grouped_gemm": config.kernels.grouped_gemm,
         "kernels.permutation": config.kernels.permutation,
         "data.document_mask": config.data.document_mask,
+        # the ep degree: a per-rank capacity (moe.rank_capacity_factor) drops tokens per ep rank, in one process too
+        "parallel.ep": config.parallel.ep,
     }
 
 
@@ -119,6 +124,13 @@ def check_whole_sequences(args: ModelArgs, dims: ParallelDims) -> None:
 
 def validate_training(config: Config, env: LaunchEnv) -> None:
     validate_config(config)  # a Config built in code has not been through load_config
+    planned = config.job.world_size
+    if planned and planned != env.world_size:
+        raise ConfigError(
+            f"job.world_size={planned} (the processes the layout is planned for) but the launcher started "
+            f"{env.world_size}. Launch {planned} processes (torchrun --nproc-per-node / --nnodes, srun --ntasks), or "
+            "give --job.world_size=0 and degrees for this world."
+        )
     if env.world_size > 1 and config.training.dtype == "fp16":
         raise ConfigError(
             "training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "
@@ -150,7 +162,8 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
     degrees = ParallelDims.of(
         world_size, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.ep
     )  # no mesh: the degrees checked against the world
-    degrees.validate(model_args, t.seq_len)
+    expert_dispatch = dispatch_layout(config, degrees, world_size)
+    ParallelDims(dataclasses.replace(degrees.layout, **expert_dispatch), world_size).validate(model_args, t.seq_len)
     check_whole_sequences(model_args, degrees)
     dp_ranks = degrees.dp_size * config.fault_tolerance.groups  # fault-tolerant replica groups share each batch
     check_batch_split(t, dp_ranks)
@@ -167,6 +180,7 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         layers=StageLayers.from_config(p),
         compile=config.compile.enabled,
         experts_recomputed=experts_recomputed,
+        output_end_reads=parts.ahead_modules(model_args)[0] > 0,  # multi-token prediction reads the embedding
     )
     gathers = f.enabled and float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, degrees.fsdp_enabled).fsdp_all_gather
     return Layout(
@@ -183,7 +197,33 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         float8_experts=f.experts,
         float8_dispatch=f.dispatch,
         optimizer=config.optimizer.name,
+        **expert_dispatch,
     )
+
+
+def dispatch_layout(config: Config, degrees: ParallelDims, world_size: int) -> dict:
+    """The expert dispatch's Layout fields: ranks per node (parallel.ranks_per_node, else the launcher's
+    LOCAL_WORLD_SIZE, else job.hardware's node, else one node), the dispatch mode (auto resolved), the per-rank
+    capacity and the overlap."""
+    p = config.parallel
+    ranks_per_node = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or hardware_node(config.job)
+    ranks_per_node = ranks_per_node or world_size
+    probe = ParallelDims(dataclasses.replace(degrees.layout, ranks_per_node=ranks_per_node), world_size)
+    return {
+        "ranks_per_node": ranks_per_node,
+        "ep_dispatch": resolve_dispatch(p.ep_dispatch, probe.ep_nodes[0]),
+        "ep_capacity": config.moe.rank_capacity_factor,
+        "ep_overlap": p.ep_overlap,
+    }
+
+
+def hardware_node(job) -> int:
+    """GPUs per node of job.hardware's profile (0: none given)."""
+    if not job.hardware:
+        return 0
+    from trillion.parallel.planner.hardware import load_profile
+
+    return load_profile(job.hardware).gpus_per_node
 
 
 def check_batch_split(t: Training, dp_size: int) -> None:
@@ -229,15 +269,17 @@ def build_runner(
             "`attend` callable (models/attention.py's seam) through which their logits could be measured. Use "
             "--optimizer.qk_clip=0 with this model, or give its attention kind an `attend`."
         )
-    parts, pipeline = build_model(config, dims, model, n_microbatches, device, dtype)
-    for part in parts:
+    modules, pipeline = build_model(config, dims, model, n_microbatches, device, dtype)
+    for part in modules:
         part.to_empty(device=device)
         part.init_weights(config.job.seed)
     if pipeline is not None:
         pipeline.build()
         return pipeline, pipeline
-    # the look-ahead (multi-token prediction) loss weight: 0.0 for a model without such modules (models/parts/mtp.py)
-    return MicroBatchLoop(parts[0], dims.tp_enabled, config.parallel.dp_shard_mode, model_args.mtp_loss_weight), None
+    # the look-ahead (multi-token prediction) depths and loss weight: 0 for a model without them (models/parts/mtp.py)
+    depths, weight = parts.ahead_modules(model_args)[0], model_args.mtp_loss_weight
+    paired = pairs_micro_batches(dims.layout, dims.fsdp_enabled)  # two micro-batches in flight (ep_overlap)
+    return MicroBatchLoop(modules[0], dims.tp_enabled, config.parallel.dp_shard_mode, weight, depths, paired), None
 
 
 def layout_fn(

@@ -12,7 +12,7 @@ from trillion.models.step_hooks import StepHooks, find_step_hooks
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.context_parallel import shard_batch
 from trillion.parallel.dims import ParallelDims
-from trillion.parallel.forward_backward import Runner, target_tokens
+from trillion.parallel.forward_backward import Runner, target_tokens, with_lookahead
 from trillion.parallel.tensor_parallel import reduce_partial_grads
 from trillion.trainer.metrics.profiling import PhaseTimer
 from trillion.trainer.resilience import NonFiniteGuard
@@ -43,6 +43,8 @@ def train_step(
     now (for callers that build their own runner)."""
     dims = dims or ParallelDims(world_size=1)
     hooks = find_step_hooks(runner.model) if step_hooks is None else step_hooks
+    # multi-token prediction's labels further on, stacked while every rank holds whole sequences
+    micro_batches = with_lookahead(micro_batches, runner.lookahead)
     micro_batches = shard_batch(micro_batches, dims.cp_mesh)  # this cp rank's share of every sequence
     tokens = dims.all_reduce_dp(target_tokens(micro_batches))
     if hooks:

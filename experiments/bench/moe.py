@@ -45,6 +45,18 @@ def grouped_gemm_rows(device, dtype, sizes, repeats):
         yield row
 
 
+class _CopyExperts(torch.nn.Module):
+    """Experts that return their rows: what is left of the layer is routing and permutation."""
+
+    def __init__(self, n_experts: int, permute_impl: str):
+        super().__init__()
+        self.w1 = torch.empty(n_experts, 0, 0)  # run_experts reads the expert count from it
+        self.permute_impl = permute_impl  # and the permutation's backend (kernels.permutation)
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return rows * 1.0
+
+
 def layer_rows(device, dtype, tokens, repeats):
     """debug-moe's MoE layer, forward + backward, per backend, and with the experts replaced by a copy."""
     args = PRESETS["debug-moe"]
@@ -54,7 +66,7 @@ def layer_rows(device, dtype, tokens, repeats):
         for param in layer.parameters():
             torch.nn.init.normal_(param, std=0.02)
         full = median_seconds(lambda: layer(x).sum().backward(), device, warmup=2, repeats=repeats)
-        layer.dispatch = lambda rows, counts: rows * 1.0  # routing and permutation only
+        layer.experts = _CopyExperts(args.moe.n_experts, layer.moe.permute_impl)  # routing and permutation only
         dispatch = median_seconds(lambda: layer(x).sum().backward(), device, warmup=2, repeats=repeats)
         yield {
             "part": "moe_layer",

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from trillion.errors import ConfigError
-from trillion.models.flops import count_params, model_flops_per_token
+from trillion.models.flops import count_params
 from trillion.models.presets import get_preset
 from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile
@@ -37,7 +37,8 @@ DEEPSEEK_FLOAT8 = {"float8": True, "float8_experts": "blockwise", "float8_dispat
 
 
 def command(request: Request) -> str:
-    fixed = "".join(f" --{k.replace('_', '-')}" + (f" {v}" if v is not True else "") for k, v in request.fixed.items())
+    flags = {k: ({True: "on", False: "off"}[v] if k == "ep_overlap" else v) for k, v in request.fixed.items()}
+    fixed = "".join(f" --{k.replace('_', '-')}" + (f" {v}" if v is not True else "") for k, v in flags.items())
     if request.args.mtp_modules != get_preset(request.model).mtp_modules:
         fixed += f" --mtp-modules {request.args.mtp_modules}"
     return (
@@ -139,11 +140,7 @@ def section_frontier_facts(lines: list[str], ns: argparse.Namespace) -> None:
 
 
 def section_deepseek(lines: list[str]) -> None:
-    # the trainer runs multi-token prediction only without pp, cp and tp (trainer/assemble.py), so at this scale
-    # the plans leave it out; its FLOPs share says how much DeepSeek's run did beyond them
-    args, hw = dataclasses.replace(get_preset("deepseek-v3-671b"), mtp_modules=0), load_profile("dgx-h800")
-    mtp_share = model_flops_per_token(get_preset("deepseek-v3-671b"), DEEPSEEK["seq_len"])
-    mtp_share = mtp_share / model_flops_per_token(args, DEEPSEEK["seq_len"]) - 1
+    args, hw = get_preset("deepseek-v3-671b"), load_profile("dgx-h800")  # its MTP module included
     base = Request("deepseek-v3-671b", args, hw, DEEPSEEK["gpus"], DEEPSEEK["global_batch"], DEEPSEEK["seq_len"])
     base = dataclasses.replace(base, tokens=DEEPSEEK["tokens"])
     cases = [
@@ -152,6 +149,10 @@ def section_deepseek(lines: list[str]) -> None:
         ("searched, float8", dataclasses.replace(base, fixed={"float8": True})),
         ("DeepSeek's layout, float8", dataclasses.replace(base, fixed={**DEEPSEEK_LAYOUT, "float8": True})),
         ("DeepSeek's layout and recipe", dataclasses.replace(base, fixed={**DEEPSEEK_LAYOUT, **DEEPSEEK_FLOAT8})),
+        (
+            "DeepSeek's layout and recipe, no overlap",
+            dataclasses.replace(base, fixed={**DEEPSEEK_LAYOUT, **DEEPSEEK_FLOAT8, "ep_overlap": False}),
+        ),
     ]
     lines += [
         "## 3. DeepSeek-V3 on 2048 H800s against its published GPU-hours (unfitted)",
@@ -159,11 +160,10 @@ def section_deepseek(lines: list[str]) -> None:
         "DeepSeek-V3 technical report (arXiv 2412.19437): 2.664M H800 GPU-hours of pre-training on 14.8T tokens "
         "(2.788M with context extension and post-training), on 2048 H800s in FP8 with DualPipe, PP 16, EP 64 over "
         "8 nodes, ZeRO-1 and no TP. Planned at sequence 4096 and the final batch of 15360 sequences on the "
-        "dgx-h800 profile; nothing was fitted to this run. Planned without DeepSeek's MTP module (`--mtp-modules "
-        "0`): Trillion's trainer runs multi-token prediction only without pp, cp and tp, and 2048 data-parallel "
-        "ranks do not divide the batch of 15360 sequences. The module adds "
-        f"{mtp_share:.1%} to the model FLOPs per token (models/flops.py), work DeepSeek's run did and these plans "
-        "leave out.",
+        "dgx-h800 profile, with its MTP module; nothing was fitted to this run. The expert dispatch is the "
+        "trainer's per-node one (each token crosses InfiniBand once per node it reaches, at most 4 with the "
+        "routing's 8 groups one node each) with its overlap on (parallel/expert_parallel.py; `--ep-overlap off` "
+        "for the last row).",
         "",
         *[h.replace("| hardware |", "| plan |") for h in HEADER],
     ]
@@ -175,18 +175,18 @@ def section_deepseek(lines: list[str]) -> None:
     lines += [
         "",
         "What the planner can express of DeepSeek's run: the layout (pp 16, ep 64 inside dp_shard 128, ZeRO-1 as "
-        "zero1, tp 1), MLA, group-limited routing, float8 linears (torchao's tensorwise recipe), the routed "
-        "experts' grouped GEMMs in float8 (`--float8` prices them as the trainer's float8.experts=auto runs them, "
-        "torchao's rowwise recipe; the last row as DeepSeek ran them, blockwise 1 x 128 / 128 x 128 scaling, with "
-        "the dispatch in float8 and the combine in bf16; rates and sources in parallel/planner/moe.py) and the "
-        "fused token permutation. What it cannot: the MTP module beside a pipeline (above), DualPipe's overlap of "
-        "the all-to-alls with computation (the planner charges every dispatch and combine on the compute stream, "
-        "never overlapped: the EP column), node-limited routing (each token reaches at most 4 nodes and crosses "
-        "InfiniBand once per node; the planner sends each of the top-8 copies to its expert's rank), DeepSeek's "
-        "own stage split (the planner splits "
-        "the 61 layers evenly, with the embedding on the first stage and the output head on the last: the "
-        "imbalance column; the trainer counts both as units of its split, section 4), and the batch ramp. All "
-        "but the MTP module make the planner slower than DeepSeek's run, the sign of the error above.",
+        "zero1, tp 1), MLA, group-limited routing and its node-limited dispatch, the MTP module on the last "
+        "stage (with a copy of the embedding), float8 linears (torchao's tensorwise recipe), the routed experts' "
+        "grouped GEMMs in float8 (`--float8` prices them as the trainer's float8.experts=auto runs them, torchao's "
+        "rowwise recipe; the recipe rows as DeepSeek ran them, blockwise 1 x 128 / 128 x 128 scaling, with the "
+        "dispatch in float8 and the combine in bf16; rates and sources in parallel/planner/moe.py). What it "
+        "cannot: DualPipe's overlap of one micro-batch's all-to-alls with another's compute under a pipeline (the "
+        "trainer pairs micro-batches only on one stage; under pp 16 its overlap stays inside each MoE layer, whose "
+        "last combine and first exchange stay exposed: the EP column), a fused permutation inside the dispatch "
+        "(the dispatch's gathers run in torch), DeepSeek's own stage split (the planner splits the 61 layers "
+        "evenly, with the embedding on the first stage and the output head and MTP module on the last: the "
+        "imbalance column), and the batch ramp. All of them make the planner slower than DeepSeek's run, the sign "
+        "of the error above.",
         "",
     ]
 
@@ -194,7 +194,14 @@ def section_deepseek(lines: list[str]) -> None:
 DRY_RUNS = [  # (model, hardware, GPUs, global batch, extra plan flags): the plans above, dry-run at full scale
     ("kimi-k2", "frontier", 4096, 4096, []),
     ("kimi-k2", "dgx-h100", 4096, 4096, []),
-    ("deepseek-v3-671b", "dgx-h800", DEEPSEEK["gpus"], DEEPSEEK["global_batch"], ["--mtp-modules", "0"]),
+    (  # DeepSeek's own layout, with its MTP module
+        "deepseek-v3-671b",
+        "dgx-h800",
+        DEEPSEEK["gpus"],
+        DEEPSEEK["global_batch"],
+        ["--pp", "16", "--ep", "64", "--dp-shard", "128", "--dp-shard-mode", "zero1", "--float8"]
+        + ["--float8-experts", "blockwise", "--float8-dispatch"],
+    ),
 ]
 
 

@@ -15,7 +15,7 @@ from trillion.models.presets import get_preset
 from trillion.parallel.planner.hardware import HardwareProfile, load_profile
 from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import pipeline_ranks
-from trillion.parallel.planner.moe import PERMUTATION_ROWS, effective_imbalance
+from trillion.parallel.planner.moe import dispatch_seconds, effective_imbalance, permutation_rows
 from trillion.parallel.planner.search import Request, evaluate, metrics, scaling
 from trillion.parallel.planner.timing import _memory_bound, all_to_all_time
 
@@ -35,8 +35,10 @@ UNFUSED_BYTES_PER_SCORE = 45
 # receiver reads it and writes it out), TE's permute R + top_k (a read per received copy, a write per expert), TE's
 # unpermute top_k + R (the sum only: the router's weights are applied inside the experts' SwiGLU) and DeepEP's combine
 # 3 R + 1 (a copy into the origin's buffer, the fp32 sum written once); the backward runs the same kernels reversed.
-# Its all-to-alls carry a token R times where Trillion's carry it top_k times. The planner charges Trillion's layer
-# (moe.py): its fused permutation's PERMUTATION_ROWS per token, forward and backward.
+# Its all-to-alls carry a token R times; Trillion's per-rank dispatch (the default) too, but the planner's model of it
+# (moe.py dispatch_rows) counts the ranks an evenly routed token reaches, where the recipe's fake gate sends each token
+# to one rank. The planner charges Trillion's layer (moe.py): its permutation's rows per token (permutation_rows: under
+# ep the dispatch's own gathers), forward and backward.
 
 
 def deepep_routing_rows(top_k: int, ranks: int) -> int:
@@ -83,6 +85,8 @@ def run_layout(run: dict, gpus: int) -> Layout:
         float8_dispatch=spec.get("float8_dispatch", False),
         ep=spec.get("ep", 1),
         moe_load_imbalance=spec.get("moe_load_imbalance", Layout.moe_load_imbalance),
+        ep_dispatch=spec.get("ep_dispatch", Layout.ep_dispatch),
+        ep_overlap=spec.get("ep_overlap", False),
     )
 
 
@@ -126,18 +130,21 @@ def unfused_attention_share(run: dict, row: dict) -> float:
 
 def deepep_share(run: dict, row: dict) -> float:
     """The share of the planner's step that Automodel's DeepEP dispatch and fused permutation do not pay (negative):
-    the routing's element-wise traffic and the all-to-alls' extra copies of each MoE layer and micro-batch in the
-    forward, the backward and the recomputed forward, at the planner's memory-bound and all-to-all times."""
+    the routing's element-wise traffic and the all-to-alls' copies beyond the run's ranks per token, of each MoE
+    layer and micro-batch in the forward, the backward and the recomputed forward, at the planner's memory-bound and
+    all-to-all times."""
     args, layout, hw = run_args(run), run_layout(run, run["gpus"]), load_profile(run["hardware"])
     k, ranks = args.moe.top_k, run["moe_ranks_per_token"]
     recomputed = int(layout.activation_checkpoint == "full")
     row_bytes = layout.micro_batch_size * run["seq_len"] * args.dim * hw.element_bytes
     row_bytes *= effective_imbalance(layout.ep, layout.moe_load_imbalance)
     # moe_passes: the forward, the backward and the recomputed forward (the per-token rows taken at the imbalance too)
-    forward, backward = (choice * k + token for choice, token in PERMUTATION_ROWS.values())
+    forward, backward = (choice * k + token for choice, token in permutation_rows(layout.ep).values())
     trillion_rows = forward * (1 + recomputed) + backward
     routing = _memory_bound(hw, (trillion_rows - deepep_routing_rows(k, ranks) * (2 + recomputed)) * row_bytes)
-    per_copy = all_to_all_time(hw, row_bytes * k, layout.ep, layout.tp) - all_to_all_time(
+    tokens = layout.micro_batch_size * run["seq_len"] // layout.cp
+    modeled = dispatch_seconds(args, hw, tokens, dataclasses.replace(layout, moe_load_imbalance=1.0))
+    per_copy = modeled * effective_imbalance(layout.ep, layout.moe_load_imbalance) - all_to_all_time(
         hw, row_bytes * ranks, layout.ep, layout.tp
     )
     copies = 2 * (2 + recomputed) * per_copy  # the dispatch and the combine of each pass

@@ -56,7 +56,8 @@ def _layout(spec: dict) -> str:
 
 
 def _ep(spec: dict) -> str:
-    return f", ep {spec['ep']}" if spec.get("ep", 1) > 1 else ""
+    dispatch = f" per {spec['ep_dispatch']}" if "ep_dispatch" in spec else ""
+    return f", ep {spec['ep']}{dispatch}" if spec.get("ep", 1) > 1 else ""
 
 
 def _float8(spec: dict) -> str:

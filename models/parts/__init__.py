@@ -97,6 +97,11 @@ def routed_experts(args: ModelArgs) -> int:
     return moe.declare(args).routing.n_experts if args.moe is not None else 0
 
 
+def routing(args: ModelArgs):
+    """The routed layers' router as declared (models/parts/spec.py Routing), or None for a dense model."""
+    return moe.declare(args).routing if args.moe is not None else None
+
+
 def ahead_modules(args: ModelArgs) -> tuple[int, Part | None]:
     """(how many multi-token prediction modules train beside the trunk, one module's parts besides its block)."""
     return args.mtp_modules, (mtp.declare(args) if args.mtp_modules else None)

@@ -4,11 +4,12 @@ SwiGLU experts as three stacks (whole on every tp rank, split over ep), and shar
 all-gathered tokens, so the router, its balancing tallies and the auxiliary loss are the one-process ones."""
 
 import dataclasses
+import math
 
 from trillion.errors import ConfigError
 from trillion.models.args import ModelArgs
 from trillion.models.parts import mlp
-from trillion.models.parts.spec import REPLICATED, WHOLE_TOKENS, ExpertStack, Linear, Part, Refusal, Routing
+from trillion.models.parts.spec import REPLICATED, WHOLE_TOKENS, ExpertStack, Linear, Part, Routing
 from trillion.models.presets import expert_presets
 
 # Kernel launches an MoE layer adds besides its GEMMs, counted from models/moe.py (MoE.forward and
@@ -23,6 +24,28 @@ COUNTS = ("n_experts", "top_k")
 BALANCING = ("aux_loss_coef", "seq_aux_loss_coef", "bias_update_rate", "capacity_factor")
 
 
+def reach_share(n_experts: int, top_k: int, held: int) -> float:
+    """The chance that a token's top_k distinct experts, drawn evenly from n_experts, include one of `held` ones: the
+    share of tokens a rank (or node) holding them receives under even routing."""
+    return 1 - math.comb(n_experts - held, top_k) / math.comb(n_experts, top_k)
+
+
+def member_reach(routing, held: int) -> float:
+    """The chance that a token reaches a member (an ep rank, or a node of them) holding `held` consecutive experts
+    of a Routing declaration. Group-limited routing (topk_groups of n_groups, DeepSeek-V3), the member inside a group:
+    its group chosen, times its experts among the top_k / topk_groups the token takes in each chosen group (the
+    router chooses groups by their best two, which spreads the choices over them: at DeepSeek-V3's shape this gives
+    the per-rank dispatch's counted rows within 1%, experiments/bench/ep_dispatch.py); the member holding whole
+    groups: one of its groups chosen; otherwise top_k drawn evenly."""
+    experts, groups, chosen = routing.n_experts, routing.groups, routing.groups_chosen
+    group = experts // groups
+    if groups > 1 and group % held == 0:
+        return chosen / groups * reach_share(group, max(1, round(routing.top_k / chosen)), held)
+    if groups > 1 and held % group == 0:
+        return 1 - math.comb(groups - held // group, chosen) / math.comb(groups, chosen)
+    return reach_share(experts, routing.top_k, held)
+
+
 def router_elements(moe) -> int:
     """Elements per token the router reads and writes besides its GEMM: softmax or sigmoid and top-k 3 E (read
     scores, write them, read for top-k), the loss-free bias 2 E (the add) and DeepSeek-V3's group-limited choice
@@ -30,21 +53,6 @@ def router_elements(moe) -> int:
     bias = 2 if moe.bias_update_rate > 0 else 0
     groups = 3 if moe.n_groups > 1 else 0
     return (3 + bias + groups) * moe.n_experts
-
-
-def _refusals(args: ModelArgs) -> tuple[Refusal, ...]:
-    coef = args.moe.seq_aux_loss_coef
-    if coef <= 0:
-        return ()
-    why = (
-        "DeepSeek-V3's sequence-wise balance loss counts each sequence's expert choices, and context parallelism "
-        "gives every rank only chunks of each sequence"
-    )
-    fix = (
-        "Use --parallel.cp=1, or --moe.seq_aux_loss_coef=0 (the auxiliary-loss-free bias, moe.bias_update_rate, "
-        "balances without it)."
-    )
-    return (Refusal(f"moe.seq_aux_loss_coef={coef:g}", (("cp", why),), fix),)
 
 
 def declare(args: ModelArgs) -> Part:
@@ -58,13 +66,18 @@ def declare(args: ModelArgs) -> Part:
         linears=shared.linears,
         experts=tuple(ExpertStack(f"feed_forward.experts.{name}", e, i, o) for name, i, o in stacks),
         routing=Routing(
-            Linear("feed_forward.router.gate", h, e, REPLICATED), e, moe.top_k, router_elements(moe), kernels
+            Linear("feed_forward.router.gate", h, e, REPLICATED),
+            e,
+            moe.top_k,
+            router_elements(moe),
+            kernels,
+            moe.n_groups,
+            moe.topk_groups,
         ),
         saved=shared.saved,
         eager=shared.eager,
         compiled=shared.compiled,
         tp_style=WHOLE_TOKENS,
-        refusals=_refusals(args),
     )
 
 
@@ -82,7 +95,10 @@ def apply_settings(args: ModelArgs, settings: dict) -> ModelArgs:
         return args
     impls = {"experts_impl": settings.get("kernels.grouped_gemm", "auto")}
     impls["permute_impl"] = settings.get("kernels.permutation", "auto")
-    routing = dataclasses.replace(args.moe, **impls, **overrides)
+    per_rank = {"rank_capacity_factor": settings.get("moe.rank_capacity_factor", 0.0)}
+    if per_rank["rank_capacity_factor"] > 0:  # the ranks whose capacity one process applies too
+        per_rank["capacity_ranks"] = settings.get("parallel.ep", 1)
+    routing = dataclasses.replace(args.moe, **impls, **overrides, **per_rank)
     if routing.top_k > routing.n_experts:
         raise ConfigError(
             f"model.top_k={routing.top_k} is more than the model's {routing.n_experts} experts: each token picks "

@@ -2,35 +2,27 @@
 normalises the last hidden state and the embedding of the token one further ahead (two RMSNorms), projects their
 concatenation (2 dim -> dim; no TP plan names it, so it is whole on every rank), runs one more block (an MoE block
 where the trunk's next layer would be one) and its own copy of the final norm, then the shared output head.
-They train only in one process or under data and expert parallelism."""
+They train under every layout: tensor parallelism splits the block as the trunk's and keeps the projection whole,
+context parallelism gives them the rank's positions, a pipeline runs them on its last stage
+(parallel/pipeline_ahead.py)."""
 
 import dataclasses
 
 from trillion.errors import ConfigError
 from trillion.models.args import ModelArgs
 from trillion.models.parts.norm import model_norm
-from trillion.models.parts.spec import REPLICATED, Linear, Part, Refusal
+from trillion.models.parts.spec import REPLICATED, Linear, Part
 from trillion.models.presets import MTP_LOSS_WEIGHT
 
 NORMS = ("hnorm", "enorm", "norm")
-WHY = (
-    ("pp", "a pipeline's last stage, where the module runs, does not hold the embedding table"),
-    ("cp", "context parallelism splits each sequence into chunks the one-token shift crosses"),
-    ("tp", "tensor parallelism does not shard the module's block"),
-)
 
 
 def declare(args: ModelArgs) -> Part:
     """One module besides its block (names inside `mtp.<index>`)."""
-    fix = (
-        "Train it in one process, with data parallelism (parallel.dp_shard / dp_replicate) or expert parallelism "
-        "(parallel.ep), or turn it off with --model.mtp_modules=0."
-    )
     return Part(
         module="",
         linears=(Linear("eh_proj", 2 * args.dim, args.dim, REPLICATED),),
         norms=tuple(model_norm(args, name) for name in NORMS),
-        refusals=(Refusal(f"model.mtp_modules={args.mtp_modules} (multi-token prediction)", WHY, fix),),
     )
 
 

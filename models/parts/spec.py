@@ -154,13 +154,16 @@ class Refusal:
 @dataclass(frozen=True)
 class Routing:
     """A router's choice of experts: its gate (replicated over tp, computed on local tensors), E and top_k, the
-    elements per token its scores and choice read and write besides the gate, and its extra kernel launches."""
+    elements per token its scores and choice read and write besides the gate, its extra kernel launches, and its
+    groups (DeepSeek-V3's group-limited routing; expert parallelism lines them up with nodes)."""
 
     gate: Linear
     n_experts: int
     top_k: int
     elements: int
     kernels: int
+    groups: int = 1  # group-limited routing: the experts in `groups` equal groups, a token's choices in
+    groups_chosen: int = 1  # this many of them (1 group: unlimited)
 
 
 @dataclass(frozen=True)

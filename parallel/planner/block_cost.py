@@ -10,7 +10,7 @@ from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, ROW
 from trillion.parallel.layout import Layout
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.memory import tp_local_linears
-from trillion.parallel.planner.moe import float8_expert_recipe, moe_passes
+from trillion.parallel.planner.moe import moe_passes
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, collective_time, float8_casts
 from trillion.parallel.planner.work import (
     BACKWARD_ELEMENTWISE,
@@ -124,10 +124,9 @@ def block_passes(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: 
     if not routed:
         return layer_passes(*shape, attention_share=layout.attention_share)
     tokens = layout.micro_batch_size * seq_len // layout.cp
-    recipe = float8_expert_recipe(layout.float8, layout.float8_experts)
-    dispatch = recipe is not None and layout.float8_dispatch
-    routed_experts = moe_passes(args, hw, tokens, layout.tp, layout.ep, layout.moe_load_imbalance, recipe, dispatch)
-    return layer_passes(*shape, True, layout.attention_share) + routed_experts
+    # attention and shared experts: what a paired micro-batch computes beside this one's all-to-alls
+    around = layer_passes(*shape, True, layout.attention_share)
+    return around + moe_passes(args, hw, tokens, layout, around)
 
 
 @lru_cache(maxsize=8192)

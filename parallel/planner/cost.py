@@ -140,8 +140,11 @@ def rank_passes(
         ) + output_passes(args, hw, tokens, tp)
         total = total + (module + Passes(projection, projection, projection)) * rank.ahead_modules
     mean = forward_sum * (1 / max(rank.layers, 1))  # a recomputed layer: the mean of the rank's layers
-    recompute = Passes(
-        forward=mean.forward, tp_forward=mean.tp_forward, cp_forward=mean.cp_forward, ep_forward=mean.ep_forward
+    recompute = Passes(  # its all-to-alls without the counts (the route is replayed)
+        forward=mean.forward - mean.ep_forward + mean.ep_recompute,
+        tp_forward=mean.tp_forward,
+        cp_forward=mean.cp_forward,
+        ep_forward=mean.ep_recompute,
     )
     return total, recompute * rank.checkpointed(layout.activation_checkpoint)
 
@@ -184,6 +187,16 @@ def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankPara
     after_backward = replicate + (reduce if mode == "zero1" else 0.0)
     before_forward = gather if mode in ("zero1", "zero2") else 0.0
     return per_microbatch, after_backward, before_forward
+
+
+def embedding_copy_sum(args: ModelArgs, hw: HardwareProfile, layout: Layout) -> float:
+    """The all-reduce, after each step's backward, of the embedding's gradient shard between the first pipeline rank
+    and the last, which holds a copy for multi-token prediction (parallel/pipeline_ahead.py); 0 without one."""
+    if layout.pp == 1 or not parts.ahead_modules(args)[0]:
+        return 0.0
+    shard = sum(t.rows * t.dim for t in parts.model_root(args).tables) / layout.tp / (layout.dp_shard * layout.cp)
+    inner = layout.tp * layout.cp * layout.dp  # the ranks between two pipeline stages in the mesh
+    return collective_time(hw, 4 * shard, 2, inner * layout.pp, "all_reduce")
 
 
 def pipeline_part(layout: Layout) -> Layout:
@@ -231,6 +244,7 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     bandwidth, latency = hw.collective_link(min(hw.gpus_per_node, 2 * inner), crosses_nodes)
     transfers = 2 * (p * v - 1) if hw.overlaps_collectives else 2 * m * v  # per stage boundary
     pp_exposed = transfers * (boundary_bytes / bandwidth + latency) if p > 1 else 0.0
+    pp_exposed += embedding_copy_sum(args, hw, layout)
 
     rank = pipeline_ranks(args, layout)[slowest]
     per_mb, after_backward, before_forward = dp_comm(args, hw, layout, rank)

@@ -23,7 +23,10 @@ SEARCHED_CHECKPOINT_MODES = tuple(name for name, mode in CHECKPOINT_MODES.items(
 
 def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int) -> tuple[float, float]:
     """Micro-batches whose activations the first and the last rank hold at the peak, in units of
-    one micro-batch through all of that rank's layers (Narayanan et al. 2021 for interleaving)."""
+    one micro-batch through all of that rank's layers (Narayanan et al. 2021 for interleaving). A V
+    schedule holds as many on every rank (ZB-V, Qi et al. 2024: its two chunks balance each rank's
+    memory; `trillion estimate` replaying torch's ZBVZeroBubble order at pp 16 counted 2 x 16 chunks
+    on ranks 1, 4, 8, 12 and 15, and DualPipeV's 2 x 16 + 1)."""
     if p == 1:
         return 1.0, 1.0
     rule = schedule.in_flight
@@ -32,7 +35,8 @@ def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int) -> tuple[
     if rule == "interleaved":
         return min(m, p) * (1 + (p - 1) / (p * v)), 1.0 + (p - 1) / (p * v)
     extra = 1 if rule == "pipeline+1" else 0
-    return float(min(m, p + extra)), 1.0 + extra
+    first = float(min(m, p + extra))
+    return first, first if schedule.v_shape else 1.0 + extra
 
 
 def bubble_slots(schedule: Schedule, p: int) -> tuple[float, float, float, float]:

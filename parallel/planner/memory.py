@@ -35,7 +35,7 @@ from trillion.models.parts.spec import Linear, Norm
 from trillion.parallel import modes
 from trillion.parallel.modes import checkpointed_blocks
 from trillion.parallel.planner.layout import Layout, in_flight_microbatches, rank_of_virtual_stage, stage_layers
-from trillion.parallel.planner.moe import expert_numel, moe_activation_bytes
+from trillion.parallel.planner.moe import expert_numel, moe_activation_bytes, pairs
 from trillion.parallel.planner.optimizer import state_bytes, step_buffer_bytes
 from trillion.parallel.planner.shards import ParamSpec, local_numel
 
@@ -155,11 +155,17 @@ class RankParams:
         """Layers checkpointed: the trainer applies the mode to each stage module's own blocks."""
         return sum(checkpointed_layers(mode, c) for c in (self.chunks or (self.layers,)))
 
+    @property
+    def embedding(self) -> bool:
+        """Holds the embedding: the first rank's, or a copy on the last, whose multi-token prediction modules read
+        it (parallel/pipeline_ahead.py)."""
+        return self.first or (self.last and self.ahead_modules > 0)
+
     def numel(self, args: ModelArgs, tp: int, dp_shard: int, ep: int = 1) -> tuple[int, int]:
         """(after TP, after TP and FSDP) parameter elements of this rank; `dp_shard` the FSDP ranks (dp_shard x
         cp), the routed experts over ep of them and sharded over the other dp_shard / ep (moe.py)."""
         dense, routed = self.blocks(args)
-        return _rank_numel(args, dense, routed, self.first, self.last, tp, dp_shard, ep, self.ahead_modules)
+        return _rank_numel(args, dense, routed, self.embedding, self.last, tp, dp_shard, ep, self.ahead_modules)
 
 
 @lru_cache(maxsize=65536)
@@ -307,7 +313,7 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     d = layout.dp_shard * cp
     dense_blocks, moe_blocks = rank.blocks(args)
     layer_tp = _gathered_block(args, dense_blocks > 0, moe_blocks > 0, tp, d, layout.ep)
-    root_tp = _rank_numel(args, 0, 0, rank.first, rank.last, tp, d, 1)[0]
+    root_tp = _rank_numel(args, 0, 0, rank.embedding, rank.last, tp, d, 1)[0]
     # zero3: two gathered blocks (in use, prefetched) and the held root; all modes: an fp32 block's reduce-scatter
     fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if mode == "zero3" else 0)
     recompute = max(dense_layer, moe_layer if rank.routed_layers else 0) if n_ckpt else 0  # one layer, rebuilt
@@ -349,6 +355,8 @@ def layout_memory(args: ModelArgs, layout: Layout, seq_len: int) -> Memory:
     blocks (deepseek-v3-671b: `trillion estimate` measured 100 GB on one where the first rank held 21)."""
     schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
     first, last = in_flight_microbatches(schedule, layout.pp, layout.virtual_stages, layout.microbatches)
+    if pairs(layout):  # two micro-batches in flight (parallel/expert_overlap.py)
+        first = last = 2.0
     span, candidates = max(layout.pp - 1, 1), []
     for rank, index in _earliest_of_each_kind(args, layout.pp, layout.virtual_stages, layout.pp_schedule):
         in_flight = last if rank.last and index else first + (last - first) * index / span

@@ -12,14 +12,16 @@ experts stay whole, replicated over tp, parallel/tensor_parallel.py; the shared 
              ep > 1, where the all-to-alls make every rank wait for the busiest one; with ep 1 a rank runs
              every expert on all its tokens (tokens x top_k rows in all, whatever the balance), so there it
              is 1. MOE_LOAD_IMBALANCE is its default (see its note).
-  all-to-all per MoE layer forward: the dispatch (an all-to-all of the per-expert counts, latency only,
-             then the tokens with uneven splits) and the combine; backward the two again (their gradients).
-             Each moves tokens x top_k x dim x bytes x imbalance per rank, (ep - 1) / ep of it to peers
-             (timing.all_to_all_time): on the node's link for the ep ranks in the node (the ep group sits
-             just outside tp: ep x tp consecutive GPUs), on the network for the rest. On the compute
-             stream, never overlapped (the dispatch needs the counts before it can size its buffers).
+  all-to-all per MoE layer forward: the counts' exchange (latency) and the host read's stall (host_read_stall;
+             none with a capacity, parallel.ep_capacity), the dispatch and the combine; backward the two again
+             (their gradients). The rows a token sends per hop and stage (network, the node's link) follow the
+             dispatch mode the trainer runs (dispatch_rows: per expert, per rank, per node; the ep group sits just
+             outside tp: ep x tp consecutive GPUs), each row the token and its routing (row_bytes), at the
+             imbalance (dispatch_seconds). With parallel.ep_overlap what hides is what the mechanism puts beside
+             each all-to-all's wait (exposed_all_to_alls; paired micro-batches: exposed_paired); else all of it.
   element-wise  per token of the tp group: the fused permutation into expert order and back
-             (kernels/permute.py, kernels.permutation=auto on GPUs; PERMUTATION_ROWS), SwiGLU on the expert
+             (kernels/permute.py, kernels.permutation=auto on GPUs; PERMUTATION_ROWS; under ep the dispatch's
+             own gathers in torch, DISPATCH_PERMUTATION_ROWS), SwiGLU on the expert
              hidden 5 k f, the router's softmax and top-k 3 E (read scores, write them, read for top-k), its
              loss-free bias 2 E (the add: read, write) and DeepSeek-V3's group-limited choice 3 E (the per-group
              top-2 reads the scores, the mask of the other groups reads and writes them: Router.forward); the
@@ -33,8 +35,8 @@ Memory: expert parameters total / (ep x efsdp), efsdp = dp_shard x cp / ep, so a
 those of its E / ep experts sharded over efsdp (the states per rank do not depend on ep; FSDP's gathered
 copies, its buffers and its traffic do: one layer's E / ep experts, all-gathered over the efsdp ranks).
 Activations of an MoE layer (not checkpointed): the router's fp32 scores tokens x E x 4 bytes, the
-permuted tokens k h, the experts' w1 and w3 outputs, silu and product 4 k f, their outputs k h, all
-times imbalance where it applies, bf16.
+permuted tokens k h, the experts' w1 and w3 outputs, silu and product 4 k f, their outputs k h, and under ep
+their weighted outputs k h more (WEIGHTED_OUTPUT_ROWS), all times imbalance where it applies, bf16.
 """
 
 import math
@@ -42,6 +44,7 @@ import math
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.models.parts import Block
+from trillion.models.parts.moe import member_reach
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time
 from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, FLOAT8_CAST_BYTES
@@ -61,6 +64,13 @@ MOE_LOAD_IMBALANCE = 1.16
 # gradients (2 k + 1). torch's path (kernels.permutation=torch) moved 7 per choice and 1 forward (the gathers,
 # the weighting's product and the sum, each materialised), twice that backward: 57 and 114 at top-8, now 18, 26.
 PERMUTATION_ROWS = {"forward": (2, 2), "backward": (3, 2)}
+# Under expert parallelism the dispatch permutes the rows itself, in torch (parallel/ep_routing.py: the rows
+# gathered per destination, the receivers' gather into expert order, the weighting, the sum back and the combine's
+# gather and sum), counted as torch's path above: 7 per choice and 1 forward, twice that backward.
+DISPATCH_PERMUTATION_ROWS = {"forward": (7, 1), "backward": (14, 2)}
+# Kernels the dropless dispatch launches between reading its split sizes on the host and posting its all-to-all:
+# counted by tests/planner/test_dispatch_plan.py, which runs that stretch under a dispatch mode
+HOST_READ_LAUNCHES = 39
 # The routed experts' float8 grouped GEMMs (float8_experts) as a share of the device's dense fp8 GEMM plateau
 # (devices.toml fp8_gemm_efficiency), by recipe:
 # - rowwise, torchao's _scaled_grouped_mm (what float8.experts=auto runs on sm90 and gfx942): pytorch/ao PR 2490
@@ -72,6 +82,13 @@ PERMUTATION_ROWS = {"forward": (2, 2), "backward": (3, 2)}
 #   has timed yet: DeepGEMM's rate is what the recipe reaches on Hopper.
 # On gfx942 no grouped float8 figure is published: the same shares of its fp8 plateau (itself assumed, devices.toml).
 FLOAT8_EXPERT_SHARE = {"rowwise": 0.838, "blockwise": 0.851}
+# Rows of dim per choice an MoE layer keeps under ep beyond one process's: the receivers' experts return their
+# outputs by weighting them, then index_add_ into their rows (models/expert_rows.py run_experts with `slots`), and
+# index_add_'s backward keeps its source, the weighted outputs (torch's derivatives.yaml: source's gradient is
+# grad.index_select(...).expand_as(source)); the product keeps the unweighted ones, as the fused unpermute does.
+# Measured: `trillion estimate` of kimi-k2's frontier plan held 3.6 GB more on its second rank once the dispatch
+# took this path, 2 MoE layers x 31 micro-batches x 512 tokens x 8 x 7168 x 2 bytes (KIMI_K2.md section 4).
+WEIGHTED_OUTPUT_ROWS = 1
 BLOCKWISE_TILE, SCALE_BYTES = 128, 4  # a dispatched row's float32 scale per 1 x 128 tile (or per row)
 
 
@@ -103,10 +120,10 @@ def expert_rows(args: ModelArgs, tokens: int, ep: int, imbalance: float) -> int:
     return math.ceil(tokens * routing.top_k * ep / routing.n_experts * effective_imbalance(ep, imbalance))
 
 
-def all_to_all_bytes(args: ModelArgs, tokens: int, ep: int, element_bytes: int, imbalance: float = 1.0) -> float:
-    """Bytes one rank sends to its ep peers in one all-to-all: tokens x top_k x dim x bytes x (ep - 1) / ep."""
-    payload = tokens * routed_block(args).routing.top_k * args.dim * element_bytes * effective_imbalance(ep, imbalance)
-    return payload * (ep - 1) / ep
+def members_per_node(layout) -> int:
+    """The ep group's ranks on one node of layout.ranks_per_node (the planner's: its hardware's GPUs per node; the group
+    sits just outside tp: ep x tp consecutive GPUs)."""
+    return max(1, min(layout.ep, layout.ranks_per_node // layout.tp))
 
 
 def float8_expert_recipe(float8: bool, setting: str) -> str | None:
@@ -123,43 +140,172 @@ def dispatch_row_bytes(dim: int, recipe: str) -> int:
     return dim + SCALE_BYTES * (-(-dim // BLOCKWISE_TILE) if recipe == "blockwise" else 1)
 
 
-def moe_passes(
-    args: ModelArgs,
-    hw: HardwareProfile,
-    tokens: int,
-    tp: int,
-    ep: int,
-    imbalance: float = MOE_LOAD_IMBALANCE,
-    float8: str | None = None,
-    float8_dispatch: bool = False,
-) -> Passes:
-    """What one MoE layer adds to its block's attention and shared experts (the module docstring); `float8` the
-    experts' float8 recipe (float8_expert_recipe), `float8_dispatch` the forward dispatch in float8."""
+def dispatch_mode(layout) -> str:
+    """The layout's dispatch mode as it runs: the per-node one only where the ep group spans nodes."""
+    if layout.ep_dispatch == "node" and layout.ep <= members_per_node(layout):
+        return "rank"
+    return layout.ep_dispatch
+
+
+def dispatch_rows(args: ModelArgs, mode: str, ep: int, members: int) -> tuple[tuple[float, float], ...]:
+    """Per hop, the rows one rank sends per token of its MoE input in one direction (the combine sends as many back),
+    (over the network, over the node's link), as parallel/expert_parallel.py sends them: per expert one a choice on
+    another rank; per rank one a reached rank; per node one a reached node over the network, then one a reached rank
+    of that node besides the one it arrived at (models/parts/moe.py member_reach). Tested against the rows the
+    dispatch's own all-to-alls count (tests/planner/test_dispatch_plan.py)."""
+    routing = routed_block(args).routing
+    per_rank, nodes = routing.n_experts // ep, max(1, ep // members)
+    if mode == "expert":
+        return ((routing.top_k * (ep - members) / ep, routing.top_k * (members - 1) / ep),)
+    rank = member_reach(routing, per_rank)
+    if mode == "rank" or nodes == 1:
+        return (((ep - members) * rank, (members - 1) * rank),)
+    node = member_reach(routing, per_rank * members)
+    return (((nodes - 1) * node, 0.0), (0.0, ep * rank * (members - 1) / members))
+
+
+def row_bytes(args: ModelArgs, mode: str, payload_bytes: int) -> int:
+    """A dispatched row: its payload (the token: dim x the compute dtype's bytes, or a float8 wire row), and its weights
+    and expert ids in float32 (ep_routing.py)."""
+    slots = 1 if mode == "expert" else routed_block(args).routing.top_k
+    return payload_bytes + 2 * slots * 4
+
+
+def dispatch_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, layout, payload_bytes: int = 0) -> float:
+    """One direction's all-to-alls (the dispatch, its rows of `payload_bytes`, default the token in the compute dtype;
+    the combine takes as long in that dtype) on the busiest rank: each hop's network and node-link shares at once, the
+    hops one after the other, a latency each."""
+    ep, tp = layout.ep, layout.tp
+    if ep <= 1:
+        return 0.0
+    members, mode = members_per_node(layout), dispatch_mode(layout)
+    row = row_bytes(args, mode, payload_bytes or args.dim * hw.element_bytes)
+    size = tokens * row * effective_imbalance(ep, layout.moe_load_imbalance)
+    seconds = 0.0
+    for network, link in dispatch_rows(args, mode, ep, members):
+        hop, latency = 0.0, 0.0
+        if link:
+            bandwidth, latency = hw.collective_link(members * tp, False, "all_to_all")
+            hop = size * link / bandwidth
+        if network:
+            bandwidth, latency = hw.collective_link(ep * tp, True, "all_to_all")
+            hop = max(hop, size * network / bandwidth)
+        seconds += hop + latency
+    return seconds
+
+
+def exposed_all_to_alls(layout, dispatch: float, combine: float, counts: float, shared: float, experts: float) -> float:
+    """Seconds of one pass's all-to-alls left exposed: the `dispatch` and the `combine` and `counts` (the split sizes'
+    exchange and read; 0 where none: a capacity, a recompute, the backward), beside the pass's `shared` experts and
+    routed `experts`. Without overlap all of it. With it (parallel/expert_parallel.py) each all-to-all's wait sees the
+    compute run since its post: the counts the first chunk's shared experts; of two chunks (the expert and rank
+    modes) posted together, the first dispatch half the first shared experts with a capacity (dropless: nothing), the
+    second the first chunk's experts, the first combine half the second chunk's experts, the last the second shared
+    experts. The per-node mode runs in one chunk: only the counts hide, behind the shared experts."""
+    if not layout.ep_overlap:
+        return counts + dispatch + combine
+    if dispatch_mode(layout) == "node":
+        return max(0.0, counts - shared) + dispatch + combine
+    first = max(0.0, dispatch / 2 - (0.0 if counts else shared / 2))
+    beside_experts = max(0.0, dispatch / 2 - experts / 2) + max(0.0, combine / 2 - experts / 2)
+    return max(0.0, counts - shared / 2) + first + beside_experts + max(0.0, combine / 2 - shared / 2)
+
+
+def pairs(layout) -> bool:
+    """parallel.ep_overlap pairs micro-batches here (parallel/expert_overlap.py pairs_micro_batches's rule)."""
+    gathered = layout.dp_shard * layout.cp == 1 or layout.dp_shard_mode != "zero3"
+    return layout.ep_overlap and layout.ep > 1 and layout.pp == 1 and layout.microbatches > 1 and gathered
+
+
+def exposed_paired(dispatch: float, combine: float, counts: float, segment: float) -> float:
+    """Seconds of one pass's all-to-alls left exposed with two micro-batches in flight: each waits beside one
+    segment of the other's compute, its pass between two of its posts (`segment`)."""
+    return sum(max(0.0, phase - segment) for phase in (counts, dispatch, combine) if phase)
+
+
+def permutation_rows(ep: int) -> dict:
+    """Rows of dim per token the permutation into expert order and back moves, (per choice, per token) forward and
+    backward: the fused permutation's in one process, the dispatch's own gathers under ep."""
+    return PERMUTATION_ROWS if ep == 1 else DISPATCH_PERMUTATION_ROWS
+
+
+def moe_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, layout, around: Passes | None = None) -> Passes:
+    """What one MoE layer adds to its block's attention and shared experts (`around`; the module docstring), with the
+    layout's float8 experts (float8_expert_recipe) and float8 dispatch."""
     block, h, launch = routed_block(args), args.dim, hw.device.kernel_overhead_us * 1e-6
+    tp, ep, imbalance = layout.tp, layout.ep, layout.moe_load_imbalance
+    float8 = float8_expert_recipe(layout.float8, layout.float8_experts)
     routing, f = block.routing, expert_width(block)  # the routed experts are whole on every tp rank
     experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance, float8)
     casts = expert_float8_casts(args, hw, tokens, ep, imbalance) if float8 else (0.0, 0.0, 0.0)
     router = _gemm(hw, tokens, routing.gate.in_features, routing.gate.out_features)
     k, imb = routing.top_k, effective_imbalance(ep, imbalance)
     swiglu = tokens * (5 * k * f * imb + routing.elements)
-    forward_rows, backward_rows = (tokens * (c * k * imb + t) * h for c, t in PERMUTATION_ROWS.values())
+    forward_rows, backward_rows = (tokens * (c * k * imb + t) * h for c, t in permutation_rows(ep).values())
     elementwise = _memory_bound(hw, (swiglu + forward_rows) * hw.element_bytes) + routing.kernels * launch
     backward_elementwise = (
         _memory_bound(hw, (BACKWARD_ELEMENTWISE * swiglu + backward_rows) * hw.element_bytes)
         + BACKWARD_ELEMENTWISE * routing.kernels * launch
     )
-    rows = tokens * k * imb  # one all-to-all's rows per rank, own share included
-    a2a = all_to_all_time(hw, rows * h * hw.element_bytes, ep, tp)
-    dispatch = all_to_all_time(hw, rows * dispatch_row_bytes(h, float8), ep, tp) if float8_dispatch else a2a
-    counts = all_to_all_time(hw, 0.0, ep, tp)  # the counts' exchange: its latency
-    forward_a2a, backward_a2a = dispatch + a2a + counts, 2 * a2a
-    return Passes(
-        forward=router + experts + casts[0] + elementwise + forward_a2a,
-        input_grad=router + experts + casts[1] + backward_elementwise + backward_a2a,
-        weight_grad=router + experts + casts[2],
-        ep_forward=forward_a2a,
-        ep_backward=backward_a2a,
+    forward, input_grad, weight_grad = (
+        router + experts + casts[0] + elementwise,
+        router + experts + casts[1] + backward_elementwise,
+        router + experts + casts[2],
     )
+    exposed = [0.0, 0.0, 0.0]  # forward, backward, recomputed forward
+    if ep > 1:
+        routed = (forward, input_grad + weight_grad)
+        exposed = exposed_seconds(args, hw, tokens, layout, float8, experts, routed, around)
+    return Passes(
+        forward=forward + exposed[0],
+        input_grad=input_grad + exposed[1],
+        weight_grad=weight_grad,
+        ep_forward=exposed[0],
+        ep_backward=exposed[1],
+        ep_recompute=exposed[2],
+    )
+
+
+def exposed_seconds(args, hw, tokens: int, layout, float8, experts: float, routed: tuple, around) -> list[float]:
+    """Seconds of the all-to-alls left exposed in (the forward, the backward, a recomputed forward) of one MoE layer
+    under ep: the dispatch in float8 in the forwards with float8 dispatch (its backward and the combine in the compute
+    dtype); beside the shared experts and the routed `experts`, or with paired micro-batches beside the other's layer
+    (`routed`: this layer's routed forward and backward, both gradients, `around` its attention and shared experts)."""
+    tp, ep = layout.tp, layout.ep
+    one_way, shared = dispatch_seconds(args, hw, tokens, layout), shared_expert_seconds(args, hw, tokens, tp)
+    wire = dispatch_row_bytes(args.dim, float8) if float8 and layout.float8_dispatch else 0
+    dispatch = dispatch_seconds(args, hw, tokens, layout, wire) if wire else one_way
+    counts = 0.0 if layout.ep_capacity else all_to_all_time(hw, 0.0, ep, tp) + host_read_stall(hw)
+    if around is not None and pairs(layout):  # the other micro-batch's layer computes beside each all-to-all
+        forward = around.forward - around.tp_forward - around.cp_forward + routed[0]
+        backward = around.input_grad + around.weight_grad - around.tp_forward - around.cp_forward + routed[1]
+        turns = 3 if counts else 2  # a forward hands the turn over after the counts, the rows, the combine
+        return [
+            exposed_paired(dispatch, one_way, counts, forward / turns),
+            exposed_paired(one_way, one_way, 0.0, backward / 2),
+            exposed_paired(dispatch, one_way, 0.0, forward / 2),
+        ]
+    return [
+        exposed_all_to_alls(layout, dispatch, one_way, counts, shared, experts),
+        exposed_all_to_alls(layout, one_way, one_way, 0.0, 2 * shared, 2 * experts),
+        exposed_all_to_alls(layout, dispatch, one_way, 0.0, shared, experts),
+    ]
+
+
+def shared_expert_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) -> float:
+    """One forward of the shared experts' GEMMs (tp-split as declared): what the overlap runs beside the dispatch."""
+    part = next(p for p in routed_block(args).parts if p.routing is not None)
+    split = {0: (1, tp), 1: (tp, 1), None: (1, 1)}
+    return sum(
+        _gemm(hw, tokens, x.in_features // split[x.tp_dim][0], x.out_features // split[x.tp_dim][1])
+        for x in part.linears
+    )
+
+
+def host_read_stall(hw: HardwareProfile) -> float:
+    """The device's idle time per dropless MoE forward: the host waits for the split sizes, then launches the
+    HOST_READ_LAUNCHES kernels before the all-to-all one by one onto an empty queue."""
+    return HOST_READ_LAUNCHES * hw.device.kernel_overhead_us * 1e-6
 
 
 def expert_gemm_seconds(
@@ -208,7 +354,8 @@ def moe_activation_bytes(args: ModelArgs, tokens: int, tp: int, ep: int, imbalan
     """Bytes an MoE layer keeps for backward beyond its attention and shared experts (the module docstring)."""
     block = routed_block(args)
     k, f, imb = block.routing.top_k, expert_width(block), effective_imbalance(ep, imbalance)
-    return tokens * (4 * block.routing.n_experts + (2 * k * args.dim + 4 * k * f) * imb * dtype_bytes)
+    rows = 2 + (WEIGHTED_OUTPUT_ROWS if ep > 1 else 0)  # the permuted tokens, the outputs (and weighted: ep)
+    return tokens * (4 * block.routing.n_experts + (rows * k * args.dim + 4 * k * f) * imb * dtype_bytes)
 
 
 def ep_degrees(args: ModelArgs, shard_ranks: int) -> list[int]:

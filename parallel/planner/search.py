@@ -19,6 +19,7 @@ from trillion.models.flops import (
     megatron_flops_per_iteration,
     model_flops_per_token,
 )
+from trillion.parallel.ep_checks import check_ep_dispatch, ep_nodes
 from trillion.parallel.layout import Layout
 from trillion.parallel.modes import check_schedule
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
@@ -62,6 +63,8 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     if refused := parts.layout_refusal(args, layout):  # what a part cannot train under (models/parts)
         return refused
     try:
+        if layout.ep > 1:
+            check_ep_dispatch(layout, ep_nodes(layout), args, warn=False)
         check_schedule(
             layout.pp_schedule,
             layout.pp,
@@ -70,6 +73,7 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
             layout.compile,
             n_layers=args.n_layers,
             experts_recomputed=layout.ep > 1 and layout.activation_checkpoint != "none",
+            output_end_reads=parts.ahead_modules(args)[0] > 0,
         )
     except ConfigError as error:
         return str(error)

@@ -18,6 +18,7 @@ from trillion.errors import ConfigError
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
+from trillion.parallel.ep_checks import ep_nodes, resolve_dispatch
 from trillion.parallel.layout import Layout
 from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
@@ -43,6 +44,9 @@ LAYOUT_FIELDS = (
     "float8_dispatch",
     "ep",
     "moe_load_imbalance",
+    "ep_dispatch",
+    "ep_capacity",
+    "ep_overlap",
     "optimizer",
 )
 
@@ -194,7 +198,7 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
 
 def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shard: int, ep: int, schedules, zero_modes):
     """The layouts of one (tp, pp, dp, cp, dp_shard, ep): schedules, micro-batch sizes, checkpointing, ZeRO modes."""
-    args = request.args
+    args, dispatch = request.args, _dispatch(request, tp, ep)
     for name in schedules:
         schedule = modes.schedule(name, "--pp-schedule")
         any_v = [request.fixed.get("virtual_stages", DEFAULT_VIRTUAL_STAGES)]
@@ -225,6 +229,22 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                             float8_dispatch=request.fixed.get("float8_dispatch", False) and ep > 1,
                             ep=ep,
                             moe_load_imbalance=request.fixed.get("moe_load_imbalance", MOE_LOAD_IMBALANCE),
+                            **dispatch,
                             optimizer=request.fixed.get("optimizer", "adamw"),
                             attention_share=request.fixed.get("attention_share", 1.0),
                         )
+
+
+def _dispatch(request: Request, tp: int, ep: int) -> dict:
+    """The expert dispatch's Layout fields: ranks per node the hardware's; the mode as `auto` resolves it (per node
+    where the ep group spans nodes) unless fixed; overlap on with ep unless fixed (the model never loses by it);
+    the per-rank capacity as fixed (0: dropless)."""
+    fixed, node = request.fixed, request.hardware.gpus_per_node
+    probe = Layout(tp=tp, ep=ep, ranks_per_node=node)
+    mode = fixed.get("ep_dispatch", "auto")
+    return {
+        "ranks_per_node": node,
+        "ep_dispatch": resolve_dispatch(mode, ep_nodes(probe)[0]),
+        "ep_capacity": fixed.get("ep_capacity", 0.0),
+        "ep_overlap": fixed.get("ep_overlap", ep > 1),
+    }

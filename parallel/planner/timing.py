@@ -20,8 +20,9 @@ class Passes:
     tp_backward: float = 0.0
     cp_forward: float = 0.0
     cp_backward: float = 0.0
-    ep_forward: float = 0.0  # expert parallelism's all-to-alls (moe.py)
+    ep_forward: float = 0.0  # expert parallelism's exposed all-to-alls (moe.py)
     ep_backward: float = 0.0
+    ep_recompute: float = 0.0  # in a recomputed forward (no counts exchanged: the route is replayed)
 
     def __add__(self, other: "Passes") -> "Passes":
         return Passes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(Passes)))

@@ -79,3 +79,26 @@ def test_fsdp_tp_pp_and_cp_read_nothing_between_logging_steps(tmp_path):
         for name, counted in found.items():
             steady = {step: counted[str(step)] for step in STEADY}
             assert steady == dict.fromkeys(STEADY, 0), (name, rank, counted)
+
+
+EXPERT_PARALLEL = ["--model.name=debug-moe", "--parallel.dp_shard=2", "--parallel.ep=2"]  # 1 MoE layer of the 2
+
+
+def _expert_parallel(rank, world_size, root):
+    as_launched(rank, world_size)
+    found = {
+        # dropless: the split sizes read once per MoE layer forward, none in the recomputes of full AC
+        "dropless": reads(root / "dropless", *EXPERT_PARALLEL, "--parallel.activation_checkpoint=full"),
+        "capacity": reads(root / "capacity", *EXPERT_PARALLEL, "--moe.rank_capacity_factor=1.5"),
+    }
+    (root / f"reads-{rank}.json").write_text(json.dumps(found))
+
+
+def test_expert_parallel_reads_once_per_moe_forward_dropless_and_never_with_a_capacity(tmp_path):
+    run_ranks(_expert_parallel, 2, tmp_path)
+    forwards = 8 // (2 * 2)  # micro-batches per step per rank, each one MoE layer forward
+    for rank in range(2):
+        found = json.loads((tmp_path / f"reads-{rank}.json").read_text())
+        for name, per_forward in (("dropless", 1), ("capacity", 0)):
+            steady = {step: found[name][str(step)] for step in STEADY}
+            assert steady == dict.fromkeys(STEADY, forwards * per_forward), (name, rank, found[name])

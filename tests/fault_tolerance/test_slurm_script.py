@@ -41,8 +41,10 @@ def run_script(tmp_path: Path, nodes: str, groups: str) -> tuple[subprocess.Comp
 def test_the_job_script_starts_the_lighthouse_and_one_torchrun_per_group(tmp_path):
     result, calls = run_script(tmp_path, "n1,n2,n3,n4", "2")
     assert result.returncode == 0, result.stderr
-    assert calls[0].startswith("lighthouse --min_replicas 1")
-    groups = sorted(calls[1:])
+    # The Lighthouse and the groups start in the background: their lines land in either order.
+    lighthouse = [line for line in calls if line.startswith("lighthouse ")]
+    assert len(lighthouse) == 1 and lighthouse[0].startswith("lighthouse --min_replicas 1")
+    groups = sorted(line for line in calls if not line.startswith("lighthouse "))
     assert len(groups) == 2
     for g, (line, hosts) in enumerate(zip(groups, ("n1,n2", "n3,n4"))):
         assert line.startswith("TORCHFT_LIGHTHOUSE=http://n1:29510 ")

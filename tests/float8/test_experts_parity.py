@@ -1,8 +1,9 @@
 """Float8 experts under expert parallelism against one process (tests/moe/harness.py: the tiny MoE model, fp32,
 gloo, 2 steps): ep 2 with the experts' grouped GEMMs emulated in float8 gives the one-process emulated float8 run's
 losses and gradient norms, and every gradient of the first step, within 1e-5, for the blockwise and rowwise recipes,
-with float8 dispatch too and under full activation checkpointing, and FSDP over 2 ranks without ep; and the plain
-run is far outside that tolerance.
+with float8 dispatch too (per rank, the default; per expert; with a per-rank capacity, against one process dropping the
+same tokens; per node at ep 4 as 2 nodes of 2, under -m slow) and under full activation checkpointing, and FSDP over 2
+ranks without ep; and the plain run is far outside that tolerance.
 
 Why that tight: activations are quantised per token row (each rank quantises the rows one process does), the
 weights per expert (whole on a rank), and the weight gradient's token tiles restart at every source rank's
@@ -22,6 +23,7 @@ their own parity tests, tests/float8/test_parity.py); 136 also spans two blockwi
 
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -60,10 +62,11 @@ def check_wide_model(rank: int, world_size: int, cases: list[dict]) -> None:
     for case in cases:
         result = harness.train_case(case, world_size)
         if rank == 0:
-            settings = case["float8"]
-            if settings not in references:
-                references[settings] = harness.train_case({"model": "wide", "float8": settings, "steps": 2}, 1)
-            problems += differences(case["name"], result, references[settings])
+            key = case["float8"], case.get("variant", "plain")  # a capacity case: one process drops the same tokens
+            if key not in references:
+                reference = {"model": "wide", "float8": key[0], "variant": key[1], "steps": 2}
+                references[key] = harness.train_case(reference, 1)
+            problems += differences(case["name"], result, references[key])
         dist.barrier()
     assert not problems, "\n".join(problems)
     if rank == 0:
@@ -79,6 +82,9 @@ def test_ep2_emulated_float8_experts_and_dispatch_equal_one_process():
         [
             {"name": "ep2-blockwise", **ep2, "float8": emulated("blockwise")},
             {"name": "ep2-blockwise-dispatch", **ep2, "float8": emulated("blockwise", True)},
+            # the other dispatch modes carry the same wire: a row per expert, and fixed per-rank buffers
+            {"name": "ep2-per-expert-dispatch", **ep2, "ep_dispatch": "expert", "float8": emulated("blockwise", True)},
+            {"name": "ep2-capacity-dispatch", **ep2, "variant": "capacity", "float8": emulated("blockwise", True)},
             {"name": "ep2-rowwise-dispatch", **ep2, "float8": emulated("rowwise", True)},
             # FSDP alone: the experts sharded over both ranks, gathered in high precision and cast after
             {"name": "fsdp2-blockwise", "dp_shard": 2, "model": "wide", "steps": 2, "float8": emulated("blockwise")},
@@ -86,3 +92,12 @@ def test_ep2_emulated_float8_experts_and_dispatch_equal_one_process():
             {"name": "ep2-blockwise-ac-full", **ep2, "ac": "full", "float8": emulated("blockwise")},
         ],
     )
+
+
+@pytest.mark.slow  # four ranks: about 20 s on two cores
+def test_ep4_as_two_nodes_of_two_per_node_dispatch_in_float8_equals_one_process():
+    """The per-node dispatch's two hops carry the float8 wire (the second quantises what the first delivered again, to
+    the same values), and its experts' weight-gradient tiles restart at each source rank's rows though they arrive
+    through another rank of the node."""
+    ep4 = {"dp_shard": 4, "ep": 4, "ep_dispatch": "node", "ranks_per_node": 2, "model": "wide", "steps": 2}
+    run_ranks(check_wide_model, 4, [{"name": "ep4-node-dispatch", **ep4, "float8": emulated("blockwise", True)}])

@@ -121,11 +121,13 @@ def reference_key(case: dict) -> tuple:
     return case["family"], bool(case.get("documents")), bool(case.get("reset"))
 
 
-def _compare(name: str, actual: dict, expected: dict, exact: bool = False, relative: float = 0.0) -> None:
+def _compare(
+    name: str, actual: dict, expected: dict, exact: bool = False, relative: float = 0.0, tol: dict | None = None
+) -> None:
     """Every gradient elementwise within rtol 2e-4, atol 2e-6 (bitwise: `exact`), losses and gradient norms too;
     given `relative`, also each loss and gradient norm, and each first-step gradient tensor (the norm of the
-    difference over its norm), within that relative error."""
-    tol = {"rtol": 0, "atol": 0} if exact else {"rtol": 2e-4, "atol": 2e-6}
+    difference over its norm), within that relative error; `tol` another elementwise tolerance."""
+    tol = tol or ({"rtol": 0, "atol": 0} if exact else {"rtol": 2e-4, "atol": 2e-6})
     assert actual["initial"].keys() == expected["initial"].keys(), name
     for key, value in expected["initial"].items():
         assert torch.equal(actual["initial"][key], value), f"{name}: initial value of {key} differs"

@@ -6,6 +6,7 @@ The expected figures are computed here from DeepSeek-V3's shapes and the sourced
 planner's MoE costs: H800 (dgx-h800's device, the H100 SXM's compute) fp8 peak 1979 TFLOP/s at the [mamf] plateau
 0.709, times the recipe's share (torchao's rowwise 0.838, DeepGEMM's blockwise 0.851)."""
 
+import dataclasses
 import json
 import math
 
@@ -15,6 +16,7 @@ from trillion.devices import fitted_constants
 from trillion.models.presets import get_preset
 from trillion.parallel.planner import moe
 from trillion.parallel.planner.hardware import load_profile
+from trillion.parallel.planner.layout import Layout
 from trillion.trainer.cli.main import main as trillion
 from trillion.trainer.config.schema import load_config
 
@@ -42,12 +44,17 @@ def test_the_experts_gemms_run_at_the_recipe_s_float8_rate(recipe, share):
 
 
 def test_float8_dispatch_shrinks_the_forward_dispatch_only():
-    tokens, ep, tp = 4096, 64, 1
-    plain = moe.moe_passes(DEEPSEEK, HW, tokens, tp, ep, 1.0, "blockwise", False)
-    dispatched = moe.moe_passes(DEEPSEEK, HW, tokens, tp, ep, 1.0, "blockwise", True)
-    rows = tokens * 8
-    bf16, fp8 = (moe.all_to_all_time(HW, rows * per_row, ep, tp) for per_row in (2 * 7168, 7168 + 4 * 56))
-    assert plain.ep_forward - dispatched.ep_forward == pytest.approx(bf16 - fp8)
+    """Per expert, no overlap: the forward dispatch's rows (top-8 a token, 63/64 to peers over the network) carry
+    the float8 wire row instead of bf16's, their routing (a float32 weight and expert id) beside them either way."""
+    tokens, ep = 4096, 64
+    layout = Layout(ep=ep, dp_shard=ep, float8=True, float8_experts="blockwise", ep_dispatch="expert")
+    layout = dataclasses.replace(layout, moe_load_imbalance=1.0, ranks_per_node=8)
+    plain = moe.moe_passes(DEEPSEEK, HW, tokens, layout)
+    dispatched = moe.moe_passes(DEEPSEEK, HW, tokens, dataclasses.replace(layout, float8_dispatch=True))
+    network = tokens * 8 * 56 / 64  # rows to the 56 ranks on other nodes
+    bandwidth, _ = HW.collective_link(ep, True, "all_to_all")
+    saved = network * (2 * 7168 - (7168 + 4 * 56)) / bandwidth
+    assert plain.ep_forward - dispatched.ep_forward == pytest.approx(saved)
     assert plain.ep_backward == dispatched.ep_backward  # the combine and the backward stay bf16
     assert moe.dispatch_row_bytes(7168, "blockwise") == 7392 and moe.dispatch_row_bytes(7168, "rowwise") == 7172
 

@@ -16,10 +16,11 @@ from trillion.parallel.planner.hardware import load_profile
 from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import RankParams, layout_memory, pipeline_ranks
 from trillion.parallel.planner.moe import (
-    all_to_all_bytes,
+    dispatch_seconds,
     ep_degrees,
     expert_gemm_seconds,
     expert_numel,
+    host_read_stall,
     moe_passes,
     rank_load_imbalance,
 )
@@ -66,12 +67,8 @@ def test_states_count_every_parameter_of_the_model():
         assert rank.numel(args, 1, 1)[0] == count_params(args).total, name
 
 
-def test_all_to_all_volume_and_link():
-    args = get_preset("qwen3-235b-a22b")
+def test_all_to_all_time_on_the_links_the_group_spans():
     tokens, ep = 4096, 8
-    assert all_to_all_bytes(args, tokens, 1, 2) == 0
-    assert all_to_all_bytes(args, tokens, ep, 2) == tokens * 8 * 4096 * 2 * (ep - 1) / ep
-    assert all_to_all_bytes(args, tokens, ep, 2, imbalance=1.5) == 1.5 * all_to_all_bytes(args, tokens, ep, 2)
     payload = tokens * 8 * 4096 * 2
     # ep x tp within the node: NVLink only (450 GB/s per direction at 80%, 3 us)
     inside = all_to_all_time(H100, payload, ep, tp=1)
@@ -82,13 +79,21 @@ def test_all_to_all_volume_and_link():
     assert all_to_all_time(H100, payload, 1, tp=1) == 0.0
 
 
-def test_moe_passes_charge_four_all_to_alls_and_the_counts():
+def test_moe_passes_charge_the_dispatch_both_ways_and_the_counts():
+    """Without overlap every all-to-all is exposed: forward the counts (latency and the host read's stall), the
+    dispatch and the combine; backward the two again. Per expert inside one node: top_k rows a token, 7/8 to peers."""
     args, tokens = get_preset("qwen3-235b-a22b"), 4096
-    one = all_to_all_time(H100, tokens * 8 * 4096 * 2, 8, 1)
-    passes = moe_passes(args, H100, tokens, tp=1, ep=8, imbalance=1.0)
-    assert passes.ep_forward == pytest.approx(2 * one + 3e-6)  # dispatch (counts, then tokens) and combine
+    layout = Layout(ep=8, ep_dispatch="expert", moe_load_imbalance=1.0)
+    one = dispatch_seconds(args, H100, tokens, layout)
+    row = args.dim * 2 + 2 * 4  # bf16 token, float32 weight and expert id
+    assert one == pytest.approx(tokens * row * 8 * 7 / 8 / (450e9 * 0.8) + 3e-6)
+    passes = moe_passes(args, H100, tokens, layout)
+    counts = 3e-6 + host_read_stall(H100)
+    assert passes.ep_forward == pytest.approx(2 * one + counts)
     assert passes.ep_backward == pytest.approx(2 * one)
-    assert moe_passes(args, H100, tokens, tp=1, ep=1).ep_forward == 0.0
+    assert moe_passes(args, H100, tokens, dataclasses.replace(layout, ep=1)).ep_forward == 0.0
+    capacity = moe_passes(args, H100, tokens, dataclasses.replace(layout, ep_capacity=1.5))
+    assert capacity.ep_forward == pytest.approx(2 * one)  # no counts, no host read
 
 
 def test_expert_gemms_at_per_expert_shapes_and_the_imbalance():

@@ -44,7 +44,8 @@ class Model:
         "DeepSeek-V3's multi-token prediction: modules trained beside the model, module k predicting the token k + 1 "
         "after the next from the previous depth's hidden state and token k's embedding, sharing the embedding and "
         "output head (-1 = the preset's, 0 = off). Training only: evaluation, generation and export use the main "
-        "head; with data and expert parallelism only (no pp, cp or tp).",
+        "head. Every layout but the V-shaped pipeline schedules: a pipeline runs the modules on its last stage "
+        "with a copy of the embedding.",
         Range(0, also={-1: "keep the preset's"}),
     )
     mtp_loss_weight: float = doc(
@@ -81,6 +82,14 @@ class Moe:
         "Tokens an expert takes per step, as a multiple of an even share (tokens x top_k / experts); the rest are "
         "dropped and counted. 0 = dropless (every token reaches its top_k), -1 = the preset's.",
         Range(1, also={0.0: "dropless", **PRESET_VALUE}),
+    )
+    rank_capacity_factor: float = doc(
+        0.0,
+        "Expert parallelism without a host read: each rank sends each ep rank at most this multiple of an even share "
+        "(the tokens x the chance that top_k experts drawn evenly include one of that rank's), in buffers of that "
+        "fixed size, so no split size is read on the host; the rest is dropped and counted, the same tokens in one "
+        "process (at least 1; 0 = dropless, one host read per layer forward).",
+        Range(1, also={0.0: "dropless"}),
     )
 
 

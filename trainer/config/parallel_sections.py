@@ -2,8 +2,9 @@
 
 from dataclasses import dataclass
 
+from trillion.parallel.layout import EP_DISPATCH
 from trillion.parallel.modes import CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SCHEDULES, SELECTIVE_EVERY, ZERO_MODES
-from trillion.trainer.config.checks import OneOf, Range
+from trillion.trainer.config.checks import Flag, OneOf, Range
 from trillion.trainer.config.fields import POSITIVE, doc
 
 
@@ -37,6 +38,27 @@ class Parallel:
         "Expert-parallel degree (MoE models): the routed experts are split over ep ranks taken from the "
         "data-parallel ones (ep divides dp_shard x cp and the expert count); tokens reach them by all-to-all.",
         POSITIVE,
+    )
+    ep_dispatch: str = doc(
+        "auto",
+        "How tokens reach the routed experts under ep: expert (a row per chosen expert) | rank (one row per ep rank "
+        "holding any of the token's experts, which sums their outputs before the return trip) | node (one row per "
+        "node over the network, then on to that node's ranks; group-limited routing with one group per node keeps "
+        "a token to topk_groups nodes) | auto (node when the ep group spans nodes, else rank).",
+        OneOf(("auto", *EP_DISPATCH)),
+    )
+    ranks_per_node: int = doc(
+        0,
+        "Processes per node, for the per-node dispatch (0 = the launcher's LOCAL_WORLD_SIZE, torchrun's or SLURM's; "
+        "else job.hardware's GPUs per node; else one node). Tests on one machine set it to call 4 ranks 2 nodes of 2.",
+        Range(1, also={0: "from the launcher"}),
+    )
+    ep_overlap: bool = doc(
+        False,
+        "Overlap the expert all-to-alls with compute: the shared experts run while the dispatch is in flight, and "
+        "each MoE layer's tokens go in two chunks, one chunk's all-to-all beside the other's experts (forward and "
+        "backward; parallel/expert_overlap.py).",
+        Flag(),
     )
     pp: int = doc(1, "Pipeline-parallel degree.", POSITIVE)
     pp_schedule: str = doc("1F1B", SCHEDULE_DOC, OneOf(tuple(SCHEDULES), case_sensitive=False))

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from trillion.errors import ConfigError
 from trillion.parallel.muon.matrices import MAX_NEWTON_SCHULZ_STEPS, MOMENTUM, NEWTON_SCHULZ_STEPS
 from trillion.parallel.planner.goodput import MTBF_HOURS_PER_GPU
-from trillion.trainer.config.checks import CreatableDir, ExistingPath, Flag, OneOf, Range
+from trillion.trainer.config.checks import CreatableDir, ExistingPath, Flag, OneOf, Range, Text
 from trillion.trainer.config.fields import NONNEGATIVE, POSITIVE, divisor_near, doc
 
 
@@ -35,6 +35,20 @@ class Job:
         "Start afresh in a job.output_dir that holds an earlier run's metrics but no checkpoint to resume from (its "
         "metrics.jsonl is replaced); without it such a start is refused.",
         Flag(),
+    )
+    world_size: int = doc(
+        0,
+        "The processes the run is laid out for (0 = whatever the launcher starts). `trillion plan --config-out` writes "
+        "it: `trillion estimate --config FILE` simulates that many ranks, and `trillion train` refuses a launch of "
+        "another count.",
+        Range(1, also={0: "the launcher's"}),
+    )
+    hardware: str = doc(
+        "",
+        "The hardware profile the run is planned for (a name `trillion plan --hardware` takes, or a profile file; "
+        "'' = none): `trillion estimate` compares each rank's memory with its device and, with "
+        "parallel.ranks_per_node=0, lays the ranks out on its nodes.",
+        Text(),
     )
 
 

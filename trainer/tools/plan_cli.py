@@ -20,7 +20,7 @@ from pathlib import Path
 from trillion.errors import ConfigError
 from trillion.models import parts
 from trillion.models.presets import PRESETS, get_preset
-from trillion.parallel.modes import FLOAT8_EXPERTS, SCHEDULES, ZERO_MODES
+from trillion.parallel.modes import SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
@@ -29,9 +29,17 @@ from trillion.parallel.planner.search import Request, metrics, model_summary, se
 from trillion.parallel.planner.space import LAYOUT_FIELDS, OPTIMIZERS
 from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.checks import creatable_problem
-from trillion.trainer.config.schema import Config, load_config, to_toml
+from trillion.trainer.config.schema import load_config
 from trillion.trainer.data.token_store import TokenStore
 from trillion.trainer.tools.goodput_args import add_goodput_arguments, check_goodput_arguments, goodput
+from trillion.trainer.tools.plan_args import (
+    PART_FLAGS,
+    add_dispatch_arguments,
+    add_documents_argument,
+    add_float8_arguments,
+    add_part_arguments,
+)
+from trillion.trainer.tools.plan_config import train_config_toml
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="plan for torch.compile of each block (fused element-wise kernels; the trainer's compile.enabled)",
     )
-    _add_float8_arguments(fixed)
+    add_float8_arguments(fixed)
+    add_dispatch_arguments(fixed)
     fixed.add_argument(
         "--moe-load-imbalance",
         dest="moe_load_imbalance",
@@ -102,63 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="MoE models: the busiest expert-parallel rank's routed tokens over the mean (default "
         f"{MOE_LOAD_IMBALANCE:g}, assumed: parallel/planner/moe.py)",
     )
-    _add_part_arguments(p)
+    add_part_arguments(p)
     add_goodput_arguments(p)
-    _add_documents_argument(p)
+    add_documents_argument(p)
     return p
-
-
-def _add_float8_arguments(fixed) -> None:
-    """--float8 and what it covers of the routed experts (the trainer's float8.experts and float8.dispatch)."""
-    fixed.add_argument(
-        "--float8",
-        action="store_const",
-        const=True,
-        default=None,
-        help="plan the blocks' linears and the routed experts in float8 (fp8 GEMMs and their casts; FSDP all-gathers "
-        "the linears' weights in float8); refused on hardware without float8 tensor cores",
-    )
-    fixed.add_argument(
-        "--float8-experts",
-        dest="float8_experts",
-        choices=FLOAT8_EXPERTS,
-        default=None,
-        help="with --float8: the routed experts' grouped GEMMs by recipe (default auto: torchao's rowwise, as the "
-        "trainer's float8.experts=auto on these GPUs; off keeps them bf16)",
-    )
-    fixed.add_argument(
-        "--float8-dispatch",
-        dest="float8_dispatch",
-        action="store_const",
-        const=True,
-        default=None,
-        help="with --float8 and float8 experts: the expert dispatch all-to-all carries float8 rows and their "
-        "scales (the trainer's float8.dispatch, under ep > 1)",
-    )
-
-
-# plan flag -> the model setting it gives the parts (models/parts apply_settings), each a count, 0 or more
-PART_FLAGS = {"mtp_modules": "model.mtp_modules"}
-
-
-def _add_documents_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--documents",
-        metavar="DIR",
-        default=None,
-        help="plan training with documents masked (data.document_mask) on the token store DIR (`trillion prepare-data "
-        "--out DIR`): attention priced, and counted in the MFU, at the share its document lengths leave",
-    )
-
-
-def _add_part_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--mtp-modules",
-        type=int,
-        default=None,
-        help="multi-token prediction modules to plan (default: the preset's; 0 plans without them, which layouts "
-        "with pp, cp or tp need: the trainer runs MTP only without those)",
-    )
 
 
 DEFAULT_CONFIG_OUT = "outputs/plan/{model}-{hardware}-{gpus}.toml"
@@ -190,6 +146,10 @@ def argument_problems(ns: argparse.Namespace) -> tuple[list[str], object]:
     for flag, setting in PART_FLAGS.items():
         if getattr(ns, flag) is not None and getattr(ns, flag) < 0:
             problems.append(f"--{flag.replace('_', '-')} {getattr(ns, flag)} must be 0 or more (0: none; {setting})")
+    if ns.ep_capacity is not None and ns.ep_capacity < 1:
+        problems.append(
+            f"--ep-capacity {ns.ep_capacity:g} must be at least 1 (an even share; moe.rank_capacity_factor)"
+        )
     problems += check_goodput_arguments(ns)
     if ns.seq_len < 0:
         problems.append(f"--seq-len {ns.seq_len} must be positive (or 0: the model's max_seq_len)")
@@ -221,53 +181,13 @@ def request_from(ns: argparse.Namespace) -> Request:
     given = {setting: getattr(ns, flag) for flag, setting in PART_FLAGS.items() if getattr(ns, flag) is not None}
     args = parts.apply_settings(get_preset(ns.model), {"model.name": ns.model, **given})
     fixed = {k: getattr(ns, k) for k in LAYOUT_FIELDS if getattr(ns, k) is not None}
+    if "ep_overlap" in fixed:
+        fixed["ep_overlap"] = fixed["ep_overlap"] == "on"
     seq_len = ns.seq_len or args.max_seq_len
     if ns.documents:
         lengths = TokenStore(ns.documents, setting="--documents", sample_seed=None).document_lengths()
         fixed["attention_share"] = lengths.attention_share(seq_len)
     return Request(ns.model, args, profile, ns.gpus, ns.global_batch, seq_len, ns.tokens, ns.price_per_gpu_hour, fixed)
-
-
-def train_config_toml(request: Request, row: dict) -> str:
-    """The best layout as a config `trillion train --config` loads (checked by loading it back)."""
-    config = Config()
-    config.model.name = request.model
-    config.training.global_batch_size = request.global_batch
-    config.training.micro_batch_size = row["micro_batch_size"]
-    config.training.seq_len = request.seq_len
-    if request.seq_len > request.args.max_seq_len:  # a rotary model trained past its preset's length
-        config.model.max_seq_len = request.seq_len
-    for key in (
-        "dp_replicate",
-        "dp_shard",
-        "dp_shard_mode",
-        "tp",
-        "pp",
-        "pp_schedule",
-        "activation_checkpoint",
-        "cp",
-        "ep",
-    ):
-        setattr(config.parallel, key, row[key])
-    for setting in PART_FLAGS.values():  # a part setting the plan changed from the preset's
-        field = setting.removeprefix("model.")
-        if getattr(request.args, field) != getattr(get_preset(request.model), field):
-            setattr(config.model, field, getattr(request.args, field))
-    config.optimizer.name = row["optimizer"]
-    config.data.document_mask = row["attention_share"] < 1.0  # --documents: the plan timed masked attention
-    config.compile.enabled = row["compile"]
-    config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather on (auto): what the plan timed
-    config.float8.experts = row["float8_experts"]
-    config.float8.dispatch = row["float8_dispatch"]  # only under ep > 1 (space.py), as the trainer allows it
-    header = [
-        f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} "
-        f"({request.hardware.device.name})",
-        f"# predicted: {row['step_time_s']:.2f} s/step, {row['tokens_per_s']:,.0f} tokens/s, "
-        f"MFU {row['mfu']:.1%}, {row['memory_gb']:.1f} of {row['memory_capacity_gb']:g} GB per GPU",
-        f"# pipeline chunks per rank (virtual stages): {row['virtual_stages']}",
-        "",
-    ]
-    return "\n".join(header) + to_toml(config)
 
 
 def documents_note(request: Request) -> str:

@@ -161,10 +161,10 @@ def _moe_on_meta():
     """MoE layers on meta tensors with balanced routing (the module docstring); real tensors as they are."""
     grouped = importlib.import_module("trillion.kernels.grouped_gemm")
     expert_parallel = importlib.import_module("trillion.parallel.expert_parallel")
-    unavailable, loop, dispatch = (
+    unavailable, loop, sizes = (
         grouped.grouped_mm_unavailable,
         grouped.loop_grouped_mm,
-        expert_parallel.ExpertAllToAll._dispatch,
+        expert_parallel.ExpertDispatch._sizes,
     )
 
     def unavailable_on_meta(x, weight):
@@ -178,30 +178,19 @@ def _moe_on_meta():
         bounds = [x.shape[0] * g // weight.shape[0] for g in range(weight.shape[0] + 1)]
         return torch.cat([x[a:b] @ weight[g] for g, (a, b) in enumerate(zip(bounds, bounds[1:]))])
 
-    def dispatch_on_meta(self, x, counts):
+    def sizes_on_meta(self, start, beside, beside_rows, x, parts=1):
         if x.device.type != "meta":
-            return dispatch(self, x, counts)
-        self._route = lambda _counts: _balanced_route(expert_parallel, x.shape[0], self.ep, counts)
-        try:
-            return dispatch(self, x, counts)
-        finally:
-            del self._route
+            return sizes(self, start, beside, beside_rows, x, parts)
+        beside.upto(beside_rows)
+        return self.even_sizes(x.shape[0], parts)
 
     grouped.grouped_mm_unavailable, grouped.loop_grouped_mm = unavailable_on_meta, loop_on_meta
-    expert_parallel.ExpertAllToAll._dispatch = dispatch_on_meta
+    expert_parallel.ExpertDispatch._sizes = sizes_on_meta
     try:
         yield
     finally:
         grouped.grouped_mm_unavailable, grouped.loop_grouped_mm = unavailable, loop
-        expert_parallel.ExpertAllToAll._dispatch = dispatch
-
-
-def _balanced_route(expert_parallel, rows: int, ep: int, counts: torch.Tensor):
-    """Every ep rank sends and receives the same rows, every local expert gets its share (meta tensors)."""
-    send = [rows * (r + 1) // ep - rows * r // ep for r in range(ep)]
-    order = torch.empty(rows, dtype=torch.long, device=counts.device)
-    local = torch.empty(counts.numel() // ep, dtype=counts.dtype, device=counts.device)
-    return expert_parallel._Route(send, list(send), local, order, torch.empty_like(order))
+        expert_parallel.ExpertDispatch._sizes = sizes
 
 
 def _device_total(snapshot: dict, device: str) -> int:

@@ -14,6 +14,7 @@ runs the training loop for N steps of a tiny model of the layout (trainer/tools/
 """
 
 import contextlib
+import dataclasses
 import json
 import re
 import sys
@@ -40,14 +41,18 @@ def parse(argv: list[str]):
         "--world-size",
         type=int,
         default=None,
-        help="processes of the run (default: the config's `# world_size = N` comment)",
+        help="processes of the run (default: the config's job.world_size, or its `# world_size = N` comment)",
     )
     p.add_argument(
         "--ranks",
         default=DEFAULT_RANKS,
         help=f"first, second, middle, last, max (most parameters), all, or rank numbers (default {DEFAULT_RANKS})",
     )
-    p.add_argument("--hardware", default=None, help="hardware profile whose device capacity to compare (e.g. frontier)")
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="hardware profile whose device capacity to compare (e.g. frontier; default: the config's job.hardware)",
+    )
     p.add_argument("--format", choices=("table", "json"), default="table")
     p.add_argument("--no-measure", action="store_true", help="skip the meta activation run; use the planner's figure")
     p.add_argument(
@@ -165,20 +170,22 @@ def job_goodput(ns, config, result: Estimate):
 
 def main(argv: list[str]) -> int:
     ns, overrides = parse(argv)
-    world = ns.world_size or (world_from_comment(ns.config) if ns.config else None)
+    config = load_config(ns.config, overrides)
+    world = ns.world_size or config.job.world_size or (world_from_comment(ns.config) if ns.config else None)
     if world is None:
         raise ConfigError(
             "trillion estimate needs --world-size N"
-            + (f" (the config {ns.config} has no `# world_size = N` comment)" if ns.config else "")
+            + (f" (the config {ns.config} sets no job.world_size)" if ns.config else "")
             + ", e.g. --world-size 3072."
         )
-    config = load_config(ns.config, overrides)
+    hardware = ns.hardware or config.job.hardware or None
+    config = dataclasses.replace(config, job=dataclasses.replace(config.job, world_size=world))  # --world-size wins
 
     def progress(done, total, rank):
         if total > 8 and ns.format == "table":
             print(f"\rsimulated rank {rank} ({done}/{total})", end="" if done < total else "\n", file=sys.stderr)
 
-    result = estimate(config, world, ranks=ns.ranks, hardware=ns.hardware, measure=not ns.no_measure, progress=progress)
+    result = estimate(config, world, ranks=ns.ranks, hardware=hardware, measure=not ns.no_measure, progress=progress)
     message = shortfall_message(result)
     runs, model = [], ""
     if ns.steps > 0:

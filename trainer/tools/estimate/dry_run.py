@@ -167,6 +167,8 @@ def estimate(
     start = time.perf_counter()
     if world_size < 1:
         raise ConfigError(f"--world-size {world_size} must be a positive number of processes.")
+    if config.float8.enabled and target_device(config) == "cuda":  # this CPU has no float8 units; the target has
+        config = dataclasses.replace(config, float8=dataclasses.replace(config.float8, emulate=True))
     model_args = model_args_for(config)
     dims = layout_dims(config, world_size, model_args)  # raises ConfigError for bad degrees, model, batch or schedule
     device_name, capacity = device_capacity(hardware)

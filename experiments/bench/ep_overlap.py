@@ -1,0 +1,172 @@
+"""Latency injection: how much of the expert all-to-alls' time the overlap hides, measured on gloo ranks.
+
+Every all-to-all of the expert dispatch (counts, rows, their routing, the combine; forward and backward) is made
+to complete D ms late (parallel/ep_exchange.py: a timer thread sleeps, so the delay costs no CPU). The exposed
+communication is the step time with D minus the step time without, with parallel.ep_overlap off and on:
+
+    hidden = 1 - exposed(on) / exposed(off)
+
+D is set from the layer's own compute (the step without delay, per MoE layer and pass: forward, input and weight
+gradients), times each --scales factor. debug-moe's shape widened so the experts dominate, ep 2 x dp_shard 2 (zero2:
+the two micro-batches of a step, 4 x 128 tokens each, in flight together with the overlap), fp32; dropless and with
+a per-rank capacity.
+
+    python experiments/bench/ep_overlap.py [--ranks 2] [--steps 6] [--scales 0.5,1,2] [--out DIR]
+    python experiments/bench/ep_overlap.py --smoke         # tiny, seconds (tested)
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from trillion.models import PRESETS, Transformer  # noqa: E402
+from trillion.parallel.dims import ParallelDims  # noqa: E402
+from trillion.parallel.expert_parallel import expert_dispatches  # noqa: E402
+from trillion.parallel.forward_backward import MicroBatchLoop  # noqa: E402
+from trillion.parallel.parallelize import parallelize  # noqa: E402
+from trillion.trainer.step import train_step  # noqa: E402
+
+
+def model_args(smoke: bool, capacity: float):
+    base = PRESETS["debug-moe"]
+    moe = dataclasses.replace(base.moe, rank_capacity_factor=capacity, capacity_ranks=2 if capacity else 1)
+    if smoke:
+        return dataclasses.replace(base, n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, moe=moe)
+    moe = dataclasses.replace(moe, expert_ffn_dim=512, n_shared_experts=2)  # 8 MoE layers: few edges of the pairing
+    return dataclasses.replace(base, n_layers=9, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512, moe=moe)
+
+
+class Run:
+    """One model on the ep group, its step timed under any (overlap, delay): both are read at every step."""
+
+    def __init__(self, args, world: int, batch: tuple):
+        layout = ParallelDims.of(world, dp_shard=world, ep=world).layout
+        self.dims = ParallelDims(dataclasses.replace(layout, ep_overlap=True, dp_shard_mode="zero2"), world)
+        self.dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(args)
+        parallelize(model, self.dims, dp_shard_mode="zero2")  # the blocks stay gathered: micro-batches pair
+        model.to_empty(device="cpu")
+        model.init_weights(0)
+        self.dispatches = expert_dispatches(model)
+        self.runner = MicroBatchLoop(model, dp_shard_mode="zero2")
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        self.args, self.batch = args, batch
+        self.generator = torch.Generator().manual_seed(self.dims.dp_rank)
+
+    def step(self, overlap: bool, delay_s: float) -> float:
+        self.runner.paired = overlap  # as assemble.py sets it for parallel.ep_overlap at pp 1 and zero2
+        for dispatch in self.dispatches:
+            dispatch.overlap = overlap
+            for exchange in {dispatch.exchange, *dispatch.exchanges()}:
+                exchange.delay_s = delay_s
+        micro, seq, count = self.batch
+        windows = torch.randint(0, self.args.vocab_size, (count, micro, seq + 1), generator=self.generator)
+        micro_batches = [(w[:, :-1], w[:, 1:]) for w in windows]
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        exchanges = {e for d in self.dispatches for e in (d.exchange, *d.exchanges())}
+        blocked = sum(e.blocked_s for e in exchanges)
+        dist.barrier()
+        start = time.perf_counter()
+        train_step(self.runner, micro_batches, self.optimizer, scaler, contextlib.nullcontext(), 1.0, dims=self.dims)
+        self.blocked = sum(e.blocked_s for e in exchanges) - blocked  # this step's waits on the delayed all-to-alls
+        return time.perf_counter() - start
+
+
+def measure(run: Run, settings: list[tuple], rounds: int) -> dict:
+    """Median step seconds of each (overlap, delay) setting, the settings taking turns step by step (the machine's
+    other load falls on all of them alike); one warm-up round first."""
+    times, blocked = {setting: [] for setting in settings}, {setting: [] for setting in settings}
+    for round_ in range(rounds + 1):
+        for setting in settings:
+            seconds = run.step(*setting)
+            if round_:
+                times[setting].append(seconds)
+                blocked[setting].append(run.blocked)
+    run.blocked_medians = {setting: statistics.median(values) for setting, values in blocked.items()}
+    return {setting: statistics.median(values) for setting, values in times.items()}
+
+
+def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    batch = (2, 32, 2) if ns.smoke else (4, 128, 2)  # micro-batch, sequence, micro-batches per step
+    rows = []
+    for capacity in (0.0, 1.5):
+        args = model_args(ns.smoke, capacity)
+        run = Run(args, world, batch)
+        base = measure(run, [(False, 0.0)], ns.steps)
+        layer_s = base[False, 0.0] / (len(run.dispatches) * batch[2] * 3)  # a layer's pass of one micro-batch
+        for scale in ns.scales:
+            delay = scale * layer_s
+            timed = measure(run, [(False, 0.0), (True, 0.0), (False, delay), (True, delay)], ns.steps)
+            exposed = {o: timed[o, delay] - timed[o, 0.0] for o in (False, True)}
+            row = {
+                "mode": "capacity 1.5" if capacity else "dropless",
+                "delay_ms": 1e3 * delay,
+                "delay_per_layer_compute": scale,
+                "step_s": timed[False, 0.0],
+                "step_overlap_s": timed[True, 0.0],
+                "exposed_off_s": exposed[False],
+                "exposed_on_s": exposed[True],
+                "hidden": 1 - exposed[True] / exposed[False] if exposed[False] > 0 else float("nan"),
+                # the same, read off the waits: seconds a step blocked on the delayed all-to-alls (rank 0)
+                "blocked_off_s": run.blocked_medians[False, delay],
+                "blocked_on_s": run.blocked_medians[True, delay],
+                "hidden_by_waits": 1 - run.blocked_medians[True, delay] / run.blocked_medians[False, delay],
+            }
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    if rank == 0:
+        Path(out).write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    dist.destroy_process_group()
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| dispatch | delay ms (x layer compute) | step s off / on | exposed s, overlap off / on | hidden "
+        "| blocked in waits s, off / on | hidden by the waits |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['mode']} | {r['delay_ms']:.1f} ({r['delay_per_layer_compute']:g}x) | {r['step_s']:.3f} / "
+            f"{r['step_overlap_s']:.3f} | {r['exposed_off_s']:.3f} / {r['exposed_on_s']:.3f} | {r['hidden']:.0%} "
+            f"| {r['blocked_off_s']:.3f} / {r['blocked_on_s']:.3f} | {r['hidden_by_waits']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--scales", default="0.5,1,2", help="delays as multiples of a layer's pass of compute")
+    p.add_argument("--out", default="experiments/bench/results")
+    p.add_argument("--smoke", action="store_true")
+    ns = p.parse_args(argv)
+    ns.scales = [float(s) for s in ns.scales.split(",")]
+    if ns.smoke:
+        ns.steps, ns.scales = 2, [1.0]
+    Path(ns.out).mkdir(parents=True, exist_ok=True)
+    out = str(Path(ns.out) / "ep_overlap.jsonl")
+    with tempfile.TemporaryDirectory() as folder:
+        mp.spawn(_rank, args=(ns.ranks, f"{folder}/store", ns, out), nprocs=ns.ranks, join=True)
+    print(table([json.loads(line) for line in Path(out).read_text().splitlines()]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""What the expert dispatch needs of a layout, checked before any work (ParallelDims.validate) and by the planner:
+the per-node dispatch's nodes, group-limited routing lined up with them, the per-rank capacity and the overlap.
+No torch here: the planner and the config checks import it."""
+
+import logging
+
+from trillion.errors import ConfigError
+from trillion.models import parts
+
+log = logging.getLogger("trillion")
+
+
+def ep_nodes(layout) -> tuple[int, int]:
+    """(nodes the ep group spans, its ranks in each): the group's ranks are tp apart (tp innermost), so a node of
+    ranks_per_node holds ranks_per_node / tp of them. (1, ep) inside one node."""
+    members = max(1, layout.ranks_per_node // layout.tp)
+    return (layout.ep // members, members) if layout.ep > members else (1, layout.ep)
+
+
+def resolve_dispatch(requested: str, nodes: int) -> str:
+    """parallel.ep_dispatch: auto is node where the ep group spans nodes, else rank."""
+    return ("node" if nodes > 1 else "rank") if requested == "auto" else requested
+
+
+def check_ep_dispatch(layout, nodes_and_members: tuple[int, int], model_args, warn: bool = True) -> None:
+    """ConfigError where the dispatch cannot run; with `warn`, a warning where group-limited routing is not lined up
+    with the nodes (each node should hold whole groups, so that a token reaches at most its groups' nodes)."""
+    if layout.ranks_per_node < layout.gpus:  # more than one node
+        _check_ranks_per_node(layout)
+    if layout.ep_dispatch == "node":
+        _check_node_dispatch(layout, nodes_and_members[0], model_args, warn)
+    if layout.ep_capacity > 0 and layout.ep_dispatch != "rank":
+        raise ConfigError(
+            f"moe.rank_capacity_factor={layout.ep_capacity:g} gives each destination rank fixed-size buffers, which "
+            f"the per-rank dispatch has; parallel.ep_dispatch={layout.ep_dispatch} has not. Use "
+            "--parallel.ep_dispatch=rank, or --moe.rank_capacity_factor=0 (dropless)."
+        )
+
+
+def _check_ranks_per_node(layout) -> None:
+    per_node = max(1, layout.ranks_per_node // layout.tp)
+    if layout.ranks_per_node % layout.tp or (layout.ep > per_node and layout.ep % per_node):
+        raise ConfigError(
+            f"parallel.ranks_per_node={layout.ranks_per_node} puts {layout.ranks_per_node / layout.tp:g} of the "
+            f"parallel.ep={layout.ep} expert-parallel ranks on a node (they are parallel.tp={layout.tp} apart), which "
+            f"does not divide ep: the per-node dispatch needs every node to hold the same number of them. Use an ep "
+            f"that is a multiple of {per_node} (or divides it), or give the true ranks per node "
+            "(--parallel.ranks_per_node; 0 reads the launcher's LOCAL_WORLD_SIZE)."
+        )
+    if layout.ep < per_node and per_node % layout.ep:
+        raise ConfigError(
+            f"parallel.ep={layout.ep} does not divide the {per_node} expert-parallel ranks of a node "
+            f"(parallel.ranks_per_node={layout.ranks_per_node} / tp={layout.tp}), so some ep groups straddle two "
+            f"nodes. Use an ep that divides {per_node} or is a multiple of it."
+        )
+
+
+def _check_node_dispatch(layout, nodes: int, model_args, warn: bool) -> None:
+    if nodes == 1:
+        raise ConfigError(
+            f"parallel.ep_dispatch=node, but the parallel.ep={layout.ep} ranks of each ep group share one node "
+            f"(parallel.ranks_per_node={layout.ranks_per_node}): there is no network hop to spare. Use "
+            "--parallel.ep_dispatch=rank (or auto), or a larger ep."
+        )
+    routing = parts.routing(model_args)
+    if not warn or routing is None or routing.groups <= 1 or routing.groups % nodes == 0:
+        return
+    log.warning(
+        "parallel.ep_dispatch=node: the routing's %d groups do not line up with the %d nodes the ep group spans "
+        "(each node should hold whole groups), so a token may cross the network to more nodes than its %d groups'. "
+        "Pick an ep whose node count divides the %d groups.",
+        routing.groups,
+        nodes,
+        routing.groups_chosen,
+        routing.groups,
+    )

@@ -1,0 +1,119 @@
+"""Two micro-batches in flight (parallel.ep_overlap with one pipeline stage and FSDP that keeps the blocks
+gathered: zero1, zero2 or no FSDP): their forwards run in two threads that take turns, one holding the turn at a
+time, and hand it over right after posting an expert all-to-all (parallel/ep_exchange.py), so that while one
+micro-batch's rows travel the other computes; then one backward of both, in which the autograd engine interleaves
+their nodes in the reverse of the order they were made, so each reverse all-to-all travels beside the other
+micro-batch's backward (ep_exchange.py's post/wait pair). This is DualPipe's pairing of two micro-batches
+(DeepSeek-V3, arXiv 2412.19437 section 3.2.1) on one stage, with the second micro-batch's forward in place of the
+other one's backward.
+
+One thread runs at a time and each hands the turn over at the same points on every rank, so the ranks issue their
+collectives in the same order; a block's hooks see the two forwards one after the other: a forward waits at a
+block's door (`enter`) while the other is inside it, which keeps the second forward one block behind the first and
+gives FSDP and activation checkpointing each block's calls whole. Each forward keeps its own thread's autograd,
+autocast and checkpointing state; the recompute of a checkpointed block finds its route by the block's input
+(expert_parallel.py), whichever micro-batch's backward comes first.
+"""
+
+from __future__ import annotations
+
+import threading
+
+_LOCAL = threading.local()  # .pair and .side of a forward thread of a Pair
+
+
+class Pair:
+    """Two forwards taking turns (the module docstring): `run(first, second)` -> their results."""
+
+    def __init__(self):
+        self.turns = threading.Condition()
+        self.turn, self.running, self.inside = 0, [True, True], [None, None]
+
+    def run(self, first, second) -> list:
+        results = [None, None]
+
+        def body(side: int, work) -> None:
+            _LOCAL.pair, _LOCAL.side = self, side
+            with self.turns:
+                self.turns.wait_for(lambda: self.turn == side)
+            try:
+                results[side] = work()
+            finally:
+                _LOCAL.pair = None
+                with self.turns:
+                    self.running[side], self.turn = False, 1 - side
+                    self.turns.notify_all()
+
+        in_threads([lambda side=side, work=work: body(side, work) for side, work in enumerate((first, second))])
+        return results
+
+    def hand_over(self, side: int) -> None:
+        """The turn to the other forward (while it runs), and back when it hands it over."""
+        with self.turns:
+            if not self.running[1 - side]:
+                return
+            self.turn = 1 - side
+            self.turns.notify_all()
+            self.turns.wait_for(lambda: self.turn == side)
+
+
+def in_threads(bodies) -> None:
+    """Each of `bodies` in a thread of its own, all joined; the first error any raised is raised here."""
+    errors = []
+
+    def guarded(body) -> None:
+        try:
+            body()
+        except BaseException as error:  # noqa: BLE001 (raised below, in the caller's thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=guarded, args=(body,)) for body in bodies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def pairs_micro_batches(layout, fsdp: bool) -> bool:
+    """Whether parallel.ep_overlap pairs micro-batches in this layout (the module docstring): one pipeline stage,
+    two micro-batches a step at least, and blocks FSDP keeps gathered (zero3 reshards each block after its forward,
+    under the other forward); otherwise the overlap stays inside each MoE layer (expert_parallel.py)."""
+    gathered = not fsdp or layout.dp_shard_mode != "zero3"
+    return layout.ep_overlap and layout.ep > 1 and layout.pp == 1 and layout.microbatches > 1 and gathered
+
+
+def paired() -> bool:
+    """Whether this thread runs one of a Pair's forwards."""
+    return getattr(_LOCAL, "pair", None) is not None
+
+
+def after_post() -> None:
+    """Called right after an expert all-to-all is posted: the other forward's turn, if this thread has a partner."""
+    if paired():
+        _LOCAL.pair.hand_over(_LOCAL.side)
+
+
+def enter(block, *_args, **_kwargs) -> None:
+    """A block's first forward pre-hook: wait (handing the turn over) while the other forward is inside it."""
+    if not paired():
+        return
+    pair, side = _LOCAL.pair, _LOCAL.side
+    while pair.running[1 - side] and pair.inside[1 - side] is block:
+        pair.hand_over(side)
+    pair.inside[side] = block
+
+
+def leave(block, *_args, **_kwargs) -> None:
+    """A block's last forward hook."""
+    if paired():
+        _LOCAL.pair.inside[_LOCAL.side] = None
+
+
+def apply_pairing_gates(model) -> None:
+    """The doors of every block (the trunk's and any multi-token prediction module's), outside every other hook
+    (FSDP's included): call after parallelize's last step."""
+    for block in model.blocks().values():
+        block.register_forward_pre_hook(enter, prepend=True)
+        block.register_forward_hook(leave)

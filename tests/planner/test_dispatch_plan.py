@@ -1,0 +1,80 @@
+"""The planner's expert dispatch (parallel/planner/moe.py) against the trainer's: the rows a token sends in each mode
+and stage against those the dispatch's own all-to-alls count (experiments/bench/ep_dispatch.py simulates the ranks
+in threads around the real ExpertDispatch), the kernels between the host read and the all-to-all counted from the
+code, the overlap's exposed share from its mechanism, and the modes as `trillion plan` lays them out."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from experiments.bench.ep_dispatch import random_routing, simulate
+from trillion.models.args import MoEArgs
+from trillion.models.presets import get_preset
+from trillion.parallel.ep_exchange import STAGES
+from trillion.parallel.ep_routing import Hop, gather_rows, pack_routing, place
+from trillion.parallel.planner.layout import Layout
+from trillion.parallel.planner.moe import HOST_READ_LAUNCHES, dispatch_rows, exposed_all_to_alls
+
+EP, PER_NODE, TOKENS = 8, 2, 64
+MOE = MoEArgs(n_experts=16, top_k=4, expert_ffn_dim=8, score_func="sigmoid", n_groups=4, topk_groups=2)
+ARGS = dataclasses.replace(get_preset("debug-deepseek"), moe=MOE)
+
+
+@pytest.fixture(scope="module")
+def routing():
+    return random_routing(MOE, EP, TOKENS, seed=5)
+
+
+@pytest.mark.parametrize("mode", ["expert", "rank", "node"])
+def test_rows_per_token_by_stage_match_the_counted_all_to_alls(routing, mode):
+    """Within 10% per stage (random routing is not exactly the model's even spread over the chosen groups)."""
+    traffic = simulate(routing, MOE, EP, PER_NODE, 32, mode)
+    planned = [sum(hop[i] for hop in dispatch_rows(ARGS, mode, EP, PER_NODE)) for i in (0, 1)]
+    counted = [traffic.per_token("dispatch", stage, rows=True) for stage in STAGES]
+    assert planned == pytest.approx(counted, rel=0.1), (planned, counted)
+
+
+class _Launches(TorchDispatchMode):
+    """Counts the ops that launch a kernel (views, scalars and fresh constants launch none)."""
+
+    FREE = ("view", "unsqueeze", "expand", "slice", "scalar_tensor", "lift_fresh")
+
+    def __init__(self):
+        super().__init__()
+        self.launches = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.launches += not any(name in str(func) for name in self.FREE)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_host_read_stall_counts_the_kernels_between_the_read_and_the_all_to_all():
+    """What the dropless dispatch launches after reading its split sizes and before posting the rows (_Chunk.placed
+    and .post, parallel/expert_parallel.py): the planner's HOST_READ_LAUNCHES."""
+    ids, weights = torch.randint(0, 16, (32, 4)), torch.rand(32, 4)
+    hop = Hop.plan(ids, lambda e: e // 2, 8)
+    send = hop.counts()[:, 0].tolist()
+    with _Launches() as counted:
+        placement = place(hop, send)
+        gather_rows(torch.randn(32, 8), placement.rows)
+        pack_routing(hop, placement, ids, weights)
+    assert counted.launches == HOST_READ_LAUNCHES
+
+
+def test_overlap_hides_what_the_mechanism_puts_beside_each_all_to_all():
+    off, on = Layout(ep=8, ep_dispatch="rank"), Layout(ep=8, ep_dispatch="rank", ep_overlap=True)
+    assert exposed_all_to_alls(off, 1.0, 1.0, 0.1, 5.0, 5.0) == pytest.approx(2.1)
+    # dropless: the counts hide behind the first chunk's shared experts, the first dispatch half is exposed
+    assert exposed_all_to_alls(on, 1.0, 1.0, 0.1, 5.0, 5.0) == pytest.approx(0.5)
+    # a float8 dispatch (half the combine's bytes): its own time where the dispatch's is taken, the combine's stays
+    assert exposed_all_to_alls(off, 0.5, 1.0, 0.1, 5.0, 5.0) == pytest.approx(1.6)
+    assert exposed_all_to_alls(on, 0.5, 1.0, 0.1, 5.0, 5.0) == pytest.approx(0.25)
+    # with a capacity nothing is exposed once the compute beside each half is longer than it
+    assert exposed_all_to_alls(on, 1.0, 1.0, 0.0, 5.0, 5.0) == 0.0
+    # no compute beside: all of it, as without overlap
+    assert exposed_all_to_alls(on, 1.0, 1.0, 0.0, 0.0, 0.0) == pytest.approx(2.0)
+    # the per-node dispatch (one chunk) hides the counts only
+    node = dataclasses.replace(on, ep=64, ep_dispatch="node")
+    assert exposed_all_to_alls(node, 1.0, 1.0, 0.1, 5.0, 5.0) == pytest.approx(2.0)

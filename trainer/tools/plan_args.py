@@ -1,0 +1,84 @@
+"""`trillion plan`'s argument groups beyond the layout's degrees (plan_cli.py builds the parser): float8, the expert
+dispatch, the model's parts and document masking."""
+
+import argparse
+
+from trillion.parallel.layout import EP_DISPATCH
+from trillion.parallel.modes import FLOAT8_EXPERTS
+
+
+def add_dispatch_arguments(fixed) -> None:
+    """The expert dispatch's settings (MoE models), each fixed when given."""
+    fixed.add_argument(
+        "--ep-dispatch",
+        choices=EP_DISPATCH,
+        default=None,
+        help="MoE models: how tokens reach the experts (default: per node where the ep group spans nodes, else per "
+        "rank; parallel.ep_dispatch)",
+    )
+    fixed.add_argument(
+        "--ep-overlap",
+        choices=("on", "off"),
+        default=None,
+        help="MoE models: overlap the expert all-to-alls with compute (default on with ep > 1; parallel.ep_overlap)",
+    )
+    fixed.add_argument(
+        "--ep-capacity",
+        type=float,
+        default=None,
+        help="MoE models: a per-rank capacity, as a multiple of an even share (no host read; moe.rank_capacity_factor, "
+        "at least 1); default dropless",
+    )
+
+
+def add_float8_arguments(fixed) -> None:
+    """--float8 and what it covers of the routed experts (the trainer's float8.experts and float8.dispatch)."""
+    fixed.add_argument(
+        "--float8",
+        action="store_const",
+        const=True,
+        default=None,
+        help="plan the blocks' linears and the routed experts in float8 (fp8 GEMMs and their casts; FSDP all-gathers "
+        "the linears' weights in float8); refused on hardware without float8 tensor cores",
+    )
+    fixed.add_argument(
+        "--float8-experts",
+        dest="float8_experts",
+        choices=FLOAT8_EXPERTS,
+        default=None,
+        help="with --float8: the routed experts' grouped GEMMs by recipe (default auto: torchao's rowwise, as the "
+        "trainer's float8.experts=auto on these GPUs; off keeps them bf16)",
+    )
+    fixed.add_argument(
+        "--float8-dispatch",
+        dest="float8_dispatch",
+        action="store_const",
+        const=True,
+        default=None,
+        help="with --float8 and float8 experts: the expert dispatch all-to-all carries float8 rows and their "
+        "scales (the trainer's float8.dispatch, under ep > 1)",
+    )
+
+
+# plan flag -> the model setting it gives the parts (models/parts apply_settings), each a count, 0 or more
+PART_FLAGS = {"mtp_modules": "model.mtp_modules"}
+
+
+def add_documents_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--documents",
+        metavar="DIR",
+        default=None,
+        help="plan training with documents masked (data.document_mask) on the token store DIR (`trillion prepare-data "
+        "--out DIR`): attention priced, and counted in the MFU, at the share its document lengths leave",
+    )
+
+
+def add_part_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--mtp-modules",
+        type=int,
+        default=None,
+        help="multi-token prediction modules to plan (default: the preset's; 0 plans without them, which the "
+        "V-shaped pipeline schedules need)",
+    )
