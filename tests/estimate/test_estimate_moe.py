@@ -159,3 +159,36 @@ def test_planner_counts_what_the_dispatch_keeps_and_a_v_schedules_in_flight(mode
             assert planned == pytest.approx(per_layer, rel=0.12), (shape, planned, per_layer)
     first, last = in_flight_microbatches(modes.schedule(layout.pp_schedule, ""), 2, 2, layout.microbatches)
     assert in_flight == layout.virtual_stages * last == layout.virtual_stages * first
+
+
+def test_a_checkpointed_moe_stage_holds_its_block_outputs_not_its_received_input():
+    """Under full checkpointing a middle pipeline stage keeps, per micro-batch, one hidden state per block (its output:
+    the next block's input, the last the stage's output) and nothing of the expert dispatch; the hidden state it
+    received is its receive buffer, which the schedule counts apart (pipeline_schedule.with_receives), so the
+    measurement leaves it out. Allowance: the rotary table's
+    slice (an eighth of a hidden state at this size, under a hundredth at DeepSeek-V3's)."""
+    from trillion.trainer.tools.estimate import dry_run
+    from trillion.trainer.tools.estimate.simulation import Simulation
+
+    overrides = [
+        *MOE[:1],
+        "--training.seq_len=256",
+        "--training.global_batch_size=32",
+        "--training.micro_batch_size=2",
+        "--parallel.dp_shard=4",
+        "--parallel.ep=2",
+        "--parallel.pp=2",
+        "--parallel.pp_schedule=Interleaved1F1B",
+        "--parallel.ep_dispatch=node",
+        "--parallel.ranks_per_node=1",
+        "--parallel.activation_checkpoint=full",
+    ]
+    config = load_config(None, overrides)
+    args = dry_run.model_args_for(config)
+    simulation = Simulation(config, args, dry_run.layout_dims(config, 8, args), True, None, [])
+    simulation.rank(4)  # the second pipeline rank: its first stage (1 of 4) receives and sends hidden states
+    later = [(s, facts.memory.held) for s, facts in simulation.facts.items() if not (s.first or s.last)]
+    assert later and all(shape.routed_layers for shape, _ in later)
+    for shape, held in later:
+        blocks = shape.layers * simulation.hidden_bytes
+        assert blocks <= held <= blocks + simulation.hidden_bytes / 8, (shape, held, blocks, simulation.hidden_bytes)

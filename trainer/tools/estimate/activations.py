@@ -55,11 +55,11 @@ def measure_micro_batch(
     """Forward and backward of one micro-batch under MemTracker. `inputs`: tokens, or the hidden state a
     later stage receives; `target`: the labels on the `last` stage (its loss is the trainer's), else
     the gradient the next stage sends back for the output. Both exist before tracking starts, as the
-    pipeline's receive buffers do. Weight gradients are dropped once accumulated (FSDP reduce-scatters
-    and frees them; the kept shards are counted as gradients), so the figures are activations, their
-    gradients and the temporaries of backward. Under TP alone a vocabulary-parallel embedding gets a
-    replicated, whole-table gradient (DTensor's embedding backward does not keep the shard), which
-    `grad_elements` reports."""
+    pipeline's receive buffers do, and are left out of every figure. Weight gradients are dropped once
+    accumulated (FSDP reduce-scatters and frees them; the kept shards are counted as gradients), so the
+    figures are activations, their gradients and the temporaries of backward. Under TP alone a
+    vocabulary-parallel embedding gets a replicated, whole-table gradient (DTensor's embedding backward
+    does not keep the shard), which `grad_elements` reports."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from trillion.parallel.forward_backward import token_loss
@@ -75,7 +75,10 @@ def measure_micro_batch(
     device = local_tensor(inputs).device.type
     handles = [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
     tracker = MemTracker()
-    tracker.track_external(model)
+    # the input and target too: MemTracker starts counting a storage made before it when an op returns a view of it,
+    # which would put a later stage's received hidden state in `held` as well as in its receive buffer
+    # (pipeline_schedule.py's, counted apart)
+    tracker.track_external(model, inputs, target)
     try:
         with tracker, _flash_on_meta(), _moe_on_meta(), warnings.catch_warnings(), loss_context(tp_enabled and last):
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")  # MemTracker on grad=None
