@@ -192,3 +192,32 @@ def test_a_checkpointed_moe_stage_holds_its_block_outputs_not_its_received_input
     for shape, held in later:
         blocks = shape.layers * simulation.hidden_bytes
         assert blocks <= held <= blocks + simulation.hidden_bytes / 8, (shape, held, blocks, simulation.hidden_bytes)
+
+
+def _last_stage_held(mtp_modules: int) -> tuple[int, int]:
+    from trillion.trainer.tools.estimate import dry_run
+    from trillion.trainer.tools.estimate.simulation import Simulation
+
+    overrides = [
+        "--model.name=debug-deepseek",
+        f"--model.mtp_modules={mtp_modules}",
+        "--training.seq_len=256",
+        "--training.global_batch_size=8",
+        "--training.micro_batch_size=2",
+        "--parallel.pp=2",
+    ]
+    config = load_config(None, overrides)
+    args = dry_run.model_args_for(config)
+    simulation = Simulation(config, args, dry_run.layout_dims(config, 2, args), True, None, [])
+    simulation.rank(1)
+    (held,) = [facts.memory.held for shape, facts in simulation.facts.items() if shape.last]
+    return held, 2 * 256 * args.vocab_size
+
+
+def test_the_last_stage_runs_its_multi_token_prediction_module_as_the_trainer_does():
+    """The dry run measures the last stage's forward with the MTP module the trainer runs there (its block, its
+    logits and their loss), not the trunk alone: the depth's logits at least (bf16, batch x seq x vocab) are held
+    beyond the stage without the module."""
+    with_module, logits_elements = _last_stage_held(1)
+    without, _ = _last_stage_held(0)
+    assert with_module - without >= 2 * logits_elements, (with_module, without, logits_elements)

@@ -62,7 +62,6 @@ def measure_micro_batch(
     does not keep the shard), which `grad_elements` reports."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from trillion.parallel.forward_backward import token_loss
     from trillion.parallel.tensor_parallel import loss_context
 
     grad_elements = {}
@@ -83,9 +82,7 @@ def measure_micro_batch(
         with tracker, _flash_on_meta(), _moe_on_meta(), warnings.catch_warnings(), loss_context(tp_enabled and last):
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")  # MemTracker on grad=None
             base = _device_total(tracker.get_tracker_snapshot("current"), device)
-            output = model(inputs)
-            if last:
-                output = token_loss(output, target, 1)  # the trainer's loss, before its division by the tokens
+            output = _last_stage_loss(model, inputs, target) if last else model(inputs)
             held = _device_total(tracker.get_tracker_snapshot("current"), device) - base
             forward_peak = _device_total(tracker.get_tracker_snapshot("peak"), device) - base
             output.backward(None if last else target)
@@ -95,6 +92,20 @@ def measure_micro_batch(
         for handle in handles:
             handle.remove()
     return MicroBatchMemory(held, forward_peak, peak, sum(grad_elements.values()))
+
+
+def _last_stage_loss(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The trainer's loss on the last stage, before its division by the tokens; with the multi-token prediction
+    modules the stage holds, run as the trainer runs them (their inputs and logits are the stage's activations too)."""
+    from trillion.models.mtp import lookahead_labels, lookahead_tokens
+    from trillion.parallel.forward_backward import IGNORE_INDEX, lookahead_loss, token_loss
+
+    depths = len(model.ahead_modules())
+    if not depths:
+        return token_loss(model(inputs), target, 1)
+    stacked = lookahead_labels(target, depths, IGNORE_INDEX)
+    logits, *depth_logits = model(inputs, ahead=lookahead_tokens(stacked))
+    return token_loss(logits, target, 1) + lookahead_loss(depth_logits, stacked, 1)
 
 
 class _UnequalHeadsFlash(torch.autograd.Function):
