@@ -2,7 +2,6 @@
 
 import torch.distributed as dist
 
-from trillion.errors import ConfigError, RunAborted
 from trillion.trainer.config.schema import help_text, load_config
 from trillion.trainer.train import RunHooks, train
 
@@ -22,12 +21,13 @@ def main(argv: list[str], hooks: RunHooks | None = None) -> int:
             config_path = arg.split("=", 1)[1]
         else:
             overrides.append(arg)
+    joined_here = not (dist.is_available() and dist.is_initialized())  # a caller's group stays the caller's
     try:
         train(load_config(config_path, overrides), hooks=hooks)
-    except (ConfigError, RunAborted, KeyboardInterrupt):
-        # Leave the process group before the error reaches the CLI: a rank that exits with gloo's
-        # threads still attached to a peer that has gone can abort in C++ (exit -6) instead of 2 or 1.
-        if dist.is_available() and dist.is_initialized():
+    finally:
+        # Leave the process group however the run ends: a rank that exits with gloo's threads still
+        # attached to a peer that has gone (an error on one rank, or only a peer finishing first) can
+        # abort in C++ at interpreter exit (exit -6, "terminate called") instead of 0, 2 or 1.
+        if joined_here and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        raise
     return 0
