@@ -111,12 +111,20 @@ def test_expert_parallel_states_equal_a_real_gloo_run(tmp_path):
             assert figures[kind] == measured[kind], (rank, kind, figures[kind], measured[kind])
 
 
-def _pipeline_stage_held(ep: int, mode: str):
-    """(held bytes of one micro-batch per stage shape, the second pipeline rank's chunks in flight, model args, layout)
-    of debug-moe on 16 fake ranks: pp 2 under ZBVZeroBubble (v 2), dp_shard 8, ep over nodes of 2 ranks."""
+def _simulated(overrides: list[str], world_size: int):
+    """The dry run's Simulation of `overrides` on `world_size` fake ranks, with its model args and layout dims."""
     from trillion.trainer.tools.estimate import dry_run
     from trillion.trainer.tools.estimate.simulation import Simulation
 
+    config = load_config(None, overrides)
+    args = dry_run.model_args_for(config)
+    dims = dry_run.layout_dims(config, world_size, args)
+    return Simulation(config, args, dims, True, None, []), args, dims
+
+
+def _pipeline_stage_held(ep: int, mode: str):
+    """(held bytes of one micro-batch per stage shape, the second pipeline rank's chunks in flight, model args, layout)
+    of debug-moe on 16 fake ranks: pp 2 under ZBVZeroBubble (v 2), dp_shard 8, ep over nodes of 2 ranks."""
     overrides = [
         *MOE[:1],
         "--training.seq_len=256",
@@ -130,10 +138,7 @@ def _pipeline_stage_held(ep: int, mode: str):
         "--parallel.ranks_per_node=2",
         "--parallel.activation_checkpoint=none",
     ]
-    config = load_config(None, overrides)
-    args = dry_run.model_args_for(config)
-    dims = dry_run.layout_dims(config, 16, args)
-    simulation = Simulation(config, args, dims, True, None, [])
+    simulation, args, dims = _simulated(overrides, 16)
     in_flight = simulation.rank(8)["detail"]["in_flight"]  # pipeline rank 1: stages 1 and 2
     return {shape: facts.memory.held for shape, facts in simulation.facts.items()}, in_flight, args, dims.layout
 
@@ -167,9 +172,6 @@ def test_a_checkpointed_moe_stage_holds_its_block_outputs_not_its_received_input
     received is its receive buffer, which the schedule counts apart (pipeline_schedule.with_receives), so the
     measurement leaves it out. Allowance: the rotary table's
     slice (an eighth of a hidden state at this size, under a hundredth at DeepSeek-V3's)."""
-    from trillion.trainer.tools.estimate import dry_run
-    from trillion.trainer.tools.estimate.simulation import Simulation
-
     overrides = [
         *MOE[:1],
         "--training.seq_len=256",
@@ -183,9 +185,7 @@ def test_a_checkpointed_moe_stage_holds_its_block_outputs_not_its_received_input
         "--parallel.ranks_per_node=1",
         "--parallel.activation_checkpoint=full",
     ]
-    config = load_config(None, overrides)
-    args = dry_run.model_args_for(config)
-    simulation = Simulation(config, args, dry_run.layout_dims(config, 8, args), True, None, [])
+    simulation, _, _ = _simulated(overrides, 8)
     simulation.rank(4)  # the second pipeline rank: its first stage (1 of 4) receives and sends hidden states
     later = [(s, facts.memory.held) for s, facts in simulation.facts.items() if not (s.first or s.last)]
     assert later and all(shape.routed_layers for shape, _ in later)
@@ -195,9 +195,7 @@ def test_a_checkpointed_moe_stage_holds_its_block_outputs_not_its_received_input
 
 
 def _last_stage_held(mtp_modules: int) -> tuple[int, int]:
-    from trillion.trainer.tools.estimate import dry_run
-    from trillion.trainer.tools.estimate.simulation import Simulation
-
+    """(held bytes of one micro-batch on the last stage, the elements of its logits) of debug-deepseek at pp 2."""
     overrides = [
         "--model.name=debug-deepseek",
         f"--model.mtp_modules={mtp_modules}",
@@ -206,9 +204,7 @@ def _last_stage_held(mtp_modules: int) -> tuple[int, int]:
         "--training.micro_batch_size=2",
         "--parallel.pp=2",
     ]
-    config = load_config(None, overrides)
-    args = dry_run.model_args_for(config)
-    simulation = Simulation(config, args, dry_run.layout_dims(config, 2, args), True, None, [])
+    simulation, args, _ = _simulated(overrides, 2)
     simulation.rank(1)
     (held,) = [facts.memory.held for shape, facts in simulation.facts.items() if shape.last]
     return held, 2 * 256 * args.vocab_size
