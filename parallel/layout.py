@@ -31,6 +31,9 @@ class Layout:
     dp_shard_mode: str = "zero3"
     pp_schedule: str = "1F1B"
     virtual_stages: int = 1  # pipeline chunks per rank (1 without a pipeline)
+    # units (embedding, layers, output end) of each of the pp x virtual stages: parallel.pp_layout resolved
+    # (parallel/pp_layout.py); () = the even split
+    pp_stages: tuple[int, ...] = ()
     micro_batch_size: int = 1  # sequences per micro-batch per data-parallel rank
     microbatches: int = 1  # per step per pipeline (gradient accumulation when pp == 1)
     activation_checkpoint: str = "none"

@@ -3,8 +3,9 @@ each in a PipelineStage and run a schedule chosen by name.
 
 Splitting deletes what a stage does not own (a Transformer skips parts set to None), so parameter
 names stay global: checkpoints and `init_weights` see the same names whatever the layout. The split
-balances by layer count, counting the embedding and the output projection (with the final norm) as
-one layer each: n_layers + 2 units over pp * virtual stages; a remainder goes to the middle stages.
+takes n_layers + 2 units (the embedding, the layers, the output end) over pp * virtual stages: as
+parallel.pp_layout resolved them (Layout.pp_stages, pp_layout.py: written out, or balanced by cost), else
+evenly, a remainder going to the middle stages.
 
 Looped schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) hold `virtual` stages per
 rank, placed r, r + pp, ...; the V-shaped ones (ZBVZeroBubble, DualPipeV) hold exactly two, placed r
@@ -44,7 +45,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,55 +55,10 @@ from trillion.errors import ConfigError
 from trillion.parallel.forward_backward import carried_inputs, token_loss
 from trillion.parallel.modes import SCHEDULES, check_schedule
 from trillion.parallel.pipeline_ahead import AheadOutputs
+from trillion.parallel.pp_layout import describe, stage_ranges
 from trillion.parallel.tensor_parallel import loss_context
 
 log = logging.getLogger("trillion")
-
-
-@dataclass(frozen=True)
-class StageLayers:
-    """Explicit stage sizes in transformer layers: parallel.pp_layers_per_stage (0 = automatic),
-    pp_first_stage_layers and pp_last_stage_layers (-1 = pp_layers_per_stage - 1, since the
-    embedding and the output count as a layer each; automatic when that is 0 too)."""
-
-    per_stage: int = 0
-    first: int = -1
-    last: int = -1
-
-    @classmethod
-    def from_config(cls, parallel) -> StageLayers:
-        """From the `parallel` config section."""
-        return cls(parallel.pp_layers_per_stage, parallel.pp_first_stage_layers, parallel.pp_last_stage_layers)
-
-    def fixed_units(self, num_stages: int) -> dict[int, int]:
-        """Units of the stages these settings size (first/last count their embedding/output)."""
-        for name, value, least in (
-            ("pp_layers_per_stage", self.per_stage, 0),
-            ("pp_first_stage_layers", self.first, -1),
-            ("pp_last_stage_layers", self.last, -1),
-        ):
-            if value < least:
-                raise ConfigError(
-                    f"parallel.{name}={value} must be {least} or more ({'0' if least == 0 else '-1'} = "
-                    "automatic); it counts transformer layers."
-                )
-        first = self.first if self.first >= 0 else self.per_stage - 1
-        last = self.last if self.last >= 0 else self.per_stage - 1
-        sizes = {stage: self.per_stage for stage in range(1, num_stages - 1)} if self.per_stage else {}
-        if first >= 0:
-            sizes[0] = first + 1
-        if last >= 0:
-            sizes[num_stages - 1] = last + 1
-        return sizes
-
-    def describe(self) -> str:
-        return (
-            f"parallel.pp_layers_per_stage={self.per_stage}, pp_first_stage_layers={self.first}, "
-            f"pp_last_stage_layers={self.last}"
-        )
-
-
-AUTOMATIC = StageLayers()
 
 
 def validate_pipeline(
@@ -114,7 +69,6 @@ def validate_pipeline(
     *,
     virtual: int = 0,
     tie_embeddings: bool = False,
-    layers: StageLayers = AUTOMATIC,
     compile: bool = False,
     experts_recomputed: bool = False,
     output_end_reads: bool = False,
@@ -133,13 +87,7 @@ def validate_pipeline(
         output_end_reads=output_end_reads,
     )
     if pp == 1:
-        if layers != AUTOMATIC:
-            raise ConfigError(
-                f"{layers.describe()} size pipeline stages, but parallel.pp=1 runs none. Set "
-                "--parallel.pp to 2 or more, or leave those settings at their defaults (0, -1, -1)."
-            )
         return s.name, 1
-    split_units(n_layers, pp * v, layers)  # explicit stage sizes add up, no stage left empty
     if tie_embeddings:
         raise ConfigError(
             "parallel.pp > 1 with tied input/output embeddings is not supported: the embedding and "
@@ -151,55 +99,6 @@ def validate_pipeline(
 def bubble_fraction(pp: int, n_microbatches: int, virtual: int = 1) -> float:
     """The idle share of a step for GPipe/1F1B-type schedules: (p-1) / (v m + p - 1)."""
     return (pp - 1) / (virtual * n_microbatches + pp - 1)
-
-
-def split_units(n_layers: int, num_stages: int, layers: StageLayers = AUTOMATIC) -> list[range]:
-    """Units 0 = embedding, 1..n = layers, n+1 = output; one contiguous range per stage. Stages that
-    `layers` sizes get that many; the others share the rest evenly, a remainder going to the middle."""
-    units = n_layers + 2
-    sizes = layers.fixed_units(num_stages)
-    free = [stage for stage in range(num_stages) if stage not in sizes]
-    left = units - sum(sizes.values())
-    if not free and left:
-        per_stage = layers.per_stage
-        if n_layers < (num_stages - 2) * per_stage:  # the middle stages alone hold too many
-            per_stage = n_layers // (num_stages - 2)
-        ends = n_layers - (num_stages - 2) * per_stage  # what first + last must hold at this per_stage
-        fix = (
-            f"--parallel.pp_layers_per_stage={per_stage} --parallel.pp_first_stage_layers={ends // 2} "
-            f"--parallel.pp_last_stage_layers={ends - ends // 2}"
-        )
-        raise ConfigError(
-            f"{layers.describe()} put {units - 2 - left} transformer layers on the {num_stages} pipeline stages, "
-            f"but the model has {n_layers} (model.n_layers): first + (stages - 2) x per stage + last must equal "
-            f"{n_layers}. Use e.g. {fix}, or --parallel.pp_layers_per_stage=0 to split automatically."
-        )
-    if free and left < len(free):
-        raise ConfigError(
-            f"{layers.describe()} give {units - left} of the model's {units} pipeline units ({n_layers} layers + "
-            f"embedding + output) to the stages they size, leaving {max(left, 0)} for the other {len(free)} "
-            f"stage(s); each stage needs at least one. Give the first / last stage fewer layers, or use "
-            f"--parallel.pp_first_stage_layers=-1 --parallel.pp_last_stage_layers=-1 to split automatically."
-        )
-    base, extra = divmod(left, len(free)) if free else (0, 0)
-    middle = sorted(free, key=lambda s: (abs(s - (num_stages - 1) / 2), s))[:extra]
-    for stage in free:
-        sizes[stage] = base + (stage in middle)
-    ranges, start = [], 0
-    for stage in range(num_stages):
-        ranges.append(range(start, start + sizes[stage]))
-        start += sizes[stage]
-    return ranges
-
-
-def describe_split(ranges: list[range], n_layers: int) -> str:
-    """E.g. "E+2 | 3 | 3 | 2+O": each stage's transformer layers, E and O marking embedding and output."""
-
-    def one(units: range) -> str:
-        layers = len([u for u in units if 0 < u <= n_layers])
-        return "+".join([*("E" for u in units if u == 0), str(layers), *("O" for u in units if u == n_layers + 1)])
-
-    return " | ".join(one(units) for units in ranges)
 
 
 def stage_module(model: nn.Module, units: range) -> nn.Module:
@@ -260,7 +159,6 @@ class Pipeline:
         *,
         virtual: int = 0,
         parallelize_fn=None,
-        layers: StageLayers = AUTOMATIC,
     ):
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -273,13 +171,12 @@ class Pipeline:
             n_microbatches,
             virtual=virtual,
             tie_embeddings=model.args.tie_embeddings,
-            layers=layers,
             output_end_reads=bool(model.output_end_reads()),
         )
         pp_mesh = dims.mesh["pp"]
         self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp
         self.name, self.virtual, self.n_microbatches = name, v, n_microbatches
-        ranges = split_units(len(model.layers), dims.pp * v, layers)
+        ranges = stage_ranges(len(model.layers), dims.pp * v, dims.layout.pp_stages)
         self.blocks_per_stage = [sum(1 for unit in r if 1 <= unit <= len(model.layers)) for r in ranges]  # all ranks'
         self.parts, self.stages = [], []
         for index in stage_indices(self.pp_rank, dims.pp, v, name):
@@ -299,14 +196,14 @@ class Pipeline:
         self.lookahead = self.ahead.depths
         log.info(
             "pipeline: %s, %d stages (%d per rank) over pp=%d, %d micro-batches, bubble (p-1)/(v m+p-1) = %.1f%%; "
-            "layers per stage: %s",
+            "stages (parallel.pp_layout): %s",
             name,
             dims.pp * v,
             v,
             dims.pp,
             n_microbatches,
             100 * bubble_fraction(dims.pp, n_microbatches, v),
-            describe_split(ranges, len(model.layers)),
+            describe([len(units) for units in ranges], len(model.layers), self.ahead.depths),
         )
 
     def build(self) -> None:

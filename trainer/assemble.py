@@ -26,7 +26,9 @@ from trillion.parallel.layout import Layout, degrees_of
 from trillion.parallel.modes import float8_dispatch
 from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
-from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
+from trillion.parallel.pipeline import Pipeline, validate_pipeline
+from trillion.parallel.pp_layout import StageLayers
+from trillion.parallel.pp_layout import resolve as resolve_stages
 from trillion.trainer.config.schema import Config, Training, divisor_near, validate_config
 from trillion.trainer.launch.env import LaunchEnv
 
@@ -177,13 +179,12 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         microbatches,
         virtual=p.pp_virtual_stages,
         tie_embeddings=model_args.tie_embeddings,
-        layers=StageLayers.from_config(p),
         compile=config.compile.enabled,
         experts_recomputed=experts_recomputed,
         output_end_reads=parts.ahead_modules(model_args)[0] > 0,  # multi-token prediction reads the embedding
     )
     gathers = f.enabled and float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, degrees.fsdp_enabled).fsdp_all_gather
-    return Layout(
+    layout = Layout(
         **degrees_of(degrees.layout),
         dp_shard_mode=p.dp_shard_mode,
         pp_schedule=pp_schedule,
@@ -199,6 +200,23 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         optimizer=config.optimizer.name,
         **expert_dispatch,
     )
+    return dataclasses.replace(layout, pp_stages=pipeline_stages(config, model_args, layout))
+
+
+def pipeline_stages(config: Config, model_args: ModelArgs, layout: Layout) -> tuple[int, ...]:
+    """Layout.pp_stages: parallel.pp_layout, or the older stage sizes, resolved (parallel/pp_layout.py); `auto`
+    balances the planner's cost of each unit on job.hardware's profile, or FLOPs without one."""
+
+    def costs():  # the planner, imported only here: a run without pp_layout=auto never loads it
+        from trillion.parallel.planner.hardware import load_profile
+        from trillion.parallel.planner.stage_balance import unit_costs
+
+        hardware = load_profile(config.job.hardware) if config.job.hardware else None
+        return unit_costs(model_args, layout, config.training.seq_len, hardware)
+
+    stages, ahead = layout.pp * layout.virtual_stages, parts.ahead_modules(model_args)[0]
+    p = config.parallel
+    return resolve_stages(p.pp_layout, StageLayers.from_config(p), model_args.n_layers, stages, ahead, costs)
 
 
 def dispatch_layout(config: Config, degrees: ParallelDims, world_size: int) -> dict:
@@ -324,6 +342,5 @@ def build_model(
         device,
         virtual=config.parallel.pp_virtual_stages,
         parallelize_fn=layout,
-        layers=StageLayers.from_config(config.parallel),
     )
     return pipeline.parts, pipeline

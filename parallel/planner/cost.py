@@ -129,16 +129,10 @@ def rank_passes(
         moe_layer = block_passes(args, hw, layout, seq_len, routed=True)
         total = total + moe_layer * rank.routed_layers
         forward_sum = forward_sum + moe_layer * rank.routed_layers
-    tokens, tp = layout.micro_batch_size * seq_len // layout.cp, layout.tp
     if rank.last:
-        total = total + output_passes(args, hw, tokens, tp)
-    if rank.ahead_modules:  # models/parts/mtp.py: a block, its projection (whole on every tp rank), the head again
-        _, ahead = parts.ahead_modules(args)
-        projection = sum(_gemm(hw, tokens, x.in_features, x.out_features) for x in ahead.linears)
-        module = block_passes(
-            args, hw, layout, seq_len, routed=parts.routed_layer(args, args.n_layers)
-        ) + output_passes(args, hw, tokens, tp)
-        total = total + (module + Passes(projection, projection, projection)) * rank.ahead_modules
+        total = total + output_passes(args, hw, layout.micro_batch_size * seq_len // layout.cp, layout.tp)
+    if rank.ahead_modules:
+        total = total + ahead_module_passes(args, hw, layout, seq_len) * rank.ahead_modules
     mean = forward_sum * (1 / max(rank.layers, 1))  # a recomputed layer: the mean of the rank's layers
     recompute = Passes(  # its all-to-alls without the counts (the route is replayed)
         forward=mean.forward - mean.ep_forward + mean.ep_recompute,
@@ -147,6 +141,15 @@ def rank_passes(
         ep_forward=mean.ep_recompute,
     )
     return total, recompute * rank.checkpointed(layout.activation_checkpoint)
+
+
+def ahead_module_passes(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int) -> Passes:
+    """One multi-token prediction module (models/parts/mtp.py): a block, its projection (whole on every tp rank) and
+    the output head again."""
+    tokens, (_, ahead) = layout.micro_batch_size * seq_len // layout.cp, parts.ahead_modules(args)
+    projection = sum(_gemm(hw, tokens, x.in_features, x.out_features) for x in ahead.linears)
+    block = block_passes(args, hw, layout, seq_len, routed=parts.routed_layer(args, args.n_layers))
+    return block + output_passes(args, hw, tokens, layout.tp) + Passes(projection, projection, projection)
 
 
 def float8_gathered(args: ModelArgs, layout: Layout, rank: RankParams) -> int:

@@ -3,6 +3,7 @@ split into pipeline stages; every rank's stage gradients are gathered by their g
 rank 0 compares them (and losses, norms, initial weights) with the one-process run."""
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -23,29 +24,34 @@ from tests.helpers.parity import (
 from trillion.models import Transformer
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.parallelize import parallelize
-from trillion.parallel.pipeline import Pipeline, StageLayers
+from trillion.parallel.pipeline import Pipeline, validate_pipeline
+from trillion.parallel.pp_layout import StageLayers, resolve
 from trillion.trainer.step import train_step
 
 
 def train_pipeline_case(case: dict, world_size: int) -> dict:
     args = FAMILIES[case["family"]]
-    dims = ParallelDims.of(
+    degrees = ParallelDims.of(
         pp=case["pp"],
         dp_shard=case.get("dp_shard", -1),
         cp=case.get("cp", 1),
         tp=case.get("tp", 1),
         world_size=world_size,
+    ).layout
+    micro = case.get("micro", MICRO_BATCH)
+    n_micro = GLOBAL_BATCH // (micro * degrees.dp)
+    # the stages' sizes resolved as the trainer resolves them (parallel.pp_layout, or the older three settings)
+    _, virtual = validate_pipeline(degrees.pp, case["schedule"], args.n_layers, n_micro, virtual=case.get("virtual", 0))
+    legacy = StageLayers(
+        case.get("layers_per_stage", 0), case.get("first_stage_layers", -1), case.get("last_stage_layers", -1)
     )
+    stages = resolve(case.get("pp_layout", ""), legacy, args.n_layers, degrees.pp * virtual)
+    dims = ParallelDims(dataclasses.replace(degrees, pp_stages=stages), world_size)
     dims.validate(args, SEQ_LEN)
     dims.build_mesh("cpu")
     mode = case.get("mode", "zero3")
     with torch.device("meta"):
         model = Transformer(args)
-    micro = case.get("micro", MICRO_BATCH)
-    n_micro = GLOBAL_BATCH // (micro * dims.dp_size)
-    layers = StageLayers(
-        case.get("layers_per_stage", 0), case.get("first_stage_layers", -1), case.get("last_stage_layers", -1)
-    )
     pipeline = Pipeline(
         model,
         dims,
@@ -53,7 +59,6 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
         n_micro,
         torch.device("cpu"),
         virtual=case.get("virtual", 0),
-        layers=layers,
         parallelize_fn=lambda part: parallelize(
             part,
             dims,
@@ -64,6 +69,7 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
             compile_backend=case.get("compile") or "inductor",
         ),
     )
+    assert pipeline.blocks_per_stage == case.get("blocks", pipeline.blocks_per_stage), "the stages' layers differ"
     for part in pipeline.parts:
         part.to_empty(device="cpu")
         part.init_weights(SEED)

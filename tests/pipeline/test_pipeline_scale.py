@@ -9,6 +9,7 @@ takes the larger chunk) and the few vectors TP replicates (norms, row-wise biase
 Run with -s to see the per-rank table."""
 
 import contextlib
+import dataclasses
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from trillion.models import PRESETS, Transformer
 from trillion.models.flops import count_params
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.parallelize import parallelize
-from trillion.parallel.pipeline import Pipeline, StageLayers, split_units, stage_module
+from trillion.parallel.pipeline import Pipeline, stage_module
+from trillion.parallel.pp_layout import split_units
 
 GPT_1T = PRESETS["gpt-1t"]  # 128 layers, hidden 25600, 200 heads
 SEQ_LEN = 2048
@@ -86,11 +88,11 @@ def test_explicit_stage_sizes_reach_the_stages(model):
     tp, pp, dp = 4, 128, 2
     for pp_rank, layers in ((0, ["0"]), (1, ["1"]), (pp - 1, ["127"])):
         with fake_rank(pp_rank * dp * tp, tp * pp * dp):
-            dims = ParallelDims.of(pp=pp, dp_shard=dp, tp=tp, world_size=tp * pp * dp)
+            degrees = ParallelDims.of(pp=pp, dp_shard=dp, tp=tp, world_size=tp * pp * dp).layout
+            stages = (2, *[1] * (pp - 2), 2)  # parallel.pp_layout='E+1 | 1*126 | 1+O'
+            dims = ParallelDims(dataclasses.replace(degrees, pp_stages=stages), tp * pp * dp)
             dims.build_mesh("cpu")
-            pipeline = Pipeline(
-                model, dims, "1F1B", pp, torch.device("cpu"), layers=StageLayers(per_stage=1, first=1, last=1)
-            )
+            pipeline = Pipeline(model, dims, "1F1B", pp, torch.device("cpu"))
         [part] = pipeline.parts
         assert list(part.layers.keys()) == layers
         assert (part.tok_embeddings is not None, part.output is not None) == (pp_rank == 0, pp_rank == pp - 1)

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from trillion.parallel.layout import EP_DISPATCH
 from trillion.parallel.modes import CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SCHEDULES, SELECTIVE_EVERY, ZERO_MODES
-from trillion.trainer.config.checks import Flag, OneOf, Range
+from trillion.trainer.config.checks import Flag, OneOf, Range, Text
 from trillion.trainer.config.fields import POSITIVE, doc
 
 
@@ -67,6 +67,15 @@ class Parallel:
         f"Pipeline stages per rank for looped schedules ({_names(placement='looped')}); 0 = {DEFAULT_VIRTUAL_STAGES}. "
         f"One for {_names(placement='single')}; two for {_names(placement='v')}.",
         Range(1, also={0: "the schedule's default"}),
+    )
+    pp_layout: str = doc(
+        "",
+        "What each pipeline stage holds: stages separated by |, a stage's parts by +: E (the embedding), a count of "
+        "transformer layers, M (multi-token prediction modules, beside O) and O (the output head), S*k repeating a "
+        "stage, e.g. 'E+3 | 2*29 | M+O' (pp x stages per rank stages; the layers add up to model.n_layers) | auto "
+        "(balanced by the planner's cost of each layer, head and module on job.hardware's profile, or by FLOPs "
+        "without one) | '' (the even split, or the three settings below, which pp_layout replaces).",
+        Text(),
     )
     pp_layers_per_stage: int = doc(
         0,
