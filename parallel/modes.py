@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trillion.errors import ConfigError
+from trillion.models import parts
 
 
 @dataclass(frozen=True)
@@ -203,11 +204,19 @@ class CheckpointMode:
     name: str
     every: int  # checkpoint every N-th block; 0 = none
     op_level: bool = False  # save matmul/attention outputs, recompute only the cheap elementwise work
+    # DeepSeek-V3's: no block replayed; each sublayer's norm, latent attention's up-projections and the
+    # experts' SwiGLU recomputed (parallel/activation_checkpoint.py), so no expert all-to-all runs twice
+    sublayers: bool = False
 
     @property
     def period(self) -> int:
         """Blocks after which the pattern repeats."""
         return max(1, self.every)
+
+    @property
+    def replays_blocks(self) -> bool:
+        """Whether checkpointed blocks run their whole forward again in backward (the MoE dispatch included)."""
+        return self.every > 0
 
 
 SELECTIVE_EVERY = 2
@@ -218,6 +227,7 @@ CHECKPOINT_MODES: dict[str, CheckpointMode] = {
         CheckpointMode("full", 1),
         CheckpointMode("selective", SELECTIVE_EVERY),
         CheckpointMode("selective:op", 1, op_level=True),
+        CheckpointMode("deepseek", 0, sublayers=True),
     )
 }  # and selective:N, every N-th block
 
@@ -231,8 +241,22 @@ def checkpoint_mode(name: str) -> CheckpointMode:
         return CheckpointMode(name, int(every))
     raise ConfigError(
         f"parallel.activation_checkpoint={name!r} is not known. Use none, full, selective "
-        f"(every {SELECTIVE_EVERY}nd block), selective:N (every N-th block, e.g. selective:3) or "
-        "selective:op (save matmul outputs, recompute the rest)."
+        f"(every {SELECTIVE_EVERY}nd block), selective:N (every N-th block, e.g. selective:3), "
+        "selective:op (save matmul outputs, recompute the rest) or deepseek (recompute the norms, latent "
+        "attention's up-projections and the experts' SwiGLU)."
+    )
+
+
+def checkpoint_refusal(name: str, args) -> str:
+    """Why `name` cannot recompute this model's parts ("" when it can): DeepSeek's mode recomputes latent attention's
+    up-projections (models/parts: Part.up_projections), which a model without them has none of."""
+    if not checkpoint_mode(name).sublayers or any(part.up_projections for part in parts.block(args).parts):
+        return ""
+    return (
+        f"parallel.activation_checkpoint={name} recomputes the norms and latent attention's up-projections in "
+        "backward, but this model's attention has no up-projections (it is not latent attention: DeepSeek-V2/V3, "
+        "Kimi K2, debug-deepseek). Use --parallel.activation_checkpoint=selective:op (keeps matmul outputs, "
+        "recomputes the element-wise work) or full."
     )
 
 

@@ -23,7 +23,7 @@ from trillion.parallel.expert_overlap import pairs_micro_batches
 from trillion.parallel.float8_experts import check_experts
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, degrees_of
-from trillion.parallel.modes import float8_dispatch
+from trillion.parallel.modes import checkpoint_mode, checkpoint_refusal, float8_dispatch
 from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, validate_pipeline
@@ -170,7 +170,9 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
     dp_ranks = degrees.dp_size * config.fault_tolerance.groups  # fault-tolerant replica groups share each batch
     check_batch_split(t, dp_ranks)
     micro_batch_size, microbatches = batch_split(t, dp_ranks)
-    experts_recomputed = degrees.ep > 1 and p.activation_checkpoint != "none"
+    if refused := checkpoint_refusal(p.activation_checkpoint, model_args):
+        raise ConfigError(refused)
+    experts_recomputed = degrees.ep > 1 and checkpoint_mode(p.activation_checkpoint).replays_blocks
     # schedule, stage sizes and micro-batches checked before any work (stage sizes without a pipeline refused)
     pp_schedule, virtual_stages = validate_pipeline(
         degrees.pp,

@@ -18,7 +18,9 @@ __all__ = [
 
 # The checkpointing modes the search tries: selective:op keeps matmul outputs, which the memory
 # model (memory.py) does not count yet; selective:N (every N-th block) is the trainer's only.
-SEARCHED_CHECKPOINT_MODES = tuple(name for name, mode in CHECKPOINT_MODES.items() if not mode.op_level)
+SEARCHED_CHECKPOINT_MODES = tuple(
+    name for name, mode in CHECKPOINT_MODES.items() if not mode.op_level and not mode.sublayers
+)
 
 
 def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int) -> tuple[float, float]:

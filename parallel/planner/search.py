@@ -21,7 +21,7 @@ from trillion.models.flops import (
 )
 from trillion.parallel.ep_checks import check_ep_dispatch, ep_nodes
 from trillion.parallel.layout import Layout
-from trillion.parallel.modes import check_schedule
+from trillion.parallel.modes import check_schedule, checkpoint_mode, checkpoint_refusal
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
@@ -60,8 +60,8 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     (parallel/modes.py check_schedule, which its validate_pipeline calls), so the search never
     proposes what the trainer refuses (DualPipeV with fewer than 2 pp micro-batches, a
     split-backward schedule under compile, an objective that needs whole sequences under cp, ...)."""
-    if refused := parts.layout_refusal(args, layout):  # what a part cannot train under (models/parts)
-        return refused
+    if refused := parts.layout_refusal(args, layout) or checkpoint_refusal(layout.activation_checkpoint, args):
+        return refused  # what a part cannot train under (models/parts), or recompute
     try:
         if layout.ep > 1:
             check_ep_dispatch(layout, ep_nodes(layout), args, warn=False)
@@ -72,7 +72,7 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
             layout.virtual_stages,
             layout.compile,
             n_layers=args.n_layers,
-            experts_recomputed=layout.ep > 1 and layout.activation_checkpoint != "none",
+            experts_recomputed=layout.ep > 1 and checkpoint_mode(layout.activation_checkpoint).replays_blocks,
             output_end_reads=parts.ahead_modules(args)[0] > 0,
         )
     except ConfigError as error:

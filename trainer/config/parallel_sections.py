@@ -105,6 +105,8 @@ class Parallel:
     activation_checkpoint: str = doc(
         "none",
         f"{' | '.join(CHECKPOINT_MODES)} | selective:N (every N-th block): which blocks recompute their activations "
-        f"in backward (selective: every {SELECTIVE_EVERY}nd; selective:op: every block, saving matmul outputs).",
+        f"in backward (selective: every {SELECTIVE_EVERY}nd; selective:op: every block, saving matmul outputs; "
+        "deepseek: DeepSeek-V3's, no block replayed, the norms, latent attention's up-projections and the experts' "
+        "SwiGLU recomputed: latent-attention models only).",
         OneOf((*CHECKPOINT_MODES, "selective:N")),
     )
