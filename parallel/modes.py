@@ -103,15 +103,10 @@ def check_schedule(
     compile_enabled: bool = False,
     *,
     n_layers: int | None = None,
-    experts_recomputed: bool = False,
-    output_end_reads: bool = False,
 ) -> tuple[Schedule, int]:
     """Raise ConfigError for a schedule the trainer cannot run with pp ranks and n_microbatches per
     step (and, given n_layers, more stages than the model's n_layers + embedding + output units);
-    returns (the schedule, stages per rank). With pp = 1 no pipeline runs: only the name is checked.
-    `experts_recomputed`: expert parallelism under activation checkpointing (its recompute replays routes).
-    `output_end_reads`: the model's last stage reads the embedding too (multi-token prediction), which a copy
-    there serves (parallel/pipeline_ahead.py)."""
+    returns (the schedule, stages per rank). With pp = 1 no pipeline runs: only the name is checked."""
     if pp < 1:
         raise ConfigError(f"parallel.pp={pp} must be a positive degree; use 1 to turn pipelining off.")
     s = schedule(name)
@@ -151,21 +146,17 @@ def check_schedule(
             "which torch.distributed.pipelining does not support for compiled stages. Use "
             "--compile.enabled=false, or a schedule with a full backward (1F1B, Interleaved1F1B)."
         )
-    if output_end_reads and s.v_shape:
-        raise ConfigError(
-            f"parallel.pp_schedule={s.name} places the first and the last stage on one rank, and the last stage "
-            "keeps its own copy of the embedding (multi-token prediction, model.mtp_modules, reads it), which the "
-            "copy of the first stage would share a name with there. Use a schedule with one rank per end (1F1B, "
-            "Interleaved1F1B, InterleavedZeroBubble), or --model.mtp_modules=0."
-        )
-    if experts_recomputed and s.split_backward:
-        raise ConfigError(
-            f"parallel.pp_schedule={s.name} splits each backward, which reorders the recomputed forwards of "
-            "activation checkpointing; under parallel.ep > 1 each recompute replays its forward's expert route in "
-            "order, so the two do not mix (measured: the recompute's tensors differ). Use "
-            "--parallel.activation_checkpoint=none, or a schedule with a full backward (1F1B, Interleaved1F1B)."
-        )
     return s, v
+
+
+def joins_weight_passes(layout) -> bool:
+    """Whether a split-backward schedule runs its weight passes with their input passes (pipeline_pairing.py
+    join_weight_passes): under activation checkpointing a deferred weight pass would recompute its regions a second
+    time, which selective checkpointing refuses and which would repeat the expert all-to-alls of replayed blocks.
+    Plain full or every-N-th checkpointing of a model without expert parallelism recomputes twice and stays split."""
+    mode = checkpoint_mode(layout.activation_checkpoint)
+    twice_refused = mode.op_level or mode.sublayers or (layout.ep > 1 and mode.replays_blocks)
+    return layout.pp > 1 and schedule(layout.pp_schedule).split_backward and twice_refused
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ buffers with or without requires_grad) on the training stages.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -52,8 +53,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trillion.errors import ConfigError
+from trillion.parallel.expert_overlap import pairs_across_stages
 from trillion.parallel.forward_backward import carried_inputs, token_loss
-from trillion.parallel.modes import SCHEDULES, check_schedule
+from trillion.parallel.modes import SCHEDULES, check_schedule, joins_weight_passes
 from trillion.parallel.pipeline_ahead import AheadOutputs
 from trillion.parallel.pp_layout import describe, stage_ranges
 from trillion.parallel.tensor_parallel import loss_context
@@ -70,12 +72,9 @@ def validate_pipeline(
     virtual: int = 0,
     tie_embeddings: bool = False,
     compile: bool = False,
-    experts_recomputed: bool = False,
-    output_end_reads: bool = False,
 ) -> tuple[str, int]:
     """Raise ConfigError for a pipeline this build cannot run; returns (schedule name, stages per rank).
-    The schedule's own rules are modes.check_schedule's, which the planner applies too. `output_end_reads`: the
-    last stage reads the embedding too (Transformer.output_end_reads)."""
+    The schedule's own rules are modes.check_schedule's, which the planner applies too."""
     s, v = check_schedule(
         schedule,
         pp,
@@ -83,8 +82,6 @@ def validate_pipeline(
         virtual,
         compile,
         n_layers=n_layers,
-        experts_recomputed=experts_recomputed,
-        output_end_reads=output_end_reads,
     )
     if pp == 1:
         return s.name, 1
@@ -139,7 +136,7 @@ def stages_as_one_module(parts: list[nn.Module]) -> nn.Module:
         for name, child in part.named_children():  # a stage's missing parts are None and skipped
             if name == "layers":
                 union.layers.update(child)
-            else:
+            elif not hasattr(union, name):  # a V's last stage's copy of the embedding: the first stage's is stepped
                 union.add_module(name, child)
     return union
 
@@ -171,7 +168,6 @@ class Pipeline:
             n_microbatches,
             virtual=virtual,
             tie_embeddings=model.args.tie_embeddings,
-            output_end_reads=bool(model.output_end_reads()),
         )
         pp_mesh = dims.mesh["pp"]
         self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp
@@ -191,6 +187,9 @@ class Pipeline:
         self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)
         self.tokens = None
         self.dims = dims
+        self.pairs = pairs_across_stages(dims.layout)  # DualPipeV's OVERLAP_F_B paired (pipeline_pairing.py)
+        self.autocast = contextlib.nullcontext()  # the step's, for the paired forwards' threads
+        self.handovers: list[int] = []  # per paired action, the turns its two sides handed each other
         self.eval_stages, self._eval_schedule = [], None  # made by the first evaluation
         self.ahead = AheadOutputs(model.args, model.output_end_reads())  # multi-token prediction, if it trains
         self.lookahead = self.ahead.depths
@@ -212,8 +211,14 @@ class Pipeline:
         self.stages = [self._make_stage(part, index) for part, index in zip(self.parts, indices)]
         stages = self.stages[0] if self._single else self.stages
         self.schedule = self._schedule_cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
+        from trillion.parallel.pipeline_pairing import join_weight_passes, pair_forwards_with_backwards
+
+        if self.pairs:
+            pair_forwards_with_backwards(self.schedule, lambda: self.autocast, self.handovers)
+        if joins_weight_passes(self.dims.layout):
+            join_weight_passes(self.schedule)
         self.model = stages_as_one_module(self.parts)
-        self.ahead.find_copies(self.parts, self.dims.mesh["pp"], self.pp_rank)
+        self.ahead.find_copies(self.parts, self.dims.mesh["pp"], self.pp_rank, SCHEDULES[self.name].v_shape)
 
     @property
     def ahead_loss(self) -> torch.Tensor | None:
@@ -237,6 +242,7 @@ class Pipeline:
         """`step` under autocast, which changes only the forwards the schedule interleaves with
         backwards. No loss scaling: fp16 runs in one process only, so never with a pipeline."""
         assert not scaler.is_enabled(), "fp16 loss scaling under a pipeline"
+        self.autocast = autocast
         with autocast:
             return self.step(micro_batches, tokens)
 

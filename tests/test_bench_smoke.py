@@ -149,11 +149,13 @@ def test_device_check_smoke_runs_each_part_and_keeps_its_results(tmp_path):
 
 
 @pytest.mark.slow  # about 20 s each on two cores
-@pytest.mark.parametrize("script", ["ep_overlap.py", "ep_dispatch.py"])
+@pytest.mark.parametrize("script", ["ep_overlap.py", "ep_overlap.py --pp 2", "ep_dispatch.py"])
 def test_expert_parallel_benchmarks_smoke(script, tmp_path):
-    """The latency-injection benchmark (2 gloo ranks) and the dispatch-bytes benchmark (threads) at tiny sizes."""
+    """The latency-injection benchmark (2 gloo ranks; with --pp 2 DualPipeV on 4) and the dispatch-bytes benchmark
+    (threads) at tiny sizes."""
+    name, *flags = script.split()
     result = subprocess.run(
-        [sys.executable, str(ROOT / "experiments/bench" / script), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "experiments/bench" / name), *flags, "--smoke", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,

@@ -23,7 +23,7 @@ from trillion.parallel.expert_overlap import pairs_micro_batches
 from trillion.parallel.float8_experts import check_experts
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, degrees_of
-from trillion.parallel.modes import checkpoint_mode, checkpoint_refusal, float8_dispatch
+from trillion.parallel.modes import checkpoint_refusal, float8_dispatch
 from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, validate_pipeline
@@ -172,7 +172,6 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
     micro_batch_size, microbatches = batch_split(t, dp_ranks)
     if refused := checkpoint_refusal(p.activation_checkpoint, model_args):
         raise ConfigError(refused)
-    experts_recomputed = degrees.ep > 1 and checkpoint_mode(p.activation_checkpoint).replays_blocks
     # schedule, stage sizes and micro-batches checked before any work (stage sizes without a pipeline refused)
     pp_schedule, virtual_stages = validate_pipeline(
         degrees.pp,
@@ -182,8 +181,6 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         virtual=p.pp_virtual_stages,
         tie_embeddings=model_args.tie_embeddings,
         compile=config.compile.enabled,
-        experts_recomputed=experts_recomputed,
-        output_end_reads=parts.ahead_modules(model_args)[0] > 0,  # multi-token prediction reads the embedding
     )
     gathers = f.enabled and float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, degrees.fsdp_enabled).fsdp_all_gather
     layout = Layout(

@@ -21,7 +21,7 @@ from trillion.models.flops import (
 )
 from trillion.parallel.ep_checks import check_ep_dispatch, ep_nodes
 from trillion.parallel.layout import Layout
-from trillion.parallel.modes import check_schedule, checkpoint_mode, checkpoint_refusal
+from trillion.parallel.modes import check_schedule, checkpoint_refusal
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
@@ -72,8 +72,6 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
             layout.virtual_stages,
             layout.compile,
             n_layers=args.n_layers,
-            experts_recomputed=layout.ep > 1 and checkpoint_mode(layout.activation_checkpoint).replays_blocks,
-            output_end_reads=parts.ahead_modules(args)[0] > 0,
         )
     except ConfigError as error:
         return str(error)

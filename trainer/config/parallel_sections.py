@@ -57,7 +57,9 @@ class Parallel:
         False,
         "Overlap the expert all-to-alls with compute: the shared experts run while the dispatch is in flight, and "
         "each MoE layer's tokens go in two chunks, one chunk's all-to-all beside the other's experts (forward and "
-        "backward; parallel/expert_overlap.py).",
+        "backward; parallel/expert_overlap.py); with one pipeline stage and zero1/zero2, two micro-batches' forwards "
+        "take turns at the all-to-alls; under pp_schedule=DualPipeV each OVERLAP_F_B's forward and backward do "
+        "(parallel/pipeline_pairing.py).",
         Flag(),
     )
     pp: int = doc(1, "Pipeline-parallel degree.", POSITIVE)
