@@ -111,7 +111,7 @@ def test_float8_dispatch_needs_float8_experts_and_expert_parallelism(capsys, tmp
 def test_a_float8_expert_recipe_on_a_gpu_without_float8_is_refused(monkeypatch, capsys, tmp_path):
     fake_gpu(monkeypatch, "NVIDIA A100-SXM4-80GB", capability=(8, 0))
     gpu = LaunchEnv(0, 1, 0, torch.device("cuda", 0))
-    monkeypatch.setattr("trillion.trainer.train.init_launch_env", lambda *a, **k: gpu)
+    monkeypatch.setattr("trillion.trainer.set_up.init_launch_env", lambda *a, **k: gpu)
     err = refusal(capsys, tmp_path, *FLOAT8, "--float8.experts=blockwise")
     assert "sm80" in err and "routed experts' float8 grouped GEMMs" in err and "--float8.emulate=true" in err
 
