@@ -4,6 +4,7 @@ trainer/ importable by their folder names, so a third-party package of such a na
 transformers 5.25 and later import) is the one found; `tests.*` and `trillion.*` stay importable (tests/conftest.py)."""
 
 import importlib
+import importlib.machinery
 import importlib.util
 import sys
 from pathlib import Path
@@ -15,8 +16,13 @@ FOLDERS = ("kernels", "models", "parallel", "trainer")
 
 
 def _origin(name: str) -> Path | None:
-    spec = importlib.util.find_spec(name)
+    """Where an import of top-level `name` would find it now (sys.path searched afresh, whatever is imported)."""
+    spec = importlib.machinery.PathFinder.find_spec(name, sys.path)
     return None if spec is None or spec.origin is None else Path(spec.origin).resolve()
+
+
+def _module_origin(name: str) -> Path:
+    return Path(importlib.util.find_spec(name).origin).resolve()
 
 
 @pytest.fixture
@@ -35,15 +41,15 @@ def test_the_folders_are_not_importable_by_their_own_names(name, root_first):
     origin = _origin(name)
     assert origin is None or REPOSITORY not in origin.parents, origin  # absent, or another distribution's
     assert (REPOSITORY / name / "__init__.py").is_file()  # the folder is there: the finder, not its absence, decides
-    assert _origin(f"trillion.{name}") == (REPOSITORY / name / "__init__.py").resolve()
+    assert _module_origin(f"trillion.{name}") == (REPOSITORY / name / "__init__.py").resolve()
 
 
 def test_a_third_party_package_of_a_folder_s_name_wins_over_the_root(root_first, tmp_path):
-    """A `kernels` distribution installed after the root on sys.path (site-packages comes after it) is the one
-    `import kernels` finds, and the one imported."""
+    """A `kernels` package on sys.path right after the root (where site-packages comes) is the one `import kernels`
+    finds, and the one imported."""
     (tmp_path / "kernels").mkdir()
     (tmp_path / "kernels" / "__init__.py").write_text('WHOSE = "a third party"\n')
-    sys.path.append(str(tmp_path))
+    sys.path.insert(sys.path.index(str(REPOSITORY)) + 1, str(tmp_path))
     importlib.invalidate_caches()
     saved = sys.modules.pop("kernels", None)
     try:
@@ -56,7 +62,8 @@ def test_a_third_party_package_of_a_folder_s_name_wins_over_the_root(root_first,
 
 
 def test_the_tests_package_stays_importable_from_the_root(root_first):
-    assert _origin("tests.helpers.flags") == (REPOSITORY / "tests" / "helpers" / "flags.py").resolve()
+    assert _origin("tests") == (REPOSITORY / "tests" / "__init__.py").resolve()
+    assert _module_origin("tests.helpers.flags") == (REPOSITORY / "tests" / "helpers" / "flags.py").resolve()
     assert importlib.import_module("tests.helpers.flags").TINY
 
 

@@ -20,8 +20,9 @@ from trillion.errors import ConfigError
 from trillion.kernels import float8_grouped_gemm
 from trillion.models import Transformer, get_preset
 from trillion.models.moe import routed_expert_stacks
-from trillion.parallel.float8 import convert, resolve
+from trillion.parallel.float8 import convert
 from trillion.parallel.float8_experts import check_experts
+from trillion.parallel.layout import resolve_float8
 from trillion.trainer.cli.main import main
 from trillion.trainer.launch.env import LaunchEnv
 
@@ -32,7 +33,7 @@ DEEPSEEK = get_preset("debug-deepseek")  # 4 blocks, the first dense, and an MTP
 def converted(args, experts: str = "auto"):
     with torch.device("meta"):
         model = Transformer(args)
-    convert(model, resolve("tensorwise", True, "auto", False, experts))
+    convert(model, resolve_float8("tensorwise", fsdp_enabled=False, emulate=True, experts=experts))
     return model
 
 
