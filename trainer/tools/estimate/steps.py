@@ -134,7 +134,8 @@ def run_steps(config: Config, world_size: int, steps: int, ranks: list[int]) -> 
                     stopped = SCHEDULE_ON_FAKE
                 except Exception as error:  # the finding itself: the loop does not run in this layout
                     failed = f"{type(error).__name__}: {error}"
-            runs.append(StepsRun(rank, record.get("step", 0), time.perf_counter() - start, stopped, failed, record))
+            seconds, done = time.perf_counter() - start, record.get("step", 0)
+            runs.append(StepsRun(rank=rank, steps=done, seconds=seconds, stopped=stopped, failed=failed, record=record))
     args = model_args_for(tiny, dims.layout)
     t = tiny.training
     model = (
