@@ -4,8 +4,8 @@ each in a PipelineStage and run a schedule chosen by name.
 Splitting deletes what a stage does not own (a Transformer skips parts set to None), so parameter
 names stay global: checkpoints and `init_weights` see the same names whatever the layout. The split
 takes n_layers + 2 units (the embedding, the layers, the output end) over pp * virtual stages: as
-parallel.pp_layout resolved them (Layout.pp_stages, pp_layout.py: written out, or balanced by cost), else
-evenly, a remainder going to the middle stages.
+Layout.stage_layers says (pp_layout.py split_units: parallel.pp_layout written out or balanced by cost, or the
+older layers-per-stage settings), else evenly, a remainder going to the middle stages.
 
 Looped schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) hold `virtual` stages per
 rank, placed r, r + pp, ...; the V-shaped ones (ZBVZeroBubble, DualPipeV) hold exactly two, placed r
@@ -55,42 +55,28 @@ from torch.distributed.tensor import DTensor
 from trillion.errors import ConfigError
 from trillion.parallel.expert_overlap import pairs_across_stages
 from trillion.parallel.forward_backward import carried_inputs, token_loss
-from trillion.parallel.modes import SCHEDULES, check_schedule, joins_weight_passes
+from trillion.parallel.layout import Layout
+from trillion.parallel.modes import SCHEDULES, check_layout_schedule, joins_weight_passes
 from trillion.parallel.pipeline_ahead import AheadOutputs
-from trillion.parallel.pp_layout import describe, stage_ranges
+from trillion.parallel.pp_layout import check_stages, describe, split_units
 from trillion.parallel.tensor_parallel import loss_context
 
 log = logging.getLogger("trillion")
 
 
-def validate_pipeline(
-    pp: int,
-    schedule: str,
-    n_layers: int,
-    n_microbatches: int,
-    *,
-    virtual: int = 0,
-    tie_embeddings: bool = False,
-    compile: bool = False,
-) -> tuple[str, int]:
-    """Raise ConfigError for a pipeline this build cannot run; returns (schedule name, stages per rank).
-    The schedule's own rules are modes.check_schedule's, which the planner applies too."""
-    s, v = check_schedule(
-        schedule,
-        pp,
-        n_microbatches,
-        virtual,
-        compile,
-        n_layers=n_layers,
-    )
-    if pp == 1:
-        return s.name, 1
+def validate_pipeline(layout: Layout, n_layers: int, *, tie_embeddings: bool = False, ahead_modules: int = 0):
+    """Raise ConfigError for a pipeline this build cannot run with the model's `n_layers` (and `ahead_modules`
+    multi-token prediction modules): the schedule's own rules (modes.check_layout_schedule, which the planner
+    applies too), then the stage sizes (pp_layout.py check_stages)."""
+    check_layout_schedule(layout, n_layers)
+    check_stages(layout.stage_layers, n_layers, layout.pp * layout.virtual_stages, ahead_modules)
+    if layout.pp == 1:
+        return
     if tie_embeddings:
         raise ConfigError(
             "parallel.pp > 1 with tied input/output embeddings is not supported: the embedding and "
             "the output projection live on different stages. Use a model without tie_embeddings."
         )
-    return s.name, v
 
 
 def bubble_fraction(pp: int, n_microbatches: int, virtual: int = 1) -> float:
@@ -143,36 +129,27 @@ def stages_as_one_module(parts: list[nn.Module]) -> nn.Module:
 
 class Pipeline:
     """This rank's stages, their schedule and the loss; `forward_backward` runs one optimizer step's
-    micro-batches (the interface of forward_backward.MicroBatchLoop). `parallelize_fn` is
-    parallelize with this schedule (`pp_schedule`), applied to each stage."""
+    micro-batches (the interface of forward_backward.MicroBatchLoop), all as `dims.layout` says (its schedule, stages
+    per rank, stage sizes and micro-batches). `parallelize_fn` is applied to each stage (parallelize)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        dims,
-        schedule: str,
-        n_microbatches: int,
-        device: torch.device,
-        *,
-        virtual: int = 0,
-        parallelize_fn=None,
-    ):
+    def __init__(self, model: nn.Module, dims, device: torch.device, *, parallelize_fn=None):
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
         from trillion.parallel.pipeline_stage import InFlightReceiveStage
 
-        name, v = validate_pipeline(
-            dims.pp,
-            schedule,
+        layout = dims.layout
+        validate_pipeline(
+            layout,
             len(model.layers),
-            n_microbatches,
-            virtual=virtual,
             tie_embeddings=model.args.tie_embeddings,
+            ahead_modules=len(model.output_end_reads()),
         )
+        name, v, n_microbatches = layout.pp_schedule, layout.virtual_stages, layout.microbatches
         pp_mesh = dims.mesh["pp"]
         self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp
         self.name, self.virtual, self.n_microbatches = name, v, n_microbatches
-        ranges = stage_ranges(len(model.layers), dims.pp * v, dims.layout.pp_stages)
+        ahead = len(model.output_end_reads())  # pp_layout's M: the multi-token prediction modules beside O
+        ranges = split_units(len(model.layers), dims.pp * v, layout.stage_layers, ahead)
         self.blocks_per_stage = [sum(1 for unit in r if 1 <= unit <= len(model.layers)) for r in ranges]  # all ranks'
         self.parts, self.stages = [], []
         for index in stage_indices(self.pp_rank, dims.pp, v, name):

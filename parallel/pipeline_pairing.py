@@ -22,7 +22,7 @@ gradient pass as the full backward and its deferred weight-gradient pass as noth
 pass in a backward of its own would recompute every checkpointed region a second time, which selective
 checkpointing refuses ("backward once on any region") and which would repeat the expert all-to-alls of replayed
 blocks. The passes' order on every rank is the schedule's, so no collective changes place; the fill the deferred
-passes gave the pipeline's ends is lost (the planner prices it: planner/layout.py bubble_slots).
+passes gave the pipeline's ends is lost (the planner prices it: planner/schedules.py bubble_slots).
 
 Relies on these internals of torch 2.13's _PipelineScheduleRuntime (check them on an upgrade): the custom function's
 (action, _PipelineContext) call, `fwd_recv_ops` / `bwd_recv_ops` keyed by (stage, micro-batch), `_wait_batch_p2p`,

@@ -6,74 +6,77 @@ run beside it). Each stage takes a contiguous run of units. The layout is the nu
 as the trainer logs it: stages separated by `|`, a stage's parts by `+`, e.g. `E+3 | 2 | 2 | 2+M+O`; `S*k` repeats
 stage S k times (`E+3|2*29|M+O` is Megatron-Core's DeepSeek-V3 layout, its `Et*3|(tt|)*29,m|L`, with M beside O).
 
-`auto` balances the stages by the planner's cost of each unit (dense and MoE blocks cost differently; the
-embedding next to nothing; the head and the multi-token prediction modules a block or more): `balance` looks for
-the split whose busiest pipeline rank (the sum of its stages: two on a V schedule, stage r and 2 pp - 1 - r) is
-least busy, within a memory budget per rank when one is given. No torch here: the planner imports it.
+`auto` balances the stages by a cost of each unit (the trainer's: its FLOPs, models/flops.py; dense and MoE blocks
+cost differently, the embedding next to nothing, the head and the multi-token prediction modules a block or more),
+written out once the model is known (`resolve_auto`, before any work): `balance` looks for the split whose busiest
+pipeline rank (the sum of its stages: two on a V schedule, stage r and 2 pp - 1 - r) is least busy, within a memory
+budget per rank when one is given. No torch here: the planner imports it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from dataclasses import dataclass
 
 import numpy as np
 
 from trillion.errors import ConfigError
+from trillion.parallel.layout import AUTOMATIC_STAGES, StageLayers
+from trillion.parallel.modes import SCHEDULES
 
 AUTO = "auto"
 _PART = re.compile(r"^(E|O|M|\d+)$")
 
 
-@dataclass(frozen=True)
-class StageLayers:
-    """Explicit stage sizes in transformer layers: parallel.pp_layers_per_stage (0 = automatic),
-    pp_first_stage_layers and pp_last_stage_layers (-1 = pp_layers_per_stage - 1, since the
-    embedding and the output count as a layer each; automatic when that is 0 too)."""
+def _in_layers(stages: StageLayers) -> bool:
+    """Whether the older settings (pp_layers_per_stage, pp_first_stage_layers, pp_last_stage_layers) size stages."""
+    return (stages.per_stage, stages.first, stages.last) != (0, -1, -1)
 
-    per_stage: int = 0
-    first: int = -1
-    last: int = -1
 
-    @classmethod
-    def from_config(cls, parallel) -> StageLayers:
-        """From the `parallel` config section."""
-        return cls(parallel.pp_layers_per_stage, parallel.pp_first_stage_layers, parallel.pp_last_stage_layers)
-
-    def fixed_units(self, num_stages: int) -> dict[int, int]:
-        """Units of the stages these settings size (first/last count their embedding/output)."""
-        for name, value, least in (
-            ("pp_layers_per_stage", self.per_stage, 0),
-            ("pp_first_stage_layers", self.first, -1),
-            ("pp_last_stage_layers", self.last, -1),
-        ):
-            if value < least:
-                raise ConfigError(
-                    f"parallel.{name}={value} must be {least} or more ({'0' if least == 0 else '-1'} = "
-                    "automatic); it counts transformer layers."
-                )
-        first = self.first if self.first >= 0 else self.per_stage - 1
-        last = self.last if self.last >= 0 else self.per_stage - 1
-        sizes = {stage: self.per_stage for stage in range(1, num_stages - 1)} if self.per_stage else {}
-        if first >= 0:
-            sizes[0] = first + 1
-        if last >= 0:
-            sizes[num_stages - 1] = last + 1
-        return sizes
-
-    def describe(self) -> str:
-        return (
-            f"parallel.pp_layers_per_stage={self.per_stage}, pp_first_stage_layers={self.first}, "
-            f"pp_last_stage_layers={self.last}"
+def check_stages(stages: StageLayers, n_layers: int, num_stages: int, ahead_modules: int = 0) -> None:
+    """Refuse, before any work, stage sizes this pipeline cannot take: sizes without a pipeline, pp_layout beside the
+    older three settings, and (split_units) sizes that do not add up or leave a stage empty."""
+    if num_stages == 1 and (stages.written or _in_layers(stages)):
+        raise ConfigError(
+            f"{stages.describe()} sizes pipeline stages, but parallel.pp=1 runs none. Set --parallel.pp to 2 or more, "
+            "or leave the stage settings at their defaults (pp_layout '', pp_layers_per_stage 0, the first and last "
+            "-1)."
         )
+    if stages.written and _in_layers(stages):
+        raise ConfigError(
+            f"{stages.describe()} and {dataclasses.replace(stages, written='').describe()} both size the pipeline's "
+            "stages. Give one: pp_layout says everything the other three do (e.g. E+3 | 4 | 4 | 3+O)."
+        )
+    if num_stages > 1 and stages.written != AUTO:
+        split_units(n_layers, num_stages, stages, ahead_modules)
 
 
-AUTOMATIC = StageLayers()
+def resolve_auto(stages: StageLayers, n_layers: int, costs: list[float], rank_of_stage: list[int], ahead_modules=0):
+    """`stages` with pp_layout=auto written out: the split `balance` finds for `costs` (each unit's, in order) over
+    the stages of `rank_of_stage`; other stage sizes as they are."""
+    if stages.written != AUTO:
+        return stages
+    return dataclasses.replace(stages, written=describe(balance(costs, rank_of_stage), n_layers, ahead_modules, True))
 
 
-def split_units(n_layers: int, num_stages: int, layers: StageLayers = AUTOMATIC) -> list[range]:
-    """Units 0 = embedding, 1..n = layers, n+1 = output; one contiguous range per stage. Stages that
-    `layers` sizes get that many; the others share the rest evenly, a remainder going to the middle."""
+def stage_ranks(pp: int, virtual: int, schedule: str) -> list[int]:
+    """The pipeline rank running each of the pp x virtual stages: stage k on rank k mod pp (looped), or on k, then
+    2 pp - 1 - k (a V)."""
+    v_shape = SCHEDULES[schedule].v_shape
+    return [(k if k < pp else 2 * pp - 1 - k) if v_shape else k % pp for k in range(pp * virtual)]
+
+
+def split_units(
+    n_layers: int, num_stages: int, layers: StageLayers = AUTOMATIC_STAGES, ahead_modules: int = 0
+) -> list[range]:
+    """Units 0 = embedding, 1..n = layers, n+1 = output; one contiguous range per stage: as parallel.pp_layout writes
+    them (`parse`), else stages that the older settings size get that many and the others share the rest evenly, a
+    remainder going to the middle."""
+    if layers.written:
+        assert layers.written != AUTO, "pp_layout=auto is resolved once the model is known (resolve_auto)"
+        counts = parse(layers.written, n_layers, num_stages, ahead_modules)
+        ends = [sum(counts[: stage + 1]) for stage in range(num_stages)]
+        return [range(end - count, end) for end, count in zip(ends, counts)]
     units = n_layers + 2
     sizes = layers.fixed_units(num_stages)
     free = [stage for stage in range(num_stages) if stage not in sizes]
@@ -108,42 +111,6 @@ def split_units(n_layers: int, num_stages: int, layers: StageLayers = AUTOMATIC)
         ranges.append(range(start, start + sizes[stage]))
         start += sizes[stage]
     return ranges
-
-
-def stage_ranges(n_layers: int, num_stages: int, units: tuple[int, ...] = ()) -> list[range]:
-    """Each stage's units: `units` per stage as resolved (Layout.pp_stages), or () for split_units' even split."""
-    if not units:
-        return split_units(n_layers, num_stages)
-    assert len(units) == num_stages and sum(units) == n_layers + 2, "pp_stages resolved for another pipeline"
-    ends = [sum(units[: stage + 1]) for stage in range(num_stages)]
-    return [range(end - count, end) for end, count in zip(ends, units)]
-
-
-def resolve(
-    text: str, legacy: StageLayers, n_layers: int, num_stages: int, ahead_modules: int = 0, costs=None
-) -> tuple[int, ...]:
-    """Layout.pp_stages, the one resolved value of the split, from parallel.pp_layout (explicit, or `auto`: balanced
-    by `costs()`, a function giving each unit's cost and the rank of each stage) or the older pp_layers_per_stage,
-    pp_first_stage_layers and pp_last_stage_layers (`legacy`); () when none is set (split_units' even split)."""
-    if num_stages == 1 and (text or legacy != AUTOMATIC):
-        given = f"parallel.pp_layout={text!r}" if text else legacy.describe()
-        raise ConfigError(
-            f"{given} sizes pipeline stages, but parallel.pp=1 runs none. Set --parallel.pp to 2 or more, or leave "
-            "the stage settings at their defaults (pp_layout '', pp_layers_per_stage 0, the first and last -1)."
-        )
-    if text and legacy != AUTOMATIC:
-        raise ConfigError(
-            f"parallel.pp_layout={text!r} and {legacy.describe()} both size the pipeline's stages. Give one: "
-            "pp_layout says everything the other three do (e.g. E+3 | 4 | 4 | 3+O)."
-        )
-    if text == AUTO:
-        unit_costs, rank_of_stage = costs()
-        return balance(unit_costs, rank_of_stage)
-    if text:
-        return parse(text, n_layers, num_stages, ahead_modules)
-    if legacy != AUTOMATIC:
-        return tuple(len(units) for units in split_units(n_layers, num_stages, legacy))
-    return ()
 
 
 def parse(text: str, n_layers: int, num_stages: int, ahead_modules: int = 0) -> tuple[int, ...]:

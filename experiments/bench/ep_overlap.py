@@ -70,11 +70,11 @@ class Run:
         self.dims.build_mesh("cpu")
         with torch.device("meta"):
             model = Transformer(args)
-        parallelize(model, self.dims, dp_shard_mode="zero2")  # the blocks stay gathered: micro-batches pair
+        parallelize(model, self.dims)  # zero2: the blocks stay gathered, so micro-batches pair
         model.to_empty(device="cpu")
         model.init_weights(0)
         self.dispatches = expert_dispatches(model)
-        self.runner = MicroBatchLoop(model, dp_shard_mode="zero2")
+        self.runner = MicroBatchLoop(model, self.dims.layout)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         self.args, self.batch = args, batch
         self.generator = torch.Generator().manual_seed(self.dims.dp_rank)
@@ -102,22 +102,29 @@ class PipelineRun:
     """The model on a DualPipeV pipeline over pp 2 x ep 2 x dp_shard 2, twice: paired (ep_overlap) and not."""
 
     def __init__(self, args, world: int, batch: tuple):
+        from trillion.parallel.layout import StageLayers
         from trillion.parallel.pipeline import Pipeline
-        from trillion.parallel.planner.stage_balance import balanced_stages
+        from trillion.trainer.assemble import resolve_stage_split
 
         micro, seq, count = batch
         self.args, self.batch, self.pipelines, self.optimizers = args, batch, {}, {}
         for overlap in (False, True):
             degrees = ParallelDims.of(world, pp=2, dp_shard=world // 2, ep=world // 2).layout
             layout = dataclasses.replace(
-                degrees, pp_schedule="DualPipeV", virtual_stages=2, ep_overlap=overlap, dp_shard_mode="zero1"
+                degrees,
+                pp_schedule="DualPipeV",
+                virtual_stages=2,
+                stage_layers=StageLayers(written="auto"),
+                microbatches=count,
+                ep_overlap=overlap,
+                dp_shard_mode="zero1",
             )
-            layout = dataclasses.replace(layout, pp_stages=balanced_stages(args, layout, seq, None))
+            layout = resolve_stage_split(layout, args, seq)
             self.dims = ParallelDims(layout, world)
             self.dims.build_mesh("cpu")
             with torch.device("meta"):
                 model = Transformer(args)
-            pipeline = Pipeline(model, self.dims, "DualPipeV", count, torch.device("cpu"), parallelize_fn=self.layout)
+            pipeline = Pipeline(model, self.dims, torch.device("cpu"), parallelize_fn=self.layout)
             for part in pipeline.parts:
                 part.to_empty(device="cpu")
                 part.init_weights(0)
@@ -130,7 +137,7 @@ class PipelineRun:
         self.generator = torch.Generator().manual_seed(self.dims.dp_rank)
 
     def layout(self, part):
-        return parallelize(part, self.dims, dp_shard_mode="zero1", pp_schedule="DualPipeV")
+        return parallelize(part, self.dims)
 
     def step(self, overlap: bool, delay_s: float) -> float:
         exchanges = {e for d in self.dispatches[overlap] for e in (d.exchange, *d.exchanges())}

@@ -13,7 +13,7 @@ from trillion.errors import ConfigError
 from trillion.models import PRESETS, Transformer
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.parallelize import parallelize
-from trillion.trainer.assemble import build_layout
+from trillion.trainer.assemble import check_model_layout, resolve_layout
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.tools.estimate.activations import measure_micro_batch
 
@@ -23,7 +23,7 @@ ARGS = dataclasses.replace(PRESETS["debug-deepseek"], n_layers=2, dim=64, vocab_
 def _model(mode: str, args=ARGS) -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize(model, ParallelDims(world_size=1), activation_checkpoint=mode)
+    parallelize(model, ParallelDims.of(activation_checkpoint=mode))
     model.to_empty(device="cpu")
     model.init_weights(3)
     return model
@@ -73,4 +73,4 @@ def test_it_keeps_what_deepseek_keeps():
 def test_a_model_without_latent_attention_is_refused():
     config = load_config(None, ["--model.name=debug-moe", "--parallel.activation_checkpoint=deepseek"])
     with pytest.raises(ConfigError, match="activation_checkpoint=deepseek recomputes the norms and latent attention"):
-        build_layout(config, 1, PRESETS["debug-moe"])
+        check_model_layout(resolve_layout(config, 1), PRESETS["debug-moe"], config.training.seq_len)

@@ -9,7 +9,6 @@ takes the larger chunk) and the few vectors TP replicates (norms, row-wise biase
 Run with -s to see the per-rank table."""
 
 import contextlib
-import dataclasses
 
 import pytest
 import torch
@@ -18,7 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from trillion.models import PRESETS, Transformer
 from trillion.models.flops import count_params
-from trillion.parallel.dims import ParallelDims
+from trillion.parallel.dims import ParallelDims, check_layout
+from trillion.parallel.layout import StageLayers
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, stage_module
 from trillion.parallel.pp_layout import split_units
@@ -62,12 +62,10 @@ def test_gpt_1t_layout_builds_for_first_middle_and_last_stage(model, tp, pp, dp)
     for pp_rank in (0, pp // 2, pp - 1):
         rank = pp_rank * dp * tp  # pp is the outermost mesh axis: the stage's first rank (dp 0, tp 0)
         with fake_rank(rank, world):
-            dims = ParallelDims.of(pp=pp, dp_shard=dp, tp=tp, world_size=world)
-            dims.validate(GPT_1T, SEQ_LEN)
+            dims = ParallelDims.of(pp=pp, dp_shard=dp, tp=tp, world_size=world, microbatches=pp)
+            check_layout(dims.layout, GPT_1T, SEQ_LEN)
             dims.build_mesh("cpu")
-            pipeline = Pipeline(
-                model, dims, "1F1B", pp, torch.device("cpu"), parallelize_fn=lambda part: parallelize(part, dims)
-            )
+            pipeline = Pipeline(model, dims, torch.device("cpu"), parallelize_fn=lambda part: parallelize(part, dims))
             [part] = pipeline.parts
             assert pipeline.pp_rank == pp_rank
             whole, local = _whole(part), _local(part)
@@ -88,11 +86,12 @@ def test_explicit_stage_sizes_reach_the_stages(model):
     tp, pp, dp = 4, 128, 2
     for pp_rank, layers in ((0, ["0"]), (1, ["1"]), (pp - 1, ["127"])):
         with fake_rank(pp_rank * dp * tp, tp * pp * dp):
-            degrees = ParallelDims.of(pp=pp, dp_shard=dp, tp=tp, world_size=tp * pp * dp).layout
-            stages = (2, *[1] * (pp - 2), 2)  # parallel.pp_layout='E+1 | 1*126 | 1+O'
-            dims = ParallelDims(dataclasses.replace(degrees, pp_stages=stages), tp * pp * dp)
+            stages = StageLayers(written="E+1 | 1*126 | 1+O")  # one layer per stage, beside E and O
+            dims = ParallelDims.of(
+                pp=pp, dp_shard=dp, tp=tp, world_size=tp * pp * dp, microbatches=pp, stage_layers=stages
+            )
             dims.build_mesh("cpu")
-            pipeline = Pipeline(model, dims, "1F1B", pp, torch.device("cpu"))
+            pipeline = Pipeline(model, dims, torch.device("cpu"))
         [part] = pipeline.parts
         assert list(part.layers.keys()) == layers
         assert (part.tok_embeddings is not None, part.output is not None) == (pp_rank == 0, pp_rank == pp - 1)

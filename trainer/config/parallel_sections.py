@@ -75,8 +75,9 @@ class Parallel:
         "What each pipeline stage holds: stages separated by |, a stage's parts by +: E (the embedding), a count of "
         "transformer layers, M (multi-token prediction modules, beside O) and O (the output head), S*k repeating a "
         "stage, e.g. 'E+3 | 2*29 | M+O' (pp x stages per rank stages; the layers add up to model.n_layers) | auto "
-        "(balanced by the planner's cost of each layer, head and module on job.hardware's profile, or by FLOPs "
-        "without one) | '' (the even split, or the three settings below, which pp_layout replaces).",
+        "(balanced by each unit's forward and backward FLOPs: a dense layer, an MoE layer's active experts, the head "
+        "with the multi-token prediction modules) | '' (the even split, or the three settings below, which "
+        "pp_layout replaces).",
         Text(),
     )
     pp_layers_per_stage: int = doc(
