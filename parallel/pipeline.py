@@ -142,14 +142,14 @@ class Pipeline:
             layout,
             len(model.layers),
             tie_embeddings=model.args.tie_embeddings,
-            ahead_modules=len(model.output_end_reads()),
+            ahead_modules=model.args.mtp_modules,
         )
         name, v, n_microbatches = layout.pp_schedule, layout.virtual_stages, layout.microbatches
         pp_mesh = dims.mesh["pp"]
         self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp
         self.name, self.virtual, self.n_microbatches = name, v, n_microbatches
-        ahead = len(model.output_end_reads())  # pp_layout's M: the multi-token prediction modules beside O
-        ranges = split_units(len(model.layers), dims.pp * v, layout.stage_layers, ahead)
+        # pp_layout's M: the multi-token prediction modules beside O
+        ranges = split_units(len(model.layers), dims.pp * v, layout.stage_layers, model.args.mtp_modules)
         self.blocks_per_stage = [sum(1 for unit in r if 1 <= unit <= len(model.layers)) for r in ranges]  # all ranks'
         self.parts, self.stages = [], []
         for index in stage_indices(self.pp_rank, dims.pp, v, name):
