@@ -10,6 +10,11 @@ Recipes (torchao's Float8LinearRecipeName; torchao >= 0.18):
   Weights are gathered in high precision and cast after; TP uses the plain styles (torchao's float8
   styles assume tensorwise scaling), as torchtitan does.
 - rowwise_with_gw_hp: rowwise, but the weight gradient's GEMM stays in high precision.
+- mxfp8: the OCP MX format, a scale per 32 elements, through torchao's MX training (parallel/float8_mx.py), on
+  Blackwell (sm100) or emulated; the routed experts in MXFP8 too (float8.experts=auto).
+The 4-bit recipes (nvfp4, mxfp4) are priced by the planner and refused here: parallel/modes.py says why.
+`float8.linears=false` keeps the linears in high precision and converts only the routed experts (torchtitan's
+MXFP8 DeepSeek-V3 runs).
 
 What is converted: the routed experts' grouped GEMMs (float8.experts, parallel/float8_experts.py) and every
 nn.Linear except the output projection (`output`: the logits are the most sensitive GEMM and torchtitan keeps
@@ -53,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trillion.errors import ConfigError
+from trillion.parallel import float8_mx
 from trillion.parallel.float8_experts import convert_experts
 from trillion.parallel.modes import float8_recipe
 
@@ -75,6 +81,7 @@ class Float8Training:
     fsdp_all_gather: bool = False
     experts: str = "auto"  # float8.experts: the routed experts' grouped GEMMs (parallel/float8_experts.py)
     dispatch: bool = False  # float8.dispatch: the expert all-to-all's tokens in float8 (parallel/float8_dispatch.py)
+    linears: bool = True  # float8.linears: the blocks' linears convert (false: only the routed experts)
 
     @property
     def float8_tp(self) -> bool:
@@ -83,13 +90,25 @@ class Float8Training:
 
 
 def resolve(
-    recipe: str, emulate: bool, fsdp_all_gather: str, fsdp_enabled: bool, experts: str = "auto", dispatch: bool = False
+    recipe: str,
+    emulate: bool,
+    fsdp_all_gather: str,
+    fsdp_enabled: bool,
+    experts: str = "auto",
+    dispatch: bool = False,
+    linears: bool = True,
 ) -> Float8Training:
     """The Float8Training of a layout: float8 all-gather where asked for (or, with auto, supported) and FSDP on;
-    a combination torchao lacks refused (parallel/modes.py's FLOAT8_RECIPES)."""
-    supported = float8_recipe(recipe, fsdp_all_gather).fsdp_float8_all_gather
-    gather = fsdp_enabled and (fsdp_all_gather == "on" or (fsdp_all_gather == "auto" and supported))
-    return Float8Training(recipe, emulate, gather, experts, dispatch)
+    a combination torchao lacks refused (parallel/modes.py's FLOAT8_RECIPES); experts=auto under a block-scaled
+    recipe (mxfp8) takes that recipe."""
+    chosen = float8_recipe(recipe, fsdp_all_gather)
+    gather = (
+        fsdp_enabled
+        and linears
+        and (fsdp_all_gather == "on" or (fsdp_all_gather == "auto" and chosen.fsdp_float8_all_gather))
+    )
+    experts = recipe if experts == "auto" and chosen.block else experts
+    return Float8Training(recipe, emulate, gather, experts, dispatch, linears)
 
 
 # --- torchao, imported only when float8 is on ------------------------------------------------------------
@@ -215,9 +234,12 @@ def _summary(names: list[str]) -> str:
 
 
 def convert(model: nn.Module, settings: Float8Training, tp: int = 1) -> dict[str, str | None]:
-    """Swap the model's linears for torchao's Float8Linear, in place (on the meta device, before TP and FSDP).
-    Returns {linear name: None if converted, else why it was kept}; the log says the same."""
+    """Swap the model's linears for torchao's Float8Linear (or, under mxfp8, float8_mx's MXFP8Linear), in place
+    (on the meta device, before TP and FSDP). Returns {linear name: None if converted, else why it was kept}; the
+    log says the same."""
     float8 = torchao_float8()
+    if float8_recipe(settings.recipe).block or not settings.linears:
+        return _convert_other(model, settings)
     decisions = {
         name: kept_reason(name, module, tp) for name, module in model.named_modules() if isinstance(module, nn.Linear)
     }
@@ -243,6 +265,27 @@ def convert(model: nn.Module, settings: Float8Training, tp: int = 1) -> dict[str
         ", emulated: the same quantisation with high-precision matmuls, not faster; for tests and debugging"
         if settings.emulate
         else "",
+        len(converted),
+        _summary(converted),
+        ", ".join(kept) or "none",
+    )
+    return decisions
+
+
+def _convert_other(model: nn.Module, settings: Float8Training) -> dict[str, str | None]:
+    """MXFP8's linears (parallel/float8_mx.py), or none of them (float8.linears=false), and the routed experts."""
+    if settings.linears:
+        decisions = float8_mx.convert_linears(model, settings.emulate, ROUTER_NAMES)
+    else:
+        decisions = {n: "float8.linears=false" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    convert_experts(model, settings.experts, settings.emulate)
+    converted = [name for name, reason in decisions.items() if reason is None]
+    kept = [f"{name} ({reason})" for name, reason in decisions.items() if reason is not None]
+    log.info(
+        "%s (%s recipe%s): %d linears converted: %s; kept in high precision: %s",
+        "MXFP8" if settings.recipe == "mxfp8" else "float8",
+        settings.recipe,
+        ", emulated: the same quantisation with high-precision matmuls, not faster" if settings.emulate else "",
         len(converted),
         _summary(converted),
         ", ".join(kept) or "none",

@@ -37,6 +37,8 @@ class Layout:
     compile: bool = False  # torch.compile of each block: fuses its element-wise kernels
     cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence; FSDP shards over dp_shard x cp
     float8: bool = False  # the blocks' linears compute in float8; the output projection stays bf16
+    float8_recipe: str = "tensorwise"  # with float8: the recipe and its number format (modes.py FLOAT8_RECIPES)
+    float8_linears: bool = True  # with float8: the blocks' linears convert (false: only the routed experts do)
     float8_all_gather: bool = True  # with float8 and FSDP: the converted weights are all-gathered in float8
     float8_experts: str = "auto"  # with float8: the routed experts' recipe (float8.experts), "off" keeps them bf16
     float8_dispatch: bool = False  # with float8 experts and ep > 1: the dispatch all-to-all carries float8 rows

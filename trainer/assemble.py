@@ -16,14 +16,14 @@ from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.models import ModelArgs, Transformer, get_preset, parts
 from trillion.models.logit_probe import install_probes
 from trillion.models.parts import apply_settings as apply_part_settings
-from trillion.parallel import float8
+from trillion.parallel import float8, float8_mx
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.ep_checks import resolve_dispatch
 from trillion.parallel.expert_overlap import pairs_micro_batches
 from trillion.parallel.float8_experts import check_experts
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, degrees_of
-from trillion.parallel.modes import float8_dispatch
+from trillion.parallel.modes import check_block_scaled_layout, float8_dispatch, float8_recipe
 from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
@@ -137,10 +137,7 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
             "decision is not agreed across ranks. Use --training.dtype=bf16 with parallel layouts."
         )
     if config.float8.enabled:  # the device first: on an A100 the answer is no whether torchao is there or not
-        float8.check_device(env.device, config.float8.emulate)
-        float8.require_torchao()
-        check_experts(config.float8.experts, env.device, config.float8.emulate)
-        float8_dispatch(config.float8.dispatch, True, config.float8.experts, config.parallel.ep)
+        check_low_precision(config, env)
         if not config.float8.emulate and not config.compile.enabled:
             log.info(
                 "float8 without --compile.enabled=true: torchao's casts and scales run as separate kernels, which "
@@ -148,10 +145,33 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
             )
 
 
+def check_low_precision(config: Config, env: LaunchEnv) -> None:
+    """float8.*'s refusals before any work: the job's hardware profile and the device must have the recipe's number
+    format; the device must run its kernels (or float8.emulate); the experts' recipe and the dispatch must run."""
+    f, p = config.float8, config.parallel
+    recipe = float8_recipe(f.recipe, f.fsdp_all_gather)
+    if config.job.hardware:
+        from trillion.parallel.planner.hardware import load_profile, low_precision_peak_tflops
+
+        low_precision_peak_tflops(load_profile(config.job.hardware), recipe.format, f"float8.recipe={f.recipe}")
+    if recipe.block:  # block-scaled (MX): torchao's MX training kernels and their layout limits
+        float8_mx.check_device(env.device, f.emulate)
+        tokens = config.training.micro_batch_size * config.training.seq_len // max(p.cp, 1)
+        check_block_scaled_layout(p.tp if f.linears else 1, tokens)
+    else:
+        float8.check_device(env.device, f.emulate)
+    float8.require_torchao()
+    experts = float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, False, f.experts).experts
+    check_experts(experts, env.device, f.emulate)
+    float8_dispatch(f.dispatch, True, experts, p.ep)
+
+
 def float8_training(config: Config, fsdp: bool) -> float8.Float8Training | None:
     """float8.* as parallelize applies it (None: off); FSDP float8 all-gather only where FSDP shards."""
     f = config.float8
-    return float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, fsdp, f.experts, f.dispatch) if f.enabled else None
+    if not f.enabled:
+        return None
+    return float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, fsdp, f.experts, f.dispatch, f.linears)
 
 
 def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layout:
@@ -218,12 +238,13 @@ def dispatch_layout(config: Config, degrees: ParallelDims, world_size: int) -> d
 
 
 def hardware_node(job) -> int:
-    """GPUs per node of job.hardware's profile (0: none given)."""
+    """GPUs of one scale-up domain of job.hardware's profile (a node, or an NVL72 rack's 72; 0: none given): the
+    expert dispatch's node, as the planner's."""
     if not job.hardware:
         return 0
     from trillion.parallel.planner.hardware import load_profile
 
-    return load_profile(job.hardware).gpus_per_node
+    return load_profile(job.hardware).scale_up
 
 
 def check_batch_split(t: Training, dp_size: int) -> None:

@@ -19,9 +19,9 @@ from trillion.models.flops import (
     megatron_flops_per_iteration,
     model_flops_per_token,
 )
-from trillion.parallel.ep_checks import check_ep_dispatch, ep_nodes
+from trillion.parallel.ep_checks import check_ep_dispatch, check_expert_shards, ep_nodes
 from trillion.parallel.layout import Layout
-from trillion.parallel.modes import check_schedule
+from trillion.parallel.modes import FLOAT8_RECIPES, check_block_scaled_layout, check_schedule
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
@@ -65,6 +65,10 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     try:
         if layout.ep > 1:
             check_ep_dispatch(layout, ep_nodes(layout), args, warn=False)
+            check_expert_shards(layout, args)
+        recipe = FLOAT8_RECIPES[layout.float8_recipe]
+        if layout.float8 and layout.float8_linears and recipe.block and not recipe.untrainable:
+            check_block_scaled_layout(layout.tp)  # the trainer's MXFP8 linears take no TP
         check_schedule(
             layout.pp_schedule,
             layout.pp,
@@ -119,7 +123,7 @@ def _no_layout_message(request: Request, result: SearchResult) -> str:
             f"batch, tp must divide the heads ({request.args.n_heads}) and fit in a node, pp at most the layers "
             f"({request.args.n_layers}), and pipelines other than GPipe need at least pp micro-batches. "
             "Try a global batch that is a multiple of "
-            f"{request.gpus // max(tp_degrees(request.args, request.hardware.gpus_per_node))}, or other fixed settings."
+            f"{request.gpus // max(tp_degrees(request.args, request.hardware.scale_up))}, or other fixed settings."
         )
     best = result.smallest_memory
     return (
@@ -211,6 +215,7 @@ def model_summary(request: Request) -> dict:
         "seq_len": request.seq_len,
         "tokens": request.tokens,
         "float8": bool(request.fixed.get("float8", False)),
+        "float8_recipe": request.fixed.get("float8_recipe", "tensorwise") if request.fixed.get("float8") else None,
         "optimizer": request.fixed.get("optimizer", "adamw"),
     }
 
