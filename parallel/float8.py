@@ -12,7 +12,7 @@ Recipes (torchao's Float8LinearRecipeName; torchao >= 0.18):
 - rowwise_with_gw_hp: rowwise, but the weight gradient's GEMM stays in high precision.
 - mxfp8: the OCP MX format, a scale per 32 elements, through torchao's MX training (parallel/float8_mx.py), on
   Blackwell (sm100) or emulated; the routed experts in MXFP8 too (float8.experts=auto).
-The 4-bit recipes (nvfp4, mxfp4) are priced by the planner and refused here: parallel/modes.py says why.
+The 4-bit recipes (nvfp4, mxfp4) are priced by the planner and refused here: parallel/float8_recipes.py says why.
 `float8.linears=false` keeps the linears in high precision and converts only the routed experts (torchtitan's
 MXFP8 DeepSeek-V3 runs).
 
@@ -25,7 +25,7 @@ kept.
 FSDP2 float8 all-gather (float8.fsdp_all_gather): the weight is a torchao tensor subclass that casts its
 shard to float8 before the all-gather (half bf16's bytes); its scale is precomputed once per step for all
 weights after the optimizer step (`register_scale_precompute`: one all-reduce of the amaxes, instead of one
-per weight). torchao 0.18 supports it for tensorwise only (`Float8LinearConfig` asserts it); modes.py's
+per weight). torchao 0.18 supports it for tensorwise only (`Float8LinearConfig` asserts it); float8_recipes.py's
 FLOAT8_RECIPES tables what each recipe composes with, `float8_recipe` refuses `on` with a rowwise recipe,
 and `auto` turns it on for tensorwise under FSDP. A state-dict hook saves the subclass's high-precision
 tensor, so checkpoints hold ordinary tensors.
@@ -51,7 +51,6 @@ import re
 import sys
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -60,7 +59,8 @@ from torch import nn
 from trillion.errors import ConfigError
 from trillion.parallel import float8_mx
 from trillion.parallel.float8_experts import convert_experts
-from trillion.parallel.modes import float8_recipe
+from trillion.parallel.float8_recipes import float8_recipe
+from trillion.parallel.layout import Float8Training
 
 log = logging.getLogger("trillion")
 
@@ -69,46 +69,6 @@ NVIDIA_MIN_CAPABILITY = (8, 9)  # sm89 (Ada), sm90 (Hopper), sm100 (Blackwell)..
 AMD_FLOAT8_ARCHS = ("gfx942", "gfx950")  # MI300X/MI325X (e4m3fnuz), MI350/MI355X (e4m3fn)
 GEMM_MULTIPLE = 16
 TORCHAO_MIN = (0, 18)
-
-
-@dataclass(frozen=True)
-class Float8Training:
-    """Float8 as parallelize applies it: the torchao recipe, emulation, and whether FSDP2 gathers the
-    weights in float8 (resolved by the trainer: only with FSDP on and a recipe that supports it)."""
-
-    recipe: str = "tensorwise"
-    emulate: bool = False
-    fsdp_all_gather: bool = False
-    experts: str = "auto"  # float8.experts: the routed experts' grouped GEMMs (parallel/float8_experts.py)
-    dispatch: bool = False  # float8.dispatch: the expert all-to-all's tokens in float8 (parallel/float8_dispatch.py)
-    linears: bool = True  # float8.linears: the blocks' linears convert (false: only the routed experts)
-
-    @property
-    def float8_tp(self) -> bool:
-        """Tensor parallelism with torchao's float8 styles (activations all-gathered in float8)."""
-        return float8_recipe(self.recipe).float8_tp
-
-
-def resolve(
-    recipe: str,
-    emulate: bool,
-    fsdp_all_gather: str,
-    fsdp_enabled: bool,
-    experts: str = "auto",
-    dispatch: bool = False,
-    linears: bool = True,
-) -> Float8Training:
-    """The Float8Training of a layout: float8 all-gather where asked for (or, with auto, supported) and FSDP on;
-    a combination torchao lacks refused (parallel/modes.py's FLOAT8_RECIPES); experts=auto under a block-scaled
-    recipe (mxfp8) takes that recipe."""
-    chosen = float8_recipe(recipe, fsdp_all_gather)
-    gather = (
-        fsdp_enabled
-        and linears
-        and (fsdp_all_gather == "on" or (fsdp_all_gather == "auto" and chosen.fsdp_float8_all_gather))
-    )
-    experts = recipe if experts == "auto" and chosen.block else experts
-    return Float8Training(recipe, emulate, gather, experts, dispatch, linears)
 
 
 # --- torchao, imported only when float8 is on ------------------------------------------------------------

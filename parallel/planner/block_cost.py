@@ -8,8 +8,9 @@ from functools import lru_cache
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, ROW
+from trillion.parallel.float8_recipes import FLOAT8_RECIPES
 from trillion.parallel.layout import Layout
-from trillion.parallel.modes import FLOAT8_RECIPES
+from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.memory import tp_local_linears
 from trillion.parallel.planner.moe import moe_passes
@@ -48,7 +49,7 @@ def layer_passes(
     attention_share: float = 1.0,
 ) -> Passes:
     """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
-    holding 1/cp of each sequence; with a `float8` recipe (parallel/modes.py FLOAT8_RECIPES; "" for none), its
+    holding 1/cp of each sequence; with a `float8` recipe (parallel/float8_recipes.py FLOAT8_RECIPES; "" for none), its
     converted linears in that recipe's format (cost.py's docstring); `routed`: an MoE layer's attention and shared
     experts (moe.py adds the rest); `attention_share`: document masking's (models/flops.py)."""
     h = args.dim
@@ -123,21 +124,30 @@ def tp_gather_bytes(
 
 
 def block_passes(
-    args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, *, routed: bool, high_precision: bool = False
+    args: ModelArgs,
+    hw: HardwareProfile,
+    layout: Layout,
+    seq_len: int,
+    assumed: Assumptions,
+    *,
+    routed: bool,
+    high_precision: bool = False,
 ) -> Passes:
     """One dense block, or one MoE block (its attention and shared experts, then moe.py's routed experts),
-    of one micro-batch at `layout`'s micro-batch size, tp, cp, ep, compile, float8 recipe and attention share;
-    `high_precision`: a block the recipe keeps in bf16 (a 4-bit recipe's tail)."""
-    recipe = layout.float8_recipe if layout.float8 and layout.float8_linears and not high_precision else ""
+    of one micro-batch at `layout`'s micro-batch size, tp, cp, ep, compile and float8 recipe, and the attention
+    share and load imbalance the plan assumes; `high_precision`: a block the recipe keeps in bf16 (a 4-bit
+    recipe's tail)."""
+    f8 = layout.float8
+    recipe = f8.recipe if f8 is not None and f8.linears and not high_precision else ""
     shape = (args, hw, layout.micro_batch_size, seq_len, layout.tp, layout.compile, layout.cp, recipe)
     if not routed:
-        return layer_passes(*shape, attention_share=layout.attention_share)
+        return layer_passes(*shape, attention_share=assumed.attention_share)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     # attention and shared experts: what a paired micro-batch computes beside this one's all-to-alls
-    around = layer_passes(*shape, True, layout.attention_share)
+    around = layer_passes(*shape, True, assumed.attention_share)
     if high_precision:
-        layout = dataclasses.replace(layout, float8=False)
-    return around + moe_passes(args, hw, tokens, layout, around)
+        layout = dataclasses.replace(layout, float8=None)
+    return around + moe_passes(args, hw, tokens, layout, assumed.moe_load_imbalance, around)
 
 
 @lru_cache(maxsize=8192)

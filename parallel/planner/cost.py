@@ -5,7 +5,7 @@ Compute per layer per micro-batch: each GEMM at the device's large-GEMM efficien
 at the memory bandwidth its operands need (the roofline), flash attention (causal: half of the
 4 b s^2 h the FLOP formulas count, at the heads' own widths, which the kernels run unpadded for 64, 128 and
 latent attention's 192/128; under document masking the share of it the corpus's document lengths leave,
-layout.attention_share) at the device's attention efficiency, the element-wise
+assumptions.attention_share) at the device's attention efficiency, the element-wise
 kernels work.py counts (eager or compiled) at the device's memory bandwidth, and a launch
 overhead per kernel. GEMMs and attention keep the device's `sustained` share of those microbenchmark rates
 through a step (devices.py; fitted per device family in trillion/fitted.toml where published runs show the gap,
@@ -44,7 +44,7 @@ trainer's DeviceMesh does):
       routed experts at their per-expert shapes and the dispatch and combine all-to-alls, forward and
       backward, never overlapped; with ep > 1 the experts' FSDP traffic runs over the dp_shard x cp / ep ranks.
 Optimizer: AdamW and gradient clipping on the rank's shard, at memory bandwidth (work.py); with Muon
-(layout.optimizer) also its Newton-Schulz on the stage's matrices spread over its ranks and its two all-to-alls,
+(assumptions.optimizer) also its Newton-Schulz on the stage's matrices spread over its ranks and its two all-to-alls,
 unhidden (optimizer.py).
 
 Float8 (layout.float8, `trillion plan --float8`; tensorwise scaling, as the trainer's default recipe and
@@ -56,11 +56,11 @@ stay bf16. Its casts are element-wise traffic at memory bandwidth, one launch ea
 FLOAT8_CAST_BYTES: the forward casts input and weight, Bi the output's gradient and the weight, Bw the
 saved input). Under TP, torchao's float8 styles all-gather a converted sublayer's input and its output's
 gradient in float8 (tp_gather_bytes); the reduce-scatters stay bf16.
-With FSDP's float8 all-gather (layout.float8_all_gather) the converted weights are gathered at 1 byte
+With FSDP's float8 all-gather (layout.float8.fsdp_all_gather) the converted weights are gathered at 1 byte
 instead of 2, and FSDP's copy out of the gather buffer moves 1-byte elements; gradients stay fp32.
 Memory is not changed by float8 (the saved activations stay bf16; the gathered fp8 copies are not counted).
 
-Other recipes (layout.float8_recipe, `--float8-recipe`; parallel/modes.py FLOAT8_RECIPES): the GEMMs run at the
+Other recipes (layout.float8.recipe, `--float8-recipe`; parallel/float8_recipes.py FLOAT8_RECIPES): the GEMMs run at the
 recipe's format's peak and plateau (fp8; MXFP8, NVFP4 and MXFP4: peak_tflops.<format>, <format>_gemm_efficiency), a
 block-scaled format's operands at its element bytes plus a scale per block (MXFP8: 1 + 1/32 bytes, NVFP4: 0.5 +
 1/16), its casts likewise (work.cast_bytes), and recipes that quantise each dim apart (rowwise, MX) cast the weight
@@ -81,10 +81,11 @@ from functools import lru_cache
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
-from trillion.parallel.modes import FLOAT8_RECIPES
+from trillion.parallel.float8_recipes import FLOAT8_RECIPES
+from trillion.parallel.layout import Layout
+from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.block_cost import block_passes, output_passes
 from trillion.parallel.planner.hardware import HardwareProfile
-from trillion.parallel.planner.layout import Layout, bubble_slots
 from trillion.parallel.planner.memory import (
     RankParams,
     float8_numel,
@@ -94,6 +95,7 @@ from trillion.parallel.planner.memory import (
 )
 from trillion.parallel.planner.moe import expert_numel
 from trillion.parallel.planner.optimizer import step_seconds as optimizer_step_seconds
+from trillion.parallel.planner.schedules import bubble_slots
 from trillion.parallel.planner.timing import (  # noqa: F401 (collective_time, Passes: the planner's names here)
     Passes,
     _gemm,
@@ -132,7 +134,13 @@ class StepTime:
 
 @lru_cache(maxsize=65536)
 def rank_passes(
-    args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, rank: RankParams, tail: int = 0
+    args: ModelArgs,
+    hw: HardwareProfile,
+    layout: Layout,
+    seq_len: int,
+    assumed: Assumptions,
+    rank: RankParams,
+    tail: int = 0,
 ) -> tuple[Passes, Passes]:
     """(passes of one micro-batch through all of the rank's layers and MTP modules, the recomputed forwards);
     `layout` is a pipeline_part (its data-parallel settings play no part, so the cache holds fewer entries); `tail`:
@@ -146,7 +154,7 @@ def rank_passes(
     total = forward_sum = Passes()
     for count, routed, high_precision in kinds:
         if count:
-            layer = block_passes(args, hw, layout, seq_len, routed=routed, high_precision=high_precision)
+            layer = block_passes(args, hw, layout, seq_len, assumed, routed=routed, high_precision=high_precision)
             total, forward_sum = total + layer * count, forward_sum + layer * count
     tokens, tp = layout.micro_batch_size * seq_len // layout.cp, layout.tp
     if rank.last:
@@ -155,9 +163,9 @@ def rank_passes(
         _, ahead = parts.ahead_modules(args)
         projection = sum(_gemm(hw, tokens, x.in_features, x.out_features) for x in ahead.linears)
         after_tail = bool(high_precision_tail(args, layout))  # a 4-bit recipe's bf16 tail holds what follows it
-        module = block_passes(
-            args, hw, layout, seq_len, routed=parts.routed_layer(args, args.n_layers), high_precision=after_tail
-        ) + output_passes(args, hw, tokens, tp)
+        routed = parts.routed_layer(args, args.n_layers)
+        module = block_passes(args, hw, layout, seq_len, assumed, routed=routed, high_precision=after_tail)
+        module = module + output_passes(args, hw, tokens, tp)
         total = total + (module + Passes(projection, projection, projection)) * rank.ahead_modules
     mean = forward_sum * (1 / max(rank.layers, 1))  # a recomputed layer: the mean of the rank's layers
     recompute = Passes(  # its all-to-alls without the counts (the route is replayed)
@@ -172,16 +180,15 @@ def rank_passes(
 def high_precision_tail(args: ModelArgs, layout: Layout) -> int:
     """The last layers the layout's low-precision recipe keeps in bf16 (a 4-bit recipe's tail, rounded up as
     torchtitan's nvfp4_bf16_tail_fqns: 5 of Llama 3 8B's 32), 0 for the others."""
-    if not (layout.float8 and layout.float8_linears):
+    if layout.float8 is None or not layout.float8.linears:
         return 0
-    return math.ceil(args.n_layers * FLOAT8_RECIPES[layout.float8_recipe].high_precision_tail - 1e-9)
+    return math.ceil(args.n_layers * FLOAT8_RECIPES[layout.float8.recipe].high_precision_tail - 1e-9)
 
 
 def float8_gathered(args: ModelArgs, layout: Layout, rank: RankParams) -> int:
-    """Elements FSDP all-gathers in float8 on this rank (0 without float8, its all-gather, or a recipe torchao's
-    float8 all-gather takes: tensorwise only)."""
-    recipe = FLOAT8_RECIPES[layout.float8_recipe]
-    if not (layout.float8 and layout.float8_linears and layout.float8_all_gather and recipe.fsdp_float8_all_gather):
+    """Elements FSDP all-gathers in float8 on this rank (0 without float8 or its all-gather: tensorwise only, as
+    resolve_float8 resolves it)."""
+    if layout.float8 is None or not layout.float8.fsdp_all_gather:
         return 0
     return float8_numel(args, rank.layers, layout.tp, rank.routed_layers)
 
@@ -231,20 +238,19 @@ def embedding_copy_sum(args: ModelArgs, hw: HardwareProfile, layout: Layout) -> 
 
 def pipeline_part(layout: Layout) -> Layout:
     """The layout with its data-parallel settings at one process's: what the pipeline's compute depends on."""
-    return dataclasses.replace(
-        layout, dp_replicate=1, dp_shard=1, dp_shard_mode="zero3", microbatches=1, float8_all_gather=True
-    )
+    float8 = layout.float8 and dataclasses.replace(layout.float8, fsdp_all_gather=True)
+    return dataclasses.replace(layout, dp_replicate=1, dp_shard=1, dp_shard_mode="zero3", microbatches=1, float8=float8)
 
 
 @lru_cache(maxsize=65536)
-def _pipeline(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int) -> tuple:
+def _pipeline(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, assumed: Assumptions) -> tuple:
     """Per-micro-batch compute of the pipeline's ranks: (slowest rank index, its passes, its
     recompute, seconds of the slowest and of the mean rank, mean TP, CP and EP seconds).
     `layout` is a pipeline_part: this is independent of dp."""
     first_tail = args.n_layers - high_precision_tail(args, layout)
     tails = layers_from(args, layout, first_tail) if first_tail < args.n_layers else [0] * layout.pp
     ranks = pipeline_ranks(args, layout)
-    timed = [rank_passes(args, hw, layout, seq_len, rank, tail) for rank, tail in zip(ranks, tails)]
+    timed = [rank_passes(args, hw, layout, seq_len, assumed, rank, tail) for rank, tail in zip(ranks, tails)]
     pp = layout.pp
     per_rank = [ps.forward + rc.forward + ps.input_grad + ps.weight_grad for ps, rc in timed]
     slowest = max(range(pp), key=per_rank.__getitem__)
@@ -255,11 +261,12 @@ def _pipeline(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     return slowest, timed[slowest][0], timed[slowest][1], worst, mean, tp_mean, cp_mean, ep_mean
 
 
-def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int) -> StepTime:
+def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, assumed: Assumptions) -> StepTime:
+    """The step of `layout` under what the plan assumes (`assumed`: planner/assumptions.py)."""
     schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     slowest, passes, recompute, worst, mean, tp_mean, cp_mean, ep_mean = _pipeline(
-        args, hw, pipeline_part(layout), seq_len
+        args, hw, pipeline_part(layout), seq_len, assumed
     )
     chunk = (passes.forward / v, recompute.forward / v, passes.input_grad / v, passes.weight_grad / v)
     bubble = max(0.0, sum(s * c for s, c in zip(bubble_slots(schedule, p), chunk))) if p > 1 else 0.0
@@ -295,7 +302,9 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     dp_exposed += fsdp_copies(hw, layout, tp_numel, float8_gathered(args, layout, rank))
 
     copy_back = 2 * tp_numel if layout.dp_shard_mode in ("zero1", "zero2") else 0
-    optimizer = _memory_bound(hw, copy_back) + optimizer_step_seconds(args, hw, layout, rank, shard_numel)
+    optimizer = _memory_bound(hw, copy_back) + optimizer_step_seconds(
+        args, hw, layout, assumed.optimizer, rank, shard_numel
+    )
 
     replicated_grads = 0.0
     if layout.tp > 1 and layout.dp_shard * layout.cp * layout.dp_replicate == 1:  # without FSDP: once per step

@@ -5,7 +5,7 @@ gives the model; moe.py uses the all-to-all)."""
 
 from dataclasses import dataclass, fields
 
-from trillion.parallel.modes import Float8Recipe
+from trillion.parallel.float8_recipes import Float8Recipe
 from trillion.parallel.planner.hardware import HardwareProfile, low_precision_peak_tflops
 from trillion.parallel.planner.work import cast_bytes
 

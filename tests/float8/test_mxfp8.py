@@ -15,9 +15,10 @@ from trillion.kernels import float8_scaling as scaling
 from trillion.kernels.float8_grouped_gemm import Float8GroupedMM
 from trillion.models import Transformer, get_preset
 from trillion.parallel import float8_mx
-from trillion.parallel.float8 import convert, resolve
+from trillion.parallel.float8 import convert
 from trillion.parallel.float8_dispatch import from_wire, to_wire, wire_bytes_per_row
-from trillion.parallel.modes import check_block_scaled_layout
+from trillion.parallel.float8_recipes import check_block_scaled_layout
+from trillion.parallel.layout import resolve_float8
 
 E4M3_MAX = 448.0
 MX = ["--float8.enabled=true", "--float8.recipe=mxfp8"]
@@ -95,13 +96,13 @@ def test_linears_of_32_convert_and_the_rest_stay_named(caplog):
     with torch.device("meta"):
         model = Transformer(get_preset("debug-deepseek"))
     with caplog.at_level(logging.INFO, logger="trillion"):
-        decisions = convert(model, resolve("mxfp8", True, "auto", False))
+        decisions = convert(model, resolve_float8("mxfp8", fsdp_enabled=False, emulate=True))
     assert isinstance(model.layers["0"].attention.wq_a, float8_mx.MXFP8Linear)
     assert decisions["layers.0.attention.wkv_a"] == "80 x 256: not multiples of the 32-element MX block"
     assert decisions["output"] == "the output projection" and decisions["layers.1.feed_forward.router.gate"]
     assert "float8.experts=mxfp8" in caplog.text and "12 grouped GEMMs" in caplog.text
     assert "MXFP8 (mxfp8 recipe, emulated" in caplog.text and "layers.0.attention.wkv_a (80 x 256" in caplog.text
-    only_experts = resolve("mxfp8", True, "auto", False, linears=False)
+    only_experts = resolve_float8("mxfp8", fsdp_enabled=False, emulate=True, linears=False)
     with torch.device("meta"):
         model = Transformer(get_preset("debug-deepseek"))
     assert all(reason for reason in convert(model, only_experts).values())  # every linear kept, the experts in MX

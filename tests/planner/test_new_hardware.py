@@ -7,8 +7,8 @@ import pytest
 
 from trillion.errors import ConfigError
 from trillion.models import get_preset
-from trillion.parallel.layout import Layout
-from trillion.parallel.modes import FLOAT8_RECIPES
+from trillion.parallel.float8_recipes import FLOAT8_RECIPES
+from trillion.parallel.layout import Layout, resolve_float8
 from trillion.parallel.planner.cost import high_precision_tail
 from trillion.parallel.planner.hardware import PROFILE_DIR, load_profile
 from trillion.parallel.planner.memory import layers_from
@@ -69,9 +69,9 @@ def test_block_scaled_formats_price_their_scales_and_their_own_peaks():
 
 def test_four_bit_keeps_the_last_15_percent_of_blocks_in_bf16():
     llama = get_preset("llama3-8b")  # torchtitan's recipe: layers 27-31 of 32 stay bf16
-    layout = Layout(pp=4, float8=True, float8_recipe="nvfp4")
+    layout = Layout(pp=4, float8=resolve_float8("nvfp4", fsdp_enabled=False))
     assert high_precision_tail(llama, layout) == 5 and layers_from(llama, layout, 27) == [0, 0, 0, 5]
-    assert high_precision_tail(llama, Layout(float8=True, float8_recipe="mxfp8")) == 0
+    assert high_precision_tail(llama, Layout(float8=resolve_float8("mxfp8", fsdp_enabled=False))) == 0
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,13 @@
 
 from dataclasses import dataclass
 
-from trillion.parallel.modes import FLOAT8_ALL_GATHER, FLOAT8_EXPERTS, FLOAT8_RECIPES, float8_dispatch, float8_recipe
+from trillion.parallel.float8_recipes import (
+    FLOAT8_ALL_GATHER,
+    FLOAT8_EXPERTS,
+    FLOAT8_RECIPES,
+    float8_dispatch,
+    trainable_recipe,
+)
 from trillion.trainer.config.checks import Flag, OneOf, Range
 from trillion.trainer.config.fields import (
     KEEP,
@@ -186,5 +192,5 @@ class Float8:
 
     def check_relations(self) -> None:
         if self.enabled:
-            float8_recipe(self.recipe, self.fsdp_all_gather)
+            trainable_recipe(self.recipe, self.fsdp_all_gather)
         float8_dispatch(self.dispatch, self.enabled, self.experts)

@@ -3,8 +3,8 @@ dispatch, the model's parts and document masking."""
 
 import argparse
 
+from trillion.parallel.float8_recipes import FLOAT8_EXPERTS, FLOAT8_RECIPES
 from trillion.parallel.layout import EP_DISPATCH
-from trillion.parallel.modes import FLOAT8_EXPERTS, FLOAT8_RECIPES
 
 
 def add_dispatch_arguments(fixed) -> None:
