@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from tests.helpers.fault_record import report
 from tests.helpers.flags import TINY
 from trillion.trainer.cli.main import main
 
@@ -73,3 +74,33 @@ def test_a_run_without_fault_tolerance_does_not_import_torchft(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+@pytest.mark.parametrize(
+    ("address", "why"),
+    [
+        ("127.0.0.1:29510", "no http:// (or https://) scheme"),
+        ("lighthouse:29510", "no http:// (or https://) scheme"),
+        ("tcp://127.0.0.1:29510", "the scheme 'tcp'"),
+        ("http://:29510", "names no host"),
+        ("http://127.0.0.1:port", "Port could not be cast"),
+    ],
+)
+def test_a_malformed_lighthouse_address_exits_2_at_once_naming_the_form(address, why, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", address)
+    start = time.monotonic()
+    status, err = refused(tmp_path, capsys)
+    assert status == 2 and f"TORCHFT_LIGHTHOUSE={address!r} is not a Lighthouse address" in err and why in err
+    took = time.monotonic() - start
+    assert "http://HOST:PORT" in err and took < 10  # no wait on torchft's retries
+    assert not (tmp_path / "run").exists()
+    if address == "127.0.0.1:29510":
+        report(
+            "a Lighthouse address without its scheme",
+            err.strip() + " (exit 2)",
+            None,
+            None,
+            took,
+            "TORCHFT_LIGHTHOUSE=127.0.0.1:29510 with fault tolerance on (recover: the time to the refusal; it waited "
+            "out fault_tolerance.timeout_s (72 s in all at the default 60 s) and exited 1 before)",
+        )
