@@ -35,6 +35,7 @@ TESTS = [
     "tests/fault_tolerance/test_kill_rejoin.py::test_a_killed_group_leaves_the_other_training_and_rejoins_live_bitwise",
     "tests/fault_tolerance/test_bad_input.py::test_a_malformed_lighthouse_address_exits_2_at_once_naming_the_form",
     "tests/checkpoint/test_export.py::test_exported_generate_stops_at_the_runs_end_of_document_id",
+    "tests/prepared/test_document_offsets.py",
 ]
 
 
