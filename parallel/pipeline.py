@@ -132,12 +132,7 @@ def validate_pipeline(
         experts_recomputed=experts_recomputed,
         output_end_reads=output_end_reads,
     )
-    if pp == 1:
-        if layers != AUTOMATIC:
-            raise ConfigError(
-                f"{layers.describe()} size pipeline stages, but parallel.pp=1 runs none. Set "
-                "--parallel.pp to 2 or more, or leave those settings at their defaults (0, -1, -1)."
-            )
+    if pp == 1:  # stage sizes given without a pipeline are refused with the config (trainer/config/effects.py)
         return s.name, 1
     split_units(n_layers, pp * v, layers)  # explicit stage sizes add up, no stage left empty
     if tie_embeddings:

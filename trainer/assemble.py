@@ -169,7 +169,7 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
     check_batch_split(t, dp_ranks)
     micro_batch_size, microbatches = batch_split(t, dp_ranks)
     experts_recomputed = degrees.ep > 1 and p.activation_checkpoint != "none"
-    # schedule, stage sizes and micro-batches checked before any work (stage sizes without a pipeline refused)
+    # schedule, stage sizes and micro-batches checked before any work (stage sizes at pp 1: refused with the config)
     pp_schedule, virtual_stages = validate_pipeline(
         degrees.pp,
         p.pp_schedule,
