@@ -2,13 +2,13 @@
 commands replaced by recorders: SIGUSR1 to the batch shell is sent on to the job's steps, the shell waits for
 them to save and exit, and only then requeues the job; without the warning it neither signals nor requeues."""
 
-import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.slurm_stubs import ROOT, stubbed
+
 STUBS = {
     "scontrol": 'if [ "$1" = show ]; then echo node1; else echo "scontrol $*" >> "$RECORD"; fi',
     # the step: `trillion torchrun` stands in, which saves on SIGUSR1, says so and exits 0
@@ -20,20 +20,7 @@ STUBS = {
 
 def start(tmp_path: Path, ticks: int = 600) -> tuple[subprocess.Popen, Path]:
     """nvidia.sbatch under the stubs, once its step runs; the step ends by itself after `ticks` tenths of a second."""
-    for name, body in STUBS.items():
-        (tmp_path / name).write_text(f"#!/bin/bash\n{body}\n")
-        (tmp_path / name).chmod(0o755)
-    record = tmp_path / "record"
-    env = {
-        **os.environ,
-        "PATH": f"{tmp_path}:{os.environ['PATH']}",
-        "RECORD": str(record),
-        "SLURM_JOB_NODELIST": "node1",
-        "SLURM_JOB_ID": "77",
-        "SLURM_NNODES": "1",
-        "SLURM_SUBMIT_DIR": str(ROOT),
-        "STEP_TICKS": str(ticks),
-    }
+    env, record = stubbed(tmp_path, STUBS, SLURM_JOB_NODELIST="node1", SLURM_NNODES="1", STEP_TICKS=str(ticks))
     script = ROOT / "experiments" / "slurm" / "nvidia.sbatch"
     job = subprocess.Popen(["bash", str(script), "my.toml"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30

@@ -27,13 +27,19 @@ from trillion.trainer.step import train_step
 TAU, PUMP, SEED, LR, DRIFT = 2.0, 40.0, 5, 1e-5, 1e-3
 
 
-def _trained(args, tau: float):
-    """(model, its probes' step maxima, each attention's input in that step) after one Muon step on a fixed batch
-    from the pumped start."""
+def _pumped(args):
+    """The model, probed, with head 0's logits pumped past the others'."""
     model = Transformer(args)
     install_probes(model)
     model.init_weights(SEED)
     pump_first_head([model], args, PUMP)
+    return model
+
+
+def _trained(args, tau: float):
+    """(model, its probes' step maxima, each attention's input in that step) after one Muon step on a fixed batch
+    from the pumped start."""
+    model = _pumped(args)
     inputs = {}
     for index, (module, _) in attention_probes(model).items():
         module.register_forward_pre_hook(lambda _m, a, index=index: inputs.setdefault(index, a))
@@ -178,10 +184,7 @@ def test_each_step_clips_with_its_own_max_logits():
     """Two MuonClip steps on two batches, the first pumped past tau: what each step's clip scales by is that step's
     own maxima, not a maximum kept from the step before (which would clip the rows again every step)."""
     args = MODELS["dense"]
-    model = Transformer(args)
-    install_probes(model)
-    model.init_weights(SEED)
-    pump_first_head([model], args, PUMP)
+    model = _pumped(args)
     calls = {}
     for index, (_, probe) in attention_probes(model).items():
 
