@@ -5,10 +5,11 @@ is refused with one paragraph naming it, what it needs and the flag that gives i
 `RULES` lists each such setting with the condition it needs; `ALWAYS_ACTS` names every other setting, with why
 it acts whatever the rest says (or why the config alone cannot tell). tests/test_config_effects.py walks every
 field of every section and fails for one in neither, so a new setting forces the decision. A default is never
-refused, and `reset_idle` lets a writer of configs (`trillion plan --config-out`) leave such settings out.
+refused, and `without_idle` lets code that derives a config from another leave such settings out.
 Each condition reads the setting's own users: the code that reads it does so only where the condition holds.
 """
 
+import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -367,11 +368,14 @@ def _message(config, rule: Needs, given: list[str]) -> str:
     )
 
 
-def reset_idle(config) -> list[str]:
-    """Put back to their defaults the settings that do nothing in `config` (what check_effects refuses), for a
-    writer of configs that set them from a table of its own; returns their names."""
-    idle = [key for rule in RULES if not rule.holds(config) for key in _changed(config, rule)]
-    for key in idle:
-        section, _, name = key.partition(".")
-        setattr(getattr(config, section), name, _default(config, key))
-    return idle
+def without_idle(config):
+    """A copy of `config` with the settings that do nothing in it (what check_effects refuses) back at their
+    defaults: for code that derives a config from another (`trillion plan --config-out` from a plan's row,
+    `trillion estimate`'s measured steps with evaluation and logging off)."""
+    config = copy.deepcopy(config)
+    for rule in RULES:
+        if not rule.holds(config):
+            for key in _changed(config, rule):
+                section, _, name = key.partition(".")
+                setattr(getattr(config, section), name, _default(config, key))
+    return config

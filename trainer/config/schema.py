@@ -15,7 +15,7 @@ output), the settings that act only in some configurations (effects.py) and the 
 
 from trillion.errors import ConfigError
 from trillion.trainer.config.data_sections import Data, Eval, Tokenizer
-from trillion.trainer.config.effects import reset_idle
+from trillion.trainer.config.effects import without_idle
 from trillion.trainer.config.fault_sections import FaultTolerance
 from trillion.trainer.config.fields import divisor_near
 from trillion.trainer.config.loading import load_config
@@ -50,7 +50,7 @@ __all__ = [
     "divisor_near",
     "help_text",
     "load_config",
-    "reset_idle",
+    "without_idle",
     "to_toml",
     "validate_config",
 ]

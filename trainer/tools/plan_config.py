@@ -6,7 +6,7 @@ import math
 from trillion.models.presets import get_preset
 from trillion.parallel.planner.hardware import profile_names
 from trillion.parallel.planner.search import Request
-from trillion.trainer.config.schema import Config, reset_idle, to_toml
+from trillion.trainer.config.schema import Config, to_toml, without_idle
 from trillion.trainer.tools.plan_args import PART_FLAGS
 
 
@@ -48,7 +48,6 @@ def train_config_toml(request: Request, row: dict) -> str:
     config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather on (auto): what the plan timed
     config.float8.experts = row["float8_experts"]
     config.float8.dispatch = row["float8_dispatch"]  # only under ep > 1 (space.py), as the trainer allows it
-    reset_idle(config)  # a row's value that does nothing in this layout (a schedule at pp 1) is not written
     header = [
         f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} "
         f"({request.hardware.device.name})",
@@ -57,7 +56,7 @@ def train_config_toml(request: Request, row: dict) -> str:
         f"# pipeline chunks per rank (virtual stages): {row['virtual_stages']}",
         "",
     ]
-    return "\n".join(header) + to_toml(config)
+    return "\n".join(header) + to_toml(without_idle(config))  # nothing idle (a schedule at pp 1) is written
 
 
 def hardware_setting(profile) -> str:
