@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.fault_record import report
 from tests.helpers.flags import TINY
 from trillion.errors import ConfigError
 from trillion.trainer.cli.main import main
@@ -119,3 +120,13 @@ def test_trillion_train_refuses_them_with_exit_2_and_one_paragraph(flags, named,
     err = capsys.readouterr().err
     assert named in err and err.count("\n") == 1 and "Traceback" not in err, err
     assert not Path(tmp_path / "run").exists()
+    if flags == ["--float8.emulate=true"]:
+        report(
+            "a setting that does nothing in the run",
+            err.strip() + " (exit 2)",
+            None,
+            None,
+            None,
+            "--float8.emulate=true without float8.enabled (before: trained in full precision with no word); every "
+            "setting of the table in trainer/config/effects.py alike",
+        )

@@ -36,6 +36,8 @@ TESTS = [
     "tests/fault_tolerance/test_bad_input.py::test_a_malformed_lighthouse_address_exits_2_at_once_naming_the_form",
     "tests/checkpoint/test_export.py::test_exported_generate_stops_at_the_runs_end_of_document_id",
     "tests/prepared/test_document_offsets.py",
+    "tests/checkpoint/test_torchrun_preemption.py",
+    "tests/test_config_effects.py::test_trillion_train_refuses_them_with_exit_2_and_one_paragraph",
 ]
 
 
