@@ -130,3 +130,15 @@ def test_trillion_train_refuses_them_with_exit_2_and_one_paragraph(flags, named,
             "--float8.emulate=true without float8.enabled (before: trained in full precision with no word); every "
             "setting of the table in trainer/config/effects.py alike",
         )
+
+
+def test_the_conditions_follow_the_model_as_its_parts_resolve_it():
+    """Multi-token prediction trains where the part resolves model.mtp_modules to one or more modules: a preset's own
+    (-1 keeps it) takes a loss weight, the same preset with its modules turned off refuses it; routed experts come
+    from the preset alone."""
+    load_config(None, ["--model.name=debug-deepseek", "--model.mtp_loss_weight=0.5"])
+    with pytest.raises(ConfigError, match=r"model.mtp_loss_weight=0.5 does nothing .* model.mtp_modules=0"):
+        load_config(None, ["--model.name=debug-deepseek", "--model.mtp_modules=0", "--model.mtp_loss_weight=0.5"])
+    load_config(None, ["--model.name=debug-deepseek", "--moe.aux_loss_coef=0.01"])
+    with pytest.raises(ConfigError, match=r"moe.aux_loss_coef=0.01 does nothing .* model.name='llama3-8b'"):
+        load_config(None, ["--model.name=llama3-8b", "--moe.aux_loss_coef=0.01"])

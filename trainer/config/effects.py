@@ -17,31 +17,26 @@ from dataclasses import dataclass
 from trillion.errors import ConfigError
 
 
-def _preset(config):
-    from trillion.models.presets import PRESETS
-
-    return PRESETS[config.model.name]
-
-
 def _has_experts(config) -> bool:
-    from trillion.models import parts
+    """Whether the model has routed experts: only its preset gives them (the MoE part refuses counts on a dense one)."""
+    from trillion.models.presets import expert_presets
 
-    return parts.routed_experts(_preset(config)) > 0
+    return config.model.name in expert_presets()
 
 
 def _trains_ahead(config) -> bool:
-    """Whether multi-token prediction modules train: model.mtp_modules, or the preset's (-1)."""
-    from trillion.models import parts
+    """Whether multi-token prediction modules train, as the part resolves model.mtp_modules against the preset."""
+    from trillion.models.parts import mtp
+    from trillion.models.presets import get_preset
 
-    given = config.model.mtp_modules
-    return given > 0 or (given < 0 and parts.ahead_modules(_preset(config))[0] > 0)
+    given = mtp.MTPSettings(modules=config.model.mtp_modules)
+    return mtp.apply_settings(get_preset(config.model.name), given, config.model.name).mtp_modules > 0
 
 
 def _routed_presets() -> str:
-    from trillion.models import parts
-    from trillion.models.presets import PRESETS
+    from trillion.models.presets import expert_presets
 
-    return ", ".join(name for name, args in PRESETS.items() if parts.routed_experts(args) > 0)
+    return ", ".join(expert_presets())
 
 
 @dataclass(frozen=True)
