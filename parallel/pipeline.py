@@ -70,7 +70,7 @@ def validate_pipeline(layout: Layout, n_layers: int, *, tie_embeddings: bool = F
     applies too), then the stage sizes (pp_layout.py check_stages)."""
     check_layout_schedule(layout, n_layers)
     check_stages(layout.stage_layers, n_layers, layout.pp * layout.virtual_stages, ahead_modules)
-    if layout.pp == 1:
+    if layout.pp == 1:  # stage sizes given without a pipeline are refused with the config (trainer/config/effects.py)
         return
     if tie_embeddings:
         raise ConfigError(

@@ -34,14 +34,9 @@ def _in_layers(stages: StageLayers) -> bool:
 
 
 def check_stages(stages: StageLayers, n_layers: int, num_stages: int, ahead_modules: int = 0) -> None:
-    """Refuse, before any work, stage sizes this pipeline cannot take: sizes without a pipeline, pp_layout beside the
-    older three settings, and (split_units) sizes that do not add up or leave a stage empty."""
-    if num_stages == 1 and (stages.written or _in_layers(stages)):
-        raise ConfigError(
-            f"{stages.describe()} sizes pipeline stages, but parallel.pp=1 runs none. Set --parallel.pp to 2 or more, "
-            "or leave the stage settings at their defaults (pp_layout '', pp_layers_per_stage 0, the first and last "
-            "-1)."
-        )
+    """Refuse, before any work, stage sizes this pipeline cannot take: pp_layout beside the older three settings, and
+    (split_units) sizes that do not add up or leave a stage empty. Sizes without a pipeline the config refuses
+    (trainer/config/effects.py)."""
     if stages.written and _in_layers(stages):
         raise ConfigError(
             f"{stages.describe()} and {dataclasses.replace(stages, written='').describe()} both size the pipeline's "

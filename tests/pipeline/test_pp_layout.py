@@ -68,8 +68,9 @@ def test_one_setting_sizes_the_stages():
     assert [len(r) for r in split_units(4, 2, StageLayers(written="E+3|1+O"))] == [4, 2]  # pp_layout
     with pytest.raises(ConfigError, match="both size the pipeline's stages. Give one"):
         check_stages(StageLayers(2, written="E+2|2+O"), 4, 2)
-    with pytest.raises(ConfigError, match="parallel.pp=1 runs none"):
-        check_stages(StageLayers(written="E+4+O"), 4, 1)
+    with pytest.raises(ConfigError, match="parallel.pp_layout") as refused:  # without a pipeline (config/effects.py)
+        load_config(None, ["--parallel.pp_layout=E+4+O"])
+    assert "--parallel.pp=2" in str(refused.value)
     check_stages(AUTOMATIC_STAGES, 4, 1)
 
 

@@ -6,7 +6,7 @@ import math
 from trillion.models.presets import get_preset
 from trillion.parallel.planner.hardware import profile_names
 from trillion.parallel.planner.search import Request
-from trillion.trainer.config.schema import Config, to_toml
+from trillion.trainer.config.schema import Config, to_toml, without_idle
 from trillion.trainer.tools.plan_args import PART_FLAGS
 
 
@@ -45,7 +45,9 @@ def train_config_toml(request: Request, row: dict) -> str:
     config.optimizer.name = row["optimizer"]
     config.data.document_mask = row["attention_share"] < 1.0  # --documents: the plan timed masked attention
     config.compile.enabled = row["compile"]
-    config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather auto: what the plan timed
+    config.float8.enabled = row["float8"]  # FSDP float8 all-gather auto (tensorwise only): what the plan timed
+    config.float8.recipe = row["float8_recipe"]
+    config.float8.linears = row["float8_linears"]
     config.float8.experts = row["float8_experts"]
     config.float8.dispatch = row["float8_dispatch"]  # only under ep > 1 (space.py), as the trainer allows it
     header = [
@@ -56,7 +58,7 @@ def train_config_toml(request: Request, row: dict) -> str:
         f"# pipeline chunks per rank (virtual stages): {row['virtual_stages']}",
         "",
     ]
-    return "\n".join(header) + to_toml(config)
+    return "\n".join(header) + to_toml(without_idle(config))  # nothing idle (a schedule at pp 1) is written
 
 
 def hardware_setting(profile) -> str:
