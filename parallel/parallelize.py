@@ -64,6 +64,7 @@ def parallelize(
             dims.tp_mesh,
             float8_tp=float8 is not None and float8.float8_tp,
             expert_parallel=ep_mesh is not None,
+            overlap_chunks=dims.layout.tp_overlap,
         )
     if ep_mesh is not None:
         layout = dims.layout

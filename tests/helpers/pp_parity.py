@@ -3,6 +3,7 @@ split into pipeline stages; every rank's stage gradients are gathered by their g
 rank 0 compares them (and losses, norms, initial weights) with the one-process run."""
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
         tp=case.get("tp", 1),
         world_size=world_size,
     )
+    dims = ParallelDims(dataclasses.replace(dims.layout, tp_overlap=case.get("tp_overlap", 0)), world_size)
     dims.validate(args, SEQ_LEN)
     dims.build_mesh("cpu")
     mode = case.get("mode", "zero3")
@@ -76,7 +78,8 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
     loader = random_loader(case, args, micro, dims)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     losses, norms = [], []
-    for _ in range(STEPS):
+    steps = case.get("steps", STEPS)
+    for _ in range(steps):
         loss, norm = train_step(
             pipeline, loader.next_batch(), optimizer, scaler, contextlib.nullcontext(), MAX_NORM, dims=dims
         )
@@ -85,7 +88,7 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
     assert not any(stage.output_chunks for stage in pipeline.stages), "the last stage kept micro-batch logits"
     gathered = [None] * world_size
     dist.all_gather_object(gathered, {"initial": initial, "grads": grads})
-    merged_initial, merged_grads = {}, [{} for _ in range(STEPS)]
+    merged_initial, merged_grads = {}, [{} for _ in range(steps)]
     for result in gathered:
         merged_initial.update(result["initial"])
         for step, g in enumerate(result["grads"]):
@@ -100,7 +103,7 @@ def check_pipeline_cases(rank: int, world_size: int, cases: list[dict]) -> None:
         if rank == 0:
             key = reference_key(case)
             if key not in references:
-                references[key] = parity.train_case(dict(zip(("family", "documents", "reset"), key)), world_size=1)
+                references[key] = parity.train_case(dict(zip(parity.REFERENCE_KEYS, key)), world_size=1)
             parity._compare(case["name"], result, references[key], relative=case.get("relative", 0.0))
             print("PASSED", case["name"], flush=True)
         dist.barrier()

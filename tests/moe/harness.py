@@ -47,6 +47,7 @@ MLA = dataclasses.replace(
 )
 MODELS = {
     "gqa": BASE,
+    "gqa-kv4": dataclasses.replace(BASE, n_kv_heads=4),  # 4 key/value heads: tp 4 splits them
     "mla": MLA,
     "mla-full-q": dataclasses.replace(MLA, mla=dataclasses.replace(MLA.mla, q_lora_rank=0)),
 }
@@ -60,7 +61,8 @@ VARIANTS = {  # MoE settings on top of BASE.moe
     "capacity": {"rank_capacity_factor": 1.0, "capacity_ranks": 2},
 }
 LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
-DISPATCH_KEYS = ("ep_dispatch", "ranks_per_node", "ep_overlap")  # Layout's; the capacity is the model's (variant)
+# Layout's settings beside the degrees; the capacity is the model's (variant)
+DISPATCH_KEYS = ("ep_dispatch", "ranks_per_node", "ep_overlap", "tp_overlap")
 
 
 MTP = {"mtp_modules": 1, "mtp_loss_weight": 0.3}  # the "mtp" variant's model settings: an MoE block predicting ahead
@@ -233,27 +235,16 @@ def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
             if key not in references:
                 references[key] = train_case({"variant": key[0], "steps": key[1], "model": key[2]}, world_size=1)
             tol = case.get("tol")  # {"rtol": ..., "atol": ...}: tighter than the harness's default
-            _compare_stepwise(name, result, references[key], tol=tol)
+            _compare(name, result, references[key], tol=tol, relative=case.get("relative", 0.0))
             torch.testing.assert_close(
                 result["ahead"], references[key]["ahead"], **(tol or {"rtol": 2e-4, "atol": 2e-6})
             )
             _compare_routing(name, result, references[key])
             if "same_as" in case:
-                _compare_stepwise(f"{name} vs {case['same_as']}", result, results[case["same_as"]], exact=True)
+                _compare(f"{name} vs {case['same_as']}", result, results[case["same_as"]], exact=True)
             if case.get("drops"):  # the capacity dropped tokens (and one process the same: _compare_routing)
                 assert any(load[DROPPED] > 0 for step in result["loads"] for load in step.values()), name
             if "host_reads" in case:
                 assert set(result["host_reads"].values()) == {case["host_reads"]}, (name, result["host_reads"])
             print("PASSED", name, flush=True)
         dist.barrier()
-
-
-def _compare_stepwise(name: str, actual: dict, expected: dict, exact: bool = False, tol: dict | None = None) -> None:
-    """parity._compare for any number of steps (it checks parity.STEPS)."""
-    from tests.helpers import parity
-
-    steps, parity.STEPS = parity.STEPS, len(expected["grads"])
-    try:
-        _compare(name, actual, expected, exact=exact, tol=tol)
-    finally:
-        parity.STEPS = steps
