@@ -38,6 +38,7 @@ from trillion.models import parts
 from trillion.parallel.context_parallel import check_sequence
 from trillion.parallel.ep_checks import check_ep_dispatch, ep_nodes
 from trillion.parallel.layout import AXES, Layout, check_degrees, degrees_of, divisors
+from trillion.parallel.tp_checks import check_tp_overlap
 
 log = logging.getLogger("trillion")
 
@@ -122,6 +123,7 @@ class ParallelDims:
                 f"Use --parallel.pp={model_args.n_layers + 2} or less."
             )  # schedules: parallel/pipeline.py
         check_sequence(self.cp, self.tp, seq_len)
+        check_tp_overlap(self.layout, seq_len)
         self._validate_ep(model_args)
         tp = self.tp
         if tp == 1:

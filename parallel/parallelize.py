@@ -20,6 +20,8 @@ values whatever the layout (see models.transformer.Transformer.init_weights)."""
 import torch
 from torch import nn
 
+from trillion.errors import ConfigError
+from trillion.parallel import async_tp
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
 from trillion.parallel.compile import apply_compile
 from trillion.parallel.context_parallel import apply_context_parallel
@@ -76,6 +78,8 @@ def parallelize(
         blocks = list(model.layers.values())
         for index in checkpointed_blocks(activation_checkpoint, len(blocks)):
             cache_routes_for_recompute(blocks[index])
+    if dims.layout.async_tp and dims.tp_enabled:
+        _enable_async_tp(dims, compile, compile_backend)
     if compile:
         apply_compile(model, backend=compile_backend)
     if fsdp and dims.fsdp_enabled:
@@ -91,3 +95,14 @@ def parallelize(
     if dims.layout.ep_overlap and dims.pp == 1:
         apply_pairing_gates(model)  # last, outside every other hook (FSDP's); harmless while nothing pairs
     return model
+
+
+def _enable_async_tp(dims: ParallelDims, compile: bool, compile_backend: str) -> None:
+    """Async TP for the blocks compiled next: a pass of Inductor's, so it needs compile with that backend."""
+    if not compile or compile_backend != "inductor":
+        raise ConfigError(
+            "parallel.async_tp=true is a pass of torch.compile's Inductor backend, but the blocks are "
+            f"{'compiled with ' + compile_backend if compile else 'not compiled'}. Compile them with Inductor "
+            f"(--compile.enabled=true), or drop parallel.async_tp. {async_tp.FALLBACK}"
+        )
+    async_tp.enable(dims.tp_mesh)

@@ -16,7 +16,7 @@ from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.models import ModelArgs, Transformer, get_preset, parts
 from trillion.models.logit_probe import install_probes
 from trillion.models.parts import apply_settings as apply_part_settings
-from trillion.parallel import float8
+from trillion.parallel import async_tp, float8
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.ep_checks import resolve_dispatch
 from trillion.parallel.expert_overlap import pairs_micro_batches
@@ -136,6 +136,8 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
             "training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "
             "decision is not agreed across ranks. Use --training.dtype=bf16 with parallel layouts."
         )
+    if config.parallel.async_tp:
+        async_tp.check_device(env.device)
     if config.float8.enabled:  # the device first: on an A100 the answer is no whether torchao is there or not
         float8.check_device(env.device, config.float8.emulate)
         float8.require_torchao()
@@ -163,7 +165,9 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         world_size, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.ep
     )  # no mesh: the degrees checked against the world
     expert_dispatch = dispatch_layout(config, degrees, world_size)
-    ParallelDims(dataclasses.replace(degrees.layout, **expert_dispatch), world_size).validate(model_args, t.seq_len)
+    hiding = tp_hiding(config)
+    checked = dataclasses.replace(degrees.layout, **expert_dispatch, **hiding)
+    ParallelDims(checked, world_size).validate(model_args, t.seq_len)
     check_whole_sequences(model_args, degrees)
     dp_ranks = degrees.dp_size * config.fault_tolerance.groups  # fault-tolerant replica groups share each batch
     check_batch_split(t, dp_ranks)
@@ -191,13 +195,12 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
         micro_batch_size=micro_batch_size,
         microbatches=microbatches,
         activation_checkpoint=p.activation_checkpoint,
-        compile=config.compile.enabled,
-        float8=f.enabled,
         float8_all_gather=gathers,
         float8_experts=f.experts,
         float8_dispatch=f.dispatch,
         optimizer=config.optimizer.name,
         **expert_dispatch,
+        **hiding,
     )
 
 
@@ -214,6 +217,18 @@ def dispatch_layout(config: Config, degrees: ParallelDims, world_size: int) -> d
         "ep_dispatch": resolve_dispatch(p.ep_dispatch, probe.ep_nodes[0]),
         "ep_capacity": config.moe.rank_capacity_factor,
         "ep_overlap": p.ep_overlap,
+    }
+
+
+def tp_hiding(config: Config) -> dict:
+    """The Layout fields that hide TP's collectives, and what their check reads beside the degrees (tp_checks.py):
+    compile and float8."""
+    p = config.parallel
+    return {
+        "tp_overlap": p.tp_overlap,
+        "async_tp": p.async_tp,
+        "compile": config.compile.enabled,
+        "float8": config.float8.enabled,
     }
 
 
