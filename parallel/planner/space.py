@@ -11,6 +11,7 @@ torchtitan's long-sequence CP runs the planner is up to a quarter more optimisti
 cp 1-2: experiments/validation/CONTEXT_PARALLEL.md).
 """
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -47,8 +48,13 @@ LAYOUT_FIELDS = (
     "ep_dispatch",
     "ep_capacity",
     "ep_overlap",
+    "tp_overlap",
+    "async_tp",
     "optimizer",
 )
+# parallel.tp_overlap's chunk counts the search tries where they divide the local sequence (0: DTensor's exposed
+# collectives); more chunks hide more of each transfer and pay its latency, and smaller GEMMs, more often (tp_hiding.py)
+OVERLAP_CHUNKS = (0, 1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ def check_request(request: Request) -> None:
         raise ConfigError(f"--optimizer {request.fixed['optimizer']!r} is not known. Use {' or '.join(OPTIMIZERS)}.")
     if "pp_schedule" in request.fixed:
         modes.schedule(request.fixed["pp_schedule"], "--pp-schedule")
+    _check_hiding(request.fixed)
     if request.gpus < 1 or request.global_batch < 1:
         raise ConfigError(f"--gpus {request.gpus} and --global-batch {request.global_batch} must be at least 1.")
     if request.seq_len > args.max_seq_len and args.positions != "rope":  # rotary: train with --model.max_seq_len
@@ -125,6 +132,18 @@ def check_request(request: Request) -> None:
             f"tp {max(tps)} x pp {args.n_layers} (one layer per stage) x dp {request.global_batch} (one sequence per "
             f"data-parallel rank) = {most}. Use fewer GPUs or a larger global batch."
         )
+
+
+def _check_hiding(fixed: dict) -> None:
+    """The plan's refusals of tp_checks.py's, for what a request fixes (the search proposes only what passes)."""
+    if fixed.get("async_tp") and not fixed.get("compile"):
+        raise ConfigError("--async-tp on is a pass of torch.compile's Inductor: give --compile too.")
+    if fixed.get("async_tp") and fixed.get("tp_overlap"):
+        raise ConfigError("--async-tp on and --tp-overlap hide the same collectives: give one of them.")
+    if fixed.get("tp_overlap", 0) < 0:
+        raise ConfigError(f"--tp-overlap {fixed['tp_overlap']} must be 0 (off) or a chunk count.")
+    if fixed.get("tp_overlap") and fixed.get("float8"):
+        raise ConfigError("--tp-overlap with --float8 is not built (tp_checks.py): give --async-tp on, or one of them.")
 
 
 def _divisors(n: int) -> list[int]:
@@ -209,30 +228,49 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                 if (request.global_batch // dp) % mb:
                     continue
                 m = request.global_batch // (dp * mb)
-                for ac in _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)):
-                    for mode in zero_modes:
-                        yield Layout(
-                            tp=tp,
-                            pp=pp,
-                            dp_replicate=dp // dp_shard,
-                            dp_shard=dp_shard,
-                            dp_shard_mode=mode,
-                            pp_schedule=name,
-                            virtual_stages=v,
-                            micro_batch_size=mb,
-                            microbatches=m,
-                            activation_checkpoint=ac,
-                            compile=request.fixed.get("compile", False),
-                            cp=cp,
-                            float8=request.fixed.get("float8", False),
-                            float8_experts=request.fixed.get("float8_experts", "auto"),
-                            float8_dispatch=request.fixed.get("float8_dispatch", False) and ep > 1,
-                            ep=ep,
-                            moe_load_imbalance=request.fixed.get("moe_load_imbalance", MOE_LOAD_IMBALANCE),
-                            **dispatch,
-                            optimizer=request.fixed.get("optimizer", "adamw"),
-                            attention_share=request.fixed.get("attention_share", 1.0),
-                        )
+                for ac, mode, hiding in itertools.product(
+                    _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)),
+                    zero_modes,
+                    _hiding_options(request, tp, cp),
+                ):
+                    yield Layout(
+                        tp=tp,
+                        pp=pp,
+                        dp_replicate=dp // dp_shard,
+                        dp_shard=dp_shard,
+                        dp_shard_mode=mode,
+                        pp_schedule=name,
+                        virtual_stages=v,
+                        micro_batch_size=mb,
+                        microbatches=m,
+                        activation_checkpoint=ac,
+                        compile=request.fixed.get("compile", False),
+                        cp=cp,
+                        float8=request.fixed.get("float8", False),
+                        float8_experts=request.fixed.get("float8_experts", "auto"),
+                        float8_dispatch=request.fixed.get("float8_dispatch", False) and ep > 1,
+                        ep=ep,
+                        moe_load_imbalance=request.fixed.get("moe_load_imbalance", MOE_LOAD_IMBALANCE),
+                        **dispatch,
+                        optimizer=request.fixed.get("optimizer", "adamw"),
+                        attention_share=request.fixed.get("attention_share", 1.0),
+                        **hiding,
+                    )
+
+
+def _hiding_options(request: Request, tp: int, cp: int) -> list[dict]:
+    """How TP's collectives run: exposed, or the chunked overlap at each of OVERLAP_CHUNKS that divides the local
+    sequence (any backend; not with float8, which it refuses: tp_checks.py); async TP only where asked (--async-tp
+    on: it needs a CUDA build with symmetric memory, which the plan cannot see, and compile)."""
+    fixed = request.fixed
+    if tp == 1:
+        return [{"tp_overlap": 0, "async_tp": False}]
+    if fixed.get("async_tp"):
+        return [{"tp_overlap": 0, "async_tp": True}]
+    local = request.seq_len // cp // tp
+    searched = [c for c in OVERLAP_CHUNKS if not c or not fixed.get("float8")]
+    chunks = [c for c in _options(request, "tp_overlap", searched) if not c or local % c == 0]
+    return [{"tp_overlap": c, "async_tp": False} for c in chunks]
 
 
 def _dispatch(request: Request, tp: int, ep: int) -> dict:
