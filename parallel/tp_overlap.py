@@ -31,7 +31,8 @@ the stream's DTensor. Both are autograd Functions over local tensors: DTensor in
 
 Latency injection (`TpCollectives.delay_s` > 0, the benchmark experiments/bench/tp_overlap.py): each collective
 completes no earlier than its share of `delay_s` (a chunk's: 1/N) after the link is free, one after the other as on
-a wire of fixed bandwidth; the time waits block is summed in `blocked_s`.
+a wire of fixed bandwidth; the time waits block is summed in `blocked_s`, the part of it past the collective's own
+completion (the injected delay nothing covered) in `late_s`.
 """
 
 from __future__ import annotations
@@ -53,18 +54,18 @@ class TpCollectives:
     def __init__(self, tp_mesh, chunks: int):
         self.mesh, self.group, self.chunks = tp_mesh, tp_mesh.get_group(), chunks
         self.size, self.rank = tp_mesh.size(), tp_mesh.get_local_rank()
-        self.delay_s, self.blocked_s, self._free_at = 0.0, 0.0, 0.0
+        self.delay_s, self.blocked_s, self.late_s, self._free_at = 0.0, 0.0, 0.0, 0.0
 
     def all_gather(self, piece: torch.Tensor) -> _Posted:
         """Every rank's `piece`, stacked on a new first dimension."""
         out = piece.new_empty((self.size * piece.shape[0], *piece.shape[1:]))
-        work = dist.all_gather_into_tensor(out, piece, group=self.group, async_op=True)
+        work = dist.all_gather_single(out, piece, group=self.group, async_op=True)
         return self._posted(out.view(self.size, *piece.shape), work)
 
     def reduce_scatter(self, stacked: torch.Tensor) -> _Posted:
         """The sum over the ranks of `stacked[r]`, for this rank r."""
         out = stacked.new_empty(stacked.shape[1:])
-        work = dist.reduce_scatter_tensor(out, stacked.flatten(0, 1), group=self.group, async_op=True)
+        work = dist.reduce_scatter_single(out, stacked.flatten(0, 1), group=self.group, async_op=True)
         return self._posted(out, work)
 
     def _posted(self, out: torch.Tensor, work) -> _Posted:
@@ -84,8 +85,10 @@ class _Posted:
     def wait(self) -> torch.Tensor:
         start = time.perf_counter()
         self.work.wait()
-        if self.done_at > start:
-            time.sleep(self.done_at - start)
+        late = self.done_at - time.perf_counter()
+        if late > 0:
+            time.sleep(late)
+            self.owner.late_s += late
         self.owner.blocked_s += time.perf_counter() - start
         return self.out
 
@@ -222,6 +225,7 @@ def _row_of(linear: nn.Module, comm: TpCollectives):
         out = _ScatterRow.apply(comm, _local(x), weight, bias)
         return DTensor.from_local(out, comm.mesh, [Shard(1)], run_check=False)
 
+    forward.comm = comm
     return forward
 
 
@@ -264,4 +268,10 @@ def overlap_head(output: nn.Module, comm: TpCollectives) -> None:
         _, (logits,) = _gather(comm, x, [output])
         return DTensor.from_local(logits, comm.mesh, [Shard(-1)], run_check=False)
 
+    forward.comm = comm
     output.forward = forward
+
+
+def collectives(model: nn.Module) -> set[TpCollectives]:
+    """The TpCollectives of `model`'s overlapped linears (one per model: its delay and waits, for the benchmark)."""
+    return {m.forward.comm for m in model.modules() if hasattr(m.__dict__.get("forward"), "comm")}
