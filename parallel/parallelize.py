@@ -12,7 +12,8 @@ token positions, so everything after wraps the same modules. TP next, because it
 is (a DTensor over the tp axis) and inserts the collectives the later wrappers must see; expert
 parallelism next (expert_parallel.py: the routed experts become DTensors on the ep mesh, whole on their
 rank, and the dispatch all-to-alls; the shared experts and attention keep TP's layout); AC next, so
-recomputation replays those collectives; compile then traces the parallel blocks; FSDP last, so it shards
+recomputation replays those collectives; compile then traces the parallel blocks (with async TP after symmetric
+memory and Inductor's pass that fuses TP's collectives with their GEMMs are on: async_tp.py); FSDP last, so it shards
 the TP shards again over dp and its hooks wrap everything (the routed experts under ep apart, over the
 data-parallel ranks ep leaves). Call it before `to_empty` + `init_weights`, which then give the same
 values whatever the layout (see models.transformer.Transformer.init_weights)."""

@@ -34,6 +34,9 @@ which DTensor's autograd does (a partial sum reduced on the way back) and plain 
 Output: column-wise over the vocabulary with the logits left as a DTensor sharded on the vocab
 dimension; the cross-entropy then runs under `loss_parallel()` and never gathers the full logits
 (batch x seq x vocab would be the largest activation of the model).
+
+With parallel.tp_overlap the HEADS parts and the output head take tp_overlap.py's sharding instead of these styles:
+the same placements, their all-gathers and reduce-scatters run in chunks beside their GEMMs.
 """
 
 import contextlib

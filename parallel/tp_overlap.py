@@ -198,8 +198,8 @@ def _local(t):
 
 
 def _distribute(linear: nn.Module, mesh, split: str) -> None:
-    """The linear's parameters as DTensors, as ColwiseParallel (weight and bias by rows) or RowwiseParallel (weight
-    by columns, bias replicated) distribute them."""
+    """The linear's parameters as DTensors, as ColwiseParallel (weight and bias by rows: `split` COLUMN) or
+    RowwiseParallel (weight by columns, bias replicated: ROW) distribute them."""
 
     def partition(_name, module, device_mesh):
         for name, param in list(module.named_parameters(recurse=False)):
@@ -209,7 +209,7 @@ def _distribute(linear: nn.Module, mesh, split: str) -> None:
     distribute_module(linear, mesh, partition)
 
 
-def _columns_of(linear: nn.Module, name: str):
+def _columns_of(name: str):
     """A column linear's forward under the overlap: its output, computed with its sublayer's gather."""
 
     def forward(gathered):
@@ -240,13 +240,11 @@ def _gather(comm: TpCollectives, x: DTensor, columns: list[nn.Module]):
 def overlap_sublayer(block: nn.Module, part: Part, comm: TpCollectives) -> None:
     """Shard a HEADS part of `block` over comm's mesh with its collectives overlapped (the module docstring)."""
     columns = [x.name for x in part.linears if x.split == COLUMN]
-    for linear in part.linears:
+    for linear in part.linears:  # a replicated linear stays as the plain plan leaves it
         module = block.get_submodule(linear.name)
-        _distribute(module, comm.mesh, linear.split)
-        if linear.split == COLUMN:
-            module.forward = _columns_of(module, linear.name)
-        elif linear.split == ROW:
-            module.forward = _row_of(module, comm)
+        if linear.split in (COLUMN, ROW):
+            _distribute(module, comm.mesh, linear.split)
+            module.forward = _columns_of(linear.name) if linear.split == COLUMN else _row_of(module, comm)
     modules = [block.get_submodule(name) for name in columns]
 
     @torch.compiler.disable
