@@ -1,7 +1,8 @@
 """The GPU tier for hiding TP's collectives (`pytest -m gpu`): what async TP (parallel.async_tp) needs on this device,
 and, on a machine with two or more GPUs, the debug model trained at tp 2 with async TP, with the chunked overlap and
 with neither: the same loss curve within bf16's rounding, and Inductor's pass fused the collectives (it warns when it
-finds none to fuse). Skipped, with the reason, without a GPU or with one GPU. Run by experiments/bench/device_check.sh."""
+finds none to fuse). Skipped, with the reason, without a GPU or with one GPU. Run by
+experiments/bench/device_check.sh."""
 
 import json
 import os
