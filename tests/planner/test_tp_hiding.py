@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from trillion.errors import ConfigError
 from trillion.models.presets import get_preset
 from trillion.parallel.planner.cost import step_time
 from trillion.parallel.planner.hardware import load_profile
@@ -77,3 +78,11 @@ def test_the_plan_searches_the_chunk_count_and_a_fixed_one_is_kept():
     assert best.layout.tp_overlap in (2, 4, 8) and not best.layout.async_tp
     off = search(Request("llama3-70b", ARGS, HW, 64, 64, 8192, fixed={**fixed, "tp_overlap": 0})).ranked[0]
     assert off.layout.tp_overlap == 0 and off.step.tp_exposed > 2 * best.step.tp_exposed
+
+
+def test_async_tp_is_planned_where_asked_and_needs_compile():
+    fixed = {"tp": 8, "pp": 1, "micro_batch_size": 2, "activation_checkpoint": "full", "async_tp": True}
+    with pytest.raises(ConfigError, match="--async-tp on is a pass of torch.compile"):
+        search(Request("llama3-70b", ARGS, HW, 64, 64, 8192, fixed=fixed))
+    best = search(Request("llama3-70b", ARGS, HW, 64, 64, 8192, fixed={**fixed, "compile": True})).ranked[0]
+    assert best.layout.async_tp and best.layout.tp_overlap == 0
