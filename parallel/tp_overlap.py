@@ -30,13 +30,14 @@ PrepareModuleInput does) carrying the column outputs; each column linear's forwa
 the stream's DTensor. Both are autograd Functions over local tensors: DTensor in and out, as the styles.
 
 Latency injection (`TpCollectives.delay_s` > 0, the benchmark experiments/bench/tp_overlap.py): each collective
-completes no earlier than its share of `delay_s` (a chunk's: 1/N) after the link is free, one after the other as on
-a wire of fixed bandwidth; the time waits block is summed in `blocked_s`, the part of it past the collective's own
-completion (the injected delay nothing covered) in `late_s`.
+completes its share of `delay_s` (a chunk's: 1/N) later than it would have, and after the one before it, as on a
+wire of fixed bandwidth whose transfer starts once every rank has posted; the time waits block is summed in
+`blocked_s`, the part of it past the collective's own completion (the injected delay nothing covered) in `late_s`.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -69,27 +70,32 @@ class TpCollectives:
         return self._posted(out, work)
 
     def _posted(self, out: torch.Tensor, work) -> _Posted:
-        done_at = 0.0
-        if self.delay_s > 0:  # one chunk's share of the wire, after whatever is on it
-            done_at = max(time.perf_counter(), self._free_at) + self.delay_s / self.chunks
-            self._free_at = done_at
-        return _Posted(out, work, done_at, self)
+        posted = _Posted(out, work, self)
+        if self.delay_s > 0:  # note when the collective itself is done (gloo's works have no future to ask)
+            threading.Thread(target=posted.arrived, daemon=True).start()
+        return posted
 
 
 class _Posted:
     """A collective in flight: `wait()` gives its output."""
 
-    def __init__(self, out: torch.Tensor, work, done_at: float, owner: TpCollectives):
-        self.out, self.work, self.done_at, self.owner = out, work, done_at, owner
+    def __init__(self, out: torch.Tensor, work, owner: TpCollectives):
+        self.out, self.work, self.owner, self.arrived_at = out, work, owner, None
+
+    def arrived(self) -> None:
+        self.work.wait()
+        self.arrived_at = time.perf_counter()
 
     def wait(self) -> torch.Tensor:
-        start = time.perf_counter()
+        start, owner = time.perf_counter(), self.owner
         self.work.wait()
-        late = self.done_at - time.perf_counter()
-        if late > 0:
-            time.sleep(late)
-            self.owner.late_s += late
-        self.owner.blocked_s += time.perf_counter() - start
+        if owner.delay_s > 0:  # its share of the wire, once it is done and the one before it is through
+            done = max(self.arrived_at or time.perf_counter(), owner._free_at) + owner.delay_s / owner.chunks
+            owner._free_at, late = done, done - time.perf_counter()
+            if late > 0:
+                time.sleep(late)
+                owner.late_s += late
+        owner.blocked_s += time.perf_counter() - start
         return self.out
 
 

@@ -2,10 +2,11 @@
 measured on gloo ranks.
 
 Every sequence-parallel all-gather and reduce-scatter of a training step is made to complete late, as on a wire of
-fixed bandwidth: a collective of the whole stream (a micro-batch's batch x seq x dim activation) takes D, one chunk
-of it D / chunks, each after the one before it is through. With the overlap off they are DTensor's (its
-`all_gather_single` and `reduce_scatter_single`, held until D after their post); with it on, the overlap's own
-(parallel/tp_overlap.py TpCollectives.delay_s), and DTensor's for what the overlap leaves to it (the embedding's).
+fixed bandwidth whose transfer starts once every rank has posted: a collective of the whole stream (a micro-batch's
+batch x seq x dim activation) completes D later than it would have, one chunk of it D / chunks later, each after the
+one before it is through. With the overlap off they are DTensor's (its `all_gather_single` and
+`reduce_scatter_single`, held D after they complete); with it on, the overlap's own (parallel/tp_overlap.py
+TpCollectives.delay_s), and DTensor's for what the overlap leaves to it (the embedding's).
 A sleep, so the delay costs no CPU. The exposed communication is the step time with D minus the step time without:
 
     hidden = 1 - exposed(on) / exposed(off)
@@ -65,8 +66,8 @@ def model_args(smoke: bool):
 
 
 class LateDTensor:
-    """DTensor's all-gathers and reduce-scatters held until `delay_s` after their post (DTensor waits for each
-    before the next op, so that is when a wire that slow would deliver it); the seconds held in `blocked_s`."""
+    """DTensor's all-gathers and reduce-scatters held `delay_s` after they complete (DTensor waits for each before the
+    next op, so that is when a wire that slow would deliver it); the seconds held in `blocked_s` and `late_s`."""
 
     def __init__(self):
         self.delay_s, self.blocked_s, self.late_s, self.calls = 0.0, 0.0, 0.0, 0
@@ -80,10 +81,8 @@ class LateDTensor:
             self.calls += 1
             if self.delay_s > 0:
                 out = out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
-                late = start + self.delay_s - time.perf_counter()
-                if late > 0:
-                    time.sleep(late)
-                    self.late_s += late
+                time.sleep(self.delay_s)  # DTensor waits for it right away: all of it is the next op's
+                self.late_s += self.delay_s
                 self.blocked_s += time.perf_counter() - start
             return out
 
@@ -173,6 +172,7 @@ def gemm_seconds(args, tp: int, tokens: int) -> float:
 
 def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
     torch.set_num_threads(1)
+    sys.setswitchinterval(1e-4)  # the thread that notes a delayed collective's completion gets the GIL promptly
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     batch = (2, 32, 2) if ns.smoke else (4, 256, 2)  # micro-batch, sequence, micro-batches per step
     args, late_dtensor = model_args(ns.smoke), LateDTensor()
