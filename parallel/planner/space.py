@@ -22,9 +22,11 @@ from trillion.parallel import modes
 from trillion.parallel.ep_checks import ep_nodes, resolve_dispatch
 from trillion.parallel.layout import Layout
 from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES
+from trillion.parallel.planner.block_cost import layer_passes
 from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
 from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, ep_degrees
+from trillion.parallel.planner.tp_hiding import Hiding
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 OPTIMIZERS = ("adamw", "muon")  # optimizer.name: not searched (it changes the training), costed as given
@@ -52,7 +54,7 @@ LAYOUT_FIELDS = (
     "async_tp",
     "optimizer",
 )
-# parallel.tp_overlap's chunk counts the search tries where they divide the local sequence (0: DTensor's exposed
+# parallel.tp_overlap's chunk counts the search weighs where they divide the local sequence (0: DTensor's exposed
 # collectives); more chunks hide more of each transfer and pay its latency, and smaller GEMMs, more often (tp_hiding.py)
 OVERLAP_CHUNKS = (0, 1, 2, 4, 8)
 
@@ -231,7 +233,7 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                 for ac, mode, hiding in itertools.product(
                     _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)),
                     zero_modes,
-                    _hiding_options(request, tp, cp),
+                    _hiding_options(request, tp, cp, mb),
                 ):
                     yield Layout(
                         tp=tp,
@@ -258,10 +260,12 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                     )
 
 
-def _hiding_options(request: Request, tp: int, cp: int) -> list[dict]:
-    """How TP's collectives run: exposed, or the chunked overlap at each of OVERLAP_CHUNKS that divides the local
-    sequence (any backend; not with float8, which it refuses: tp_checks.py); async TP only where asked (--async-tp
-    on: it needs a CUDA build with symmetric memory, which the plan cannot see, and compile)."""
+def _hiding_options(request: Request, tp: int, cp: int, micro_batch: int) -> list[dict]:
+    """How TP's collectives run: async TP where asked (--async-tp on: it needs a CUDA build with symmetric memory,
+    which the plan cannot see, and compile); else the chunk count fixed, or of OVERLAP_CHUNKS (0: exposed) that divide
+    the local sequence the one that leaves a layer the least TP time (tp_hiding.py). That choice depends on the
+    layer's shape alone, so it is made once per shape rather than multiplying the layouts; not with float8, which
+    the chunked overlap refuses (tp_checks.py)."""
     fixed = request.fixed
     if tp == 1:
         return [{"tp_overlap": 0, "async_tp": False}]
@@ -270,7 +274,17 @@ def _hiding_options(request: Request, tp: int, cp: int) -> list[dict]:
     local = request.seq_len // cp // tp
     searched = [c for c in OVERLAP_CHUNKS if not c or not fixed.get("float8")]
     chunks = [c for c in _options(request, "tp_overlap", searched) if not c or local % c == 0]
-    return [{"tp_overlap": c, "async_tp": False} for c in chunks]
+    shape = (request.args, request.hardware, micro_batch, request.seq_len, tp, fixed.get("compile", False), cp)
+    best = min(chunks, key=lambda c: _tp_seconds(*shape, fixed.get("float8", False), c), default=None)
+    return [] if best is None else [{"tp_overlap": best, "async_tp": False}]
+
+
+def _tp_seconds(args, hw, micro_batch, seq_len, tp, compiled, cp, float8, chunks) -> float:
+    """A dense layer's exposed TP seconds, forward and backward, with the chunked overlap at `chunks` (0: exposed)."""
+    passes = layer_passes(
+        args, hw, micro_batch, seq_len, tp, compiled, cp, float8, hiding=Hiding(chunks) if chunks else None
+    )
+    return passes.tp_forward + passes.tp_backward
 
 
 def _dispatch(request: Request, tp: int, ep: int) -> dict:
