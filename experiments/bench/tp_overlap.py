@@ -118,7 +118,7 @@ class Run:
         dist.barrier()
         start = time.perf_counter()
         train_step(
-            MicroBatchLoop(model, True),
+            MicroBatchLoop(model, dims.layout),
             [(w[:, :-1], w[:, 1:]) for w in windows],
             optimizer,
             torch.amp.GradScaler("cpu", enabled=False),

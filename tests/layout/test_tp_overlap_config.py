@@ -1,10 +1,10 @@
 """Hiding TP's collectives, refused up front where it cannot run, one paragraph naming the setting and the fix:
 parallel.tp_overlap (a chunk count that does not divide the local sequence, no tp, float8, both ways at once) and
 parallel.async_tp (no compile; a device that is not CUDA or a torch without symmetric memory for it, pointing at the
-chunked overlap), from the config through build_layout and validate_training as `trillion train` runs them; the
-command itself exits 2 with the paragraph. And the wiring: parallelize turns on symmetric memory for the tp group and
-Inductor's micro-pipeline pass for async TP (on CPU too: the pass only runs on a GPU), and refuses a compile backend
-other than Inductor."""
+chunked overlap), from the config through resolve_layout, check_model_layout and check_async_tp as `trillion train`
+runs them; the command itself exits 2 with the paragraph. And the wiring: parallelize turns on symmetric memory for
+the tp group and Inductor's micro-pipeline pass for async TP (on CPU too: the pass only runs on a GPU), and refuses a
+compile backend other than Inductor."""
 
 import dataclasses
 import subprocess
@@ -17,11 +17,17 @@ from tests.helpers.spawn import run_ranks
 from trillion.errors import ConfigError
 from trillion.models import PRESETS
 from trillion.parallel import async_tp
-from trillion.trainer.assemble import build_layout, validate_training
+from trillion.trainer.assemble import check_async_tp, check_model_layout, resolve_layout
 from trillion.trainer.config.schema import Config
-from trillion.trainer.launch.env import LaunchEnv
 
 DEBUG = PRESETS["debug"]
+
+
+def _layout(config: Config, world: int):
+    """The run's Layout as `trillion train` resolves it, checked against the debug model."""
+    layout = resolve_layout(config, world)
+    check_model_layout(layout, DEBUG, config.training.seq_len)
+    return layout
 
 
 def _config(seq_len: int = 256, **parallel) -> Config:
@@ -51,19 +57,15 @@ def _config(seq_len: int = 256, **parallel) -> Config:
 )
 def test_bad_settings_are_refused_with_the_fix(world, settings, words):
     with pytest.raises(ConfigError) as error:
-        build_layout(_config(**settings), world, DEBUG)
+        _layout(_config(**settings), world)
     message = str(error.value)
     assert "\n" not in message and all(word in message for word in words), message
 
 
 def test_a_chunk_count_that_divides_the_local_sequence_is_the_layout_s():
-    layout = build_layout(_config(tp=2, cp=2, tp_overlap=4), 4, DEBUG)
+    layout = _layout(_config(tp=2, cp=2, tp_overlap=4), 4)
     assert (layout.tp_overlap, layout.async_tp) == (4, False)
-    assert build_layout(_config(tp=2, async_tp=True, compile__enabled=True), 2, DEBUG).async_tp
-
-
-def _env(device: str) -> LaunchEnv:
-    return LaunchEnv(rank=0, world_size=2, local_rank=0, device=torch.device(device))
+    assert _layout(_config(tp=2, async_tp=True, compile__enabled=True), 2).async_tp
 
 
 @pytest.mark.parametrize("device, words", [("cpu", ["device is cpu"]), ("cuda", ["no backend", "on cuda"])])
@@ -71,7 +73,7 @@ def test_async_tp_is_refused_off_cuda_and_without_symmetric_memory(device, words
     """On this CPU build of torch: the CPU is not CUDA, and the build has no symmetric-memory backend for CUDA."""
     assert async_tp.symmetric_memory_backend(torch.device("cuda")) is None
     with pytest.raises(ConfigError) as error:
-        validate_training(_config(tp=2, async_tp=True, compile__enabled=True), _env(device))
+        check_async_tp(_layout(_config(tp=2, async_tp=True, compile__enabled=True), 2), torch.device(device))
     message = str(error.value)
     assert all(word in message for word in [*words, "--parallel.tp_overlap=N"]), message
 
@@ -97,11 +99,11 @@ def _wiring(rank: int, world_size: int) -> None:
     with torch.device("meta"):
         model = Transformer(args)
     with pytest.raises(ConfigError, match="compiled with aot_eager"):
-        parallelize(model, dims, compile=True, compile_backend="aot_eager")
+        parallelize(model, dims, compile_backend="aot_eager")
     with torch.device("meta"):
         model = Transformer(args)
     before = torch._inductor.config._micro_pipeline_tp
-    parallelize(model, dims, compile=True)
+    parallelize(model, dims)
     assert is_symm_mem_enabled_for_group(dims.tp_mesh.get_group().group_name)
     assert torch._inductor.config._micro_pipeline_tp and not before
 

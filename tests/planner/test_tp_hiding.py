@@ -10,9 +10,10 @@ import pytest
 
 from trillion.errors import ConfigError
 from trillion.models.presets import get_preset
+from trillion.parallel.layout import Layout
+from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.cost import step_time
 from trillion.parallel.planner.hardware import load_profile
-from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.search import Request, search
 from trillion.parallel.planner.timing import _gemm
 from trillion.parallel.planner.tp_hiding import Hiding, SublayerTP, gather_exposed, scatter_exposed
@@ -61,7 +62,7 @@ ARGS = get_preset("llama3-70b")
 
 
 def _tp_share(layout: Layout, hw=HW) -> float:
-    time = step_time(ARGS, hw, layout, 8192)
+    time = step_time(ARGS, hw, layout, 8192, Assumptions())
     return time.tp_exposed / time.total
 
 
