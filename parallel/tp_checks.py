@@ -1,5 +1,5 @@
 """What the two ways of hiding tensor parallelism's collectives need of a layout, checked before any work
-(ParallelDims.validate) and by the planner, which proposes only what passes: the chunked overlap
+(dims.py check_layout) and by the planner, which proposes only what passes: the chunked overlap
 (parallel.tp_overlap, parallel/tp_overlap.py) and torch's async TP (parallel.async_tp, parallel/async_tp.py, whose
 device checks are there). No torch here: the planner and the config checks import it."""
 
