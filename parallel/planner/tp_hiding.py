@@ -44,8 +44,8 @@ def hiding_of(layout) -> Hiding | None:
 
 
 def _gemms(hw, rows: float, shapes) -> float:
-    """Seconds of the GEMMs `shapes` ((k, n, float8) each) over `rows` rows."""
-    return sum(_gemm(hw, max(1, round(rows)), k, n, fp8) for k, n, fp8 in shapes)
+    """Seconds of the GEMMs `shapes` ((k, n, low-precision recipe or None) each) over `rows` rows."""
+    return sum(_gemm(hw, max(1, round(rows)), k, n, recipe) for k, n, recipe in shapes)
 
 
 def _piece_seconds(hiding: Hiding, whole: float, piece: float) -> float:

@@ -19,7 +19,7 @@ from trillion.parallel.planner.timing import _gemm
 from trillion.parallel.planner.tp_hiding import Hiding, SublayerTP, gather_exposed, scatter_exposed
 
 HW = load_profile("dgx-h100")
-ROWS, SHAPES = 262144, [(8192, 8192, False)]  # GEMMs large enough that time is proportional to rows
+ROWS, SHAPES = 262144, [(8192, 8192, None)]  # bf16 GEMMs large enough that time is proportional to rows
 GEMM = _gemm(HW, ROWS, 8192, 8192)
 
 
