@@ -22,11 +22,12 @@ from torch import nn
 
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
 from trillion.parallel.compile import apply_compile
-from trillion.parallel.context_parallel import apply_context_parallel
+from trillion.parallel.context_parallel import apply_context_parallel, split_sequences
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.ep_routing import Payload
 from trillion.parallel.expert_overlap import apply_pairing_gates
 from trillion.parallel.expert_parallel import apply_expert_parallel, cache_routes_for_recompute
+from trillion.parallel.expert_tensor_parallel import sum_expert_gradients
 from trillion.parallel.float8 import Float8Training
 from trillion.parallel.float8 import convert as convert_to_float8
 from trillion.parallel.float8_dispatch import Float8Wire
@@ -58,18 +59,23 @@ def parallelize(
         convert_to_float8(model, float8, tp=dims.tp_mesh.size() if dims.tp_enabled else 1)
     if dims.cp > 1:
         apply_context_parallel(model, dims.cp_mesh)
+    layout = dims.layout
     if dims.tp_enabled:
         apply_tensor_parallel(
             model,
             dims.tp_mesh,
             float8_tp=float8 is not None and float8.float8_tp,
             expert_parallel=ep_mesh is not None,
+            folded=layout.folded,
         )
+    if layout.folded:  # each tp rank routes its own positions of the sequences
+        split_sequences(model, dims.routed_sequence_group, dims.cp * dims.tp)
     if ep_mesh is not None:
-        layout = dims.layout
         payload = Payload(wire=Float8Wire(float8.experts, float8.emulate)) if float8 and float8.dispatch else Payload()
         mode, ranks_per_node = layout.ep_dispatch, layout.ranks_per_node
-        apply_expert_parallel(model, ep_mesh, mode, ranks_per_node, dims.ep_node_mesh, payload)
+        apply_expert_parallel(model, ep_mesh, mode, ranks_per_node, dims.ep_node_mesh, payload, dims.expert_tp_mesh)
+    if dims.tp_enabled and layout.expert_tp > 1:  # the experts split over tp: their gradients are partial sums
+        sum_expert_gradients(model, dims.tp_mesh)
     apply_activation_checkpointing(model, activation_checkpoint)
     if ep_mesh is not None:
         blocks = list(model.layers.values())
@@ -87,6 +93,6 @@ def parallelize(
             keep_gathered_after_forward=split_backward,
             expert_mesh=dims.expert_fsdp_mesh if ep_mesh is not None else None,
         )
-    if dims.layout.ep_overlap and dims.pp == 1:
+    if layout.ep_overlap and dims.pp == 1:
         apply_pairing_gates(model)  # last, outside every other hook (FSDP's); harmless while nothing pairs
     return model

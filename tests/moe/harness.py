@@ -58,8 +58,10 @@ VARIANTS = {  # MoE settings on top of BASE.moe
     "mtp": {},
     # a per-rank capacity of one even share: ep 2 drops some tokens, one process (told of the 2 ranks) the same
     "capacity": {"rank_capacity_factor": 1.0, "capacity_ranks": 2},
+    # folded over tp 2: each tp rank routes half of every sequence, its own capacity (one process told so: 2 shards)
+    "capacity-folded": {"rank_capacity_factor": 1.0, "capacity_ranks": 2, "capacity_shards": 2},
 }
-LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
 DISPATCH_KEYS = ("ep_dispatch", "ranks_per_node", "ep_overlap")  # Layout's; the capacity is the model's (variant)
 
 
@@ -149,7 +151,7 @@ def train_case(case: dict, world_size: int) -> dict:
         "host_reads": {i: _host_reads(layer) for i, layer in layers.items()},
     }
     if dims.pp == 1 and dims.cp == 1:
-        result["choices"] = router_choices(parts[0], args)
+        result["choices"] = router_choices(parts[0], args, dims)
     if dims.pp > 1:
         result = _merge_stages(result, world_size)
     return result
@@ -161,11 +163,13 @@ def _bias(layer) -> torch.Tensor | None:
 
 
 def _host_reads(layer) -> int:
-    return layer.dispatch.host_reads if isinstance(layer.dispatch, ExpertDispatch) else 0
+    dispatch = getattr(layer.dispatch, "inner", layer.dispatch)  # inside the tp gradient sum (etp = tp)
+    return dispatch.host_reads if isinstance(dispatch, ExpertDispatch) else 0
 
 
-def router_choices(model, args) -> dict:
-    """Each MoE layer's chosen experts for every token of one fixed batch (the same on every rank)."""
+def router_choices(model, args, dims=None) -> dict:
+    """Each MoE layer's chosen experts for every token of one fixed batch (the same on every rank; folded over tp,
+    each tp rank's routed positions gathered)."""
     tokens = torch.randint(0, args.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(SEED + 1))
     chosen, hooks = {}, []
     for index, layer in moe_layers(model).items():
@@ -176,7 +180,16 @@ def router_choices(model, args) -> dict:
         model(tokens)
     for hook in hooks:
         hook.remove()
+    if dims is not None and dims.layout.folded:
+        chosen = {i: _gathered_positions(c, tokens.shape[0], dims.tp_mesh.get_group()) for i, c in chosen.items()}
     return {i: c.sort(dim=-1).values for i, c in chosen.items()}
+
+
+def _gathered_positions(local: torch.Tensor, sequences: int, group) -> torch.Tensor:
+    """(sequences x positions, k) from each rank's (sequences x its positions, k), the ranks' positions in order."""
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    return torch.cat([p.view(sequences, -1, local.shape[-1]) for p in pieces], dim=1).flatten(0, 1)
 
 
 def _merge_stages(result: dict, world_size: int) -> dict:
@@ -233,7 +246,7 @@ def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
             if key not in references:
                 references[key] = train_case({"variant": key[0], "steps": key[1], "model": key[2]}, world_size=1)
             tol = case.get("tol")  # {"rtol": ..., "atol": ...}: tighter than the harness's default
-            _compare_stepwise(name, result, references[key], tol=tol)
+            _compare_stepwise(name, result, references[key], tol=tol, relative=case.get("relative", 0.0))
             torch.testing.assert_close(
                 result["ahead"], references[key]["ahead"], **(tol or {"rtol": 2e-4, "atol": 2e-6})
             )
@@ -248,12 +261,15 @@ def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
         dist.barrier()
 
 
-def _compare_stepwise(name: str, actual: dict, expected: dict, exact: bool = False, tol: dict | None = None) -> None:
-    """parity._compare for any number of steps (it checks parity.STEPS)."""
+def _compare_stepwise(
+    name: str, actual: dict, expected: dict, exact: bool = False, tol: dict | None = None, relative: float = 0.0
+) -> None:
+    """parity._compare for any number of steps (it checks parity.STEPS); `relative`: each step's loss and gradient
+    norm and the first step's gradient tensors within that relative error too."""
     from tests.helpers import parity
 
     steps, parity.STEPS = parity.STEPS, len(expected["grads"])
     try:
-        _compare(name, actual, expected, exact=exact, tol=tol)
+        _compare(name, actual, expected, exact=exact, tol=tol, relative=relative)
     finally:
         parity.STEPS = steps

@@ -29,7 +29,7 @@ from trillion.trainer.step import train_step
 
 MODELS = {"dense": FAMILIES["llama"], "moe": MOE_MODELS["gqa"], "mla": MOE_MODELS["mla"]}
 STEPS, MICRO_BATCH, MAX_NORM, LR = 10, 2, 1.0, 5e-4
-LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
+LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")
 RTOL = 1e-6  # losses, and each parameter tensor: ||difference|| / ||parameter||
 
 
