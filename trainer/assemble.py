@@ -22,7 +22,7 @@ from trillion.parallel.ep_checks import resolve_dispatch
 from trillion.parallel.expert_overlap import pairs_micro_batches
 from trillion.parallel.float8_experts import check_experts
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
-from trillion.parallel.layout import Layout, degrees_of
+from trillion.parallel.layout import Layout, check_degrees, degrees_of, resolve_etp
 from trillion.parallel.modes import float8_dispatch
 from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
@@ -159,9 +159,12 @@ def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layo
     `world_size` ranks, checked against the world (dp_shard=-1 resolved), the model, the batch and the pipeline
     schedule, in that order, before any work."""
     p, t, f = config.parallel, config.training, config.float8
-    degrees = ParallelDims.of(
-        world_size, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.ep
-    )  # no mesh: the degrees checked against the world
+    axes = {"pp": p.pp, "dp_replicate": p.dp_replicate, "cp": p.cp, "tp": p.tp}
+    dp_shard = check_degrees(world_size, **axes, dp_shard=p.dp_shard)  # the world's degrees, before ep's
+    etp, why = resolve_etp(p.etp, tp=p.tp, ep=p.ep, cp=p.cp, dp_shard=dp_shard)
+    if p.ep > 1 and p.tp > 1:
+        log.info("parallel.etp=%d: %s", etp, why)
+    degrees = ParallelDims.of(world_size, **axes, dp_shard=dp_shard, ep=p.ep, etp=etp)  # no mesh: checked
     expert_dispatch = dispatch_layout(config, degrees, world_size)
     ParallelDims(dataclasses.replace(degrees.layout, **expert_dispatch), world_size).validate(model_args, t.seq_len)
     check_whole_sequences(model_args, degrees)
