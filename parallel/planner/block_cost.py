@@ -6,7 +6,7 @@ from functools import lru_cache
 
 from trillion.models import parts
 from trillion.models.args import ModelArgs
-from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, ROW
+from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, ROUTED, ROW
 from trillion.parallel.layout import Layout
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.memory import tp_local_linears
@@ -44,11 +44,12 @@ def layer_passes(
     float8: bool = False,
     routed: bool = False,
     attention_share: float = 1.0,
+    folded: bool = False,
 ) -> Passes:
     """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
     holding 1/cp of each sequence; with float8, its converted linears in fp8 (cost.py's docstring); `routed`: an
-    MoE layer's attention and shared experts (moe.py adds the rest); `attention_share`: document masking's
-    (models/flops.py)."""
+    MoE layer's attention and shared experts (moe.py adds the rest), `folded` with ep over the tp ranks (its tokens
+    gathered over tp only for its shared experts, if any); `attention_share`: document masking's (models/flops.py)."""
     h = args.dim
     tokens = batch * seq_len // cp
     # (k, n, in fp8) of each linear on this rank: the GEMM is tokens x k x n
@@ -60,8 +61,9 @@ def layer_passes(
     attention = attention_flops(args, tokens, seq_len, tp, attention_share) / peak_attention
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled, routed) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
-    reduce_scatters = 2 * collective_time(hw, tokens * h * hw.element_bytes, tp, tp, "reduce_scatter")
-    gathered = tp_gather_bytes(args, tp, float8, routed, hw.element_bytes)
+    communicating = sublayer_collectives(args, routed, folded)
+    reduce_scatters = sum(communicating) * collective_time(hw, tokens * h * hw.element_bytes, tp, tp, "reduce_scatter")
+    gathered = [g for g, on in zip(tp_gather_bytes(args, tp, float8, routed, hw.element_bytes), communicating) if on]
     tp_comm_forward = reduce_scatters + sum(
         collective_time(hw, tokens * h * forward, tp, tp, "all_gather") for forward, _ in gathered
     )
@@ -87,6 +89,15 @@ def layer_passes(
         cp_forward=cp_gather,
         cp_backward=cp_reduce,
     )
+
+
+def sublayer_collectives(args: ModelArgs, routed: bool, folded: bool) -> list[bool]:
+    """Per sublayer: whether tensor parallelism gathers its input and reduce-scatters its output. Every one does but
+    a folded MoE layer (parallel/expert_tensor_parallel.py), whose routed tokens stay sequence-parallel: only its
+    shared experts' linears, if any, gather."""
+    return [
+        not (folded and part.tp_style == ROUTED and not part.linears) for part in parts.block(args, routed).sublayers
+    ]
 
 
 def tp_gather_bytes(
@@ -125,7 +136,7 @@ def block_passes(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: 
         return layer_passes(*shape, attention_share=layout.attention_share)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     # attention and shared experts: what a paired micro-batch computes beside this one's all-to-alls
-    around = layer_passes(*shape, True, layout.attention_share)
+    around = layer_passes(*shape, True, layout.attention_share, layout.folded)
     return around + moe_passes(args, hw, tokens, layout, around)
 
 

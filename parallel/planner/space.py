@@ -23,7 +23,7 @@ from trillion.parallel.layout import Layout
 from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
 from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
-from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, ep_degrees
+from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, expert_layouts
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 OPTIMIZERS = ("adamw", "muon")  # optimizer.name: not searched (it changes the training), costed as given
@@ -43,6 +43,7 @@ LAYOUT_FIELDS = (
     "float8_experts",
     "float8_dispatch",
     "ep",
+    "etp",
     "moe_load_imbalance",
     "ep_dispatch",
     "ep_capacity",
@@ -76,6 +77,11 @@ def check_request(request: Request) -> None:
             and value < 1
         ):
             raise ConfigError(f"--{key.replace('_', '-')} {value} must be at least 1.")
+    if request.fixed.get("etp", 1) > 1 and request.fixed["etp"] != request.fixed.get("tp", request.fixed["etp"]):
+        raise ConfigError(
+            f"--etp {request.fixed['etp']} is neither 1 nor --tp {request.fixed['tp']}: the routed experts are whole "
+            "with ep folded over the tp ranks (--etp 1) or tensor-parallel over tp (--etp equal to --tp)."
+        )
     if request.fixed.get("ep", 1) > 1 and not parts.routed_experts(args):
         raise ConfigError(
             f"--ep {request.fixed['ep']}: {request.model} has no routed experts; use --ep 1 or leave it out."
@@ -191,14 +197,18 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
         if dp % dp_shard or (replicate and replicate * dp_shard != dp):
             continue
         zero_modes = _options(request, "dp_shard_mode", list(ZERO_MODES) if dp_shard * cp > 1 else ["zero3"])
-        for ep in _options(request, "ep", ep_degrees(args, dp_shard * cp)):
-            if ep in ep_degrees(args, dp_shard * cp):
-                yield from _schedules_for(request, tp, pp, dp, cp, dp_shard, ep, schedules, zero_modes)
+        for ep, etp in expert_layouts(args, tp, cp, dp_shard):
+            if request.fixed.get("ep", ep) == ep and request.fixed.get("etp", etp) in (etp, 0):
+                experts = {"ep": ep, "etp": etp}
+                yield from _schedules_for(request, tp, pp, dp, cp, dp_shard, experts, schedules, zero_modes)
 
 
-def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shard: int, ep: int, schedules, zero_modes):
-    """The layouts of one (tp, pp, dp, cp, dp_shard, ep): schedules, micro-batch sizes, checkpointing, ZeRO modes."""
-    args, dispatch = request.args, _dispatch(request, tp, ep)
+def _schedules_for(
+    request: Request, tp: int, pp: int, dp: int, cp: int, dp_shard: int, experts: dict, schedules, zero_modes
+):
+    """The layouts of one (tp, pp, dp, cp, dp_shard, ep, etp): schedules, micro-batch sizes, checkpointing, ZeRO
+    modes."""
+    args, dispatch, ep = request.args, _dispatch(request, tp, **experts), experts["ep"]
     for name in schedules:
         schedule = modes.schedule(name, "--pp-schedule")
         any_v = [request.fixed.get("virtual_stages", DEFAULT_VIRTUAL_STAGES)]
@@ -227,7 +237,7 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                             float8=request.fixed.get("float8", False),
                             float8_experts=request.fixed.get("float8_experts", "auto"),
                             float8_dispatch=request.fixed.get("float8_dispatch", False) and ep > 1,
-                            ep=ep,
+                            **experts,
                             moe_load_imbalance=request.fixed.get("moe_load_imbalance", MOE_LOAD_IMBALANCE),
                             **dispatch,
                             optimizer=request.fixed.get("optimizer", "adamw"),
@@ -235,12 +245,12 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                         )
 
 
-def _dispatch(request: Request, tp: int, ep: int) -> dict:
+def _dispatch(request: Request, tp: int, ep: int, etp: int) -> dict:
     """The expert dispatch's Layout fields: ranks per node the hardware's; the mode as `auto` resolves it (per node
     where the ep group spans nodes) unless fixed; overlap on with ep unless fixed (the model never loses by it);
     the per-rank capacity as fixed (0: dropless)."""
     fixed, node = request.fixed, request.hardware.gpus_per_node
-    probe = Layout(tp=tp, ep=ep, ranks_per_node=node)
+    probe = Layout(tp=tp, ep=ep, etp=etp, ranks_per_node=node)
     mode = fixed.get("ep_dispatch", "auto")
     return {
         "ranks_per_node": node,

@@ -42,7 +42,7 @@ def test_expert_memory_is_total_expert_parameters_over_ep_times_expert_fsdp(ep):
     args = get_preset("qwen3-30b-a3b")
     dp_shard = 64
     efsdp = dp_shard // ep
-    local, shard = expert_numel(args, args.n_layers, tp=1, ep=ep, efsdp=efsdp)
+    local, shard = expert_numel(args, args.n_layers, etp=1, ep=ep, efsdp=efsdp)
     total = _expert_params(args)
     assert total == args.n_layers * 128 * 3 * 2048 * 768
     assert shard * ep * efsdp == total  # exactly: total / (ep x efsdp)
