@@ -4,25 +4,11 @@ fewer bytes and the log names it; the folded ep group counts its nodes as consec
 import logging
 
 import pytest
-import torch
 
-from tests.moe.test_ep_config import MOE, _config
-from trillion.errors import ConfigError
+from tests.moe.test_ep_config import MOE, _config, refusal
 from trillion.parallel.ep_checks import ep_nodes
 from trillion.parallel.layout import Layout
-from trillion.trainer.assemble import build_layout, build_parallel_dims
-from trillion.trainer.launch.env import LaunchEnv
-
-
-def _refusal(parallel: dict, world: int) -> str:
-    env = LaunchEnv(rank=0, world_size=world, local_rank=0, device=torch.device("cpu"))
-    config = _config(**parallel)
-    config.training.global_batch_size = 24
-    with pytest.raises(ConfigError) as error:
-        build_parallel_dims(config, env, MOE)
-    message = str(error.value)
-    assert "\n" not in message
-    return message
+from trillion.trainer.assemble import build_layout
 
 
 @pytest.mark.parametrize(
@@ -57,7 +43,7 @@ def _refusal(parallel: dict, world: int) -> str:
     ],
 )
 def test_a_folding_that_cannot_run_is_refused_with_the_fix(parallel, world, words):
-    message = _refusal(parallel, world)
+    message = refusal(parallel, world, MOE)
     for word in words:
         assert word in message, f"{word!r} not in: {message}"
 
