@@ -20,8 +20,9 @@ from trillion.models import PRESETS, Transformer
 from trillion.models.args import MLAArgs, YaRNArgs
 from trillion.models.moe import AUX_TIMES_TOKENS, DROPPED, SEQ_AUX_TIMES_TOKENS, moe_layers
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.ep_exchange import Traffic
 from trillion.parallel.expert_overlap import pairs_micro_batches
-from trillion.parallel.expert_parallel import ExpertDispatch
+from trillion.parallel.expert_parallel import ExpertDispatch, expert_dispatches
 from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline
@@ -129,6 +130,7 @@ def train_case(case: dict, world_size: int) -> dict:
         RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, MICRO_BATCH, dims.dp_rank, dims.dp_size
     )
     scaler = torch.amp.GradScaler("cpu", enabled=False)
+    traffic = _count_rows(parts) if case.get("count_rows") else None
     losses, norms, loads, ahead = [], [], [], []
     layers = {i: layer for part in parts for i, layer in moe_layers(part).items()}
     for _ in range(case.get("steps", 3)):
@@ -150,11 +152,36 @@ def train_case(case: dict, world_size: int) -> dict:
         "bias": {i: _bias(layer) for i, layer in layers.items()},
         "host_reads": {i: _host_reads(layer) for i, layer in layers.items()},
     }
+    if traffic is not None:  # every rank's (rows its dispatches posted, tokens they routed), in rank order
+        result["rows"] = [None] * world_size
+        dist.all_gather_object(result["rows"], (traffic.posted_rows.get("dispatch", 0), traffic.tokens))
     if dims.pp == 1 and dims.cp == 1:
         result["choices"] = router_choices(parts[0], args, dims)
     if dims.pp > 1:
         result = _merge_stages(result, world_size)
     return result
+
+
+def _count_rows(parts) -> Traffic:
+    """One Traffic for every dispatch of this rank: the rows its all-to-alls are posted, counted where they are."""
+    traffic = Traffic()
+    for part in parts:
+        for dispatch in expert_dispatches(part):
+            for exchange in {dispatch.exchange, *dispatch.exchanges()}:
+                exchange.traffic = traffic
+    return traffic
+
+
+def check_half_the_rows(name: str, folded: list, whole: list, tp: int) -> None:
+    """Folded over tp, the tp ranks of a tp group route disjoint shares of its tokens, so together they post exactly
+    the rows each of them posts with the experts tensor-parallel (every tp rank the whole group's tokens): each posts
+    1/tp of them, on average over the group (counted rows: `folded`, `whole`, each rank's (rows, tokens))."""
+    for group in range(len(folded) // tp):
+        ranks = range(group * tp, (group + 1) * tp)
+        assert all(folded[r][1] * tp == whole[r][1] for r in ranks), (name, folded, whole)
+        assert sum(folded[r][0] for r in ranks) == whole[group * tp][0], (name, folded, whole)
+        assert all(whole[r] == whole[group * tp] for r in ranks), (name, whole)  # the duplicated sends
+    print(f"{name}: rows posted per rank {[r[0] for r in folded]} folded, {[r[0] for r in whole]} before", flush=True)
 
 
 def _bias(layer) -> torch.Tensor | None:
@@ -255,6 +282,8 @@ def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
                 _compare_stepwise(f"{name} vs {case['same_as']}", result, results[case["same_as"]], exact=True)
             if case.get("drops"):  # the capacity dropped tokens (and one process the same: _compare_routing)
                 assert any(load[DROPPED] > 0 for step in result["loads"] for load in step.values()), name
+            if "half_the_rows_of" in case:
+                check_half_the_rows(name, result["rows"], results[case["half_the_rows_of"]]["rows"], case["tp"])
             if "host_reads" in case:
                 assert set(result["host_reads"].values()) == {case["host_reads"]}, (name, result["host_reads"])
             print("PASSED", name, flush=True)

@@ -49,7 +49,12 @@ def test_four_ranks_folded_over_tp_dp_and_pp():
             },
             {"name": "tp2-ep2-pp2", "pp": 2, "dp_shard": 1, "tp": 2, "ep": 2, **STRICT},
             # etp = tp: each expert split over tp on the (ep, etp) mesh, FSDP over the data-parallel ranks left
-            {"name": "tp2-dp2-ep2-etp2", "dp_shard": 2, "tp": 2, "ep": 2, "etp": 2},
+            {"name": "tp2-dp2-ep2-etp2", "dp_shard": 2, "tp": 2, "ep": 2, "etp": 2, "count_rows": True},
+            # the same degrees folded: each tp rank posts its half of the rows both posted (the duplicated sends gone)
+            {
+                "name": "tp2-dp2-ep2-folded",
+                **{"dp_shard": 2, "tp": 2, "ep": 2, "count_rows": True, "half_the_rows_of": "tp2-dp2-ep2-etp2"},
+            },
         ],
     )
 
