@@ -219,7 +219,7 @@ def test_the_last_stage_runs_its_multi_token_prediction_module_as_the_trainer_do
     assert with_module - without >= 2 * logits_elements, (with_module, without, logits_elements)
 
 
-@pytest.mark.parametrize("etp, ep, experts_per_rank", [(1, 8, 1), (2, 4, 2)])
+@pytest.mark.parametrize("etp, ep, experts_per_rank", [(1, 8, 1), pytest.param(2, 4, 2, marks=pytest.mark.slow)])
 def test_a_folded_layout_holds_whole_experts_over_the_tp_ranks(etp, ep, experts_per_rank):
     """16 ranks, tp 2 x dp_shard 8: ep 8 folded over the tp ranks (etp 1: one whole expert a rank, FSDP over the
     efsdp 2 ranks left), or ep 4 in dp_shard with each expert split over tp (etp 2: two experts' halves a rank, FSDP

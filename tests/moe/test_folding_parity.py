@@ -38,7 +38,6 @@ def test_four_ranks_folded_over_tp_dp_and_pp():
         4,
         [
             {"name": "tp2-dp2-ep4", **FOLDED_4, **STRICT},
-            {"name": "tp2-dp2-ep4-mla", **FOLDED_4, "model": "mla", **STRICT},
             {"name": "tp2-dp2-ep4-per-rank-two-nodes", **TWO_NODES, "ep_dispatch": "rank", **STRICT},
             {
                 "name": "tp2-dp2-ep4-per-node-two-nodes-mla",
@@ -65,7 +64,8 @@ def test_folding_breadth():
         check_cases,
         4,
         [
-            {"name": "tp2-ep2-pp2-mla", "pp": 2, "dp_shard": 1, "tp": 2, "ep": 2, "model": "mla"},
+            {"name": "tp2-ep2-pp2-mla", "pp": 2, "dp_shard": 1, "tp": 2, "ep": 2, "model": "mla", **STRICT},
+            {"name": "tp2-dp2-ep4-mla-per-rank", **FOLDED_4, "model": "mla", **STRICT},
             {"name": "cp2-tp2-ep4-seq-aux", "dp_shard": 1, "cp": 2, "tp": 2, "ep": 4, "variant": "seq-aux"},
             {"name": "cp2-tp2-ep4-aux", "dp_shard": 1, "cp": 2, "tp": 2, "ep": 4, "variant": "aux"},
             {"name": "tp2-dp2-ep4-bias", **FOLDED_4, "variant": "bias", "steps": 10},
