@@ -33,10 +33,11 @@ cached route and the experts' own FSDP group (all-gathers inside the checkpointe
 the routed experts' grouped matmuls are recomputed either way. The dispatch runs eager under
 torch.compile: the rest of the block is compiled.
 
-Placement in parallelize: after tensor parallelism (attention and shared experts tensor-parallel,
-routed experts whole on their ep rank and replicated over tp, tensor_parallel.py), before
-activation checkpointing and compile; FSDP then shards the experts over the data-parallel ranks
-ep leaves (fsdp.py, ParallelDims.expert_fsdp_mesh) and everything else as without ep.
+Placement in parallelize: after tensor parallelism (attention and shared experts tensor-parallel; the MoE layer
+folded over the tp ranks, each routing its own tokens to whole experts, or with each expert split over tp on the
+(ep, etp) mesh: expert_tensor_parallel.py), before activation checkpointing and compile; FSDP then shards the
+experts over the data-parallel ranks ep leaves (fsdp.py, ParallelDims.expert_fsdp_mesh) and everything else as
+without ep.
 """
 
 import contextlib

@@ -9,9 +9,10 @@ float8_dispatch.py, is the wire expert parallelism's rows travel in), which TP t
 styles and FSDP gathers in float8; everything after must see the swapped modules (torchtitan's order). CP
 next: it only swaps each block's attention for attention across sequence shards and passes the rank's
 token positions, so everything after wraps the same modules. TP next, because it changes what a parameter
-is (a DTensor over the tp axis) and inserts the collectives the later wrappers must see; expert
-parallelism next (expert_parallel.py: the routed experts become DTensors on the ep mesh, whole on their
-rank, and the dispatch all-to-alls; the shared experts and attention keep TP's layout); AC next, so
+is (a DTensor over the tp axis) and inserts the collectives the later wrappers must see (an MoE layer's by
+parallel.etp: folded over tp or its experts split over it, expert_tensor_parallel.py); expert parallelism next
+(expert_parallel.py: the routed experts become DTensors on the ep mesh, whole on their rank or split over etp, and
+the dispatch all-to-alls; the shared experts and attention keep TP's layout); AC next, so
 recomputation replays those collectives; compile then traces the parallel blocks; FSDP last, so it shards
 the TP shards again over dp and its hooks wrap everything (the routed experts under ep apart, over the
 data-parallel ranks ep leaves). Call it before `to_empty` + `init_weights`, which then give the same
