@@ -331,7 +331,7 @@ def apply_expert_parallel(
     for layer in moe_layers(model).values():
         experts = layer.experts
         if layer.moe.n_experts % ep_mesh.size():
-            raise AssertionError("ParallelDims.validate checks that ep divides the experts")
+            raise AssertionError("dims.check_layout checks that ep divides the experts")
         for stack in stacks:
             name = stack.name.rsplit(".", 1)[1]
             param = getattr(experts, name)

@@ -35,8 +35,7 @@ MODEL = dataclasses.replace(PRESETS["debug-moe"], n_layers=3, vocab_size=256, ma
 def count_rows(layout: dict, micro_batches: int, batch: int, seq_len: int, mode: str) -> dict:
     """This rank's dispatch traffic over `micro_batches` forwards of `batch` windows of `seq_len` tokens per
     data-parallel rank (the windows one generator's, each data-parallel rank its slice), under `layout` (etp)."""
-    dims = ParallelDims.of(WORLD, tp=TP, dp_shard=WORLD // TP, ep=EP, **layout)
-    dims = ParallelDims(dataclasses.replace(dims.layout, ep_dispatch=mode, ranks_per_node=WORLD), WORLD)
+    dims = ParallelDims.of(WORLD, tp=TP, dp_shard=WORLD // TP, ep=EP, ep_dispatch=mode, ranks_per_node=WORLD, **layout)
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(MODEL)

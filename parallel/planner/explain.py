@@ -7,8 +7,8 @@ import dataclasses
 from trillion.models import parts
 from trillion.parallel.ep_checks import ep_stride
 from trillion.parallel.planner.memory import MEMORY_HEADROOM
-from trillion.parallel.planner.moe import expert_layouts
 from trillion.parallel.planner.search import Request, SearchResult, evaluate
+from trillion.parallel.planner.space import expert_layouts
 
 
 def ep_choice(request: Request, result: SearchResult) -> dict | None:

@@ -8,7 +8,7 @@ import pytest
 from tests.moe.test_ep_config import MOE, _config, refusal
 from trillion.parallel.ep_checks import ep_nodes
 from trillion.parallel.layout import Layout
-from trillion.trainer.assemble import build_layout
+from trillion.trainer.assemble import resolve_layout
 
 
 @pytest.mark.parametrize(
@@ -52,7 +52,7 @@ def test_auto_folds_where_it_can_and_names_why(caplog):
     config = _config(tp=2, dp_shard=2, ep=4)
     config.training.global_batch_size = 8
     with caplog.at_level(logging.INFO, logger="trillion"):
-        folded = build_layout(config, 4, MOE)
+        folded = resolve_layout(config, 4)
     assert folded.etp == 1 and folded.folded and folded.efsdp == 1
     assert (
         "parallel.etp=1: ep 4 folded over the tp ranks" in caplog.text and "1/2 of the all-to-all bytes" in caplog.text
@@ -61,7 +61,7 @@ def test_auto_folds_where_it_can_and_names_why(caplog):
     config.parallel.tp = 4
     config.parallel.dp_shard = 2
     # ep 2 cannot hold tp 4: the experts stay tensor-parallel, ep inside dp_shard
-    kept = build_layout(config, 8, MOE)
+    kept = resolve_layout(config, 8)
     assert kept.etp == 4 and not kept.folded and kept.expert_tp == 4 and kept.efsdp == 1
 
 

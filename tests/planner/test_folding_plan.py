@@ -7,21 +7,21 @@ import dataclasses
 import json
 
 from trillion.models.presets import get_preset
+from trillion.parallel.layout import Layout
 from trillion.parallel.planner.hardware import load_profile
-from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.moe import (
     dispatch_seconds,
     expert_gemm_seconds,
-    expert_layouts,
     expert_numel,
     expert_rows,
     members_per_node,
     routed_tokens,
 )
+from trillion.parallel.planner.space import expert_layouts
 from trillion.trainer.cli.main import main
 
 QWEN, H100 = get_preset("qwen3-235b-a22b"), load_profile("dgx-h100")
-FOLDED = Layout(tp=4, dp_shard=8, ep=8, etp=1, ranks_per_node=8, moe_load_imbalance=1.0)  # Megatron's PP8 row's
+FOLDED = Layout(tp=4, dp_shard=8, ep=8, etp=1, ranks_per_node=8)  # Megatron's PP8 row's
 SPLIT = dataclasses.replace(FOLDED, etp=4)
 
 
@@ -37,9 +37,9 @@ def test_a_folded_rank_routes_a_quarter_of_the_tokens_into_whole_experts():
 
 def test_a_folded_ep_group_of_8_is_one_node_and_sends_a_quarter_of_the_rows():
     assert members_per_node(FOLDED) == 8 and members_per_node(SPLIT) == 2  # tp 4 apart: 4 nodes of 2
-    folded = dispatch_seconds(QWEN, H100, routed_tokens(4096, FOLDED), FOLDED)
-    split = dispatch_seconds(QWEN, H100, routed_tokens(4096, SPLIT), SPLIT)
-    inside = dispatch_seconds(QWEN, H100, 4096, dataclasses.replace(FOLDED, ranks_per_node=64))
+    folded = dispatch_seconds(QWEN, H100, routed_tokens(4096, FOLDED), FOLDED, 1.0)
+    split = dispatch_seconds(QWEN, H100, routed_tokens(4096, SPLIT), SPLIT, 1.0)
+    inside = dispatch_seconds(QWEN, H100, 4096, dataclasses.replace(FOLDED, ranks_per_node=64), 1.0)
     assert folded < inside / 3  # the same NVLink, a quarter of the rows (and a latency)
     assert folded < split / 10  # ... where tp 4 apart the group crosses the network with every tp rank's copy
 
