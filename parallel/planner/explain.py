@@ -19,7 +19,7 @@ def ep_choice(request: Request, result: SearchResult) -> dict | None:
     best = result.ranked[0]
     layout, step = best.layout, best.step
     span = layout.ep * ep_stride(layout)  # the consecutive GPUs one ep group spans
-    where = "the node's link" if span <= request.hardware.gpus_per_node else "the network"
+    where = "the node's link" if span <= request.hardware.scale_up else "the network"
     chosen = (
         f"{_name(layout.ep, layout.expert_tp, layout.tp)}: its all-to-alls cost {step.ep_exposed:.2f} s of the "
         f"{step.total:.2f} s step "

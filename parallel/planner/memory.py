@@ -36,7 +36,7 @@ from trillion.parallel import modes
 from trillion.parallel.layout import Layout
 from trillion.parallel.modes import checkpointed_blocks
 from trillion.parallel.planner.assumptions import Assumptions
-from trillion.parallel.planner.moe import expert_numel, moe_activation_bytes, pairs, routed_tokens
+from trillion.parallel.planner.moe import expert_numel, expert_shards, moe_activation_bytes, pairs, routed_tokens
 from trillion.parallel.planner.optimizer import state_bytes, step_buffer_bytes
 from trillion.parallel.planner.schedules import in_flight_microbatches, rank_of_virtual_stage, stage_layers
 from trillion.parallel.planner.shards import ParamSpec, local_numel
@@ -54,16 +54,20 @@ def block_linears(args: ModelArgs, routed: bool = False) -> list[tuple[str, int,
 
 
 # float8 converts a block's linear whose in and out features, as each TP rank holds them, are multiples
-# of this (the fp8 GEMM's constraint; parallel/float8.py); the output projection and embeddings never
+# of this (the fp8 GEMM's constraint; parallel/float8.py; a recipe's own dim_multiple, parallel/modes.py: 32 for
+# MX, 128 for NVFP4); the output projection and embeddings never
 FLOAT8_DIM_MULTIPLE = 16
 
 
-def tp_local_linears(args: ModelArgs, tp: int, routed: bool = False) -> list[tuple[int, int, bool]]:
-    """(in_features, out_features, converted by float8) of each block linear on one of `tp` ranks."""
+def tp_local_linears(
+    args: ModelArgs, tp: int, routed: bool = False, multiple: int = FLOAT8_DIM_MULTIPLE
+) -> list[tuple[int, int, bool]]:
+    """(in_features, out_features, converted by float8) of each block linear on one of `tp` ranks: converted where
+    both are multiples of `multiple`."""
     local = []
     for _, out_f, in_f, tp_dim in block_linears(args, routed):
         k, n = math.ceil(in_f / tp) if tp_dim == 1 else in_f, math.ceil(out_f / tp) if tp_dim == 0 else out_f
-        local.append((k, n, k % FLOAT8_DIM_MULTIPLE == 0 and n % FLOAT8_DIM_MULTIPLE == 0))
+        local.append((k, n, k % multiple == 0 and n % multiple == 0))
     return local
 
 
@@ -173,31 +177,15 @@ class RankParams:
         return _rank_numel(args, dense, routed, first, last, tp, dp_shard, ep, self.ahead_modules, etp or tp)
 
 
-def expert_shards(tp: int, dp_shard: int, ep: int, etp: int) -> int:
-    """The ranks FSDP shards a rank's routed experts over: dp_shard (x cp) x the tp ranks not splitting them, over
-    ep (Layout.efsdp)."""
-    return dp_shard * (tp // etp) // ep
-
-
 @lru_cache(maxsize=65536)
 def _rank_numel(
-    args: ModelArgs,
-    dense: int,
-    routed: int,
-    first: bool,
-    last: bool,
-    tp: int,
-    dp_shard: int,
-    ep: int,
-    ahead: int = 0,
-    etp: int = 0,
+    args: ModelArgs, dense: int, routed: int, first: bool, last: bool, tp: int, d: int, ep: int, ahead: int, etp: int
 ) -> tuple[int, int]:
-    """(after TP, after TP and FSDP) elements of `dense` and `routed` blocks, the root's parts and
-    `ahead` multi-token prediction modules."""
+    """(after TP, after TP and FSDP over `d` ranks) elements of `dense` and `routed` blocks (their experts over ep,
+    split over etp), the root's parts and `ahead` multi-token prediction modules."""
     kinds = [("block", dense), ("routed_block", routed), ("first", int(first)), ("last", int(last)), ("ahead", ahead)]
-    totals = [(count * a, count * b) for kind, count in kinds if count for a, b in [_numel(args, kind, tp, dp_shard)]]
-    etp = etp or tp
-    experts = expert_numel(args, routed, etp, ep, expert_shards(tp, dp_shard, ep, etp))
+    totals = [(count * a, count * b) for kind, count in kinds if count for a, b in [_numel(args, kind, tp, d)]]
+    experts = expert_numel(args, routed, etp, ep, expert_shards(tp, d, ep, etp))
     return sum(t[0] for t in totals) + experts[0], sum(t[1] for t in totals) + experts[1]
 
 
@@ -222,6 +210,14 @@ def _pipeline_ranks(
         moe = sum(max(0, start + count - max(first_moe, start)) for start, count in zip(starts[r], c))
         ranks.append(RankParams(sum(c), r == 0, r == last_rank, tuple(c), moe, mtp if r == last_rank else 0))
     return ranks
+
+
+def layers_from(args: ModelArgs, layout: Layout, first: int) -> list[int]:
+    """Each pipeline rank's layers at index `first` or later (a 4-bit recipe's bf16 tail: cost.py)."""
+    schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
+    chunks = stage_layers(args.n_layers, layout.pp, layout.virtual_stages, schedule)
+    starts = _virtual_stage_starts(args.n_layers, layout.pp, layout.virtual_stages, schedule)
+    return [sum(max(0, s + n - max(first, s)) for s, n in zip(starts[r], c)) for r, c in enumerate(chunks)]
 
 
 def _virtual_stage_starts(n_layers: int, pp: int, v: int, schedule) -> list[list[int]]:
@@ -337,7 +333,7 @@ def rank_memory(
     d = layout.dp_shard * cp
     dense_blocks, moe_blocks = rank.blocks(args)
     layer_tp = _gathered_block(args, dense_blocks > 0, moe_blocks > 0, tp, d, layout.ep, layout.expert_tp)
-    root_tp = _rank_numel(args, 0, 0, rank.embedding, rank.last, tp, d, 1)[0]
+    root_tp = _rank_numel(args, 0, 0, rank.embedding, rank.last, tp, d, 1, 0, tp)[0]
     # zero3: two gathered blocks (in use, prefetched) and the held root; all modes: an fp32 block's reduce-scatter
     fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if mode == "zero3" else 0)
     recompute = max(dense_layer, moe_layer if rank.routed_layers else 0) if n_ckpt else 0  # one layer, rebuilt

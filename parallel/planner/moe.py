@@ -31,10 +31,10 @@ the same; the shared experts are TP-split either way:
              top-2 reads the scores, the mask of the other groups reads and writes them: Router.forward); the
              same under torch.compile (the data-dependent shapes break the graph).
   float8     (layout.float8 with its experts not off, parallel/float8_experts.py) the experts' grouped GEMMs,
-             forward and both gradients, at the recipe's float8 rate (FLOAT8_EXPERT_SHARE), plus their casts
-             (each GEMM casts both operands: FLOAT8_CAST_BYTES per element); with float8 dispatch the
-             forward dispatch all-to-all carries float8 rows and their scales (dispatch_row_bytes), the combine
-             and both backward all-to-alls stay bf16.
+             forward and both gradients, at the recipe's float8 rate (float8_experts.py FLOAT8_EXPERT_SHARE, here in
+             the planner), plus their casts (each GEMM casts both operands: FLOAT8_CAST_BYTES per element); with
+             float8 dispatch the forward dispatch all-to-all carries float8 rows and their scales (dispatch_row_bytes),
+             the combine and both backward all-to-alls stay bf16.
 Memory: expert parameters total / (ep x etp x efsdp), efsdp = dp_shard x cp (x tp folded) / ep
 (Layout.efsdp), so a rank's states are those of its E / ep experts split over etp and sharded over efsdp (the
 states per rank do not depend on ep; FSDP's gathered copies, its buffers and its traffic do: one layer's E / ep
@@ -51,9 +51,15 @@ from trillion.models.args import ModelArgs
 from trillion.models.parts import Block
 from trillion.models.parts.moe import member_reach
 from trillion.parallel.ep_checks import ep_stride
+from trillion.parallel.planner.float8_experts import (
+    FLOAT8_EXPERT_SHARE,
+    dispatch_row_bytes,
+    expert_number_format,
+    float8_expert_recipe,
+)
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time, collective_time
-from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, FLOAT8_CAST_BYTES
+from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, cast_bytes
 
 # The busiest rank's routed tokens over the mean, by default. MEASURED on debug-moe (sigmoid scores, loss-free
 # bias 1e-2; `trillion train --model.name=debug-moe --training.steps=100 --metrics.log_freq=10`, default corpus):
@@ -77,17 +83,6 @@ DISPATCH_PERMUTATION_ROWS = {"forward": (7, 1), "backward": (14, 2)}
 # Kernels the dropless dispatch launches between reading its split sizes on the host and posting its all-to-all:
 # counted by tests/planner/test_dispatch_plan.py, which runs that stretch under a dispatch mode
 HOST_READ_LAUNCHES = 39
-# The routed experts' float8 grouped GEMMs (float8_experts) as a share of the device's dense fp8 GEMM plateau
-# (devices.toml fp8_gemm_efficiency), by recipe:
-# - rowwise, torchao's _scaled_grouped_mm (what float8.experts=auto runs on sm90 and gfx942): pytorch/ao PR 2490
-#   on an H100, 0.885 ms against bf16 torch._grouped_mm's 1.31 ms at M 8192, K 5120, N 8192, 16 experts: 1.48 x
-#   the bf16 grouped rate, 1.48 x 794.5 / 1402.6 = 0.838 of the H100's fp8 plateau (both [mamf], devices.toml);
-# - blockwise, DeepSeek-V3's 1 x 128 / 128 x 128 scales (the Triton kernel): DeepGEMM's contiguous grouped GEMMs at
-#   DeepSeek-V3's expert shapes on an H800 (deepseek-ai/DeepGEMM README, February 2025: 1297, 1099, 1288 and
-#   1093 TFLOP/s), mean 1194 = 0.851 of the same plateau. ASSUMED for Trillion's Triton kernel, which no GPU
-#   has timed yet: DeepGEMM's rate is what the recipe reaches on Hopper.
-# On gfx942 no grouped float8 figure is published: the same shares of its fp8 plateau (itself assumed, devices.toml).
-FLOAT8_EXPERT_SHARE = {"rowwise": 0.838, "blockwise": 0.851}
 # Rows of dim per choice an MoE layer keeps under ep beyond one process's: the receivers' experts return their
 # outputs by weighting them, then index_add_ into their rows (models/expert_rows.py run_experts with `slots`), and
 # index_add_'s backward keeps its source, the weighted outputs (torch's derivatives.yaml: source's gradient is
@@ -95,7 +90,6 @@ FLOAT8_EXPERT_SHARE = {"rowwise": 0.838, "blockwise": 0.851}
 # Measured: `trillion estimate` of kimi-k2's frontier plan held 3.6 GB more on its second rank once the dispatch
 # took this path, 2 MoE layers x 31 micro-batches x 512 tokens x 8 x 7168 x 2 bytes (KIMI_K2.md section 4).
 WEIGHTED_OUTPUT_ROWS = 1
-BLOCKWISE_TILE, SCALE_BYTES = 128, 4  # a dispatched row's float32 scale per 1 x 128 tile (or per row)
 
 
 def routed_block(args: ModelArgs) -> Block:
@@ -136,21 +130,6 @@ def members_per_node(layout) -> int:
     """The ep group's ranks on one node of layout.ranks_per_node (the planner's: its hardware's GPUs per node): its
     ranks are ep_stride apart (folded: ep consecutive GPUs; else just outside tp, ep x tp consecutive GPUs)."""
     return max(1, min(layout.ep, layout.ranks_per_node // ep_stride(layout)))
-
-
-def float8_expert_recipe(float8) -> str | None:
-    """The recipe a layout's float8 (a Float8Training, None: off) runs the routed experts in on a float8 GPU (None:
-    they stay bf16): float8.experts=auto is torchao's rowwise, which runs wherever the planner prices float8 (sm90
-    and later, gfx942 and later)."""
-    if float8 is None or float8.experts == "off":
-        return None
-    return "rowwise" if float8.experts == "auto" else float8.experts
-
-
-def dispatch_row_bytes(dim: int, recipe: str) -> int:
-    """Bytes of one token row on a float8 dispatch's wire (parallel/float8_dispatch.py): a byte per element and
-    a float32 scale per 1 x 128 tile (blockwise) or per row (rowwise), against 2 per element in bf16."""
-    return dim + SCALE_BYTES * (-(-dim // BLOCKWISE_TILE) if recipe == "blockwise" else 1)
 
 
 def dispatch_mode(layout) -> str:
@@ -256,7 +235,7 @@ def moe_passes(
     float8 = float8_expert_recipe(layout.float8)
     routing, f = block.routing, expert_width(block)
     experts = expert_gemm_seconds(args, hw, routed, etp, ep, imbalance, float8)
-    casts = expert_float8_casts(args, hw, routed, ep, imbalance, etp) if float8 else (0.0, 0.0, 0.0)
+    casts = expert_float8_casts(args, hw, routed, ep, imbalance, float8, etp) if float8 else (0.0, 0.0, 0.0)
     router = _gemm(hw, routed, routing.gate.in_features, routing.gate.out_features)
     k, imb = routing.top_k, effective_imbalance(ep, imbalance)
     swiglu = routed * (5 * k * f / etp * imb + routing.elements)
@@ -341,7 +320,8 @@ def expert_gemm_seconds(
     block, launch = routed_block(args), hw.device.kernel_overhead_us * 1e-6
     rows, local = expert_rows(args, tokens, ep, imbalance), block.routing.n_experts // ep
     share = FLOAT8_EXPERT_SHARE[float8] if float8 else 1.0
-    per_expert = sum(_gemm(hw, rows, *_split(s, etp), bool(float8), share) - launch for s in block.experts)
+    number_format = expert_number_format(float8) if float8 else None
+    per_expert = sum(_gemm(hw, rows, *_split(s, etp), number_format, share) - launch for s in block.experts)
     return local * per_expert + len(block.experts) * launch
 
 
@@ -353,12 +333,13 @@ def _split(stack, etp: int) -> tuple[int, int]:
 
 
 def expert_float8_casts(
-    args: ModelArgs, hw: HardwareProfile, tokens: int, ep: int, imbalance: float, etp: int = 1
+    args: ModelArgs, hw: HardwareProfile, tokens: int, ep: int, imbalance: float, recipe: str = "rowwise", etp: int = 1
 ) -> tuple[float, float, float]:
     """Seconds of the float8 experts' casts in (forward, input gradient, weight gradient) on the busiest rank: each
     grouped GEMM casts its two operands, the local experts' rows and weights (forward: input and weight; input
     gradient: the output's gradient and the weight; weight gradient: input and output's gradient along the
-    tokens), FLOAT8_CAST_BYTES per element, two launches each; each expert's slice on one of `etp` ranks."""
+    tokens), at the recipe's bytes per element (work.cast_bytes: FLOAT8_CAST_BYTES in fp8, a scale per block more
+    in MX), two launches each; each expert's slice on one of `etp` ranks."""
     block, launch = routed_block(args), hw.device.kernel_overhead_us * 1e-6
     rows = expert_rows(args, tokens, ep, imbalance) * (block.routing.n_experts // ep)
     shapes = [_split(s, etp) for s in block.experts]
@@ -367,7 +348,8 @@ def expert_float8_casts(
     input_grad = sum(rows * n + w for (_, n), w in zip(shapes, weights))
     weight_grad = sum(rows * (k + n) for k, n in shapes)
     launches = 2 * len(block.experts) * launch
-    return tuple(_memory_bound(hw, FLOAT8_CAST_BYTES * n) + launches for n in (forward, input_grad, weight_grad))
+    per_element = cast_bytes(expert_number_format(recipe))
+    return tuple(_memory_bound(hw, per_element * n) + launches for n in (forward, input_grad, weight_grad))
 
 
 def expert_numel(args: ModelArgs, routed_layers: int, etp: int, ep: int, efsdp: int) -> tuple[int, int]:
@@ -378,6 +360,12 @@ def expert_numel(args: ModelArgs, routed_layers: int, etp: int, ep: int, efsdp: 
         return 0, 0
     local = [s.n_experts // ep * s.in_features * s.out_features // etp for s in routed_block(args).experts]
     return routed_layers * sum(local), routed_layers * sum(math.ceil(n / efsdp) for n in local)
+
+
+def expert_shards(tp: int, dp_shard: int, ep: int, etp: int) -> int:
+    """The ranks FSDP shards a rank's routed experts over: dp_shard (x cp) x the tp ranks not splitting them, over
+    ep (Layout.efsdp)."""
+    return dp_shard * (tp // etp) // ep
 
 
 def moe_activation_bytes(args: ModelArgs, tokens: int, etp: int, ep: int, imbalance: float, dtype_bytes: int) -> float:
