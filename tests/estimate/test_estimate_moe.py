@@ -133,7 +133,7 @@ def _pipeline_stage_held(ep: int, mode: str):
         f"--parallel.ep={ep}",
         "--parallel.pp=2",
         "--parallel.pp_schedule=ZBVZeroBubble",
-        f"--parallel.ep_dispatch={mode}",
+        *[f"--parallel.ep_dispatch={mode}"] * (ep > 1),  # with ep 1 there is no dispatch (config/effects.py)
         "--parallel.ranks_per_node=2",
         "--parallel.activation_checkpoint=none",
     ]
