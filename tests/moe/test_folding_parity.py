@@ -1,11 +1,12 @@
 """MoE parallel folding reproduces one process (tests/moe/harness.py; parallel/expert_tensor_parallel.py): with
 parallel.etp=1 ep borrows the tp ranks, each tp rank routes and sends only its sequence-parallel tokens, and the
 auxiliary losses' statistics and the step's tallies are summed over the ranks routing the other tokens; with
-etp = tp the experts are tensor-parallel. Losses and gradient norms of every one of 8 steps and every gradient of
-the first within 1e-6 relative (later steps' gradients elementwise within the harness's tolerance: they start from
-weights the optimizer moved by rounding-sized amounts, which AdamW's normalization magnifies), the router's choices
-and the per-step expert loads exactly, fp32 on gloo. debug-moe's kind (grouped-query attention, shared experts) and
-debug-deepseek's (latent attention, group-limited routing)."""
+etp = tp the experts are tensor-parallel. The loss of every one of 8 steps, and the first step's gradient norm and
+every gradient, within 1e-6 relative (later steps' gradients and norms elementwise within the harness's tolerance:
+they start from weights the optimizer moved by rounding-sized amounts, which AdamW's normalization magnifies;
+tests/helpers/parity.py _compare_relative), the router's choices and the per-step expert loads exactly, fp32 on
+gloo. debug-moe's kind (grouped-query attention, shared experts) and debug-deepseek's (latent attention,
+group-limited routing)."""
 
 import pytest
 
