@@ -4,6 +4,7 @@ import pytest
 
 from experiments.validation.predictions import RUNS_FILE, evaluate_all, leave_source_out, load_runs, refit, run_args
 from experiments.validation.validate import TOLERANCE, comparable, render
+from tests.helpers.documentation import documentation_text
 from trillion.devices import fitted_constants
 from trillion.models.flops import count_params
 
@@ -94,10 +95,10 @@ def test_validation_md_is_what_the_script_writes(records):
 
 
 def test_readme_states_what_the_validation_shows(records):
-    """README's planner section quotes the worst error and the ranges it names."""
+    """The planner guide (or the README) quotes the worst error and the ranges it names."""
     from experiments.validation.validate import row_error, worst
 
-    readme = " ".join((RUNS_FILE.parents[2] / "README.md").read_text().split())
+    readme = documentation_text()
     _, run_id = worst(records)
     signed = next(r.get("loo_error", r["error"]) for r in records if r["run"]["id"] == run_id)
     assert f"{100 * signed:+.1f}% ({run_id})" in readme
@@ -143,7 +144,7 @@ def test_readme_states_the_recorded_cpu_check():
     from experiments.validation.validate import CPU_FILE, CPU_TOLERANCE
 
     rows = {r["layout"]: r["predicted_s"] / r["measured_s"] - 1 for r in tomllib.loads(CPU_FILE.read_text())["row"]}
-    readme = (RUNS_FILE.parents[2] / "README.md").read_text()
+    readme = documentation_text()
     assert set(rows) == {"1 process", "dp_shard 2 (FSDP, gloo)", "tp 2 (gloo)"}
     text = " ".join(readme.split())
     assert all(abs(error) <= CPU_TOLERANCE for error in rows.values())  # the issue's must-show, as recorded
