@@ -10,6 +10,7 @@ from pathlib import Path
 from trillion.parallel.layout import Layout
 from trillion.trainer.cli.main import main
 from trillion.trainer.tools.plot.mesh import rank_groups
+from trillion.trainer.tools.plot.run import gap_label
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -80,6 +81,7 @@ def test_a_run_directory_gives_its_curves_its_pipeline_schedule_and_its_replica_
     assert "replica_groups.png" in capsys.readouterr().out
     assert picture_size(tmp_path / "pictures" / "replica_groups.png") == (960, 456)
     assert not (tmp_path / "pictures" / "curves.png").exists()  # each group's curves: trillion plot ft/replica_0
+    assert (gap_label(4, 9), gap_label(4, 5), gap_label(4, 6)) == ("away: steps 5-8", "paused", "away: step 5")
 
 
 def test_the_mesh_holds_the_groups_of_the_documented_rank_order(tmp_path, capsys):

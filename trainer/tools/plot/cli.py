@@ -59,7 +59,7 @@ def plot_run(run_dir: Path, out: Path) -> list[Path]:
         written.append(plot_pipeline(read_trace(trace), out / "pipeline.png", title))
     if replicas:
         groups = {group: read_records(path) for group, path in replicas.items()}
-        title = f"{run_dir.name}: {len(groups)} replica groups"
+        title = f"{run_dir.name}: the steps {len(groups)} replica groups committed"
         written.append(plot_replica_groups(groups, out / "replica_groups.png", title))
     return written
 

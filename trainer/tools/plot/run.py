@@ -51,7 +51,8 @@ def plot_curves(records: list[dict], path: Path, title: str) -> Path:
 
 def plot_replica_groups(groups: dict[int, list[dict]], path: Path, title: str) -> Path:
     """One lane per replica group against seconds since the first step: a tick per committed step, coloured by
-    whether every group trained it; a gap is the group away (killed, restarting). Each stretch is labelled with its
+    whether every group trained it. A gap over which the group's steps jump is the group away (killed, restarting);
+    one after which it commits its next step is a pause (waiting for a quorum). Each stretch is labelled with its
     first and last step."""
     plt = pyplot(NEEDED_BY)
     trained = {g: [r for r in records if r.get("loss") is not None] for g, records in sorted(groups.items())}
@@ -67,7 +68,8 @@ def plot_replica_groups(groups: dict[int, list[dict]], path: Path, title: str) -
             if last != first:
                 ax.text(times[last], lane + 0.38, f"step {records[last]['step']}", ha="right", fontsize=7)
         for (_, end), (begin, _) in zip(_stretches(times), _stretches(times)[1:]):
-            ax.text((times[end] + times[begin]) / 2, lane, "away", ha="center", va="center", fontsize=8, color="grey")
+            gap = gap_label(records[end]["step"], records[begin]["step"])
+            ax.text((times[end] + times[begin]) / 2, lane, gap, ha="center", va="center", fontsize=8, color="grey")
     ax.set_yticks(range(len(trained)), [f"group {g}" for g in trained])
     ax.set_ylim(len(trained) - 0.4, -0.6)
     ax.set(xlabel="seconds since the first step", title=title)
@@ -80,6 +82,14 @@ def plot_replica_groups(groups: dict[int, list[dict]], path: Path, title: str) -
     )
     ax.grid(axis="x", alpha=0.3)
     return save_figure(plt, fig, path)
+
+
+def gap_label(before: int, after: int) -> str:
+    """A pause in a group's records between its steps `before` and `after`: away if it missed steps (the others
+    committed them), else paused (it committed its next step: everyone waited, for a quorum or a retry)."""
+    if after == before + 1:
+        return "paused"
+    return f"away: step {before + 1}" if after == before + 2 else f"away: steps {before + 1}-{after - 1}"
 
 
 def _stretches(times: list[float]) -> list[tuple[int, int]]:
