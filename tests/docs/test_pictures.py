@@ -3,10 +3,12 @@ directory's records, `trillion plot --mesh` on a layout; the planner's `--plot` 
 mesh holds the groups the documented rank order gives, and docs/images holds exactly the pictures that
 experiments/docs/pictures.py writes, each shown by a guide."""
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
+from tests.helpers.documentation import DOCS, ROOT
 from trillion.parallel.layout import Layout
 from trillion.trainer.cli.main import main
 from trillion.trainer.tools.plot.mesh import rank_groups
@@ -114,6 +116,17 @@ def test_refusals_name_the_fix(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the plot extra were not installed
     assert main(["plot", str(tmp_path / "run")]) == 2
     assert "pip install 'trillion[plot]'" in capsys.readouterr().err
+
+
+def test_docs_images_are_the_pictures_the_script_writes_and_the_guides_show_them():
+    spec = importlib.util.spec_from_file_location("pictures", ROOT / "experiments/docs/pictures.py")
+    pictures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pictures)
+    written = sorted(image for _, images in pictures.PICTURES.values() for image in images)
+    assert sorted(p.name for p in (DOCS / "images").iterdir()) == written
+    shown = " ".join(path.read_text() for path in DOCS.glob("*.md"))
+    assert [image for image in written if f"(images/{image})" not in shown] == []
+    assert all(picture_size(DOCS / "images" / image)[0] >= 600 for image in written)
 
 
 def test_the_planners_scaling_plot_shows_an_efficiency_above_110_percent():
