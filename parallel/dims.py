@@ -1,5 +1,6 @@
-"""ParallelDims: the parallel degrees of a layout (parallel/layout.py), checked against the world and
-the model, and the one DeviceMesh with named axes (pp, dp_replicate, dp_shard, cp, tp) built from them.
+"""ParallelDims: the parallel degrees of a layout (parallel/layout.py), checked against the world, and the one
+DeviceMesh with named axes (pp, dp_replicate, dp_shard, cp, tp) built from them; a run builds it once. What the
+model asks of a layout is `check_layout`'s, a function of the Layout.
 
 Ranks are laid out with tp innermost (consecutive ranks, so a tensor-parallel group stays inside a
 node), then cp, dp_shard, dp_replicate, and pp outermost. Only axes of size > 1 are created, so a
@@ -37,7 +38,7 @@ from trillion.errors import ConfigError
 from trillion.models import parts
 from trillion.parallel.context_parallel import check_sequence
 from trillion.parallel.ep_checks import check_ep_dispatch, ep_nodes
-from trillion.parallel.layout import AXES, Layout, check_degrees, degrees_of, divisors
+from trillion.parallel.layout import AXES, Layout, check_degrees, degrees_of, divisors, layout_on
 
 log = logging.getLogger("trillion")
 
@@ -58,11 +59,10 @@ class ParallelDims:
         check_degrees(self.world_size, **degrees_of(self.layout))
 
     @classmethod
-    def of(cls, world_size: int = 1, **degrees) -> ParallelDims:
-        """The dims of bare degrees (dp_shard -1 or left out: what the world size leaves), for meshes with no
-        step to describe: the step's shape is Layout's default."""
-        dp_shard = check_degrees(world_size, **degrees)
-        return cls(Layout(**{**degrees, "dp_shard": dp_shard}), world_size)
+    def of(cls, world_size: int = 1, **fields) -> ParallelDims:
+        """The dims of a layout built in code (parallel/layout.py layout_on: dp_shard -1 or left out is what the
+        world size leaves; every other field Layout's default unless given)."""
+        return cls(layout_on(world_size, **fields), world_size)
 
     # --- the degrees ---------------------------------------------------------------------------
     @property
@@ -97,7 +97,7 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_size * self.cp > 1
+        return self.layout.fsdp_enabled
 
     @property
     def tp_enabled(self) -> bool:
@@ -112,87 +112,10 @@ class ParallelDims:
         """The sharded data-parallel ranks left to the routed experts: dp_shard x cp / ep."""
         return self.dp_shard * self.cp // self.ep
 
-    # --- checks against the model and the run ----------------------------------------------------
-    def validate(self, model_args, seq_len: int, gpus_per_node: int | None = None) -> None:
-        """Raise ConfigError for a layout this model or this build cannot run; warn on slow ones."""
-        if self.pp > 1 and self.pp > model_args.n_layers + 2:
-            raise ConfigError(
-                f"parallel.pp={self.pp} is more than the model's {model_args.n_layers} layers + embedding "
-                f"+ output = {model_args.n_layers + 2} pipeline units; each stage needs at least one. "
-                f"Use --parallel.pp={model_args.n_layers + 2} or less."
-            )  # schedules: parallel/pipeline.py
-        check_sequence(self.cp, self.tp, seq_len)
-        self._validate_ep(model_args)
-        tp = self.tp
-        if tp == 1:
-            return
-        a = model_args
-        checks = [
-            ("model.n_heads", a.n_heads, "query heads"),
-            ("model.n_kv_heads", a.kv_heads, "key/value heads"),
-            ("model.ffn_dim", a.ffn_hidden, "feed-forward width"),
-            ("model.vocab_size", a.vocab_size, "vocabulary (pad it to a multiple of tp)"),
-            ("training.seq_len", seq_len // self.cp, "sequence length per cp rank (sequence parallelism splits it)"),
-        ]
-        if a.positions == "learned":
-            checks.append(("model max_seq_len", a.max_seq_len, "learned position table"))
-        valid = [d for d in range(1, max(tp, GPUS_PER_NODE) + 1) if all(value % d == 0 for _, value, _ in checks)]
-        for setting, value, what in checks:
-            if value % tp:
-                raise ConfigError(
-                    f"parallel.tp={tp} does not divide {setting}={value} (the {what}); tensor parallelism splits it "
-                    f"evenly. Use a tp that divides all of heads, KV heads, FFN width, vocabulary and sequence "
-                    f"length (e.g. --parallel.tp={max(d for d in valid if d <= tp)} with --parallel.dp_shard=-1; "
-                    f"valid: {', '.join(map(str, valid))})."
-                )
-        if a.norm_impl != "torch":
-            raise ConfigError(
-                f"kernels.norm={a.norm_impl!r} cannot run on sequence-parallel (DTensor) activations. "
-                "Use --kernels.norm=torch with parallel.tp > 1."
-            )
-        if a.tie_embeddings:
-            raise ConfigError(
-                "parallel.tp > 1 with tied input/output embeddings is not supported: tensor parallelism "
-                "would untie them. Use --parallel.tp=1 or a model without tie_embeddings."
-            )
-        node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE))
-        if tp > node:
-            log.warning(
-                "parallel.tp=%d is larger than the %d devices of a node: tensor-parallel collectives run on "
-                "every layer and will cross the inter-node network. Prefer tp <= %d and raise dp_shard.",
-                tp,
-                node,
-                node,
-            )
-
     @property
     def ep_nodes(self) -> tuple[int, int]:
         """(nodes the ep group spans, its ranks in each): ep_checks.ep_nodes."""
         return ep_nodes(self.layout)
-
-    def _validate_ep(self, model_args) -> None:
-        if self.ep == 1:
-            if self.layout.ep_overlap:
-                raise ConfigError(
-                    "parallel.ep_overlap=true overlaps the expert all-to-alls with compute, but parallel.ep=1 has "
-                    "none. Give --parallel.ep=2 or more (an MoE model), or drop --parallel.ep_overlap."
-                )
-            return
-        check_ep_dispatch(self.layout, self.ep_nodes, model_args)
-        experts = parts.routed_experts(model_args)
-        if not experts:
-            raise ConfigError(
-                f"parallel.ep={self.ep}, but the model is dense (no experts to spread). Use --parallel.ep=1, or an "
-                "MoE preset (e.g. --model.name=debug-moe)."
-            )
-        if experts % self.ep:
-            valid = [d for d in divisors(experts) if (self.dp_shard * self.cp) % d == 0]
-            raise ConfigError(
-                f"parallel.ep={self.ep} does not divide the model's {experts} routed experts "
-                "(model.n_experts): each expert-parallel rank holds the same number of whole experts. Use an ep "
-                f"that divides both n_experts and dp_shard x cp (valid: {', '.join(map(str, valid))}), or set "
-                "--model.n_experts to a multiple of ep."
-            )
 
     # --- the mesh ------------------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh | None:
@@ -298,3 +221,84 @@ class ParallelDims:
         elif self.dp_group is not None:
             dist.all_reduce(tensor, op=op, group=self.dp_group)
         return tensor
+
+
+# --- checks against the model and the run --------------------------------------------------------------
+def check_layout(layout: Layout, model_args, seq_len: int, gpus_per_node: int | None = None) -> None:
+    """Raise ConfigError for a layout this model or this build cannot run; warn on slow ones."""
+    if layout.pp > 1 and layout.pp > model_args.n_layers + 2:
+        raise ConfigError(
+            f"parallel.pp={layout.pp} is more than the model's {model_args.n_layers} layers + embedding "
+            f"+ output = {model_args.n_layers + 2} pipeline units; each stage needs at least one. "
+            f"Use --parallel.pp={model_args.n_layers + 2} or less."
+        )  # schedules: parallel/pipeline.py
+    check_sequence(layout.cp, layout.tp, seq_len)
+    _check_ep(layout, model_args)
+    if layout.tp > 1:
+        _check_tensor_parallel(layout, model_args, seq_len, gpus_per_node)
+
+
+def _check_tensor_parallel(layout: Layout, a, seq_len: int, gpus_per_node: int | None) -> None:
+    tp = layout.tp
+    checks = [
+        ("model.n_heads", a.n_heads, "query heads"),
+        ("model.n_kv_heads", a.kv_heads, "key/value heads"),
+        ("model.ffn_dim", a.ffn_hidden, "feed-forward width"),
+        ("model.vocab_size", a.vocab_size, "vocabulary (pad it to a multiple of tp)"),
+        ("training.seq_len", seq_len // layout.cp, "sequence length per cp rank (sequence parallelism splits it)"),
+    ]
+    if a.positions == "learned":
+        checks.append(("model max_seq_len", a.max_seq_len, "learned position table"))
+    valid = [d for d in range(1, max(tp, GPUS_PER_NODE) + 1) if all(value % d == 0 for _, value, _ in checks)]
+    for setting, value, what in checks:
+        if value % tp:
+            raise ConfigError(
+                f"parallel.tp={tp} does not divide {setting}={value} (the {what}); tensor parallelism splits it "
+                f"evenly. Use a tp that divides all of heads, KV heads, FFN width, vocabulary and sequence "
+                f"length (e.g. --parallel.tp={max(d for d in valid if d <= tp)} with --parallel.dp_shard=-1; "
+                f"valid: {', '.join(map(str, valid))})."
+            )
+    if a.norm_impl != "torch":
+        raise ConfigError(
+            f"kernels.norm={a.norm_impl!r} cannot run on sequence-parallel (DTensor) activations. "
+            "Use --kernels.norm=torch with parallel.tp > 1."
+        )
+    if a.tie_embeddings:
+        raise ConfigError(
+            "parallel.tp > 1 with tied input/output embeddings is not supported: tensor parallelism "
+            "would untie them. Use --parallel.tp=1 or a model without tie_embeddings."
+        )
+    node = gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", GPUS_PER_NODE))
+    if tp > node:
+        log.warning(
+            "parallel.tp=%d is larger than the %d devices of a node: tensor-parallel collectives run on "
+            "every layer and will cross the inter-node network. Prefer tp <= %d and raise dp_shard.",
+            tp,
+            node,
+            node,
+        )
+
+
+def _check_ep(layout: Layout, model_args) -> None:
+    if layout.ep == 1:
+        if layout.ep_overlap:
+            raise ConfigError(
+                "parallel.ep_overlap=true overlaps the expert all-to-alls with compute, but parallel.ep=1 has "
+                "none. Give --parallel.ep=2 or more (an MoE model), or drop --parallel.ep_overlap."
+            )
+        return
+    check_ep_dispatch(layout, ep_nodes(layout), model_args)
+    experts = parts.routed_experts(model_args)
+    if not experts:
+        raise ConfigError(
+            f"parallel.ep={layout.ep}, but the model is dense (no experts to spread). Use --parallel.ep=1, or an "
+            "MoE preset (e.g. --model.name=debug-moe)."
+        )
+    if experts % layout.ep:
+        valid = [d for d in divisors(experts) if (layout.dp_shard * layout.cp) % d == 0]
+        raise ConfigError(
+            f"parallel.ep={layout.ep} does not divide the model's {experts} routed experts "
+            "(model.n_experts): each expert-parallel rank holds the same number of whole experts. Use an ep "
+            f"that divides both n_experts and dp_shard x cp (valid: {', '.join(map(str, valid))}), or set "
+            "--model.n_experts to a multiple of ep."
+        )

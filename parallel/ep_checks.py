@@ -1,4 +1,4 @@
-"""What the expert dispatch needs of a layout, checked before any work (ParallelDims.validate) and by the planner:
+"""What the expert dispatch needs of a layout, checked before any work (dims.check_layout) and by the planner:
 the per-node dispatch's nodes, group-limited routing lined up with them, the per-rank capacity and the overlap.
 No torch here: the planner and the config checks import it."""
 

@@ -76,11 +76,11 @@ def in_threads(bodies) -> None:
         raise errors[0]
 
 
-def pairs_micro_batches(layout, fsdp: bool) -> bool:
+def pairs_micro_batches(layout) -> bool:
     """Whether parallel.ep_overlap pairs micro-batches in this layout (the module docstring): one pipeline stage,
     two micro-batches a step at least, and blocks FSDP keeps gathered (zero3 reshards each block after its forward,
     under the other forward); otherwise the overlap stays inside each MoE layer (expert_parallel.py)."""
-    gathered = not fsdp or layout.dp_shard_mode != "zero3"
+    gathered = not layout.fsdp_enabled or layout.dp_shard_mode != "zero3"
     return layout.ep_overlap and layout.ep > 1 and layout.pp == 1 and layout.microbatches > 1 and gathered
 
 

@@ -322,7 +322,7 @@ def apply_expert_parallel(
     for layer in moe_layers(model).values():
         experts = layer.experts
         if layer.moe.n_experts % ep_mesh.size():
-            raise AssertionError("ParallelDims.validate checks that ep divides the experts")
+            raise AssertionError("dims.check_layout checks that ep divides the experts")
         for name in EXPERT_WEIGHTS:
             param = getattr(experts, name)
             sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)

@@ -46,7 +46,6 @@ import re
 import sys
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -54,7 +53,7 @@ from torch import nn
 
 from trillion.errors import ConfigError
 from trillion.parallel.float8_experts import convert_experts
-from trillion.parallel.modes import float8_recipe
+from trillion.parallel.layout import Float8Training
 
 log = logging.getLogger("trillion")
 
@@ -63,33 +62,6 @@ NVIDIA_MIN_CAPABILITY = (8, 9)  # sm89 (Ada), sm90 (Hopper), sm100 (Blackwell)..
 AMD_FLOAT8_ARCHS = ("gfx942", "gfx950")  # MI300X/MI325X (e4m3fnuz), MI350/MI355X (e4m3fn)
 GEMM_MULTIPLE = 16
 TORCHAO_MIN = (0, 18)
-
-
-@dataclass(frozen=True)
-class Float8Training:
-    """Float8 as parallelize applies it: the torchao recipe, emulation, and whether FSDP2 gathers the
-    weights in float8 (resolved by the trainer: only with FSDP on and a recipe that supports it)."""
-
-    recipe: str = "tensorwise"
-    emulate: bool = False
-    fsdp_all_gather: bool = False
-    experts: str = "auto"  # float8.experts: the routed experts' grouped GEMMs (parallel/float8_experts.py)
-    dispatch: bool = False  # float8.dispatch: the expert all-to-all's tokens in float8 (parallel/float8_dispatch.py)
-
-    @property
-    def float8_tp(self) -> bool:
-        """Tensor parallelism with torchao's float8 styles (activations all-gathered in float8)."""
-        return float8_recipe(self.recipe).float8_tp
-
-
-def resolve(
-    recipe: str, emulate: bool, fsdp_all_gather: str, fsdp_enabled: bool, experts: str = "auto", dispatch: bool = False
-) -> Float8Training:
-    """The Float8Training of a layout: float8 all-gather where asked for (or, with auto, supported) and FSDP on;
-    a combination torchao lacks refused (parallel/modes.py's FLOAT8_RECIPES)."""
-    supported = float8_recipe(recipe, fsdp_all_gather).fsdp_float8_all_gather
-    gather = fsdp_enabled and (fsdp_all_gather == "on" or (fsdp_all_gather == "auto" and supported))
-    return Float8Training(recipe, emulate, gather, experts, dispatch)
 
 
 # --- torchao, imported only when float8 is on ------------------------------------------------------------

@@ -21,11 +21,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trillion.models.mtp import lookahead_labels, lookahead_tokens
-from trillion.parallel.expert_overlap import Pair
+from trillion.parallel.expert_overlap import Pair, pairs_micro_batches
 from trillion.parallel.fsdp import set_micro_batch
+from trillion.parallel.layout import Layout
 from trillion.parallel.tensor_parallel import loss_context
 
 IGNORE_INDEX = -100  # a label the loss skips (a masked target); torch's own default
+ONE_PROCESS = Layout()
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, tokens: torch.Tensor | int) -> torch.Tensor:
@@ -137,18 +139,11 @@ class MicroBatchLoop:
 
     clip_group = None
 
-    def __init__(
-        self,
-        model: nn.Module,
-        tp_enabled: bool = False,
-        dp_shard_mode: str = "zero3",
-        ahead_weight: float = 0.0,
-        lookahead: int = 0,
-        paired: bool = False,
-    ):
-        """`paired`: two micro-batches in flight at once (parallel/expert_overlap.py)."""
-        self.model, self.tp_enabled, self.dp_shard_mode = model, tp_enabled, dp_shard_mode
-        self.ahead_weight, self.lookahead, self.paired = ahead_weight, lookahead, paired
+    def __init__(self, model: nn.Module, layout: Layout = ONE_PROCESS, ahead_weight: float = 0.0, lookahead: int = 0):
+        """`layout`: the run's (tensor parallelism's loss, the ZeRO mode's last micro-batch, and whether two
+        micro-batches run in flight at once: parallel/expert_overlap.py)."""
+        self.model, self.tp_enabled, self.dp_shard_mode = model, layout.tp > 1, layout.dp_shard_mode
+        self.ahead_weight, self.lookahead, self.paired = ahead_weight, lookahead, pairs_micro_batches(layout)
         self.ahead_loss: torch.Tensor | None = None
 
     def forward_backward(self, micro_batches, tokens: torch.Tensor, autocast, scaler) -> torch.Tensor:

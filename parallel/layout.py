@@ -1,23 +1,99 @@
-"""A run's parallel layout as one frozen value: the degree of every axis and the shape of a step (ZeRO
-mode, pipeline schedule and its chunks, micro-batches, activation checkpointing, compile, float8), and the
-optimizer, whose state and step the planner costs.
+"""A run's parallel layout as one frozen value, resolved once from the config (trainer/assemble.py
+`resolve_layout`): the degree of every axis and the shape of a step (ZeRO mode, pipeline schedule, its chunks and
+stage split, micro-batches, activation checkpointing, compile, float8, the expert dispatch).
 
-The planner searches and costs layouts, the memory pre-flight and `trillion estimate` size the trainer's
-own (trainer/layout.py builds it from a config), and ParallelDims (dims.py) builds the mesh of its
-degrees. `check_degrees` is the one rule for which degrees make a world of ranks. No torch here: the
-planner imports it and starts fast.
+ParallelDims (dims.py) builds the mesh of its degrees, parallelize (parallelize.py), the pipeline and the
+micro-batch loop read every setting from it, and the planner, the memory pre-flight and `trillion estimate` cost
+the same value; what the planner assumes beyond a layout (load imbalance, the optimizer it costs, the attention
+document masking leaves) is the planner's own (parallel/planner/assumptions.py). `check_degrees` is the one rule
+for which degrees make a world of ranks. No torch here: the planner imports it and starts fast.
 """
 
 from dataclasses import asdict, dataclass
 
 from trillion.errors import ConfigError
-from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
+from trillion.parallel.modes import float8_recipe
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's axes, outermost first (dims.py)
 # parallel.ep_dispatch: a token travels to each expert it chose (as torchtitan's standard dispatcher), once to each
 # ep rank holding some of them, or once to each node and then on to the node's ranks (DeepSeek's DeepEP);
 # "auto" resolves to "node" when the ep group spans nodes, else "rank" (parallel/expert_parallel.py)
 EP_DISPATCH = ("expert", "rank", "node")
+
+
+@dataclass(frozen=True)
+class Float8Training:
+    """Float8 as the run trains it (float8.py applies it, the planner costs it): the torchao recipe, emulation,
+    whether FSDP2 gathers the converted weights in float8 (resolved: only where FSDP shards and the recipe
+    supports it), the routed experts' recipe and float8 dispatch."""
+
+    recipe: str = "tensorwise"
+    emulate: bool = False
+    fsdp_all_gather: bool = False
+    experts: str = "auto"  # float8.experts: the routed experts' grouped GEMMs ("off": bf16; float8_experts.py)
+    dispatch: bool = False  # float8.dispatch: the expert all-to-all's tokens in float8 (float8_dispatch.py)
+
+    @property
+    def float8_tp(self) -> bool:
+        """Tensor parallelism with torchao's float8 styles (activations all-gathered in float8)."""
+        return float8_recipe(self.recipe).float8_tp
+
+
+def resolve_float8(
+    recipe: str,
+    *,
+    fsdp_enabled: bool,
+    fsdp_all_gather: str = "auto",
+    emulate: bool = False,
+    experts: str = "auto",
+    dispatch: bool = False,
+) -> Float8Training:
+    """The Float8Training of a layout: float8 all-gather where asked for (or, with auto, supported) and FSDP on;
+    a combination torchao lacks refused (parallel/modes.py's FLOAT8_RECIPES)."""
+    supported = float8_recipe(recipe, fsdp_all_gather).fsdp_float8_all_gather
+    gather = fsdp_enabled and (fsdp_all_gather == "on" or (fsdp_all_gather == "auto" and supported))
+    return Float8Training(recipe, emulate, gather, experts, dispatch)
+
+
+@dataclass(frozen=True)
+class StageLayers:
+    """Explicit pipeline stage sizes in transformer layers: parallel.pp_layers_per_stage (0 = automatic),
+    pp_first_stage_layers and pp_last_stage_layers (-1 = pp_layers_per_stage - 1, since the embedding and the
+    output count as a layer each; automatic when that is 0 too). pipeline.py split_units applies them."""
+
+    per_stage: int = 0
+    first: int = -1
+    last: int = -1
+
+    def fixed_units(self, num_stages: int) -> dict[int, int]:
+        """Units of the stages these settings size (first/last count their embedding/output)."""
+        for name, value, least in (
+            ("pp_layers_per_stage", self.per_stage, 0),
+            ("pp_first_stage_layers", self.first, -1),
+            ("pp_last_stage_layers", self.last, -1),
+        ):
+            if value < least:
+                raise ConfigError(
+                    f"parallel.{name}={value} must be {least} or more ({'0' if least == 0 else '-1'} = "
+                    "automatic); it counts transformer layers."
+                )
+        first = self.first if self.first >= 0 else self.per_stage - 1
+        last = self.last if self.last >= 0 else self.per_stage - 1
+        sizes = {stage: self.per_stage for stage in range(1, num_stages - 1)} if self.per_stage else {}
+        if first >= 0:
+            sizes[0] = first + 1
+        if last >= 0:
+            sizes[num_stages - 1] = last + 1
+        return sizes
+
+    def describe(self) -> str:
+        return (
+            f"parallel.pp_layers_per_stage={self.per_stage}, pp_first_stage_layers={self.first}, "
+            f"pp_last_stage_layers={self.last}"
+        )
+
+
+AUTOMATIC_STAGES = StageLayers()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,23 +107,18 @@ class Layout:
     dp_shard_mode: str = "zero3"
     pp_schedule: str = "1F1B"
     virtual_stages: int = 1  # pipeline chunks per rank (1 without a pipeline)
+    stage_layers: StageLayers = AUTOMATIC_STAGES  # the pipeline stages' sizes (automatic: even)
     micro_batch_size: int = 1  # sequences per micro-batch per data-parallel rank
     microbatches: int = 1  # per step per pipeline (gradient accumulation when pp == 1)
     activation_checkpoint: str = "none"
     compile: bool = False  # torch.compile of each block: fuses its element-wise kernels
     cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence; FSDP shards over dp_shard x cp
-    float8: bool = False  # the blocks' linears compute in float8; the output projection stays bf16
-    float8_all_gather: bool = True  # with float8 and FSDP: the converted weights are all-gathered in float8
-    float8_experts: str = "auto"  # with float8: the routed experts' recipe (float8.experts), "off" keeps them bf16
-    float8_dispatch: bool = False  # with float8 experts and ep > 1: the dispatch all-to-all carries float8 rows
+    float8: Float8Training | None = None  # the blocks' linears compute in float8 (None: off)
     ep: int = 1  # expert parallelism: routed experts over ep of the dp_shard x cp ranks
-    moe_load_imbalance: float = MOE_LOAD_IMBALANCE  # the busiest rank's routed tokens over the mean (planner)
     ep_dispatch: str = "rank"  # how tokens reach the experts: one row per expert, per rank or per node (EP_DISPATCH)
     ranks_per_node: int = 8  # the processes of one node (the per-node dispatch's two hops; the planner's node)
     ep_capacity: float = 0.0  # rows per destination rank as a multiple of the even share (0: dropless)
     ep_overlap: bool = False  # the dispatch's all-to-alls run beside the shared experts and the other micro-batch
-    optimizer: str = "adamw"  # adamw | muon: the optimizer's state and step work (planner/optimizer.py)
-    attention_share: float = 1.0  # document masking: the attention work left (models/flops.py; planner)
 
     @property
     def dp(self) -> int:
@@ -61,8 +132,24 @@ class Layout:
     def sequence_parallel(self) -> bool:
         return self.tp > 1  # the trainer always pairs TP with sequence parallelism
 
+    @property
+    def fsdp_enabled(self) -> bool:
+        """FSDP2 wraps the model: more than one data-parallel or context-parallel rank."""
+        return self.dp * self.cp > 1
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        """The layout as flat JSON fields (`trillion plan --format json`): float8 as `float8` on or off and its
+        `float8_*` settings, the stage sizes as the `pp_*_layers` settings."""
+        flat = {name: value for name, value in asdict(self).items() if name not in ("float8", "stage_layers")}
+        f8 = self.float8 or Float8Training()
+        flat |= {"float8": self.float8 is not None, "float8_recipe": f8.recipe, "float8_all_gather": f8.fsdp_all_gather}
+        flat |= {"float8_experts": f8.experts, "float8_dispatch": f8.dispatch}
+        s = self.stage_layers
+        return flat | {
+            "pp_layers_per_stage": s.per_stage,
+            "pp_first_stage_layers": s.first,
+            "pp_last_stage_layers": s.last,
+        }
 
 
 def divisors(n: int) -> list[int]:
@@ -123,3 +210,10 @@ def _check_ep(ep: int, dp_shard: int, cp: int) -> None:
 def degrees_of(layout: Layout) -> dict:
     """The degrees `check_degrees` takes, from a layout."""
     return {name: getattr(layout, name) for name in (*AXES, "ep")}
+
+
+def layout_on(world_size: int, **fields) -> Layout:
+    """The Layout of `fields` on `world_size` ranks, its degrees checked and dp_shard (-1 or left out: what the
+    world size leaves) resolved: for meshes built in code (tests, benchmarks); a run's comes from its config."""
+    degrees = {name: fields.pop(name) for name in (*AXES, "ep") if name in fields}
+    return Layout(**fields, **(degrees | {"dp_shard": check_degrees(world_size, **degrees)}))

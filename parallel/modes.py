@@ -16,7 +16,7 @@ R (checkpointing), input-gradient pass Bi and weight-gradient pass Bw, p stages,
   InterleavedZeroBubble (ZB-H1): (p-1)(F+R+Bi-Bw): deferred weight passes fill the drain;
   ZBVZeroBubble, DualPipeV (ZB-V): (p-1) max(0, F+R+Bi-2Bw): the V layout fills the fill too.
 `in_flight` names the rule for the micro-batches whose activations a rank holds at the peak
-(planner/layout.py in_flight_microbatches). DualPipeV's own lever, hiding expert all-to-all
+(planner/schedules.py in_flight_microbatches). DualPipeV's own lever, hiding expert all-to-all
 behind compute, does nothing for dense models.
 """
 
@@ -165,6 +165,21 @@ def check_schedule(
             "--parallel.activation_checkpoint=none, or a schedule with a full backward (1F1B, Interleaved1F1B)."
         )
     return s, v
+
+
+def check_layout_schedule(layout, n_layers: int, output_end_reads: bool = False) -> tuple[Schedule, int]:
+    """check_schedule of a resolved layout (parallel/layout.py Layout): what the trainer (pipeline.py
+    validate_pipeline) and the planner (planner/search.py trainer_refusal) both ask of it."""
+    return check_schedule(
+        layout.pp_schedule,
+        layout.pp,
+        layout.microbatches,
+        layout.virtual_stages,
+        layout.compile,
+        n_layers=n_layers,
+        experts_recomputed=layout.ep > 1 and layout.activation_checkpoint != "none",
+        output_end_reads=output_end_reads,
+    )
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ the TP shards again over dp and its hooks wrap everything (the routed experts un
 data-parallel ranks ep leaves). Call it before `to_empty` + `init_weights`, which then give the same
 values whatever the layout (see models.transformer.Transformer.init_weights)."""
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -27,7 +29,6 @@ from trillion.parallel.dims import ParallelDims
 from trillion.parallel.ep_routing import Payload
 from trillion.parallel.expert_overlap import apply_pairing_gates
 from trillion.parallel.expert_parallel import apply_expert_parallel, cache_routes_for_recompute
-from trillion.parallel.float8 import Float8Training
 from trillion.parallel.float8 import convert as convert_to_float8
 from trillion.parallel.float8_dispatch import Float8Wire
 from trillion.parallel.fsdp import apply_fsdp
@@ -39,21 +40,20 @@ def parallelize(
     model: nn.Module,
     dims: ParallelDims,
     *,
-    dp_shard_mode: str = "zero3",
-    activation_checkpoint: str = "none",
-    compile: bool = False,
-    compile_backend: str = "inductor",
     param_dtype: torch.dtype = torch.float32,
-    pp_schedule: str = "1F1B",
-    float8: Float8Training | None = None,
     fsdp: bool = True,
+    compile_backend: str = "inductor",
 ) -> nn.Module:
-    """Apply the layout of `dims` (whose mesh is built) to `model`, in place; returns it. With pp > 1
-    `model` is a pipeline stage and `pp_schedule` its schedule: under one that splits the backward no
-    block reshards after forward (pipeline.py says why). `float8`: train the linears in float8. `fsdp=False`:
+    """Apply the layout of `dims` (whose mesh is built) to `model`, in place; returns it. Every setting comes from
+    `dims.layout`: with pp > 1 `model` is a pipeline stage of its schedule, under one that splits the backward no
+    block reshards after forward (pipeline.py says why); `float8` trains the linears in float8. `fsdp=False`:
     everything but FSDP2 (what `trillion estimate` measures activations on: FSDP changes none of them)."""
-    zero_mode(dp_shard_mode)
+    layout = dims.layout
+    zero_mode(layout.dp_shard_mode)
     ep_mesh = dims.ep_mesh
+    float8 = layout.float8
+    if float8 is not None and not (fsdp and dims.fsdp_enabled):  # no FSDP2 here: nothing gathers in float8
+        float8 = dataclasses.replace(float8, fsdp_all_gather=False)
     if float8 is not None:
         convert_to_float8(model, float8, tp=dims.tp_mesh.size() if dims.tp_enabled else 1)
     if dims.cp > 1:
@@ -66,27 +66,25 @@ def parallelize(
             expert_parallel=ep_mesh is not None,
         )
     if ep_mesh is not None:
-        layout = dims.layout
         payload = Payload(wire=Float8Wire(float8.experts, float8.emulate)) if float8 and float8.dispatch else Payload()
-        mode, ranks_per_node = layout.ep_dispatch, layout.ranks_per_node
-        apply_expert_parallel(model, ep_mesh, mode, ranks_per_node, dims.ep_node_mesh, payload)
-    apply_activation_checkpointing(model, activation_checkpoint)
+        apply_expert_parallel(model, ep_mesh, layout.ep_dispatch, layout.ranks_per_node, dims.ep_node_mesh, payload)
+    apply_activation_checkpointing(model, layout.activation_checkpoint)
     if ep_mesh is not None:
         blocks = list(model.layers.values())
-        for index in checkpointed_blocks(activation_checkpoint, len(blocks)):
+        for index in checkpointed_blocks(layout.activation_checkpoint, len(blocks)):
             cache_routes_for_recompute(blocks[index])
-    if compile:
+    if layout.compile:
         apply_compile(model, backend=compile_backend)
     if fsdp and dims.fsdp_enabled:
-        split_backward = dims.pp > 1 and schedule(pp_schedule).split_backward
+        split_backward = dims.pp > 1 and schedule(layout.pp_schedule).split_backward
         apply_fsdp(
             model,
             dims.fsdp_mesh,
-            dp_shard_mode,
+            layout.dp_shard_mode,
             param_dtype,
             keep_gathered_after_forward=split_backward,
             expert_mesh=dims.expert_fsdp_mesh if ep_mesh is not None else None,
         )
-    if dims.layout.ep_overlap and dims.pp == 1:
+    if layout.ep_overlap and dims.pp == 1:
         apply_pairing_gates(model)  # last, outside every other hook (FSDP's); harmless while nothing pairs
     return model

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -53,99 +52,33 @@ from torch.distributed.tensor import DTensor
 
 from trillion.errors import ConfigError
 from trillion.parallel.forward_backward import carried_inputs, token_loss
-from trillion.parallel.modes import SCHEDULES, check_schedule
+from trillion.parallel.layout import AUTOMATIC_STAGES, Layout, StageLayers
+from trillion.parallel.modes import SCHEDULES, check_layout_schedule
 from trillion.parallel.pipeline_ahead import AheadOutputs
 from trillion.parallel.tensor_parallel import loss_context
 
 log = logging.getLogger("trillion")
 
 
-@dataclass(frozen=True)
-class StageLayers:
-    """Explicit stage sizes in transformer layers: parallel.pp_layers_per_stage (0 = automatic),
-    pp_first_stage_layers and pp_last_stage_layers (-1 = pp_layers_per_stage - 1, since the
-    embedding and the output count as a layer each; automatic when that is 0 too)."""
-
-    per_stage: int = 0
-    first: int = -1
-    last: int = -1
-
-    @classmethod
-    def from_config(cls, parallel) -> StageLayers:
-        """From the `parallel` config section."""
-        return cls(parallel.pp_layers_per_stage, parallel.pp_first_stage_layers, parallel.pp_last_stage_layers)
-
-    def fixed_units(self, num_stages: int) -> dict[int, int]:
-        """Units of the stages these settings size (first/last count their embedding/output)."""
-        for name, value, least in (
-            ("pp_layers_per_stage", self.per_stage, 0),
-            ("pp_first_stage_layers", self.first, -1),
-            ("pp_last_stage_layers", self.last, -1),
-        ):
-            if value < least:
-                raise ConfigError(
-                    f"parallel.{name}={value} must be {least} or more ({'0' if least == 0 else '-1'} = "
-                    "automatic); it counts transformer layers."
-                )
-        first = self.first if self.first >= 0 else self.per_stage - 1
-        last = self.last if self.last >= 0 else self.per_stage - 1
-        sizes = {stage: self.per_stage for stage in range(1, num_stages - 1)} if self.per_stage else {}
-        if first >= 0:
-            sizes[0] = first + 1
-        if last >= 0:
-            sizes[num_stages - 1] = last + 1
-        return sizes
-
-    def describe(self) -> str:
-        return (
-            f"parallel.pp_layers_per_stage={self.per_stage}, pp_first_stage_layers={self.first}, "
-            f"pp_last_stage_layers={self.last}"
-        )
-
-
-AUTOMATIC = StageLayers()
-
-
-def validate_pipeline(
-    pp: int,
-    schedule: str,
-    n_layers: int,
-    n_microbatches: int,
-    *,
-    virtual: int = 0,
-    tie_embeddings: bool = False,
-    layers: StageLayers = AUTOMATIC,
-    compile: bool = False,
-    experts_recomputed: bool = False,
-    output_end_reads: bool = False,
-) -> tuple[str, int]:
-    """Raise ConfigError for a pipeline this build cannot run; returns (schedule name, stages per rank).
-    The schedule's own rules are modes.check_schedule's, which the planner applies too. `output_end_reads`: the
-    last stage reads the embedding too (Transformer.output_end_reads)."""
-    s, v = check_schedule(
-        schedule,
-        pp,
-        n_microbatches,
-        virtual,
-        compile,
-        n_layers=n_layers,
-        experts_recomputed=experts_recomputed,
-        output_end_reads=output_end_reads,
-    )
-    if pp == 1:
-        if layers != AUTOMATIC:
+def validate_pipeline(layout: Layout, n_layers: int, *, tie_embeddings: bool = False, output_end_reads: bool = False):
+    """Raise ConfigError for a pipeline this build cannot run with the model's `n_layers`: the schedule's own rules
+    (modes.check_layout_schedule, which the planner applies too), then the stage sizes. `output_end_reads`: the last
+    stage reads the embedding too (Transformer.output_end_reads)."""
+    check_layout_schedule(layout, n_layers, output_end_reads)
+    stages = layout.stage_layers
+    if layout.pp == 1:
+        if stages != AUTOMATIC_STAGES:
             raise ConfigError(
-                f"{layers.describe()} size pipeline stages, but parallel.pp=1 runs none. Set "
+                f"{stages.describe()} size pipeline stages, but parallel.pp=1 runs none. Set "
                 "--parallel.pp to 2 or more, or leave those settings at their defaults (0, -1, -1)."
             )
-        return s.name, 1
-    split_units(n_layers, pp * v, layers)  # explicit stage sizes add up, no stage left empty
+        return
+    split_units(n_layers, layout.pp * layout.virtual_stages, stages)  # explicit stage sizes add up, none left empty
     if tie_embeddings:
         raise ConfigError(
             "parallel.pp > 1 with tied input/output embeddings is not supported: the embedding and "
             "the output projection live on different stages. Use a model without tie_embeddings."
         )
-    return s.name, v
 
 
 def bubble_fraction(pp: int, n_microbatches: int, virtual: int = 1) -> float:
@@ -153,7 +86,7 @@ def bubble_fraction(pp: int, n_microbatches: int, virtual: int = 1) -> float:
     return (pp - 1) / (virtual * n_microbatches + pp - 1)
 
 
-def split_units(n_layers: int, num_stages: int, layers: StageLayers = AUTOMATIC) -> list[range]:
+def split_units(n_layers: int, num_stages: int, layers: StageLayers = AUTOMATIC_STAGES) -> list[range]:
     """Units 0 = embedding, 1..n = layers, n+1 = output; one contiguous range per stage. Stages that
     `layers` sizes get that many; the others share the rest evenly, a remainder going to the middle."""
     units = n_layers + 2
@@ -247,39 +180,26 @@ def stages_as_one_module(parts: list[nn.Module]) -> nn.Module:
 
 class Pipeline:
     """This rank's stages, their schedule and the loss; `forward_backward` runs one optimizer step's
-    micro-batches (the interface of forward_backward.MicroBatchLoop). `parallelize_fn` is
-    parallelize with this schedule (`pp_schedule`), applied to each stage."""
+    micro-batches (the interface of forward_backward.MicroBatchLoop), all as `dims.layout` says (its schedule, stages
+    per rank, stage sizes and micro-batches). `parallelize_fn` is applied to each stage (parallelize)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        dims,
-        schedule: str,
-        n_microbatches: int,
-        device: torch.device,
-        *,
-        virtual: int = 0,
-        parallelize_fn=None,
-        layers: StageLayers = AUTOMATIC,
-    ):
+    def __init__(self, model: nn.Module, dims, device: torch.device, *, parallelize_fn=None):
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
         from trillion.parallel.pipeline_stage import InFlightReceiveStage
 
-        name, v = validate_pipeline(
-            dims.pp,
-            schedule,
+        layout = dims.layout
+        validate_pipeline(
+            layout,
             len(model.layers),
-            n_microbatches,
-            virtual=virtual,
             tie_embeddings=model.args.tie_embeddings,
-            layers=layers,
             output_end_reads=bool(model.output_end_reads()),
         )
+        name, v, n_microbatches = layout.pp_schedule, layout.virtual_stages, layout.microbatches
         pp_mesh = dims.mesh["pp"]
         self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp
         self.name, self.virtual, self.n_microbatches = name, v, n_microbatches
-        ranges = split_units(len(model.layers), dims.pp * v, layers)
+        ranges = split_units(len(model.layers), dims.pp * v, layout.stage_layers)
         self.blocks_per_stage = [sum(1 for unit in r if 1 <= unit <= len(model.layers)) for r in ranges]  # all ranks'
         self.parts, self.stages = [], []
         for index in stage_indices(self.pp_rank, dims.pp, v, name):

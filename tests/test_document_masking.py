@@ -111,7 +111,16 @@ def test_attention_share_is_the_documents_squares_over_the_windows():
 
 def test_an_attention_that_cannot_mask_documents_is_refused_naming_the_fix():
     from trillion.models import parts
-    from trillion.models.parts import ATTENTION_KINDS, AttentionKind, register_attention
+    from trillion.models.parts import (
+        ATTENTION_KINDS,
+        AttentionKind,
+        AttentionSettings,
+        PartSettings,
+        register_attention,
+    )
+
+    def masking(on: bool) -> PartSettings:
+        return PartSettings("debug", attention=AttentionSettings(document_mask=on))
 
     register_attention("blind", AttentionKind(parts.gqa.declare, "trillion.models.attention:Attention"))
     try:
@@ -121,8 +130,8 @@ def test_an_attention_that_cannot_mask_documents_is_refused_naming_the_fix():
             match=r"data.document_mask=true.*'blind' cannot mask documents.*"
             r"--data.document_mask=false.*\(gqa, mla\)",
         ):
-            parts.apply_settings(args, {"data.document_mask": True})
-        assert parts.apply_settings(args, {"data.document_mask": False}) == args
+            parts.apply_settings(args, masking(True))
+        assert parts.apply_settings(args, masking(False)) == args
     finally:
         del ATTENTION_KINDS["blind"]
         parts.block.cache_clear()

@@ -13,7 +13,8 @@ from trillion.models import PRESETS, Transformer
 from trillion.models.flops import count_params, model_flops_per_token
 from trillion.models.mla import softmax_scale
 from trillion.models.rope import model_rope_cache
-from trillion.parallel.dims import ParallelDims
+from trillion.parallel.dims import check_layout
+from trillion.parallel.layout import layout_on
 
 
 @pytest.mark.parametrize(
@@ -71,4 +72,4 @@ def test_yarn_table_and_softmax_scale_are_transformers(preset):
 def test_tensor_parallel_degrees_that_do_not_split_the_heads_are_refused():
     args = PRESETS["debug-deepseek"]
     with pytest.raises(ConfigError, match="parallel.tp=3 does not divide model.n_heads=8"):
-        ParallelDims.of(tp=3, dp_shard=1, world_size=3).validate(args, 64)
+        check_layout(layout_on(tp=3, dp_shard=1, world_size=3), args, 64)

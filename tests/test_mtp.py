@@ -14,11 +14,11 @@ import torch.nn.functional as F
 
 from tests.helpers.flags import TINY
 from tests.test_evaluate import corpus, evaluator  # noqa: F401 (corpus: the fixture evaluator reads)
-from trillion.models import PRESETS, Transformer
+from trillion.models import PRESETS, Transformer, parts
 from trillion.models.mtp import lookahead_labels, lookahead_tokens
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import IGNORE_INDEX, MicroBatchLoop, with_lookahead
-from trillion.trainer.assemble import check_whole_sequences
+from trillion.parallel.layout import layout_on
 from trillion.trainer.cli.main import main
 
 ARGS = dataclasses.replace(
@@ -227,7 +227,7 @@ def test_every_layout_takes_mtp_but_a_v_schedule_exits_2_with_one_paragraph(layo
 
 def test_data_and_expert_parallelism_run_mtp_and_every_layout_the_sequence_wise_loss():
     args = dataclasses.replace(PRESETS["debug-moe"], mtp_modules=1, mtp_loss_weight=0.3)
-    check_whole_sequences(args, ParallelDims.of(world_size=4, dp_replicate=2, dp_shard=2, ep=2))
+    assert not parts.layout_refusal(args, layout_on(4, dp_replicate=2, dp_shard=2, ep=2))
     per_sequence = dataclasses.replace(args, mtp_modules=0, moe=dataclasses.replace(args.moe, seq_aux_loss_coef=1e-4))
     for layout in ({"tp": 2}, {"cp": 2}, {"pp": 2}):  # cp: its statistics summed over the cp ranks (test_ep_parity)
-        check_whole_sequences(per_sequence, ParallelDims.of(world_size=4, dp_shard=2, **layout))
+        assert not parts.layout_refusal(per_sequence, layout_on(4, dp_shard=2, **layout))

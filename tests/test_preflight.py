@@ -19,9 +19,9 @@ def test_a_model_too_large_for_the_host_is_refused_with_the_figures(tmp_path, ca
 
 def test_states_are_16_bytes_a_parameter_and_shard_over_dp_shard():
     args = get_preset("debug")
-    one = states_per_rank(args, Layout(micro_batch_size=8))
+    one = states_per_rank(args, Layout(micro_batch_size=8), "adamw")
     assert one == (4 * count_params(args).total, 4 * count_params(args).total, 8 * count_params(args).total)
-    sharded = states_per_rank(args, Layout(dp_shard=4, micro_batch_size=2))
+    sharded = states_per_rank(args, Layout(dp_shard=4, micro_batch_size=2), "adamw")
     assert abs(sum(sharded) - sum(one) / 4) < 0.01 * sum(one)  # rank 0 holds the ceiling of each chunk
 
 
@@ -39,7 +39,8 @@ def test_moe_states_count_each_ranks_routed_experts_under_ep():
     experts = sum(p.numel() for m in model.modules() if isinstance(m, RoutedExperts) for p in m.parameters())
     rest = sum(p.numel() for p in model.parameters()) - experts
     states = {
-        ep: states_per_rank(args, Layout(dp_shard=4, ep=ep, dp_shard_mode="zero1", micro_batch_size=2)) for ep in (1, 4)
+        ep: states_per_rank(args, Layout(dp_shard=4, ep=ep, dp_shard_mode="zero1", micro_batch_size=2), "adamw")
+        for ep in (1, 4)
     }
     assert states[4][1] == 4 * (rest + experts // 4) and states[1][1] == 4 * (rest + experts)
     assert states[4][2] == states[1][2]  # the sharded optimizer states do not depend on ep

@@ -23,4 +23,5 @@ def test_config_passes_the_trainers_checks_at_its_world_size(path):
     validate_training(config, LaunchEnv(rank=0, world_size=world, local_rank=0, device=torch.device("cpu")))
     # raises unless the layout fits: the degrees' product is the world size (ParallelDims refuses any
     # other, tests/layout/test_layout_errors.py), and model, batch and pipeline split accept it
-    layout_dims(config, world, build_model_args(config, tokenizer_vocab=257))
+    dims, _ = layout_dims(config, world)
+    build_model_args(config, 257, dims.layout)  # the byte tokenizer's ids fit

@@ -1,8 +1,8 @@
-"""Assembling a run, in one place for `trillion train` and `trillion estimate`: the model's arguments
-from the config sections, the checks made before any work, the parallel layout (ParallelDims), the
-micro-batches per step and the model itself: the whole model or this rank's pipeline stages, each
-parallelized, on the meta device. train.py materializes it and runs the loop; the estimate measures
-it as simulated ranks of a fake world."""
+"""Assembling a run, in one place for `trillion train` and `trillion estimate`: the parallel layout resolved
+from the config (`resolve_layout`, the one place a layout setting is read), the model's arguments with the parts'
+settings (`part_settings`, likewise for theirs), the checks made before any work, ParallelDims (built once) and the
+model itself: the whole model or this rank's pipeline stages, each parallelized, on the meta device. train.py
+materializes it and runs the loop; the estimate measures it as simulated ranks of a fake world."""
 
 import dataclasses
 import logging
@@ -15,18 +15,20 @@ from trillion.errors import ConfigError
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.models import ModelArgs, Transformer, get_preset, parts
 from trillion.models.logit_probe import install_probes
+from trillion.models.parts import AttentionSettings, PartSettings
 from trillion.models.parts import apply_settings as apply_part_settings
+from trillion.models.parts.moe import MoESettings
+from trillion.models.parts.mtp import MTPSettings
 from trillion.parallel import float8
-from trillion.parallel.dims import ParallelDims
-from trillion.parallel.ep_checks import resolve_dispatch
-from trillion.parallel.expert_overlap import pairs_micro_batches
+from trillion.parallel.dims import ParallelDims, check_layout
+from trillion.parallel.ep_checks import ep_nodes, resolve_dispatch
 from trillion.parallel.float8_experts import check_experts
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
-from trillion.parallel.layout import Layout, degrees_of
-from trillion.parallel.modes import float8_dispatch
+from trillion.parallel.layout import Layout, StageLayers, check_degrees, resolve_float8
+from trillion.parallel.modes import check_schedule, float8_dispatch
 from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
-from trillion.parallel.pipeline import Pipeline, StageLayers, validate_pipeline
+from trillion.parallel.pipeline import Pipeline, validate_pipeline
 from trillion.trainer.config.schema import Config, Training, divisor_near, validate_config
 from trillion.trainer.launch.env import LaunchEnv
 
@@ -49,8 +51,9 @@ def batch_split(t: Training, dp_size: int) -> tuple[int, int]:
     return micro_batch_size, t.global_batch_size // (micro_batch_size * dp_size)
 
 
-def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
-    """The preset with the config's overrides, checked against the tokenizer and sequence length."""
+def build_model_args(config: Config, tokenizer_vocab: int, layout: Layout) -> ModelArgs:
+    """The preset with the config's overrides, checked against the tokenizer and sequence length; `layout` the run's
+    (the norm kernels' auto and the experts' per-rank capacity follow its tp and ep)."""
     cfg = config.model
     overrides = {
         k: v
@@ -63,12 +66,10 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
     )
     # auto: PyTorch norms under tensor parallelism (the Triton norm kernels take no DTensor activations)
     norm_impl = (
-        config.kernels.norm
-        if config.kernels.norm != "auto"
-        else ("triton" if on_gpu and config.parallel.tp == 1 else "torch")
+        config.kernels.norm if config.kernels.norm != "auto" else ("triton" if on_gpu and layout.tp == 1 else "torch")
     )
     args = dataclasses.replace(get_preset(cfg.name), attention_impl=attention_impl, norm_impl=norm_impl, **overrides)
-    args = apply_part_settings(args, part_settings(config))
+    args = apply_part_settings(args, part_settings(config, layout))
     if args.dim % args.n_heads:
         raise ConfigError(
             f"model.n_heads={args.n_heads} does not divide model.dim={args.dim}; "
@@ -100,26 +101,44 @@ def build_model_args(config: Config, tokenizer_vocab: int) -> ModelArgs:
     return args
 
 
-def part_settings(config: Config) -> dict:
-    """The user's settings the model's parts read ("section.field": value; models/parts apply_settings): the
-    model section's and the moe section's fields, the experts' grouped GEMM and permutation backends and
-    document masking."""
-    settings = {f"model.{f.name}": getattr(config.model, f.name) for f in dataclasses.fields(config.model)}
-    settings |= {f"moe.{f.name}": getattr(config.moe, f.name) for f in dataclasses.fields(config.moe)}
-    return settings | {
-        "kernels.grouped_gemm": config.kernels.grouped_gemm,
-        "kernels.permutation": config.kernels.permutation,
-        "data.document_mask": config.data.document_mask,
-        # the ep degree: a per-rank capacity (moe.rank_capacity_factor) drops tokens per ep rank, in one process too
-        "parallel.ep": config.parallel.ep,
-    }
+def part_settings(config: Config, layout: Layout) -> PartSettings:
+    """The user's settings the model's parts apply (models/parts apply_settings): the model and moe sections' counts
+    and balancing, the experts' kernels, the per-rank capacity over the layout's ep ranks (one process drops what
+    each ep rank would), multi-token prediction and document masking."""
+    m, moe, k = config.model, config.moe, config.kernels
+    return PartSettings(
+        model_name=m.name,
+        attention=AttentionSettings(document_mask=config.data.document_mask, n_kv_heads=m.n_kv_heads),
+        moe=MoESettings(
+            n_experts=m.n_experts,
+            top_k=m.top_k,
+            aux_loss_coef=moe.aux_loss_coef,
+            seq_aux_loss_coef=moe.seq_aux_loss_coef,
+            bias_update_rate=moe.bias_update_rate,
+            capacity_factor=moe.capacity_factor,
+            experts_impl=k.grouped_gemm,
+            permute_impl=k.permutation,
+            rank_capacity_factor=layout.ep_capacity,
+            capacity_ranks=layout.ep,
+        ),
+        mtp=MTPSettings(modules=m.mtp_modules, loss_weight=m.mtp_loss_weight),
+    )
 
 
-def check_whole_sequences(args: ModelArgs, dims: ParallelDims) -> None:
-    """Refuse the layouts a part cannot train under (models/parts: an objective that needs whole sequences
-    under cp, pp or tp); the planner asks the same question and never proposes them."""
-    if refused := parts.layout_refusal(args, dims):
+def check_model_layout(layout: Layout, model_args: ModelArgs, seq_len: int) -> None:
+    """Refuse, before any work, a layout this model cannot train under: its degrees against the model's shape and
+    the sequence (parallel/dims.py check_layout), what a part refuses (models/parts layout_refusal: an objective
+    that needs whole sequences under cp, pp or tp; the planner asks the same and never proposes them), and the
+    pipeline's schedule and stages against its layers."""
+    check_layout(layout, model_args, seq_len)
+    if refused := parts.layout_refusal(model_args, layout):
         raise ConfigError(refused)
+    validate_pipeline(
+        layout,
+        model_args.n_layers,
+        tie_embeddings=model_args.tie_embeddings,
+        output_end_reads=parts.ahead_modules(model_args)[0] > 0,  # multi-token prediction reads the embedding
+    )
 
 
 def validate_training(config: Config, env: LaunchEnv) -> None:
@@ -136,94 +155,69 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
             "training.dtype=fp16 (dynamic loss scaling) runs in one process only: the skipped-step "
             "decision is not agreed across ranks. Use --training.dtype=bf16 with parallel layouts."
         )
-    if config.float8.enabled:  # the device first: on an A100 the answer is no whether torchao is there or not
-        float8.check_device(env.device, config.float8.emulate)
-        float8.require_torchao()
-        check_experts(config.float8.experts, env.device, config.float8.emulate)
-        float8_dispatch(config.float8.dispatch, True, config.float8.experts, config.parallel.ep)
-        if not config.float8.emulate and not config.compile.enabled:
-            log.info(
-                "float8 without --compile.enabled=true: torchao's casts and scales run as separate kernels, which "
-                "costs most of float8's speed-up (the published figures are compiled)"
-            )
 
 
-def float8_training(config: Config, fsdp: bool) -> float8.Float8Training | None:
-    """float8.* as parallelize applies it (None: off); FSDP float8 all-gather only where FSDP shards."""
-    f = config.float8
-    return float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, fsdp, f.experts, f.dispatch) if f.enabled else None
+def check_float8(layout: Layout, device: torch.device) -> None:
+    """Refuse the layout's float8 where it cannot run on `device`, before any work: the device first (on an A100
+    the answer is no whether torchao is there or not), then torchao, then the routed experts' recipe."""
+    f8 = layout.float8
+    if f8 is None:
+        return
+    float8.check_device(device, f8.emulate)
+    float8.require_torchao()
+    check_experts(f8.experts, device, f8.emulate)
+    if not f8.emulate and not layout.compile:
+        log.info(
+            "float8 without --compile.enabled=true: torchao's casts and scales run as separate kernels, which "
+            "costs most of float8's speed-up (the published figures are compiled)"
+        )
 
 
-def build_layout(config: Config, world_size: int, model_args: ModelArgs) -> Layout:
-    """The run's one layout value (parallel/layout.py) from config.parallel, training, compile and float8 on
-    `world_size` ranks, checked against the world (dp_shard=-1 resolved), the model, the batch and the pipeline
-    schedule, in that order, before any work."""
+def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> Layout:
+    """The run's one Layout on `world_size` ranks: the one place every layout setting is read from the config
+    (parallel, training's batch split, compile, float8, moe.rank_capacity_factor) and resolved, checked as it goes
+    (before any work): the degrees against the world (dp_shard=-1: what it leaves), the ranks per node
+    (parallel.ranks_per_node, else the launcher's LOCAL_WORLD_SIZE, else `hardware_node`, the planned hardware's
+    GPUs per node for `trillion estimate`, else one node), the expert dispatch (auto), the micro-batches, the
+    pipeline schedule's stages per rank and float8 (its FSDP all-gather only where FSDP shards). What the model
+    must agree with is check_model_layout's."""
     p, t, f = config.parallel, config.training, config.float8
-    degrees = ParallelDims.of(
-        world_size, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.ep
-    )  # no mesh: the degrees checked against the world
-    expert_dispatch = dispatch_layout(config, degrees, world_size)
-    ParallelDims(dataclasses.replace(degrees.layout, **expert_dispatch), world_size).validate(model_args, t.seq_len)
-    check_whole_sequences(model_args, degrees)
-    dp_ranks = degrees.dp_size * config.fault_tolerance.groups  # fault-tolerant replica groups share each batch
+    degrees = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp, "ep": p.ep}
+    degrees["dp_shard"] = check_degrees(world_size, **degrees)
+    ranks_per_node = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or hardware_node or world_size
+    spread = Layout(**degrees, ranks_per_node=ranks_per_node)
+    dp_ranks = spread.dp * config.fault_tolerance.groups  # fault-tolerant replica groups share each batch
     check_batch_split(t, dp_ranks)
     micro_batch_size, microbatches = batch_split(t, dp_ranks)
-    experts_recomputed = degrees.ep > 1 and p.activation_checkpoint != "none"
-    # schedule, stage sizes and micro-batches checked before any work (stage sizes without a pipeline refused)
-    pp_schedule, virtual_stages = validate_pipeline(
-        degrees.pp,
-        p.pp_schedule,
-        model_args.n_layers,
-        microbatches,
-        virtual=p.pp_virtual_stages,
-        tie_embeddings=model_args.tie_embeddings,
-        layers=StageLayers.from_config(p),
-        compile=config.compile.enabled,
-        experts_recomputed=experts_recomputed,
-        output_end_reads=parts.ahead_modules(model_args)[0] > 0,  # multi-token prediction reads the embedding
+    schedule, virtual_stages = check_schedule(
+        p.pp_schedule, p.pp, microbatches, p.pp_virtual_stages, config.compile.enabled
     )
-    gathers = f.enabled and float8.resolve(f.recipe, f.emulate, f.fsdp_all_gather, degrees.fsdp_enabled).fsdp_all_gather
-    return Layout(
-        **degrees_of(degrees.layout),
+    float8_training = None
+    if f.enabled:  # the FSDP float8 all-gather only where FSDP shards
+        float8_dispatch(f.dispatch, True, f.experts, p.ep)
+        float8_training = resolve_float8(
+            f.recipe,
+            fsdp_enabled=spread.fsdp_enabled,
+            fsdp_all_gather=f.fsdp_all_gather,
+            emulate=f.emulate,
+            experts=f.experts,
+            dispatch=f.dispatch,
+        )
+    return dataclasses.replace(
+        spread,
         dp_shard_mode=p.dp_shard_mode,
-        pp_schedule=pp_schedule,
+        pp_schedule=schedule.name,
         virtual_stages=virtual_stages,
+        stage_layers=StageLayers(p.pp_layers_per_stage, p.pp_first_stage_layers, p.pp_last_stage_layers),
         micro_batch_size=micro_batch_size,
         microbatches=microbatches,
         activation_checkpoint=p.activation_checkpoint,
         compile=config.compile.enabled,
-        float8=f.enabled,
-        float8_all_gather=gathers,
-        float8_experts=f.experts,
-        float8_dispatch=f.dispatch,
-        optimizer=config.optimizer.name,
-        **expert_dispatch,
+        float8=float8_training,
+        ep_dispatch=resolve_dispatch(p.ep_dispatch, ep_nodes(spread)[0]),
+        ep_capacity=config.moe.rank_capacity_factor,
+        ep_overlap=p.ep_overlap,
     )
-
-
-def dispatch_layout(config: Config, degrees: ParallelDims, world_size: int) -> dict:
-    """The expert dispatch's Layout fields: ranks per node (parallel.ranks_per_node, else the launcher's
-    LOCAL_WORLD_SIZE, else job.hardware's node, else one node), the dispatch mode (auto resolved), the per-rank
-    capacity and the overlap."""
-    p = config.parallel
-    ranks_per_node = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or hardware_node(config.job)
-    ranks_per_node = ranks_per_node or world_size
-    probe = ParallelDims(dataclasses.replace(degrees.layout, ranks_per_node=ranks_per_node), world_size)
-    return {
-        "ranks_per_node": ranks_per_node,
-        "ep_dispatch": resolve_dispatch(p.ep_dispatch, probe.ep_nodes[0]),
-        "ep_capacity": config.moe.rank_capacity_factor,
-        "ep_overlap": p.ep_overlap,
-    }
-
-
-def hardware_node(job) -> int:
-    """GPUs per node of job.hardware's profile (0: none given)."""
-    if not job.hardware:
-        return 0
-    from trillion.parallel.planner.hardware import load_profile
-
-    return load_profile(job.hardware).gpus_per_node
 
 
 def check_batch_split(t: Training, dp_size: int) -> None:
@@ -243,20 +237,17 @@ def check_batch_split(t: Training, dp_size: int) -> None:
         )
 
 
-def build_parallel_dims(config: Config, env: LaunchEnv, model_args: ModelArgs) -> ParallelDims:
-    """The run's layout (build_layout) on this world, with its mesh built."""
-    dims = ParallelDims(build_layout(config, env.world_size, model_args), env.world_size)
+def build_parallel_dims(layout: Layout, model_args: ModelArgs, seq_len: int, env: LaunchEnv) -> ParallelDims:
+    """The run's ParallelDims, built once: `layout` checked against the model (check_model_layout), then its mesh
+    over this world."""
+    check_model_layout(layout, model_args, seq_len)
+    dims = ParallelDims(layout, env.world_size)
     dims.build_mesh(env.device.type)
     return dims
 
 
 def build_runner(
-    config: Config,
-    dims: ParallelDims,
-    model_args: ModelArgs,
-    n_microbatches: int,
-    device: torch.device,
-    dtype: torch.dtype,
+    config: Config, dims: ParallelDims, model_args: ModelArgs, device: torch.device, dtype: torch.dtype
 ) -> tuple[Runner, Pipeline | None]:
     """(runner, its Pipeline or None): the model built on meta, parallelized (split into this rank's
     stages with pp > 1), then materialized on `device` with the seed's weights (the same values
@@ -269,7 +260,7 @@ def build_runner(
             "`attend` callable (models/attention.py's seam) through which their logits could be measured. Use "
             "--optimizer.qk_clip=0 with this model, or give its attention kind an `attend`."
         )
-    modules, pipeline = build_model(config, dims, model, n_microbatches, device, dtype)
+    modules, pipeline = build_model(dims, model, device, dtype)
     for part in modules:
         part.to_empty(device=device)
         part.init_weights(config.job.seed)
@@ -278,52 +269,22 @@ def build_runner(
         return pipeline, pipeline
     # the look-ahead (multi-token prediction) depths and loss weight: 0 for a model without them (models/parts/mtp.py)
     depths, weight = parts.ahead_modules(model_args)[0], model_args.mtp_loss_weight
-    paired = pairs_micro_batches(dims.layout, dims.fsdp_enabled)  # two micro-batches in flight (ep_overlap)
-    return MicroBatchLoop(modules[0], dims.tp_enabled, config.parallel.dp_shard_mode, weight, depths, paired), None
+    return MicroBatchLoop(modules[0], dims.layout, weight, depths), None
 
 
-def layout_fn(
-    config: Config, dims: ParallelDims, dtype: torch.dtype, *, compile: bool | None = None, fsdp: bool = True
-):
-    """parallelize with the config's layout, as a function of the model or a pipeline stage; `fsdp=False`
-    leaves FSDP2 out (the estimate's activation run: it changes no activation)."""
-    p = config.parallel
-    return lambda part: parallelize(
-        part,
-        dims,
-        dp_shard_mode=p.dp_shard_mode,
-        activation_checkpoint=p.activation_checkpoint,
-        compile=config.compile.enabled if compile is None else compile,
-        param_dtype=dtype,
-        pp_schedule=p.pp_schedule,
-        float8=float8_training(config, fsdp and dims.fsdp_enabled),
-        fsdp=fsdp,
-    )
+def layout_fn(dims: ParallelDims, dtype: torch.dtype, *, fsdp: bool = True):
+    """parallelize with `dims`' layout, as a function of the model or a pipeline stage; `fsdp=False` leaves FSDP2
+    out (the estimate's activation run: it changes no activation)."""
+    return lambda part: parallelize(part, dims, param_dtype=dtype, fsdp=fsdp)
 
 
 def build_model(
-    config: Config,
-    dims: ParallelDims,
-    model: nn.Module,
-    n_microbatches: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    *,
-    compile: bool | None = None,
+    dims: ParallelDims, model: nn.Module, device: torch.device, dtype: torch.dtype
 ) -> tuple[list[nn.Module], Pipeline | None]:
     """(this rank's parallelized parts, its Pipeline or None) from the whole `model` on meta: the model
-    itself, or with pp > 1 this rank's stages (names stay global) under the configured schedule."""
-    layout = layout_fn(config, dims, dtype, compile=compile)
+    itself, or with pp > 1 this rank's stages (names stay global) under the layout's schedule."""
+    layout = layout_fn(dims, dtype)
     if dims.pp == 1:
         return [layout(model)], None
-    pipeline = Pipeline(
-        model,
-        dims,
-        config.parallel.pp_schedule,
-        n_microbatches,
-        device,
-        virtual=config.parallel.pp_virtual_stages,
-        parallelize_fn=layout,
-        layers=StageLayers.from_config(config.parallel),
-    )
+    pipeline = Pipeline(model, dims, device, parallelize_fn=layout)
     return pipeline.parts, pipeline

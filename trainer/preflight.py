@@ -16,15 +16,15 @@ from trillion.parallel.planner.memory import pipeline_ranks, states_bytes
 from trillion.parallel.planner.optimizer import state_bytes as optimizer_state_bytes
 
 
-def states_per_rank(model_args: ModelArgs, layout: Layout) -> tuple[float, float, float]:
-    """(parameters, gradients, optimizer) bytes of the fullest rank (the optimizer's: AdamW's or Muon's)."""
+def states_per_rank(model_args: ModelArgs, layout: Layout, optimizer: str) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer) bytes of the fullest rank (`optimizer`'s state: AdamW's or Muon's)."""
     mode = "zero1" if layout.pp > 1 else layout.dp_shard_mode  # a pipeline keeps its stages gathered (memory.py)
     found = []
     for rank in pipeline_ranks(model_args, layout):
         # FSDP: dp_shard x cp; the routed experts E / ep a rank, sharded over the dp_shard x cp / ep left
         tp_numel, shard_numel = rank.numel(model_args, layout.tp, layout.dp_shard * layout.cp, layout.ep)
         parameters, gradients, _ = states_bytes(tp_numel, shard_numel, mode)
-        found.append((parameters, gradients, optimizer_state_bytes(model_args, layout, rank, shard_numel)))
+        found.append((parameters, gradients, optimizer_state_bytes(model_args, layout, optimizer, rank, shard_numel)))
     return max(found, key=sum)
 
 
@@ -40,9 +40,12 @@ def memory_available(device: torch.device, local_processes: int) -> tuple[float,
     )
 
 
-def check_memory(layout: Layout, model_args: ModelArgs, env, *, model_name: str, global_batch_size: int) -> None:
-    """Refuse a layout whose weights, gradients and optimizer states alone overflow a rank's memory."""
-    parameters, gradients, optimizer = states_per_rank(model_args, layout)
+def check_memory(
+    layout: Layout, model_args: ModelArgs, env, *, optimizer: str, model_name: str, global_batch_size: int
+) -> None:
+    """Refuse a layout whose weights, gradients and `optimizer`'s states (optimizer.name) alone overflow a rank's
+    memory."""
+    parameters, gradients, optimizer = states_per_rank(model_args, layout, optimizer)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size)) if env.device.type == "cpu" else 1
     available, where = memory_available(env.device, max(1, local))
     needed = parameters + gradients + optimizer

@@ -56,11 +56,11 @@ class Run:
         self.dims.build_mesh("cpu")
         with torch.device("meta"):
             model = Transformer(args)
-        parallelize(model, self.dims, dp_shard_mode="zero2")  # the blocks stay gathered: micro-batches pair
+        parallelize(model, self.dims)  # zero2: the blocks stay gathered, so micro-batches pair
         model.to_empty(device="cpu")
         model.init_weights(0)
         self.dispatches = expert_dispatches(model)
-        self.runner = MicroBatchLoop(model, dp_shard_mode="zero2")
+        self.runner = MicroBatchLoop(model, self.dims.layout)
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
         self.args, self.batch = args, batch
         self.generator = torch.Generator().manual_seed(self.dims.dp_rank)

@@ -210,6 +210,7 @@ def bench_one_step(
 
 def _step_config(model_name: str, attention: str, seq_len: int, smoke: bool) -> tuple:
     """(config, model args) of one case, as the trainer reads and builds them; tiny in smoke mode."""
+    from trillion.parallel.layout import Layout
     from trillion.trainer.assemble import build_model_args
     from trillion.trainer.config.schema import load_config
 
@@ -230,7 +231,7 @@ def _step_config(model_name: str, attention: str, seq_len: int, smoke: bool) -> 
             *(shrink if smoke else []),
         ],
     )
-    return config, build_model_args(config, tokenizer_vocab=0)
+    return config, build_model_args(config, 0, Layout())  # one process
 
 
 def _trainer_step(config, args, checkpointing: str, compiled: bool, device, float8: str | None = None):
@@ -243,6 +244,7 @@ def _trainer_step(config, args, checkpointing: str, compiled: bool, device, floa
     from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
     from trillion.parallel.compile import apply_compile
     from trillion.parallel.forward_backward import MicroBatchLoop
+    from trillion.parallel.layout import resolve_float8
     from trillion.trainer.optim import build_optimizer
     from trillion.trainer.step import train_step
 
@@ -251,7 +253,7 @@ def _trainer_step(config, args, checkpointing: str, compiled: bool, device, floa
     if float8 is not None:
         emulate = device.type == "cpu"
         float8_training.check_device(device, emulate)  # an A100 or MI250X: the trainer's refusal, as the row's error
-        float8_training.convert(model, float8_training.resolve(float8, emulate, "auto", fsdp_enabled=False))
+        float8_training.convert(model, resolve_float8(float8, fsdp_enabled=False, emulate=emulate))
     apply_activation_checkpointing(model, checkpointing)
     if compiled:
         apply_compile(model)

@@ -47,7 +47,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from trillion.models import Transformer
-from trillion.trainer.assemble import batch_split, build_model_args
+from trillion.trainer.assemble import build_model_args, resolve_layout
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.data import build_data_loader, build_tokenizer, held_out_fraction
 from trillion.trainer.optim import build_optimizer
@@ -94,8 +94,9 @@ class HandLoop:
         self.config = config = load_config(None, [*overrides, f"--training.steps={steps}"])
         t = config.training
         tokenizer = build_tokenizer(config.tokenizer)
-        self.args = build_model_args(config, tokenizer.vocab_size)
-        micro_batch_size, _ = batch_split(t, world_size)  # dp_shard = world size: one rank's share of the batch
+        layout = resolve_layout(config, world_size)  # dp_shard = world size: one rank's share of the batch
+        self.args = build_model_args(config, tokenizer.vocab_size, layout)
+        micro_batch_size = layout.micro_batch_size
         loader = build_data_loader(
             config.data,
             tokenizer,

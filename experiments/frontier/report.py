@@ -14,8 +14,8 @@ from pathlib import Path
 
 from trillion.devices import fitted_constants
 from trillion.models.presets import get_preset
+from trillion.parallel.layout import Layout
 from trillion.parallel.planner.hardware import load_profile
-from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.search import Request, evaluate, metrics, scaling, search
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "validation"))

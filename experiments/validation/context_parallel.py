@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from trillion.models.flops import count_params, model_flops_per_token  # noqa: E402
 from trillion.models.presets import get_preset  # noqa: E402
+from trillion.parallel.layout import Layout  # noqa: E402
 from trillion.parallel.planner.hardware import load_profile  # noqa: E402
-from trillion.parallel.planner.layout import Layout  # noqa: E402
 from trillion.parallel.planner.search import Request, evaluate  # noqa: E402
 
 PUBLISHED = [  # (cp, sequence length, local batch, Float8, tokens/s per GPU, memory GiB)

@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from trillion.models.presets import get_preset
+from trillion.parallel.layout import Layout
 from trillion.parallel.planner.hardware import load_profile
-from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.search import Request, evaluate
 
 HERE = Path(__file__).parent

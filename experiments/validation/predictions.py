@@ -12,10 +12,10 @@ import tomllib
 
 from trillion.devices import fitted_constants
 from trillion.models.presets import get_preset
+from trillion.parallel.layout import Float8Training, Layout
 from trillion.parallel.planner.hardware import HardwareProfile, load_profile
-from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import pipeline_ranks
-from trillion.parallel.planner.moe import dispatch_seconds, effective_imbalance, permutation_rows
+from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, dispatch_seconds, effective_imbalance, permutation_rows
 from trillion.parallel.planner.search import Request, evaluate, metrics, scaling
 from trillion.parallel.planner.timing import _memory_bound, all_to_all_time
 
@@ -79,15 +79,28 @@ def run_layout(run: dict, gpus: int) -> Layout:
         microbatches=microbatches,
         activation_checkpoint=spec["activation_checkpoint"],
         compile=spec.get("compile", False),
-        float8=spec.get("float8", False),
-        float8_all_gather=spec.get("float8_all_gather", True),
-        float8_experts=spec.get("float8_experts", "auto"),
-        float8_dispatch=spec.get("float8_dispatch", False),
+        float8=run_float8(spec),
         ep=spec.get("ep", 1),
-        moe_load_imbalance=spec.get("moe_load_imbalance", Layout.moe_load_imbalance),
         ep_dispatch=spec.get("ep_dispatch", Layout.ep_dispatch),
         ep_overlap=spec.get("ep_overlap", False),
     )
+
+
+def run_float8(spec: dict) -> Float8Training | None:
+    """The run's float8 (torchao's tensorwise recipe) as its layout says, FSDP's float8 all-gather on unless it says
+    otherwise; None without float8."""
+    if not spec.get("float8", False):
+        return None
+    return Float8Training(
+        fsdp_all_gather=spec.get("float8_all_gather", True),
+        experts=spec.get("float8_experts", "auto"),
+        dispatch=spec.get("float8_dispatch", False),
+    )
+
+
+def run_imbalance(run: dict) -> float:
+    """The load imbalance the planner assumes for the run: its layout's, else the planner's default."""
+    return run["layout"].get("moe_load_imbalance", MOE_LOAD_IMBALANCE)
 
 
 def run_args(run: dict):
@@ -107,7 +120,8 @@ def predict(run: dict, profile: HardwareProfile | None = None) -> tuple[float, d
         request = Request(run["model"], args, hardware, first, batch, run["seq_len"], fixed=fixed)
         points = scaling(request, [first, last], weak=weak)
         return points[-1][1], points[-1][2]
-    request = Request(run["model"], args, hardware, run["gpus"], run["global_batch"], run["seq_len"])
+    assumed = {"moe_load_imbalance": run_imbalance(run)}  # the plan's assumption (planner/assumptions.py)
+    request = Request(run["model"], args, hardware, run["gpus"], run["global_batch"], run["seq_len"], fixed=assumed)
     row = metrics(request, evaluate(request, run_layout(run, run["gpus"])))
     value = {
         "megatron_share_of_peak": row["megatron_share_of_peak"],
@@ -137,14 +151,14 @@ def deepep_share(run: dict, row: dict) -> float:
     k, ranks = args.moe.top_k, run["moe_ranks_per_token"]
     recomputed = int(layout.activation_checkpoint == "full")
     row_bytes = layout.micro_batch_size * run["seq_len"] * args.dim * hw.element_bytes
-    row_bytes *= effective_imbalance(layout.ep, layout.moe_load_imbalance)
+    row_bytes *= effective_imbalance(layout.ep, run_imbalance(run))
     # moe_passes: the forward, the backward and the recomputed forward (the per-token rows taken at the imbalance too)
     forward, backward = (choice * k + token for choice, token in permutation_rows(layout.ep).values())
     trillion_rows = forward * (1 + recomputed) + backward
     routing = _memory_bound(hw, (trillion_rows - deepep_routing_rows(k, ranks) * (2 + recomputed)) * row_bytes)
     tokens = layout.micro_batch_size * run["seq_len"] // layout.cp
-    modeled = dispatch_seconds(args, hw, tokens, dataclasses.replace(layout, moe_load_imbalance=1.0))
-    per_copy = modeled * effective_imbalance(layout.ep, layout.moe_load_imbalance) - all_to_all_time(
+    modeled = dispatch_seconds(args, hw, tokens, layout, imbalance=1.0)
+    per_copy = modeled * effective_imbalance(layout.ep, run_imbalance(run)) - all_to_all_time(
         hw, row_bytes * ranks, layout.ep, layout.tp
     )
     copies = 2 * (2 + recomputed) * per_copy  # the dispatch and the combine of each pass

@@ -8,8 +8,8 @@ ATTENTION_KINDS (ModelArgs.attention; empty: "mla" with latent attention argumen
 attention is one module plus its declaration, registered with `register_attention`. models/flops.py,
 parallel/tensor_parallel.py and the planner read the declarations and name no part.
 
-Settings: each part checks and applies the user's settings that concern it (`apply_settings`, with
-"section.field" keys), and declares the parallel layouts it cannot train under (`layout_refusal`, which both
+Settings: each part checks and applies the user's settings that concern it (`apply_settings`, with a typed
+PartSettings: settings.py), and declares the parallel layouts it cannot train under (`layout_refusal`, which both
 the trainer and the planner ask).
 """
 
@@ -23,9 +23,20 @@ from trillion.models.args import ModelArgs
 from trillion.models.parts import gqa, mla, mlp, moe, mtp, norm, root
 from trillion.models.parts.block import Block
 from trillion.models.parts.root import Root
+from trillion.models.parts.settings import AttentionSettings, PartSettings
 from trillion.models.parts.spec import Divides, Part
 
-__all__ = ["ATTENTION_KINDS", "AttentionKind", "Block", "Root", "block", "layer_block", "register_attention"]
+__all__ = [
+    "ATTENTION_KINDS",
+    "AttentionKind",
+    "AttentionSettings",
+    "Block",
+    "PartSettings",
+    "Root",
+    "block",
+    "layer_block",
+    "register_attention",
+]
 
 
 @dataclass(frozen=True)
@@ -37,7 +48,7 @@ class AttentionKind:
 
     declare: Callable[[ModelArgs], Part]
     module: str | Callable
-    check_settings: Callable[[ModelArgs, dict], ModelArgs] | None = None
+    check_settings: Callable[[ModelArgs, PartSettings], ModelArgs] | None = None
     masks_documents: bool = False
 
     def build(self, args: ModelArgs):
@@ -140,10 +151,11 @@ def layout_refusal(args: ModelArgs, layout) -> str:
     return ""
 
 
-def apply_settings(args: ModelArgs, settings: dict) -> ModelArgs:
-    """The preset with the user's part settings ("section.field": value) applied and checked by each part."""
-    args = mtp.apply_settings(moe.apply_settings(args, settings), settings)
-    if settings.get("data.document_mask") and not attention_kind(args).masks_documents:
+def apply_settings(args: ModelArgs, settings: PartSettings) -> ModelArgs:
+    """The preset with the user's part settings applied and checked by each part."""
+    args = moe.apply_settings(args, settings.moe, settings.model_name)
+    args = mtp.apply_settings(args, settings.mtp, settings.model_name)
+    if settings.attention.document_mask and not attention_kind(args).masks_documents:
         masking = ", ".join(name for name, kind in ATTENTION_KINDS.items() if kind.masks_documents)
         raise ConfigError(
             f"data.document_mask=true, but the model's attention {attention_name(args)!r} cannot mask documents: its "

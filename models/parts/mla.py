@@ -23,6 +23,7 @@ element-wise (eager, per token) the two latent norms as RMSNorm decomposes, rota
 from trillion.errors import ConfigError
 from trillion.models.args import ModelArgs
 from trillion.models.parts.counts import RMSNORM_COMPILED, RMSNORM_EAGER, ROPE_COMPILED, ROPE_EAGER
+from trillion.models.parts.settings import PartSettings
 from trillion.models.parts.spec import (
     COLUMN,
     DTENSOR_HEADS,
@@ -94,11 +95,11 @@ def declare(args: ModelArgs) -> Part:
     )
 
 
-def check_settings(args: ModelArgs, settings: dict) -> ModelArgs:
+def check_settings(args: ModelArgs, settings: PartSettings) -> ModelArgs:
     """model.n_kv_heads has no meaning for latent attention: refused."""
-    if args.mla is not None and settings.get("model.n_kv_heads", 0) > 0:
+    if args.mla is not None and settings.attention.n_kv_heads > 0:
         raise ConfigError(
-            f"model.n_kv_heads={settings['model.n_kv_heads']} does not apply to {settings['model.name']!r}: its latent "
+            f"model.n_kv_heads={settings.attention.n_kv_heads} does not apply to {settings.model_name!r}: its latent "
             "attention gives every query head its own key and value, expanded from one shared latent. Drop "
             "--model.n_kv_heads."
         )

@@ -5,6 +5,7 @@ all-gathered tokens, so the router, its balancing tallies and the auxiliary loss
 
 import dataclasses
 import math
+from dataclasses import dataclass
 
 from trillion.errors import ConfigError
 from trillion.models.args import ModelArgs
@@ -19,9 +20,27 @@ MOE_KERNELS = 26
 # Group-limited routing's launches beyond MOE_KERNELS (Router.forward with n_groups > 1): the per-group top-2, its
 # sum, the top groups, the mask's scatter and negation, the masked fill
 GROUP_ROUTING_KERNELS = 6
-# the MoE settings a user may give (section.field), each applied when set (>= 0, or > 0 for the counts)
-COUNTS = ("n_experts", "top_k")
-BALANCING = ("aux_loss_coef", "seq_aux_loss_coef", "bias_update_rate", "capacity_factor")
+COUNTS = ("n_experts", "top_k")  # MoESettings' counts, each applied when given (> 0)
+BALANCING = ("aux_loss_coef", "seq_aux_loss_coef", "bias_update_rate", "capacity_factor")  # applied when >= 0
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """The user's settings of the mixture of experts: its counts (model.n_experts, top_k; 0 keeps the preset's),
+    its balancing (the moe section's coefficients; -1 keeps the preset's), the experts' kernels (kernels.grouped_gemm,
+    kernels.permutation) and the per-rank capacity (moe.rank_capacity_factor, 0: dropless) over `capacity_ranks`,
+    the expert-parallel degree: one process drops the tokens each ep rank would."""
+
+    n_experts: int = 0
+    top_k: int = 0
+    aux_loss_coef: float = -1.0
+    seq_aux_loss_coef: float = -1.0
+    bias_update_rate: float = -1.0
+    capacity_factor: float = -1.0
+    experts_impl: str = "auto"
+    permute_impl: str = "auto"
+    rank_capacity_factor: float = 0.0
+    capacity_ranks: int = 1
 
 
 def reach_share(n_experts: int, top_k: int, held: int) -> float:
@@ -81,23 +100,23 @@ def declare(args: ModelArgs) -> Part:
     )
 
 
-def apply_settings(args: ModelArgs, settings: dict) -> ModelArgs:
-    """The preset's MoE block with the model.* and moe.* overrides, checked (dense presets take none)."""
-    overrides = {k: v for k in COUNTS if (v := settings.get(f"model.{k}", 0)) > 0}
-    overrides |= {k: v for k in BALANCING if (v := settings.get(f"moe.{k}", -1)) >= 0}
+def apply_settings(args: ModelArgs, settings: MoESettings, model_name: str) -> ModelArgs:
+    """The preset's MoE block with the user's counts, balancing, kernels and per-rank capacity, checked (dense
+    presets take none)."""
+    overrides = {k: v for k in COUNTS if (v := getattr(settings, k)) > 0}
+    overrides |= {k: v for k in BALANCING if (v := getattr(settings, k)) >= 0}
     if args.moe is None:
         if overrides:
             routed = ", ".join(expert_presets())
             raise ConfigError(
-                f"{', '.join(sorted(overrides))} set, but model.name={settings['model.name']!r} is dense (no "
+                f"{', '.join(sorted(overrides))} set, but model.name={model_name!r} is dense (no "
                 f"experts). Use an MoE preset ({routed}) or drop the settings."
             )
         return args
-    impls = {"experts_impl": settings.get("kernels.grouped_gemm", "auto")}
-    impls["permute_impl"] = settings.get("kernels.permutation", "auto")
-    per_rank = {"rank_capacity_factor": settings.get("moe.rank_capacity_factor", 0.0)}
-    if per_rank["rank_capacity_factor"] > 0:  # the ranks whose capacity one process applies too
-        per_rank["capacity_ranks"] = settings.get("parallel.ep", 1)
+    impls = {"experts_impl": settings.experts_impl, "permute_impl": settings.permute_impl}
+    per_rank = {"rank_capacity_factor": settings.rank_capacity_factor}
+    if settings.rank_capacity_factor > 0:  # the ranks whose capacity one process applies too
+        per_rank["capacity_ranks"] = settings.capacity_ranks
     routing = dataclasses.replace(args.moe, **impls, **overrides, **per_rank)
     if routing.top_k > routing.n_experts:
         raise ConfigError(

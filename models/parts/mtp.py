@@ -7,6 +7,7 @@ context parallelism gives them the rank's positions, a pipeline runs them on its
 (parallel/pipeline_ahead.py)."""
 
 import dataclasses
+from dataclasses import dataclass
 
 from trillion.errors import ConfigError
 from trillion.models.args import ModelArgs
@@ -26,14 +27,23 @@ def declare(args: ModelArgs) -> Part:
     )
 
 
-def apply_settings(args: ModelArgs, settings: dict) -> ModelArgs:
-    """The preset's multi-token prediction with model.mtp_modules / mtp_loss_weight applied."""
-    given, weight = settings.get("model.mtp_modules", -1), settings.get("model.mtp_loss_weight", 0.0)
+@dataclass(frozen=True)
+class MTPSettings:
+    """The user's multi-token prediction: model.mtp_modules (-1 keeps the preset's) and model.mtp_loss_weight (0: the
+    preset's, else MTP_LOSS_WEIGHT)."""
+
+    modules: int = -1
+    loss_weight: float = 0.0
+
+
+def apply_settings(args: ModelArgs, settings: MTPSettings, model_name: str) -> ModelArgs:
+    """The preset's multi-token prediction with the user's module count and loss weight applied."""
+    given, weight = settings.modules, settings.loss_weight
     modules = args.mtp_modules if given < 0 else given
     if modules == 0:
         if weight > 0:
             raise ConfigError(
-                f"model.mtp_loss_weight={weight:g} is set, but model {settings['model.name']!r} trains no "
+                f"model.mtp_loss_weight={weight:g} is set, but model {model_name!r} trains no "
                 "multi-token prediction modules. Add --model.mtp_modules=1 or drop the setting."
             )
         return dataclasses.replace(args, mtp_modules=0, mtp_loss_weight=0.0)

@@ -8,6 +8,7 @@ from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, ROW
 from trillion.parallel.layout import Layout
+from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.memory import tp_local_linears
 from trillion.parallel.planner.moe import moe_passes
@@ -117,16 +118,20 @@ def tp_gather_bytes(
     return tuple(sublayers)
 
 
-def block_passes(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, *, routed: bool) -> Passes:
+def block_passes(
+    args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, assumed: Assumptions, *, routed: bool
+) -> Passes:
     """One dense block, or one MoE block (its attention and shared experts, then moe.py's routed experts),
-    of one micro-batch at `layout`'s micro-batch size, tp, cp, ep, compile, float8 and attention share."""
-    shape = (args, hw, layout.micro_batch_size, seq_len, layout.tp, layout.compile, layout.cp, layout.float8)
+    of one micro-batch at `layout`'s micro-batch size, tp, cp, ep, compile and float8, and the attention share and
+    load imbalance the plan assumes."""
+    float8 = layout.float8 is not None
+    shape = (args, hw, layout.micro_batch_size, seq_len, layout.tp, layout.compile, layout.cp, float8)
     if not routed:
-        return layer_passes(*shape, attention_share=layout.attention_share)
+        return layer_passes(*shape, attention_share=assumed.attention_share)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     # attention and shared experts: what a paired micro-batch computes beside this one's all-to-alls
-    around = layer_passes(*shape, True, layout.attention_share)
-    return around + moe_passes(args, hw, tokens, layout, around)
+    around = layer_passes(*shape, True, assumed.attention_share)
+    return around + moe_passes(args, hw, tokens, layout, assumed.moe_load_imbalance, around)
 
 
 @lru_cache(maxsize=8192)

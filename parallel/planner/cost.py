@@ -5,7 +5,7 @@ Compute per layer per micro-batch: each GEMM at the device's large-GEMM efficien
 at the memory bandwidth its operands need (the roofline), flash attention (causal: half of the
 4 b s^2 h the FLOP formulas count, at the heads' own widths, which the kernels run unpadded for 64, 128 and
 latent attention's 192/128; under document masking the share of it the corpus's document lengths leave,
-layout.attention_share) at the device's attention efficiency, the element-wise
+assumptions.attention_share) at the device's attention efficiency, the element-wise
 kernels work.py counts (eager or compiled) at the device's memory bandwidth, and a launch
 overhead per kernel. GEMMs and attention keep the device's `sustained` share of those microbenchmark rates
 through a step (devices.py; fitted per device family in trillion/fitted.toml where published runs show the gap,
@@ -44,7 +44,7 @@ trainer's DeviceMesh does):
       routed experts at their per-expert shapes and the dispatch and combine all-to-alls, forward and
       backward, never overlapped; with ep > 1 the experts' FSDP traffic runs over the dp_shard x cp / ep ranks.
 Optimizer: AdamW and gradient clipping on the rank's shard, at memory bandwidth (work.py); with Muon
-(layout.optimizer) also its Newton-Schulz on the stage's matrices spread over its ranks and its two all-to-alls,
+(assumptions.optimizer) also its Newton-Schulz on the stage's matrices spread over its ranks and its two all-to-alls,
 unhidden (optimizer.py).
 
 Float8 (layout.float8, `trillion plan --float8`; tensorwise scaling, as the trainer's default recipe and
@@ -56,7 +56,7 @@ stay bf16. Its casts are element-wise traffic at memory bandwidth, one launch ea
 FLOAT8_CAST_BYTES: the forward casts input and weight, Bi the output's gradient and the weight, Bw the
 saved input). Under TP, torchao's float8 styles all-gather a converted sublayer's input and its output's
 gradient in float8 (tp_gather_bytes); the reduce-scatters stay bf16.
-With FSDP's float8 all-gather (layout.float8_all_gather) the converted weights are gathered at 1 byte
+With FSDP's float8 all-gather (layout.float8.fsdp_all_gather) the converted weights are gathered at 1 byte
 instead of 2, and FSDP's copy out of the gather buffer moves 1-byte elements; gradients stay fp32.
 Memory is not changed by float8 (the saved activations stay bf16; the gathered fp8 copies are not counted).
 """
@@ -68,9 +68,10 @@ from functools import lru_cache
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
+from trillion.parallel.layout import Layout
+from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.block_cost import block_passes, output_passes
 from trillion.parallel.planner.hardware import HardwareProfile
-from trillion.parallel.planner.layout import Layout, bubble_slots
 from trillion.parallel.planner.memory import (
     RankParams,
     float8_numel,
@@ -79,6 +80,7 @@ from trillion.parallel.planner.memory import (
 )
 from trillion.parallel.planner.moe import expert_numel
 from trillion.parallel.planner.optimizer import step_seconds as optimizer_step_seconds
+from trillion.parallel.planner.schedules import bubble_slots
 from trillion.parallel.planner.timing import (  # noqa: F401 (collective_time, Passes: the planner's names here)
     Passes,
     _gemm,
@@ -117,16 +119,16 @@ class StepTime:
 
 @lru_cache(maxsize=65536)
 def rank_passes(
-    args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, rank: RankParams
+    args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, assumed: Assumptions, rank: RankParams
 ) -> tuple[Passes, Passes]:
     """(passes of one micro-batch through all of the rank's layers and MTP modules, the recomputed forwards);
     `layout` is a pipeline_part (its data-parallel settings play no part, so the cache holds fewer entries)."""
-    layer = block_passes(args, hw, layout, seq_len, routed=False)
+    layer = block_passes(args, hw, layout, seq_len, assumed, routed=False)
     dense = rank.layers - rank.routed_layers
     total = layer * dense
     forward_sum = layer * dense
     if rank.routed_layers:
-        moe_layer = block_passes(args, hw, layout, seq_len, routed=True)
+        moe_layer = block_passes(args, hw, layout, seq_len, assumed, routed=True)
         total = total + moe_layer * rank.routed_layers
         forward_sum = forward_sum + moe_layer * rank.routed_layers
     tokens, tp = layout.micro_batch_size * seq_len // layout.cp, layout.tp
@@ -136,7 +138,7 @@ def rank_passes(
         _, ahead = parts.ahead_modules(args)
         projection = sum(_gemm(hw, tokens, x.in_features, x.out_features) for x in ahead.linears)
         module = block_passes(
-            args, hw, layout, seq_len, routed=parts.routed_layer(args, args.n_layers)
+            args, hw, layout, seq_len, assumed, routed=parts.routed_layer(args, args.n_layers)
         ) + output_passes(args, hw, tokens, tp)
         total = total + (module + Passes(projection, projection, projection)) * rank.ahead_modules
     mean = forward_sum * (1 / max(rank.layers, 1))  # a recomputed layer: the mean of the rank's layers
@@ -151,7 +153,7 @@ def rank_passes(
 
 def float8_gathered(args: ModelArgs, layout: Layout, rank: RankParams) -> int:
     """Elements FSDP all-gathers in float8 on this rank (0 without float8 or its all-gather)."""
-    if not (layout.float8 and layout.float8_all_gather):
+    if layout.float8 is None or not layout.float8.fsdp_all_gather:
         return 0
     return float8_numel(args, rank.layers, layout.tp, rank.routed_layers)
 
@@ -201,17 +203,16 @@ def embedding_copy_sum(args: ModelArgs, hw: HardwareProfile, layout: Layout) -> 
 
 def pipeline_part(layout: Layout) -> Layout:
     """The layout with its data-parallel settings at one process's: what the pipeline's compute depends on."""
-    return dataclasses.replace(
-        layout, dp_replicate=1, dp_shard=1, dp_shard_mode="zero3", microbatches=1, float8_all_gather=True
-    )
+    float8 = layout.float8 and dataclasses.replace(layout.float8, fsdp_all_gather=True)
+    return dataclasses.replace(layout, dp_replicate=1, dp_shard=1, dp_shard_mode="zero3", microbatches=1, float8=float8)
 
 
 @lru_cache(maxsize=65536)
-def _pipeline(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int) -> tuple:
+def _pipeline(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, assumed: Assumptions) -> tuple:
     """Per-micro-batch compute of the pipeline's ranks: (slowest rank index, its passes, its
     recompute, seconds of the slowest and of the mean rank, mean TP, CP and EP seconds).
     `layout` is a pipeline_part: this is independent of dp."""
-    timed = [rank_passes(args, hw, layout, seq_len, rank) for rank in pipeline_ranks(args, layout)]
+    timed = [rank_passes(args, hw, layout, seq_len, assumed, rank) for rank in pipeline_ranks(args, layout)]
     pp = layout.pp
     per_rank = [ps.forward + rc.forward + ps.input_grad + ps.weight_grad for ps, rc in timed]
     slowest = max(range(pp), key=per_rank.__getitem__)
@@ -222,11 +223,12 @@ def _pipeline(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     return slowest, timed[slowest][0], timed[slowest][1], worst, mean, tp_mean, cp_mean, ep_mean
 
 
-def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int) -> StepTime:
+def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, assumed: Assumptions) -> StepTime:
+    """The step of `layout` under what the plan assumes (`assumed`: planner/assumptions.py)."""
     schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
     p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
     slowest, passes, recompute, worst, mean, tp_mean, cp_mean, ep_mean = _pipeline(
-        args, hw, pipeline_part(layout), seq_len
+        args, hw, pipeline_part(layout), seq_len, assumed
     )
     chunk = (passes.forward / v, recompute.forward / v, passes.input_grad / v, passes.weight_grad / v)
     bubble = max(0.0, sum(s * c for s, c in zip(bubble_slots(schedule, p), chunk))) if p > 1 else 0.0
@@ -262,7 +264,9 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     dp_exposed += fsdp_copies(hw, layout, tp_numel, float8_gathered(args, layout, rank))
 
     copy_back = 2 * tp_numel if layout.dp_shard_mode in ("zero1", "zero2") else 0
-    optimizer = _memory_bound(hw, copy_back) + optimizer_step_seconds(args, hw, layout, rank, shard_numel)
+    optimizer = _memory_bound(hw, copy_back) + optimizer_step_seconds(
+        args, hw, layout, assumed.optimizer, rank, shard_numel
+    )
 
     replicated_grads = 0.0
     if layout.tp > 1 and layout.dp_shard * layout.cp * layout.dp_replicate == 1:  # without FSDP: once per step

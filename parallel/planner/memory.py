@@ -8,7 +8,7 @@ replicated: parallel/tensor_parallel.py's plan):
   zero3  parameters 4 (fp32 shard)          gradients 4 (shard)          optimizer 8 (shard)
   zero2  + 2 bytes: the gathered bf16 copy, kept through all micro-batches of the step
   zero1  + the bf16 copy, and gradients accumulate unsharded in fp32 until the last micro-batch
-(bytes per parameter), as parallel/fsdp.py does; with Muon (layout.optimizer) a hidden matrix keeps one 4-byte
+(bytes per parameter), as parallel/fsdp.py does; with Muon (assumptions.optimizer) a hidden matrix keeps one 4-byte
 state instead of AdamW's 8, and its step's buffers count where they pass the activations (optimizer.py). The
 root (embeddings, final norm, output) is never resharded after forward, so under zero3 its bf16 copy is held
 through the step too. A
@@ -33,10 +33,12 @@ from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.models.parts.spec import Linear, Norm
 from trillion.parallel import modes
+from trillion.parallel.layout import Layout
 from trillion.parallel.modes import checkpointed_blocks
-from trillion.parallel.planner.layout import Layout, in_flight_microbatches, rank_of_virtual_stage, stage_layers
+from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.moe import expert_numel, moe_activation_bytes, pairs
 from trillion.parallel.planner.optimizer import state_bytes, step_buffer_bytes
+from trillion.parallel.planner.schedules import in_flight_microbatches, rank_of_virtual_stage, stage_layers
 from trillion.parallel.planner.shards import ParamSpec, local_numel
 
 ACTIVATION_BYTES = 2  # bf16
@@ -108,19 +110,20 @@ def last_stage_params(args: ModelArgs) -> list[ParamSpec]:
     return norm_params(root.norm) + output
 
 
-def mtp_params(args: ModelArgs) -> list[ParamSpec]:
-    """A multi-token prediction module's parameters besides its block: its norms and its projection."""
+def ahead_params(args: ModelArgs) -> list[ParamSpec]:
+    """A look-ahead module's parameters besides its block (models/parts ahead_modules: multi-token prediction's),
+    named inside "ahead." (the planner counts them, it never looks them up)."""
     _, ahead = parts.ahead_modules(args)
     if ahead is None:
         return []
-    linears = [ParamSpec(f"mtp.{s.name}", s.shape, s.tp_dim) for x in ahead.linears for s in linear_params(x)]
-    return [spec for n in ahead.norms for spec in norm_params(n, "mtp.")] + linears
+    linears = [ParamSpec(f"ahead.{s.name}", s.shape, s.tp_dim) for x in ahead.linears for s in linear_params(x)]
+    return [spec for n in ahead.norms for spec in norm_params(n, "ahead.")] + linears
 
 
 @lru_cache(maxsize=4096)
 def _numel(args: ModelArgs, part: str, tp: int, dp_shard: int) -> tuple[int, int]:
-    blocks = {"block": block_params, "moe_block": partial(block_params, routed=True)}
-    specs = {**blocks, "first": first_stage_params, "last": last_stage_params, "mtp": mtp_params}[part](args)
+    blocks = {"block": block_params, "routed_block": partial(block_params, routed=True)}
+    specs = {**blocks, "first": first_stage_params, "last": last_stage_params, "ahead": ahead_params}[part](args)
     pairs = [local_numel(s, tp, dp_shard) for s in specs]
     return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
 
@@ -132,7 +135,7 @@ def replicated_numel(args: ModelArgs, rank: "RankParams") -> int:
         block_params(args) * dense
         + (block_params(args, routed=True) * routed if routed else [])
         + (last_stage_params(args) if rank.last else [])
-        + mtp_params(args) * rank.ahead_modules
+        + ahead_params(args) * rank.ahead_modules
     )
     return sum(math.prod(s.shape) for s in specs if s.tp_dim is None)
 
@@ -174,7 +177,7 @@ def _rank_numel(
 ) -> tuple[int, int]:
     """(after TP, after TP and FSDP) elements of `dense` and `routed` blocks, the root's parts and
     `ahead` multi-token prediction modules."""
-    kinds = [("block", dense), ("moe_block", routed), ("first", int(first)), ("last", int(last)), ("mtp", ahead)]
+    kinds = [("block", dense), ("routed_block", routed), ("first", int(first)), ("last", int(last)), ("ahead", ahead)]
     totals = [(count * a, count * b) for kind, count in kinds if count for a, b in [_numel(args, kind, tp, dp_shard)]]
     experts = expert_numel(args, routed, tp, ep, dp_shard // ep)
     return sum(t[0] for t in totals) + experts[0], sum(t[1] for t in totals) + experts[1]
@@ -285,17 +288,19 @@ def states_bytes(tp_numel: int, shard_numel: int, mode: str) -> tuple[float, flo
     return parameters, gradients, 8 * shard_numel
 
 
-def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams, in_flight: float) -> Memory:
+def rank_memory(
+    args: ModelArgs, layout: Layout, seq_len: int, assumed: Assumptions, rank: RankParams, in_flight: float
+) -> Memory:
     tp, ms, cp = layout.tp, layout.micro_batch_size, layout.cp
     tokens = ms * seq_len // cp
     sp = layout.sequence_parallel
     tp_numel, shard_numel = rank.numel(args, tp, layout.dp_shard * cp, layout.ep)
     mode = "zero1" if layout.pp > 1 else layout.dp_shard_mode
     parameters, gradients, _ = states_bytes(tp_numel, shard_numel, mode)
-    optimizer = state_bytes(args, layout, rank, shard_numel)  # AdamW's or Muon's (optimizer.py)
+    optimizer = state_bytes(args, layout, assumed.optimizer, rank, shard_numel)  # AdamW's or Muon's (optimizer.py)
 
     n_ckpt = rank.checkpointed(layout.activation_checkpoint)
-    dense_layer, moe_layer, kept = _layer_bytes(args, tokens, tp, sp, layout.ep, layout.moe_load_imbalance)
+    dense_layer, moe_layer, kept = _layer_bytes(args, tokens, tp, sp, layout.ep, assumed.moe_load_imbalance)
     full_layer = (dense_layer * (rank.layers - rank.routed_layers) + moe_layer * rank.routed_layers) / max(
         rank.layers, 1
     )
@@ -308,7 +313,7 @@ def rank_memory(args: ModelArgs, layout: Layout, seq_len: int, rank: RankParams,
     output = output_activation_bytes(args, tokens, tp, sp) * (1 + rank.ahead_modules) if rank.last else 0
     activations = in_flight * per_microbatch + output
     # Muon's step buffers live after the backward, where the activations were: only what passes them adds
-    optimizer += max(0.0, step_buffer_bytes(args, layout, rank, ACTIVATION_BYTES) - activations)
+    optimizer += max(0.0, step_buffer_bytes(args, layout, assumed.optimizer, rank, ACTIVATION_BYTES) - activations)
 
     d = layout.dp_shard * cp
     dense_blocks, moe_blocks = rank.blocks(args)
@@ -345,14 +350,15 @@ def _gathered_block(args: ModelArgs, dense: bool, routed: bool, tp: int, d: int,
     """Elements of the largest block FSDP gathers on a rank: a dense one, or an MoE one with its E / ep experts."""
     return max(
         _numel(args, "block", tp, d)[0] if dense else 0,
-        _numel(args, "moe_block", tp, d)[0] + expert_numel(args, 1, tp, ep, d // ep)[0] if routed else 0,
+        _numel(args, "routed_block", tp, d)[0] + expert_numel(args, 1, tp, ep, d // ep)[0] if routed else 0,
     )
 
 
-def layout_memory(args: ModelArgs, layout: Layout, seq_len: int) -> Memory:
-    """Memory of the fullest GPU: the earliest rank of each kind (in-flight micro-batches fall linearly from the first
-    rank's to the last's, as 1F1B's p - r). An MoE model's all-expert middle ranks can pass a first rank of dense
-    blocks (deepseek-v3-671b: `trillion estimate` measured 100 GB on one where the first rank held 21)."""
+def layout_memory(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assumptions) -> Memory:
+    """Memory of the fullest GPU under what the plan assumes (`assumed`): the earliest rank of each kind (in-flight
+    micro-batches fall linearly from the first rank's to the last's, as 1F1B's p - r). An MoE model's all-expert
+    middle ranks can pass a first rank of dense blocks (deepseek-v3-671b: `trillion estimate` measured 100 GB on one
+    where the first rank held 21)."""
     schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
     first, last = in_flight_microbatches(schedule, layout.pp, layout.virtual_stages, layout.microbatches)
     if pairs(layout):  # two micro-batches in flight (parallel/expert_overlap.py)
@@ -360,7 +366,7 @@ def layout_memory(args: ModelArgs, layout: Layout, seq_len: int) -> Memory:
     span, candidates = max(layout.pp - 1, 1), []
     for rank, index in _earliest_of_each_kind(args, layout.pp, layout.virtual_stages, layout.pp_schedule):
         in_flight = last if rank.last and index else first + (last - first) * index / span
-        candidates.append(rank_memory(args, layout, seq_len, rank, in_flight))
+        candidates.append(rank_memory(args, layout, seq_len, assumed, rank, in_flight))
     return max(candidates, key=lambda m: m.total)
 
 

@@ -8,7 +8,7 @@ experts stay whole, replicated over tp, parallel/tensor_parallel.py; the shared 
   experts    E / ep local experts, each three GEMMs at its own shape: rows x dim x f (w1, w3) and
              rows x f x dim (w2), rows = tokens x top_k x ep / E x imbalance (f the expert width, not split
              over tp), one grouped-GEMM launch per projection; the same again for each gradient.
-  imbalance  `moe_load_imbalance` (Layout): the busiest rank's routed tokens over the mean. It applies with
+  imbalance  `moe_load_imbalance` (assumptions.py): the busiest rank's routed tokens over the mean. It applies with
              ep > 1, where the all-to-alls make every rank wait for the busiest one; with ep 1 a rank runs
              every expert on all its tokens (tokens x top_k rows in all, whatever the balance), so there it
              is 1. MOE_LOAD_IMBALANCE is its default (see its note).
@@ -26,9 +26,9 @@ experts stay whole, replicated over tp, parallel/tensor_parallel.py; the shared 
              loss-free bias 2 E (the add: read, write) and DeepSeek-V3's group-limited choice 3 E (the per-group
              top-2 reads the scores, the mask of the other groups reads and writes them: Router.forward); the
              same under torch.compile (the data-dependent shapes break the graph).
-  float8     (layout.float8 with float8_experts not off, parallel/float8_experts.py) the experts' grouped GEMMs,
+  float8     (layout.float8 with its experts not off, parallel/float8_experts.py) the experts' grouped GEMMs,
              forward and both gradients, at the recipe's float8 rate (FLOAT8_EXPERT_SHARE), plus their casts
-             (each GEMM casts both operands: FLOAT8_CAST_BYTES per element); with float8_dispatch the
+             (each GEMM casts both operands: FLOAT8_CAST_BYTES per element); with float8 dispatch the
              forward dispatch all-to-all carries float8 rows and their scales (dispatch_row_bytes), the combine
              and both backward all-to-alls stay bf16.
 Memory: expert parameters total / (ep x efsdp), efsdp = dp_shard x cp / ep, so a rank's states are
@@ -126,12 +126,13 @@ def members_per_node(layout) -> int:
     return max(1, min(layout.ep, layout.ranks_per_node // layout.tp))
 
 
-def float8_expert_recipe(float8: bool, setting: str) -> str | None:
-    """The recipe the trainer's float8.experts=`setting` runs on a float8 GPU (None: the experts stay bf16): auto
-    is torchao's rowwise, which runs wherever the planner prices float8 (sm90 and later, gfx942 and later)."""
-    if not float8 or setting == "off":
+def float8_expert_recipe(float8) -> str | None:
+    """The recipe a layout's float8 (a Float8Training, None: off) runs the routed experts in on a float8 GPU (None:
+    they stay bf16): float8.experts=auto is torchao's rowwise, which runs wherever the planner prices float8 (sm90
+    and later, gfx942 and later)."""
+    if float8 is None or float8.experts == "off":
         return None
-    return "rowwise" if setting == "auto" else setting
+    return "rowwise" if float8.experts == "auto" else float8.experts
 
 
 def dispatch_row_bytes(dim: int, recipe: str) -> int:
@@ -171,16 +172,18 @@ def row_bytes(args: ModelArgs, mode: str, payload_bytes: int) -> int:
     return payload_bytes + 2 * slots * 4
 
 
-def dispatch_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, layout, payload_bytes: int = 0) -> float:
+def dispatch_seconds(
+    args: ModelArgs, hw: HardwareProfile, tokens: int, layout, imbalance: float, payload_bytes: int = 0
+) -> float:
     """One direction's all-to-alls (the dispatch, its rows of `payload_bytes`, default the token in the compute dtype;
-    the combine takes as long in that dtype) on the busiest rank: each hop's network and node-link shares at once, the
-    hops one after the other, a latency each."""
+    the combine takes as long in that dtype) on the busiest rank, at the load `imbalance` (assumptions.py): each hop's
+    network and node-link shares at once, the hops one after the other, a latency each."""
     ep, tp = layout.ep, layout.tp
     if ep <= 1:
         return 0.0
     members, mode = members_per_node(layout), dispatch_mode(layout)
     row = row_bytes(args, mode, payload_bytes or args.dim * hw.element_bytes)
-    size = tokens * row * effective_imbalance(ep, layout.moe_load_imbalance)
+    size = tokens * row * effective_imbalance(ep, imbalance)
     seconds = 0.0
     for network, link in dispatch_rows(args, mode, ep, members):
         hop, latency = 0.0, 0.0
@@ -229,12 +232,14 @@ def permutation_rows(ep: int) -> dict:
     return PERMUTATION_ROWS if ep == 1 else DISPATCH_PERMUTATION_ROWS
 
 
-def moe_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, layout, around: Passes | None = None) -> Passes:
-    """What one MoE layer adds to its block's attention and shared experts (`around`; the module docstring), with the
-    layout's float8 experts (float8_expert_recipe) and float8 dispatch."""
+def moe_passes(
+    args: ModelArgs, hw: HardwareProfile, tokens: int, layout, imbalance: float, around: Passes | None = None
+) -> Passes:
+    """What one MoE layer adds to its block's attention and shared experts (`around`; the module docstring), at the
+    load `imbalance`, with the layout's float8 experts (float8_expert_recipe) and float8 dispatch."""
     block, h, launch = routed_block(args), args.dim, hw.device.kernel_overhead_us * 1e-6
-    tp, ep, imbalance = layout.tp, layout.ep, layout.moe_load_imbalance
-    float8 = float8_expert_recipe(layout.float8, layout.float8_experts)
+    tp, ep = layout.tp, layout.ep
+    float8 = float8_expert_recipe(layout.float8)
     routing, f = block.routing, expert_width(block)  # the routed experts are whole on every tp rank
     experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance, float8)
     casts = expert_float8_casts(args, hw, tokens, ep, imbalance) if float8 else (0.0, 0.0, 0.0)
@@ -255,7 +260,7 @@ def moe_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, layout, around
     exposed = [0.0, 0.0, 0.0]  # forward, backward, recomputed forward
     if ep > 1:
         routed = (forward, input_grad + weight_grad)
-        exposed = exposed_seconds(args, hw, tokens, layout, float8, experts, routed, around)
+        exposed = exposed_seconds(args, hw, tokens, layout, imbalance, float8, experts, routed, around)
     return Passes(
         forward=forward + exposed[0],
         input_grad=input_grad + exposed[1],
@@ -266,15 +271,17 @@ def moe_passes(args: ModelArgs, hw: HardwareProfile, tokens: int, layout, around
     )
 
 
-def exposed_seconds(args, hw, tokens: int, layout, float8, experts: float, routed: tuple, around) -> list[float]:
+def exposed_seconds(
+    args, hw, tokens: int, layout, imbalance: float, float8, experts: float, routed: tuple, around
+) -> list[float]:
     """Seconds of the all-to-alls left exposed in (the forward, the backward, a recomputed forward) of one MoE layer
     under ep: the dispatch in float8 in the forwards with float8 dispatch (its backward and the combine in the compute
     dtype); beside the shared experts and the routed `experts`, or with paired micro-batches beside the other's layer
     (`routed`: this layer's routed forward and backward, both gradients, `around` its attention and shared experts)."""
     tp, ep = layout.tp, layout.ep
-    one_way, shared = dispatch_seconds(args, hw, tokens, layout), shared_expert_seconds(args, hw, tokens, tp)
-    wire = dispatch_row_bytes(args.dim, float8) if float8 and layout.float8_dispatch else 0
-    dispatch = dispatch_seconds(args, hw, tokens, layout, wire) if wire else one_way
+    one_way, shared = dispatch_seconds(args, hw, tokens, layout, imbalance), shared_expert_seconds(args, hw, tokens, tp)
+    wire = dispatch_row_bytes(args.dim, float8) if float8 and layout.float8.dispatch else 0
+    dispatch = dispatch_seconds(args, hw, tokens, layout, imbalance, wire) if wire else one_way
     counts = 0.0 if layout.ep_capacity else all_to_all_time(hw, 0.0, ep, tp) + host_read_stall(hw)
     if around is not None and pairs(layout):  # the other micro-batch's layer computes beside each all-to-all
         forward = around.forward - around.tp_forward - around.cp_forward + routed[0]

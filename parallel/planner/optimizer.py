@@ -1,4 +1,5 @@
-"""The optimizer's state and step on one rank, by `layout.optimizer`: AdamW's, or Muon's (parallel/muon/).
+"""The optimizer's state and step on one rank, by the optimizer the plan assumes (assumptions.py `optimizer`):
+AdamW's, or Muon's (parallel/muon/).
 
 State (fp32, on the rank's FSDP shard): AdamW two moments, 8 bytes per parameter; Muon one momentum buffer,
 4 bytes per hidden-matrix element (parallel/muon/matrices.py: every 2-D weight of the blocks and of the
@@ -78,18 +79,18 @@ def _ahead_specs(args: ModelArgs) -> list[ParamSpec]:
     return [ParamSpec(x.name, (x.out_features, x.in_features), x.tp_dim) for x in ahead.linears] if ahead else []
 
 
-def state_bytes(args: ModelArgs, layout, rank, shard_numel: int) -> float:
-    """The optimizer's fp32 state on this rank."""
-    if layout.optimizer != "muon":
+def state_bytes(args: ModelArgs, layout, optimizer: str, rank, shard_numel: int) -> float:
+    """The fp32 state of `optimizer` (adamw | muon) on this rank."""
+    if optimizer != "muon":
         return ADAMW_STATE_BYTES * shard_numel
     hidden = muon_numel(args, rank, layout.tp, layout.dp_shard * layout.cp, layout.ep)[1]
     return MUON_STATE_BYTES * hidden + ADAMW_STATE_BYTES * (shard_numel - hidden)
 
 
-def step_buffer_bytes(args: ModelArgs, layout, rank, element_bytes: int) -> float:
+def step_buffer_bytes(args: ModelArgs, layout, optimizer: str, rank, element_bytes: int) -> float:
     """Muon's updates, one round's exchange buffers and its largest Newton-Schulz workspace (X, A = X X^T, A A and
     B X), alive during the step only; 0 for AdamW."""
-    if layout.optimizer != "muon":
+    if optimizer != "muon":
         return 0.0
     hidden = muon_numel(args, rank, layout.tp, layout.dp_shard * layout.cp, layout.ep)[1]
     largest = max(((min(r, c), max(r, c)) for r, c, _ in _stage_matrices(args, rank)), default=(0, 0), key=math.prod)
@@ -115,9 +116,9 @@ def newton_schulz_seconds(hw: HardwareProfile, rows: int, cols: int, count: int 
     return NEWTON_SCHULZ_STEPS * (_gemm(hw, count * m, n, m) + _gemm(hw, count * m, m, m) + _gemm(hw, count * m, m, n))
 
 
-def step_seconds(args: ModelArgs, hw: HardwareProfile, layout, rank, shard_numel: int) -> float:
-    """The optimizer step of this rank beyond FSDP's copies (cost.py adds those)."""
-    if layout.optimizer != "muon":
+def step_seconds(args: ModelArgs, hw: HardwareProfile, layout, optimizer: str, rank, shard_numel: int) -> float:
+    """The step of `optimizer` (adamw | muon) on this rank beyond FSDP's copies (cost.py adds those)."""
+    if optimizer != "muon":
         return _memory_bound(hw, OPTIMIZER_BYTES_PER_PARAM * shard_numel)
     ranks = layout.tp * layout.cp * layout.dp_shard * layout.dp_replicate  # a pipeline stage's
     hidden = muon_numel(args, rank, layout.tp, layout.dp_shard * layout.cp, layout.ep)[1]

@@ -1,7 +1,8 @@
 """The planner: every valid parallel layout of a model on a machine, pruned by memory, ranked by
 predicted throughput, with time, energy and cost for a token budget.
 
-parallel/layout.py (the layout), planner/layout.py (schedules), planner/memory.py (bytes per GPU) and
+parallel/layout.py (the layout), planner/assumptions.py (what a plan assumes beyond it), planner/schedules.py
+(pipeline schedules), planner/memory.py (bytes per GPU) and
 planner/cost.py (seconds per step) hold the model; planner/space.py checks a request and enumerates its
 layouts; this file evaluates and ranks them and turns step times into the figures a person plans with.
 """
@@ -21,7 +22,7 @@ from trillion.models.flops import (
 )
 from trillion.parallel.ep_checks import check_ep_dispatch, ep_nodes
 from trillion.parallel.layout import Layout
-from trillion.parallel.modes import check_schedule
+from trillion.parallel.modes import check_layout_schedule
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
@@ -38,9 +39,11 @@ class Candidate:
 
 def evaluate(request: Request, layout: Layout, only_if_fits: bool = False) -> Candidate:
     """The layout's memory and, unless it does not fit and only_if_fits, its step time."""
-    memory = layout_memory(request.args, layout, request.seq_len)
+    assumed = request.assumptions
+    memory = layout_memory(request.args, layout, request.seq_len, assumed)
     fits = memory.total <= MEMORY_HEADROOM * request.capacity_bytes
-    step = step_time(request.args, request.hardware, layout, request.seq_len) if fits or not only_if_fits else None
+    timed = fits or not only_if_fits
+    step = step_time(request.args, request.hardware, layout, request.seq_len, assumed) if timed else None
     return Candidate(layout, step, memory, fits)
 
 
@@ -57,7 +60,7 @@ class SearchResult:
 
 def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     """Why `trillion train` would refuse the layout's pipeline, or "": the trainer's own rule
-    (parallel/modes.py check_schedule, which its validate_pipeline calls), so the search never
+    (parallel/modes.py check_layout_schedule, which its validate_pipeline calls), so the search never
     proposes what the trainer refuses (DualPipeV with fewer than 2 pp micro-batches, a
     split-backward schedule under compile, an objective that needs whole sequences under cp, ...)."""
     if refused := parts.layout_refusal(args, layout):  # what a part cannot train under (models/parts)
@@ -65,16 +68,7 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     try:
         if layout.ep > 1:
             check_ep_dispatch(layout, ep_nodes(layout), args, warn=False)
-        check_schedule(
-            layout.pp_schedule,
-            layout.pp,
-            layout.microbatches,
-            layout.virtual_stages,
-            layout.compile,
-            n_layers=args.n_layers,
-            experts_recomputed=layout.ep > 1 and layout.activation_checkpoint != "none",
-            output_end_reads=parts.ahead_modules(args)[0] > 0,
-        )
+        check_layout_schedule(layout, args.n_layers, output_end_reads=parts.ahead_modules(args)[0] > 0)
     except ConfigError as error:
         return str(error)
     return ""
@@ -148,13 +142,14 @@ def metrics(request: Request, candidate: Candidate) -> dict:
     tokens_per_step = request.global_batch * request.seq_len
     tokens_per_s = tokens_per_step / step
     peak = hw.device.peak_tflops_bf16 * 1e12
-    share = layout.attention_share  # document masking: MFU counts the attention work done
+    share = request.assumptions.attention_share  # document masking: MFU counts the attention work done
     model_flops = model_flops_per_token(args, request.seq_len, share) * tokens_per_s / request.gpus
     recompute = recompute_fraction(args, layout)
     hardware_flops = hardware_flops_per_token(args, request.seq_len, recompute, share) * tokens_per_s / request.gpus
     megatron = megatron_flops_per_iteration(args, request.global_batch, request.seq_len, recompute == 1.0)
     out = {
         **layout.as_dict(),
+        **request.assumptions.as_dict(),
         "dp": layout.dp,
         "step_time_s": step,
         "tokens_per_s": tokens_per_s,

@@ -19,13 +19,16 @@ from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
 from trillion.parallel.ep_checks import ep_nodes, resolve_dispatch
-from trillion.parallel.layout import Layout
-from trillion.parallel.modes import DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES
+from trillion.parallel.layout import Float8Training, Layout, resolve_float8
+from trillion.parallel.modes import CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES
+from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
-from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
-from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, ep_degrees
+from trillion.parallel.planner.moe import ep_degrees
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
+# The checkpointing modes the search tries: selective:op keeps matmul outputs, which the memory
+# model (memory.py) does not count yet; selective:N (every N-th block) is the trainer's only.
+SEARCHED_CHECKPOINT_MODES = tuple(name for name, mode in CHECKPOINT_MODES.items() if not mode.op_level)
 OPTIMIZERS = ("adamw", "muon")  # optimizer.name: not searched (it changes the training), costed as given
 LAYOUT_FIELDS = (
     "tp",
@@ -43,12 +46,11 @@ LAYOUT_FIELDS = (
     "float8_experts",
     "float8_dispatch",
     "ep",
-    "moe_load_imbalance",
     "ep_dispatch",
     "ep_capacity",
     "ep_overlap",
-    "optimizer",
 )
+ASSUMPTION_FIELDS = ("moe_load_imbalance", "optimizer", "attention_share")  # planner/assumptions.py's, fixed too
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,16 @@ class Request:
     seq_len: int
     tokens: float = 0.0  # training budget; 0 = no time-to-train figures
     price_per_gpu_hour: float | None = None  # None: the hardware profile's
-    fixed: dict = field(default_factory=dict)  # LAYOUT_FIELDS the user set
+    fixed: dict = field(default_factory=dict)  # LAYOUT_FIELDS and ASSUMPTION_FIELDS the user set
 
     @property
     def capacity_bytes(self) -> float:
         return self.hardware.device.memory_gb * 1e9
+
+    @property
+    def assumptions(self) -> Assumptions:
+        """What the plan assumes beyond each layout: the fixed ones, else the planner's defaults."""
+        return Assumptions(**{name: self.fixed[name] for name in ASSUMPTION_FIELDS if name in self.fixed})
 
 
 def check_request(request: Request) -> None:
@@ -224,15 +231,20 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                             activation_checkpoint=ac,
                             compile=request.fixed.get("compile", False),
                             cp=cp,
-                            float8=request.fixed.get("float8", False),
-                            float8_experts=request.fixed.get("float8_experts", "auto"),
-                            float8_dispatch=request.fixed.get("float8_dispatch", False) and ep > 1,
+                            float8=_float8(request, dp * cp > 1, ep),
                             ep=ep,
-                            moe_load_imbalance=request.fixed.get("moe_load_imbalance", MOE_LOAD_IMBALANCE),
                             **dispatch,
-                            optimizer=request.fixed.get("optimizer", "adamw"),
-                            attention_share=request.fixed.get("attention_share", 1.0),
                         )
+
+
+def _float8(request: Request, fsdp_enabled: bool, ep: int) -> Float8Training | None:
+    """Float8 as `trillion plan --float8` costs it: the trainer's default recipe (tensorwise) resolved as the
+    trainer resolves it (FSDP float8 all-gather where FSDP shards), the experts' recipe as fixed, float8 dispatch
+    only under ep > 1 (as the trainer allows it)."""
+    if not request.fixed.get("float8", False):
+        return None
+    experts, dispatch = request.fixed.get("float8_experts", "auto"), request.fixed.get("float8_dispatch", False)
+    return resolve_float8("tensorwise", fsdp_enabled=fsdp_enabled, experts=experts, dispatch=dispatch and ep > 1)
 
 
 def _dispatch(request: Request, tp: int, ep: int) -> dict:

@@ -17,9 +17,10 @@ from trillion.models.flops import count_params
 from trillion.models.parts import ATTENTION_KINDS, AttentionKind, block, gqa, register_attention
 from trillion.models.parts.spec import COLUMN, Linear, PerToken
 from trillion.models.rope import apply_rope
+from trillion.parallel.layout import Layout
+from trillion.parallel.planner.assumptions import ASSUMED
 from trillion.parallel.planner.block_cost import layer_passes
 from trillion.parallel.planner.hardware import load_profile
-from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import block_params, layer_activation_bytes, layout_memory
 from trillion.parallel.planner.timing import _gemm
 
@@ -95,4 +96,4 @@ def test_the_planner_costs_the_gate(gated):
     kept = layer_activation_bytes(TOY, tokens, tp, True, False) - layer_activation_bytes(PLAIN, tokens, tp, True, False)
     assert kept == pytest.approx(tokens * 2 * width / tp * 2)  # bf16 activations, split over tp
     layout = Layout(tp=tp, microbatches=2, micro_batch_size=2)
-    assert layout_memory(TOY, layout, 1024).total > layout_memory(PLAIN, layout, 1024).total
+    assert layout_memory(TOY, layout, 1024, ASSUMED).total > layout_memory(PLAIN, layout, 1024, ASSUMED).total

@@ -2,6 +2,7 @@
 exists, no source file cites a design document outside the repository, and the pre-commit hook runs the
 ruff version the test extra pins (another version formats differently, and tests/test_style.py would fail)."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -64,3 +65,64 @@ def test_the_pre_commit_hook_runs_the_pinned_ruff():
     hook = (ROOT / ".pre-commit-config.yaml").read_text()
     assert "astral-sh/ruff-pre-commit" in hook
     assert re.search(r"^\s*rev:\s*v?(\S+)\s*$", hook, re.MULTILINE).group(1) == pinned
+
+
+SET_UP = ("trainer/set_up.py", ("set_up", "_set_up_locked"))  # set_up calls _set_up_locked: one order
+
+
+def set_up_calls(source: str, functions: tuple[str, ...]) -> list[str]:
+    """The names the set-up functions call, in the order they call them, the second function's calls in place of
+    the call to it (a call's arguments are evaluated before the call: they come first)."""
+    bodies = {f.name: f for f in ast.walk(ast.parse(source)) if isinstance(f, ast.FunctionDef) and f.name in functions}
+    calls = []
+
+    def walk(function: ast.FunctionDef) -> None:
+        found = [n for n in ast.walk(function) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+        for call in sorted(found, key=lambda n: (n.end_lineno, n.end_col_offset)):
+            if call.func.id in bodies:
+                walk(bodies[call.func.id])
+            else:
+                calls.append(call.func.id)
+
+    walk(bodies[functions[0]])
+    return calls
+
+
+def documented_order(text: str, called: list[str]) -> list[str]:
+    """The called names the numbered list of "The flow of a run" names in backquotes, in the order it names them."""
+    flow = text[text.index("## The flow of a run") :]
+    flow = flow[: flow.index("\n## ", 1)]
+    steps = "\n".join(line for line in flow.splitlines() if re.match(r"(\d+\. |   )", line))
+    named = [name for name in re.findall(r"`(\w+)`", steps) if name in called]
+    return list(dict.fromkeys(named))
+
+
+def order_problems(doc_text: str, source: str, functions: tuple[str, ...]) -> list[str]:
+    called = set_up_calls(source, functions)
+    named = documented_order(doc_text, called)
+    in_code = [name for name in dict.fromkeys(called) if name in named]
+    problems = [] if named == in_code else [f"the doc sets up in the order {named}, the code in {in_code}"]
+    if len(named) < 6:
+        problems.append(f"the doc's set-up names only {named} of the functions set_up calls")
+    return problems
+
+
+def test_the_documented_set_up_order_is_the_code_s():
+    path, functions = SET_UP
+    assert order_problems((ROOT / "docs/ARCHITECTURE.md").read_text(), (ROOT / path).read_text(), functions) == []
+
+
+def test_the_order_check_sees_a_doc_out_of_order():
+    source = (
+        "def set_up(config):\n    env = launch(config)\n    return _set_up_locked(config, env)\n"
+        "def _set_up_locked(config, env):\n    data = read(config)\n    model = build(config)\n"
+        "    meters = observe(model)\n    opt = optimize(model)\n    return finish(data, model, opt, meters)\n"
+    )
+    doc = (
+        "## The flow of a run\n\n1. `launch` then\n2. `build` (not `Config`), `read`,\n"
+        "   `optimize` and `observe`\n3. `finish`.\n\n## Next\n"
+    )
+    assert order_problems(doc, source, ("set_up", "_set_up_locked")) == [
+        "the doc sets up in the order ['launch', 'build', 'read', 'optimize', 'observe', 'finish'], "
+        "the code in ['launch', 'read', 'build', 'observe', 'optimize', 'finish']"
+    ]

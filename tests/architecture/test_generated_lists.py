@@ -9,6 +9,7 @@ from trillion.models import get_preset
 from trillion.models.hf import ADAPTERS, family_classes, model_types
 from trillion.models.parts import apply_settings
 from trillion.models.presets import PRESETS, expert_presets
+from trillion.parallel.layout import Layout
 from trillion.trainer.assemble import part_settings
 from trillion.trainer.config import Config, help_text
 
@@ -28,7 +29,7 @@ def test_every_expert_preset_is_in_the_dense_model_error():
     config = Config()
     config.model.n_experts = 4
     with pytest.raises(ConfigError) as error:
-        apply_settings(get_preset("debug"), part_settings(config))
+        apply_settings(get_preset("debug"), part_settings(config, Layout()))
     named = expert_presets()
     assert {"debug-moe", "deepseek-v3-671b", "kimi-k2"} <= set(named)
     assert [name for name in named if name not in str(error.value)] == []

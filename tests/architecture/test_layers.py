@@ -1,6 +1,9 @@
 """The package's layers point one way: trillion.errors / trillion.devices <- kernels <- models <-
 parallel <- trainer. Read from the source (AST), so a lazy import inside a function counts too, and
-so does a module named in a string (`importlib.import_module("trillion.trainer...")`, see source_graph.py)."""
+so does a module named in a string (`importlib.import_module("trillion.trainer...")`, see source_graph.py).
+
+Inside parallel/ the analytic planner (parallel/planner/) sits beside the runtime, not under it: no runtime
+module of parallel/ or trainer/, nor models/, imports it, but the few PLANNER_USERS lists with their reasons."""
 
 import shutil
 import subprocess
@@ -42,6 +45,57 @@ def upward_edges(root: Path) -> list[str]:
 
 def test_no_module_imports_a_higher_layer():
     assert upward_edges(ROOT) == []
+
+
+PLANNER = "trillion.parallel.planner"
+# The modules (or folders) outside the planner that may import it, each with its reason; the list only shrinks.
+PLANNER_USERS = {
+    "trainer/tools/": "the planner's commands (`trillion plan`, `trillion tune`) and the dry run that checks its "
+    "figures (`trillion estimate`)",
+    "trainer/preflight.py": "the memory pre-flight refuses a layout by the planner's byte counts of its states, the "
+    "counts `trillion estimate` checks against real shards",
+    "trainer/resilience.py": "the checkpoint-interval advice is the planner's Young/Daly optimum (planner/goodput.py)",
+    "trainer/config/run_sections.py": "the default of checkpoint.mtbf_hours_per_gpu is the planner's published MTBF "
+    "(planner/goodput.py)",
+}
+
+
+def planner_imports(root: Path) -> list[str]:
+    """Imports of the planner from models/, parallel/ and trainer/ outside the planner and PLANNER_USERS."""
+    edges = []
+    for folder in ("models", "parallel", "trainer"):
+        for path in sorted((root / folder).rglob("*.py")):
+            where = str(path.relative_to(root))
+            if where.startswith(("parallel/planner/", *PLANNER_USERS)):
+                continue
+            for found in imports_of(root, path):
+                if found.module == PLANNER or found.module.startswith(PLANNER + "."):
+                    edges.append(f"{where}:{found.line} {found.how} {found.module}, the planner")
+    return edges
+
+
+def test_the_runtime_does_not_import_the_planner():
+    assert planner_imports(ROOT) == []
+
+
+def test_the_planner_check_sees_a_runtime_import(tmp_path):
+    root = plant(
+        tmp_path,
+        {
+            "parallel/layout.py": "from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE\n",
+            "trainer/assemble.py": "def node(job):\n    from trillion.parallel.planner.hardware import load_profile\n",
+            "models/parts/moe.py": 'COST = "trillion.parallel.planner.moe:expert_rows"\n',
+            "parallel/planner/cost.py": "from trillion.parallel.planner.moe import expert_rows\n",
+            "trainer/tools/plan_cli.py": "from trillion.parallel.planner.search import search\n",
+            "trainer/preflight.py": "from trillion.parallel.planner.memory import states_bytes\n",
+        },
+    )
+    assert planner_imports(root) == [
+        "models/parts/moe.py:1 names 'trillion.parallel.planner.moe', so imports trillion.parallel.planner.moe, "
+        "the planner",
+        "parallel/layout.py:1 imports trillion.parallel.planner.moe, the planner",
+        "trainer/assemble.py:2 imports trillion.parallel.planner.hardware, the planner",
+    ]
 
 
 def plant(root: Path, files: dict[str, str]) -> Path:

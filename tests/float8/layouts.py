@@ -22,9 +22,10 @@ import torch.distributed as dist
 from tests.helpers.parity import FAMILIES, GLOBAL_BATCH, MAX_NORM, MICRO_BATCH, SEED, SEQ_LEN, STEPS, RandomWindows
 from tests.helpers.parity import _full as full
 from trillion.models import Transformer
-from trillion.parallel.dims import ParallelDims
-from trillion.parallel.float8 import convert, register_scale_precompute, resolve
+from trillion.parallel.dims import ParallelDims, check_layout
+from trillion.parallel.float8 import convert, register_scale_precompute
 from trillion.parallel.forward_backward import MicroBatchLoop
+from trillion.parallel.layout import layout_on, resolve_float8
 from trillion.parallel.parallelize import parallelize
 from trillion.trainer.data.loader import DataLoader
 from trillion.trainer.step import train_step
@@ -36,14 +37,18 @@ FLIP_ALLOWANCE = 0.0  # share of a gradient's elements allowed outside it (a flo
 def train_layout(case: dict, world_size: int) -> dict:
     """Run `case` (recipe, dp_shard, tp, fsdp_all_gather) on all ranks of the group, or alone (world_size 1)."""
     args = FAMILIES[case.get("family", "llama")]
-    dims = ParallelDims.of(dp_shard=case.get("dp_shard", -1), tp=case.get("tp", 1), world_size=world_size)
-    dims.validate(args, SEQ_LEN)
+    layout = layout_on(
+        world_size, dp_shard=case.get("dp_shard", -1), tp=case.get("tp", 1), compile=bool(case.get("compile"))
+    )
+    recipe, gather = case["recipe"], case.get("fsdp_all_gather", "auto")  # recipe None: the plain fp32 run
+    fsdp = layout.fsdp_enabled
+    settings = resolve_float8(recipe, fsdp_enabled=fsdp, fsdp_all_gather=gather, emulate=True) if recipe else None
+    dims = ParallelDims(dataclasses.replace(layout, float8=settings), world_size)
+    check_layout(dims.layout, args, SEQ_LEN)
     dims.build_mesh("cpu")
-    recipe = case["recipe"]  # None: the plain fp32 run
-    settings = resolve(recipe, True, case.get("fsdp_all_gather", "auto"), dims.fsdp_enabled) if recipe else None
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize(model, dims, float8=settings, compile=bool(case.get("compile")), compile_backend="aot_eager")
+    parallelize(model, dims, compile_backend="aot_eager")
     model.to_empty(device="cpu")
     model.init_weights(SEED)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, foreach=True)
@@ -57,7 +62,7 @@ def train_layout(case: dict, world_size: int) -> dict:
     losses = []
     for _ in range(STEPS):
         loss, _ = train_step(
-            MicroBatchLoop(model, dims.tp_enabled),
+            MicroBatchLoop(model, dims.layout),
             loader.next_batch(),
             optimizer,
             scaler,
@@ -109,4 +114,4 @@ def converted_linears(model_args, recipe: str = "tensorwise", tp: int = 1) -> di
     """{linear name: None if converted, else why kept} of a meta model, as parallelize's swap decides."""
     with torch.device("meta"):
         model = Transformer(dataclasses.replace(model_args))
-    return convert(model, resolve(recipe, True, "auto", False), tp=tp), model
+    return convert(model, resolve_float8(recipe, fsdp_enabled=False, emulate=True), tp=tp), model

@@ -11,7 +11,8 @@ import torch
 from tests.helpers.flags import TINY
 from trillion.errors import ConfigError
 from trillion.parallel import float8
-from trillion.trainer.assemble import validate_training
+from trillion.parallel.layout import resolve_float8
+from trillion.trainer.assemble import check_float8, resolve_layout
 from trillion.trainer.cli.main import main
 from trillion.trainer.config.schema import Config, help_text, load_config
 from trillion.trainer.launch.env import LaunchEnv
@@ -52,10 +53,10 @@ def test_fsdp_float8_all_gather_needs_tensorwise(recipe, capsys, tmp_path):
     assert f"float8.fsdp_all_gather=on with float8.recipe={recipe}" in err
     assert "tensorwise" in err and "--float8.fsdp_all_gather=auto" in err
     # what auto resolves to: float8 all-gather where torchao has it, and only under FSDP
-    assert float8.resolve(recipe, True, "auto", fsdp_enabled=True).fsdp_all_gather is False
-    assert float8.resolve("tensorwise", True, "auto", fsdp_enabled=True).fsdp_all_gather is True
-    assert float8.resolve("tensorwise", True, "on", fsdp_enabled=False).fsdp_all_gather is False
-    assert float8.resolve("tensorwise", True, "off", fsdp_enabled=True).fsdp_all_gather is False
+    assert resolve_float8(recipe, fsdp_enabled=True, fsdp_all_gather="auto").fsdp_all_gather is False
+    assert resolve_float8("tensorwise", fsdp_enabled=True, fsdp_all_gather="auto").fsdp_all_gather is True
+    assert resolve_float8("tensorwise", fsdp_enabled=False, fsdp_all_gather="on").fsdp_all_gather is False
+    assert resolve_float8("tensorwise", fsdp_enabled=True, fsdp_all_gather="off").fsdp_all_gather is False
 
 
 def test_cpu_without_emulation_is_refused(capsys, tmp_path):
@@ -91,14 +92,14 @@ def test_gpus_without_float8_units_are_refused(device, monkeypatch, capsys, tmp_
     fake_gpu(monkeypatch, name, **answers)
     config = load_config(None, [*TINY, *FLOAT8, f"--job.output_dir={tmp_path / 'run'}"])
     with pytest.raises(ConfigError) as refused:
-        validate_training(config, LaunchEnv(0, 1, 0, torch.device("cuda", 0)))  # set_up's first check
+        check_float8(resolve_layout(config, 1), torch.device("cuda", 0))  # set_up's check once the layout is resolved
     message = str(refused.value)
     assert "\n" not in message and "float8.enabled=true" in message and "--float8.emulate=true" in message
     for fragment in fragments:
         assert fragment in message, message
     # and through the CLI: exit 2 before the run directory exists (the launch env faked onto that GPU)
     monkeypatch.setattr(
-        "trillion.trainer.train.init_launch_env", lambda *a, **k: LaunchEnv(0, 1, 0, torch.device("cuda", 0))
+        "trillion.trainer.set_up.init_launch_env", lambda *a, **k: LaunchEnv(0, 1, 0, torch.device("cuda", 0))
     )
     assert name in refusal(capsys, tmp_path, *FLOAT8)
 

@@ -11,7 +11,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInpu
 
 from tests.float8.layouts import converted_linears
 from trillion.models import get_preset
-from trillion.parallel.float8 import Float8Training, convert, is_float8_linear, kept_reason
+from trillion.parallel.float8 import convert, is_float8_linear, kept_reason
+from trillion.parallel.layout import Float8Training
 from trillion.parallel.tensor_parallel import _Styles
 
 DEBUG = get_preset("debug")  # dim 256, 8 heads (4 kv) of 32, ffn 704, vocab 320: all multiples of 16

@@ -20,8 +20,9 @@ from trillion.errors import ConfigError
 from trillion.kernels import float8_grouped_gemm
 from trillion.models import Transformer, get_preset
 from trillion.models.moe import routed_expert_stacks
-from trillion.parallel.float8 import convert, resolve
+from trillion.parallel.float8 import convert
 from trillion.parallel.float8_experts import check_experts
+from trillion.parallel.layout import resolve_float8
 from trillion.trainer.cli.main import main
 from trillion.trainer.launch.env import LaunchEnv
 
@@ -32,7 +33,7 @@ DEEPSEEK = get_preset("debug-deepseek")  # 4 blocks, the first dense, and an MTP
 def converted(args, experts: str = "auto"):
     with torch.device("meta"):
         model = Transformer(args)
-    convert(model, resolve("tensorwise", True, "auto", False, experts))
+    convert(model, resolve_float8("tensorwise", fsdp_enabled=False, emulate=True, experts=experts))
     return model
 
 
@@ -111,7 +112,7 @@ def test_float8_dispatch_needs_float8_experts_and_expert_parallelism(capsys, tmp
 def test_a_float8_expert_recipe_on_a_gpu_without_float8_is_refused(monkeypatch, capsys, tmp_path):
     fake_gpu(monkeypatch, "NVIDIA A100-SXM4-80GB", capability=(8, 0))
     gpu = LaunchEnv(0, 1, 0, torch.device("cuda", 0))
-    monkeypatch.setattr("trillion.trainer.train.init_launch_env", lambda *a, **k: gpu)
+    monkeypatch.setattr("trillion.trainer.set_up.init_launch_env", lambda *a, **k: gpu)
     err = refusal(capsys, tmp_path, *FLOAT8, "--float8.experts=blockwise")
     assert "sm80" in err and "routed experts' float8 grouped GEMMs" in err and "--float8.emulate=true" in err
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from tests.helpers.spawn import run_ranks
 from tests.moe import harness
-from trillion.parallel.float8 import Float8Training
+from trillion.parallel.layout import Float8Training
 
 TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 WIDE = dataclasses.replace(

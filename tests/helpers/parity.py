@@ -19,8 +19,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trillion.models import PRESETS, Transformer
-from trillion.parallel.dims import ParallelDims
+from trillion.parallel import modes
+from trillion.parallel.dims import ParallelDims, check_layout
 from trillion.parallel.forward_backward import MicroBatchLoop
+from trillion.parallel.layout import Layout, layout_on
 from trillion.parallel.parallelize import parallelize
 from trillion.trainer.data.loader import DataLoader
 from trillion.trainer.step import train_step
@@ -32,6 +34,7 @@ FAMILIES = {
     "gpt": dataclasses.replace(PRESETS["debug-gpt"], n_layers=2, dim=64, n_heads=4, vocab_size=128, max_seq_len=32),
 }
 SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH, STEPS, SEED = 16, 8, 2, 3, 11
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")  # a case's keys for the layout's degrees
 MAX_NORM = float(os.environ.get("PARITY_MAX_NORM", 0.5))  # 0: no clipping, to localize a wrong gradient
 
 
@@ -60,26 +63,12 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def train_case(case: dict, world_size: int) -> dict:
     """Run the case on all ranks of the current group (or alone when world_size is 1)."""
     args = dataclasses.replace(FAMILIES[case["family"]], attention_impl=case.get("attention", "sdpa"))
-    dims = ParallelDims.of(
-        dp_replicate=case.get("dp_replicate", 1),
-        dp_shard=case.get("dp_shard", -1),
-        cp=case.get("cp", 1),
-        tp=case.get("tp", 1),
-        world_size=world_size,
-    )
-    dims.validate(args, SEQ_LEN)
+    dims = ParallelDims(case_layout(case, world_size), world_size)
+    check_layout(dims.layout, args, SEQ_LEN)
     dims.build_mesh("cpu")
-    mode = case.get("mode", "zero3")
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize(
-        model,
-        dims,
-        dp_shard_mode=mode,
-        activation_checkpoint=case.get("ac", "none"),
-        compile=bool(case.get("compile")),
-        compile_backend=case.get("compile") or "inductor",
-    )
+    parallelize(model, dims, compile_backend=case.get("compile") or "inductor")
     if "attend" in case:  # a replacement attention, for cases that must fail
         for block in model.layers.values():
             block.attention.attend = case["attend"]
@@ -96,7 +85,7 @@ def train_case(case: dict, world_size: int) -> dict:
     losses, norms = [], []
     for _ in range(STEPS):
         loss, norm = train_step(
-            MicroBatchLoop(model, dims.tp_enabled, mode),
+            MicroBatchLoop(model, dims.layout),
             loader.next_batch(),
             optimizer,
             scaler,
@@ -107,6 +96,25 @@ def train_case(case: dict, world_size: int) -> dict:
         losses.append(loss.item())
         norms.append(norm.item())
     return {"losses": losses, "norms": norms, "grads": grads, "initial": initial}
+
+
+def case_layout(case: dict, world_size: int, **fields) -> Layout:
+    """The Layout of a case on `world_size` ranks: its degrees (dp_shard -1 unless given), ZeRO `mode`, checkpointing
+    (`ac`), `compile`, pipeline `schedule` with its stages per rank (`virtual`, 0: the schedule's), micro-batches of
+    `micro` sequences (MICRO_BATCH) and as many as GLOBAL_BATCH leaves each data-parallel rank; `fields` besides."""
+    degrees = layout_on(world_size, **{"dp_shard": -1, **{axis: case[axis] for axis in DEGREES if axis in case}})
+    schedule, micro = modes.schedule(case.get("schedule", "1F1B")), case.get("micro", MICRO_BATCH)
+    return dataclasses.replace(
+        degrees,
+        dp_shard_mode=case.get("mode", "zero3"),
+        pp_schedule=schedule.name,
+        virtual_stages=modes.stages_per_rank(schedule, case.get("virtual", 0)) if degrees.pp > 1 else 1,
+        micro_batch_size=micro,
+        microbatches=GLOBAL_BATCH // (micro * degrees.dp),
+        activation_checkpoint=case.get("ac", "none"),
+        compile=bool(case.get("compile")),
+        **fields,
+    )
 
 
 def random_loader(case: dict, args, micro_batch_size: int, dims) -> DataLoader:

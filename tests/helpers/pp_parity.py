@@ -10,9 +10,7 @@ import torch.distributed as dist
 from tests.helpers import parity
 from tests.helpers.parity import (
     FAMILIES,
-    GLOBAL_BATCH,
     MAX_NORM,
-    MICRO_BATCH,
     SEED,
     SEQ_LEN,
     STEPS,
@@ -21,48 +19,27 @@ from tests.helpers.parity import (
     reference_key,
 )
 from trillion.models import Transformer
-from trillion.parallel.dims import ParallelDims
+from trillion.parallel.dims import ParallelDims, check_layout
+from trillion.parallel.layout import StageLayers
 from trillion.parallel.parallelize import parallelize
-from trillion.parallel.pipeline import Pipeline, StageLayers
+from trillion.parallel.pipeline import Pipeline
 from trillion.trainer.step import train_step
 
 
 def train_pipeline_case(case: dict, world_size: int) -> dict:
     args = FAMILIES[case["family"]]
-    dims = ParallelDims.of(
-        pp=case["pp"],
-        dp_shard=case.get("dp_shard", -1),
-        cp=case.get("cp", 1),
-        tp=case.get("tp", 1),
-        world_size=world_size,
-    )
-    dims.validate(args, SEQ_LEN)
-    dims.build_mesh("cpu")
-    mode = case.get("mode", "zero3")
-    with torch.device("meta"):
-        model = Transformer(args)
-    micro = case.get("micro", MICRO_BATCH)
-    n_micro = GLOBAL_BATCH // (micro * dims.dp_size)
-    layers = StageLayers(
+    stages = StageLayers(
         case.get("layers_per_stage", 0), case.get("first_stage_layers", -1), case.get("last_stage_layers", -1)
     )
+    layout = parity.case_layout(case, world_size, stage_layers=stages)
+    check_layout(layout, args, SEQ_LEN)
+    dims = ParallelDims(layout, world_size)
+    dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Transformer(args)
+    backend = case.get("compile") or "inductor"
     pipeline = Pipeline(
-        model,
-        dims,
-        case["schedule"],
-        n_micro,
-        torch.device("cpu"),
-        virtual=case.get("virtual", 0),
-        layers=layers,
-        parallelize_fn=lambda part: parallelize(
-            part,
-            dims,
-            dp_shard_mode=mode,
-            pp_schedule=case["schedule"],
-            activation_checkpoint=case.get("ac", "none"),
-            compile=bool(case.get("compile")),
-            compile_backend=case.get("compile") or "inductor",
-        ),
+        model, dims, torch.device("cpu"), parallelize_fn=lambda part: parallelize(part, dims, compile_backend=backend)
     )
     for part in pipeline.parts:
         part.to_empty(device="cpu")
@@ -73,7 +50,7 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
     optimizer = torch.optim.AdamW([p for _, p in named], lr=3e-3, weight_decay=0.1, foreach=True)
     grads = []
     optimizer.register_step_pre_hook(lambda *_: grads.append({n: _full(p.grad) for n, p in named}))
-    loader = random_loader(case, args, micro, dims)
+    loader = random_loader(case, args, layout.micro_batch_size, dims)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     losses, norms = [], []
     for _ in range(STEPS):

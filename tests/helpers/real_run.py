@@ -27,7 +27,7 @@ from trillion.parallel.activation_checkpoint import apply_activation_checkpointi
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline
 from trillion.parallel.tensor_parallel import apply_tensor_parallel, loss_context
-from trillion.trainer.assemble import batch_split, build_model_args, build_parallel_dims
+from trillion.trainer.assemble import build_model_args, build_parallel_dims, resolve_layout
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.launch.env import LaunchEnv
 from trillion.trainer.optim import build_optimizer
@@ -39,10 +39,11 @@ from trillion.trainer.tools.estimate.dry_run import storage_bytes
 def measure_rank(rank: int, world_size: int, overrides: list, out_path: str) -> None:
     config = load_config(None, overrides)
     env = LaunchEnv(rank=rank, world_size=world_size, local_rank=rank, device=torch.device("cpu"))
-    args = build_model_args(config, 0)
-    dims = build_parallel_dims(config, env, args)
+    layout = resolve_layout(config, world_size)
+    args = build_model_args(config, 0, layout)
+    dims = build_parallel_dims(layout, args, config.training.seq_len, env)
     t = config.training
-    micro, count = batch_split(t, dims.dp_size)
+    micro, count = layout.micro_batch_size, layout.microbatches
     torch.manual_seed(rank)
     tokens = torch.randint(0, args.vocab_size, (count, micro, t.seq_len + 1))
     micro_batches = [(x[:, :-1], x[:, 1:]) for x in tokens]
@@ -57,12 +58,7 @@ def _plain_rank(config, args, dims, micro_batches) -> dict:
     inputs, labels = micro_batches[0]
     with torch.device("meta"):
         model = Transformer(args)
-    parallelize(
-        model,
-        dims,
-        dp_shard_mode=config.parallel.dp_shard_mode,
-        activation_checkpoint=config.parallel.activation_checkpoint,
-    )
+    parallelize(model, dims)
     model.to_empty(device="cpu")
     model.init_weights(0)
     optimizer = build_optimizer(model, config.optimizer, "cpu")
@@ -78,16 +74,16 @@ def _plain_rank(config, args, dims, micro_batches) -> dict:
     }
 
     # 2. activations on real tensors: the same TP plan and checkpointing (FSDP does not change them)
-    plain = _tp_only(Transformer(args), config, dims)
+    plain = _tp_only(Transformer(args), dims)
     plain.init_weights(0)
     record["activations"] = measure_micro_batch(plain, inputs, labels, dims.tp_enabled, last=True).peak
     return record
 
 
-def _tp_only(model: nn.Module, config, dims) -> nn.Module:
+def _tp_only(model: nn.Module, dims) -> nn.Module:
     if dims.tp_enabled:
         apply_tensor_parallel(model, dims.tp_mesh)
-    apply_activation_checkpointing(model, config.parallel.activation_checkpoint)
+    apply_activation_checkpointing(model, dims.layout.activation_checkpoint)
     return model
 
 
@@ -95,19 +91,11 @@ def _optimizer_bytes(optimizer) -> int:
     return storage_bytes([v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)])
 
 
-def _build_pipeline(config, args, dims, n_microbatches: int, layout) -> Pipeline:
+def _build_pipeline(config, args, dims, layout) -> Pipeline:
     """This rank's stages as trainer/train.py builds them, materialized and wrapped in the schedule."""
     with torch.device("meta"):
         model = Transformer(args)
-    pipeline = Pipeline(
-        model,
-        dims,
-        config.parallel.pp_schedule,
-        n_microbatches,
-        torch.device("cpu"),
-        virtual=config.parallel.pp_virtual_stages,
-        parallelize_fn=layout,
-    )
+    pipeline = Pipeline(model, dims, torch.device("cpu"), parallelize_fn=layout)
     for part in pipeline.parts:
         part.to_empty(device="cpu")
         part.init_weights(config.job.seed)
@@ -116,18 +104,7 @@ def _build_pipeline(config, args, dims, n_microbatches: int, layout) -> Pipeline
 
 
 def _pipeline_rank(config, args, dims, micro_batches) -> dict:
-    p = config.parallel
-
-    def trainer_layout(part):
-        return parallelize(
-            part,
-            dims,
-            dp_shard_mode=p.dp_shard_mode,
-            activation_checkpoint=p.activation_checkpoint,
-            pp_schedule=p.pp_schedule,
-        )
-
-    pipeline = _build_pipeline(config, args, dims, len(micro_batches), trainer_layout)
+    pipeline = _build_pipeline(config, args, dims, lambda part: parallelize(part, dims))
     model = pipeline.model
     optimizer = build_optimizer(model, config.optimizer, "cpu")
     held = {"gradient_accumulation": 0, "fsdp_gathered": 0}
@@ -156,7 +133,7 @@ def _pipeline_rank(config, args, dims, micro_batches) -> dict:
     )
 
     # activations: the same schedule over TP-only stages, measured in its second step
-    tp_pipeline = _build_pipeline(config, args, dims, len(micro_batches), lambda part: _tp_only(part, config, dims))
+    tp_pipeline = _build_pipeline(config, args, dims, lambda part: _tp_only(part, dims))
     record["activations"] = _schedule_peak(tp_pipeline, micro_batches)
     return record
 

@@ -9,9 +9,10 @@ import torch
 from trillion.errors import ConfigError
 from trillion.models import PRESETS
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
-from trillion.parallel.dims import ParallelDims
+from trillion.parallel.dims import ParallelDims, check_layout
+from trillion.parallel.layout import layout_on
 from trillion.parallel.modes import recompute_fraction, zero_mode
-from trillion.trainer.assemble import build_parallel_dims, validate_training
+from trillion.trainer.assemble import build_parallel_dims, resolve_layout, validate_training
 from trillion.trainer.config.schema import Config
 from trillion.trainer.launch.env import LaunchEnv
 
@@ -52,7 +53,7 @@ CASES = [
 @pytest.mark.parametrize("degrees, world, args, seq_len, words", CASES, ids=[str(i) for i in range(len(CASES))])
 def test_invalid_layout_is_refused_with_the_setting_and_a_fix(degrees, world, args, seq_len, words):
     with pytest.raises(ConfigError) as error:
-        ParallelDims.of(**degrees, world_size=world).validate(args, seq_len)
+        check_layout(layout_on(**degrees, world_size=world), args, seq_len)
     for word in words:
         assert word in str(error.value), f"{word!r} not in: {error.value}"
 
@@ -60,17 +61,17 @@ def test_invalid_layout_is_refused_with_the_setting_and_a_fix(degrees, world, ar
 def test_dp_shard_is_inferred_from_the_world():
     dims = ParallelDims.of(dp_replicate=2, tp=2, world_size=16)
     assert (dims.dp_shard, dims.dp_size) == (4, 8)
-    dims.validate(LLAMA, 256)  # valid: 8 heads, 4 KV heads, ffn 704, vocab 320 all divide by 2
+    check_layout(dims.layout, LLAMA, 256)  # valid: 8 heads, 4 KV heads, ffn 704, vocab 320 all divide by 2
 
 
 def test_tp_beyond_a_node_is_warned_not_refused(caplog):
     args = _args(n_heads=16, n_kv_heads=16)  # head size 16; ffn 704, vocab 320 and seq 256 divide by 16
     with caplog.at_level(logging.WARNING, logger="trillion"):
-        ParallelDims.of(tp=16, world_size=16).validate(args, 256, gpus_per_node=8)
+        check_layout(layout_on(tp=16, world_size=16), args, 256, gpus_per_node=8)
     assert "parallel.tp=16 is larger than the 8 devices of a node" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="trillion"):
-        ParallelDims.of(tp=8, world_size=8).validate(_args(n_kv_heads=8), 256, gpus_per_node=8)
+        check_layout(layout_on(tp=8, world_size=8), _args(n_kv_heads=8), 256, gpus_per_node=8)
     assert caplog.text == ""
 
 
@@ -100,7 +101,8 @@ def _config(**parallel) -> Config:
 def test_batch_that_does_not_split_over_data_parallel_ranks(settings, world, words):
     env = LaunchEnv(rank=0, world_size=world, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ConfigError) as error:
-        build_parallel_dims(_config(**settings), env, LLAMA)
+        config = _config(**settings)
+        build_parallel_dims(resolve_layout(config, world), LLAMA, config.training.seq_len, env)
     for word in words:
         assert word in str(error.value), f"{word!r} not in: {error.value}"
 

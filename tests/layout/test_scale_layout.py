@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from trillion.models import PRESETS, Transformer
-from trillion.parallel.dims import ParallelDims
+from trillion.parallel.dims import ParallelDims, check_layout
 from trillion.parallel.parallelize import parallelize
 
 WORLD, DP_SHARD, TP = 3072, 384, 8
@@ -32,12 +32,14 @@ def _parameters_held(rank: int) -> tuple[int, int, int, set]:
     dist.init_process_group("fake", rank=rank, world_size=WORLD, store=FakeStore())
     try:
         args = PRESETS["gpt-1t"]
-        dims = ParallelDims.of(dp_shard=DP_SHARD, tp=TP, world_size=WORLD)
-        dims.validate(args, seq_len=2048, gpus_per_node=8)
+        dims = ParallelDims.of(
+            dp_shard=DP_SHARD, tp=TP, world_size=WORLD, dp_shard_mode="zero1", activation_checkpoint="full"
+        )
+        check_layout(dims.layout, args, seq_len=2048, gpus_per_node=8)
         dims.build_mesh("cpu")
         with torch.device("meta"):
             model = Transformer(args)
-        parallelize(model, dims, dp_shard_mode="zero1", activation_checkpoint="full")
+        parallelize(model, dims)
         params = list(model.parameters())
         meshes = {tuple(p.device_mesh.mesh_dim_names) for p in params if isinstance(p, DTensor)}
         assert all(isinstance(p, DTensor) and p.is_meta for p in params)

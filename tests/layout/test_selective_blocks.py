@@ -69,7 +69,7 @@ def one_thread():
 def _model(mode: str) -> Transformer:
     with torch.device("meta"):
         model = Transformer(ARGS)
-    parallelize(model, ParallelDims(world_size=1), activation_checkpoint=mode)  # one process: AC only
+    parallelize(model, ParallelDims.of(activation_checkpoint=mode))  # one process: AC only
     model.to_empty(device="cpu")
     model.init_weights(3)
     return model
@@ -93,7 +93,7 @@ def test_a_pipeline_stage_counts_its_blocks_from_its_first(mode, expected):
         model = Transformer(ARGS)
     stage = stage_module(model, range(2, 6))
     assert sorted(int(key) for key in stage.layers) == [1, 2, 3, 4]
-    parallelize(stage, ParallelDims.of(pp=1, world_size=1), activation_checkpoint=mode)
+    parallelize(stage, ParallelDims.of(pp=1, world_size=1, activation_checkpoint=mode))
     stage.to_empty(device="cpu")
     stage.init_weights(3)
     hidden = torch.randn(2, 8, ARGS.dim, generator=torch.Generator().manual_seed(0), requires_grad=True)

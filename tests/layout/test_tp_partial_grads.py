@@ -13,7 +13,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from trillion.models import PRESETS, Transformer
-from trillion.parallel.dims import ParallelDims
+from trillion.parallel.dims import ParallelDims, check_layout
 from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
 from trillion.trainer.step import train_step
@@ -26,7 +26,7 @@ def _all_reduces_of_one_step(n_layers: int) -> tuple[int, list]:
         PRESETS["debug"], n_layers=n_layers, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, vocab_size=128, max_seq_len=32
     )
     dims = ParallelDims.of(tp=2, world_size=2)
-    dims.validate(args, SEQ_LEN)
+    check_layout(dims.layout, args, SEQ_LEN)
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(args)
@@ -41,7 +41,7 @@ def _all_reduces_of_one_step(n_layers: int) -> tuple[int, list]:
     tokens = torch.randint(0, args.vocab_size, (2, SEQ_LEN + 1))
     with CommDebugMode() as comm:
         train_step(
-            MicroBatchLoop(model, True, "zero3"),
+            MicroBatchLoop(model, dims.layout),
             [(tokens[:, :-1], tokens[:, 1:])],
             optimizer,
             torch.amp.GradScaler("cpu", enabled=False),

@@ -15,12 +15,11 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from tests.helpers.parity import GLOBAL_BATCH, MICRO_BATCH, SEED, SEQ_LEN, RandomWindows, _compare, _full
+from tests.helpers.parity import GLOBAL_BATCH, MICRO_BATCH, SEED, SEQ_LEN, RandomWindows, _compare, _full, case_layout
 from trillion.models import PRESETS, Transformer
 from trillion.models.args import MLAArgs, YaRNArgs
 from trillion.models.moe import AUX_TIMES_TOKENS, DROPPED, SEQ_AUX_TIMES_TOKENS, moe_layers
-from trillion.parallel.dims import ParallelDims
-from trillion.parallel.expert_overlap import pairs_micro_batches
+from trillion.parallel.dims import ParallelDims, check_layout
 from trillion.parallel.expert_parallel import ExpertDispatch
 from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
@@ -59,7 +58,6 @@ VARIANTS = {  # MoE settings on top of BASE.moe
     # a per-rank capacity of one even share: ep 2 drops some tokens, one process (told of the 2 ranks) the same
     "capacity": {"rank_capacity_factor": 1.0, "capacity_ranks": 2},
 }
-LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 DISPATCH_KEYS = ("ep_dispatch", "ranks_per_node", "ep_overlap")  # Layout's; the capacity is the model's (variant)
 
 
@@ -72,30 +70,25 @@ def model_args(variant: str, model: str = "gqa"):
 
 
 def _dims(case: dict, world_size: int, args) -> ParallelDims:
-    layout = {k: case[k] for k in LAYOUT_KEYS if k in case}
-    degrees = ParallelDims.of(**{"dp_shard": -1, **layout}, world_size=world_size).layout
-    dispatch = {k: case[k] for k in DISPATCH_KEYS if k in case}
-    dims = ParallelDims(dataclasses.replace(degrees, **dispatch, ep_capacity=args.moe.rank_capacity_factor), world_size)
-    dims.validate(args, SEQ_LEN)
+    layout = case_layout(
+        case,
+        world_size,
+        **{k: case[k] for k in DISPATCH_KEYS if k in case},
+        ep_capacity=args.moe.rank_capacity_factor,
+        float8=case.get("float8"),  # a Float8Training (tests/float8/test_experts_parity.py)
+    )
+    check_layout(layout, args, SEQ_LEN)
+    dims = ParallelDims(layout, world_size)
     dims.build_mesh("cpu")
     return dims
 
 
 def _build(case: dict, dims: ParallelDims, args):
     """(runner, the model parts on this rank)."""
-    mode = case.get("mode", "zero3")
+    backend = case.get("compile") or "inductor"
 
     def layout(part):
-        return parallelize(
-            part,
-            dims,
-            dp_shard_mode=mode,
-            activation_checkpoint=case.get("ac", "none"),
-            compile=bool(case.get("compile")),
-            compile_backend=case.get("compile") or "inductor",
-            pp_schedule=case.get("schedule", "1F1B"),
-            float8=case.get("float8"),  # a Float8Training (tests/float8/test_experts_parity.py)
-        )
+        return parallelize(part, dims, compile_backend=backend)
 
     with torch.device("meta"):
         model = Transformer(args)
@@ -103,10 +96,8 @@ def _build(case: dict, dims: ParallelDims, args):
         layout(model)
         model.to_empty(device="cpu")
         model.init_weights(SEED)
-        paired = pairs_micro_batches(dataclasses.replace(dims.layout, dp_shard_mode=mode, microbatches=2), True)
-        return MicroBatchLoop(model, dims.tp_enabled, mode, args.mtp_loss_weight, args.mtp_modules, paired), [model]
-    n_micro = GLOBAL_BATCH // (MICRO_BATCH * dims.dp_size)
-    pipeline = Pipeline(model, dims, case.get("schedule", "1F1B"), n_micro, torch.device("cpu"), parallelize_fn=layout)
+        return MicroBatchLoop(model, dims.layout, args.mtp_loss_weight, args.mtp_modules), [model]
+    pipeline = Pipeline(model, dims, torch.device("cpu"), parallelize_fn=layout)
     for part in pipeline.parts:
         part.to_empty(device="cpu")
         part.init_weights(SEED)

@@ -9,7 +9,7 @@ import pytest
 
 from trillion.errors import ConfigError
 from trillion.models import PRESETS
-from trillion.trainer.assemble import build_layout
+from trillion.trainer.assemble import check_model_layout, resolve_layout
 from trillion.trainer.config.schema import Config, load_config
 
 MOE, DEEPSEEK = PRESETS["debug-moe"], PRESETS["debug-deepseek"]  # 8 experts; debug-deepseek: 4 routing groups
@@ -21,7 +21,9 @@ def _layout(world: int, args=MOE, capacity: float = 0.0, **parallel):
     config.moe.rank_capacity_factor = capacity
     for key, value in parallel.items():
         setattr(config.parallel, key, value)
-    return build_layout(config, world, args)
+    layout = resolve_layout(config, world)
+    check_model_layout(layout, args, config.training.seq_len)
+    return layout
 
 
 @pytest.mark.parametrize(

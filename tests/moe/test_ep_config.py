@@ -8,8 +8,9 @@ import torch
 
 from trillion.errors import ConfigError
 from trillion.models import PRESETS
-from trillion.parallel.dims import ParallelDims
-from trillion.trainer.assemble import build_parallel_dims
+from trillion.parallel.dims import ParallelDims, check_layout
+from trillion.parallel.layout import layout_on
+from trillion.trainer.assemble import build_parallel_dims, resolve_layout
 from trillion.trainer.config.schema import Config
 from trillion.trainer.launch.env import LaunchEnv
 
@@ -45,9 +46,9 @@ def _config(**parallel) -> Config:
 def test_bad_expert_parallel_degree_is_refused_with_the_fix(parallel, world, args, words):
     env = LaunchEnv(rank=0, world_size=world, local_rank=0, device=torch.device("cpu"))
     config = _config(**parallel)
-    config.training.global_batch_size = 24
+    config.training.global_batch_size, config.training.micro_batch_size = 24, 2  # splits over every world here
     with pytest.raises(ConfigError) as error:
-        build_parallel_dims(config, env, args)
+        build_parallel_dims(resolve_layout(config, world), args, config.training.seq_len, env)
     message = str(error.value)
     assert "\n" not in message
     for word in words:
@@ -57,7 +58,7 @@ def test_bad_expert_parallel_degree_is_refused_with_the_fix(parallel, world, arg
 def test_ep_divides_experts_of_an_overridden_model():
     args = dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, n_experts=6))
     with pytest.raises(ConfigError, match="6 routed experts"):
-        ParallelDims.of(dp_shard=4, ep=4, world_size=4).validate(args, 64)
+        check_layout(layout_on(dp_shard=4, ep=4, world_size=4), args, 64)
 
 
 def test_ep1_builds_no_expert_mesh():

@@ -9,6 +9,7 @@ import torch
 from tests.test_moe_layer import DIM, build_moe, layer_container
 from trillion.models.args import MoEArgs
 from trillion.models.moe import SEQ_AUX_TIMES_TOKENS, TOKENS, moe_step_hooks
+from trillion.parallel.layout import Layout
 from trillion.trainer.assemble import build_model_args
 from trillion.trainer.config.schema import load_config
 
@@ -58,7 +59,7 @@ def test_per_sequence_statistics_are_not_the_batch_s():
 
 def test_the_setting_reaches_the_model_and_the_loss_is_logged_without_alpha():
     config = load_config(None, ["--model.name=debug-moe", "--moe.seq_aux_loss_coef=0.001"])
-    assert build_model_args(config, 257).moe.seq_aux_loss_coef == 0.001
+    assert build_model_args(config, 257, Layout()).moe.seq_aux_loss_coef == 0.001
     layer = build_moe(MOE)
     x = torch.randn(2, 10, DIM, dtype=torch.float64)
     layer(x)  # a training forward tallies it

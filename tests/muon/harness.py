@@ -12,12 +12,12 @@ import os
 import torch
 import torch.distributed as dist
 
-from tests.helpers.parity import FAMILIES, GLOBAL_BATCH, SEED, SEQ_LEN, RandomWindows, _full
+from tests.helpers.parity import FAMILIES, GLOBAL_BATCH, SEED, SEQ_LEN, RandomWindows, _full, case_layout
 from tests.moe.harness import MODELS as MOE_MODELS
 from trillion.models import Transformer
 from trillion.models.logit_probe import install_probes
 from trillion.models.transformer import _copy_full_into
-from trillion.parallel.dims import ParallelDims
+from trillion.parallel.dims import ParallelDims, check_layout
 from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.muon.matrices import hidden_matrices
 from trillion.parallel.parallelize import parallelize
@@ -29,7 +29,6 @@ from trillion.trainer.step import train_step
 
 MODELS = {"dense": FAMILIES["llama"], "moe": MOE_MODELS["gqa"], "mla": MOE_MODELS["mla"]}
 STEPS, MICRO_BATCH, MAX_NORM, LR = 10, 2, 1.0, 5e-4
-LAYOUT_KEYS = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")
 RTOL = 1e-6  # losses, and each parameter tensor: ||difference|| / ||parameter||
 
 
@@ -57,28 +56,17 @@ def pump_first_head(parts, args, factor: float) -> None:
 
 def _build(case: dict, dims: ParallelDims, args):
     """(runner, this rank's model parts)."""
-    mode = case.get("mode", "zero3")
     with torch.device("meta"):
         model = Transformer(args)
     if case.get("qk_clip"):
         assert not install_probes(model)
-    layout = dict(dp_shard_mode=mode, activation_checkpoint=case.get("ac", "none"))
     if dims.pp == 1:
-        parallelize(model, dims, **layout)
+        parallelize(model, dims)
         model.to_empty(device="cpu")
         model.init_weights(SEED)
         pump_first_head([model], args, case.get("pump", 1.0))
-        return MicroBatchLoop(model, dims.tp_enabled, mode), [model]
-    schedule = case.get("schedule", "1F1B")
-    n_micro = GLOBAL_BATCH // (MICRO_BATCH * dims.dp_size)
-    pipeline = Pipeline(
-        model,
-        dims,
-        schedule,
-        n_micro,
-        torch.device("cpu"),
-        parallelize_fn=lambda part: parallelize(part, dims, pp_schedule=schedule, **layout),
-    )
+        return MicroBatchLoop(model, dims.layout), [model]
+    pipeline = Pipeline(model, dims, torch.device("cpu"), parallelize_fn=lambda part: parallelize(part, dims))
     for part in pipeline.parts:
         part.to_empty(device="cpu")
         part.init_weights(SEED)
@@ -89,9 +77,8 @@ def _build(case: dict, dims: ParallelDims, args):
 
 def train_case(case: dict, world_size: int) -> dict:
     args = MODELS[case.get("model", "dense")]
-    layout = {k: case[k] for k in LAYOUT_KEYS if k in case}
-    dims = ParallelDims.of(**{"dp_shard": -1, **layout}, world_size=world_size)
-    dims.validate(args, SEQ_LEN)
+    dims = ParallelDims(case_layout(case, world_size), world_size)
+    check_layout(dims.layout, args, SEQ_LEN)
     dims.build_mesh("cpu")
     runner, model_parts = _build(case, dims, args)
     initial = {n: _full(p) for part in model_parts for n, p in part.named_parameters()}

@@ -29,10 +29,11 @@ from tests.helpers.parity import (
     RandomWindows,
     _compare,
     _full,
+    case_layout,
 )
 from tests.helpers.spawn import run_ranks
 from trillion.models import Transformer
-from trillion.parallel.dims import ParallelDims
+from trillion.parallel.dims import ParallelDims, check_layout
 from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
 from trillion.trainer.data.loader import DataLoader
@@ -89,22 +90,14 @@ def run_case(case: dict, world_size: int) -> dict:
 
     args = dataclasses.replace(FAMILIES[case["family"]], attention_impl="sdpa")
     pp = case.get("pp", 1)
-    dims = ParallelDims.of(pp=pp, dp_shard=case.get("dp_shard", -1), tp=case.get("tp", 1), world_size=world_size)
-    dims.validate(args, SEQ_LEN)
+    dims = ParallelDims(case_layout(case, world_size), world_size)
+    check_layout(dims.layout, args, SEQ_LEN)
     dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(args)
     micro = case.get("micro", MICRO_BATCH)
     if pp > 1:
-        schedule = case["schedule"]
-        pipeline = Pipeline(
-            model,
-            dims,
-            schedule,
-            GLOBAL_BATCH // (micro * dims.dp_size),
-            torch.device("cpu"),
-            parallelize_fn=lambda part: parallelize(part, dims, pp_schedule=schedule),
-        )
+        pipeline = Pipeline(model, dims, torch.device("cpu"), parallelize_fn=lambda part: parallelize(part, dims))
         for part in pipeline.parts:
             part.to_empty(device="cpu")
             part.init_weights(SEED)
@@ -114,7 +107,7 @@ def run_case(case: dict, world_size: int) -> dict:
         parallelize(model, dims)
         model.to_empty(device="cpu")
         model.init_weights(SEED)
-        pipeline, runner, evaluated, parts = None, MicroBatchLoop(model, dims.tp_enabled, "zero3"), model, [model]
+        pipeline, runner, evaluated, parts = None, MicroBatchLoop(model, dims.layout), model, [model]
     named = [(n, p) for part in parts for n, p in part.named_parameters()]
     initial = {n: _full(p) for n, p in named}
     optimizer = torch.optim.AdamW([p for _, p in named], lr=3e-3, weight_decay=0.1, foreach=True)

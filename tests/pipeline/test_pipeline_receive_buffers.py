@@ -6,6 +6,7 @@ rank, split backward, one hand-over between stages on the same rank). Every buff
 into is followed by a weak reference, so the count alive after each stage action gives the peak of a
 step. Torch's own stage, the control, holds one per micro-batch and direction for good."""
 
+import dataclasses
 import json
 import weakref
 from pathlib import Path
@@ -17,7 +18,9 @@ import trillion.parallel.pipeline_stage
 from tests.helpers.parity import FAMILIES, SEED, SEQ_LEN, RandomWindows
 from tests.helpers.spawn import run_ranks
 from trillion.models import Transformer
+from trillion.parallel import modes
 from trillion.parallel.dims import ParallelDims
+from trillion.parallel.layout import layout_on
 from trillion.parallel.pipeline import Pipeline
 
 PP, MICRO_BATCHES = 2, 8
@@ -73,8 +76,7 @@ class ReceiveBuffers:
 def count_receive_buffers(rank: int, world_size: int, micro_batches: int, out: str) -> None:
     """For each schedule, with torch's stage and ours: buffers held after two steps, peak alive, its bytes."""
     args = FAMILIES["llama"]
-    dims = ParallelDims.of(pp=PP, world_size=world_size)
-    dims.build_mesh("cpu")
+    degrees = layout_on(world_size, pp=PP)
     windows = RandomWindows(args.vocab_size, SEQ_LEN + 1).next_windows(micro_batches)
     batch = [(w[None, :-1], w[None, 1:]) for w in windows]
     ours, counts = trillion.parallel.pipeline_stage.InFlightReceiveStage, {}
@@ -83,7 +85,16 @@ def count_receive_buffers(rank: int, world_size: int, micro_batches: int, out: s
             trillion.parallel.pipeline_stage.InFlightReceiveStage = stage_class  # what Pipeline builds its stages with
             with torch.device("meta"):
                 model = Transformer(args)
-            pipeline = Pipeline(model, dims, schedule, micro_batches, torch.device("cpu"))
+            shape = modes.schedule(schedule)
+            layout = dataclasses.replace(
+                degrees,
+                pp_schedule=shape.name,
+                virtual_stages=modes.stages_per_rank(shape, 0),
+                microbatches=micro_batches,
+            )
+            dims = ParallelDims(layout, world_size)
+            dims.build_mesh("cpu")
+            pipeline = Pipeline(model, dims, torch.device("cpu"))
             for part in pipeline.parts:
                 part.to_empty(device="cpu")
                 part.init_weights(SEED)

@@ -17,9 +17,10 @@ from torch.distributed.tensor import DTensor
 
 from trillion.models import PRESETS, Transformer
 from trillion.models.flops import count_params
-from trillion.parallel.dims import ParallelDims
+from trillion.parallel.dims import ParallelDims, check_layout
+from trillion.parallel.layout import StageLayers
 from trillion.parallel.parallelize import parallelize
-from trillion.parallel.pipeline import Pipeline, StageLayers, split_units, stage_module
+from trillion.parallel.pipeline import Pipeline, split_units, stage_module
 
 GPT_1T = PRESETS["gpt-1t"]  # 128 layers, hidden 25600, 200 heads
 SEQ_LEN = 2048
@@ -60,12 +61,10 @@ def test_gpt_1t_layout_builds_for_first_middle_and_last_stage(model, tp, pp, dp)
     for pp_rank in (0, pp // 2, pp - 1):
         rank = pp_rank * dp * tp  # pp is the outermost mesh axis: the stage's first rank (dp 0, tp 0)
         with fake_rank(rank, world):
-            dims = ParallelDims.of(pp=pp, dp_shard=dp, tp=tp, world_size=world)
-            dims.validate(GPT_1T, SEQ_LEN)
+            dims = ParallelDims.of(pp=pp, dp_shard=dp, tp=tp, world_size=world, microbatches=pp)
+            check_layout(dims.layout, GPT_1T, SEQ_LEN)
             dims.build_mesh("cpu")
-            pipeline = Pipeline(
-                model, dims, "1F1B", pp, torch.device("cpu"), parallelize_fn=lambda part: parallelize(part, dims)
-            )
+            pipeline = Pipeline(model, dims, torch.device("cpu"), parallelize_fn=lambda part: parallelize(part, dims))
             [part] = pipeline.parts
             assert pipeline.pp_rank == pp_rank
             whole, local = _whole(part), _local(part)
@@ -86,11 +85,12 @@ def test_explicit_stage_sizes_reach_the_stages(model):
     tp, pp, dp = 4, 128, 2
     for pp_rank, layers in ((0, ["0"]), (1, ["1"]), (pp - 1, ["127"])):
         with fake_rank(pp_rank * dp * tp, tp * pp * dp):
-            dims = ParallelDims.of(pp=pp, dp_shard=dp, tp=tp, world_size=tp * pp * dp)
-            dims.build_mesh("cpu")
-            pipeline = Pipeline(
-                model, dims, "1F1B", pp, torch.device("cpu"), layers=StageLayers(per_stage=1, first=1, last=1)
+            stages = StageLayers(per_stage=1, first=1, last=1)
+            dims = ParallelDims.of(
+                pp=pp, dp_shard=dp, tp=tp, world_size=tp * pp * dp, microbatches=pp, stage_layers=stages
             )
+            dims.build_mesh("cpu")
+            pipeline = Pipeline(model, dims, torch.device("cpu"))
         [part] = pipeline.parts
         assert list(part.layers.keys()) == layers
         assert (part.tok_embeddings is not None, part.output is not None) == (pp_rank == 0, pp_rank == pp - 1)

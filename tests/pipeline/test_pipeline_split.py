@@ -1,22 +1,16 @@
 """Stage splitting (names stay global, balanced by layer count with embedding and output counted as
 layers, or sized explicitly), the bubble fraction, and every refused pipeline configuration with its
-reason and fix, from validate_pipeline and from the trainer's config check."""
+reason and fix, from the trainer's pipeline checks (tests/helpers/schedules.py) and from its config check."""
 
 import pytest
 import torch
 
+from tests.helpers.schedules import trainer_pipeline
 from trillion.errors import ConfigError
 from trillion.models import PRESETS, Transformer
-from trillion.parallel.pipeline import (
-    StageLayers,
-    bubble_fraction,
-    describe_split,
-    split_units,
-    stage_indices,
-    stage_module,
-    validate_pipeline,
-)
-from trillion.trainer.assemble import build_parallel_dims
+from trillion.parallel.layout import StageLayers
+from trillion.parallel.pipeline import bubble_fraction, describe_split, split_units, stage_indices, stage_module
+from trillion.trainer.assemble import build_parallel_dims, resolve_layout
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.launch.env import LaunchEnv
 
@@ -76,21 +70,21 @@ REFUSED = [
 @pytest.mark.parametrize("pp, schedule, micro, extra, words", REFUSED, ids=[str(i) for i in range(len(REFUSED))])
 def test_refused_pipeline_names_the_setting_and_the_reason(pp, schedule, micro, extra, words):
     with pytest.raises(ConfigError) as error:
-        validate_pipeline(pp, schedule, LLAMA.n_layers, micro, **extra)
+        trainer_pipeline(pp, schedule, LLAMA.n_layers, micro, **extra)
     for word in words:
         assert word in str(error.value), f"{word!r} not in: {error.value}"
 
 
 def test_accepted_pipelines():
-    assert validate_pipeline(2, "gpipe", 4, 1) == ("GPipe", 1)  # GPipe takes any number of micro-batches
-    assert validate_pipeline(6, "1F1B", 4, 6) == ("1F1B", 1)
-    assert validate_pipeline(2, "Interleaved1F1B", 4, 4) == ("Interleaved1F1B", 2)
-    assert validate_pipeline(3, "LoopedBFS", 4, 3, virtual=2) == ("LoopedBFS", 2)
-    assert validate_pipeline(1, "ZBVZeroBubble", 4, 1)[0] == "ZBVZeroBubble"  # pp 1: no pipeline, nothing refused
-    assert validate_pipeline(2, "zbvzerobubble", 4, 2) == ("ZBVZeroBubble", 2)
-    assert validate_pipeline(2, "DualPipeV", 4, 4) == ("DualPipeV", 2)
-    assert validate_pipeline(2, "InterleavedZeroBubble", 4, 4, virtual=3) == ("InterleavedZeroBubble", 3)
-    assert validate_pipeline(2, "1F1B", 4, 2, compile=True) == ("1F1B", 1)
+    assert trainer_pipeline(2, "gpipe", 4, 1) == ("GPipe", 1)  # GPipe takes any number of micro-batches
+    assert trainer_pipeline(6, "1F1B", 4, 6) == ("1F1B", 1)
+    assert trainer_pipeline(2, "Interleaved1F1B", 4, 4) == ("Interleaved1F1B", 2)
+    assert trainer_pipeline(3, "LoopedBFS", 4, 3, virtual=2) == ("LoopedBFS", 2)
+    assert trainer_pipeline(1, "ZBVZeroBubble", 4, 1)[0] == "ZBVZeroBubble"  # pp 1: no pipeline, nothing refused
+    assert trainer_pipeline(2, "zbvzerobubble", 4, 2) == ("ZBVZeroBubble", 2)
+    assert trainer_pipeline(2, "DualPipeV", 4, 4) == ("DualPipeV", 2)
+    assert trainer_pipeline(2, "InterleavedZeroBubble", 4, 4, virtual=3) == ("InterleavedZeroBubble", 3)
+    assert trainer_pipeline(2, "1F1B", 4, 2, compile=True) == ("1F1B", 1)
 
 
 def _sizes(n_layers: int, stages: int, layers: StageLayers) -> str:
@@ -164,7 +158,7 @@ def test_stage_sizes_that_do_not_fit_are_refused(n_layers, stages, layers, words
 
 # --section.field=value overrides, world size, words: the trainer refuses these before any work
 TRAINER_REFUSED = [
-    (["--parallel.pp=7"], 7, ["parallel.pp=7", "4 layers", "--parallel.pp=6"]),
+    (["--parallel.pp=7", "--training.micro_batch_size=1"], 7, ["parallel.pp=7", "4 layers", "--parallel.pp=6"]),
     (
         ["--parallel.pp=4", "--training.global_batch_size=4", "--training.micro_batch_size=2"],
         4,
@@ -199,6 +193,6 @@ def test_trainer_refuses_bad_pipelines_before_any_work(overrides, world, words):
     config = load_config(None, overrides)
     env = LaunchEnv(rank=0, world_size=world, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ConfigError) as error:
-        build_parallel_dims(config, env, LLAMA)
+        build_parallel_dims(resolve_layout(config, world), LLAMA, config.training.seq_len, env)
     for word in words:
         assert word in str(error.value), f"{word!r} not in: {error.value}"

@@ -1,15 +1,15 @@
 """The planner proposes exactly the pipeline layouts the trainer runs: for every schedule, pipeline
 degree, micro-batch count and compile setting, `trillion plan` with that layout fixed finds it
-valid if and only if the trainer's validate_pipeline accepts it."""
+valid if and only if the trainer's pipeline checks accept it (tests/helpers/schedules.py)."""
 
 import itertools
 
 import pytest
 
+from tests.helpers.schedules import trainer_pipeline
 from trillion.errors import ConfigError
 from trillion.models.presets import get_preset
 from trillion.parallel.modes import SCHEDULES
-from trillion.parallel.pipeline import validate_pipeline
 from trillion.parallel.planner.hardware import load_profile
 from trillion.parallel.planner.search import Request, search
 
@@ -18,7 +18,7 @@ MODEL = "gpt-1.4b"  # 24 layers: room for pp 4 x 2 stages
 
 def _trainer_accepts(schedule: str, pp: int, microbatches: int, compile_enabled: bool) -> bool:
     try:
-        validate_pipeline(pp, schedule, get_preset(MODEL).n_layers, microbatches, compile=compile_enabled)
+        trainer_pipeline(pp, schedule, get_preset(MODEL).n_layers, microbatches, compile=compile_enabled)
     except ConfigError:
         return False
     return True

@@ -9,16 +9,17 @@ import pytest
 from tests.helpers.documentation import documentation_text
 from trillion.models.flops import count_params, model_flops_per_token
 from trillion.models.presets import get_preset
+from trillion.parallel.layout import Layout
+from trillion.parallel.planner.assumptions import ASSUMED
 from trillion.parallel.planner.block_cost import attention_flops, block_passes, output_passes
 from trillion.parallel.planner.cost import rank_passes
 from trillion.parallel.planner.hardware import load_profile
-from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import (
+    ahead_params,
     block_linears,
     block_params,
     last_stage_params,
     layout_memory,
-    mtp_params,
     pipeline_ranks,
     rank_memory,
 )
@@ -49,7 +50,7 @@ def _active_params(args) -> int:
 
     blocks = sum(block(index) for index in range(args.n_layers + args.mtp_modules))
     heads = args.mtp_modules * args.vocab_size * h
-    return blocks + args.mtp_modules * count(mtp_params(args)) + count(last_stage_params(args)) + heads
+    return blocks + args.mtp_modules * count(ahead_params(args)) + count(last_stage_params(args)) + heads
 
 
 @pytest.mark.parametrize(
@@ -111,8 +112,9 @@ def test_the_mtp_module_sits_on_the_last_stage_and_costs_a_block_and_the_head():
     assert sum(r.numel(args, 1, 1)[0] for r in ranks) == _one_rank(args)[0].numel(args, 1, 1)[0] + embedding
     last, without = ranks[-1], dataclasses.replace(ranks[-1], ahead_modules=0)
     layout = Layout(tp=8)
-    with_mtp, plain = rank_passes(args, H100, layout, 4096, last)[0], rank_passes(args, H100, layout, 4096, without)[0]
-    block = block_passes(args, H100, layout, 4096, routed=True)
+    with_mtp = rank_passes(args, H100, layout, 4096, ASSUMED, last)[0]
+    plain = rank_passes(args, H100, layout, 4096, ASSUMED, without)[0]
+    block = block_passes(args, H100, layout, 4096, ASSUMED, routed=True)
     added = with_mtp.forward - plain.forward
     head = output_passes(args, H100, 4096, 8).forward
     projection = _gemm(H100, 4096, 2 * args.dim, args.dim)  # 2 dim -> dim, whole on every tp rank
@@ -127,22 +129,21 @@ def test_the_planner_refuses_what_the_trainer_refuses_of_deepseek_s_objectives(a
     the pipeline's): multi-token prediction and the sequence-wise balance loss train under every layout but one, MTP
     under a V-shaped schedule (its last stage's embedding copy would share the first stage's rank and name)."""
     from trillion.errors import ConfigError
-    from trillion.parallel.dims import ParallelDims
+    from trillion.models import parts
     from trillion.parallel.pipeline import validate_pipeline
     from trillion.parallel.planner.search import trainer_refusal
-    from trillion.trainer.assemble import check_whole_sequences
 
     preset = get_preset("debug-deepseek")
     assert preset.mtp_modules and preset.moe.seq_aux_loss_coef > 0
     degrees = {"pp": 1, "cp": 1, "tp": 1, "ep": 1, "dp_shard": 2} | {axis: 2}
     virtual = 2 if schedule == "ZBVZeroBubble" else 1
     layout = Layout(**degrees, pp_schedule=schedule, microbatches=4, virtual_stages=virtual)
-    dims = ParallelDims(layout, world_size=layout.gpus)
     outcomes = []
     for args in (preset, dataclasses.replace(preset, mtp_modules=0)):
-        try:
-            check_whole_sequences(args, dims)
-            validate_pipeline(layout.pp, schedule, args.n_layers, 4, output_end_reads=args.mtp_modules > 0)
+        try:  # check_model_layout's parts' refusal and pipeline check
+            if refused := parts.layout_refusal(args, layout):
+                raise ConfigError(refused)
+            validate_pipeline(layout, args.n_layers, output_end_reads=args.mtp_modules > 0)
             trainer = ""
         except ConfigError as error:
             trainer = str(error)
@@ -187,8 +188,8 @@ def test_the_fullest_rank_can_be_a_middle_one():
     layout = Layout(pp=32, dp_shard=64, dp_shard_mode="zero1", microbatches=240, activation_checkpoint="full", ep=4)
     ranks = pipeline_ranks(args, layout)
     assert ranks[0].routed_layers == 0 and ranks[16].routed_layers == 2
-    first, last = (rank_memory(args, layout, 4096, ranks[i], n).total for i, n in ((0, 32), (31, 1)))
-    assert layout_memory(args, layout, 4096).total > 1.2 * max(first, last)  # 60.6 GB against 21.8 and 47.9
+    first, last = (rank_memory(args, layout, 4096, ASSUMED, ranks[i], n).total for i, n in ((0, 32), (31, 1)))
+    assert layout_memory(args, layout, 4096, ASSUMED).total > 1.2 * max(first, last)  # 60.6 GB against 21.8 and 47.9
 
 
 DEEPSEEK_PLAN = ["plan", "--model", "deepseek-v3-671b", "--hardware", "dgx-h800", "--gpus", "2048"]

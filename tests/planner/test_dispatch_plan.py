@@ -14,7 +14,7 @@ from trillion.models.args import MoEArgs
 from trillion.models.presets import get_preset
 from trillion.parallel.ep_exchange import STAGES
 from trillion.parallel.ep_routing import Hop, gather_rows, pack_routing, place
-from trillion.parallel.planner.layout import Layout
+from trillion.parallel.layout import Layout
 from trillion.parallel.planner.moe import HOST_READ_LAUNCHES, dispatch_rows, exposed_all_to_alls
 
 EP, PER_NODE, TOKENS = 8, 2, 64

@@ -14,9 +14,9 @@ import pytest
 
 from trillion.devices import fitted_constants
 from trillion.models.presets import get_preset
+from trillion.parallel.layout import Float8Training, Layout
 from trillion.parallel.planner import moe
 from trillion.parallel.planner.hardware import load_profile
-from trillion.parallel.planner.layout import Layout
 from trillion.trainer.cli.main import main as trillion
 from trillion.trainer.config.schema import load_config
 
@@ -47,10 +47,11 @@ def test_float8_dispatch_shrinks_the_forward_dispatch_only():
     """Per expert, no overlap: the forward dispatch's rows (top-8 a token, 63/64 to peers over the network) carry
     the float8 wire row instead of bf16's, their routing (a float32 weight and expert id) beside them either way."""
     tokens, ep = 4096, 64
-    layout = Layout(ep=ep, dp_shard=ep, float8=True, float8_experts="blockwise", ep_dispatch="expert")
-    layout = dataclasses.replace(layout, moe_load_imbalance=1.0, ranks_per_node=8)
-    plain = moe.moe_passes(DEEPSEEK, HW, tokens, layout)
-    dispatched = moe.moe_passes(DEEPSEEK, HW, tokens, dataclasses.replace(layout, float8_dispatch=True))
+    blockwise = Float8Training(experts="blockwise")
+    layout = Layout(ep=ep, dp_shard=ep, float8=blockwise, ep_dispatch="expert", ranks_per_node=8)
+    plain = moe.moe_passes(DEEPSEEK, HW, tokens, layout, 1.0)
+    with_dispatch = dataclasses.replace(layout, float8=dataclasses.replace(blockwise, dispatch=True))
+    dispatched = moe.moe_passes(DEEPSEEK, HW, tokens, with_dispatch, 1.0)
     network = tokens * 8 * 56 / 64  # rows to the 56 ranks on other nodes
     bandwidth, _ = HW.collective_link(ep, True, "all_to_all")
     saved = network * (2 * 7168 - (7168 + 4 * 56)) / bandwidth

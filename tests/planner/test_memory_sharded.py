@@ -12,7 +12,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from trillion.models.presets import get_preset
 from trillion.models.transformer import Transformer
 from trillion.parallel.fsdp import apply_fsdp
-from trillion.parallel.planner.layout import Layout
+from trillion.parallel.layout import Layout
 from trillion.parallel.planner.memory import RankParams, pipeline_ranks, states_bytes
 from trillion.parallel.tensor_parallel import apply_tensor_parallel
 

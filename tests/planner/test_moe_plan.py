@@ -10,10 +10,11 @@ from trillion.errors import ConfigError
 from trillion.models.args import MoEArgs
 from trillion.models.flops import count_params
 from trillion.models.presets import get_preset
+from trillion.parallel.layout import Layout
+from trillion.parallel.planner.assumptions import ASSUMED, Assumptions
 from trillion.parallel.planner.block_cost import layer_passes
 from trillion.parallel.planner.cost import rank_passes
 from trillion.parallel.planner.hardware import load_profile
-from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import RankParams, layout_memory, pipeline_ranks
 from trillion.parallel.planner.moe import (
     dispatch_seconds,
@@ -83,16 +84,16 @@ def test_moe_passes_charge_the_dispatch_both_ways_and_the_counts():
     """Without overlap every all-to-all is exposed: forward the counts (latency and the host read's stall), the
     dispatch and the combine; backward the two again. Per expert inside one node: top_k rows a token, 7/8 to peers."""
     args, tokens = get_preset("qwen3-235b-a22b"), 4096
-    layout = Layout(ep=8, ep_dispatch="expert", moe_load_imbalance=1.0)
-    one = dispatch_seconds(args, H100, tokens, layout)
+    layout = Layout(ep=8, ep_dispatch="expert")
+    one = dispatch_seconds(args, H100, tokens, layout, 1.0)
     row = args.dim * 2 + 2 * 4  # bf16 token, float32 weight and expert id
     assert one == pytest.approx(tokens * row * 8 * 7 / 8 / (450e9 * 0.8) + 3e-6)
-    passes = moe_passes(args, H100, tokens, layout)
+    passes = moe_passes(args, H100, tokens, layout, 1.0)
     counts = 3e-6 + host_read_stall(H100)
     assert passes.ep_forward == pytest.approx(2 * one + counts)
     assert passes.ep_backward == pytest.approx(2 * one)
-    assert moe_passes(args, H100, tokens, dataclasses.replace(layout, ep=1)).ep_forward == 0.0
-    capacity = moe_passes(args, H100, tokens, dataclasses.replace(layout, ep_capacity=1.5))
+    assert moe_passes(args, H100, tokens, dataclasses.replace(layout, ep=1), 1.0).ep_forward == 0.0
+    capacity = moe_passes(args, H100, tokens, dataclasses.replace(layout, ep_capacity=1.5), 1.0)
     assert capacity.ep_forward == pytest.approx(2 * one)  # no counts, no host read
 
 
@@ -121,8 +122,8 @@ def test_one_expert_of_top_one_is_the_dense_mlp():
     )
     rank, dense_rank_params = RankParams(4, False, False, routed_layers=4), RankParams(4, False, False)
     assert rank.numel(moe, 1, 1)[0] == dense_rank_params.numel(dense, 1, 1)[0] + 4 * h  # the router: dim x 1 a layer
-    moe_rank, _ = rank_passes(moe, H100, Layout(micro_batch_size=2, moe_load_imbalance=1.0), 1024, rank)
-    dense_rank, _ = rank_passes(dense, H100, Layout(micro_batch_size=2), 1024, dense_rank_params)
+    moe_rank, _ = rank_passes(moe, H100, Layout(micro_batch_size=2), 1024, Assumptions(moe_load_imbalance=1.0), rank)
+    dense_rank, _ = rank_passes(dense, H100, Layout(micro_batch_size=2), 1024, ASSUMED, dense_rank_params)
     router = _gemm(H100, tokens, h, 1)  # the weight gradient: the experts' are the MLP's, plus the router's
     assert moe_rank.weight_grad == pytest.approx(dense_rank.weight_grad + 4 * router)
 
@@ -150,7 +151,8 @@ def test_ep_degrees():
 def test_expert_parallelism_shrinks_fsdp_buffers_not_states():
     args = get_preset("qwen3-30b-a3b")
     base = Layout(dp_shard=8, microbatches=8, activation_checkpoint="full")
-    ep1, ep8 = layout_memory(args, base, 4096), layout_memory(args, dataclasses.replace(base, ep=8), 4096)
+    ep1 = layout_memory(args, base, 4096, ASSUMED)
+    ep8 = layout_memory(args, dataclasses.replace(base, ep=8), 4096, ASSUMED)
     assert ep8.optimizer == ep1.optimizer and ep8.parameters == ep1.parameters
     assert ep8.buffers < ep1.buffers  # one layer's 16 experts gathered instead of 128
 

@@ -10,9 +10,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from trillion.models import PRESETS, Transformer
+from trillion.parallel.layout import Layout
 from trillion.parallel.muon.matrices import newton_schulz_flops
 from trillion.parallel.muon.newton_schulz import orthogonalize
-from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.memory import RankParams, pipeline_ranks
 from trillion.parallel.planner.optimizer import muon_numel, state_bytes
 from trillion.trainer.cli.main import main
@@ -61,8 +61,8 @@ def test_plan_costs_muon_beside_adamw_for_kimi_k2(tmp_path, capsys):
         > adamw["time_shares"]["optimizer"] * adamw["step_time_s"]
     )
     assert load_config(str(tmp_path / "best2.toml")).optimizer.name == "muon"
-    args, layout = PRESETS["kimi-k2"], Layout(tp=8, pp=16, dp_shard=16, ep=16, optimizer="muon")
+    args, layout = PRESETS["kimi-k2"], Layout(tp=8, pp=16, dp_shard=16, ep=16)
     rank = pipeline_ranks(args, layout)[1]
     shard = rank.numel(args, 8, 16, 16)[1]
-    states = {o: state_bytes(args, dataclasses.replace(layout, optimizer=o), rank, shard) for o in ("adamw", "muon")}
+    states = {o: state_bytes(args, layout, o, rank, shard) for o in ("adamw", "muon")}
     assert 0.5 < states["muon"] / states["adamw"] < 0.51  # one state per hidden-matrix element instead of two

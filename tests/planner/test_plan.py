@@ -9,8 +9,8 @@ import pytest
 from experiments.frontier.report import PAPER_RUNS
 from trillion.devices import DEVICES, lookup_device
 from trillion.models.presets import get_preset
+from trillion.parallel.layout import Layout
 from trillion.parallel.planner.hardware import load_profile, profile_names
-from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.search import Request, evaluate, metrics, search
 from trillion.trainer.cli.main import main as trillion
 from trillion.trainer.config.schema import load_config

@@ -4,8 +4,8 @@ costed, and `trillion plan` picks cp when a long sequence needs it, writing a co
 import json
 
 from trillion.models.presets import get_preset
+from trillion.parallel.layout import Layout
 from trillion.parallel.planner.hardware import load_profile
-from trillion.parallel.planner.layout import Layout
 from trillion.parallel.planner.search import Request, evaluate
 from trillion.trainer.cli.main import main as trillion
 from trillion.trainer.config.schema import load_config

@@ -77,11 +77,14 @@ def _newest_intact(checkpoints: list[Path]) -> Path | None:
 
 
 def load_checkpoint_model(step: Path) -> Transformer:
-    """The checkpoint's model, whole, on the CPU, built from the config it was saved with."""
+    """The checkpoint's model, whole, on the CPU, built from the config it was saved with, as one process runs it
+    (whatever layout trained it: no expert-parallel ranks, so no per-rank capacity drops a token, as in the
+    transformers model the export writes)."""
+    from trillion.parallel.layout import Layout
     from trillion.trainer.assemble import build_model_args
 
     config = load_config(str(step / CONFIG_FILE))
-    args = dataclasses.replace(build_model_args(config, 0), attention_impl="sdpa", norm_impl="torch")
+    args = dataclasses.replace(build_model_args(config, 0, Layout()), attention_impl="sdpa", norm_impl="torch")
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")

@@ -58,7 +58,7 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None, *, hooks=None) -> int:
-    """`trillion ARGV`; `hooks` (a trillion.trainer.train.RunHooks) reach `trillion train` only."""
+    """`trillion ARGV`; `hooks` (a trillion.trainer.set_up.RunHooks) reach `trillion train` only."""
     argv = sys.argv[1:] if argv is None else argv
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     logging.basicConfig(

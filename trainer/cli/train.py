@@ -9,7 +9,7 @@ USAGE = "usage: trillion train [--config FILE] [--section.field=value ...]\n\n"
 
 
 def main(argv: list[str], hooks: RunHooks | None = None) -> int:
-    """`hooks`: see trillion.trainer.train.RunHooks (tests inject faults through them)."""
+    """`hooks`: see trillion.trainer.set_up.RunHooks (tests inject faults through them)."""
     if "-h" in argv or "--help" in argv:
         print(USAGE + help_text())
         return 0

@@ -22,7 +22,7 @@ class FaultTolerantRun:
         self.step_hooks = (groups,)
 
     def wrap(self, hooks):
-        """RunHooks (trillion.trainer.train) with the group's part around its own step and iteration."""
+        """RunHooks (trillion.trainer.set_up) with the group's part around its own step and iteration."""
         return dataclasses.replace(hooks, step=self.step(hooks.step), iteration=self.iteration(hooks.iteration))
 
     def step(self, inner):

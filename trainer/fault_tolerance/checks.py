@@ -7,14 +7,16 @@ import os
 from pathlib import Path
 
 from trillion.errors import ConfigError
+from trillion.parallel.layout import Layout
 from trillion.trainer.config.schema import Config
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 LIGHTHOUSE_COMMAND = "torchft_lighthouse --min_replicas 1 --quorum_tick_ms 100 --join_timeout_ms 10000"
 
 
-def check_fault_tolerance(config: Config) -> None:
-    """Refuse fault tolerance that cannot work, naming the setting and the fix (a ConfigError, exit 2)."""
+def check_fault_tolerance(config: Config, layout: Layout) -> None:
+    """Refuse fault tolerance that cannot work in the run's `layout`, naming the setting and the fix (a ConfigError,
+    exit 2)."""
     ft = config.fault_tolerance
     if not ft.enabled:
         return
@@ -25,9 +27,9 @@ def check_fault_tolerance(config: Config) -> None:
             "fault_tolerance.enabled=true needs torchft, which is not installed. Install it with "
             "`pip install 'trillion[ft]'` (or `pip install torchft==0.2.0`), or turn fault tolerance off."
         ) from None
-    if config.parallel.dp_replicate > 1:
+    if layout.dp_replicate > 1:
         raise ConfigError(
-            f"fault_tolerance.enabled=true with parallel.dp_replicate={config.parallel.dp_replicate}: the replica "
+            f"fault_tolerance.enabled=true with parallel.dp_replicate={layout.dp_replicate}: the replica "
             "groups are the data-parallel replicas (torchft's managed all-reduce between groups replaces "
             "dp_replicate), so there is no dp_replicate room inside a group. Run each group with "
             f"--parallel.dp_replicate=1 and start fault_tolerance.group_size={ft.group_size} groups (FSDP, tp, pp, "

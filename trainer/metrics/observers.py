@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 from trillion.models.flops import count_params, hardware_flops_per_token, model_flops_per_token
+from trillion.parallel.layout import Layout
 from trillion.parallel.modes import recompute_fraction, stages_recompute_fraction
 from trillion.parallel.pipeline import Pipeline, bubble_fraction
 from trillion.trainer.config import Config
@@ -17,11 +18,11 @@ from trillion.trainer.metrics.profiling import StepProfiler
 log = logging.getLogger("trillion")
 
 
-def build_observers(config: Config, env, model_args, pipeline: Pipeline | None, step: int, dtype, n_microbatches: int):
+def build_observers(config: Config, env, model_args, layout: Layout, pipeline: Pipeline | None, step: int, dtype):
     """(throughput meter, step log, profiler, pipeline timeline) of a run about to continue from `step`, on
-    the process `env` (a trillion.trainer.launch.LaunchEnv) describes."""
+    the process `env` (a trillion.trainer.launch.LaunchEnv) describes, in `layout`."""
     t, output_dir = config.training, Path(config.job.output_dir)
-    mode = config.parallel.activation_checkpoint  # each pipeline stage checkpoints its own blocks
+    mode = layout.activation_checkpoint  # each pipeline stage checkpoints its own blocks
     recompute = (
         recompute_fraction(mode, model_args.n_layers)
         if pipeline is None
@@ -41,7 +42,7 @@ def build_observers(config: Config, env, model_args, pipeline: Pipeline | None, 
         f", {params.active / 1e6:.1f}M active per token" if params.inactive else "",
         dtype,
         env.device,
-        n_microbatches,
+        layout.microbatches,
     )
     resumed = step > 0
     sink = (

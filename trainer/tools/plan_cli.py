@@ -19,14 +19,15 @@ from pathlib import Path
 
 from trillion.errors import ConfigError
 from trillion.models import parts
+from trillion.models.parts import PartSettings
+from trillion.models.parts.mtp import MTPSettings
 from trillion.models.presets import PRESETS, get_preset
 from trillion.parallel.modes import SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile, profile_names
-from trillion.parallel.planner.layout import SEARCHED_CHECKPOINT_MODES
 from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
 from trillion.parallel.planner.search import Request, metrics, model_summary, search
-from trillion.parallel.planner.space import LAYOUT_FIELDS, OPTIMIZERS
+from trillion.parallel.planner.space import ASSUMPTION_FIELDS, LAYOUT_FIELDS, OPTIMIZERS, SEARCHED_CHECKPOINT_MODES
 from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.checks import creatable_problem
 from trillion.trainer.config.schema import load_config
@@ -178,9 +179,10 @@ def request_from(ns: argparse.Namespace) -> Request:
         )
         example = f" For example: {EXAMPLE}." if any(problem.startswith("it needs") for problem in problems) else ""
         raise ConfigError(f"{listed}.{example}")
-    given = {setting: getattr(ns, flag) for flag, setting in PART_FLAGS.items() if getattr(ns, flag) is not None}
-    args = parts.apply_settings(get_preset(ns.model), {"model.name": ns.model, **given})
-    fixed = {k: getattr(ns, k) for k in LAYOUT_FIELDS if getattr(ns, k) is not None}
+    given = {flag: value for flag in PART_FLAGS if (value := getattr(ns, flag)) is not None}  # else the preset's
+    settings = PartSettings(ns.model, mtp=MTPSettings(modules=given.get("mtp_modules", -1)))
+    args = parts.apply_settings(get_preset(ns.model), settings)
+    fixed = {k: value for k in (*LAYOUT_FIELDS, *ASSUMPTION_FIELDS) if (value := getattr(ns, k, None)) is not None}
     if "ep_overlap" in fixed:
         fixed["ep_overlap"] = fixed["ep_overlap"] == "on"
     seq_len = ns.seq_len or args.max_seq_len

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from trillion.errors import ConfigError
-from trillion.parallel.dims import ParallelDims
+from trillion.parallel.dims import check_layout
 from trillion.parallel.layout import Layout
 from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.search import Request, search
@@ -50,13 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def runnable_candidates(request: Request, config, count: int) -> list[Layout]:
-    """The planner's fastest layouts that this trainer accepts (its own layout checks decide)."""
+    """The planner's fastest layouts that this trainer accepts (its own layout checks decide, on the model as the
+    trainer would build it for each: the norm kernels and the per-rank capacity follow the layout)."""
     chosen, seen = [], set()
+    vocab = build_tokenizer(config.tokenizer).vocab_size
     for candidate in search(request).ranked:
         layout = candidate.layout
         try:
-            dims = ParallelDims(layout, request.gpus)
-            dims.validate(request.args, request.seq_len, gpus_per_node=request.gpus)
+            check_layout(layout, build_model_args(config, vocab, layout), request.seq_len, gpus_per_node=request.gpus)
         except ConfigError:
             continue
         trainer_view = tuple(o for o in layout_overrides(layout) if layout.pp > 1 or "pp_schedule" not in o)
@@ -132,7 +133,8 @@ def main(argv: list[str]) -> int:
         )
     config = load_config(ns.config, ns.overrides)
     t = config.training
-    args = build_model_args(config, build_tokenizer(config.tokenizer).vocab_size)
+    # the model's shape for the planner's ranking (one process's kernels: each candidate's are its own, above)
+    args = build_model_args(config, build_tokenizer(config.tokenizer).vocab_size, Layout())
     request = Request(config.model.name, args, load_profile(ns.hardware), ns.nproc, t.global_batch_size, t.seq_len)
     survivors = runnable_candidates(request, config, ns.candidates)
 

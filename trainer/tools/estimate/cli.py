@@ -154,16 +154,14 @@ def job_goodput(ns, config, result: Estimate):
     if ns.hardware:
         from trillion.parallel.planner.cost import step_time
         from trillion.parallel.planner.hardware import load_profile
-        from trillion.trainer.assemble import build_layout
-        from trillion.trainer.tools.estimate.dry_run import model_args_for
+        from trillion.trainer.tools.estimate.dry_run import layout_dims, planner_assumptions
 
         hw = load_profile(ns.hardware)
         link_gbs = hw.node_bandwidth_gbs / hw.gpus_per_node
-        model_args = model_args_for(config)
+        dims, model_args = layout_dims(config, result.world_size)
         with contextlib.suppress(ConfigError, KeyError):  # a layout the planner has no model of: no step time
-            step_s = step_time(
-                model_args, hw, build_layout(config, result.world_size, model_args), config.training.seq_len
-            ).total
+            seq_len = config.training.seq_len
+            step_s = step_time(model_args, hw, dims.layout, seq_len, planner_assumptions(config)).total
     optimizer = max((r.optimizer for r in result.ranks), default=0)
     return goodput(ns, result.world_size * config.fault_tolerance.groups, optimizer, step_s, link_gbs)
 

@@ -46,10 +46,16 @@ from trillion.errors import ConfigError
 from trillion.models import ModelArgs
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.layout import Layout
-from trillion.trainer.assemble import build_model_args, build_parallel_dims, validate_training
+from trillion.trainer.assemble import (
+    build_model_args,
+    check_float8,
+    check_model_layout,
+    resolve_layout,
+    validate_training,
+)
 from trillion.trainer.config.schema import Config
 from trillion.trainer.tools.estimate.advice import KINDS, advice, shortfall_message
-from trillion.trainer.tools.estimate.rank import StagePlan, fake_world, storage_bytes, target_device, target_dtype
+from trillion.trainer.tools.estimate.rank import StagePlan, storage_bytes, target_device, target_dtype
 from trillion.trainer.tools.estimate.simulation import Simulation
 
 __all__ = [
@@ -126,9 +132,10 @@ class Estimate:
 
 
 # --- set-up ----------------------------------------------------------------------------------------
-def layout_dims(config: Config, world_size: int, model_args: ModelArgs) -> ParallelDims:
-    """ParallelDims checked against world, model, batch and pipeline schedule, exactly as `trillion
-    train` checks them (its mesh is built later, per simulated rank)."""
+def layout_dims(config: Config, world_size: int) -> tuple[ParallelDims, ModelArgs]:
+    """(ParallelDims, the model's arguments): the layout resolved and checked against world, model, batch and
+    pipeline schedule exactly as `trillion train` does (ranks per node, without a launcher, from job.hardware's
+    nodes); the mesh is built later, per simulated rank."""
     from trillion.trainer.launch.env import LaunchEnv
 
     env = LaunchEnv(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"))
@@ -141,15 +148,23 @@ def layout_dims(config: Config, world_size: int, model_args: ModelArgs) -> Paral
         ),
         env,
     )
-    with fake_world(0, world_size):
-        dims = build_parallel_dims(config, env, model_args)
-    dims.mesh = None
-    return dims
+    layout = resolve_layout(config, world_size, hardware_node(config.job.hardware))
+    check_float8(layout, env.device)
+    model_args = model_args_for(config, layout)
+    check_model_layout(layout, model_args, config.training.seq_len)
+    return ParallelDims(layout, world_size), model_args
 
 
-def model_args_for(config: Config) -> ModelArgs:
+def hardware_node(hardware: str) -> int:
+    """GPUs per node of the hardware profile job.hardware names (0: none named)."""
+    from trillion.parallel.planner.hardware import load_profile
+
+    return load_profile(hardware).gpus_per_node if hardware else 0
+
+
+def model_args_for(config: Config, layout: Layout) -> ModelArgs:
     # The tokenizer is not built (it may need files that live on the cluster): the preset's vocabulary stands.
-    return build_model_args(config, tokenizer_vocab=0)
+    return build_model_args(config, 0, layout)
 
 
 # --- the dry run ----------------------------------------------------------------------------------------------
@@ -169,12 +184,12 @@ def estimate(
         raise ConfigError(f"--world-size {world_size} must be a positive number of processes.")
     if config.float8.enabled and target_device(config) == "cuda":  # this CPU has no float8 units; the target has
         config = dataclasses.replace(config, float8=dataclasses.replace(config.float8, emulate=True))
-    model_args = model_args_for(config)
-    dims = layout_dims(config, world_size, model_args)  # raises ConfigError for bad degrees, model, batch or schedule
+    dims, model_args = layout_dims(config, world_size)  # raises ConfigError for bad degrees, model, batch or schedule
     device_name, capacity = device_capacity(hardware)
     result = Estimate(config.model.name, world_size, {}, device_name)
     simulation = Simulation(config, model_args, dims, measure, None, result.notes)
-    simulation.prediction = prediction = planner_prediction(model_args, dims.layout, config.training.seq_len)
+    assumed = planner_assumptions(config)
+    simulation.prediction = prediction = planner_prediction(model_args, dims.layout, config.training.seq_len, assumed)
     result.layout = layout_summary(config, dims, simulation.plan)
     selected = select_ranks(ranks, world_size, dims.pp, simulation.most_parameters_rank)
     framework = int(FRAMEWORK_BYTES) if target_device(config) == "cuda" else 0
@@ -216,17 +231,24 @@ def layout_summary(config: Config, dims: ParallelDims, plan: StagePlan) -> dict:
 
 
 # --- the planner's prediction ------------------------------------------------------------------------------
-def planner_prediction(model_args: ModelArgs, layout: Layout, seq_len: int) -> dict | None:
+def planner_prediction(model_args: ModelArgs, layout: Layout, seq_len: int, assumed) -> dict | None:
     """The planner's per-GPU bytes for this layout (its fullest rank), or None where it has no model of it."""
     from trillion.parallel.planner.memory import layout_memory
 
     try:
-        memory = layout_memory(model_args, layout, seq_len)
+        memory = layout_memory(model_args, layout, seq_len, assumed)
     except (KeyError, ConfigError):  # e.g. selective:op, which the planner does not model
         return None
     out = {k: float(getattr(memory, k)) for k in ("parameters", "gradients", "optimizer", "activations", "buffers")}
     out["total"] = float(memory.total)
     return out
+
+
+def planner_assumptions(config: Config):
+    """What the planner assumes of this run beyond its layout: the config's optimizer, the planner's defaults else."""
+    from trillion.parallel.planner.assumptions import Assumptions
+
+    return Assumptions(optimizer=config.optimizer.name)
 
 
 # --- which ranks -------------------------------------------------------------------------------------------

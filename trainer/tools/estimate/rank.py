@@ -30,7 +30,7 @@ from trillion.models.moe import routed_expert_parameters
 from trillion.parallel.dims import AXES, ParallelDims
 from trillion.parallel.layout import Layout
 from trillion.parallel.modes import checkpoint_mode
-from trillion.parallel.pipeline import Pipeline, StageLayers, split_units, stage_indices, stage_module
+from trillion.parallel.pipeline import Pipeline, split_units, stage_indices, stage_module
 from trillion.trainer.assemble import build_model, compute_dtype, layout_fn
 from trillion.trainer.config.schema import Config
 from trillion.trainer.tools.estimate.activations import (
@@ -107,19 +107,19 @@ def coords_of(dims: ParallelDims, rank: int) -> dict:
 
 
 def meshed_dims(dims: ParallelDims) -> ParallelDims:
-    """A copy of `dims` with its mesh built in the current (fake) world."""
-    copy = ParallelDims(dims.layout, dims.world_size)
+    """A copy of `dims` with its mesh built in the current (fake) world, compile off (it changes no bytes held)."""
+    copy = ParallelDims(dataclasses.replace(dims.layout, compile=False), dims.world_size)
     copy.build_mesh("cpu")
     return copy
 
 
 def apply_layout(part: nn.Module, config: Config, dims: ParallelDims, fsdp: bool) -> nn.Module:
-    """The trainer's layout (compile off: it changes no bytes held). Without `fsdp`: the same TP, CP and EP
+    """The trainer's layout (`dims` a meshed_dims: compile off). Without `fsdp`: the same TP, CP and EP
     plan and activation checkpointing, in the compute dtype, without FSDP2 (the activation run: the routed
     experts are this rank's E / ep, so their gradients and the dispatch are the run's)."""
     if not fsdp:
         part.to(target_dtype(config))
-    return layout_fn(config, dims, target_dtype(config), compile=False, fsdp=fsdp)(part)
+    return layout_fn(dims, target_dtype(config), fsdp=fsdp)(part)
 
 
 # --- stages --------------------------------------------------------------------------------------------
@@ -137,10 +137,10 @@ class StagePlan:
     """The split of the model into the layout's pp x v stages (parallel/pipeline.py's, sized by `layers`), one
     stage without pipelining; `routed_layers` the indices of the layers with routed experts."""
 
-    def __init__(self, layout: Layout, layers: StageLayers, n_layers: int, routed_layers: frozenset = frozenset()):
+    def __init__(self, layout: Layout, n_layers: int, routed_layers: frozenset = frozenset()):
         self.pp, self.n_layers, self.routed_layers = layout.pp, n_layers, routed_layers
         self.schedule, self.virtual = layout.pp_schedule, layout.virtual_stages
-        self.ranges = split_units(n_layers, self.pp * self.virtual, layers)
+        self.ranges = split_units(n_layers, self.pp * self.virtual, layout.stage_layers)
 
     @property
     def last_index(self) -> int:
@@ -162,12 +162,10 @@ class StagePlan:
         return next(i for i in range(len(self.ranges)) if self.shape(i) == shape)
 
 
-def rank_parts(
-    config: Config, model: nn.Module, dims: ParallelDims, microbatches: int
-) -> tuple[list[nn.Module], Pipeline | None]:
+def rank_parts(config: Config, model: nn.Module, dims: ParallelDims) -> tuple[list[nn.Module], Pipeline | None]:
     """This rank's parts (the model, parallelized in place, or its stages) and Pipeline, built by the
-    trainer's own assemble.build_model (compile off)."""
-    return build_model(config, dims, model, microbatches, torch.device("cpu"), target_dtype(config), compile=False)
+    trainer's own assemble.build_model (`dims` a meshed_dims: compile off)."""
+    return build_model(dims, model, torch.device("cpu"), target_dtype(config))
 
 
 class StageSource:
@@ -299,7 +297,7 @@ def stage_facts(
         cut = part if n == shape.layers else apply_layout(source.stage(units, n), config, dims, fsdp=False)
         return measure_micro_batch(cut, inputs, target, dims.tp_enabled, last=shape.last)
 
-    period = checkpoint_mode(config.parallel.activation_checkpoint).period
+    period = checkpoint_mode(dims.layout.activation_checkpoint).period
     return StageFacts(
         tp_local_numel(part), max(blocks, default=0), len(blocks), measure_in_depth(run, shape.layers, period)
     )

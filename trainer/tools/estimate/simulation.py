@@ -10,7 +10,6 @@ from trillion.errors import ConfigError
 from trillion.models import ModelArgs, parts
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.muon.matrices import hidden_matrices
-from trillion.parallel.pipeline import StageLayers
 from trillion.trainer.config.schema import Config
 from trillion.trainer.tools.estimate.activations import local_tensor
 from trillion.trainer.tools.estimate.pipeline_schedule import in_flight_peak, receive_bytes, schedule_of, with_receives
@@ -52,7 +51,7 @@ class Simulation:
         self.micro_batch, self.microbatches = dims.layout.micro_batch_size, dims.layout.microbatches
         self.measure, self.prediction, self.notes = measure, prediction, notes
         routed = frozenset(i for i in range(model_args.n_layers) if parts.routed_layer(model_args, i))
-        self.plan = StagePlan(dims.layout, StageLayers.from_config(config.parallel), model_args.n_layers, routed)
+        self.plan = StagePlan(dims.layout, model_args.n_layers, routed)
         self.source = StageSource(model_args, dims.pp)
         self.muon = frozenset(hidden_matrices(model_args) if config.optimizer.name == "muon" else ())
         self.states, self.facts = {}, {}  # (stage shapes, (dp_shard, cp) coordinates) -> States; StageShape -> ...
@@ -80,7 +79,7 @@ class Simulation:
             for shape in missing:
                 self.facts[shape] = self._stage_facts(shape, dims, hidden)
             if key not in self.states or self.schedule is None and pipelined:
-                parts, pipeline = rank_parts(self.config, self.source.whole(), dims, self.microbatches)
+                parts, pipeline = rank_parts(self.config, self.source.whole(), dims)
                 assert [len(part.layers) for part in parts] == [shape.layers for shape in key[0]], "split diverged"
                 self.states[key] = state_bytes(parts, self.muon)
                 if pipelined and self.schedule is None:

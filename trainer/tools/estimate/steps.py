@@ -70,12 +70,12 @@ class StepsRun:
 def tiny_config(config: Config, dims, steps: int, output_dir: str) -> Config:
     """The config with a tiny model and batch for `steps` steps in the same layout (see the module doc)."""
 
-    args = build_model_args(config, tokenizer_vocab=0)
+    args = build_model_args(config, 0, dims.layout)
     dim = 2 * args.n_heads
     microbatches = max(2, dims.pp)
     # without stages to split, two checkpointing periods of blocks show the loop as well as 128 would, in
     # seconds rather than minutes (DTensor's sharding propagation of the foreach optimizer grows with them)
-    period = checkpoint_mode(config.parallel.activation_checkpoint).period
+    period = checkpoint_mode(dims.layout.activation_checkpoint).period
     layers = args.n_layers if dims.pp > 1 else min(args.n_layers, 2 * period)
     r = dataclasses.replace
     return r(
@@ -115,7 +115,7 @@ def run_steps(config: Config, world_size: int, steps: int, ranks: list[int]) -> 
     from trillion.trainer.tools.estimate.dry_run import layout_dims, model_args_for
     from trillion.trainer.train import train
 
-    dims = layout_dims(config, world_size, model_args_for(config))
+    dims, _ = layout_dims(config, world_size)
     runs = []
     with tempfile.TemporaryDirectory(prefix="trillion-estimate-steps-") as folder:
         tiny = tiny_config(config, dims, steps, folder)
@@ -134,8 +134,9 @@ def run_steps(config: Config, world_size: int, steps: int, ranks: list[int]) -> 
                     stopped = SCHEDULE_ON_FAKE
                 except Exception as error:  # the finding itself: the loop does not run in this layout
                     failed = f"{type(error).__name__}: {error}"
-            runs.append(StepsRun(rank, record.get("step", 0), time.perf_counter() - start, stopped, failed, record))
-    args = model_args_for(tiny)
+            seconds, done = time.perf_counter() - start, record.get("step", 0)
+            runs.append(StepsRun(rank=rank, steps=done, seconds=seconds, stopped=stopped, failed=failed, record=record))
+    args = model_args_for(tiny, dims.layout)
     t = tiny.training
     model = (
         f"a tiny {config.model.name} ({args.n_layers} layers, {args.n_heads} heads of {args.head_dim}, vocabulary "

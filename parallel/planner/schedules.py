@@ -1,24 +1,8 @@
-"""What each pipeline schedule of a layout costs in bubble and in micro-batches held in flight, and the
-checkpointing modes the search tries. The layout itself is parallel/layout.py's (named here too, as
-the planner's modules import it); the schedules, ZeRO modes and checkpointing modes, with their
-rules and bubble weights, are the trainer's own tables (parallel/modes.py).
-"""
+"""Pipeline-schedule arithmetic for the planner: the bubble a schedule leaves, the micro-batches a rank holds in
+flight at its peak, and which rank runs each virtual stage with how many layers. The schedules themselves, with
+their rules and bubble weights, are the trainer's own table (parallel/modes.py)."""
 
-from trillion.parallel.layout import Layout
-from trillion.parallel.modes import CHECKPOINT_MODES, Schedule
-
-__all__ = [
-    "Layout",
-    "SEARCHED_CHECKPOINT_MODES",
-    "bubble_slots",
-    "in_flight_microbatches",
-    "rank_of_virtual_stage",
-    "stage_layers",
-]
-
-# The checkpointing modes the search tries: selective:op keeps matmul outputs, which the memory
-# model (memory.py) does not count yet; selective:N (every N-th block) is the trainer's only.
-SEARCHED_CHECKPOINT_MODES = tuple(name for name, mode in CHECKPOINT_MODES.items() if not mode.op_level)
+from trillion.parallel.modes import Schedule
 
 
 def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int) -> tuple[float, float]:
