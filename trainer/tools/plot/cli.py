@@ -65,14 +65,15 @@ def plot_run(run_dir: Path, out: Path) -> list[Path]:
 
 
 def plot_layout(ns, overrides: list[str], out: Path) -> Path:
-    from trillion.trainer.assemble import build_layout
-    from trillion.trainer.tools.estimate.dry_run import model_args_for
+    from trillion.trainer.assemble import check_model_layout, resolve_layout
+    from trillion.trainer.tools.estimate.dry_run import hardware_node, model_args_for
 
     config = load_config(ns.config, overrides)
     world = ns.world_size or config.job.world_size
     if not world:
         raise ConfigError("trillion plot --mesh needs --world-size N (or a config with job.world_size), e.g. 8.")
-    layout = build_layout(config, world, model_args_for(config))
+    layout = resolve_layout(config, world, hardware_node(config.job.hardware))  # checked as a run checks it
+    check_model_layout(layout, model_args_for(config, layout), config.training.seq_len)
     degrees = [f"{name} {getattr(layout, name)}" for name in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")]
     shown = " x ".join(d for d in degrees[:-1] if not d.endswith(" 1")) or "one rank"
     title = f"{config.model.name} on {world} ranks: {shown}" + (f", {degrees[-1]}" if layout.ep > 1 else "")
