@@ -1,6 +1,6 @@
-"""The README's default run, `trillion train --training.steps=200`, exactly as a user types it
+"""The getting-started guide's default run, `trillion train --training.steps=200`, exactly as a user types it
 (about 80 s on a quiet 2-core machine): its held-out loss is logged before the first step and at
-every evaluation after, falls at every one, ends below 0.8 of the first, and is what the README says."""
+every evaluation after, falls at every one, ends below 0.8 of the first, and is what the guides say."""
 
 import json
 import os

@@ -138,7 +138,7 @@ def test_an_attention_that_cannot_mask_documents_is_refused_naming_the_fix():
 
 
 def test_trillion_train_masks_documents_and_counts_the_masked_work(tmp_path):
-    """The README's `trillion train --data.document_mask=true`, in small: on the default corpus (each source file a
+    """The data guide's `trillion train --data.document_mask=true`, in small: on the default corpus (each source file a
     document: most are longer than a window, so few windows hold a boundary) it trains and evaluates, masked in
     evaluation too; on short documents the logged attention share is below 1 and the FLOP count follows it."""
     import json
@@ -168,7 +168,7 @@ def test_evaluation_masks_as_its_setting_says():
 @pytest.mark.slow
 def test_the_readme_s_masked_default_run_logs_the_held_out_losses_it_states(tmp_path):
     """`trillion train --training.steps=200 --data.document_mask=true` as a user types it: the held-out losses
-    the README sets beside the unmasked default run's (to 0.05, for another CPU's rounding)."""
+    the data guide sets beside the unmasked default run's (to 0.05, for another CPU's rounding)."""
     import json
     import os
     import re

@@ -210,7 +210,7 @@ DEEPSEEK_LAYOUT = ["--pp", "16", "--ep", "64", "--dp-shard", "128", "--dp-shard-
 
 def test_deepseeks_own_layout_plans_with_mtp_per_node_and_its_cost_beside_the_published(tmp_path, capsys):
     """DeepSeek-V3's layout (pp 16, ep 64 over 8 nodes, zero1) in float8 plans with its MTP module and the per-node
-    dispatch, and the plan file carries them; the README's comparison with the published 2.664M H800 GPU-hours is
+    dispatch, and the plan file carries them; the guide's comparison with the published 2.664M H800 GPU-hours is
     the planner's."""
     import json
 

@@ -18,7 +18,7 @@ def test_the_report_plans_each_machine_within_its_memory_and_refuses_float8_on_f
 
 
 def test_the_readmes_kimi_k2_on_frontier_is_the_planners_prediction():
-    """README's DeepSeek/Kimi section quotes the Frontier plan: its layout, step, MFU, shares, days, GCD-hours and
+    """The planning guide's Kimi K2 section quotes the Frontier plan: its layout, step, MFU, shares, days, GCD-hours and
     energy are what the planner gives now."""
     from experiments.frontier.kimi_k2_report import plan
     from trillion.models.presets import get_preset

@@ -95,7 +95,7 @@ def test_validation_md_is_what_the_script_writes(records):
 
 
 def test_readme_states_what_the_validation_shows(records):
-    """The planner guide (or the README) quotes the worst error and the ranges it names."""
+    """The planning guide quotes the worst error and the ranges it names."""
     from experiments.validation.validate import row_error, worst
 
     readme = documentation_text()
