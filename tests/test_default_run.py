@@ -11,7 +11,7 @@ import sys
 from tests.helpers.documentation import documentation_text
 
 
-def test_the_default_run_evaluates_a_falling_held_out_loss_and_the_readme_states_it(tmp_path):
+def test_the_default_run_evaluates_a_falling_held_out_loss_and_the_guide_states_it(tmp_path):
     out = tmp_path / "default"
     result = subprocess.run(
         [sys.executable, "-m", "trillion", "train", "--training.steps=200", f"--job.output_dir={out}"],

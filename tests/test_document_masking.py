@@ -166,7 +166,7 @@ def test_evaluation_masks_as_its_setting_says():
 
 
 @pytest.mark.slow
-def test_the_readme_s_masked_default_run_logs_the_held_out_losses_it_states(tmp_path):
+def test_the_guide_s_masked_default_run_logs_the_held_out_losses_it_states(tmp_path):
     """`trillion train --training.steps=200 --data.document_mask=true` as a user types it: the held-out losses
     the data guide sets beside the unmasked default run's (to 0.05, for another CPU's rounding)."""
     import json

@@ -223,14 +223,14 @@ def test_deepseeks_own_layout_plans_with_mtp_per_node_and_its_cost_beside_the_pu
     config = load_config(str(tmp_path / "ds.toml"))
     assert config.model.mtp_modules == -1 and get_preset("deepseek-v3-671b").mtp_modules == 1  # the preset's MTP
     assert (config.job.world_size, config.job.hardware, config.parallel.ep_dispatch) == (2048, "dgx-h800", "auto")
-    readme, shares = documentation_text(), row["time_shares"]
+    docs, shares = documentation_text(), row["time_shares"]
     quoted = [
         f"{row['gpu_hours'] / 1e6:.2f}M GPU-hours ({row['gpu_hours'] / 2.664e6 - 1:+.0%} against DeepSeek's 2.664M)",
         f"the all-to-alls {100 * shares['ep_exposed']:.0f}% of the step, the stage imbalance "
         f"{100 * shares['imbalance']:.0f}% and the bubble {100 * shares['bubble']:.0f}%",
     ]
     for text in quoted:
-        assert text in readme, text
+        assert text in docs, text
 
 
 @pytest.mark.slow  # about 30 s (70k layouts) and the 2048-rank dry run about 15 s on two cores
