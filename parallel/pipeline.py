@@ -66,12 +66,7 @@ def validate_pipeline(layout: Layout, n_layers: int, *, tie_embeddings: bool = F
     stage reads the embedding too (Transformer.output_end_reads)."""
     check_layout_schedule(layout, n_layers, output_end_reads)
     stages = layout.stage_layers
-    if layout.pp == 1:
-        if stages != AUTOMATIC_STAGES:
-            raise ConfigError(
-                f"{stages.describe()} size pipeline stages, but parallel.pp=1 runs none. Set "
-                "--parallel.pp to 2 or more, or leave those settings at their defaults (0, -1, -1)."
-            )
+    if layout.pp == 1:  # stage sizes given without a pipeline are refused with the config (trainer/config/effects.py)
         return
     split_units(n_layers, layout.pp * layout.virtual_stages, stages)  # explicit stage sizes add up, none left empty
     if tie_embeddings:

@@ -70,3 +70,13 @@ def test_a_key_value_head_count_is_refused_for_latent_attention(tmp_path, capsys
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "model.n_kv_heads=2 does not apply" in err and "Drop" in err, err
+
+
+def test_a_top_k_beyond_the_routing_groups_is_refused_naming_top_k(tmp_path, capsys):
+    """debug-deepseek: 8 experts in 4 groups, each token choosing among 2 groups, so top_k 4 at most."""
+    argv = ["train", *SMALL_DEEPSEEK, "--model.top_k=5", "--training.steps=1", f"--job.output_dir={tmp_path}/r"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("\n") == 1, err
+    assert err.startswith("trillion train: model.top_k=5:") and "model.n_experts=" not in err, err
+    assert "(2 x 2 experts at most)" in err and "model.top_k at most 2 groups' experts" in err, err

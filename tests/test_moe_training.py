@@ -67,7 +67,10 @@ def test_the_balancing_bias_is_checkpointed_and_resumes(tmp_path):
     "flags, named",
     [
         (["--model.top_k=9"], ("model.top_k=9", "8 experts", "--model.top_k=8")),
-        (["--model.name=debug", "--moe.aux_loss_coef=0.01"], ("aux_loss_coef", "is dense", "MoE preset")),
+        (
+            ["--model.name=debug", "--moe.aux_loss_coef=0.01"],
+            ("moe.aux_loss_coef=0.01 does nothing", "routed experts", "--model.name=debug-moe"),
+        ),
         (["--moe.capacity_factor=0.5"], ("moe.capacity_factor", "at least 1", "0 (dropless)")),
         (
             ["--kernels.grouped_gemm=torch", "--model.dim=66", "--model.n_heads=3", "--model.n_kv_heads=3"],

@@ -188,10 +188,13 @@ def test_training_with_mtp_lowers_both_losses_export_leaves_it_out_and_import_st
     [
         (
             ["--model.mtp_loss_weight=0.5"],
-            ("model.mtp_loss_weight=0.5", "no multi-token prediction", "--model.mtp_modules=1"),
+            ("model.mtp_loss_weight=0.5 does nothing", "multi-token prediction modules train", "--model.mtp_modules=1"),
         ),
         (["--model.mtp_modules=1", "--model.mtp_loss_weight=0"], ("model.mtp_loss_weight=0.0", "above 0")),
-        (["--moe.seq_aux_loss_coef=1e-4"], ("seq_aux_loss_coef", "is dense", "MoE preset")),
+        (
+            ["--moe.seq_aux_loss_coef=1e-4"],
+            ("moe.seq_aux_loss_coef=0.0001 does nothing", "routed experts", "--model.name=debug-moe"),
+        ),
     ],
 )
 def test_bad_mtp_settings_exit_2_naming_the_setting(flags, named, tmp_path, capsys):

@@ -4,6 +4,7 @@ with the figures and the `trillion plan` command; its counts are the model's exa
 from trillion.models import get_preset
 from trillion.models.flops import count_params
 from trillion.parallel.layout import Layout
+from trillion.parallel.planner.hardware import profile_names
 from trillion.trainer.cli.main import main
 from trillion.trainer.preflight import states_per_rank
 
@@ -15,6 +16,8 @@ def test_a_model_too_large_for_the_host_is_refused_with_the_figures(tmp_path, ca
     assert "4037.3 GB of parameters" in err and "8074.6 GB of optimizer states" in err and "host memory" in err
     assert "trillion plan --model gpt-1t --hardware HARDWARE --gpus N --global-batch 8" in err
     assert not out.exists() and "Traceback" not in err
+    hardware = err.split("(HARDWARE: ")[1].split(")")[0].split(", ")
+    assert "dgx-h800" in hardware and hardware == profile_names()  # every profile `trillion plan` takes
 
 
 def test_states_are_16_bytes_a_parameter_and_shard_over_dp_shard():

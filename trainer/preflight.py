@@ -12,6 +12,7 @@ import torch
 from trillion.errors import ConfigError
 from trillion.models import ModelArgs
 from trillion.parallel.layout import Layout
+from trillion.parallel.planner.hardware import profile_names
 from trillion.parallel.planner.memory import pipeline_ranks, states_bytes
 from trillion.parallel.planner.optimizer import state_bytes as optimizer_state_bytes
 
@@ -58,5 +59,5 @@ def check_memory(
         f"parallel.tp={layout.tp} pp={layout.pp} dp_shard={layout.dp_shard} ({layout.dp_shard_mode}) on "
         f"{env.world_size} process(es). Shard it over more devices, or find a layout that fits with "
         f"`trillion plan --model {model_name} --hardware HARDWARE --gpus N --global-batch {global_batch_size}` "
-        f"(HARDWARE: frontier, dgx-a100, dgx-h100, dgx-h200, mi300x), or pick a smaller --model.name."
+        f"(HARDWARE: {', '.join(profile_names())}), or pick a smaller --model.name."
     )

@@ -4,6 +4,7 @@ that skips updates with a non-finite loss or gradient norm, and the clean early 
 preempted jobs that chain, and the advice on checkpoint.interval once a save was timed."""
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -16,6 +17,7 @@ from trillion.errors import Interrupted, RunAborted
 from trillion.parallel.planner.goodput import interval_advice
 from trillion.trainer.config.schema import Checkpoint as CheckpointConfig
 from trillion.trainer.config.schema import Training as TrainingConfig
+from trillion.trainer.launch.env import STOP_REPORT_ENV
 
 log = logging.getLogger("trillion")
 
@@ -120,7 +122,7 @@ class StopPolicy:
         self.last_step = min(cfg.steps, first_step + cfg.exit_interval) if cfg.exit_interval > 0 else cfg.steps
         self.budget_s = cfg.exit_after_minutes * 60
         self.start = job_start
-        self.reason, self.signalled = "", ""
+        self.reason, self.signalled, self.by_signal = "", "", False
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.in_flight = None  # (flags, work) of the all-reduce started at the last step
         self.previous = {}
@@ -135,6 +137,8 @@ class StopPolicy:
     def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.interrupted:
             raise Interrupted("interrupted again (Ctrl-C): stopped at once, without saving this step")
+        if self.signalled and signum != signal.SIGINT:  # the launcher and the scheduler may both send it
+            return
         self.signalled = signal.Signals(signum).name
         again = " (Ctrl-C again stops at once)" if self.interrupted else ""
         log.warning("%s received: saving a checkpoint after the current step, then exiting%s", self.signalled, again)
@@ -159,11 +163,20 @@ class StopPolicy:
         )
         if signalled:
             self.reason = f"{self.signalled or 'a signal on another rank'} at step {step} of {self.steps}"
+            self.by_signal = True
             return True
         if time_up:
             self.reason = f"training.exit_after_minutes reached at step {step} of {self.steps}"
             return True
         return False
+
+    def report_saved(self, checkpoint) -> None:
+        """After a stop on a signal whose checkpoint is saved: one line for `trillion torchrun` (STOP_REPORT_ENV),
+        which then exits 0 saying so where torchrun alone would exit 1 after the signal."""
+        report = os.environ.get(STOP_REPORT_ENV)
+        if report and self.by_signal and not self.interrupted:
+            with open(report, "a") as lines:  # one short append per rank: whole lines, whatever the order
+                lines.write(f"preempted, saved: {self.reason}, checkpoint {checkpoint}\n")
 
     def _agree(self, time_up: bool, signalled: bool) -> tuple[bool, bool]:
         # Clocks drift and signals arrive at different moments: every rank must stop after the same step.

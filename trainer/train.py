@@ -89,8 +89,11 @@ def train_loop(run: Run) -> dict:
             if run.checkpointer.last_saved_step == step:
                 run.advice.after_save(step, spent, step_seconds)
         if last:
-            if stopping_early:
+            if stopping_early and run.checkpointer.last_saved_step == step:
                 log.info("%s: checkpoint saved, exiting; the same command continues the run", run.stop.reason)
+                run.stop.report_saved(run.checkpointer.root / f"step-{step:08d}")
+            elif stopping_early:  # a non-finite step refused the save, or another replica group saves
+                log.info("%s: exiting without a checkpoint of this step", run.stop.reason)
             break
     return record
 

@@ -9,10 +9,9 @@
 #
 # Part limits (seconds; 710 in all with the set-up) can be changed through the environment: LIMIT_TESTS,
 # LIMIT_CEILING, LIMIT_KERNELS, LIMIT_STEPS, LIMIT_FLOAT8, LIMIT_SYNCS, LIMIT_CALIBRATE, LIMIT_MOE. A part cut short by its
-# limit keeps the rows it measured. The machine's own torch and triton are used (the package is
-# installed with --no-deps --no-build-isolation into a virtual environment that sees them); wandb
-# and datasets are optional. experiments/bench/results/ is git-ignored: copy the section appended
-# to RESULTS.md into the commit.
+# limit keeps the rows it measured. The machine's own torch and triton are used (the checkout is linked
+# into a virtual environment that sees them, below); wandb and datasets are optional.
+# experiments/bench/results/ is git-ignored: copy the section appended to RESULTS.md into the commit.
 set -u
 SMOKE=0
 if [ "${1:-}" = "--smoke" ]; then SMOKE=1; shift; fi
@@ -55,10 +54,40 @@ for name in ("triton", "wandb", "datasets", "transformers", "torchao"):  # wandb
 EOF
 } > "$OUT/env.txt" 2>&1
 
-# The package: an editable install into a virtual environment that sees the machine's torch, triton,
-# pip and setuptools (none of its own: a venv's seeded setuptools may be too old to build editables).
+# The package: the checkout mapped into a virtual environment of its own, which sees exactly the packages of
+# the interpreter running this script ($PY: the machine's torch and triton, or those of the venv it is). No
+# build: an editable install needs setuptools >= 68 with bdist_wheel, which an offline machine or a fresh
+# Python 3.11 venv (setuptools 65 without wheel) may lack, and a venv made from a venv's python with
+# --system-site-packages sees the base interpreter's packages, not the venv's. The mapping is the one
+# pyproject.toml's package-dir gives (trillion.kernels is kernels/, ...), put first on the import path as
+# setuptools' editable finder does, so the checkout's own trillion/ folder (the parts run in it) cannot hide it.
 VENV="$OUT/venv"
-part install 120 bash -c "'$PY' -m venv --system-site-packages --without-pip '$VENV' && '$VENV/bin/python' -m pip install -q --no-deps --no-build-isolation --no-index -e '$ROOT' && '$VENV/bin/python' -c 'import trillion.kernels, trillion.trainer.train'"
+link_install() {
+    "$PY" -m venv --without-pip "$VENV" || return
+    local site
+    site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || return
+    "$PY" -c 'import sys; print("\n".join(p for p in sys.path if p.endswith(("site-packages", "dist-packages"))))' \
+        > "$site/machine-packages.pth" || return
+    cat > "$site/trillion_checkout.py" << PYTHON || return
+"""The trillion package mapped onto the checkout $ROOT (written by experiments/bench/device_check.sh)."""
+import importlib.abc, importlib.util, sys
+FOLDERS = {"trillion": "$ROOT/trillion", **{f"trillion.{layer}": f"$ROOT/{layer}" for layer in ("kernels", "models", "parallel", "trainer")}}
+
+
+class CheckoutFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        folder = FOLDERS.get(name)
+        return folder and importlib.util.spec_from_file_location(name, f"{folder}/__init__.py", submodule_search_locations=[folder])
+
+
+sys.meta_path.insert(0, CheckoutFinder())
+PYTHON
+    echo "import trillion_checkout" > "$site/trillion_checkout.pth"
+    "$VENV/bin/python" -c 'import trillion.kernels, trillion.trainer.train, torch; print("torch", torch.__file__)'
+}
+export -f link_install
+export PY VENV ROOT
+part install 120 bash -c link_install
 PY="$VENV/bin/python"
 export WANDB_MODE=offline HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 

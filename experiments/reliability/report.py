@@ -33,6 +33,11 @@ TESTS = [
     "tests/checkpoint/test_atomic.py::test_a_full_disk_while_writing_metrics_is_one_paragraph_and_no_half_line",
     "tests/test_config_rules.py::test_a_wrong_type_in_toml_names_the_file_line_and_key",
     "tests/fault_tolerance/test_kill_rejoin.py::test_a_killed_group_leaves_the_other_training_and_rejoins_live_bitwise",
+    "tests/fault_tolerance/test_bad_input.py::test_a_malformed_lighthouse_address_exits_2_at_once_naming_the_form",
+    "tests/checkpoint/test_export.py::test_exported_generate_stops_at_the_runs_end_of_document_id",
+    "tests/prepared/test_document_offsets.py",
+    "tests/checkpoint/test_torchrun_preemption.py",
+    "tests/test_config_effects.py::test_trillion_train_refuses_them_with_exit_2_and_one_paragraph",
 ]
 
 

@@ -125,9 +125,11 @@ def apply_settings(args: ModelArgs, settings: MoESettings, model_name: str) -> M
         )
     group_size = routing.n_experts // routing.n_groups
     if routing.n_experts % routing.n_groups or routing.topk_groups * group_size < routing.top_k:
+        given = " and ".join(f"model.{k}={overrides[k]}" for k in COUNTS if k in overrides)
         raise ConfigError(
-            f"model.n_experts={routing.n_experts} does not split into the preset's {routing.n_groups} routing groups "
-            f"with top_k={routing.top_k} choices among {routing.topk_groups} of them. Keep n_experts a multiple of "
-            f"{routing.n_groups} and top_k at most {routing.topk_groups} groups' experts."
+            f"{given}: the preset's {routing.n_groups} routing groups must split the {routing.n_experts} experts "
+            f"evenly, and each token's top_k={routing.top_k} choices come from {routing.topk_groups} of them "
+            f"({routing.topk_groups} x {group_size} experts at most). Keep model.n_experts a multiple of "
+            f"{routing.n_groups} and model.top_k at most {routing.topk_groups} groups' experts."
         )
     return dataclasses.replace(args, moe=routing)

@@ -67,6 +67,19 @@ def test_the_pre_commit_hook_runs_the_pinned_ruff():
     assert re.search(r"^\s*rev:\s*v?(\S+)\s*$", hook, re.MULTILINE).group(1) == pinned
 
 
+def test_ci_runs_the_readmes_commands_in_a_fresh_venv():
+    """.ci/run proves the README's test command as a new user runs it: in a virtual environment it makes
+    itself, with the CPU torch first, then the README's line unchanged."""
+    readme, ci = (ROOT / "README.md").read_text(), (ROOT / ".ci" / "run").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme.split("## The two commands")[1].split("\n## ")[0], re.S)
+    test_line = next(line for block in blocks for line in block.splitlines() if "pytest" in line)
+    commands = [line for line in ci.splitlines() if line and not line.startswith(("#", " "))]
+    venv = next(i for i, line in enumerate(commands) if line.startswith("python3 -m venv "))
+    activate = next(i for i, line in enumerate(commands) if line.startswith(". ") and "bin/activate" in line)
+    torch = next(i for i, line in enumerate(commands) if "torch==" in line)
+    assert venv < activate < torch < commands.index(test_line) == len(commands) - 1, commands
+
+
 SET_UP = ("trainer/set_up.py", ("set_up", "_set_up_locked"))  # set_up calls _set_up_locked: one order
 
 

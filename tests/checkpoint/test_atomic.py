@@ -77,7 +77,25 @@ def test_no_space_is_one_paragraph_and_exit_status_1(tmp_path, monkeypatch, caps
         main(["train", *TINY, "--training.steps=2", f"--job.output_dir={tmp_path / 'run'}"]) == 1
     )  # a runtime failure
     err = capsys.readouterr().err
-    assert "No space left" in err and "--checkpoint.keep_latest=1" in err and "Traceback" not in err
+    assert "No space left" in err and "room for one whole checkpoint" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("keep_latest", [1, 0])
+def test_no_space_advice_fits_checkpoint_keep_latest(keep_latest, tmp_path, monkeypatch):
+    """keep_latest=1 already keeps the fewest: the advice says what the disk must hold instead of suggesting it
+    again; keeping all (0) is told that keep_latest=1 would keep one, and which older ones to move."""
+    fail_on_save(monkeypatch, "finish", OSError(errno.ENOSPC, "No space left on device"), after=2)
+    out = tmp_path / "run"
+    with pytest.raises(CheckpointError) as failure:
+        run(out, "--checkpoint.interval=1", f"--checkpoint.keep_latest={keep_latest}", steps=3)
+    message, newest = str(failure.value), "step-00000002"
+    size = sum(f.stat().st_size for f in (out / "checkpoints" / newest).rglob("*") if f.is_file())
+    assert f"room for one more whole checkpoint (about {size / 1e6:.1f} MB, as {newest})" in message
+    assert "older ones are removed only once a newer one is complete" in message
+    if keep_latest == 1:
+        assert checkpoints(out) == [newest] and "keep_latest=1" not in message
+    else:
+        assert "--checkpoint.keep_latest=1 (now 0)" in message and "move the older ones (step-00000001)" in message
 
 
 def test_unwritable_directory_fails_before_training(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from tests.docs.test_site import GUIDES, LINK, anchor
-from tests.helpers.documentation import README, ROOT, runnable_blocks, sections
+from tests.helpers.documentation import README, runnable_blocks, sections
 
 MAX_LINES = 200
 FIRST_SCREEN = 40  # lines a terminal or GitHub shows before the reader scrolls
@@ -21,13 +21,10 @@ def bash_blocks(text: str) -> list[str]:
     return re.findall(r"^```bash\n(.*?)^```$", text, flags=re.M | re.S)
 
 
-def test_the_readme_is_short_and_keeps_the_two_commands_ci_runs():
+def test_the_readme_is_short_and_keeps_the_two_commands():  # CI runs the second: tests/architecture/test_docs.py
     text = README.read_text()
     assert len(text.splitlines()) <= MAX_LINES
     assert [TRAIN + "\n", TEST + "\n"] == bash_blocks(text)[:2]
-    ci = (ROOT / ".ci/run").read_text().splitlines()
-    quiet = [line.strip().replace("python -m pip install --quiet ", "pip install ") for line in ci]
-    assert TEST in quiet, "CI runs the README's test command, pip quiet"
     assert DATE.findall(text) == [], "a dated figure belongs in the guide beside what measured it"
 
 

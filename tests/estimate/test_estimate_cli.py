@@ -148,7 +148,8 @@ def test_gpt_1t_on_3072_ranks_fits_a_mi250x_gcd_under_zero3(capsys):
 
 def test_steps_run_the_training_loop_as_the_first_and_last_rank(capsys):
     """dp_shard 2 x tp 2 with a vocabulary split unevenly over dp_shard (129 rows per tp rank): the last
-    rank, simulated after the first in the same process, shards it its own way."""
+    rank, simulated after the first in the same process, shards it its own way. The steps run without
+    evaluation and W&B, so their settings (given here) are left out of the steps' config, not refused."""
     assert (
         main(
             [
@@ -156,6 +157,8 @@ def test_steps_run_the_training_loop_as_the_first_and_last_rank(capsys):
                 "--config",
                 "experiments/configs/debug_2d_cpu.toml",
                 "--job.device=cpu",
+                "--eval.steps=4",
+                "--logging.wandb_project=trillion-estimate",
                 "--steps",
                 "2",
                 "--format",

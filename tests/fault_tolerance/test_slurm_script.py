@@ -2,11 +2,11 @@
 Lighthouse on the first node, one torchrun per replica group on its own nodes with its own rendezvous, all
 pointed at the Lighthouse, and refuses nodes that do not split into whole groups."""
 
-import os
 import subprocess
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers.slurm_stubs import ROOT, stubbed
+
 STUBS = {
     "scontrol": 'echo "$SLURM_JOB_NODELIST" | tr "," "\\n"',
     "srun": 'echo "TORCHFT_LIGHTHOUSE=$TORCHFT_LIGHTHOUSE $*" >> "$RECORD"',
@@ -15,18 +15,7 @@ STUBS = {
 
 
 def run_script(tmp_path: Path, nodes: str, groups: str) -> tuple[subprocess.CompletedProcess, list[str]]:
-    for name, body in STUBS.items():
-        (tmp_path / name).write_text(f"#!/bin/bash\n{body}\n")
-        (tmp_path / name).chmod(0o755)
-    record = tmp_path / "record"
-    env = {
-        **os.environ,
-        "PATH": f"{tmp_path}:{os.environ['PATH']}",
-        "RECORD": str(record),
-        "SLURM_JOB_NODELIST": nodes,
-        "SLURM_JOB_ID": "77",
-        "SLURM_SUBMIT_DIR": str(ROOT),
-    }
+    env, record = stubbed(tmp_path, STUBS, SLURM_JOB_NODELIST=nodes)
     script = ROOT / "experiments" / "slurm" / "ft.sbatch"
     result = subprocess.run(
         ["bash", str(script), groups, "my.toml", "--training.steps=5"],

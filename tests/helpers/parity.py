@@ -156,13 +156,22 @@ def _compare(
 
 
 def _compare_relative(name: str, actual: dict, expected: dict, relative: float) -> None:
-    """Losses and gradient norms of every step, and the gradients of the first (later ones start from weights
-    the optimizer moved by rounding-sized amounts, which Adam's normalization magnifies under any layout)."""
+    """The loss of every step, and the gradient norm and gradients of the first.
+
+    Later gradients and norms are held to the elementwise tolerance only, because AdamW's first step magnifies
+    rounding: it moves each weight by lr * g / (|g| + eps), linear in g with a gain of lr / eps (3e5 here) where a
+    gradient's true value is near eps. Measured on gpt-tp2-docs-reset: element 3067 of layer 1's w2 has a gradient
+    of 3.5e-9 in one process and 4.2e-9 under tp 2 (a near-cancellation, whose last bits follow the reduction
+    order), so the two runs' weights part by 1.1e-4 there and step 1's gradient norm by 1.08e-6 relative, while
+    every first-step gradient agrees within 1e-7; with eps 1e-6 or 1e-10 (that element out of the linear range)
+    step 1's norms agree within 1e-7. The losses stay held to `relative` at every step: the weights moved that way
+    are those whose gradient is near zero, so the loss does not see them to first order (the norm sees them
+    through the curvature)."""
     errors = {
-        f"step {step} {what}": abs(got - want) / abs(want)
-        for what in ("losses", "norms")
-        for step, (got, want) in enumerate(zip(actual[what], expected[what], strict=True))
+        f"step {step} losses": abs(got - want) / abs(want)
+        for step, (got, want) in enumerate(zip(actual["losses"], expected["losses"], strict=True))
     }
+    errors["step 0 norms"] = abs(actual["norms"][0] - expected["norms"][0]) / abs(expected["norms"][0])
     for key, value in expected["grads"][0].items():
         if key.endswith("wk.bias"):  # zero but for rounding: softmax does not see a shift every key shares
             continue

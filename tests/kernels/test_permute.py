@@ -11,8 +11,15 @@ import torch
 
 from trillion.kernels.permute import inverse_order, permute, unpermute
 
-# (tokens, top_k, dim, experts): top_k up to DeepSeek-V3's 8, a dim spanning several of the interpreter's 16
-CASES = {"top2": (15, 2, 64, 4), "top8": (6, 8, 128, 16), "top1": (7, 1, 64, 3)}
+# (tokens, top_k, dim, experts): top_k up to DeepSeek-V3's 8, a dim spanning several of the interpreter's 16; top_k
+# 3 and 6 (DeepSeek-V2-Lite's, Moonlight's) are not powers of two: the backward pads its slots past top_k
+CASES = {
+    "top2": (15, 2, 64, 4),
+    "top8": (6, 8, 128, 16),
+    "top1": (7, 1, 64, 3),
+    "top6": (6, 6, 32, 8),
+    "top3": (9, 3, 32, 5),
+}
 
 
 def _routing(tokens, top_k, experts, gen):

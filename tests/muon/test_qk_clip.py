@@ -27,13 +27,19 @@ from trillion.trainer.step import train_step
 TAU, PUMP, SEED, LR, DRIFT = 2.0, 40.0, 5, 1e-5, 1e-3
 
 
-def _trained(args, tau: float):
-    """(model, its probes' step maxima, each attention's input in that step) after one Muon step on a fixed batch
-    from the pumped start."""
+def _pumped(args):
+    """The model, probed, with head 0's logits pumped past the others'."""
     model = Transformer(args)
     install_probes(model)
     model.init_weights(SEED)
     pump_first_head([model], args, PUMP)
+    return model
+
+
+def _trained(args, tau: float):
+    """(model, its probes' step maxima, each attention's input in that step) after one Muon step on a fixed batch
+    from the pumped start."""
+    model = _pumped(args)
     inputs = {}
     for index, (module, _) in attention_probes(model).items():
         module.register_forward_pre_hook(lambda _m, a, index=index: inputs.setdefault(index, a))
@@ -159,3 +165,44 @@ def test_an_attention_without_an_attend_seam_is_named():
         model = Transformer(MODELS["dense"])
     del model.layers["1"].attention.attend
     assert install_probes(model) == ["layers.1.attention"]
+
+
+def _reference_maxima(calls) -> torch.Tensor:
+    """Each query head's largest q . k x scale over a step's forwards, from the q and k the attention received:
+    the whole causal score matrix in float64, written here apart from the probe's chunked measure."""
+    best = None
+    for q, k, scale in calls:
+        q, k = q.double(), k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        scores = q @ k.transpose(-2, -1) * (scale if scale is not None else q.shape[-1] ** -0.5)
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril(k.shape[2] - q.shape[2])
+        found = scores.masked_fill(~causal, float("-inf")).amax(dim=(0, 2, 3))
+        best = found if best is None else torch.maximum(best, found)
+    return best
+
+
+def test_each_step_clips_with_its_own_max_logits():
+    """Two MuonClip steps on two batches, the first pumped past tau: what each step's clip scales by is that step's
+    own maxima, not a maximum kept from the step before (which would clip the rows again every step)."""
+    args = MODELS["dense"]
+    model = _pumped(args)
+    calls = {}
+    for index, (_, probe) in attention_probes(model).items():
+
+        def recorded(q, k, v, *, inner=probe.attend, index=index, causal=True, softmax_scale=None, **kwargs):
+            calls.setdefault(index, []).append((q.detach(), k.detach(), softmax_scale))
+            return inner(q, k, v, causal=causal, softmax_scale=softmax_scale, **kwargs)
+
+        probe.attend = recorded
+    config = Optimizer(name="muon", lr=LR, implementation="for-loop", newton_schulz_dtype="float32", qk_clip=TAU)
+    optimizer = build_optimizer(model, config, "cpu")
+    generator = torch.Generator().manual_seed(SEED)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for step in range(2):
+        calls.clear()
+        tokens = torch.randint(0, args.vocab_size, (4, 17), generator=generator)
+        batch = [(tokens[:, :-1], tokens[:, 1:])]
+        train_step(MicroBatchLoop(model), batch, optimizer, scaler, contextlib.nullcontext(), 1.0)
+        for index, (_, probe) in attention_probes(model).items():
+            expected = _reference_maxima(calls[index]).float()
+            torch.testing.assert_close(probe.step_max, expected, rtol=1e-5, atol=1e-5, msg=f"step {step}, {index}")
+            assert step or expected[0] > TAU, "the first step's head 0 must pass tau"

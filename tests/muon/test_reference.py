@@ -1,5 +1,6 @@
 """Muon in one process against torch's own: torch.optim.Muon (same hyperparameters, adjust_lr_fn
-"match_rms_adamw") on every hidden matrix, torch.optim.AdamW on the rest, in float64 to 1e-10 over 10 steps.
+"match_rms_adamw") on every hidden matrix (chosen here by Moonlight's rule, not by the code under test),
+torch.optim.AdamW on the rest, in float64 to 1e-10 over 10 steps.
 
 torch.optim.Muon casts each update to bfloat16 before Newton-Schulz (torch/optim/_muon.py,
 `_zeropower_via_newtonschulz`: `grad.bfloat16()`), which would make any float64 comparison a comparison of bf16
@@ -40,12 +41,20 @@ def _loss(model, tokens) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
+def moonlight_matrices(model) -> set[str]:
+    """Which parameters Muon takes, by Moonlight's and Kimi K2's rule, written here apart from the code under test
+    (parallel/muon/matrices.py reads the parts' declarations): every weight of two or more dimensions (an expert
+    stack's E matrices, the router's gate included) but the embedding table and the output head."""
+    head = {"tok_embeddings.weight", "output.weight"}
+    return {name for name, p in model.named_parameters() if p.ndim >= 2 and name not in head}
+
+
 class TorchReference:
     """torch.optim.Muon on the model's hidden matrices (an expert stack as E 2-D proxies), AdamW on the rest."""
 
-    def __init__(self, model, matrices):
+    def __init__(self, model, matrices: set[str]):
         params = dict(model.named_parameters())
-        self.model, self.stacks = model, {n: params[n] for n, m in matrices.items() if m.stacked and n in params}
+        self.model, self.stacks = model, {n: params[n] for n in matrices if params[n].ndim == 3}
         self.proxies = {
             n: [torch.nn.Parameter(p.detach()[e].clone()) for e in range(p.shape[0])] for n, p in self.stacks.items()
         }
@@ -85,14 +94,14 @@ def test_muon_equals_torch_muon_in_float64(name, monkeypatch):
     matrices = hidden_matrices(ours.args)
     cfg = Optimizer(name="muon", lr=LR, weight_decay=DECAY, implementation="for-loop", newton_schulz_dtype="float32")
     optimizer = build_optimizer(ours, cfg, "cpu")
-    reference = TorchReference(theirs, matrices)
+    reference = TorchReference(theirs, moonlight_matrices(theirs))
     for tokens in _batches():
         for model in (ours, theirs):
             model.zero_grad(set_to_none=True)
             _loss(model, tokens).backward()
         optimizer.step()
         reference.step(monkeypatch)
-    assert {n for n, _ in ours.named_parameters()} & set(matrices), "no hidden matrix found"
+    assert {n for n, _ in ours.named_parameters()} & set(matrices) == moonlight_matrices(ours), "other matrices"
     start = dict(_model(args).named_parameters())
     for (n, mine), (_, want) in zip(ours.named_parameters(), theirs.named_parameters()):
         assert not torch.equal(mine, start[n]), f"{n} never moved"

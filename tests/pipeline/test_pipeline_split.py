@@ -184,7 +184,6 @@ TRAINER_REFUSED = [
         2,
         ["pp_first_stage_layers=4", "leaving 1 for the other 3 stage(s)"],
     ),
-    (["--parallel.pp_last_stage_layers=1"], 1, ["pp_last_stage_layers=1", "parallel.pp=1 runs none"]),
 ]
 
 

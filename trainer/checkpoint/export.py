@@ -110,6 +110,7 @@ def export_hf(step: Path, out: Path) -> Path:
     model = load_checkpoint_model(step)
     try:  # before anything is written: a model no transformers family expresses (debug-moe's shared expert)
         config = hf_config(model.args)
+        config.bos_token_id = config.eos_token_id = end_of_document_id(step)
         weights = to_hf_state_dict(inference_state_dict(model), model.args)
     except ValueError as error:
         raise ConfigError(
@@ -122,6 +123,22 @@ def export_hf(step: Path, out: Path) -> Path:
         weights.pop("lm_head.weight")
     write_folder(out, {k: v.detach().contiguous() for k, v in weights.items()}, config, step)
     return out / "model.safetensors"
+
+
+def end_of_document_id(step: Path) -> int:
+    """The id the run's tokenizer ends each document with: transformers' `generate` stops there. It is the BOS
+    too, as GPT-2's <|endoftext|> is: training packs every document right after the one before's end, and no
+    tokenizer adds a begin-of-text id of its own in this trainer."""
+    from trillion.trainer.data.tokenizer import build_tokenizer
+
+    tokenizer_config = load_config(str(step / CONFIG_FILE)).tokenizer
+    try:
+        return build_tokenizer(tokenizer_config).eos_id
+    except ConfigError as error:
+        raise ConfigError(
+            f"--checkpoint {step} was trained with tokenizer.kind={tokenizer_config.kind}, whose file export reads "
+            f"for the end-of-document id it writes into config.json (where `generate` stops): {error}"
+        ) from None
 
 
 def check_destination(out: Path) -> None:

@@ -196,7 +196,7 @@ class CheckpointManager:
                 (staging / CONFIG_FILE).write_text(self.record.config_toml)
                 corpus_fingerprint.write(staging, self.record.data)
             except OSError as problem:
-                error = save_error(problem, step, self.root)
+                error = save_error(problem, step, self.root, self.cfg.keep_latest)
         self._agree(error, f"prepare checkpoint step {step}")
         try:
             if self.cfg.async_mode == "async" and not blocking:
@@ -217,7 +217,7 @@ class CheckpointManager:
             )
         except SAVE_FAILURES as problem:
             self._abandon(staging)
-            raise save_error(problem, step, self.root) from problem
+            raise save_error(problem, step, self.root, self.cfg.keep_latest) from problem
         # dcp.save returns on a rank only after the coordinator has gathered every rank's write
         # results and written the metadata, so the checkpoint is whole: publish without a barrier.
         self._publish(staging, step, start, time.perf_counter() - start)
@@ -305,7 +305,7 @@ class CheckpointManager:
             future.result()
         except SAVE_FAILURES as problem:
             self._abandon(staging)
-            raise save_error(problem, step, self.root) from problem
+            raise save_error(problem, step, self.root, self.cfg.keep_latest) from problem
         # A rank's future completes after DCP's final gather of all ranks' write results, so rank 0
         # seeing its own done means every rank has written.
         self._publish(staging, step, start, self.blocked_seconds)

@@ -19,6 +19,10 @@ COMMANDS = {
     "train": Command(
         "trillion.trainer.cli.train", "train a model: trillion train [--config FILE] [--section.field=value ...]"
     ),
+    "torchrun": Command(
+        "trillion.trainer.cli.torchrun",
+        "torchrun whose preemption (SIGTERM, SIGUSR1) saves and exits 0: trillion torchrun [torchrun's arguments]",
+    ),
     "prepare-data": Command(
         "trillion.trainer.cli.prepare_data",
         "tokenize a corpus once into a token store: trillion prepare-data --out DIR [--workers N] [--data.path=...]",

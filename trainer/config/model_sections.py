@@ -174,6 +174,6 @@ class Float8:
     )
 
     def check_relations(self) -> None:
-        if self.enabled:
+        if self.enabled:  # without it, these settings do nothing and are refused as such (effects.py)
             float8_recipe(self.recipe, self.fsdp_all_gather)
-        float8_dispatch(self.dispatch, self.enabled, self.experts)
+            float8_dispatch(self.dispatch, self.enabled, self.experts)

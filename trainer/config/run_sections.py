@@ -135,25 +135,6 @@ class Optimizer:
         NONNEGATIVE,
     )
 
-    def check_relations(self) -> None:
-        if self.name == "muon":
-            return
-        given = [
-            f"optimizer.{name}={getattr(self, name)!r}"
-            for name in MUON_SETTINGS
-            if getattr(self, name) != getattr(Optimizer, name)
-        ]
-        if given:
-            raise ConfigError(
-                f"{', '.join(given)} {'is a Muon setting' if len(given) == 1 else 'are Muon settings'}, but "
-                f"optimizer.name={self.name!r}: {'it does' if len(given) == 1 else 'they do'} nothing there. Use "
-                "--optimizer.name=muon to train with Muon (MuonClip with optimizer.qk_clip), or drop "
-                f"{'it' if len(given) == 1 else 'them'}."
-            )
-
-
-MUON_SETTINGS = ("momentum", "newton_schulz_steps", "newton_schulz_dtype", "qk_clip")
-
 
 @dataclass
 class LRSchedule:

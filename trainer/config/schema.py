@@ -9,11 +9,13 @@ receives only its own section, never the whole Config.
 This module is the one name the rest of the trainer imports the configuration by; it lives in
 files by section (run_sections.py, model_sections.py, data_sections.py, parallel_sections.py,
 observe_sections.py, fault_sections.py: what each field accepts), the whole (tree.py: Config, checks, TOML and help
-output) and the reading of files and flags (loading.py).
+output), the settings that act only in some configurations (effects.py) and the reading of files and flags
+(loading.py).
 """
 
 from trillion.errors import ConfigError
 from trillion.trainer.config.data_sections import Data, Eval, Tokenizer
+from trillion.trainer.config.effects import without_idle
 from trillion.trainer.config.fault_sections import FaultTolerance
 from trillion.trainer.config.fields import divisor_near
 from trillion.trainer.config.loading import load_config
@@ -48,6 +50,7 @@ __all__ = [
     "divisor_near",
     "help_text",
     "load_config",
+    "without_idle",
     "to_toml",
     "validate_config",
 ]

@@ -1,5 +1,6 @@
 """The whole configuration: Config holds one section of each file beside this one, in the order
-files and `--help` show them; validate_config runs every field's check, then each section's relations."""
+files and `--help` show them; validate_config runs every field's check, then each section's relations, then
+refuses settings that do nothing in this configuration (effects.py)."""
 
 import dataclasses
 import typing
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from trillion.errors import ConfigError
 from trillion.trainer.config.checks import OneOf
 from trillion.trainer.config.data_sections import Data, Eval, Tokenizer
+from trillion.trainer.config.effects import check_effects
 from trillion.trainer.config.fault_sections import FaultTolerance
 from trillion.trainer.config.model_sections import Compile, Float8, Kernels, Model, Moe
 from trillion.trainer.config.observe_sections import Logging, Metrics, Profiling
@@ -38,8 +40,8 @@ class Config:
 
 
 def validate_config(config: Config) -> None:
-    """Every field's declared check, then each section's relations; the first problem is raised
-    as a ConfigError naming the setting, its accepted values and its default."""
+    """Every field's declared check, then each section's relations, then the settings that do nothing in this
+    configuration (effects.py); the first problem is raised as a ConfigError naming the setting and the fix."""
     for section in dataclasses.fields(config):
         values = getattr(config, section.name)
         for f in dataclasses.fields(values):
@@ -52,6 +54,7 @@ def validate_config(config: Config) -> None:
                 )
         if hasattr(values, "check_relations"):
             values.check_relations()
+    check_effects(config)
 
 
 def to_toml(config: Config) -> str:

@@ -173,8 +173,11 @@ def verify(path: Path) -> None:
                 progress.advance(min(store.chunk_tokens, store.n_tokens - chunk * store.chunk_tokens))
         if bad:
             raise RunAborted(f"{store.describe_chunks(bad)}. Prepare it again with `trillion prepare-data`.")
+        if problem := store.misplaced_ends(range(store.n_chunks)):
+            raise RunAborted(problem)
         log.info(
-            "prepare-data --verify: %s, all %d chunks (%d tokens) match their hashes",
+            "prepare-data --verify: %s, all %d chunks (%d tokens) match their hashes and every document ends with "
+            "the end-of-document id",
             where,
             store.n_chunks,
             store.n_tokens,

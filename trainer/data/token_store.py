@@ -16,8 +16,10 @@ the data-parallel ranks together check different ones): a few MiB per rank, so a
 its windows. Every chunk is checked by `trillion prepare-data --verify DIR`.
 
 The document offsets are where each window's documents start (data.document_mask, data.reset_positions:
-`document_ids`), without re-tokenizing; every store has them. A store written before the manifest recorded the
-length distribution has it measured from them when asked (`document_lengths`, which says so).
+`document_ids`), without re-tokenizing; every store has them. Opening checks them whole (one per document
+and one more, 0 to n_tokens, increasing) and against the tokens of the checked chunks (each document ending there
+ends with the end-of-document id); --verify checks every document's end. A store written before the manifest
+recorded the length distribution has it measured from them when asked (`document_lengths`, which says so).
 """
 
 import hashlib
@@ -153,6 +155,7 @@ class TokenStore:
         self._tokens = (
             np.memmap(self.path / TOKENS, dtype=self.dtype, mode="r") if self.n_tokens else np.zeros(0, self.dtype)
         )
+        self._check_offsets()
         if self.n_chunks and sample_seed is not None:
             self._check_sample(np.random.default_rng(sample_seed))
 
@@ -168,9 +171,52 @@ class TokenStore:
         )
 
     def _check_sample(self, rng) -> None:
-        sample = rng.choice(self.n_chunks, min(SAMPLED_CHUNKS, self.n_chunks), replace=False).tolist()
-        if bad := self.damaged_chunks(sorted({0, self.n_chunks - 1, *sample})):
+        sample = sorted({0, self.n_chunks - 1, *rng.choice(self.n_chunks, min(SAMPLED_CHUNKS, self.n_chunks), False)})
+        if bad := self.damaged_chunks(sample):
             raise ConfigError(f"{self.describe_chunks(bad)}. Prepare it again with `trillion prepare-data`.")
+        if problem := self.misplaced_ends(sample):
+            raise ConfigError(problem)
+
+    def _check_offsets(self) -> None:
+        """The document offsets as a store writes them (their file's hash may have been updated with an edit):
+        one per document and one more, from 0 to n_tokens, each document at least its end-of-document id long.
+        Masking and positions read them: a wrong one would train silently wrong."""
+        offsets = self.documents()
+        expected = self.manifest["n_documents"] + 1
+        problem = None
+        if offsets.ndim != 1 or offsets.dtype.kind not in "iu" or len(offsets) != expected:
+            problem = f"holds {offsets.dtype} of shape {offsets.shape} where {expected} integer offsets belong"
+        elif offsets[0] != 0 or offsets[-1] != self.n_tokens:
+            problem = f"runs from {offsets[0]} to {offsets[-1]}, not from 0 to the {self.n_tokens} tokens"
+        elif len(empty := np.flatnonzero(np.diff(offsets) <= 0)):
+            d = int(empty[0])
+            problem = (
+                f"goes from {offsets[d]} back to {offsets[d + 1]} at document {d}"
+                if offsets[d + 1] < offsets[d]
+                else f"gives document {d} no tokens (offset {offsets[d]} twice)"
+            )
+        if problem:
+            raise ConfigError(self._offsets_message(f"{DOCUMENTS} {problem}"))
+
+    def misplaced_ends(self, chunks) -> str | None:
+        """Whether every document that ends inside `chunks` (whose tokens match their hashes) ends with the
+        end-of-document id: the offsets agree with the tokens they cut. None, or the message."""
+        offsets, size, eos = self.documents(), self.chunk_tokens, self.tokenizer["eos_id"]
+        for chunk in chunks:
+            first, last = np.searchsorted(offsets, [chunk * size + 1, (chunk + 1) * size + 1])
+            ends = np.asarray(offsets[first:last]) - 1  # the last token of each document ending in this chunk
+            if len(wrong := ends[self._tokens[ends] != eos]):
+                return self._offsets_message(
+                    f"{DOCUMENTS} ends a document at token {int(wrong[0])} (chunk {chunk} of {TOKENS}), which is "
+                    f"{int(self._tokens[wrong[0]])}, not the end-of-document id {eos}"
+                )
+        return None
+
+    def _offsets_message(self, problem: str) -> str:
+        return (
+            f"{self.setting}={str(self.path)!r}: {problem}; the document offsets were edited or damaged (document "
+            "masking and positions read them). Prepare the store again with `trillion prepare-data`."
+        )
 
     def _check_files(self) -> None:
         for name, expected in self.manifest["files"].items():

@@ -5,6 +5,7 @@ imported only when fault tolerance is on: a run without it never loads it."""
 import dataclasses
 import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from trillion.errors import ConfigError
 from trillion.parallel.layout import Layout
@@ -40,12 +41,38 @@ def check_fault_tolerance(config: Config, layout: Layout) -> None:
             "fault_tolerance.enabled=true with training.dtype=fp16: the loss scaler steps the optimizer whatever "
             "the groups' commit vote says. Use --training.dtype=bf16 (or fp32 on a CPU)."
         )
-    if not os.environ.get(LIGHTHOUSE_ENV):
+    address = os.environ.get(LIGHTHOUSE_ENV, "")
+    if not address:
         raise ConfigError(
             f"fault_tolerance.enabled=true but {LIGHTHOUSE_ENV} is not set: every replica group finds the torchft "
             f"Lighthouse there. Start one (`{LIGHTHOUSE_COMMAND}`, which listens on port 29510) and set "
             f"{LIGHTHOUSE_ENV}=http://HOST:29510 for every group (experiments/slurm/ft.sbatch does both)."
         )
+    if problem := lighthouse_address_problem(address):
+        raise ConfigError(
+            f"{LIGHTHOUSE_ENV}={address!r} is not a Lighthouse address: {problem}. torchft reaches the Lighthouse "
+            f"by a URL, http://HOST:PORT (the port `torchft_lighthouse` listens on, 29510 by default), e.g. "
+            f"{LIGHTHOUSE_ENV}=http://{_host_guess(address)}:29510."
+        )
+
+
+def lighthouse_address_problem(address: str) -> str | None:
+    """What keeps `address` from being a URL torchft's client can dial (None when it can): torchft retries a
+    malformed one until fault_tolerance.timeout_s, so it is refused here, before any wait."""
+    try:
+        parts = urlsplit(address)
+        parts.port  # noqa: B018 (raises for a port that is not a number, or out of range)
+    except ValueError as error:
+        return str(error)
+    if parts.scheme not in ("http", "https"):
+        return "it has no http:// (or https://) scheme" if "://" not in address else f"the scheme {parts.scheme!r}"
+    return None if parts.hostname else "it names no host"
+
+
+def _host_guess(address: str) -> str:
+    """The host the user most likely meant, for the example in the message."""
+    host = urlsplit(address if "://" in address else f"http://{address}").hostname if address else None
+    return host or "HOST"
 
 
 def replica_group_config(config: Config) -> Config:

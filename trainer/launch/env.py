@@ -15,6 +15,10 @@ from trillion.errors import ConfigError
 from trillion.trainer.launch import rendezvous
 from trillion.trainer.launch.slurm import torch_env_from_slurm
 
+# Set by `trillion torchrun` (cli/torchrun.py) for its ranks: the file each appends one line to when it stopped
+# early on a signal with its checkpoint saved, which the launcher prints before exiting 0.
+STOP_REPORT_ENV = "TRILLION_STOP_REPORT"
+
 
 @dataclass(frozen=True)
 class LaunchEnv:

@@ -6,7 +6,7 @@ import math
 from trillion.models.presets import get_preset
 from trillion.parallel.planner.hardware import profile_names
 from trillion.parallel.planner.search import Request
-from trillion.trainer.config.schema import Config, to_toml
+from trillion.trainer.config.schema import Config, to_toml, without_idle
 from trillion.trainer.tools.plan_args import PART_FLAGS
 
 
@@ -56,7 +56,7 @@ def train_config_toml(request: Request, row: dict) -> str:
         f"# pipeline chunks per rank (virtual stages): {row['virtual_stages']}",
         "",
     ]
-    return "\n".join(header) + to_toml(config)
+    return "\n".join(header) + to_toml(without_idle(config))  # nothing idle (a schedule at pp 1) is written
 
 
 def hardware_setting(profile) -> str:

@@ -81,7 +81,7 @@ def layout_overrides(layout: Layout) -> list[str]:
         f"--parallel.dp_replicate={layout.dp_replicate}",
         f"--parallel.dp_shard={layout.dp_shard}",
         f"--parallel.dp_shard_mode={layout.dp_shard_mode}",
-        f"--parallel.pp_schedule={layout.pp_schedule}",
+        *([f"--parallel.pp_schedule={layout.pp_schedule}"] if layout.pp > 1 else []),  # refused at pp 1: idle
         f"--parallel.activation_checkpoint={layout.activation_checkpoint}",
         f"--training.micro_batch_size={layout.micro_batch_size}",
         *([f"--parallel.cp={layout.cp}"] if layout.cp > 1 else []),

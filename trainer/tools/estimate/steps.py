@@ -39,7 +39,7 @@ import torch.distributed as dist
 from trillion.parallel.modes import checkpoint_mode
 from trillion.parallel.pipeline import Pipeline
 from trillion.trainer.assemble import build_model_args
-from trillion.trainer.config.schema import Config
+from trillion.trainer.config.schema import Config, without_idle
 from trillion.trainer.data.tokenizer import ByteTokenizer
 from trillion.trainer.tools.estimate.rank import fake_world, quiet, target_dtype
 
@@ -78,34 +78,36 @@ def tiny_config(config: Config, dims, steps: int, output_dir: str) -> Config:
     period = checkpoint_mode(dims.layout.activation_checkpoint).period
     layers = args.n_layers if dims.pp > 1 else min(args.n_layers, 2 * period)
     r = dataclasses.replace
-    return r(
-        config,
-        job=r(config.job, output_dir=output_dir, device="cpu"),
-        model=r(
-            config.model,
-            n_layers=layers,
-            dim=dim,
-            ffn_dim=4 * dim,
-            vocab_size=math.ceil(ByteTokenizer.vocab_size / dims.tp) * dims.tp,
-        ),
-        data=r(config.data, path="", name=""),
-        tokenizer=r(config.tokenizer, kind="byte", path=""),
-        training=r(
-            config.training,
-            steps=steps,
-            seq_len=4 * dims.tp,
-            micro_batch_size=1,
-            exit_interval=0,
-            global_batch_size=microbatches * dims.dp_size,
-            exit_after_minutes=0.0,
-            dtype="bf16" if config.training.dtype == "fp16" else config.training.dtype,
-        ),
-        checkpoint=r(config.checkpoint, interval=0, save_final=False),
-        eval=r(config.eval, interval=0),  # the training step is measured; a fake pipeline could not evaluate either
-        compile=r(config.compile, enabled=False),
-        logging=r(config.logging, wandb=False, tensorboard=False, progress_bar="lines"),
-        metrics=r(config.metrics, log_freq=1),
-        profiling=r(config.profiling, enabled=False),
+    return without_idle(  # what evaluation, logging and the user's data would have read is idle here
+        r(
+            config,
+            job=r(config.job, output_dir=output_dir, device="cpu"),
+            model=r(
+                config.model,
+                n_layers=layers,
+                dim=dim,
+                ffn_dim=4 * dim,
+                vocab_size=math.ceil(ByteTokenizer.vocab_size / dims.tp) * dims.tp,
+            ),
+            data=r(config.data, path="", name=""),
+            tokenizer=r(config.tokenizer, kind="byte", path=""),
+            training=r(
+                config.training,
+                steps=steps,
+                seq_len=4 * dims.tp,
+                micro_batch_size=1,
+                exit_interval=0,
+                global_batch_size=microbatches * dims.dp_size,
+                exit_after_minutes=0.0,
+                dtype="bf16" if config.training.dtype == "fp16" else config.training.dtype,
+            ),
+            checkpoint=r(config.checkpoint, interval=0, save_final=False),
+            eval=r(config.eval, interval=0),  # the training step is measured; a fake pipeline could not evaluate either
+            compile=r(config.compile, enabled=False),
+            logging=r(config.logging, wandb=False, tensorboard=False, progress_bar="lines"),
+            metrics=r(config.metrics, log_freq=1),
+            profiling=r(config.profiling, enabled=False),
+        )
     )
 
 
