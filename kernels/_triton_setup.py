@@ -17,7 +17,20 @@ logger = logging.getLogger(__name__)
 
 # Architectures with their own tuned config sets. "interpreter" means TRITON_INTERPRET=1 on CPU,
 # where only a single fixed config is allowed (the interpreter cannot autotune).
-ARCHS = ("sm80", "sm90", "gfx90a", "gfx942", "interpreter")
+ARCHS = ("sm80", "sm90", "sm100", "gfx90a", "gfx942", "interpreter")
+# Newer targets without a tuned set of their own run the set of the part they succeed, whose tiles fit their
+# chips (gfx950: 160 KB of LDS per CU against gfx942's 64 KB). The ahead-of-time report compiles exactly these
+# launches for them (kernels/aot.py). sm100 has its own: sm90's spill there in places.
+SUCCEEDS = {"gfx950": "gfx942"}
+# Warps of the backward's delta kernel (one row sum per query; 4 unless named): on sm100 a build that lands on 48
+# registers spills 20-24 bytes under ptxas 13.4 (4 warps at head dim 64, 8 at 128 and 192/128); 16 warps stay at 26-32
+# registers at every head dim (RESOURCES.md)
+DELTA_WARPS = {"sm100": 16}
+
+
+def config_set(arch: str) -> str:
+    """The tuned config set (one of ARCHS) a target launches: its own, or that of the part it succeeds."""
+    return SUCCEEDS.get(arch, arch)
 
 
 def interpreting() -> bool:
@@ -70,19 +83,21 @@ def _gpu_arch(index: int) -> str:
     props = torch.cuda.get_device_properties(index)
     if torch.version.hip is not None:
         gcn = props.gcnArchName.split(":")[0]
-        if gcn in ("gfx90a", "gfx942"):
-            return gcn
+        if gcn in ("gfx90a", "gfx942", "gfx950"):
+            return config_set(gcn)
         chosen = "gfx942" if gcn.startswith("gfx9") and gcn >= "gfx940" else "gfx90a"
         logger.info("no Triton configs tuned for %s; using the %s set", gcn, chosen)
         return chosen
     major, minor = props.major, props.minor
-    if major >= 9:
+    if major >= 10:
+        chosen = "sm100"
+    elif major == 9:
         chosen = "sm90"
     elif major == 8:
         chosen = "sm80"
     else:
         raise RuntimeError(f"{props.name} (sm{major}{minor}) is older than sm80; see unavailable_reason()")
-    if (major, minor) not in ((8, 0), (9, 0)):
+    if (major, minor) not in ((8, 0), (9, 0), (10, 0)):
         logger.info("no Triton configs tuned for sm%d%d; using the %s set", major, minor, chosen)
     return chosen
 

@@ -1,9 +1,10 @@
 """Ahead-of-time compilation of the Triton kernels for GPUs this machine does not have: each launch
 the trainer makes, specialized as Triton's JIT specializes it at run time (unit strides as
 constants, pointers and strides divisible by 16 marked so), compiled for sm80 (A100), sm90 (H100),
-gfx90a (MI250X) and gfx942 (MI300X), with the resources read from the compiled artifacts:
-registers, spills and scratch from ptxas (NVIDIA) or the AMDGPU assembly, shared memory / LDS from
-Triton, the matrix instructions from the PTX (mma, wgmma) or the GCN assembly (v_mfma*).
+sm100 (B200, GB200), gfx90a (MI250X), gfx942 (MI300X, MI325X) and gfx950 (MI355X), with the resources read
+from the compiled artifacts: registers, spills and scratch from ptxas (NVIDIA) or the AMDGPU assembly, shared
+memory / LDS from Triton, the matrix instructions from the PTX (mma, wgmma, tcgen05) or the GCN assembly
+(v_mfma*). sm100 and gfx950 launch the tuned configs of the part they succeed (_triton_setup.SUCCEEDS).
 
 Results are cached on disk (TRILLION_AOT_CACHE, default ~/.cache/trillion/aot), keyed by the
 kernel's source, the launch, the target and Triton's version. The command line is
@@ -28,32 +29,13 @@ import torch
 import triton
 
 from trillion.kernels import aot_moe, norm
+from trillion.kernels._triton_setup import DELTA_WARPS, config_set
 from trillion.kernels.aot_moe import FLOAT8_ARCHS, FLOAT8_GEMM_KERNELS, GEMM_KERNELS, PERMUTATION_KERNELS
+from trillion.kernels.aot_targets import ARCHS
 from trillion.kernels.flash_attention_configs import configs
 from trillion.kernels.flash_attention_launch import DELTA_BLOCK_M, kernel_args, kernel_fn
 from trillion.kernels.head_dims import block_d_for, block_dims_for
 
-# Chip limits: shared memory / LDS per block (the opt-in maximum on NVIDIA), registers per thread.
-ARCHS = {
-    "sm80": dict(
-        target=("cuda", 80, 32),
-        shared=166912,
-        mma=r"\bmma\.sync\.aligned\.\S+",
-        sm_warps=64,
-        sm_regs=65536,
-        sm_shared=167936,
-    ),
-    "sm90": dict(
-        target=("cuda", 90, 32),
-        shared=232448,
-        mma=r"\bwgmma\.mma_async\.\S+|\bmma\.sync\.aligned\.\S+",
-        sm_warps=64,
-        sm_regs=65536,
-        sm_shared=233472,
-    ),
-    "gfx90a": dict(target=("hip", "gfx90a", 64), shared=65536, mma=r"\bv_mfma_\w+"),
-    "gfx942": dict(target=("hip", "gfx942", 64), shared=65536, mma=r"\bv_mfma_\w+"),
-}
 # Attention head dims: one number, or (q/k, v) for latent attention (DeepSeek-V3, Kimi K2), whose
 # launch has as many KV heads as query heads.
 HEAD_DIMS = (64, 128, (192, 128))
@@ -72,7 +54,8 @@ NORM_KERNELS = ("rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd")
 # float8 kernels (kernels/aot_moe.py) on the float8 targets only, bf16 out; the permutation on every target.
 GEMM_ROWS, GEMM_GROUPS, GEMM_K, GEMM_N = 8192 * 8, 256, 7168, 2048
 MATMUL_KERNELS = ("fwd", "dkdv", "dq", *GEMM_KERNELS, *FLOAT8_GEMM_KERNELS)  # must use matrix instructions
-FLOAT8_INSTRUCTION = re.compile(r"e4m3|fp8")  # wgmma ... .e4m3.e4m3 (sm90), v_mfma_*_fp8_fp8 (gfx942)
+# wgmma ... .e4m3.e4m3 (sm90), v_mfma_*_fp8_fp8 (gfx942), tcgen05.mma ... kind::f8f6f4 (sm100), v_mfma_*_f8f6f4 (gfx950)
+FLOAT8_INSTRUCTION = re.compile(r"e4m3|fp8|f8f6f4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,13 +89,14 @@ def cases(
     for arch, dtype in itertools.product(archs, dtypes):
         for dims in head_dims:
             d, dv = (dims, None) if isinstance(dims, int) else dims
-            out.append(Case("delta", arch, dtype, d, None, (("BLOCK_M", DELTA_BLOCK_M),), dv))
+            delta = (("BLOCK_M", DELTA_BLOCK_M),) + ((("num_warps", DELTA_WARPS[arch]),) if arch in DELTA_WARPS else ())
+            out.append(Case("delta", arch, dtype, d, None, delta, dv))
             block_dims = sum(block_dims_for(d)), block_d_for(dv or d)
             masks = [(causal, False) for causal in causal_modes] + [(True, True)] * (True in causal_modes)
             for kernel, (causal, documents) in itertools.product(("fwd", "dkdv", "dq"), masks):
                 out += [
                     Case(kernel, arch, dtype, d, causal, _config_tuple(c), dv, documents)
-                    for c in configs(kernel, arch, *block_dims, documents)
+                    for c in configs(kernel, config_set(arch), *block_dims, documents)
                 ]
         if norms:
             out += [Case(k, arch, dtype, w, None) for k in NORM_KERNELS for w in NORM_WIDTHS]

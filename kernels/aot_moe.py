@@ -13,12 +13,19 @@ from __future__ import annotations
 import torch
 
 from trillion.kernels import grouped_gemm_op, permute
+from trillion.kernels._triton_setup import config_set
 from trillion.kernels.float8_scaling import BLOCK, TokenTiles
 
 GEMM_KERNELS = ("gmm_fwd", "gmm_dx", "gmm_dw")
 FLOAT8_GEMM_KERNELS = ("gmm8_fwd", "gmm8_dx", "gmm8_dw", "gmm8_fwd_rowwise", "gmm8_dx_rowwise")
-# The float8 format each float8 target's matrix units take (kernels/float8_grouped_gemm.py float8_dtype)
-FLOAT8_ARCHS = {"sm90": torch.float8_e4m3fn, "gfx942": torch.float8_e4m3fnuz}
+# The float8 format each float8 target's matrix units take (kernels/float8_grouped_gemm.py float8_dtype): CDNA4
+# (gfx950) moved to the OCP e4m3fn that NVIDIA uses
+FLOAT8_ARCHS = {
+    "sm90": torch.float8_e4m3fn,
+    "sm100": torch.float8_e4m3fn,
+    "gfx942": torch.float8_e4m3fnuz,
+    "gfx950": torch.float8_e4m3fn,
+}
 PERMUTATION_KERNELS = ("perm_fwd", "perm_bwd", "unperm_fwd", "unperm_bwd")
 # The permutation's launch: 8192 tokens, DeepSeek-V3's top-8 of dim 7168
 PERMUTE_TOKENS, PERMUTE_TOP_K, PERMUTE_DIM = 8192, 8, 7168
@@ -28,7 +35,7 @@ _PERMUTE_KERNEL_NAMES = dict(zip(PERMUTATION_KERNELS, permute.KERNELS))
 def gemm_configs(kernel: str, arch: str) -> list:
     """The configs the grouped GEMM's autotuner may pick for `kernel` (high precision or float8) on `arch`."""
     name = "dw" if kernel.startswith(("gmm_dw", "gmm8_dw")) else "mm"
-    return grouped_gemm_op.configs(name + ("8" if kernel.startswith("gmm8") else ""), arch)
+    return grouped_gemm_op.configs(name + ("8" if kernel.startswith("gmm8") else ""), config_set(arch))
 
 
 def gemm_launch(kernel: str, dtype: torch.dtype, arch: str, rows: int, groups: int, k: int, n: int):

@@ -10,7 +10,7 @@ import functools
 import torch
 import triton
 
-from trillion.kernels._triton_setup import device_arch, interpreting, unavailable_reason
+from trillion.kernels._triton_setup import DELTA_WARPS, device_arch, interpreting, unavailable_reason
 from trillion.kernels.flash_attention_configs import configs
 from trillion.kernels.head_dims import block_d_for, block_dims_for
 
@@ -154,8 +154,11 @@ def backward(grad_out, q, k, v, out, lse, causal: bool, softmax_scale: float, do
     common = dict(grad_out=grad_out, delta=delta)
     args, meta = kernel_args("delta", q, k, v, out, lse, causal, softmax_scale, **common)
     block_m = 32 if interpreting() else DELTA_BLOCK_M
+    warps = 4 if interpreting() else DELTA_WARPS.get(device_arch(q.device), 4)
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        kernel_fn("delta")[(triton.cdiv(q_len, block_m), batch * q_heads)](*args, **meta, BLOCK_M=block_m)
+        kernel_fn("delta")[(triton.cdiv(q_len, block_m), batch * q_heads)](
+            *args, **meta, BLOCK_M=block_m, num_warps=warps
+        )
     common["documents"] = document_bounds(document_ids) if document_ids is not None else None
     args, meta = kernel_args("dkdv", q, k, v, out, lse, causal, softmax_scale, **common, grads=(dk, dv))
     _launch("dkdv", q.device, kv_len, batch * kv_heads, *args, **meta)

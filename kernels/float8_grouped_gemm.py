@@ -16,6 +16,10 @@ Backends, chosen by `choose` on the first call's device, the reason logged once 
   either recipe, on GPUs with float8 matrix units (sm89 and later, gfx942 and later).
 - emulated: the same quantisation, dequantised exactly (power-of-two scales) and multiplied in high precision
   by the high-precision grouped GEMM (kernels.grouped_gemm's backend): anywhere, a CPU included, not faster.
+- torchao_mx (the mxfp8 recipe, float8.recipe=mxfp8's experts): torchao's `_to_mxfp8_then_scaled_grouped_mm`
+  (torchao.prototype.moe_training: CUTLASS MXFP8 grouped GEMMs on sm100, its token groups padded to 32 rows). Like
+  torchao's rowwise backend its weight-gradient blocks span a group's rows whatever their source; no GPU of this
+  project's has run it yet (the emulated backend is the one its tests check).
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ from trillion.kernels._triton_setup import has_triton, unavailable_reason
 from trillion.kernels.grouped_gemm import grouped_mm, grouped_weight_grad
 
 FLOAT8_EXPERT_CHOICES = ("auto", *scaling.RECIPES, "off")  # float8.experts
-BACKENDS = ("torchao", "triton", "emulated")
+BACKENDS = ("torchao", "triton", "emulated", "torchao_mx")
 TORCHAO_GROUP_ROWS = 16  # torch._scaled_grouped_mm's row alignment of a token group (fp8: 16 bytes)
 NVIDIA_FLOAT8, NVIDIA_SCALED_GROUPED_MM = (8, 9), (9, 0)  # float8 matrix units; torch's CUTLASS grouped kernel
+NVIDIA_MX = (10, 0)  # block-scaled (MX) tensor-core instructions: Blackwell
 AMD_FLOAT8 = ("gfx942", "gfx950")
 
 
@@ -72,6 +77,19 @@ def torchao_unavailable(device: torch.device) -> str | None:
     return None
 
 
+def mx_unavailable(device: torch.device) -> str | None:
+    """Why torchao's MXFP8 grouped GEMM cannot run on `device` (None when it can)."""
+    if device.type != "cuda":
+        return f"torchao's MXFP8 grouped GEMM runs on GPUs, not {device.type}"
+    if torch.version.hip or torch.cuda.get_device_capability(device) < NVIDIA_MX:
+        return f"torchao's MXFP8 grouped GEMM (CUTLASS) needs NVIDIA sm100 or later (this is {_arch(device)})"
+    try:
+        import torchao.prototype.moe_training.mxfp8_grouped_mm  # noqa: F401
+    except ImportError as error:
+        return f"torchao.prototype.moe_training is not importable ({error})"
+    return None
+
+
 def triton_unavailable(device: torch.device) -> str | None:
     """Why the Triton float8 grouped GEMM cannot run on `device` (None when it can)."""
     if not has_triton():
@@ -90,6 +108,11 @@ def choose(setting: str, device: torch.device, emulate: bool) -> tuple[str, str,
     if emulate or device.type == "meta":  # meta: shapes only (trillion estimate), no numbers to get right
         recipe = "blockwise" if setting == "auto" else setting
         return recipe, "emulated", "emulated: the recipe's quantisation with high-precision matmuls, not faster"
+    if setting == "mxfp8":
+        why_not = mx_unavailable(device)
+        if why_not is not None:
+            raise ValueError(f"float8.experts=mxfp8 cannot run here: {why_not}")
+        return "mxfp8", "torchao_mx", "torchao's MXFP8 grouped GEMM runs here"
     recipe = "rowwise" if setting == "auto" else setting
     no_torchao = torchao_unavailable(device) if recipe == "rowwise" else "torchao's grouped GEMM is rowwise only"
     if no_torchao is None:
@@ -129,6 +152,8 @@ class Float8GroupedMM:
         recipe, backend = resolved(self.setting, self.emulate, x.device)
         if backend == "torchao":
             return _torchao_rowwise(x, weight, offsets, float8_dtype(x.device))
+        if backend == "torchao_mx":
+            return _torchao_mxfp8(x, weight, offsets)
         segments = offsets if segment_ends is None else segment_ends
         return _Float8GroupedMM.apply(
             x, weight, offsets, segments, _Product(recipe, backend, self.impl, float8_dtype(x.device))
@@ -216,6 +241,17 @@ def padded_groups(offsets: torch.Tensor, rows: int, align: int) -> tuple[torch.T
     group_of_row = group_of_row.clamp(max=offsets.shape[0] - 1)
     destination = torch.where(inside, padded_starts[group_of_row] + row - starts[group_of_row], bound - 1)
     return source, destination, padded_ends.to(torch.int32)
+
+
+def _torchao_mxfp8(x, weight, offsets) -> torch.Tensor:
+    """torchao's MXFP8 grouped GEMM, its groups padded to 32 rows by torchao itself; rows past the groups 0."""
+    from torchao.prototype.moe_training.mxfp8_grouped_mm import _to_mxfp8_then_scaled_grouped_mm
+
+    out = _to_mxfp8_then_scaled_grouped_mm(
+        x, weight, offs=offsets, out_dtype=x.dtype, pad_token_groups_for_grouped_mm=True
+    )
+    past_the_groups = torch.arange(x.shape[0], device=x.device) >= offsets[-1]
+    return out.masked_fill(past_the_groups.unsqueeze(1), 0)
 
 
 def _torchao_rowwise(x, weight, offsets, dtype) -> torch.Tensor:

@@ -8,13 +8,21 @@ dequantised block quantises again to the same bytes (float8 dispatch relies on i
 no rounding. Blocks of a dimension that is not a multiple of the block size end short, as if zero-padded:
 zeros change no maximum.
 
-The two recipes by GEMM operand (x the expert-sorted tokens (rows, K), w (experts, K, N), dy the output's
-gradient (rows, N); arXiv 2412.19437 section 3.3 for blockwise, torchao.prototype.moe_training for rowwise):
+The recipes by GEMM operand (x the expert-sorted tokens (rows, K), w (experts, K, N), dy the output's
+gradient (rows, N); arXiv 2412.19437 section 3.3 for blockwise, torchao.prototype.moe_training for rowwise, the OCP
+MX specification v1.0 and torchao's MXFP8 grouped GEMM for mxfp8):
 
     GEMM             operands       blockwise (DeepSeek-V3)               rowwise (torchao)
     out = x w        x, w           1 x 128 tiles, 128 x 128 blocks       per row; per (expert, column)
     dx = dy w^T      dy, w^T        1 x 128 tiles, w's blocks transposed  per row; per (expert, row of w)
     dw = x^T dy      x, dy          128 x 1 tiles along the tokens        per column over the tokens
+
+    mxfp8: every operand in blocks of 32 along its reduction dim: x and dy 1 x 32 along K (N), w 32 x 1 along K per
+    column, w^T along N, and the weight gradient's 32 x 1 tiles along the tokens.
+
+An MXFP8 block's scale is an e8m0 power of two: the smallest with |x| / scale <= 448, which is torchao's RCEIL
+rounding of the OCP scale (tests/float8/test_mxfp8.py checks the bytes against torchao's MXTensor.to_mx); so mxfp8
+is this module's power_of_two_scale at 32-element blocks, and its dequantisation is as exact as the others'.
 
 The weight gradient's operands are quantised along the tokens of each *segment*: an expert's rows from one
 source (one process: the expert's group; expert parallelism: the rows each ep rank sent), tiles restarting
@@ -29,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 BLOCK = 128  # DeepSeek-V3's tile and block edge
-RECIPES = ("blockwise", "rowwise")
+MX_BLOCK = 32  # the OCP MX formats' block: 32 elements share one e8m0 scale
+RECIPES = ("blockwise", "rowwise", "mxfp8")
 
 
 def float8_max(dtype: torch.dtype) -> float:
@@ -136,15 +145,17 @@ def dequantize_token_tiles(data: torch.Tensor, scale: torch.Tensor, tiles: Token
 
 # --- the recipes, operand by operand ------------------------------------------------------------------------
 def activation_blocks(recipe: str) -> tuple[int | None, int | None]:
-    """Scale blocks of a token-major operand (x for out, dy for dx): one row by 128 columns, or the whole row."""
-    return (1, BLOCK) if recipe == "blockwise" else (1, None)
+    """Scale blocks of a token-major operand (x for out, dy for dx): one row by 128 columns (blockwise) or by 32
+    (mxfp8), or the whole row."""
+    return {"blockwise": (1, BLOCK), "mxfp8": (1, MX_BLOCK)}.get(recipe, (1, None))
 
 
 def weight_blocks(recipe: str) -> tuple[int | None, int | None]:
-    """Scale blocks of a GEMM's (K, N) right operand: 128 x 128, or each column over the whole K."""
-    return (BLOCK, BLOCK) if recipe == "blockwise" else (None, 1)
+    """Scale blocks of a GEMM's (K, N) right operand: 128 x 128, 32 along K per column (mxfp8), or each column
+    over the whole K."""
+    return {"blockwise": (BLOCK, BLOCK), "mxfp8": (MX_BLOCK, 1)}.get(recipe, (None, 1))
 
 
 def token_tile(recipe: str) -> int | None:
-    """Rows per tile of the weight gradient's operands: 128, or the whole segment."""
-    return BLOCK if recipe == "blockwise" else None
+    """Rows per tile of the weight gradient's operands: 128 (blockwise), 32 (mxfp8), or the whole segment."""
+    return {"blockwise": BLOCK, "mxfp8": MX_BLOCK}.get(recipe)

@@ -1,7 +1,8 @@
 """The kernel resource report: every Triton kernel with every shipped config, compiled ahead of time
-for sm80 (A100), sm90 (H100), gfx90a (MI250X) and gfx942 (MI300X) on a machine without a GPU.
+for sm80 (A100), sm90 (H100), sm100 (B200, GB200), gfx90a (MI250X), gfx942 (MI300X, MI325X) and gfx950 (MI355X) on a
+machine without a GPU.
 
-    python -m trillion.kernels.report --arch gfx90a,gfx942,sm80,sm90 --format json
+    python -m trillion.kernels.report --arch gfx90a,gfx942,gfx950,sm80,sm90,sm100 --format json
     python -m trillion.kernels.report --markdown experiments/kernels/RESOURCES.md \
 --json experiments/kernels/resources.json
     python -m trillion.kernels.report --search dkdv:sm90:128     # every candidate tile of one kernel
@@ -10,7 +11,7 @@ for sm80 (A100), sm90 (H100), gfx90a (MI250X) and gfx942 (MI300X) on a machine w
 Attention (forward, delta, dK/dV, dQ) at head dims 64, 128 and latent attention's 192/128 (--all: 32
 to 256 too), bf16 and fp16, causal and not, each config its autotuner may pick; RMSNorm and LayerNorm
 forward and backward at the presets' hidden sizes; the experts' grouped GEMM (forward, dx, dweight)
-with each of its configs, its float8 kernels on sm90 and gfx942 (which must use float8 matrix
+with each of its configs, its float8 kernels on sm90, sm100, gfx942 and gfx950 (which must use float8 matrix
 instructions), and the fused token permutation.
 Registers, spills, scratch, shared memory / LDS, occupancy and the matrix
 instructions come from the compiled artifacts (kernels/aot.py). Exit status 1 when a config fails a
@@ -31,6 +32,7 @@ from pathlib import Path
 import triton
 
 from trillion.kernels import aot, aot_moe, norm
+from trillion.kernels._triton_setup import config_set
 from trillion.kernels.head_dims import block_d_for, block_dims_for
 
 # The search grid: tiles, warps and stages (and on CDNA the occupancy target) around the shipped ones.
@@ -146,6 +148,21 @@ def _table(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _instruction_summary(arch: str, rows: list[dict]) -> str:
+    """Which matrix instructions the arch's matmul launches use (each launch counted under its widest family:
+    tcgen05 or wgmma before mma.sync), and whose tuned configs it launches."""
+    matmuls = [r for r in rows if r["kernel"] in aot.MATMUL_KERNELS]
+    counts: dict[str, int] = {}
+    for row in matmuls:
+        families = {i.split(".")[0].split("_f32")[0] for i in row.get("matrix_instructions", [])}
+        widest = next((f for f in ("tcgen05", "wgmma") if f in families), min(families, default="none"))
+        counts[widest] = counts.get(widest, 0) + 1
+    used = ", ".join(f"{family} in {count}" for family, count in sorted(counts.items()))
+    carried = config_set(arch)
+    configs = f"; the {carried} configs (kernels/_triton_setup.py SUCCEEDS)" if carried != arch else ""
+    return f"Matrix instructions of its {len(matmuls)} matmul launches: {used}{configs}."
+
+
 def wide_norm_cases(archs) -> list[aot.Case]:
     """The norm backward at rows wider than norm.MAX_FUSED_DIM: not launched (torch takes them),
     compiled to show why."""
@@ -172,7 +189,7 @@ def markdown(rows: list[dict], searches: list[dict], command: str, wide_norms: l
         "gmm_fwd is x (rows, K) @ w (K, N) per expert, gmm_dx the same kernel on w transposed, gmm_dw x^T dy per",
         "expert; the sizes are run-time arguments, so every preset's expert shapes compile to these binaries;",
         "gmm8_* the same in float8 with DeepSeek-V3's 1 x 128 / 128 x 128 scales, *_rowwise with rowwise ones, on",
-        f"sm90 (e4m3fn) and gfx942 (e4m3fnuz) with bf16 out; perm_*/unperm_* the fused permutation of "
+        "sm90, sm100 and gfx950 (e4m3fn) and gfx942 (e4m3fnuz) with bf16 out; perm_*/unperm_* the fused permutation of "
         f"{aot_moe.PERMUTE_TOKENS} tokens,",
         f"top-{aot_moe.PERMUTE_TOP_K}, size the row width).",
         "Documents: masked rows are launches with document masking (causal, as training masks documents). Tile",
@@ -187,7 +204,8 @@ def markdown(rows: list[dict], searches: list[dict], command: str, wide_norms: l
     ]
     for arch in dict.fromkeys(r["arch"] for r in rows):
         mine = [r for r in rows if r["arch"] == arch]
-        lines += [f"## {arch} ({sum(bool(r['problems']) for r in mine)} of {len(mine)} failing)", "", *_table(mine), ""]
+        lines += [f"## {arch} ({sum(bool(r['problems']) for r in mine)} of {len(mine)} failing)", ""]
+        lines += [_instruction_summary(arch, mine), "", *_table(mine), ""]
     if wide_norms:
         lines += [
             f"## Norm backward beyond {norm.MAX_FUSED_DIM} columns (not launched: torch's kernels take these rows)",

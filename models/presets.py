@@ -1,8 +1,9 @@
 """Model presets by name. GPT shapes are the Frontier study's (experiments/frontier/PAPER.md: GPT-2 BPE vocabulary
 padded to 50,688, LayerNorm, GELU 4h, learned positions, untied output); Llama shapes are
 Meta's published Llama 3 configurations; the mixtures of experts are their publishers' Hugging Face
-config.json files (mistralai/Mixtral-8x7B-v0.1, Mixtral-8x22B-v0.1, Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B), and so
-are DeepSeek's family (deepseek-ai/DeepSeek-V2-Lite, DeepSeek-V3; moonshotai/Moonlight-16B-A3B, Kimi-K2-Instruct)."""
+config.json files (mistralai/Mixtral-8x7B-v0.1, Mixtral-8x22B-v0.1, Qwen/Qwen3-30B-A3B, Qwen3-235B-A22B,
+meta-llama/Llama-4-Scout-17B-16E), and so are DeepSeek's family (deepseek-ai/DeepSeek-V2-Lite, DeepSeek-V3;
+moonshotai/Moonlight-16B-A3B, Kimi-K2-Instruct)."""
 
 import dataclasses
 
@@ -148,6 +149,19 @@ DEBUG_DEEPSEEK = _deepseek(
     mtp_modules=1,
 )  # fmt: skip
 
+# Llama 4 Scout (meta-llama/Llama-4-Scout-17B-16E config.json, text_config): 48 blocks of 5120, 40 query and 8 KV
+# heads of 128 with QK-norm, every block a mixture of 16 SwiGLU experts of 8192, top-1 with sigmoid scores (not
+# renormalised), and one shared expert of 8192; vocabulary 202,048, rope theta 500,000: 109B parameters, 17B active.
+# A planning shape: its NoPE layers (every fourth) and chunked attention (8192 tokens) are not Trillion parts; at the
+# 8192 tokens it trains on (torchtitan's runs) every layer's attention is causal over the same tokens, the same work.
+# No Hugging Face family of Trillion's holds its shared expert, so it does not export (as debug-moe).
+LLAMA4_SCOUT = dataclasses.replace(
+    _llama(48, 5120, 40, 8, 16384, vocab_size=202048, max_seq_len=8192),
+    explicit_head_dim=128,
+    qk_norm=True,
+    moe=MoEArgs(n_experts=16, top_k=1, expert_ffn_dim=8192, n_shared_experts=1, score_func="sigmoid", route_norm=False),
+)
+
 # debug-moe: the debug model's attention, its first block dense, then 8 experts (top-2) and one shared
 # expert, routed as DeepSeek-V3 routes (sigmoid scores, the loss-free balancing bias) so the load
 # statistics show balancing work. The bias rate is 10x DeepSeek-V3's 1e-3: a debug run is 100s of steps.
@@ -185,6 +199,7 @@ PRESETS: dict[str, ModelArgs] = {
     "mixtral-8x22b": _mixtral(56, 6144, 48, 16384, vocab_size=32768, max_seq_len=65536),
     "qwen3-30b-a3b": _qwen3_moe(48, 2048, 32, 768),
     "qwen3-235b-a22b": _qwen3_moe(94, 4096, 64, 1536),
+    "llama4-scout": LLAMA4_SCOUT,
     "debug-deepseek": DEBUG_DEEPSEEK,
     "deepseek-v2-lite": DEEPSEEK_V2_LITE,
     "moonlight-16b-a3b": MOONLIGHT_16B_A3B,

@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from trillion.errors import ConfigError
 from trillion.models import parts
 from trillion.parallel.context_parallel import check_sequence
-from trillion.parallel.ep_checks import check_ep_dispatch, ep_nodes
+from trillion.parallel.ep_checks import check_ep_dispatch, check_expert_shards, ep_nodes
 from trillion.parallel.layout import AXES, Layout, check_degrees, degrees_of, divisors, layout_on
 
 log = logging.getLogger("trillion")
@@ -302,3 +302,4 @@ def _check_ep(layout: Layout, model_args) -> None:
             f"that divides both n_experts and dp_shard x cp (valid: {', '.join(map(str, valid))}), or set "
             "--model.n_experts to a multiple of ep."
         )
+    check_expert_shards(layout, model_args)

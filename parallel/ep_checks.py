@@ -37,6 +37,26 @@ def check_ep_dispatch(layout, nodes_and_members: tuple[int, int], model_args, wa
         )
 
 
+def check_expert_shards(layout, model_args) -> None:
+    """FSDP2 shards each ep rank's expert stacks over the dp_shard x cp / ep ranks left (efsdp) on their expert dim,
+    or on the next where that does not split evenly (parallel/fsdp.py), and shards nothing unevenly: refuse where
+    neither splits, before FSDP does mid-setup."""
+    block = parts.block(model_args, True) if parts.routed_experts(model_args) else None
+    efsdp = layout.dp_shard * layout.cp // max(layout.ep, 1)
+    if block is None or layout.ep <= 1 or efsdp <= 1:  # ep 1: the experts shard with their block, dim 0 padded
+        return
+    local = block.routing.n_experts // layout.ep
+    for stack in block.experts:
+        if local % efsdp and stack.in_features % efsdp:
+            raise ConfigError(
+                f"parallel.ep={layout.ep} leaves {local} experts on each expert-parallel rank, sharded by FSDP over "
+                f"the {efsdp} ranks left (parallel.dp_shard x cp / ep = {layout.dp_shard * layout.cp} / {layout.ep}); "
+                f"neither {local} nor the expert stack's next dim ({stack.in_features}) divides by {efsdp}, and "
+                "FSDP2 shards nothing unevenly. Pick an ep whose leftover ranks divide the experts per rank (e.g. a "
+                "larger ep), or a dp_shard that keeps them a divisor."
+            )
+
+
 def _check_ranks_per_node(layout) -> None:
     per_node = max(1, layout.ranks_per_node // layout.tp)
     if layout.ranks_per_node % layout.tp or (layout.ep > per_node and layout.ep % per_node):

@@ -10,6 +10,11 @@ Recipes (torchao's Float8LinearRecipeName; torchao >= 0.18):
   Weights are gathered in high precision and cast after; TP uses the plain styles (torchao's float8
   styles assume tensorwise scaling), as torchtitan does.
 - rowwise_with_gw_hp: rowwise, but the weight gradient's GEMM stays in high precision.
+- mxfp8: the OCP MX format, a scale per 32 elements, through torchao's MX training (parallel/float8_mx.py), on
+  Blackwell (sm100) or emulated; the routed experts in MXFP8 too (float8.experts=auto).
+The 4-bit recipes (nvfp4, mxfp4) are priced by the planner and refused here: parallel/float8_recipes.py says why.
+`float8.linears=false` keeps the linears in high precision and converts only the routed experts (torchtitan's
+MXFP8 DeepSeek-V3 runs).
 
 What is converted: the routed experts' grouped GEMMs (float8.experts, parallel/float8_experts.py) and every
 nn.Linear except the output projection (`output`: the logits are the most sensitive GEMM and torchtitan keeps
@@ -20,7 +25,7 @@ kept.
 FSDP2 float8 all-gather (float8.fsdp_all_gather): the weight is a torchao tensor subclass that casts its
 shard to float8 before the all-gather (half bf16's bytes); its scale is precomputed once per step for all
 weights after the optimizer step (`register_scale_precompute`: one all-reduce of the amaxes, instead of one
-per weight). torchao 0.18 supports it for tensorwise only (`Float8LinearConfig` asserts it); modes.py's
+per weight). torchao 0.18 supports it for tensorwise only (`Float8LinearConfig` asserts it); float8_recipes.py's
 FLOAT8_RECIPES tables what each recipe composes with, `float8_recipe` refuses `on` with a rowwise recipe,
 and `auto` turns it on for tensorwise under FSDP. A state-dict hook saves the subclass's high-precision
 tensor, so checkpoints hold ordinary tensors.
@@ -52,7 +57,9 @@ import torch.distributed as dist
 from torch import nn
 
 from trillion.errors import ConfigError
+from trillion.parallel import float8_mx
 from trillion.parallel.float8_experts import convert_experts
+from trillion.parallel.float8_recipes import float8_recipe
 from trillion.parallel.layout import Float8Training
 
 log = logging.getLogger("trillion")
@@ -187,9 +194,12 @@ def _summary(names: list[str]) -> str:
 
 
 def convert(model: nn.Module, settings: Float8Training, tp: int = 1) -> dict[str, str | None]:
-    """Swap the model's linears for torchao's Float8Linear, in place (on the meta device, before TP and FSDP).
-    Returns {linear name: None if converted, else why it was kept}; the log says the same."""
+    """Swap the model's linears for torchao's Float8Linear (or, under mxfp8, float8_mx's MXFP8Linear), in place
+    (on the meta device, before TP and FSDP). Returns {linear name: None if converted, else why it was kept}; the
+    log says the same."""
     float8 = torchao_float8()
+    if float8_recipe(settings.recipe).block or not settings.linears:
+        return _convert_other(model, settings)
     decisions = {
         name: kept_reason(name, module, tp) for name, module in model.named_modules() if isinstance(module, nn.Linear)
     }
@@ -215,6 +225,27 @@ def convert(model: nn.Module, settings: Float8Training, tp: int = 1) -> dict[str
         ", emulated: the same quantisation with high-precision matmuls, not faster; for tests and debugging"
         if settings.emulate
         else "",
+        len(converted),
+        _summary(converted),
+        ", ".join(kept) or "none",
+    )
+    return decisions
+
+
+def _convert_other(model: nn.Module, settings: Float8Training) -> dict[str, str | None]:
+    """MXFP8's linears (parallel/float8_mx.py), or none of them (float8.linears=false), and the routed experts."""
+    if settings.linears:
+        decisions = float8_mx.convert_linears(model, settings.emulate, ROUTER_NAMES)
+    else:
+        decisions = {n: "float8.linears=false" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    convert_experts(model, settings.experts, settings.emulate)
+    converted = [name for name, reason in decisions.items() if reason is None]
+    kept = [f"{name} ({reason})" for name, reason in decisions.items() if reason is not None]
+    log.info(
+        "%s (%s recipe%s): %d linears converted: %s; kept in high precision: %s",
+        "MXFP8" if settings.recipe == "mxfp8" else "float8",
+        settings.recipe,
+        ", emulated: the same quantisation with high-precision matmuls, not faster" if settings.emulate else "",
         len(converted),
         _summary(converted),
         ", ".join(kept) or "none",

@@ -3,10 +3,11 @@ activation quantisation of the experts' float8 recipe (kernels/float8_scaling.py
 scale per row rowwise), as DeepSeek-V3 dispatches (arXiv 2412.19437 section 3.3.4); the combine, and the
 dispatch's own backward, stay in the compute dtype.
 
-The wire format is one byte tensor per direction: a row's float8 bytes, then its float32 scales' bytes
-(`to_wire`, `from_wire`), so one all-to-all with the row split sizes the high-precision dispatch uses carries
-both (gloo, which has no float8 type, moves the same bytes). A row of dim d costs d + 4 x ceil(d / 128) bytes
-blockwise, d + 4 rowwise, against 2 d in bf16.
+The wire format is one byte tensor per direction: a row's float8 bytes, then its scales' bytes (`to_wire`,
+`from_wire`), so one all-to-all with the row split sizes the high-precision dispatch uses carries both (gloo, which
+has no float8 type, moves the same bytes). Scales are float32, or MXFP8's one-byte e8m0 (the power of two's
+exponent: exact). A row of dim d costs d + 4 x ceil(d / 128) bytes blockwise, d + 4 rowwise, d + ceil(d / 32) mxfp8,
+against 2 d in bf16.
 
 The experts' first GEMMs quantise what arrives again: power-of-two scales make that give back the dequantised
 values exactly, so an ep run with float8 dispatch computes what one process with float8 experts computes
@@ -31,23 +32,29 @@ from trillion.kernels.float8_grouped_gemm import float8_dtype, resolved
 SCALE_BYTES = 4  # float32
 
 
+def scale_dtype(recipe: str) -> torch.dtype:
+    """The scales' type on the wire: MXFP8's e8m0 (one byte), else float32."""
+    return torch.float8_e8m0fnu if recipe == "mxfp8" else torch.float32
+
+
 def to_wire(rows: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
-    """(rows, d) -> (rows, d + 4 x scales per row) uint8: the float8 row, then its scales."""
+    """(rows, d) -> (rows, d + the scales' bytes per row) uint8: the float8 row, then its scales."""
     data, scale = scaling.quantize_blocks(rows, *scaling.activation_blocks(recipe), dtype)
-    return torch.cat([data.view(torch.uint8), scale.view(torch.uint8)], dim=1)
+    return torch.cat([data.view(torch.uint8), scale.to(scale_dtype(recipe)).view(torch.uint8)], dim=1)
 
 
 def from_wire(wire: torch.Tensor, dim: int, recipe: str, dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
     """to_wire's bytes -> the dequantised rows (rows, dim) in out_dtype."""
     data = wire[:, :dim].view(dtype)
-    scale = wire[:, dim:].contiguous().view(torch.float32)
+    scale = wire[:, dim:].contiguous().view(scale_dtype(recipe)).float()
     return scaling.dequantize_blocks(data, scale, *scaling.activation_blocks(recipe), out_dtype)
 
 
 def wire_bytes_per_row(dim: int, recipe: str) -> int:
     """Bytes one token row of `dim` takes on the wire (the planner's figure)."""
     blocks = scaling.activation_blocks(recipe)[1]
-    return dim + SCALE_BYTES * (-(-dim // blocks) if blocks else 1)
+    per_scale = torch.finfo(scale_dtype(recipe)).bits // 8
+    return dim + per_scale * (-(-dim // blocks) if blocks else 1)
 
 
 @dataclass(frozen=True)

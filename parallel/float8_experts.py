@@ -25,7 +25,7 @@ from torch import nn
 
 from trillion.errors import ConfigError
 from trillion.kernels.float8_grouped_gemm import Float8GroupedMM, choose
-from trillion.kernels.float8_scaling import BLOCK
+from trillion.kernels.float8_scaling import BLOCK, activation_blocks
 from trillion.models.moe import routed_expert_stacks
 
 log = logging.getLogger("trillion")
@@ -45,7 +45,8 @@ def convert_experts(model: nn.Module, setting: str, emulate: bool) -> int:
         stack.float8 = Float8GroupedMM(setting, emulate, stack.impl)
     count = len(EXPERT_PROJECTIONS) * len(stacks)
     _, dim, width = stacks[0].w1.shape
-    short = [f"{name} {size}" for name, size in (("dim", dim), ("expert width", width)) if size % BLOCK]
+    block = activation_blocks(setting)[1] or BLOCK  # the recipe's scale block along a reduction (blockwise, mxfp8)
+    short = [f"{name} {size}" for name, size in (("dim", dim), ("expert width", width)) if size % block]
     log.info(
         "float8 experts (float8.experts=%s%s): %d grouped GEMMs in float8 (%s of %d MoE layers; each "
         "forward, input and weight gradient), the routers in high precision%s",
@@ -54,7 +55,7 @@ def convert_experts(model: nn.Module, setting: str, emulate: bool) -> int:
         count,
         ", ".join(EXPERT_PROJECTIONS),
         len(stacks),
-        f"; blockwise scales: {', '.join(short)} not a multiple of {BLOCK}, the last block of each row is short "
+        f"; {setting} scales: {', '.join(short)} not a multiple of {block}, the last block of each row is short "
         "(as if zero-padded; not refused)"
         if short and setting != "rowwise"
         else "",

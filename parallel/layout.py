@@ -12,7 +12,7 @@ for which degrees make a world of ranks. No torch here: the planner imports it a
 from dataclasses import asdict, dataclass
 
 from trillion.errors import ConfigError
-from trillion.parallel.modes import float8_recipe
+from trillion.parallel.float8_recipes import float8_recipe
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's axes, outermost first (dims.py)
 # parallel.ep_dispatch: a token travels to each expert it chose (as torchtitan's standard dispatcher), once to each
@@ -23,15 +23,17 @@ EP_DISPATCH = ("expert", "rank", "node")
 
 @dataclass(frozen=True)
 class Float8Training:
-    """Float8 as the run trains it (float8.py applies it, the planner costs it): the torchao recipe, emulation,
-    whether FSDP2 gathers the converted weights in float8 (resolved: only where FSDP shards and the recipe
-    supports it), the routed experts' recipe and float8 dispatch."""
+    """Low-precision training as the run trains it (float8.py applies it, the planner costs it): the recipe
+    (float8_recipes.py: tensorwise or rowwise float8, block-scaled mxfp8; the planner also prices the 4-bit ones),
+    emulation, whether FSDP2 gathers the converted weights in float8 (resolved: only where FSDP shards and the
+    recipe supports it), the routed experts' recipe, float8 dispatch, and whether the blocks' linears convert."""
 
     recipe: str = "tensorwise"
     emulate: bool = False
     fsdp_all_gather: bool = False
     experts: str = "auto"  # float8.experts: the routed experts' grouped GEMMs ("off": bf16; float8_experts.py)
     dispatch: bool = False  # float8.dispatch: the expert all-to-all's tokens in float8 (float8_dispatch.py)
+    linears: bool = True  # float8.linears: the blocks' linears convert (false: only the routed experts)
 
     @property
     def float8_tp(self) -> bool:
@@ -47,12 +49,15 @@ def resolve_float8(
     emulate: bool = False,
     experts: str = "auto",
     dispatch: bool = False,
+    linears: bool = True,
 ) -> Float8Training:
-    """The Float8Training of a layout: float8 all-gather where asked for (or, with auto, supported) and FSDP on;
-    a combination torchao lacks refused (parallel/modes.py's FLOAT8_RECIPES)."""
-    supported = float8_recipe(recipe, fsdp_all_gather).fsdp_float8_all_gather
-    gather = fsdp_enabled and (fsdp_all_gather == "on" or (fsdp_all_gather == "auto" and supported))
-    return Float8Training(recipe, emulate, gather, experts, dispatch)
+    """The Float8Training of a layout: float8 all-gather of the converted linears where asked for (or, with auto,
+    supported) and FSDP on, a combination torchao lacks refused (float8_recipes.py); float8.experts=auto under a
+    block-scaled recipe (mxfp8) takes that recipe (torchao's MX grouped GEMM, as torchtitan pairs them)."""
+    chosen = float8_recipe(recipe, fsdp_all_gather)
+    supported = fsdp_all_gather == "on" or (fsdp_all_gather == "auto" and chosen.fsdp_float8_all_gather)
+    experts = recipe if experts == "auto" and chosen.block else experts
+    return Float8Training(recipe, emulate, fsdp_enabled and linears and supported, experts, dispatch, linears)
 
 
 @dataclass(frozen=True)
@@ -143,7 +148,7 @@ class Layout:
         flat = {name: value for name, value in asdict(self).items() if name not in ("float8", "stage_layers")}
         f8 = self.float8 or Float8Training()
         flat |= {"float8": self.float8 is not None, "float8_recipe": f8.recipe, "float8_all_gather": f8.fsdp_all_gather}
-        flat |= {"float8_experts": f8.experts, "float8_dispatch": f8.dispatch}
+        flat |= {"float8_experts": f8.experts, "float8_dispatch": f8.dispatch, "float8_linears": f8.linears}
         s = self.stage_layers
         return flat | {
             "pp_layers_per_stage": s.per_stage,

@@ -1,8 +1,8 @@
-"""The layout choices and their rules, in one place: pipeline schedules, ZeRO modes, activation-
-checkpointing modes and the float8 recipes (what torchao composes each with). The trainer
-(pipeline.py, fsdp.py, activation_checkpoint.py, float8.py, the config docs) and the planner read
-these tables, and `check_schedule` and `float8_recipe` refuse for both, so the planner never
-proposes a layout the trainer would refuse. No torch here: the planner imports it and starts fast.
+"""The layout choices and their rules, in one place: pipeline schedules, ZeRO modes and activation-
+checkpointing modes (the float8 recipes are float8_recipes.py's). The trainer (pipeline.py, fsdp.py,
+activation_checkpoint.py, the config docs) and the planner read these tables, and `check_schedule`
+refuses for both, so the planner never proposes a layout the trainer would refuse. No torch here:
+the planner imports it and starts fast.
 
 Pipeline schedules are torch.distributed.pipelining's, by the names `parallel.pp_schedule` takes.
 Placement: single (one stage per rank), looped (v stages per rank, placed r, r + pp, ...) or V (two,
@@ -272,64 +272,3 @@ def stages_recompute_fraction(name: str, blocks_per_stage: list[int]) -> float:
     if checkpoint_mode(name).op_level or not sum(blocks_per_stage):
         return 0.0
     return sum(len(checkpointed_blocks(name, blocks)) for blocks in blocks_per_stage) / sum(blocks_per_stage)
-
-
-@dataclass(frozen=True)
-class Float8Recipe:
-    """A torchao float8 training recipe (`float8.recipe`; parallel/float8.py applies it) and what torchao
-    0.18 composes it with."""
-
-    name: str
-    fsdp_float8_all_gather: bool  # FSDP2 can gather the weights in float8 (a scale computable before the gather)
-    float8_tp: bool  # torchao's float8 TP styles (they cast activations tensorwise) apply
-
-
-FLOAT8_RECIPES: dict[str, Float8Recipe] = {
-    r.name: r
-    for r in (
-        Float8Recipe("tensorwise", fsdp_float8_all_gather=True, float8_tp=True),
-        Float8Recipe("rowwise", fsdp_float8_all_gather=False, float8_tp=False),
-        Float8Recipe("rowwise_with_gw_hp", fsdp_float8_all_gather=False, float8_tp=False),
-    )
-}
-FLOAT8_ALL_GATHER = ("auto", "on", "off")  # float8.fsdp_all_gather
-FLOAT8_EXPERTS = ("auto", "blockwise", "rowwise", "off")  # float8.experts (kernels/float8_grouped_gemm.py)
-
-
-def float8_recipe(name: str, fsdp_all_gather: str = "auto") -> Float8Recipe:
-    """The recipe `float8.recipe` names; refuses a combination with `float8.fsdp_all_gather` torchao lacks."""
-    if name not in FLOAT8_RECIPES:
-        raise ConfigError(f"float8.recipe={name!r} is not a torchao float8 recipe. Use {' | '.join(FLOAT8_RECIPES)}.")
-    recipe = FLOAT8_RECIPES[name]
-    if fsdp_all_gather == "on" and not recipe.fsdp_float8_all_gather:
-        supported = ", ".join(r.name for r in FLOAT8_RECIPES.values() if r.fsdp_float8_all_gather)
-        raise ConfigError(
-            f"float8.fsdp_all_gather=on with float8.recipe={name}: torchao (0.18) gathers weights in float8 under "
-            f"FSDP2 with {supported} scaling only (its Float8LinearConfig refuses the rest): {name} casts each weight "
-            "twice, per row for the forward and per column for the input gradient, and a column's scale spans every "
-            "rank's shard, so there is no one float8 copy to gather. "
-            "Use --float8.fsdp_all_gather=auto (or off) to gather the high-precision weights and cast after the "
-            "all-gather, or --float8.recipe=tensorwise."
-        )
-    return recipe
-
-
-def float8_dispatch(dispatch: bool, enabled: bool, experts: str, ep: int | None = None) -> None:
-    """Refuse float8.dispatch where it cannot work: the tokens go out in the float8 the experts' GEMMs would
-    quantise them to anyway, so it needs float8 experts, and an expert all-to-all (parallel.ep > 1) to carry them.
-    `ep` None: not known yet (the config alone)."""
-    if not dispatch:
-        return
-    if not enabled or experts == "off":
-        why = "float8.enabled=false" if not enabled else "float8.experts=off"
-        raise ConfigError(
-            f"float8.dispatch=true with {why}: the dispatch sends the tokens in the float8 (and the scales) the "
-            "experts' float8 GEMMs quantise them to, so the experts' first GEMMs see what they would have computed "
-            "anyway; with high-precision experts it would only lose precision. Add --float8.enabled=true with "
-            "--float8.experts=auto (or blockwise, rowwise), or drop --float8.dispatch."
-        )
-    if ep is not None and ep < 2:
-        raise ConfigError(
-            f"float8.dispatch=true with parallel.ep={ep}: without expert parallelism there is no dispatch "
-            "all-to-all to carry the tokens in float8. Use --parallel.ep=2 or more, or drop --float8.dispatch."
-        )

@@ -19,13 +19,14 @@ from trillion.models.parts import AttentionSettings, PartSettings
 from trillion.models.parts import apply_settings as apply_part_settings
 from trillion.models.parts.moe import MoESettings
 from trillion.models.parts.mtp import MTPSettings
-from trillion.parallel import float8
+from trillion.parallel import float8, float8_mx
 from trillion.parallel.dims import ParallelDims, check_layout
 from trillion.parallel.ep_checks import ep_nodes, resolve_dispatch
 from trillion.parallel.float8_experts import check_experts
+from trillion.parallel.float8_recipes import check_block_scaled_layout, float8_dispatch, float8_recipe
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, StageLayers, check_degrees, resolve_float8
-from trillion.parallel.modes import check_schedule, float8_dispatch
+from trillion.parallel.modes import check_schedule
 from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, validate_pipeline
@@ -159,11 +160,15 @@ def validate_training(config: Config, env: LaunchEnv) -> None:
 
 def check_float8(layout: Layout, device: torch.device) -> None:
     """Refuse the layout's float8 where it cannot run on `device`, before any work: the device first (on an A100
-    the answer is no whether torchao is there or not), then torchao, then the routed experts' recipe."""
+    the answer is no whether torchao is there or not; a block-scaled recipe needs Blackwell), then torchao, then
+    the routed experts' recipe."""
     f8 = layout.float8
     if f8 is None:
         return
-    float8.check_device(device, f8.emulate)
+    if float8_recipe(f8.recipe).block:  # torchao's MX training kernels
+        float8_mx.check_device(device, f8.emulate)
+    else:
+        float8.check_device(device, f8.emulate)
     float8.require_torchao()
     check_experts(f8.experts, device, f8.emulate)
     if not f8.emulate and not layout.compile:
@@ -178,9 +183,9 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
     (parallel, training's batch split, compile, float8, moe.rank_capacity_factor) and resolved, checked as it goes
     (before any work): the degrees against the world (dp_shard=-1: what it leaves), the ranks per node
     (parallel.ranks_per_node, else the launcher's LOCAL_WORLD_SIZE, else `hardware_node`, the planned hardware's
-    GPUs per node for `trillion estimate`, else one node), the expert dispatch (auto), the micro-batches, the
-    pipeline schedule's stages per rank and float8 (its FSDP all-gather only where FSDP shards). What the model
-    must agree with is check_model_layout's."""
+    scale-up domain for `trillion estimate`, else one node), the expert dispatch (auto), the micro-batches, the
+    pipeline schedule's stages per rank and float8 (its FSDP all-gather only where FSDP shards; a block-scaled
+    recipe's limits). What the model must agree with is check_model_layout's."""
     p, t, f = config.parallel, config.training, config.float8
     degrees = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp, "ep": p.ep}
     degrees["dp_shard"] = check_degrees(world_size, **degrees)
@@ -195,6 +200,8 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
     float8_training = None
     if f.enabled:  # the FSDP float8 all-gather only where FSDP shards
         float8_dispatch(f.dispatch, True, f.experts, p.ep)
+        if float8_recipe(f.recipe).block:  # torchao's MX linear: no TP, whole 32-token blocks
+            check_block_scaled_layout(p.tp if f.linears else 1, micro_batch_size * t.seq_len // p.cp)
         float8_training = resolve_float8(
             f.recipe,
             fsdp_enabled=spread.fsdp_enabled,
@@ -202,6 +209,7 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
             emulate=f.emulate,
             experts=f.experts,
             dispatch=f.dispatch,
+            linears=f.linears,
         )
     return dataclasses.replace(
         spread,

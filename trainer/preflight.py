@@ -3,7 +3,9 @@ states the fullest rank of the layout will hold (the planner's byte counts per Z
 that `trillion estimate` checks against real shards) are compared with this device's memory, or the
 host's for every process on it. Those states are a lower bound (activations and buffers come on
 top), so a refusal is certain, never a guess: the run stops with the figures and the `trillion plan`
-command that finds a layout that fits, instead of being killed by the OOM killer without a word."""
+command that finds a layout that fits, instead of being killed by the OOM killer without a word. A run planned
+for a hardware profile (job.hardware) is refused as well where it trains in a number format that hardware's
+matrix units lack (`check_planned_format`), as `trillion plan` refuses to price it."""
 
 import os
 
@@ -11,8 +13,9 @@ import torch
 
 from trillion.errors import ConfigError
 from trillion.models import ModelArgs
+from trillion.parallel.float8_recipes import float8_recipe
 from trillion.parallel.layout import Layout
-from trillion.parallel.planner.hardware import profile_names
+from trillion.parallel.planner.hardware import load_profile, low_precision_peak_tflops, profile_names
 from trillion.parallel.planner.memory import pipeline_ranks, states_bytes
 from trillion.parallel.planner.optimizer import state_bytes as optimizer_state_bytes
 
@@ -61,3 +64,11 @@ def check_memory(
         f"`trillion plan --model {model_name} --hardware HARDWARE --gpus N --global-batch {global_batch_size}` "
         f"(HARDWARE: {', '.join(profile_names())}), or pick a smaller --model.name."
     )
+
+
+def check_planned_format(layout: Layout, hardware: str) -> None:
+    """Refuse the layout's float8 recipe where job.hardware's profile (`hardware`, "" for none) has no matrix units
+    in its number format (MXFP8 on a Hopper, say), naming the formats it has."""
+    if layout.float8 is not None and hardware:
+        recipe = layout.float8.recipe
+        low_precision_peak_tflops(load_profile(hardware), float8_recipe(recipe).format, f"float8.recipe={recipe}")

@@ -46,7 +46,7 @@ from trillion.trainer.metrics.observers import build_observers
 from trillion.trainer.metrics.pipeline_timeline import PipelineTimeline
 from trillion.trainer.metrics.profiling import StepProfiler
 from trillion.trainer.optim import build_lr_scheduler, build_optimizer
-from trillion.trainer.preflight import check_memory
+from trillion.trainer.preflight import check_memory, check_planned_format
 from trillion.trainer.resilience import CheckpointAdvice, NonFiniteGuard, RunCounters, StopPolicy
 from trillion.trainer.step import train_step
 
@@ -118,6 +118,7 @@ def set_up(config: Config, hooks: RunHooks) -> Run:
     validate_training(config, env)
     layout = resolve_layout(config, env.world_size)  # every layout setting, once (ParallelDims is built from it)
     check_float8(layout, env.device)
+    check_planned_format(layout, config.job.hardware)
     check_fault_tolerance(config, layout)
     output_dir, lock = Path(config.job.output_dir), None
     if env.is_logging_rank:

@@ -11,7 +11,7 @@ that produced MFU above 100%).
 import bisect
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
@@ -20,6 +20,10 @@ import tomllib
 from trillion.errors import ConfigError
 
 DEVICES_FILE = Path(__file__).with_name("devices.toml")
+# The formats a device's matrix units may multiply in below bf16, each with its dense peak (peak_tflops.<format>):
+# OCP fp8 (e4m3, scaled per tensor or per row by software), and the block-scaled MXFP8 (32 elements share an e8m0
+# scale), NVFP4 (16 share an e4m3 one) and MXFP4 (32 share an e8m0 one), whose scales the matrix units apply
+LOW_PRECISION_FORMATS = ("fp8", "mxfp8", "nvfp4", "mxfp4")
 FITTED_FILE = Path(__file__).with_name("fitted.toml")
 
 
@@ -32,7 +36,9 @@ class DeviceSpec:
     memory_bandwidth_gbs: float = 0.0
     power_w: float = 0.0
     gemm_efficiency: tuple[tuple[float, float], ...] = ()  # (flops of one GEMM, share of peak), ascending
-    fp8_gemm_efficiency: tuple[tuple[float, float], ...] = ()  # the same for float8 GEMMs, of the fp8 peak
+    # the same per low-precision format (LOW_PRECISION_FORMATS: fp8, and the block-scaled mxfp8, nvfp4, mxfp4), each of
+    # that format's peak: devices.toml's <format>_gemm_efficiency
+    format_gemm_efficiency: dict = field(default_factory=dict)
     attention_efficiency: float = 0.0
     memory_efficiency: float = 0.0
     kernel_overhead_us: float = 0.0
@@ -46,15 +52,15 @@ class DeviceSpec:
         return self.peak_tflops["bf16"]
 
     def gemm_share_of_peak(self, flops: float, dtype: str = "bf16") -> float:
-        """Achieved share of the `dtype` peak (bf16, or fp8 from fp8_gemm_efficiency) for one GEMM of
-        `flops`, interpolated in log(flops), clamped at the ends."""
-        curve = self.fp8_gemm_efficiency if dtype == "fp8" else self.gemm_efficiency
+        """Achieved share of the `dtype` peak (bf16, or a LOW_PRECISION_FORMATS one from its
+        <format>_gemm_efficiency) for one GEMM of `flops`, interpolated in log(flops), clamped at the ends."""
+        curve = self.gemm_efficiency if dtype == "bf16" else self.format_gemm_efficiency.get(dtype, ())
         if not curve:
-            field = "fp8_gemm_efficiency" if dtype == "fp8" else "gemm_efficiency"
-            how = "" if dtype == "fp8" else " or measure it with `trillion plan --calibrate`"
+            field = "gemm_efficiency" if dtype == "bf16" else f"{dtype}_gemm_efficiency"
+            how = " or measure it with `trillion plan --calibrate`" if dtype == "bf16" else ""
             raise ConfigError(
                 f"Device {self.name!r} has no {field} curve, so it cannot be planned for"
-                f"{' with float8' if dtype == 'fp8' else ''}. Add one to its profile{how}."
+                f"{'' if dtype == 'bf16' else ' in ' + dtype}. Add one to its profile{how}."
             )
         sizes = [math.log(s) for s, _ in curve]
         x = math.log(max(flops, 1.0))
@@ -88,8 +94,12 @@ def device_from_table(table: dict, where: str) -> DeviceSpec:
             name_patterns=tuple(table.get("name_patterns", ())),
             memory_bandwidth_gbs=float(table.get("memory_bandwidth_gbs", 0.0)),
             power_w=float(table.get("power_w", 0.0)),
-            gemm_efficiency=tuple(sorted((float(s), float(e)) for s, e in table.get("gemm_efficiency", ()))),
-            fp8_gemm_efficiency=tuple(sorted((float(s), float(e)) for s, e in table.get("fp8_gemm_efficiency", ()))),
+            gemm_efficiency=_curve(table.get("gemm_efficiency", ())),
+            format_gemm_efficiency={
+                name: _curve(table[f"{name}_gemm_efficiency"])
+                for name in LOW_PRECISION_FORMATS
+                if f"{name}_gemm_efficiency" in table
+            },
             attention_efficiency=float(table.get("attention_efficiency", 0.0)),
             memory_efficiency=float(table.get("memory_efficiency", 0.0)),
             kernel_overhead_us=float(table.get("kernel_overhead_us", 0.0)),
@@ -100,16 +110,23 @@ def device_from_table(table: dict, where: str) -> DeviceSpec:
         raise ConfigError(f"{where}: a device needs {missing.args[0]!r} (see {DEVICES_FILE}).") from None
 
 
+def _curve(points) -> tuple[tuple[float, float], ...]:
+    """A [[flops, share of peak], ...] table as ascending pairs."""
+    return tuple(sorted((float(flops), float(share)) for flops, share in points))
+
+
 def fitted_constants() -> list[dict]:
     """fitted.toml's entries: the performance model's only constants fitted to published runs."""
     return read_toml(FITTED_FILE).get("fitted", [])
 
 
 def with_fitted(table: dict, fitted: list[dict]) -> dict:
-    """A device table with the fitted scalars that name it filled in (a device's own value wins)."""
+    """A device table with the fitted scalars that name it filled in (a device's own value wins): those of its
+    family (`devices`), or carried from the nearest fitted family to a newer part no published run is fitted on
+    (`carried_to`, each with its reason in the entry's `carried`)."""
     table = dict(table)
     for entry in fitted:
-        if table["name"] not in entry["devices"]:
+        if table["name"] not in (*entry["devices"], *entry.get("carried_to", ())):
             continue
         if entry["field"] == "gemm_plateau" and "gemm_efficiency" not in table:
             table["gemm_efficiency"] = [[1e12, entry["value"]]]

@@ -12,10 +12,16 @@ import tomllib
 
 from trillion.devices import fitted_constants
 from trillion.models.presets import get_preset
-from trillion.parallel.layout import Float8Training, Layout
+from trillion.parallel.layout import Float8Training, Layout, resolve_float8
 from trillion.parallel.planner.hardware import HardwareProfile, load_profile
 from trillion.parallel.planner.memory import pipeline_ranks
-from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE, dispatch_seconds, effective_imbalance, permutation_rows
+from trillion.parallel.planner.moe import (
+    MOE_LOAD_IMBALANCE,
+    dispatch_seconds,
+    effective_imbalance,
+    expert_gemm_seconds,
+    permutation_rows,
+)
 from trillion.parallel.planner.search import Request, evaluate, metrics, scaling
 from trillion.parallel.planner.timing import _memory_bound, all_to_all_time
 
@@ -63,7 +69,7 @@ def with_plateau(profile: HardwareProfile, entry: dict | None, value: float | No
 
 
 def run_layout(run: dict, gpus: int) -> Layout:
-    spec = run["layout"]
+    spec, hardware = run["layout"], load_profile(run["hardware"])
     dp = gpus // (spec["tp"] * spec["pp"])
     dp_shard = spec.get("dp_shard", dp // spec["dp_replicate"])
     microbatches = run["global_batch"] // (dp * spec["micro_batch_size"])
@@ -83,18 +89,23 @@ def run_layout(run: dict, gpus: int) -> Layout:
         ep=spec.get("ep", 1),
         ep_dispatch=spec.get("ep_dispatch", Layout.ep_dispatch),
         ep_overlap=spec.get("ep_overlap", False),
+        ranks_per_node=hardware.scale_up,  # the expert dispatch's node: the scale-up domain (an NVL72 rack's 72)
     )
 
 
 def run_float8(spec: dict) -> Float8Training | None:
-    """The run's float8 (torchao's tensorwise recipe) as its layout says, FSDP's float8 all-gather on unless it says
-    otherwise; None without float8."""
+    """The run's low-precision recipe (tensorwise unless it says otherwise), its linears and experts as its layout
+    says, resolved as the trainer resolves it: FSDP's float8 all-gather on where the recipe has it, unless the
+    layout says otherwise (the planner costs it only where FSDP gathers); None without float8."""
     if not spec.get("float8", False):
         return None
-    return Float8Training(
-        fsdp_all_gather=spec.get("float8_all_gather", True),
+    return resolve_float8(
+        spec.get("float8_recipe", "tensorwise"),
+        fsdp_enabled=True,
+        fsdp_all_gather="auto" if spec.get("float8_all_gather", True) else "off",
         experts=spec.get("float8_experts", "auto"),
         dispatch=spec.get("float8_dispatch", False),
+        linears=spec.get("float8_linears", True),
     )
 
 
@@ -166,6 +177,23 @@ def deepep_share(run: dict, row: dict) -> float:
     return -(routing + copies) * routed_layers * row["microbatches"] / row["step_time_s"]
 
 
+def grouped_mm_share(run: dict, row: dict) -> float:
+    """The share of the planner's step a run's own bf16 grouped GEMM adds (torchtitan's torch._grouped_mm, at the
+    share of the bf16 peak `grouped_mm_share` measured for it), against the planner's rate for the experts (the dense
+    plateau, Trillion's grouped GEMM): each routed layer's experts on the busiest rank in the forward, both gradients
+    and a recomputed forward (full checkpointing), per micro-batch."""
+    args, layout, hw = run_args(run), run_layout(run, run["gpus"]), load_profile(run["hardware"])
+    measured = dataclasses.replace(hw.device, gemm_efficiency=((1e12, run["grouped_mm_share"]),))
+    tokens = layout.micro_batch_size * run["seq_len"] // layout.cp
+    seconds = [
+        expert_gemm_seconds(args, profile, tokens, layout.tp, layout.ep, run_imbalance(run))
+        for profile in (hw, dataclasses.replace(hw, device=measured))
+    ]
+    passes = 3 + (layout.activation_checkpoint == "full")
+    routed_layers = pipeline_ranks(args, layout)[0].routed_layers
+    return (seconds[1] - seconds[0]) * passes * routed_layers * row["microbatches"] / row["step_time_s"]
+
+
 def charge_of(run: dict, row: dict) -> tuple[float, str] | None:
     """What the published system's own kernels cost beyond (positive) or short of (negative) Trillion's, which the
     planner models, as a share of the planner's step, and its name; None for a run that ran Trillion-like kernels."""
@@ -173,6 +201,8 @@ def charge_of(run: dict, row: dict) -> tuple[float, str] | None:
         return unfused_attention_share(run, row), "unfused attention"
     if run.get("moe_dispatch") == "deepep":
         return deepep_share(run, row), "DeepEP dispatch and fused permutation"
+    if "grouped_mm_share" in run:
+        return grouped_mm_share(run, row), "torch._grouped_mm at its measured rate"
     return None
 
 

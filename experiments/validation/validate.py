@@ -41,6 +41,8 @@ def _model(run: dict) -> str:
     shape = run.get("model_shape")
     if not shape:
         return run["model"]
+    if not {"n_layers", "dim", "n_heads", "vocab_size"} <= set(shape):  # a setting changed, not the shape
+        return f"{run['model']} with " + ", ".join(f"{key} {value}" for key, value in shape.items())
     return (
         f"{run['model']} as {shape['n_layers']} x {shape['dim']}, {shape['n_heads']} heads, vocab {shape['vocab_size']}"
     )
@@ -63,6 +65,10 @@ def _ep(spec: dict) -> str:
 def _float8(spec: dict) -> str:
     if not spec.get("float8"):
         return ""
+    recipe = spec.get("float8_recipe", "tensorwise")
+    if recipe != "tensorwise":  # another recipe: its name, and whether it leaves the linears out
+        only = "" if spec.get("float8_linears", True) else " (experts only)"
+        return f", {recipe}{only}" + (", float8 dispatch" if spec.get("float8_dispatch") else "")
     gather = " (float8 all-gather)" if spec.get("float8_all_gather", True) else ""
     experts = f", {spec['float8_experts']} float8 experts" if spec.get("float8_experts", "auto") != "auto" else ""
     return ", float8" + gather + experts + (", float8 dispatch" if spec.get("float8_dispatch") else "")
@@ -134,7 +140,8 @@ def render(records: list[dict]) -> str:
         f"**Worst error on a row no constant was fitted to: {100 * worst_error:.1f}% ({worst_id})**; "
         f"rows within ±{TOLERANCE:.0%}: {sum(abs(row_error(r)) <= TOLERANCE for r in records)} "
         f"of {len(records)}. With the costs of the published systems' own kernels charged beside them (the unfused "
-        f"attention of Megatron-LM of 2021, NeMo Automodel's DeepEP dispatch and fused permutation): worst "
+        f"attention of Megatron-LM of 2021, NeMo Automodel's DeepEP dispatch and fused permutation, torchtitan's bf16 "
+        f"torch._grouped_mm on Blackwell): worst "
         f"{100 * charged_error:.1f}% ({charged_id}), "
         f"{sum(abs(row_error(r, charged=True)) <= TOLERANCE for r in records)} of {len(records)} "
         f"within ±{TOLERANCE:.0%}.",
@@ -172,18 +179,7 @@ def render(records: list[dict]) -> str:
             f"| {r['run']['id']} | {r['run']['published_memory_gib']} | {r['row']['memory_gb'] * 1e9 / 2**30:.1f} |"
             for r in memory
         ]
-    lines += ["", "## Fitted constants", ""]
-    for entry in fitted_constants():
-        lines.append(
-            f"- {entry['family']}: `{entry['field']}` = {entry['value']} ({', '.join(entry['devices'])}), fitted to "
-            f"{', '.join(entry['fitted_to'])} by {entry['method']}. {' '.join(entry['why'].split())}"
-        )
-        for source, value, errors in leave_source_out(entry):
-            lines.append(
-                f"  - {source}'s rows left out ({entry['field']} {value:.3f} from the others): "
-                + ", ".join(f"{i} {100 * e:+.1f}%" for i, e in errors)
-            )
-    lines += findings_section(records)
+    lines += fitted_section() + findings_section(records)
     outside = [r for r in records if abs(row_error(r)) > TOLERANCE]
     lines += ["", f"## Rows outside ±{TOLERANCE:.0%}", ""]
     reasons = {}
@@ -197,6 +193,24 @@ def render(records: list[dict]) -> str:
     lines += ["\n\n".join(paragraphs) or "None."]  # one paragraph per reason
     lines += [""] + inexpressible_section(apart) + cpu_section()
     return "\n".join(lines) + "\n"
+
+
+def fitted_section() -> list[str]:
+    """Each fitted constant: its value, rows, method and why; the parts it is carried to; each publisher left out."""
+    lines = ["", "## Fitted constants", ""]
+    for entry in fitted_constants():
+        lines.append(
+            f"- {entry['family']}: `{entry['field']}` = {entry['value']} ({', '.join(entry['devices'])}), fitted to "
+            f"{', '.join(entry['fitted_to'])} by {entry['method']}. {' '.join(entry['why'].split())}"
+        )
+        if entry.get("carried_to"):
+            lines.append(f"  - carried to {', '.join(entry['carried_to'])}: {entry['carried']}")
+        for source, value, errors in leave_source_out(entry):
+            lines.append(
+                f"  - {source}'s rows left out ({entry['field']} {value:.3f} from the others): "
+                + ", ".join(f"{i} {100 * e:+.1f}%" for i, e in errors)
+            )
+    return lines
 
 
 def _charge(record: dict) -> list[str]:

@@ -2,11 +2,13 @@
 from the parts each block declares (models/parts): their linears' GEMMs at their tp splits, the attention at
 its heads' widths, their element-wise work, and their sublayers' TP collectives."""
 
+import dataclasses
 from functools import lru_cache
 
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, ROW
+from trillion.parallel.float8_recipes import FLOAT8_RECIPES
 from trillion.parallel.layout import Layout
 from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.hardware import HardwareProfile
@@ -42,20 +44,22 @@ def layer_passes(
     tp: int,
     compiled: bool,
     cp: int = 1,
-    float8: bool = False,
+    float8: str = "",
     routed: bool = False,
     attention_share: float = 1.0,
 ) -> Passes:
     """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
-    holding 1/cp of each sequence; with float8, its converted linears in fp8 (cost.py's docstring); `routed`: an
-    MoE layer's attention and shared experts (moe.py adds the rest); `attention_share`: document masking's
-    (models/flops.py)."""
+    holding 1/cp of each sequence; with a `float8` recipe (parallel/float8_recipes.py FLOAT8_RECIPES; "" for none), its
+    converted linears in that recipe's format (cost.py's docstring); `routed`: an MoE layer's attention and shared
+    experts (moe.py adds the rest); `attention_share`: document masking's (models/flops.py)."""
     h = args.dim
     tokens = batch * seq_len // cp
-    # (k, n, in fp8) of each linear on this rank: the GEMM is tokens x k x n
-    shapes = [(k, n, float8 and converted) for k, n, converted in tp_local_linears(args, tp, routed)]
-    gemm = sum(_gemm(hw, tokens, k, n, fp8) for k, n, fp8 in shapes)
-    casts = [float8_casts(hw, tokens, k, n) for k, n, fp8 in shapes if fp8]
+    recipe = FLOAT8_RECIPES[float8] if float8 else None
+    multiple = recipe.dim_multiple if recipe else 1
+    # (k, n, in the recipe's format) of each linear on this rank: the GEMM is tokens x k x n
+    shapes = [(k, n, recipe if converted else None) for k, n, converted in tp_local_linears(args, tp, routed, multiple)]
+    gemm = sum(_gemm(hw, tokens, k, n, quantised) for k, n, quantised in shapes)
+    casts = [float8_casts(hw, tokens, k, n, quantised) for k, n, quantised in shapes if quantised]
     cast_forward, cast_input_grad, cast_weight_grad = (sum(c[i] for c in casts) for i in range(3))
     peak_attention = hw.device.peak_tflops_bf16 * 1e12 * hw.device.attention_efficiency * hw.device.sustained
     attention = attention_flops(args, tokens, seq_len, tp, attention_share) / peak_attention
@@ -91,7 +95,7 @@ def layer_passes(
 
 
 def tp_gather_bytes(
-    args: ModelArgs, tp: int, float8: bool, routed: bool, element_bytes: int
+    args: ModelArgs, tp: int, float8: str, routed: bool, element_bytes: int
 ) -> tuple[tuple[int, int], ...]:
     """Per sublayer (attention, MLP): the bytes per element of TP's forward all-gather of its input and of its
     backward all-gather of its output's gradient. torchao's float8 TP styles (parallel/float8.py tp_styles, the
@@ -100,11 +104,12 @@ def tp_gather_bytes(
     to float8 before the all-gather that is its reduce-scatter's backward when the rowwise linear is
     (Float8RowwiseParallel: NoopFwToFloat8BwDynamic); reduce-scatters stay in the compute dtype. A part whose
     tensors stay DTensors (latent attention: its input gathered for replicated down projections) has no float8
-    style to prepare it: its gathers stay in that dtype."""
+    style to prepare it: its gathers stay in that dtype. A recipe without torchao's float8 styles (rowwise, the MX and
+    NV formats: their TP communication stays in high precision) gathers in the compute dtype."""
     declared = parts.block(args, routed).sublayers
-    if not float8:
+    if not float8 or not FLOAT8_RECIPES[float8].float8_tp:
         return ((element_bytes, element_bytes),) * len(declared)
-    converted = iter(fp8 for _, _, fp8 in tp_local_linears(args, tp, routed))
+    converted = iter(fp8 for _, _, fp8 in tp_local_linears(args, tp, routed, FLOAT8_RECIPES[float8].dim_multiple))
     sublayers = []
     for part in declared:
         group = [(linear.split, next(converted)) for linear in part.linears]
@@ -119,18 +124,29 @@ def tp_gather_bytes(
 
 
 def block_passes(
-    args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, assumed: Assumptions, *, routed: bool
+    args: ModelArgs,
+    hw: HardwareProfile,
+    layout: Layout,
+    seq_len: int,
+    assumed: Assumptions,
+    *,
+    routed: bool,
+    high_precision: bool = False,
 ) -> Passes:
     """One dense block, or one MoE block (its attention and shared experts, then moe.py's routed experts),
-    of one micro-batch at `layout`'s micro-batch size, tp, cp, ep, compile and float8, and the attention share and
-    load imbalance the plan assumes."""
-    float8 = layout.float8 is not None
-    shape = (args, hw, layout.micro_batch_size, seq_len, layout.tp, layout.compile, layout.cp, float8)
+    of one micro-batch at `layout`'s micro-batch size, tp, cp, ep, compile and float8 recipe, and the attention
+    share and load imbalance the plan assumes; `high_precision`: a block the recipe keeps in bf16 (a 4-bit
+    recipe's tail)."""
+    f8 = layout.float8
+    recipe = f8.recipe if f8 is not None and f8.linears and not high_precision else ""
+    shape = (args, hw, layout.micro_batch_size, seq_len, layout.tp, layout.compile, layout.cp, recipe)
     if not routed:
         return layer_passes(*shape, attention_share=assumed.attention_share)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     # attention and shared experts: what a paired micro-batch computes beside this one's all-to-alls
     around = layer_passes(*shape, True, assumed.attention_share)
+    if high_precision:
+        layout = dataclasses.replace(layout, float8=None)
     return around + moe_passes(args, hw, tokens, layout, assumed.moe_load_imbalance, around)
 
 

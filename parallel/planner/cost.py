@@ -59,15 +59,29 @@ gradient in float8 (tp_gather_bytes); the reduce-scatters stay bf16.
 With FSDP's float8 all-gather (layout.float8.fsdp_all_gather) the converted weights are gathered at 1 byte
 instead of 2, and FSDP's copy out of the gather buffer moves 1-byte elements; gradients stay fp32.
 Memory is not changed by float8 (the saved activations stay bf16; the gathered fp8 copies are not counted).
+
+Other recipes (layout.float8.recipe, `--float8-recipe`; parallel/float8_recipes.py FLOAT8_RECIPES): the GEMMs run at the
+recipe's format's peak and plateau (fp8; MXFP8, NVFP4 and MXFP4: peak_tflops.<format>, <format>_gemm_efficiency), a
+block-scaled format's operands at its element bytes plus a scale per block (MXFP8: 1 + 1/32 bytes, NVFP4: 0.5 +
+1/16), its casts likewise (work.cast_bytes), and recipes that quantise each dim apart (rowwise, MX) cast the weight
+gradient's operands along the tokens again. Only tensorwise has torchao's float8 FSDP all-gather and TP styles: the
+others gather in bf16, as torchao and torchtitan run them ("all distributed communication for MXFP8 training is
+currently done in high precision", torchtitan's mxfp8.md). A linear converts where its local dims are multiples of
+the recipe's dim_multiple (16; 32 for MX; 128 for NVFP4's kernels). A 4-bit recipe keeps its high_precision_tail of
+the last blocks (and the MTP modules after them) in bf16. The routed experts follow a block-scaled linear recipe
+(moe.py). Memory is priced as bf16's for every recipe: torchao's NVFP4 keeps its linears' saved inputs in FP4 codes
+and scales, which this overstates.
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
+from trillion.parallel.float8_recipes import FLOAT8_RECIPES
 from trillion.parallel.layout import Layout
 from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.block_cost import block_passes, output_passes
@@ -75,6 +89,7 @@ from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.memory import (
     RankParams,
     float8_numel,
+    layers_from,
     pipeline_ranks,
     replicated_numel,
 )
@@ -119,27 +134,38 @@ class StepTime:
 
 @lru_cache(maxsize=65536)
 def rank_passes(
-    args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, assumed: Assumptions, rank: RankParams
+    args: ModelArgs,
+    hw: HardwareProfile,
+    layout: Layout,
+    seq_len: int,
+    assumed: Assumptions,
+    rank: RankParams,
+    tail: int = 0,
 ) -> tuple[Passes, Passes]:
     """(passes of one micro-batch through all of the rank's layers and MTP modules, the recomputed forwards);
-    `layout` is a pipeline_part (its data-parallel settings play no part, so the cache holds fewer entries)."""
-    layer = block_passes(args, hw, layout, seq_len, assumed, routed=False)
-    dense = rank.layers - rank.routed_layers
-    total = layer * dense
-    forward_sum = layer * dense
-    if rank.routed_layers:
-        moe_layer = block_passes(args, hw, layout, seq_len, assumed, routed=True)
-        total = total + moe_layer * rank.routed_layers
-        forward_sum = forward_sum + moe_layer * rank.routed_layers
+    `layout` is a pipeline_part (its data-parallel settings play no part, so the cache holds fewer entries); `tail`:
+    the rank's layers its 4-bit recipe keeps in bf16 (the last layers', of the kind of the model's last layer)."""
+    tail_routed = parts.routed_layer(args, args.n_layers - 1)
+    kinds = [  # (layers, routed, kept in bf16)
+        (rank.layers - rank.routed_layers - (0 if tail_routed else tail), False, False),
+        (rank.routed_layers - (tail if tail_routed else 0), True, False),
+        (tail, tail_routed, True),
+    ]
+    total = forward_sum = Passes()
+    for count, routed, high_precision in kinds:
+        if count:
+            layer = block_passes(args, hw, layout, seq_len, assumed, routed=routed, high_precision=high_precision)
+            total, forward_sum = total + layer * count, forward_sum + layer * count
     tokens, tp = layout.micro_batch_size * seq_len // layout.cp, layout.tp
     if rank.last:
         total = total + output_passes(args, hw, tokens, tp)
     if rank.ahead_modules:  # models/parts/mtp.py: a block, its projection (whole on every tp rank), the head again
         _, ahead = parts.ahead_modules(args)
         projection = sum(_gemm(hw, tokens, x.in_features, x.out_features) for x in ahead.linears)
-        module = block_passes(
-            args, hw, layout, seq_len, assumed, routed=parts.routed_layer(args, args.n_layers)
-        ) + output_passes(args, hw, tokens, tp)
+        after_tail = bool(high_precision_tail(args, layout))  # a 4-bit recipe's bf16 tail holds what follows it
+        routed = parts.routed_layer(args, args.n_layers)
+        module = block_passes(args, hw, layout, seq_len, assumed, routed=routed, high_precision=after_tail)
+        module = module + output_passes(args, hw, tokens, tp)
         total = total + (module + Passes(projection, projection, projection)) * rank.ahead_modules
     mean = forward_sum * (1 / max(rank.layers, 1))  # a recomputed layer: the mean of the rank's layers
     recompute = Passes(  # its all-to-alls without the counts (the route is replayed)
@@ -151,8 +177,17 @@ def rank_passes(
     return total, recompute * rank.checkpointed(layout.activation_checkpoint)
 
 
+def high_precision_tail(args: ModelArgs, layout: Layout) -> int:
+    """The last layers the layout's low-precision recipe keeps in bf16 (a 4-bit recipe's tail, rounded up as
+    torchtitan's nvfp4_bf16_tail_fqns: 5 of Llama 3 8B's 32), 0 for the others."""
+    if layout.float8 is None or not layout.float8.linears:
+        return 0
+    return math.ceil(args.n_layers * FLOAT8_RECIPES[layout.float8.recipe].high_precision_tail - 1e-9)
+
+
 def float8_gathered(args: ModelArgs, layout: Layout, rank: RankParams) -> int:
-    """Elements FSDP all-gathers in float8 on this rank (0 without float8 or its all-gather)."""
+    """Elements FSDP all-gathers in float8 on this rank (0 without float8 or its all-gather: tensorwise only, as
+    resolve_float8 resolves it)."""
     if layout.float8 is None or not layout.float8.fsdp_all_gather:
         return 0
     return float8_numel(args, rank.layers, layout.tp, rank.routed_layers)
@@ -212,7 +247,10 @@ def _pipeline(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     """Per-micro-batch compute of the pipeline's ranks: (slowest rank index, its passes, its
     recompute, seconds of the slowest and of the mean rank, mean TP, CP and EP seconds).
     `layout` is a pipeline_part: this is independent of dp."""
-    timed = [rank_passes(args, hw, layout, seq_len, assumed, rank) for rank in pipeline_ranks(args, layout)]
+    first_tail = args.n_layers - high_precision_tail(args, layout)
+    tails = layers_from(args, layout, first_tail) if first_tail < args.n_layers else [0] * layout.pp
+    ranks = pipeline_ranks(args, layout)
+    timed = [rank_passes(args, hw, layout, seq_len, assumed, rank, tail) for rank, tail in zip(ranks, tails)]
     pp = layout.pp
     per_rank = [ps.forward + rc.forward + ps.input_grad + ps.weight_grad for ps, rc in timed]
     slowest = max(range(pp), key=per_rank.__getitem__)
@@ -242,8 +280,8 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
         * hw.element_bytes
     )
     inner = layout.tp * layout.cp * layout.dp  # the ranks between two pipeline stages in the mesh
-    crosses_nodes = inner >= hw.gpus_per_node
-    bandwidth, latency = hw.collective_link(min(hw.gpus_per_node, 2 * inner), crosses_nodes)
+    crosses_nodes = inner >= hw.scale_up  # the next stage sits in another scale-up domain
+    bandwidth, latency = hw.collective_link(min(hw.scale_up, 2 * inner), crosses_nodes)
     transfers = 2 * (p * v - 1) if hw.overlaps_collectives else 2 * m * v  # per stage boundary
     pp_exposed = transfers * (boundary_bytes / bandwidth + latency) if p > 1 else 0.0
     pp_exposed += embedding_copy_sum(args, hw, layout)

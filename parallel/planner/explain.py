@@ -17,7 +17,7 @@ def ep_choice(request: Request, result: SearchResult) -> dict | None:
         return None
     best = result.ranked[0]
     layout, step = best.layout, best.step
-    where = "the node's link" if layout.ep * layout.tp <= request.hardware.gpus_per_node else "the network"
+    where = "the node's link" if layout.ep * layout.tp <= request.hardware.scale_up else "the network"
     chosen = (
         f"ep {layout.ep}: its all-to-alls cost {step.ep_exposed:.2f} s of the {step.total:.2f} s step "
         f"({step.ep_exposed / step.total:.1%}, on {where}), exposed FSDP traffic {step.dp_exposed:.2f} s, "

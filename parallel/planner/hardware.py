@@ -3,12 +3,26 @@ trillion/devices.toml, GPUs per node, the links inside a node and between nodes,
 price, in hardware_profiles/<name>.toml. Users add machines by putting TOML files in a folder
 named by TRILLION_HARDWARE_PATH (colon-separated) or by passing a file's path; `trillion plan
 --calibrate` writes one for the machine it runs on.
+
+A node is a host: its GPUs share its NICs (node_bandwidth_gbs) and its power overhead. The scale-up domain
+(`scale_up_gpus`, default the node) is the GPUs its `intra_node` links join at their speed: one node on a DGX or
+an MI355X platform, 72 GPUs of 18 hosts on an NVL72 rack, whose NVLink switches join them all. The planner's
+collectives, tensor- and context-parallel degrees and expert dispatch see the domain; only a group that spans
+domains goes over the network, through the NICs of the GPUs it holds.
 """
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from trillion.devices import DEVICES, DEVICES_FILE, DeviceSpec, device_from_table, read_toml, search_dirs
+from trillion.devices import (
+    DEVICES,
+    DEVICES_FILE,
+    LOW_PRECISION_FORMATS,
+    DeviceSpec,
+    device_from_table,
+    read_toml,
+    search_dirs,
+)
 from trillion.errors import ConfigError
 
 PROFILE_DIR = Path(__file__).with_name("hardware_profiles")
@@ -48,6 +62,12 @@ class HardwareProfile:
     tp_layer_host_s: tuple[float, float] = (0.0, 0.0)
     # collectives run beside compute (copy engines, NICs); false on a CPU, whose cores do both
     overlaps_collectives: bool = True
+    scale_up_gpus: int = 0  # GPUs the intra_node links join (an NVLink domain); 0: one node's
+
+    @property
+    def scale_up(self) -> int:
+        """GPUs joined at the intra_node links' speed: the scale-up domain, one node unless the profile names more."""
+        return self.scale_up_gpus or self.gpus_per_node
 
     @property
     def element_bytes(self) -> int:
@@ -56,8 +76,8 @@ class HardwareProfile:
     def collective_link(self, group: int, span_nodes: bool, kind: str = "all_reduce") -> tuple[float, float]:
         """(bytes/s, latency s) per GPU for a collective of `kind` among `group` GPUs.
 
-        A group that spans nodes is limited by each GPU's share of its node's network; one inside a
-        node by the slowest link of the smallest listed group that holds it, with the figures
+        A group that spans scale-up domains is limited by each GPU's share of its node's network; one inside a
+        domain by the slowest link of the smallest listed group that holds it, with the figures
         measured for that kind of collective when the link has them.
         """
         if span_nodes:
@@ -69,7 +89,7 @@ class HardwareProfile:
         if link is None:
             raise ConfigError(
                 f"Hardware profile {self.name!r}: no intra_node link holds a group of {group} GPUs "
-                f"({self.gpus_per_node} per node)."
+                f"({self.scale_up} in its scale-up domain)."
             )
         bandwidth_gbs, latency_us = next(
             ((b, lat) for k, b, lat in link.kinds if k == kind), (link.bandwidth_gbs, self.link_latency_us)
@@ -77,21 +97,29 @@ class HardwareProfile:
         return bandwidth_gbs * 1e9 * self.collective_efficiency, latency_us * 1e-6
 
 
-def float8_peak_tflops(hw: HardwareProfile) -> float:
-    """The device's dense float8 peak (devices.toml peak_tflops.fp8), checked to come with its fp8 GEMM
-    plateau; a ConfigError naming the hardware where float8 cannot be planned (no float8 tensor cores)."""
+FORMAT_NAMES = {"fp8": "float8 (fp8)"}  # how a refusal names a format
+
+
+def low_precision_peak_tflops(hw: HardwareProfile, fmt: str = "fp8", setting: str = "--float8") -> float:
+    """The device's dense peak in `fmt` (devices.toml peak_tflops.<fmt>: fp8, mxfp8, nvfp4, mxfp4), checked to come
+    with its GEMM plateau; a ConfigError naming the hardware, the format and the fix where its matrix units lack the
+    format (A100 and MI250X have no float8 at all, Hopper and CDNA3 no block-scaled formats, CDNA4 no NVFP4)."""
     device = hw.device
-    peak = device.peak_tflops.get("fp8", 0.0)
+    peak = device.peak_tflops.get(fmt, 0.0)
     if peak <= 0:
+        having = [n for n, d in DEVICES.items() if d.peak_tflops.get(fmt)]
+        its = [f for f in LOW_PRECISION_FORMATS if device.peak_tflops.get(f)]
         raise ConfigError(
-            f"--float8: hardware profile {hw.name!r} ({device.name}) has no float8 tensor cores (no fp8 peak in "
-            f"{DEVICES_FILE} or its profile), so its linears cannot run in float8. Plan it without --float8, or "
-            f"on hardware with an fp8 peak ({', '.join(n for n, d in DEVICES.items() if d.peak_tflops.get('fp8'))})."
+            f"{setting}: hardware profile {hw.name!r} ({device.name}) has no {FORMAT_NAMES.get(fmt, fmt)} matrix "
+            f"units (no {fmt} peak in "
+            f"{DEVICES_FILE} or its profile), so its GEMMs cannot run in {fmt}. "
+            + (f"Its formats below bf16: {', '.join(its)}; choose one of those, or " if its else "Use bf16, or ")
+            + f"hardware that has {fmt} ({', '.join(having) or 'none shipped'})."
         )
-    if not device.fp8_gemm_efficiency:
+    if not device.format_gemm_efficiency.get(fmt):
         raise ConfigError(
-            f"--float8: hardware profile {hw.name!r} ({device.name}) has an fp8 peak but no fp8_gemm_efficiency "
-            f"(the large fp8 GEMM's share of that peak); add one to its device table, with its source."
+            f"{setting}: hardware profile {hw.name!r} ({device.name}) has a {fmt} peak but no {fmt}_gemm_efficiency "
+            f"(the large {fmt} GEMM's share of that peak); add one to its device table, with its source."
         )
     return float(peak)
 
@@ -157,6 +185,7 @@ def load_profile(name_or_path: str) -> HardwareProfile:
             source=str(path),
             compute_dtype=str(table.get("compute_dtype", "bf16")),
             overlaps_collectives=bool(table.get("overlaps_collectives", True)),
+            scale_up_gpus=int(table.get("scale_up_gpus", 0)),
             tp_layer_host_s=tuple(
                 float(table.get("tp_layer_host_us", {}).get(p, 0.0)) * 1e-6 for p in ("forward", "backward")
             ),

@@ -54,16 +54,20 @@ def block_linears(args: ModelArgs, routed: bool = False) -> list[tuple[str, int,
 
 
 # float8 converts a block's linear whose in and out features, as each TP rank holds them, are multiples
-# of this (the fp8 GEMM's constraint; parallel/float8.py); the output projection and embeddings never
+# of this (the fp8 GEMM's constraint; parallel/float8.py; a recipe's own dim_multiple, parallel/modes.py: 32 for
+# MX, 128 for NVFP4); the output projection and embeddings never
 FLOAT8_DIM_MULTIPLE = 16
 
 
-def tp_local_linears(args: ModelArgs, tp: int, routed: bool = False) -> list[tuple[int, int, bool]]:
-    """(in_features, out_features, converted by float8) of each block linear on one of `tp` ranks."""
+def tp_local_linears(
+    args: ModelArgs, tp: int, routed: bool = False, multiple: int = FLOAT8_DIM_MULTIPLE
+) -> list[tuple[int, int, bool]]:
+    """(in_features, out_features, converted by float8) of each block linear on one of `tp` ranks: converted where
+    both are multiples of `multiple`."""
     local = []
     for _, out_f, in_f, tp_dim in block_linears(args, routed):
         k, n = math.ceil(in_f / tp) if tp_dim == 1 else in_f, math.ceil(out_f / tp) if tp_dim == 0 else out_f
-        local.append((k, n, k % FLOAT8_DIM_MULTIPLE == 0 and n % FLOAT8_DIM_MULTIPLE == 0))
+        local.append((k, n, k % multiple == 0 and n % multiple == 0))
     return local
 
 
@@ -204,6 +208,14 @@ def _pipeline_ranks(
         moe = sum(max(0, start + count - max(first_moe, start)) for start, count in zip(starts[r], c))
         ranks.append(RankParams(sum(c), r == 0, r == last_rank, tuple(c), moe, mtp if r == last_rank else 0))
     return ranks
+
+
+def layers_from(args: ModelArgs, layout: Layout, first: int) -> list[int]:
+    """Each pipeline rank's layers at index `first` or later (a 4-bit recipe's bf16 tail: cost.py)."""
+    schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
+    chunks = stage_layers(args.n_layers, layout.pp, layout.virtual_stages, schedule)
+    starts = _virtual_stage_starts(args.n_layers, layout.pp, layout.virtual_stages, schedule)
+    return [sum(max(0, s + n - max(first, s)) for s, n in zip(starts[r], c)) for r, c in enumerate(chunks)]
 
 
 def _virtual_stage_starts(n_layers: int, pp: int, v: int, schedule) -> list[list[int]]:

@@ -45,9 +45,10 @@ from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.models.parts import Block
 from trillion.models.parts.moe import member_reach
+from trillion.parallel.float8_recipes import FLOAT8_RECIPES, Float8Recipe
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time
-from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, FLOAT8_CAST_BYTES
+from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, cast_bytes
 
 # The busiest rank's routed tokens over the mean, by default. MEASURED on debug-moe (sigmoid scores, loss-free
 # bias 1e-2; `trillion train --model.name=debug-moe --training.steps=100 --metrics.log_freq=10`, default corpus):
@@ -81,7 +82,14 @@ HOST_READ_LAUNCHES = 39
 #   1093 TFLOP/s), mean 1194 = 0.851 of the same plateau. ASSUMED for Trillion's Triton kernel, which no GPU
 #   has timed yet: DeepGEMM's rate is what the recipe reaches on Hopper.
 # On gfx942 no grouped float8 figure is published: the same shares of its fp8 plateau (itself assumed, devices.toml).
-FLOAT8_EXPERT_SHARE = {"rowwise": 0.838, "blockwise": 0.851}
+# - mxfp8, torchao's _to_mxfp8_then_scaled_grouped_mm (float8.recipe=mxfp8's experts): pytorch/ao
+#   torchao/prototype/moe_training/README.md, "MXFP8 Kernel Breakdown by Pass", DeepSeek-V3 shapes (131072 tokens x
+#   7168 x 2048, 8 groups) on a B200: the 2D-3D scaled grouped GEMM (forward, input gradient) 1838.1 us each, the
+#   2D-2D one (weight gradient) 2412.4 us, 3 x 3.848 TFLOP in 6088.6 us = 1896 TFLOP/s, 0.421 of the 4500 MXFP8 peak,
+#   0.552 of the B200's fp8 plateau (0.763, [mamf]; the MXFP8 plateau assumed equal, devices.toml). Its quantisation
+#   kernels are the casts below, at memory bandwidth.
+# - nvfp4, mxfp4: no grouped 4-bit figure found: ASSUMED mxfp8's share of their own plateaus.
+FLOAT8_EXPERT_SHARE = {"rowwise": 0.838, "blockwise": 0.851, "mxfp8": 0.552, "nvfp4": 0.552, "mxfp4": 0.552}
 # Rows of dim per choice an MoE layer keeps under ep beyond one process's: the receivers' experts return their
 # outputs by weighting them, then index_add_ into their rows (models/expert_rows.py run_experts with `slots`), and
 # index_add_'s backward keeps its source, the weighted outputs (torch's derivatives.yaml: source's gradient is
@@ -129,15 +137,26 @@ def members_per_node(layout) -> int:
 def float8_expert_recipe(float8) -> str | None:
     """The recipe a layout's float8 (a Float8Training, None: off) runs the routed experts in on a float8 GPU (None:
     they stay bf16): float8.experts=auto is torchao's rowwise, which runs wherever the planner prices float8 (sm90
-    and later, gfx942 and later)."""
+    and later, gfx942 and later); under a block-scaled recipe resolve_float8 has already made auto that recipe
+    (float8.recipe=mxfp8: torchao's MXFP8 grouped GEMM)."""
     if float8 is None or float8.experts == "off":
         return None
     return "rowwise" if float8.experts == "auto" else float8.experts
 
 
-def dispatch_row_bytes(dim: int, recipe: str) -> int:
+def expert_number_format(recipe: str) -> Float8Recipe:
+    """The number format an expert recipe multiplies in (parallel/float8_recipes.py): a block-scaled one's own;
+    rowwise and blockwise (DeepSeek-V3's 1 x 128 / 128 x 128, fp32 scales the GEMM applies itself) plain fp8."""
+    named = FLOAT8_RECIPES.get(recipe)
+    return named if named is not None and named.block else FLOAT8_RECIPES["tensorwise"]
+
+
+def dispatch_row_bytes(dim: int, recipe: str) -> float:
     """Bytes of one token row on a float8 dispatch's wire (parallel/float8_dispatch.py): a byte per element and
-    a float32 scale per 1 x 128 tile (blockwise) or per row (rowwise), against 2 per element in bf16."""
+    a float32 scale per 1 x 128 tile (blockwise) or per row (rowwise), against 2 per element in bf16; a block-scaled
+    recipe's elements and a scale per block (MXFP8: a byte and an e8m0 per 32)."""
+    if expert_number_format(recipe).block:
+        return expert_number_format(recipe).quantised_bytes(dim)
     return dim + SCALE_BYTES * (-(-dim // BLOCKWISE_TILE) if recipe == "blockwise" else 1)
 
 
@@ -242,7 +261,7 @@ def moe_passes(
     float8 = float8_expert_recipe(layout.float8)
     routing, f = block.routing, expert_width(block)  # the routed experts are whole on every tp rank
     experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance, float8)
-    casts = expert_float8_casts(args, hw, tokens, ep, imbalance) if float8 else (0.0, 0.0, 0.0)
+    casts = expert_float8_casts(args, hw, tokens, ep, imbalance, float8) if float8 else (0.0, 0.0, 0.0)
     router = _gemm(hw, tokens, routing.gate.in_features, routing.gate.out_features)
     k, imb = routing.top_k, effective_imbalance(ep, imbalance)
     swiglu = tokens * (5 * k * f * imb + routing.elements)
@@ -324,19 +343,21 @@ def expert_gemm_seconds(
     block, launch = routed_block(args), hw.device.kernel_overhead_us * 1e-6
     rows, local = expert_rows(args, tokens, ep, imbalance), block.routing.n_experts // ep
     share = FLOAT8_EXPERT_SHARE[float8] if float8 else 1.0
+    number_format = expert_number_format(float8) if float8 else None
     per_expert = sum(
-        _gemm(hw, rows, s.in_features, s.out_features, bool(float8), share) - launch for s in block.experts
+        _gemm(hw, rows, s.in_features, s.out_features, number_format, share) - launch for s in block.experts
     )
     return local * per_expert + len(block.experts) * launch
 
 
 def expert_float8_casts(
-    args: ModelArgs, hw: HardwareProfile, tokens: int, ep: int, imbalance: float
+    args: ModelArgs, hw: HardwareProfile, tokens: int, ep: int, imbalance: float, recipe: str = "rowwise"
 ) -> tuple[float, float, float]:
     """Seconds of the float8 experts' casts in (forward, input gradient, weight gradient) on the busiest rank: each
     grouped GEMM casts its two operands, the local experts' rows and weights (forward: input and weight; input
     gradient: the output's gradient and the weight; weight gradient: input and output's gradient along the
-    tokens), FLOAT8_CAST_BYTES per element, two launches each."""
+    tokens), at the recipe's bytes per element (work.cast_bytes: FLOAT8_CAST_BYTES in fp8, a scale per block more
+    in MX), two launches each."""
     block, launch = routed_block(args), hw.device.kernel_overhead_us * 1e-6
     rows = expert_rows(args, tokens, ep, imbalance) * (block.routing.n_experts // ep)
     weights = [s.n_experts // ep * s.in_features * s.out_features for s in block.experts]
@@ -344,7 +365,8 @@ def expert_float8_casts(
     input_grad = sum(rows * s.out_features + w for s, w in zip(block.experts, weights))
     weight_grad = sum(rows * (s.in_features + s.out_features) for s in block.experts)
     launches = 2 * len(block.experts) * launch
-    return tuple(_memory_bound(hw, FLOAT8_CAST_BYTES * n) + launches for n in (forward, input_grad, weight_grad))
+    per_element = cast_bytes(expert_number_format(recipe))
+    return tuple(_memory_bound(hw, per_element * n) + launches for n in (forward, input_grad, weight_grad))
 
 
 def expert_numel(args: ModelArgs, routed_layers: int, tp: int, ep: int, efsdp: int) -> tuple[int, int]:

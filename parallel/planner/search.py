@@ -20,7 +20,8 @@ from trillion.models.flops import (
     megatron_flops_per_iteration,
     model_flops_per_token,
 )
-from trillion.parallel.ep_checks import check_ep_dispatch, ep_nodes
+from trillion.parallel.ep_checks import check_ep_dispatch, check_expert_shards, ep_nodes
+from trillion.parallel.float8_recipes import FLOAT8_RECIPES, check_block_scaled_layout
 from trillion.parallel.layout import Layout
 from trillion.parallel.modes import check_layout_schedule
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
@@ -68,6 +69,11 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     try:
         if layout.ep > 1:
             check_ep_dispatch(layout, ep_nodes(layout), args, warn=False)
+            check_expert_shards(layout, args)
+        f8 = layout.float8
+        recipe = FLOAT8_RECIPES[f8.recipe] if f8 is not None and f8.linears else None
+        if recipe is not None and recipe.block and not recipe.untrainable:
+            check_block_scaled_layout(layout.tp)  # the trainer's MXFP8 linears take no TP
         check_layout_schedule(layout, args.n_layers, output_end_reads=parts.ahead_modules(args)[0] > 0)
     except ConfigError as error:
         return str(error)
@@ -113,7 +119,7 @@ def _no_layout_message(request: Request, result: SearchResult) -> str:
             f"batch, tp must divide the heads ({request.args.n_heads}) and fit in a node, pp at most the layers "
             f"({request.args.n_layers}), and pipelines other than GPipe need at least pp micro-batches. "
             "Try a global batch that is a multiple of "
-            f"{request.gpus // max(tp_degrees(request.args, request.hardware.gpus_per_node))}, or other fixed settings."
+            f"{request.gpus // max(tp_degrees(request.args, request.hardware.scale_up))}, or other fixed settings."
         )
     best = result.smallest_memory
     return (
@@ -206,6 +212,7 @@ def model_summary(request: Request) -> dict:
         "seq_len": request.seq_len,
         "tokens": request.tokens,
         "float8": bool(request.fixed.get("float8", False)),
+        "float8_recipe": request.fixed.get("float8_recipe", "tensorwise") if request.fixed.get("float8") else None,
         "optimizer": request.fixed.get("optimizer", "adamw"),
     }
 

@@ -19,10 +19,11 @@ from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.parallel import modes
 from trillion.parallel.ep_checks import ep_nodes, resolve_dispatch
+from trillion.parallel.float8_recipes import low_precision_recipe
 from trillion.parallel.layout import Float8Training, Layout, resolve_float8
 from trillion.parallel.modes import CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.assumptions import Assumptions
-from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
+from trillion.parallel.planner.hardware import HardwareProfile, low_precision_peak_tflops
 from trillion.parallel.planner.moe import ep_degrees
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -43,6 +44,8 @@ LAYOUT_FIELDS = (
     "cp",
     "compile",
     "float8",
+    "float8_recipe",
+    "float8_linears",
     "float8_experts",
     "float8_dispatch",
     "ep",
@@ -115,16 +118,15 @@ def check_request(request: Request) -> None:
             f"--seq-len {request.seq_len} is longer than {request.model}'s max_seq_len {args.max_seq_len}."
         )
     hw = request.hardware
-    if request.fixed.get("float8"):
-        float8_peak_tflops(hw)  # refuses hardware without float8 tensor cores, naming it
-    if request.gpus > hw.gpus_per_node and hw.node_bandwidth_gbs <= 0:
+    _check_low_precision(request.fixed, hw)
+    if request.gpus > hw.scale_up and hw.node_bandwidth_gbs <= 0:
         raise ConfigError(
             f"Hardware profile {hw.name!r} has no measured network (node_bandwidth_gbs = 0: it was "
             f"calibrated on one node), so it cannot plan {request.gpus} GPUs over nodes of "
-            f"{hw.gpus_per_node}. Calibrate under a torchrun job of two or more nodes, or plan at most "
-            f"{hw.gpus_per_node} GPUs."
+            f"{hw.scale_up}. Calibrate under a torchrun job of two or more nodes, or plan at most "
+            f"{hw.scale_up} GPUs."
         )
-    tps = tp_degrees(args, request.hardware.gpus_per_node)
+    tps = tp_degrees(args, request.hardware.scale_up)
     most = max(tps) * args.n_layers * request.global_batch
     if request.gpus > most:
         raise ConfigError(
@@ -134,16 +136,32 @@ def check_request(request: Request) -> None:
         )
 
 
+def _check_low_precision(fixed: dict, hw: HardwareProfile) -> None:
+    """--float8 and --float8-recipe: a recipe the planner knows, and a format the hardware's matrix units have
+    (refused in one paragraph naming the hardware, the format and its formats)."""
+    if "float8_recipe" not in fixed and not fixed.get("float8"):
+        return
+    recipe = low_precision_recipe(fixed.get("float8_recipe", "tensorwise"), "--float8-recipe")
+    if not fixed.get("float8"):
+        raise ConfigError(
+            f"--float8-recipe {recipe.name} prices the linears in {recipe.format}, which needs --float8 (the blocks' "
+            f"linears in low precision). Add --float8, or drop --float8-recipe."
+        )
+    setting = "--float8" if "float8_recipe" not in fixed else f"--float8 --float8-recipe {recipe.name}"
+    low_precision_peak_tflops(hw, recipe.format, setting)  # refuses hardware without the format, naming it
+
+
 def _divisors(n: int) -> list[int]:
     small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
 
-def tp_degrees(args: ModelArgs, gpus_per_node: int) -> list[int]:
-    """Degrees that split heads, key/value heads, the MLP and the vocabulary evenly, inside a node."""
+def tp_degrees(args: ModelArgs, scale_up: int) -> list[int]:
+    """Degrees that split heads, key/value heads, the MLP and the vocabulary evenly, inside a scale-up domain (a
+    node, or an NVL72 rack's 72 GPUs: TP's collectives run on every layer, so they stay on the fast links)."""
     return [
         t
-        for t in _divisors(gpus_per_node)
+        for t in _divisors(scale_up)
         if args.n_heads % t == 0 and args.kv_heads % t == 0 and args.ffn_hidden % t == 0 and args.vocab_size % t == 0
     ]
 
@@ -152,17 +170,17 @@ def _options(request: Request, name: str, default: list) -> list:
     return [request.fixed[name]] if name in request.fixed else default
 
 
-def _dp_shard_options(dp: int, tp: int, gpus_per_node: int) -> list[int]:
-    """No sharding, one node's worth (HSDP: sharding on the fast links), all ranks (least memory).
+def _dp_shard_options(dp: int, tp: int, scale_up: int) -> list[int]:
+    """No sharding, one scale-up domain's worth (HSDP: sharding on the fast links), all ranks (least memory).
     Degrees in between cost the same network bandwidth per GPU as `dp` and save less memory."""
-    node = gpus_per_node // tp
+    node = scale_up // tp
     return sorted({1, dp} | ({node} if node > 1 and dp % node == 0 else set()))
 
 
 def layouts(request: Request):
     """Every layout the search considers, with the user's fixed settings."""
     args, gpus = request.args, request.gpus
-    for tp in _options(request, "tp", tp_degrees(args, request.hardware.gpus_per_node)):
+    for tp in _options(request, "tp", tp_degrees(args, request.hardware.scale_up)):
         if gpus % tp:
             continue
         for pp in _options(request, "pp", [p for p in _divisors(gpus // tp) if p <= args.n_layers]):
@@ -181,7 +199,7 @@ def _cp_degrees(request: Request, tp: int, ranks: int) -> list[int]:
     return [
         c
         for c in _divisors(ranks)
-        if c == 1 or request.seq_len % (2 * c * tp) == 0 and c * tp <= request.hardware.gpus_per_node
+        if c == 1 or request.seq_len % (2 * c * tp) == 0 and c * tp <= request.hardware.scale_up
     ]
 
 
@@ -191,7 +209,7 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
     shards = (
         [dp // replicate]
         if replicate and "dp_shard" not in request.fixed
-        else _options(request, "dp_shard", _dp_shard_options(dp, tp * cp, request.hardware.gpus_per_node))
+        else _options(request, "dp_shard", _dp_shard_options(dp, tp * cp, request.hardware.scale_up))
     )
     schedules = _options(request, "pp_schedule", list(SCHEDULES) if pp > 1 else ["1F1B"])
     for dp_shard in shards:
@@ -238,20 +256,28 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
 
 
 def _float8(request: Request, fsdp_enabled: bool, ep: int) -> Float8Training | None:
-    """Float8 as `trillion plan --float8` costs it: the trainer's default recipe (tensorwise) resolved as the
-    trainer resolves it (FSDP float8 all-gather where FSDP shards), the experts' recipe as fixed, float8 dispatch
+    """Float8 as `trillion plan --float8` costs it: the recipe (--float8-recipe, else the trainer's default,
+    tensorwise) resolved as the trainer resolves it (FSDP float8 all-gather where FSDP shards and the recipe has it,
+    the experts' auto as a block-scaled recipe's own), the linears and the experts' recipe as fixed, float8 dispatch
     only under ep > 1 (as the trainer allows it)."""
-    if not request.fixed.get("float8", False):
+    fixed = request.fixed
+    if not fixed.get("float8", False):
         return None
-    experts, dispatch = request.fixed.get("float8_experts", "auto"), request.fixed.get("float8_dispatch", False)
-    return resolve_float8("tensorwise", fsdp_enabled=fsdp_enabled, experts=experts, dispatch=dispatch and ep > 1)
+    return resolve_float8(
+        fixed.get("float8_recipe", "tensorwise"),
+        fsdp_enabled=fsdp_enabled,
+        experts=fixed.get("float8_experts", "auto"),
+        dispatch=fixed.get("float8_dispatch", False) and ep > 1,
+        linears=fixed.get("float8_linears", True),
+    )
 
 
 def _dispatch(request: Request, tp: int, ep: int) -> dict:
-    """The expert dispatch's Layout fields: ranks per node the hardware's; the mode as `auto` resolves it (per node
-    where the ep group spans nodes) unless fixed; overlap on with ep unless fixed (the model never loses by it);
-    the per-rank capacity as fixed (0: dropless)."""
-    fixed, node = request.fixed, request.hardware.gpus_per_node
+    """The expert dispatch's Layout fields: ranks per node the hardware's scale-up domain (the per-node dispatch
+    crosses the network once per domain); the mode as `auto` resolves it (per node where the ep group spans domains)
+    unless fixed; overlap on with ep unless fixed (the model never loses by it); the per-rank capacity as fixed (0:
+    dropless)."""
+    fixed, node = request.fixed, request.hardware.scale_up
     probe = Layout(tp=tp, ep=ep, ranks_per_node=node)
     mode = fixed.get("ep_dispatch", "auto")
     return {

@@ -5,8 +5,9 @@ gives the model; moe.py uses the all-to-all)."""
 
 from dataclasses import dataclass, fields
 
-from trillion.parallel.planner.hardware import HardwareProfile, float8_peak_tflops
-from trillion.parallel.planner.work import FLOAT8_BYTES, FLOAT8_CAST_BYTES
+from trillion.parallel.float8_recipes import Float8Recipe
+from trillion.parallel.planner.hardware import HardwareProfile, low_precision_peak_tflops
+from trillion.parallel.planner.work import cast_bytes
 
 
 @dataclass(frozen=True)
@@ -31,26 +32,33 @@ class Passes:
         return Passes(*(getattr(self, f.name) * k for f in fields(Passes)))
 
 
-def _gemm(hw: HardwareProfile, m: int, k: int, n: int, float8: bool = False, float8_share: float = 1.0) -> float:
-    """Seconds of an m x k x n GEMM; `float8_share` scales the fp8 rate (a grouped float8 GEMM's, moe.py)."""
+def _gemm(
+    hw: HardwareProfile, m: int, k: int, n: int, recipe: Float8Recipe | None = None, float8_share: float = 1.0
+) -> float:
+    """Seconds of an m x k x n GEMM; with a low-precision `recipe`, at its format's peak and plateau, its operands
+    quantised (with their scales); `float8_share` scales that rate (a grouped low-precision GEMM's, moe.py)."""
     flops = 2.0 * m * k * n
     device = hw.device
-    if float8:  # fp8 operands, output in the compute dtype
-        rate = float8_peak_tflops(hw) * 1e12 * device.gemm_share_of_peak(flops, "fp8") * float8_share
+    if recipe is not None:  # quantised operands, output in the compute dtype
+        peak = low_precision_peak_tflops(hw, recipe.format)
+        rate = peak * 1e12 * device.gemm_share_of_peak(flops, recipe.format) * float8_share
         compute = flops / (rate * device.sustained)
-        operands = _memory_bound(hw, FLOAT8_BYTES * (m * k + k * n) + hw.element_bytes * m * n)
+        operands = _memory_bound(hw, recipe.quantised_bytes(m * k + k * n) + hw.element_bytes * m * n)
     else:
         compute = flops / (device.peak_tflops_bf16 * 1e12 * device.gemm_share_of_peak(flops) * device.sustained)
         operands = _memory_bound(hw, hw.element_bytes * (m * k + k * n + m * n))
     return max(compute, operands) + device.kernel_overhead_us * 1e-6
 
 
-def float8_casts(hw: HardwareProfile, tokens: int, k: int, n: int) -> tuple[float, float, float]:
-    """Seconds of one converted linear's casts to fp8 in (forward, input gradient, weight gradient)."""
-    launch = hw.device.kernel_overhead_us * 1e-6
-    forward = _memory_bound(hw, FLOAT8_CAST_BYTES * (tokens * k + k * n)) + 2 * launch  # input, weight
-    input_grad = _memory_bound(hw, FLOAT8_CAST_BYTES * (tokens * n + k * n)) + 2 * launch  # output's gradient, weight
-    weight_grad = _memory_bound(hw, FLOAT8_CAST_BYTES * tokens * k) + launch  # the saved input
+def float8_casts(hw: HardwareProfile, tokens: int, k: int, n: int, recipe: Float8Recipe) -> tuple[float, float, float]:
+    """Seconds of one converted linear's casts to `recipe`'s format in (forward, input gradient, weight gradient):
+    the weight gradient casts the saved input, and, where the recipe quantises along each dim apart, the output's
+    gradient along the tokens too."""
+    launch, per_element = hw.device.kernel_overhead_us * 1e-6, cast_bytes(recipe)
+    forward = _memory_bound(hw, per_element * (tokens * k + k * n)) + 2 * launch  # input, weight
+    input_grad = _memory_bound(hw, per_element * (tokens * n + k * n)) + 2 * launch  # output's gradient, weight
+    again = (tokens * n, 1) if recipe.requantizes else (0, 0)  # the output's gradient along the tokens
+    weight_grad = _memory_bound(hw, per_element * (tokens * k + again[0])) + (1 + again[1]) * launch
     return forward, input_grad, weight_grad
 
 
@@ -68,10 +76,10 @@ def collective_time(hw: HardwareProfile, nbytes: float, group: int, span: int, k
     we measure 192GB/s AllReduce BusBW", the 8 NICs' 200 GB/s, not one NIC's 25), at most the node's link."""
     if group <= 1:
         return 0.0
-    spans_nodes = span > hw.gpus_per_node
+    spans_nodes = span > hw.scale_up  # beyond one scale-up domain (a node, or an NVL72 rack)
     bandwidth, latency = hw.collective_link(group if not spans_nodes else span, spans_nodes, kind)
     if spans_nodes:
-        per_node = max(1, min(hw.gpus_per_node, group * hw.gpus_per_node // span))
+        per_node = max(1, min(hw.scale_up, group * hw.scale_up // span))
         bandwidth = min(per_node * bandwidth, hw.collective_link(per_node, False, kind)[0])
     factor = 2.0 if kind == "all_reduce" else 1.0
     return factor * ((group - 1) / group * nbytes / bandwidth + (group - 1) * latency)
@@ -84,7 +92,7 @@ def all_to_all_time(hw: HardwareProfile, nbytes: float, group: int, tp: int) -> 
     network, at the same time; NCCL posts every peer's send and receive at once (one latency)."""
     if group <= 1:
         return 0.0
-    in_node = max(1, min(group, hw.gpus_per_node // tp))  # the group's ranks on this rank's node
+    in_node = max(1, min(group, hw.scale_up // tp))  # the group's ranks in this rank's scale-up domain
     intra, inter = nbytes * (in_node - 1) / group, nbytes * (group - in_node) / group
     seconds, latency = 0.0, 0.0
     if in_node > 1:

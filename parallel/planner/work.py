@@ -36,7 +36,10 @@ FSDP_REDUCE_COPY_BYTES = 6
 # forward casts the input and the weight, the backward the output's gradient and again the saved input and
 # weight (tensorwise scaling saves them in bf16 and casts them for the input- and weight-gradient GEMMs); the
 # amax reduction that sets each scale is taken as fused into the cast or into the kernel that produced the
-# operand, and is not charged.
+# operand, and is not charged. A block-scaled recipe (MXFP8, NVFP4, MXFP4) writes its elements and one scale per
+# block instead (cast_bytes); recipes that quantise along each dim apart (rowwise, MX: torchao's mx_mm) cast the
+# weight gradient's two operands along the tokens again (timing.float8_casts).
+HIGH_PRECISION_READ_BYTES = 2  # a cast reads its bf16 operand
 FLOAT8_CAST_BYTES = 3
 # an fp8 GEMM reads its operands at 1 byte per element (the roofline in cost.py); FSDP's float8 all-gather
 # gathers the converted weights at 1 byte and its copy out of the gather buffer reads and writes 1 byte each
@@ -45,6 +48,12 @@ FSDP_FLOAT8_GATHER_COPY_BYTES = 2
 # cross-entropy over the vocabulary, per logit: the bf16 logits read, an fp32 copy written and
 # read by log-softmax, its output written and read by the loss, the gradient written (2+4+4+4+4+4)
 CROSS_ENTROPY_BYTES_PER_LOGIT = 22
+
+
+def cast_bytes(recipe) -> float:
+    """Bytes one element's cast to `recipe`'s format moves (parallel/modes.py Float8Recipe): its bf16 read, its
+    quantised write and its share of a block's scale; FLOAT8_CAST_BYTES for plain fp8."""
+    return HIGH_PRECISION_READ_BYTES + recipe.quantised_bytes(1)
 
 
 def elementwise_per_token(args: ModelArgs, tp: int, compiled: bool, routed: bool = False) -> float:

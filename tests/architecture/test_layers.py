@@ -53,7 +53,7 @@ PLANNER_USERS = {
     "trainer/tools/": "the planner's commands (`trillion plan`, `trillion tune`) and the dry run that checks its "
     "figures (`trillion estimate`)",
     "trainer/preflight.py": "the memory pre-flight refuses a layout by the planner's byte counts of its states, the "
-    "counts `trillion estimate` checks against real shards",
+    "counts `trillion estimate` checks against real shards, and a number format job.hardware's profile lacks",
     "trainer/resilience.py": "the checkpoint-interval advice is the planner's Young/Daly optimum (planner/goodput.py)",
     "trainer/config/run_sections.py": "the default of checkpoint.mtbf_hours_per_gpu is the planner's published MTBF "
     "(planner/goodput.py)",

@@ -1,9 +1,10 @@
 """Float8 experts under expert parallelism against one process (tests/moe/harness.py: the tiny MoE model, fp32,
 gloo, 2 steps): ep 2 with the experts' grouped GEMMs emulated in float8 gives the one-process emulated float8 run's
-losses and gradient norms, and every gradient of the first step, within 1e-5, for the blockwise and rowwise recipes,
-with float8 dispatch too (per rank, the default; per expert; with a per-rank capacity, against one process dropping the
-same tokens; per node at ep 4 as 2 nodes of 2, under -m slow) and under full activation checkpointing, and FSDP over 2
-ranks without ep; and the plain run is far outside that tolerance.
+losses and gradient norms, and every gradient of the first step, within 1e-5, for the blockwise, rowwise and mxfp8
+recipes (mxfp8's blocks of 32 along every reduction, its weight-gradient tiles of 32 tokens), with float8 dispatch too
+(per rank, the default; per expert; with a per-rank capacity, against one process dropping the same tokens; per node
+at ep 4 as 2 nodes of 2, under -m slow) and under full activation checkpointing, and FSDP over 2 ranks without ep; and
+the plain run is far outside that tolerance.
 
 Why that tight: activations are quantised per token row (each rank quantises the rows one process does), the
 weights per expert (whole on a rank), and the weight gradient's token tiles restart at every source rank's
@@ -18,7 +19,8 @@ compared by its loss and gradient norm, within 1e-5, as the first.
 
 The model's width is 136: not a multiple of 16, so torchao keeps every linear in high precision
 (parallel/float8.py kept_reason) and the experts are the only float8 GEMMs (torchao's tensorwise linears have
-their own parity tests, tests/float8/test_parity.py); 136 also spans two blockwise 128-blocks, the second short.
+their own parity tests, tests/float8/test_parity.py); 136 also spans two blockwise 128-blocks, the second short, and
+five MX 32-blocks, the last short.
 """
 
 import dataclasses
@@ -86,6 +88,8 @@ def test_ep2_emulated_float8_experts_and_dispatch_equal_one_process():
             {"name": "ep2-per-expert-dispatch", **ep2, "ep_dispatch": "expert", "float8": emulated("blockwise", True)},
             {"name": "ep2-capacity-dispatch", **ep2, "variant": "capacity", "float8": emulated("blockwise", True)},
             {"name": "ep2-rowwise-dispatch", **ep2, "float8": emulated("rowwise", True)},
+            {"name": "ep2-mxfp8", **ep2, "float8": emulated("mxfp8")},
+            {"name": "ep2-mxfp8-dispatch", **ep2, "float8": emulated("mxfp8", True)},  # one e8m0 byte per 32
             # FSDP alone: the experts sharded over both ranks, gathered in high precision and cast after
             {"name": "fsdp2-blockwise", "dp_shard": 2, "model": "wide", "steps": 2, "float8": emulated("blockwise")},
             # a recomputed block quantises what its first forward did (the route replayed, the same scales)

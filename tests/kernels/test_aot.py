@@ -1,4 +1,4 @@
-"""Ahead-of-time gates for sm80, sm90, gfx90a and gfx942, on a CPU: the committed report
+"""Ahead-of-time gates for sm80, sm90, sm100, gfx90a, gfx942 and gfx950, on a CPU: the committed report
 (experiments/kernels/resources.json, written by `python -m trillion.kernels.report`) covers every
 launch the shipped kernels and configs make and every row passes the gates; a few rows are
 recompiled here to show the report is what this compiler produces; `-m slow` recompiles them all.
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import triton
 
+from tests.helpers.documentation import documentation_text
 from trillion.kernels import aot, report
 
 RECORD = Path(__file__).resolve().parents[2] / "experiments" / "kernels" / "resources.json"
@@ -66,6 +67,28 @@ def test_document_masked_configs_and_latent_attention_s_unpadded_tiles_are_repor
     assert all(r["causal"] and not r["problems"] and r["spill_bytes"] == 0 for r in masked)
     latent = [r for r in data["rows"] if (r["size"], r.get("out_size")) == (192, 128) and r["kernel"] != "delta"]
     assert latent and all(report.tile_flops(r)[0] == report.tile_flops(r)[1] for r in latent)
+
+
+def test_blackwell_and_cdna4_launches_use_their_own_matrix_instructions(record):
+    """sm100: every forward attention tile and every grouped GEMM (bf16 and float8) on tcgen05.mma, the float8 ones
+    kind::f8f6f4 (Hopper's wgmma is gone; the narrow backward tiles may take mma.sync, which the gate accepts as on
+    sm90); gfx950: CDNA4's MFMAs, 16x16x32 in bf16 where CDNA3's was 16x16x16, and the float8 products on its
+    f8f6f4 ones."""
+    data, _ = record
+    rows = {arch: [r for r in data["rows"] if r["arch"] == arch] for arch in ("sm100", "gfx950")}
+    for row in rows["sm100"]:
+        if row["kernel"] == "fwd" or row["kernel"].startswith("gmm"):
+            assert any(i.startswith("tcgen05.mma") for i in row["matrix_instructions"]), row
+        if row["kernel"].startswith("gmm8"):
+            assert any("kind::f8f6f4" in i for i in row["matrix_instructions"]), row
+    matmuls = [r for r in rows["sm100"] if r["kernel"] in aot.MATMUL_KERNELS]
+    tcgen05 = sum(any(i.startswith("tcgen05.mma") for i in r["matrix_instructions"]) for r in matmuls)
+    docs = documentation_text()
+    assert f"{tcgen05} of its {len(matmuls)} matmul launches run on tcgen05.mma" in docs
+    bf16 = [r for r in rows["gfx950"] if r["kernel"] in ("fwd", "dq", "gmm_fwd") and r["dtype"] == "bf16"]
+    assert bf16 and all("v_mfma_f32_16x16x32_bf16" in r["matrix_instructions"] for r in bf16)
+    products = [r for r in rows["gfx950"] if r["kernel"] in ("gmm8_fwd", "gmm8_dx")]
+    assert products and all(any(i.endswith("f8f6f4") for i in r["matrix_instructions"]) for r in products)
 
 
 def _compiler_process(code: str, tmp_path) -> dict:

@@ -138,6 +138,27 @@ def test_the_guide_states_what_the_validation_shows(records):
     assert f"{100 * charged_signed:+.1f}% ({charged_id})" in docs
 
 
+def test_the_guide_states_the_blackwell_rows(records):
+    """The guide quotes each published Blackwell row's error (and the charged one where its kernel is charged)."""
+    docs = documentation_text()
+    rows = {r["run"]["id"]: r for r in records if r["run"]["hardware"] in ("dgx-b200", "gb200-nvl72")}
+    assert len(rows) == 8
+
+    def quoted(run_id: str) -> str:
+        return f"{100 * rows[run_id]['error']:+.1f}%"
+
+    dsv3, scout = "torchtitan-dsv3-671b-256-b200", "torchtitan-llama4-scout-256-gb200"
+    llama = "torchtitan-llama3-8b-4-gb200"
+    deepep, scout_bf16 = rows[f"{dsv3}-deepep"]["charged_error"], rows[f"{scout}-bf16"]["charged_error"]
+    quotes = [
+        f"bf16 {quoted(dsv3 + '-bf16')}, DeepEP {quoted(dsv3 + '-deepep')} ({100 * deepep:+.1f}% with",
+        f"DeepEP + MXFP8 experts {quoted(dsv3 + '-deepep-mxfp8')}",
+        f"bf16 {quoted(scout + '-bf16')} ({100 * scout_bf16:+.1f}% charged), MXFP8 {quoted(scout + '-mxfp8')}",
+        f"bf16 {quoted(llama + '-bf16')}, MXFP8 {quoted(llama + '-mxfp8')}, NVFP4 {quoted(llama + '-nvfp4')}",
+    ]
+    assert [quote for quote in quotes if quote not in docs] == []
+
+
 def test_the_guide_states_the_recorded_cpu_check():
     import tomllib
 

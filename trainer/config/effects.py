@@ -53,7 +53,7 @@ class Needs:
 
 RULES = (
     Needs(
-        ("float8.recipe", "float8.emulate", "float8.fsdp_all_gather", "float8.dispatch"),
+        ("float8.recipe", "float8.linears", "float8.emulate", "float8.fsdp_all_gather", "float8.dispatch"),
         "with float8.enabled=true",
         lambda c: c.float8.enabled,
         ("float8.enabled",),

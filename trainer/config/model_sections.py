@@ -2,7 +2,13 @@
 
 from dataclasses import dataclass
 
-from trillion.parallel.modes import FLOAT8_ALL_GATHER, FLOAT8_EXPERTS, FLOAT8_RECIPES, float8_dispatch, float8_recipe
+from trillion.parallel.float8_recipes import (
+    FLOAT8_ALL_GATHER,
+    FLOAT8_EXPERTS,
+    FLOAT8_RECIPES,
+    float8_dispatch,
+    trainable_recipe,
+)
 from trillion.trainer.config.checks import Flag, OneOf, Range
 from trillion.trainer.config.fields import (
     KEEP,
@@ -140,8 +146,17 @@ class Float8:
     recipe: str = doc(
         "tensorwise",
         "tensorwise (one scale per tensor: fastest; FSDP and TP all-gather in float8) | rowwise (one power-of-two "
-        "scale per row: more accurate, slower) | rowwise_with_gw_hp (rowwise, weight gradients in high precision).",
+        "scale per row: more accurate, slower) | rowwise_with_gw_hp (rowwise, weight gradients in high precision) | "
+        "mxfp8 (OCP MXFP8, an e8m0 scale per 32 elements, through torchao's MX training: NVIDIA Blackwell sm100, or "
+        "float8.emulate; linears and routed experts; dims not multiples of 32 stay high precision; no tp) | nvfp4, "
+        "mxfp4 (4-bit: priced by `trillion plan`, refused here with the reason).",
         OneOf(tuple(FLOAT8_RECIPES)),
+    )
+    linears: bool = doc(
+        True,
+        "With float8.enabled: convert the blocks' linears; false keeps them in high precision and converts only the "
+        "routed experts (float8.experts), as torchtitan's MXFP8 DeepSeek-V3 runs.",
+        Flag(),
     )
     emulate: bool = doc(
         False,
@@ -160,8 +175,10 @@ class Float8:
         "auto",
         "The routed experts' grouped GEMMs (w1, w3, w2; forward and both gradients) in float8: auto (rowwise "
         "through torchao where torch._scaled_grouped_mm runs, sm90+/gfx942+, else blockwise in the Triton grouped "
-        "GEMM; blockwise when emulated) | blockwise (DeepSeek-V3: 1 x 128 activation tiles, 128 x 128 weight "
-        "blocks; dims not multiples of 128 end in a short block) | rowwise (one scale per row / column) | off. "
+        "GEMM; blockwise when emulated; mxfp8 under float8.recipe=mxfp8) | blockwise (DeepSeek-V3: 1 x 128 "
+        "activation tiles, 128 x 128 weight blocks; dims not multiples of 128 end in a short block) | rowwise (one "
+        "scale per row / column) | mxfp8 (blocks of 32 along every reduction, e8m0 scales: torchao's MXFP8 grouped "
+        "GEMM on sm100, or emulated; dims not multiples of 32 end in a short block) | off. "
         "Routers stay high precision.",
         OneOf(FLOAT8_EXPERTS),
     )
@@ -175,5 +192,5 @@ class Float8:
 
     def check_relations(self) -> None:
         if self.enabled:  # without it, these settings do nothing and are refused as such (effects.py)
-            float8_recipe(self.recipe, self.fsdp_all_gather)
+            trainable_recipe(self.recipe, self.fsdp_all_gather)
             float8_dispatch(self.dispatch, self.enabled, self.experts)

@@ -3,8 +3,8 @@ dispatch, the model's parts and document masking."""
 
 import argparse
 
+from trillion.parallel.float8_recipes import FLOAT8_EXPERTS, FLOAT8_RECIPES
 from trillion.parallel.layout import EP_DISPATCH
-from trillion.parallel.modes import FLOAT8_EXPERTS
 
 
 def add_dispatch_arguments(fixed) -> None:
@@ -40,6 +40,23 @@ def add_float8_arguments(fixed) -> None:
         default=None,
         help="plan the blocks' linears and the routed experts in float8 (fp8 GEMMs and their casts; FSDP all-gathers "
         "the linears' weights in float8); refused on hardware without float8 tensor cores",
+    )
+    fixed.add_argument(
+        "--float8-recipe",
+        dest="float8_recipe",
+        choices=tuple(FLOAT8_RECIPES),
+        default=None,
+        help="with --float8: the recipe and its number format (default tensorwise fp8; mxfp8, and the 4-bit nvfp4 and "
+        "mxfp4 with a bf16 tail of the last 15%% of blocks, at their own peaks, with a scale per 32 or 16 elements); "
+        "refused on hardware without the format; the trainer's float8.recipe",
+    )
+    fixed.add_argument(
+        "--float8-linears",
+        dest="float8_linears",
+        choices=("on", "off"),
+        default=None,
+        help="with --float8: off keeps the blocks' linears in bf16, only the routed experts in low precision (as "
+        "torchtitan's MXFP8 DeepSeek-V3 runs); default on",
     )
     fixed.add_argument(
         "--float8-experts",

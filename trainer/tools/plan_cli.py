@@ -22,6 +22,7 @@ from trillion.models import parts
 from trillion.models.parts import PartSettings
 from trillion.models.parts.mtp import MTPSettings
 from trillion.models.presets import PRESETS, get_preset
+from trillion.parallel.float8_recipes import FLOAT8_RECIPES
 from trillion.parallel.modes import SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile, profile_names
@@ -183,13 +184,22 @@ def request_from(ns: argparse.Namespace) -> Request:
     settings = PartSettings(ns.model, mtp=MTPSettings(modules=given.get("mtp_modules", -1)))
     args = parts.apply_settings(get_preset(ns.model), settings)
     fixed = {k: value for k in (*LAYOUT_FIELDS, *ASSUMPTION_FIELDS) if (value := getattr(ns, k, None)) is not None}
-    if "ep_overlap" in fixed:
-        fixed["ep_overlap"] = fixed["ep_overlap"] == "on"
+    for switch in ("ep_overlap", "float8_linears"):  # on | off
+        if switch in fixed:
+            fixed[switch] = fixed[switch] == "on"
     seq_len = ns.seq_len or args.max_seq_len
     if ns.documents:
         lengths = TokenStore(ns.documents, setting="--documents", sample_seed=None).document_lengths()
         fixed["attention_share"] = lengths.attention_share(seq_len)
     return Request(ns.model, args, profile, ns.gpus, ns.global_batch, seq_len, ns.tokens, ns.price_per_gpu_hour, fixed)
+
+
+def low_precision_note(fixed: dict) -> str:
+    """The table's header note of --float8 and its recipe."""
+    if not fixed.get("float8"):
+        return ""
+    recipe = fixed.get("float8_recipe", "tensorwise")
+    return ", float8 linears" if recipe == "tensorwise" else f", {recipe} linears"
 
 
 def documents_note(request: Request) -> str:
@@ -207,7 +217,7 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
         f"{request.model} ({s['parameters'] / 1e9:.1f}B parameters) on {request.gpus} x {request.hardware.name} "
         f"({request.hardware.device.name}, {request.hardware.device.memory_gb:g} GB), global batch "
         f"{request.global_batch} x {request.seq_len} tokens"
-        f"{', float8 linears' if request.fixed.get('float8') else ''}"
+        f"{low_precision_note(request.fixed)}"
         f"{', Muon' if request.fixed.get('optimizer') == 'muon' else ''}{documents_note(request)}: "
         f"{considered} layouts considered, "
         f"{fitting} fit in memory{'' if fitting else ' (those that fit in the device are shown, with a warning)'}.",
@@ -316,7 +326,11 @@ def main(argv: list[str]) -> int:
         if ns.config_out is not None
         else DEFAULT_CONFIG_OUT.format(model=request.model, hardware=request.hardware.name, gpus=request.gpus)
     )
-    if out:
+    untrainable = FLOAT8_RECIPES[rows[0]["float8_recipe"]].untrainable if rows[0]["float8"] else ""
+    if out and untrainable:
+        recipe = rows[0]["float8_recipe"]
+        print(f"no config written: the trainer cannot train {recipe} ({untrainable})", file=sys.stderr)
+    elif out:
         path = Path(out)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(train_config_toml(request, rows[0]))

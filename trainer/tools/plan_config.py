@@ -45,7 +45,9 @@ def train_config_toml(request: Request, row: dict) -> str:
     config.optimizer.name = row["optimizer"]
     config.data.document_mask = row["attention_share"] < 1.0  # --documents: the plan timed masked attention
     config.compile.enabled = row["compile"]
-    config.float8.enabled = row["float8"]  # tensorwise, FSDP float8 all-gather auto: what the plan timed
+    config.float8.enabled = row["float8"]  # FSDP float8 all-gather auto (tensorwise only): what the plan timed
+    config.float8.recipe = row["float8_recipe"]
+    config.float8.linears = row["float8_linears"]
     config.float8.experts = row["float8_experts"]
     config.float8.dispatch = row["float8_dispatch"]  # only under ep > 1 (space.py), as the trainer allows it
     header = [

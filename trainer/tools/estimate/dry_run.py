@@ -54,6 +54,7 @@ from trillion.trainer.assemble import (
     validate_training,
 )
 from trillion.trainer.config.schema import Config
+from trillion.trainer.preflight import check_planned_format
 from trillion.trainer.tools.estimate.advice import KINDS, advice, shortfall_message
 from trillion.trainer.tools.estimate.rank import StagePlan, storage_bytes, target_device, target_dtype
 from trillion.trainer.tools.estimate.simulation import Simulation
@@ -150,16 +151,18 @@ def layout_dims(config: Config, world_size: int) -> tuple[ParallelDims, ModelArg
     )
     layout = resolve_layout(config, world_size, hardware_node(config.job.hardware))
     check_float8(layout, env.device)
+    check_planned_format(layout, config.job.hardware)
     model_args = model_args_for(config, layout)
     check_model_layout(layout, model_args, config.training.seq_len)
     return ParallelDims(layout, world_size), model_args
 
 
 def hardware_node(hardware: str) -> int:
-    """GPUs per node of the hardware profile job.hardware names (0: none named)."""
+    """GPUs of one scale-up domain of the hardware profile job.hardware names (a node, or an NVL72 rack's 72; 0:
+    none named): the expert dispatch's node, as the planner's."""
     from trillion.parallel.planner.hardware import load_profile
 
-    return load_profile(hardware).gpus_per_node if hardware else 0
+    return load_profile(hardware).scale_up if hardware else 0
 
 
 def model_args_for(config: Config, layout: Layout) -> ModelArgs:
