@@ -174,6 +174,36 @@ def wide_norm_cases(archs) -> list[aot.Case]:
     ]
 
 
+# What async TP (parallel.async_tp) needs of a target, by its compiler backend: torch's fused collective-GEMM ops, not a
+# kernel of this package, listed beside the kernels so that one report says what a machine must have.
+ASYNC_TP_NEEDS = {
+    "cuda": "torch's CUDA symmetric memory (the tp group's buffers mapped into each other's address space through the "
+    "driver's virtual-memory API, so the GPUs must reach each other's memory: NVLink, or PCIe peer access) and "
+    "torch.compile with Inductor (its micro-pipeline TP pass); each per-rank step moves on a copy engine",
+    "hip": "a ROCm build of torch with symmetric memory (torch's HIP port, pytorch PR 150580, has no multicast) and "
+    "torch.compile with Inductor; where the build has none (torch.distributed._symmetric_memory.get_backend is None) "
+    "parallel.async_tp is refused and parallel.tp_overlap runs on RCCL",
+}
+
+
+def async_tp_section(archs) -> list[str]:
+    """The report's table of what async TP needs on each of `archs` (ASYNC_TP_NEEDS), float8 where it has the units."""
+    lines = [
+        "## What async TP (parallel.async_tp) needs on each target (torch's ops: nothing here compiles them)",
+        "",
+        "| target | needs | float8 |",
+        "|---|---|---|",
+    ]
+    for arch in archs:
+        float8 = (
+            "the scaled variants (fused_all_gather_scaled_matmul, fused_scaled_matmul_reduce_scatter)"
+            if arch in aot_moe.FLOAT8_ARCHS
+            else "none: no float8 matrix units, bf16 and fp16 only"
+        )
+        lines.append(f"| {arch} | {ASYNC_TP_NEEDS[aot.ARCHS[arch]['target'][0]]} | {float8} |")
+    return lines + [""]
+
+
 def markdown(rows: list[dict], searches: list[dict], command: str, wide_norms: list[dict] = ()) -> str:
     failing = [r for r in rows if r["problems"]]
     lines = [
@@ -224,6 +254,7 @@ def markdown(rows: list[dict], searches: list[dict], command: str, wide_norms: l
             *_table(found["rows"]),
             "",
         ]
+    lines += async_tp_section(dict.fromkeys(r["arch"] for r in rows))
     return "\n".join(lines)
 
 

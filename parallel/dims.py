@@ -39,6 +39,7 @@ from trillion.models import parts
 from trillion.parallel.context_parallel import check_sequence
 from trillion.parallel.ep_checks import check_ep_dispatch, check_expert_shards, ep_nodes
 from trillion.parallel.layout import AXES, Layout, check_degrees, degrees_of, divisors, layout_on
+from trillion.parallel.tp_checks import check_tp_overlap
 
 log = logging.getLogger("trillion")
 
@@ -233,6 +234,7 @@ def check_layout(layout: Layout, model_args, seq_len: int, gpus_per_node: int | 
             f"Use --parallel.pp={model_args.n_layers + 2} or less."
         )  # schedules: parallel/pipeline.py
     check_sequence(layout.cp, layout.tp, seq_len)
+    check_tp_overlap(layout, seq_len)
     _check_ep(layout, model_args)
     if layout.tp > 1:
         _check_tensor_parallel(layout, model_args, seq_len, gpus_per_node)

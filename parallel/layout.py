@@ -124,6 +124,8 @@ class Layout:
     ranks_per_node: int = 8  # the processes of one node (the per-node dispatch's two hops; the planner's node)
     ep_capacity: float = 0.0  # rows per destination rank as a multiple of the even share (0: dropless)
     ep_overlap: bool = False  # the dispatch's all-to-alls run beside the shared experts and the other micro-batch
+    tp_overlap: int = 0  # chunks per rank of TP's all-gathers and reduce-scatters run beside their GEMMs (0: off)
+    async_tp: bool = False  # torch's micro-pipelined TP: symmetric-memory collectives fused with the GEMMs (CUDA)
 
     @property
     def dp(self) -> int:

@@ -12,7 +12,8 @@ token positions, so everything after wraps the same modules. TP next, because it
 is (a DTensor over the tp axis) and inserts the collectives the later wrappers must see; expert
 parallelism next (expert_parallel.py: the routed experts become DTensors on the ep mesh, whole on their
 rank, and the dispatch all-to-alls; the shared experts and attention keep TP's layout); AC next, so
-recomputation replays those collectives; compile then traces the parallel blocks; FSDP last, so it shards
+recomputation replays those collectives; compile then traces the parallel blocks (with async TP after symmetric
+memory and Inductor's pass that fuses TP's collectives with their GEMMs are on: async_tp.py); FSDP last, so it shards
 the TP shards again over dp and its hooks wrap everything (the routed experts under ep apart, over the
 data-parallel ranks ep leaves). Call it before `to_empty` + `init_weights`, which then give the same
 values whatever the layout (see models.transformer.Transformer.init_weights)."""
@@ -22,6 +23,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from trillion.errors import ConfigError
+from trillion.parallel import async_tp
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
 from trillion.parallel.compile import apply_compile
 from trillion.parallel.context_parallel import apply_context_parallel
@@ -64,6 +67,7 @@ def parallelize(
             dims.tp_mesh,
             float8_tp=float8 is not None and float8.float8_tp,
             expert_parallel=ep_mesh is not None,
+            overlap_chunks=layout.tp_overlap,
         )
     if ep_mesh is not None:
         payload = Payload(wire=Float8Wire(float8.experts, float8.emulate)) if float8 and float8.dispatch else Payload()
@@ -73,6 +77,8 @@ def parallelize(
         blocks = list(model.layers.values())
         for index in checkpointed_blocks(layout.activation_checkpoint, len(blocks)):
             cache_routes_for_recompute(blocks[index])
+    if layout.async_tp and dims.tp_enabled:
+        _enable_async_tp(dims, layout.compile, compile_backend)
     if layout.compile:
         apply_compile(model, backend=compile_backend)
     if fsdp and dims.fsdp_enabled:
@@ -88,3 +94,14 @@ def parallelize(
     if layout.ep_overlap and dims.pp == 1:
         apply_pairing_gates(model)  # last, outside every other hook (FSDP's); harmless while nothing pairs
     return model
+
+
+def _enable_async_tp(dims: ParallelDims, compile: bool, compile_backend: str) -> None:
+    """Async TP for the blocks compiled next: a pass of Inductor's, so it needs compile with that backend."""
+    if not compile or compile_backend != "inductor":
+        raise ConfigError(
+            "parallel.async_tp=true is a pass of torch.compile's Inductor backend, but the blocks are "
+            f"{'compiled with ' + compile_backend if compile else 'not compiled'}. Compile them with Inductor "
+            f"(--compile.enabled=true), or drop parallel.async_tp. {async_tp.FALLBACK}"
+        )
+    async_tp.enable(dims.tp_mesh)

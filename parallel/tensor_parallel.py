@@ -34,6 +34,9 @@ which DTensor's autograd does (a partial sum reduced on the way back) and plain 
 Output: column-wise over the vocabulary with the logits left as a DTensor sharded on the vocab
 dimension; the cross-entropy then runs under `loss_parallel()` and never gathers the full logits
 (batch x seq x vocab would be the largest activation of the model).
+
+With parallel.tp_overlap the HEADS parts and the output head take tp_overlap.py's sharding instead of these styles:
+the same placements, their all-gathers and reduce-scatters run in chunks beside their GEMMs.
 """
 
 import contextlib
@@ -54,18 +57,24 @@ from torch.distributed.tensor.parallel import (
 
 from trillion.models import parts
 from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, HEADS, REPLICATED, ROW, WHOLE_TOKENS, Part
+from trillion.parallel.tp_overlap import TpCollectives, overlap_head, overlap_sublayer
 
 # How the block calls each sublayer (models/transformer.py TransformerBlock): the attention with the
 # normed stream and the rotary table (None for learned positions), the feed-forward with the stream.
 SUBLAYER_INPUTS = {"attention": 2, "feed_forward": 1}
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh, *, float8_tp: bool = False, expert_parallel: bool = False) -> None:
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh, *, float8_tp: bool = False, expert_parallel: bool = False, overlap_chunks: int = 0
+) -> None:
     """Shard `model` (built from models.transformer) over the 1-D `tp_mesh`, in place, each block as its parts
     declare (models/parts: each linear's split, each part's TP style). `float8_tp`: the blocks' float8 linears
     (parallel/float8.py, tensorwise) take torchao's float8 styles, which cast the activations to float8 before
     the all-gather (half the bytes, one cast for q, k and v). `expert_parallel`: the routed experts go to the
-    ep mesh next (not replicated over tp here)."""
+    ep mesh next (not replicated over tp here). `overlap_chunks` > 0 (parallel.tp_overlap): the HEADS parts and
+    the output head run their all-gathers and reduce-scatters in that many chunks beside their GEMMs
+    (tp_overlap.py) instead of DTensor's styles."""
+    comm = TpCollectives(tp_mesh, overlap_chunks) if overlap_chunks else None
     top = {}
     if model.tok_embeddings is not None:
         top["tok_embeddings"] = RowwiseParallel(
@@ -77,18 +86,24 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, *, float8_tp: bool = False,
         )
     if model.norm is not None:
         top["norm"] = SequenceParallel()
-    if model.output is not None:
+    if model.output is not None and comm is None:
         top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, tp_mesh, top)
+    if model.output is not None and comm is not None:
+        overlap_head(model.output, comm)
 
     for index, block in model.blocks().items():  # the trunk's, then any multi-token prediction module's
         declared = parts.layer_block(model.args, int(index))
         style = _Styles(block, float8_tp)
         plan = {norm.name: SequenceParallel() for norm in declared.norms}
+        overlapped = [part for part in declared.sublayers if comm is not None and part.tp_style == HEADS]
         for part in declared.sublayers:
-            plan |= SUBLAYER_PLANS[part.tp_style](part, style)
+            if part not in overlapped:
+                plan |= SUBLAYER_PLANS[part.tp_style](part, style)
         parallelize_module(block, tp_mesh, plan)
         for part in declared.sublayers:
+            if part in overlapped:
+                overlap_sublayer(block, part, comm)
             _replicate_whole(block, part, tp_mesh, experts=not expert_parallel)
     _, ahead = parts.ahead_modules(model.args)
     for module in model.ahead_modules().values():  # their norms on the stream, their projection replicated

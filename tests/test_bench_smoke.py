@@ -132,6 +132,7 @@ def test_device_check_smoke_runs_each_part_and_keeps_its_results(tmp_path):
         "bench_float8": "ok",
         "host_syncs": "ok",
         "bench_moe": "ok",
+        "tp_overlap": "ok",
     }
     assert "skipped" in (tmp_path / "gpu_tests.log").read_text()
     rows = [json.loads(line) for line in next((tmp_path / "bench").glob("*.jsonl")).read_text().splitlines()]
@@ -145,13 +146,15 @@ def test_device_check_smoke_runs_each_part_and_keeps_its_results(tmp_path):
     assert [row["part"] for row in moe] == ["grouped_gemm", "moe_layer", "moe_layer", "training", "training"]
     assert all(row.get("torch_ms", 1) > 0 and 0 < row.get("dispatch_share", 0.5) < 1.5 for row in moe)
     assert "grouped_gemm:" in section and "| debug-moe |" in section
+    assert "| tp 2 | needs two GPUs; this machine has 0 |" in section  # the tp 2 part says why it measured nothing
     assert len(result.stdout.splitlines()) < 40  # the summary stays short: only the output's tail comes back
 
 
 @pytest.mark.slow  # about 20 s each on two cores
-@pytest.mark.parametrize("script", ["ep_overlap.py", "ep_dispatch.py"])
-def test_expert_parallel_benchmarks_smoke(script, tmp_path):
-    """The latency-injection benchmark (2 gloo ranks) and the dispatch-bytes benchmark (threads) at tiny sizes."""
+@pytest.mark.parametrize("script", ["ep_overlap.py", "ep_dispatch.py", "tp_overlap.py"])
+def test_parallel_benchmarks_smoke(script, tmp_path):
+    """The latency-injection benchmarks (2 gloo ranks: the expert all-to-alls', TP's collectives') and the
+    dispatch-bytes benchmark (threads) at tiny sizes."""
     result = subprocess.run(
         [sys.executable, str(ROOT / "experiments/bench" / script), "--smoke", "--out", str(tmp_path)],
         capture_output=True,
@@ -160,4 +163,4 @@ def test_expert_parallel_benchmarks_smoke(script, tmp_path):
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| dispatch |" in result.stdout or "| routing | dispatch |" in result.stdout
+    assert any(head in result.stdout for head in ("| dispatch |", "| routing | dispatch |", "| tp | chunks |"))

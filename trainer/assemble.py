@@ -19,7 +19,7 @@ from trillion.models.parts import AttentionSettings, PartSettings
 from trillion.models.parts import apply_settings as apply_part_settings
 from trillion.models.parts.moe import MoESettings
 from trillion.models.parts.mtp import MTPSettings
-from trillion.parallel import float8, float8_mx
+from trillion.parallel import async_tp, float8, float8_mx
 from trillion.parallel.dims import ParallelDims, check_layout
 from trillion.parallel.ep_checks import ep_nodes, resolve_dispatch
 from trillion.parallel.float8_experts import check_experts
@@ -178,6 +178,13 @@ def check_float8(layout: Layout, device: torch.device) -> None:
         )
 
 
+def check_async_tp(layout: Layout, device: torch.device) -> None:
+    """Refuse the layout's async TP where `device` has no symmetric memory (parallel/async_tp.py), before any work;
+    what it needs of the layout itself is check_model_layout's (parallel/tp_checks.py)."""
+    if layout.async_tp:
+        async_tp.check_device(device)
+
+
 def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> Layout:
     """The run's one Layout on `world_size` ranks: the one place every layout setting is read from the config
     (parallel, training's batch split, compile, float8, moe.rank_capacity_factor) and resolved, checked as it goes
@@ -225,6 +232,8 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
         ep_dispatch=resolve_dispatch(p.ep_dispatch, ep_nodes(spread)[0]),
         ep_capacity=config.moe.rank_capacity_factor,
         ep_overlap=p.ep_overlap,
+        tp_overlap=p.tp_overlap,
+        async_tp=p.async_tp,
     )
 
 

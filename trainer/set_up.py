@@ -24,6 +24,7 @@ from trillion.trainer.assemble import (
     build_model_args,
     build_parallel_dims,
     build_runner,
+    check_async_tp,
     check_float8,
     compute_dtype,
     resolve_layout,
@@ -118,6 +119,7 @@ def set_up(config: Config, hooks: RunHooks) -> Run:
     validate_training(config, env)
     layout = resolve_layout(config, env.world_size)  # every layout setting, once (ParallelDims is built from it)
     check_float8(layout, env.device)
+    check_async_tp(layout, env.device)
     check_planned_format(layout, config.job.hardware)
     check_fault_tolerance(config, layout)
     output_dir, lock = Path(config.job.output_dir), None

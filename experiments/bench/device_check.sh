@@ -7,8 +7,9 @@
 #   bash experiments/bench/device_check.sh [RESULTS_DIR]     # default experiments/bench/results/device-<time>
 #   bash experiments/bench/device_check.sh --smoke [DIR]     # CPU, tiny sizes, a minute: the test of this script
 #
-# Part limits (seconds; 710 in all with the set-up) can be changed through the environment: LIMIT_TESTS,
-# LIMIT_CEILING, LIMIT_KERNELS, LIMIT_STEPS, LIMIT_FLOAT8, LIMIT_SYNCS, LIMIT_CALIBRATE, LIMIT_MOE. A part cut short by its
+# Part limits (seconds; 710 in all with the set-up, and LIMIT_TP's 150 more where two GPUs are lent: with one the
+# tp 2 part only writes why it measured nothing) can be changed through the environment: LIMIT_TESTS, LIMIT_CEILING,
+# LIMIT_KERNELS, LIMIT_STEPS, LIMIT_FLOAT8, LIMIT_SYNCS, LIMIT_CALIBRATE, LIMIT_MOE, LIMIT_TP. A part cut short by its
 # limit keeps the rows it measured. The machine's own torch and triton are used (the checkout is linked
 # into a virtual environment that sees them, below); wandb and datasets are optional.
 # experiments/bench/results/ is git-ignored: copy the section appended to RESULTS.md into the commit.
@@ -100,6 +101,8 @@ if [ $SMOKE -eq 1 ]; then
     part bench_float8 240 "$PY" experiments/bench/run_all.py --smoke --only float8 --out "$OUT/float8"
     part host_syncs 120 "$PY" experiments/bench/host_syncs.py --smoke --out "$OUT/syncs"
     part bench_moe 120 "$PY" experiments/bench/moe.py --smoke --out "$OUT/moe"
+    # tp 2 with TP's collectives exposed, chunked and async: on a CPU the row that says why nothing is measured
+    part tp_overlap 60 "$PY" experiments/bench/tp_overlap.py --device cuda --out "$OUT/tp"
 else
     part gpu_tests "${LIMIT_TESTS:-200}" "$PY" -m pytest -q -m gpu tests/gpu tests/float8 -p no:cacheprovider
     part bench_ceiling "${LIMIT_CEILING:-30}" "$PY" experiments/bench/run_all.py --only gemm,copy --out "$OUT/bench"
@@ -112,6 +115,8 @@ else
     part calibrate "${LIMIT_CALIBRATE:-30}" "$PY" -m trillion plan --calibrate --calibrate-out "$OUT/calibrated.toml"
     # bf16 grouped GEMM vs the per-expert loop, an MoE layer's dispatch share, debug-moe vs debug tokens/s
     part bench_moe "${LIMIT_MOE:-45}" "$PY" experiments/bench/moe.py --device cuda --out "$OUT/moe"
+    # tp 2 on two GPUs: llama3-1b with TP's collectives exposed, with parallel.tp_overlap=4 and with async TP
+    part tp_overlap "${LIMIT_TP:-150}" "$PY" experiments/bench/tp_overlap.py --device cuda --out "$OUT/tp"
 fi
 
 # The section for experiments/bench/RESULTS.md: parts and every measured table (appended there on a GPU).
@@ -125,7 +130,7 @@ fi
     sed 's/\t/ | /g; s/^/| /; s/$/ |/' "$SUMMARY"
     echo
     echo "pytest -m gpu: $(tail -n 1 "$OUT/gpu_tests.log" 2>/dev/null)"
-    for table in "$OUT"/bench/*.md "$OUT"/float8/*.md "$OUT"/syncs/*.md "$OUT"/moe/*.md; do [ -f "$table" ] && { echo; tail -n +3 "$table"; }; done
+    for table in "$OUT"/bench/*.md "$OUT"/float8/*.md "$OUT"/syncs/*.md "$OUT"/moe/*.md "$OUT"/tp/*.md; do [ -f "$table" ] && { echo; tail -n +3 "$table"; }; done
 } > "$OUT/RESULTS-section.md"
 [ $SMOKE -eq 0 ] && { echo; cat "$OUT/RESULTS-section.md"; } >> "$ROOT/experiments/bench/RESULTS.md"
 

@@ -59,6 +59,12 @@ def load_runs() -> list[dict]:
     return [{**run, **{key: texts[key][run[key]] for key in texts if key in run}} for run in table["run"]]
 
 
+def load_pairs() -> list[dict]:
+    """The [[pair]]s of runs.toml: two runs that differ in one technique, each reason resolved to its text."""
+    table = tomllib.loads(RUNS_FILE.read_text())
+    return [{**pair, "reason": table["reason"][pair["reason"]]} for pair in table.get("pair", [])]
+
+
 def with_plateau(profile: HardwareProfile, entry: dict | None, value: float | None) -> HardwareProfile:
     """The profile with a fitted entry's scalar (its GEMM plateau or its sustained share) set to `value` (None: as
     shipped)."""
@@ -89,6 +95,8 @@ def run_layout(run: dict, gpus: int) -> Layout:
         ep=spec.get("ep", 1),
         ep_dispatch=spec.get("ep_dispatch", Layout.ep_dispatch),
         ep_overlap=spec.get("ep_overlap", False),
+        tp_overlap=spec.get("tp_overlap", 0),
+        async_tp=spec.get("async_tp", False),
         ranks_per_node=hardware.scale_up,  # the expert dispatch's node: the scale-up domain (an NVL72 rack's 72)
     )
 
@@ -124,8 +132,14 @@ def predict(run: dict, profile: HardwareProfile | None = None) -> tuple[float, d
     args, hardware = run_args(run), profile or load_profile(run["hardware"])
     if run["metric"] in ("weak_scaling", "strong_scaling"):
         first, last = run["gpus"]
-        # the published layout, cp 1 unless it says otherwise (none of these runs split sequences)
-        fixed = {"cp": 1, **{k: v for k, v in run["layout"].items() if k != "dp_shard"}}
+        # the published layout, cp 1 unless it says otherwise (none of these runs split sequences),
+        # and TP's collectives as it ran them (exposed unless it says otherwise)
+        fixed = {
+            "cp": 1,
+            "tp_overlap": 0,
+            "async_tp": False,
+            **{k: v for k, v in run["layout"].items() if k != "dp_shard"},
+        }
         weak = run["metric"] == "weak_scaling"
         batch = run["global_batch"] if weak else run["global_batch"] * last // first
         request = Request(run["model"], args, hardware, first, batch, run["seq_len"], fixed=fixed)

@@ -22,6 +22,7 @@ from experiments.validation.predictions import (  # noqa: E402
     HERE,
     evaluate_all,
     leave_source_out,
+    load_pairs,
     load_runs,
     refit,
 )
@@ -29,6 +30,7 @@ from experiments.validation.predictions import (  # noqa: E402
 CPU_FILE = HERE / "cpu_results.toml"
 TOLERANCE = 0.15  # published rows
 CPU_TOLERANCE = 0.30
+PAIR_TOLERANCE = 0.03  # a technique's published speed-up against the planner's, in points of the ratio
 
 
 def _figure(metric: str, value: float) -> str:
@@ -191,7 +193,7 @@ def render(records: list[dict]) -> str:
         for reason, rows in reasons.items()
     ]
     lines += ["\n\n".join(paragraphs) or "None."]  # one paragraph per reason
-    lines += [""] + inexpressible_section(apart) + cpu_section()
+    lines += [""] + pairs_section(records) + inexpressible_section(apart) + cpu_section()
     return "\n".join(lines) + "\n"
 
 
@@ -234,6 +236,35 @@ def findings_section(records: list[dict]) -> list[str]:
         return []
     lines = ["", "## What the rows show (the planner's terms against the published step)", ""]
     return lines + ["\n\n".join(f"{', '.join(ids)}: {' '.join(t.split())}" for t, ids in found.items())]
+
+
+def pairs_section(records: list[dict]) -> list[str]:
+    """Each [[pair]]: the speed-up one technique gave a published layout (the run with it over the run without) and
+    the planner's for the same two rows, within PAIR_TOLERANCE points or with what stays named."""
+    pairs = load_pairs()
+    if not pairs:
+        return []
+    by_id = {r["run"]["id"]: r for r in records}
+    lines = [
+        "## Pairs: what one technique gave a published layout, against the planner",
+        "",
+        "| technique | run with it | run without | published ratio | predicted ratio | points "
+        f"| within ±{100 * PAIR_TOLERANCE:.0f} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    reasons = {}
+    for pair in pairs:
+        on, off = by_id[pair["with"]], by_id[pair["without"]]
+        published = on["run"]["published"] / off["run"]["published"]
+        predicted = on["predicted"] / off["predicted"]
+        inside = abs(predicted - published) <= PAIR_TOLERANCE
+        lines.append(
+            f"| {pair['what']} | {pair['with']} | {pair['without']} | {published:.3f} | {predicted:.3f} "
+            f"| {100 * (predicted - published):+.1f} | {'yes' if inside else '**no**'} |"
+        )
+        reasons.setdefault(pair["reason"], []).append(pair["what"])
+    lines += [""] + ["\n\n".join(f"{', '.join(whats)}: {' '.join(t.split())}" for t, whats in reasons.items())]
+    return lines + [""]
 
 
 def inexpressible_section(records: list[dict]) -> list[str]:

@@ -7,7 +7,7 @@ from functools import lru_cache
 
 from trillion.models import parts
 from trillion.models.args import ModelArgs
-from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, ROW
+from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, HEADS, ROW
 from trillion.parallel.float8_recipes import FLOAT8_RECIPES
 from trillion.parallel.layout import Layout
 from trillion.parallel.planner.assumptions import Assumptions
@@ -15,6 +15,7 @@ from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.memory import tp_local_linears
 from trillion.parallel.planner.moe import moe_passes
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, collective_time, float8_casts
+from trillion.parallel.planner.tp_hiding import Hiding, SublayerTP, hiding_of
 from trillion.parallel.planner.work import (
     BACKWARD_ELEMENTWISE,
     CROSS_ENTROPY_BYTES_PER_LOGIT,
@@ -47,12 +48,13 @@ def layer_passes(
     float8: str = "",
     routed: bool = False,
     attention_share: float = 1.0,
+    hiding: Hiding | None = None,
 ) -> Passes:
     """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
     holding 1/cp of each sequence; with a `float8` recipe (parallel/float8_recipes.py FLOAT8_RECIPES; "" for none), its
     converted linears in that recipe's format (cost.py's docstring); `routed`: an MoE layer's attention and shared
-    experts (moe.py adds the rest); `attention_share`: document masking's (models/flops.py)."""
-    h = args.dim
+    experts (moe.py adds the rest); `attention_share`: document masking's (models/flops.py); `hiding`: how its TP
+    collectives run beside its GEMMs (tp_hiding.py; None: exposed)."""
     tokens = batch * seq_len // cp
     recipe = FLOAT8_RECIPES[float8] if float8 else None
     multiple = recipe.dim_multiple if recipe else 1
@@ -65,14 +67,7 @@ def layer_passes(
     attention = attention_flops(args, tokens, seq_len, tp, attention_share) / peak_attention
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled, routed) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
-    reduce_scatters = 2 * collective_time(hw, tokens * h * hw.element_bytes, tp, tp, "reduce_scatter")
-    gathered = tp_gather_bytes(args, tp, float8, routed, hw.element_bytes)
-    tp_comm_forward = reduce_scatters + sum(
-        collective_time(hw, tokens * h * forward, tp, tp, "all_gather") for forward, _ in gathered
-    )
-    tp_comm_backward = reduce_scatters + sum(
-        collective_time(hw, tokens * h * backward, tp, tp, "all_gather") for _, backward in gathered
-    )
+    tp_comm_forward, tp_comm_backward = sublayers_tp(args, hw, tokens, tp, float8, routed, shapes, hiding)
     host_forward, host_backward = hw.tp_layer_host_s if tp > 1 else (0.0, 0.0)
     kv_bytes = batch * seq_len * parts.block(args).heads.kv_width / tp * hw.element_bytes  # the sequence's K and V
     cp_gather = collective_time(hw, kv_bytes, cp, tp * cp, "all_gather")
@@ -92,6 +87,35 @@ def layer_passes(
         cp_forward=cp_gather,
         cp_backward=cp_reduce,
     )
+
+
+def sublayers_tp(
+    args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, float8: str, routed: bool, shapes, hiding
+) -> tuple[float, float]:
+    """(forward, backward) seconds of a layer's exposed TP collectives: per sublayer its input's all-gather (and its
+    output gradient's, backward) and its reduce-scatter, of the tokens x dim activation, each exposed as DTensor
+    runs it, or for a HEADS part under `hiding` what the schedule beside its GEMMs leaves (tp_hiding.py). `shapes`:
+    the layer's linears on a rank, in the parts' order (memory.tp_local_linears)."""
+    stream, local = tokens * args.dim, iter(shapes)
+    pieces = hiding.pieces if hiding is not None else 1
+    gathers = tp_gather_bytes(args, tp, float8, routed, hw.element_bytes)
+    forward = backward = 0.0
+    for part, (gather_forward, gather_backward) in zip(parts.block(args, routed).sublayers, gathers):
+        transfers = {}
+        for name, nbytes, kind in (
+            ("gather_forward", gather_forward, "all_gather"),
+            ("gather_backward", gather_backward, "all_gather"),
+            ("scatter", hw.element_bytes, "reduce_scatter"),
+        ):
+            transfers[name] = collective_time(hw, stream * nbytes, tp, tp, kind)
+            transfers[f"piece_{name}"] = collective_time(hw, stream * nbytes / pieces, tp, tp, kind)
+        mine = [next(local) for _ in part.linears]
+        columns = [shape for shape, x in zip(mine, part.linears) if x.split == COLUMN]
+        row = [shape for shape, x in zip(mine, part.linears) if x.split == ROW]
+        hidden = hiding if part.tp_style == HEADS else None
+        f, b = SublayerTP(**transfers).exposed(hw, hidden, tp, tokens, columns, row)
+        forward, backward = forward + f, backward + b
+    return forward, backward
 
 
 def tp_gather_bytes(
@@ -134,17 +158,18 @@ def block_passes(
     high_precision: bool = False,
 ) -> Passes:
     """One dense block, or one MoE block (its attention and shared experts, then moe.py's routed experts),
-    of one micro-batch at `layout`'s micro-batch size, tp, cp, ep, compile and float8 recipe, and the attention
-    share and load imbalance the plan assumes; `high_precision`: a block the recipe keeps in bf16 (a 4-bit
+    of one micro-batch at `layout`'s micro-batch size, tp, cp, ep, compile, float8 recipe and TP hiding, and the
+    attention share and load imbalance the plan assumes; `high_precision`: a block the recipe keeps in bf16 (a 4-bit
     recipe's tail)."""
     f8 = layout.float8
     recipe = f8.recipe if f8 is not None and f8.linears and not high_precision else ""
     shape = (args, hw, layout.micro_batch_size, seq_len, layout.tp, layout.compile, layout.cp, recipe)
+    hiding = hiding_of(layout)
     if not routed:
-        return layer_passes(*shape, attention_share=assumed.attention_share)
+        return layer_passes(*shape, attention_share=assumed.attention_share, hiding=hiding)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     # attention and shared experts: what a paired micro-batch computes beside this one's all-to-alls
-    around = layer_passes(*shape, True, assumed.attention_share)
+    around = layer_passes(*shape, True, assumed.attention_share, hiding)
     if high_precision:
         layout = dataclasses.replace(layout, float8=None)
     return around + moe_passes(args, hw, tokens, layout, assumed.moe_load_imbalance, around)

@@ -216,7 +216,7 @@ def _profile_toml(measured: dict, world: int, on_gpu: bool, spec, args, seq_len:
         for kind, (bandwidth, latency) in measured.get("tp_links", {}).items()
     )
     host_line = _tp_host_line(measured.get("tp_host"))
-    curve = ", ".join(f"[{flops:.4g}, {min(rate / peak, 1.0):.4f}]" for flops, rate in gemms)
+    curve = ", ".join(f"[{flops:.4g}, {min(rate / peak, 1.0):.4g}]" for flops, rate in gemms)  # never rounded to 0
     attention_line = _attention_line(args, attention_rate, gemms, peak, seq_len, micro_batch)
     memory = (
         torch.cuda.get_device_properties(0).total_memory

@@ -11,6 +11,7 @@ torchtitan's long-sequence CP runs the planner is up to a quarter more optimisti
 cp 1-2: experiments/validation/CONTEXT_PARALLEL.md).
 """
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -23,8 +24,10 @@ from trillion.parallel.float8_recipes import low_precision_recipe
 from trillion.parallel.layout import Float8Training, Layout, resolve_float8
 from trillion.parallel.modes import CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.assumptions import Assumptions
+from trillion.parallel.planner.block_cost import layer_passes
 from trillion.parallel.planner.hardware import HardwareProfile, low_precision_peak_tflops
 from trillion.parallel.planner.moe import ep_degrees
+from trillion.parallel.planner.tp_hiding import Hiding
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # The checkpointing modes the search tries: selective:op keeps matmul outputs, which the memory
@@ -52,8 +55,13 @@ LAYOUT_FIELDS = (
     "ep_dispatch",
     "ep_capacity",
     "ep_overlap",
+    "tp_overlap",
+    "async_tp",
 )
 ASSUMPTION_FIELDS = ("moe_load_imbalance", "optimizer", "attention_share")  # planner/assumptions.py's, fixed too
+# parallel.tp_overlap's chunk counts the search weighs where they divide the local sequence (0: DTensor's exposed
+# collectives); more chunks hide more of each transfer and pay its latency, and smaller GEMMs, more often (tp_hiding.py)
+OVERLAP_CHUNKS = (0, 1, 2, 4, 8)
 
 
 @dataclass(frozen=True)
@@ -111,6 +119,7 @@ def check_request(request: Request) -> None:
         raise ConfigError(f"--optimizer {request.fixed['optimizer']!r} is not known. Use {' or '.join(OPTIMIZERS)}.")
     if "pp_schedule" in request.fixed:
         modes.schedule(request.fixed["pp_schedule"], "--pp-schedule")
+    _check_hiding(request.fixed)
     if request.gpus < 1 or request.global_batch < 1:
         raise ConfigError(f"--gpus {request.gpus} and --global-batch {request.global_batch} must be at least 1.")
     if request.seq_len > args.max_seq_len and args.positions != "rope":  # rotary: train with --model.max_seq_len
@@ -134,6 +143,18 @@ def check_request(request: Request) -> None:
             f"tp {max(tps)} x pp {args.n_layers} (one layer per stage) x dp {request.global_batch} (one sequence per "
             f"data-parallel rank) = {most}. Use fewer GPUs or a larger global batch."
         )
+
+
+def _check_hiding(fixed: dict) -> None:
+    """The plan's refusals of tp_checks.py's, for what a request fixes (the search proposes only what passes)."""
+    if fixed.get("async_tp") and not fixed.get("compile"):
+        raise ConfigError("--async-tp on is a pass of torch.compile's Inductor: give --compile too.")
+    if fixed.get("async_tp") and fixed.get("tp_overlap"):
+        raise ConfigError("--async-tp on and --tp-overlap hide the same collectives: give one of them.")
+    if fixed.get("tp_overlap", 0) < 0:
+        raise ConfigError(f"--tp-overlap {fixed['tp_overlap']} must be 0 (off) or a chunk count.")
+    if fixed.get("tp_overlap") and fixed.get("float8"):
+        raise ConfigError("--tp-overlap with --float8 is not built (tp_checks.py): give --async-tp on, or one of them.")
 
 
 def _check_low_precision(fixed: dict, hw: HardwareProfile) -> None:
@@ -234,25 +255,53 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                 if (request.global_batch // dp) % mb:
                     continue
                 m = request.global_batch // (dp * mb)
-                for ac in _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)):
-                    for mode in zero_modes:
-                        yield Layout(
-                            tp=tp,
-                            pp=pp,
-                            dp_replicate=dp // dp_shard,
-                            dp_shard=dp_shard,
-                            dp_shard_mode=mode,
-                            pp_schedule=name,
-                            virtual_stages=v,
-                            micro_batch_size=mb,
-                            microbatches=m,
-                            activation_checkpoint=ac,
-                            compile=request.fixed.get("compile", False),
-                            cp=cp,
-                            float8=_float8(request, dp * cp > 1, ep),
-                            ep=ep,
-                            **dispatch,
-                        )
+                for ac, mode, hiding in itertools.product(
+                    _options(request, "activation_checkpoint", list(SEARCHED_CHECKPOINT_MODES)),
+                    zero_modes,
+                    _hiding_options(request, tp, cp, mb),
+                ):
+                    yield Layout(
+                        tp=tp,
+                        pp=pp,
+                        dp_replicate=dp // dp_shard,
+                        dp_shard=dp_shard,
+                        dp_shard_mode=mode,
+                        pp_schedule=name,
+                        virtual_stages=v,
+                        micro_batch_size=mb,
+                        microbatches=m,
+                        activation_checkpoint=ac,
+                        compile=request.fixed.get("compile", False),
+                        cp=cp,
+                        float8=_float8(request, dp * cp > 1, ep),
+                        ep=ep,
+                        **dispatch,
+                        **hiding,
+                    )
+
+
+def _hiding_options(request: Request, tp: int, cp: int, micro_batch: int) -> list[dict]:
+    """How TP's collectives run: async TP where asked (--async-tp on: it needs a CUDA build with symmetric memory,
+    which the plan cannot see, and compile); else the chunk count fixed, or of OVERLAP_CHUNKS (0: exposed) that divide
+    the local sequence the one that leaves a layer the least TP time (tp_hiding.py). That choice depends on the
+    layer's shape alone, so it is made once per shape rather than multiplying the layouts; none with float8, which
+    the chunked overlap refuses (tp_checks.py)."""
+    fixed = request.fixed
+    if tp == 1 or fixed.get("float8"):
+        return [{"tp_overlap": 0, "async_tp": tp > 1 and bool(fixed.get("async_tp"))}]
+    if fixed.get("async_tp"):
+        return [{"tp_overlap": 0, "async_tp": True}]
+    local = request.seq_len // cp // tp
+    chunks = [c for c in _options(request, "tp_overlap", list(OVERLAP_CHUNKS)) if not c or local % c == 0]
+    shape = (request.args, request.hardware, micro_batch, request.seq_len, tp, fixed.get("compile", False), cp)
+    best = min(chunks, key=lambda c: _tp_seconds(*shape, c), default=None)
+    return [] if best is None else [{"tp_overlap": best, "async_tp": False}]
+
+
+def _tp_seconds(args, hw, micro_batch, seq_len, tp, compiled, cp, chunks) -> float:
+    """A dense layer's exposed TP seconds, forward and backward, with the chunked overlap at `chunks` (0: exposed)."""
+    passes = layer_passes(args, hw, micro_batch, seq_len, tp, compiled, cp, hiding=Hiding(chunks) if chunks else None)
+    return passes.tp_forward + passes.tp_backward
 
 
 def _float8(request: Request, fsdp_enabled: bool, ep: int) -> Float8Training | None:

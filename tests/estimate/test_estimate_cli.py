@@ -237,3 +237,13 @@ def test_context_parallelism_divides_each_ranks_activations(tmp_path, capsys):
     assert 1 / 4 < peaks[4] / peaks[1] < 1.2 / 4, peaks
     assert main(["estimate", *long, "--parallel.dp_shard=4", "--hardware", _tiny_device(tmp_path, 0.01)]) == 1
     assert "a larger --parallel.cp (now 1" in capsys.readouterr().err
+
+
+def test_tp_overlap_steps_at_a_chunk_count_the_tiny_sequence_divides_and_async_tp_is_sized_as_dtensor(capsys):
+    """The tiny loop's 4 positions a rank take parallel.tp_overlap=8 as 4 chunks; async TP, a compile pass on CUDA's
+    symmetric memory that neither runs here, is sized as DTensor TP (its placements), and the table says so."""
+    overlap = [*SMALL, "--parallel.tp_overlap=8", "--steps", "1", "--ranks", "first", "--format", "json"]
+    assert main(["estimate", *overlap]) == 0
+    assert [(r["steps"], r["failed"]) for r in json.loads(capsys.readouterr().out)["steps"]] == [(1, None)]
+    assert main(["estimate", *SMALL, "--parallel.async_tp=true", "--compile.enabled=true", "--no-measure"]) == 0
+    assert "async TP: sized as DTensor TP" in capsys.readouterr().out

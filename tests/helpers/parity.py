@@ -33,6 +33,7 @@ FAMILIES = {
     ),
     "gpt": dataclasses.replace(PRESETS["debug-gpt"], n_layers=2, dim=64, n_heads=4, vocab_size=128, max_seq_len=32),
 }
+FAMILIES["llama-kv4"] = dataclasses.replace(FAMILIES["llama"], n_kv_heads=4)  # 4 key/value heads: tp 4 splits them
 SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH, STEPS, SEED = 16, 8, 2, 3, 11
 DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")  # a case's keys for the layout's degrees
 MAX_NORM = float(os.environ.get("PARITY_MAX_NORM", 0.5))  # 0: no clipping, to localize a wrong gradient
@@ -83,7 +84,7 @@ def train_case(case: dict, world_size: int) -> dict:
     loader = random_loader(case, args, MICRO_BATCH, dims)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     losses, norms = [], []
-    for _ in range(STEPS):
+    for _ in range(case.get("steps", STEPS)):
         loss, norm = train_step(
             MicroBatchLoop(model, dims.layout),
             loader.next_batch(),
@@ -100,8 +101,9 @@ def train_case(case: dict, world_size: int) -> dict:
 
 def case_layout(case: dict, world_size: int, **fields) -> Layout:
     """The Layout of a case on `world_size` ranks: its degrees (dp_shard -1 unless given), ZeRO `mode`, checkpointing
-    (`ac`), `compile`, pipeline `schedule` with its stages per rank (`virtual`, 0: the schedule's), micro-batches of
-    `micro` sequences (MICRO_BATCH) and as many as GLOBAL_BATCH leaves each data-parallel rank; `fields` besides."""
+    (`ac`), `compile`, the chunked TP overlap (`tp_overlap`), pipeline `schedule` with its stages per rank (`virtual`,
+    0: the schedule's), micro-batches of `micro` sequences (MICRO_BATCH) and as many as GLOBAL_BATCH leaves each
+    data-parallel rank; `fields` besides."""
     degrees = layout_on(world_size, **{"dp_shard": -1, **{axis: case[axis] for axis in DEGREES if axis in case}})
     schedule, micro = modes.schedule(case.get("schedule", "1F1B")), case.get("micro", MICRO_BATCH)
     return dataclasses.replace(
@@ -113,6 +115,7 @@ def case_layout(case: dict, world_size: int, **fields) -> Layout:
         microbatches=GLOBAL_BATCH // (micro * degrees.dp),
         activation_checkpoint=case.get("ac", "none"),
         compile=bool(case.get("compile")),
+        tp_overlap=case.get("tp_overlap", 0),
         **fields,
     )
 
@@ -124,9 +127,12 @@ def random_loader(case: dict, args, micro_batch_size: int, dims) -> DataLoader:
     return DataLoader(windows, GLOBAL_BATCH, micro_batch_size, dims.dp_rank, dims.dp_size, **masking)
 
 
+REFERENCE_KEYS = ("family", "documents", "reset", "steps")
+
+
 def reference_key(case: dict) -> tuple:
-    """What the one-process reference of a case is run with: its family and its data."""
-    return case["family"], bool(case.get("documents")), bool(case.get("reset"))
+    """What the one-process reference of a case is run with (REFERENCE_KEYS): its family, its data, its steps."""
+    return case["family"], bool(case.get("documents")), bool(case.get("reset")), case.get("steps", STEPS)
 
 
 def _compare(
@@ -139,7 +145,7 @@ def _compare(
     assert actual["initial"].keys() == expected["initial"].keys(), name
     for key, value in expected["initial"].items():
         assert torch.equal(actual["initial"][key], value), f"{name}: initial value of {key} differs"
-    assert len(actual["grads"]) == len(expected["grads"]) == STEPS, name
+    assert len(actual["grads"]) == len(expected["grads"]) == len(expected["losses"]), name
     for step, (got, want) in enumerate(zip(actual["grads"], expected["grads"])):
         wrong = []
         for key, value in want.items():
@@ -191,7 +197,7 @@ def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
         if rank == 0:
             key = reference_key(case)
             if key not in references:
-                references[key] = _run_alone(dict(zip(("family", "documents", "reset"), key)))
+                references[key] = _run_alone(dict(zip(REFERENCE_KEYS, key)))
             try:
                 _compare(label, result, references[key], case.get("exact", False), case.get("relative", 0.0))
             except AssertionError as error:

@@ -53,7 +53,8 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
     loader = random_loader(case, args, layout.micro_batch_size, dims)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     losses, norms = [], []
-    for _ in range(STEPS):
+    steps = case.get("steps", STEPS)
+    for _ in range(steps):
         loss, norm = train_step(
             pipeline, loader.next_batch(), optimizer, scaler, contextlib.nullcontext(), MAX_NORM, dims=dims
         )
@@ -62,7 +63,7 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
     assert not any(stage.output_chunks for stage in pipeline.stages), "the last stage kept micro-batch logits"
     gathered = [None] * world_size
     dist.all_gather_object(gathered, {"initial": initial, "grads": grads})
-    merged_initial, merged_grads = {}, [{} for _ in range(STEPS)]
+    merged_initial, merged_grads = {}, [{} for _ in range(steps)]
     for result in gathered:
         merged_initial.update(result["initial"])
         for step, g in enumerate(result["grads"]):
@@ -77,7 +78,7 @@ def check_pipeline_cases(rank: int, world_size: int, cases: list[dict]) -> None:
         if rank == 0:
             key = reference_key(case)
             if key not in references:
-                references[key] = parity.train_case(dict(zip(("family", "documents", "reset"), key)), world_size=1)
+                references[key] = parity.train_case(dict(zip(parity.REFERENCE_KEYS, key)), world_size=1)
             parity._compare(case["name"], result, references[key], relative=case.get("relative", 0.0))
             print("PASSED", case["name"], flush=True)
         dist.barrier()

@@ -246,6 +246,7 @@ assert report.main(["--arch", "gfx90a", "--kernels", "norm", "--dtype", "fp16", 
     }
     assert all(r["registers"] > 0 and r["problems"] == [] for r in printed["rows"])
     assert "## gfx90a (0 of 4 failing)" in markdown.read_text()
+    assert "| gfx90a | a ROCm build of torch with symmetric memory" in markdown.read_text()  # what async TP needs
 
 
 def test_report_command_refuses_unknown_architectures():

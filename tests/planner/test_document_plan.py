@@ -16,6 +16,7 @@ from trillion.parallel.planner.hardware import load_profile
 from trillion.trainer.data.token_store import MANIFEST, TokenStore, write_store
 
 H100 = load_profile("dgx-h100")
+EOS = 200
 
 
 def packed_share(lengths: np.ndarray, window: int) -> float:
@@ -44,8 +45,11 @@ def test_attention_time_follows_the_share():
 
 
 def store(path, lengths, recorded=True):
-    tokens = np.arange(int(sum(lengths)), dtype=np.uint16) % 200
-    write_store(path, [(tokens, np.asarray(lengths))], np.dtype(np.uint16), {"held_out": 0.0})
+    tokens = np.arange(int(sum(lengths)), dtype=np.uint16) % EOS
+    tokens[np.cumsum(lengths) - 1] = EOS  # each document ends with the end-of-document id, as a store opens only so
+    write_store(
+        path, [(tokens, np.asarray(lengths))], np.dtype(np.uint16), {"held_out": 0.0, "tokenizer": {"eos_id": EOS}}
+    )
     if not recorded:  # as a store written before manifests recorded the distribution
         manifest = json.loads((path / MANIFEST).read_text())
         del manifest["document_lengths"]

@@ -71,6 +71,7 @@ def test_search_beats_the_papers_layout_and_fixed_flags_evaluate_one():
                 "pp_schedule",
                 "micro_batch_size",
                 "activation_checkpoint",
+                "tp_overlap",
             )
         },
     )

@@ -306,6 +306,8 @@ ALWAYS_ACTS = {
     "parallel.dp_shard": "the layout",
     "parallel.dp_shard_mode": "FSDP's mode; dp_shard=-1 resolves with the world, which the config cannot see",
     "parallel.tp": "the layout",
+    "parallel.tp_overlap": "how TP's collectives run; refused without tp > 1 by the layout's checks (tp_checks.py)",
+    "parallel.async_tp": "how TP's collectives run; refused without tp > 1 or compile by the layout's checks",
     "parallel.ep": "the layout; refused on a dense model by the layout's checks",
     "parallel.ranks_per_node": "the expert dispatch's nodes, and trillion estimate's placement of ranks",
     "parallel.pp": "the layout",

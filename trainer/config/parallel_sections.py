@@ -60,6 +60,22 @@ class Parallel:
         "backward; parallel/expert_overlap.py).",
         Flag(),
     )
+    tp_overlap: int = doc(
+        0,
+        "Hide tensor parallelism's collectives on any backend (NCCL, RCCL, gloo), eager: each rank's slice of the "
+        "sequence is cut into this many chunks, and each chunk's all-gather (before the attention's and MLP's column "
+        "linears and the output head) or reduce-scatter (after their row linears) travels while another chunk's GEMM "
+        "runs, forward and backward (parallel/tp_overlap.py). Must divide seq_len / cp / tp. 0 = off (DTensor's "
+        "collectives, exposed).",
+        Range(1, also={0: "off"}),
+    )
+    async_tp: bool = doc(
+        False,
+        "torch's async TP on CUDA: under compile, Inductor fuses each TP all-gather and reduce-scatter with its GEMM "
+        "over symmetric memory (float8 included), as torchtitan's enable_async_tensor_parallel. Needs tp > 1, "
+        "compile.enabled and a torch with symmetric memory for the GPU; elsewhere use tp_overlap.",
+        Flag(),
+    )
     pp: int = doc(1, "Pipeline-parallel degree.", POSITIVE)
     pp_schedule: str = doc("1F1B", SCHEDULE_DOC, OneOf(tuple(SCHEDULES), case_sensitive=False))
     pp_virtual_stages: int = doc(

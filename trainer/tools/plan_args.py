@@ -31,6 +31,25 @@ def add_dispatch_arguments(fixed) -> None:
     )
 
 
+def add_tp_hiding_arguments(fixed) -> None:
+    """How TP's collectives run beside the GEMMs (parallel.tp_overlap, parallel.async_tp), each fixed when given."""
+    fixed.add_argument(
+        "--tp-overlap",
+        dest="tp_overlap",
+        type=int,
+        default=None,
+        help="tp > 1: chunks of the chunked TP overlap, any backend (0 = off; default: searched over 0, 1, 2, 4, 8 "
+        "where they divide the local sequence; parallel.tp_overlap)",
+    )
+    fixed.add_argument(
+        "--async-tp",
+        dest="async_tp",
+        choices=("on", "off"),
+        default=None,
+        help="tp > 1 with --compile: torch's async TP (CUDA with symmetric memory; parallel.async_tp); default off",
+    )
+
+
 def add_float8_arguments(fixed) -> None:
     """--float8 and what it covers of the routed experts (the trainer's float8.experts and float8.dispatch)."""
     fixed.add_argument(

@@ -40,6 +40,7 @@ from trillion.trainer.tools.plan_args import (
     add_documents_argument,
     add_float8_arguments,
     add_part_arguments,
+    add_tp_hiding_arguments,
 )
 from trillion.trainer.tools.plan_config import train_config_toml
 
@@ -105,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_float8_arguments(fixed)
     add_dispatch_arguments(fixed)
+    add_tp_hiding_arguments(fixed)
     fixed.add_argument(
         "--moe-load-imbalance",
         dest="moe_load_imbalance",
@@ -184,7 +186,7 @@ def request_from(ns: argparse.Namespace) -> Request:
     settings = PartSettings(ns.model, mtp=MTPSettings(modules=given.get("mtp_modules", -1)))
     args = parts.apply_settings(get_preset(ns.model), settings)
     fixed = {k: value for k in (*LAYOUT_FIELDS, *ASSUMPTION_FIELDS) if (value := getattr(ns, k, None)) is not None}
-    for switch in ("ep_overlap", "float8_linears"):  # on | off
+    for switch in ("ep_overlap", "async_tp", "float8_linears"):  # on | off
         if switch in fixed:
             fixed[switch] = fixed[switch] == "on"
     seq_len = ns.seq_len or args.max_seq_len
@@ -222,15 +224,15 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
         f"{considered} layouts considered, "
         f"{fitting} fit in memory{'' if fitting else ' (those that fit in the device are shown, with a warning)'}.",
         "Shares of the step: bub = pipeline bubble, imb = stage imbalance, tp/pp/dp/cp/ep = exposed communication "
-        "(ep: MoE all-to-alls). "
-        "Memory GB per GPU: params/grads/optim/activations/buffers.",
+        "(ep: MoE all-to-alls). tpo = how TP's collectives run: - exposed, N the chunked overlap's chunks "
+        "(parallel.tp_overlap), async = async TP. Memory GB per GPU: params/grads/optim/activations/buffers.",
         "",
     ]
     budget = request.tokens > 0
     head = (
-        f"{'#':>3} {'tp':>2} {'pp':>3} {'cp':>2} {'ep':>3} {'dp (rep x shard)':>18} {'schedule':>22} {'mb':>2} "
-        f"{'m':>5} {'ckpt':>9} {'step s':>7} {'tokens/s':>10} {'TF/GPU':>6} {'MFU%':>5} {'HFU%':>5} {'bub%':>5} "
-        f"{'imb%':>5} {'tp%':>4} {'pp%':>4} {'dp%':>4} {'cp%':>4} {'ep%':>4} {'memory GB (P/G/O/A/B)':>28}"
+        f"{'#':>3} {'tp':>2} {'tpo':>5} {'pp':>3} {'cp':>2} {'ep':>3} {'dp (rep x shard)':>18} {'schedule':>22} "
+        f"{'mb':>2} {'m':>5} {'ckpt':>9} {'step s':>7} {'tokens/s':>10} {'TF/GPU':>6} {'MFU%':>5} {'HFU%':>5} "
+        f"{'bub%':>5} {'imb%':>5} {'tp%':>4} {'pp%':>4} {'dp%':>4} {'cp%':>4} {'ep%':>4} {'memory GB (P/G/O/A/B)':>28}"
     )
     if budget:
         head += f" {'days':>6} {'GPU-h':>9} {'MWh':>7} {'cost $':>10}"
@@ -245,7 +247,7 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
             f"{mem[k]:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "buffers")
         )
         line = (
-            f"{i:>3} {r['tp']:>2} {r['pp']:>3} {r['cp']:>2} {r['ep']:>3} {dp:>18} {sched:>22} "
+            f"{i:>3} {r['tp']:>2} {_hiding(r):>5} {r['pp']:>3} {r['cp']:>2} {r['ep']:>3} {dp:>18} {sched:>22} "
             f"{r['micro_batch_size']:>2} {r['microbatches']:>5} {r['activation_checkpoint']:>9} "
             f"{r['step_time_s']:>7.2f} "
             f"{r['tokens_per_s']:>10,.0f} {r['tflops_per_gpu']:>6.1f} {_flagged(r, 'mfu'):>5} {_flagged(r, 'hfu'):>5} "
@@ -261,6 +263,11 @@ def format_table(request: Request, rows: list[dict], considered: int, fitting: i
             )
         lines.append(line)
     return "\n".join(lines + warnings(rows))
+
+
+def _hiding(row: dict) -> str:
+    """The tpo column: how the row's TP collectives run."""
+    return "async" if row["async_tp"] else str(row["tp_overlap"]) if row["tp_overlap"] else "-"
 
 
 def _flagged(row: dict, metric: str) -> str:

@@ -170,6 +170,15 @@ def model_args_for(config: Config, layout: Layout) -> ModelArgs:
     return build_model_args(config, 0, layout)
 
 
+def without_async_tp(config: Config) -> tuple[Config, list[str]]:
+    """The config as the dry run can run it, with the note of what that changes: async TP is a pass of compile over
+    CUDA's symmetric memory, neither of which runs here; its placements are DTensor TP's, so it is sized as that."""
+    if not config.parallel.async_tp:
+        return config, []
+    config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, async_tp=False))
+    return config, ["async TP: sized as DTensor TP, its placements (its symmetric-memory workspace is not counted)"]
+
+
 # --- the dry run ----------------------------------------------------------------------------------------------
 def estimate(
     config: Config,
@@ -187,9 +196,11 @@ def estimate(
         raise ConfigError(f"--world-size {world_size} must be a positive number of processes.")
     if config.float8.enabled and target_device(config) == "cuda":  # this CPU has no float8 units; the target has
         config = dataclasses.replace(config, float8=dataclasses.replace(config.float8, emulate=True))
+    config, notes = without_async_tp(config)
     dims, model_args = layout_dims(config, world_size)  # raises ConfigError for bad degrees, model, batch or schedule
     device_name, capacity = device_capacity(hardware)
     result = Estimate(config.model.name, world_size, {}, device_name)
+    result.notes += notes
     simulation = Simulation(config, model_args, dims, measure, None, result.notes)
     assumed = planner_assumptions(config)
     simulation.prediction = prediction = planner_prediction(model_args, dims.layout, config.training.seq_len, assumed)

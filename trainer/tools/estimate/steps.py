@@ -89,6 +89,11 @@ def tiny_config(config: Config, dims, steps: int, output_dir: str) -> Config:
                 ffn_dim=4 * dim,
                 vocab_size=math.ceil(ByteTokenizer.vocab_size / dims.tp) * dims.tp,
             ),
+            # the chunked TP overlap at a chunk count that divides the tiny sequence's 4 positions on a rank
+            parallel=r(
+                config.parallel,
+                tp_overlap=math.gcd(config.parallel.tp_overlap, 4) if config.parallel.tp_overlap else 0,
+            ),
             data=r(config.data, path="", name=""),
             tokenizer=r(config.tokenizer, kind="byte", path=""),
             training=r(
@@ -114,9 +119,10 @@ def tiny_config(config: Config, dims, steps: int, output_dir: str) -> Config:
 def run_steps(config: Config, world_size: int, steps: int, ranks: list[int]) -> tuple[list[StepsRun], str]:
     """`train` for `steps` steps of the tiny model as each of `ranks` of a fake world of the layout;
     also says what the tiny model and batch were."""
-    from trillion.trainer.tools.estimate.dry_run import layout_dims, model_args_for
+    from trillion.trainer.tools.estimate.dry_run import layout_dims, model_args_for, without_async_tp
     from trillion.trainer.train import train
 
+    config, _ = without_async_tp(config)  # the estimate's note says so
     dims, _ = layout_dims(config, world_size)
     runs = []
     with tempfile.TemporaryDirectory(prefix="trillion-estimate-steps-") as folder:
