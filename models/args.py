@@ -26,6 +26,9 @@ class MoEArgs:
     # ceil(rcf * tokens * min(top_k, capacity_ranks) / capacity_ranks) tokens, the first in token order
     rank_capacity_factor: float = 0.0
     capacity_ranks: int = 1
+    # with a per-rank capacity: the equal chunks of each sequence whose tokens reach it apart (the tp ranks, each
+    # routing its own positions, when ep folds over them); a layer whose sequences are split over ranks holds one
+    capacity_shards: int = 1
     aux_loss_coef: float = 0.0  # Switch/Mixtral load-balancing loss (0 = off)
     seq_aux_loss_coef: float = 0.0  # DeepSeek-V3's sequence-wise balance loss, its alpha (0 = off)
     bias_update_rate: float = 0.0  # DeepSeek-V3 auxiliary-loss-free balancing bias step (0 = off)

@@ -108,8 +108,9 @@ class MoE(nn.Module):
         self.shared_experts = shared_experts
         self.register_buffer("load_tally", torch.zeros(moe.n_experts - DROPPED), persistent=False)
         self.token_scale: torch.Tensor | None = None  # MoEStepHooks.before_step: 1 / the step's target tokens
-        # Per-sequence statistics summed over the ranks holding other positions of the same sequences (context
-        # parallelism sets it: parallel/context_parallel.py), with their count; None: every rank holds whole ones
+        # Statistics of the micro-batch's sequences summed over the ranks holding their other positions (context
+        # parallelism sets it, and folding ep over tp: parallel/context_parallel.py), with their count; None: every
+        # rank holds whole ones
         self.sequence_shards: SequenceShards | None = None
         self.last_step_tally: torch.Tensor | None = None  # MoEStepHooks.after_step: the last step's, summed over ranks
 
@@ -117,20 +118,21 @@ class MoE(nn.Module):
         moe, shape = self.moe, x.shape
         x = x.reshape(-1, shape[-1])
         scores, chosen, weights = self.router(x)
-        kept = self._kept(chosen)
+        kept = self._kept(chosen, shape[0])
         ids = chosen if kept is None else chosen.masked_fill(~kept, -1)  # a dropped choice: expert -1, never run
         # scatter_add, not bincount: bincount reads its input's maximum on the host under CUDA
         counts = torch.zeros(moe.n_experts + 1, dtype=torch.long, device=x.device)
         counts = counts.scatter_add_(0, ids.flatten() % (moe.n_experts + 1), torch.ones_like(ids.flatten()))
         counts = counts[: moe.n_experts]  # (-1 % (E + 1) = E: the dropped choices' bin, cut)
         balancing = (moe.aux_loss_coef > 0 or moe.seq_aux_loss_coef > 0) and torch.is_grad_enabled()
+        aux = self._aux_loss(scores, counts) if balancing and moe.aux_loss_coef > 0 else None
         seq_aux = self._sequence_aux_loss(scores, chosen, shape[0]) if balancing and moe.seq_aux_loss_coef > 0 else None
-        self._tally(counts, ids.numel() - counts.sum(), scores, seq_aux)
+        self._tally(counts, ids.numel() - counts.sum(), scores.shape[0], aux, seq_aux)
         out, beside = self.dispatch(x, ids, weights, self.shared_experts)
         if beside is not None:
             out = out + beside
         if balancing:
-            balance = moe.aux_loss_coef * self._aux_loss(scores, counts) if moe.aux_loss_coef > 0 else 0.0
+            balance = moe.aux_loss_coef * aux if aux is not None else 0.0
             if seq_aux is not None:
                 balance = balance + moe.seq_aux_loss_coef * seq_aux
             out = _AuxLossGrad.apply(out, balance, self._token_share(x.shape[0]))
@@ -143,13 +145,19 @@ class MoE(nn.Module):
         replaces this."""
         return run_experts(self.experts, x, ids, weights), beside(x) if beside is not None else None
 
-    def _kept(self, chosen: torch.Tensor) -> torch.Tensor | None:
-        """Which (token, choice) slots the capacities keep (T, top_k), or None when dropless."""
+    def _kept(self, chosen: torch.Tensor, sequences: int) -> torch.Tensor | None:
+        """Which (token, choice) slots the capacities keep (T, top_k), or None when dropless. A per-rank capacity
+        applies to each of capacity_shards chunks of the sequences apart (the ranks routing them), unless this layer's
+        sequences are already split over ranks (`sequence_shards`): then to its own tokens."""
         moe, kept = self.moe, None
         if moe.capacity_factor > 0:
             kept = self._capacity_mask(chosen.flatten()).view_as(chosen)
         if moe.rank_capacity_factor > 0:
-            by_rank = rank_capacity_mask(chosen, moe.n_experts, moe.capacity_ranks, moe.rank_capacity_factor)
+            shards = 1 if self.sequence_shards is not None else moe.capacity_shards
+            by_shard = chosen.view(sequences, shards, -1, moe.top_k).transpose(0, 1).reshape(shards, -1, moe.top_k)
+            factor, ranks = moe.rank_capacity_factor, moe.capacity_ranks
+            masks = [rank_capacity_mask(c, moe.n_experts, ranks, factor) for c in by_shard]
+            by_rank = torch.stack(masks).view(shards, sequences, -1, moe.top_k).transpose(0, 1).reshape_as(chosen)
             kept = by_rank if kept is None else kept & by_rank
         return kept
 
@@ -162,8 +170,14 @@ class MoE(nn.Module):
         return position_in_expert <= capacity
 
     def _aux_loss(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """E * sum_e (tokens choosing e / tokens) * mean score of e (1.0 when perfectly even, for top-1)."""
-        return self.moe.n_experts * (counts.float() / scores.shape[0] * scores.mean(dim=0)).sum()
+        """E * sum_e (tokens choosing e / tokens) * mean score of e (1.0 when perfectly even, for top-1), over the
+        micro-batch: its statistics are sums over its tokens (E counts, E score sums), so a rank holding only some
+        of them (context parallelism, or tp ranks that each route their own) adds the others' in first."""
+        statistics, tokens = torch.cat([counts.to(scores.dtype), scores.sum(dim=0)]), scores.shape[0]
+        if self.sequence_shards is not None:
+            statistics, tokens = self.sequence_shards.sum(statistics), tokens * self.sequence_shards.count
+        counts, score_sums = statistics.split(self.moe.n_experts)
+        return self.moe.n_experts * (counts / tokens * score_sums / tokens).sum()
 
     def _sequence_aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, sequences: int) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise balance loss without its coefficient (arXiv 2412.19437 eq. 18-20), the
@@ -192,7 +206,7 @@ class MoE(nn.Module):
     # torch.compiler.disable imports torch._dynamo when applied (about a second per process); this form, on the
     # first call, so a process that never runs an MoE layer never pays it
     @torch._disable_dynamo
-    def _tally(self, counts, dropped, scores, seq_aux: torch.Tensor | None) -> None:
+    def _tally(self, counts, dropped, tokens: int, aux: torch.Tensor | None, seq_aux: torch.Tensor | None) -> None:
         # Training forwards only (evaluation runs without gradients); a recomputed forward (activation
         # checkpointing, inside the backward) routes as the first did: count once.
         if not (self.training and torch.is_grad_enabled()) or torch._C._current_graph_task_id() != -1:
@@ -200,11 +214,11 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.load_tally[: self.moe.n_experts] += counts
             self.load_tally[DROPPED] += dropped
-            self.load_tally[TOKENS] += scores.shape[0]
-            if self.moe.aux_loss_coef > 0:
-                self.load_tally[AUX_TIMES_TOKENS] += self._aux_loss(scores, counts) * scores.shape[0]
+            self.load_tally[TOKENS] += tokens
+            if aux is not None:
+                self.load_tally[AUX_TIMES_TOKENS] += aux.detach() * tokens
             if seq_aux is not None:
-                self.load_tally[SEQ_AUX_TIMES_TOKENS] += seq_aux.detach() * scores.shape[0]
+                self.load_tally[SEQ_AUX_TIMES_TOKENS] += seq_aux.detach() * tokens
 
 
 def rank_capacity(tokens: int, top_k: int, n_experts: int, ranks: int, factor: float) -> int:
@@ -273,9 +287,10 @@ class MoEStepHooks(StepHooks):
 
     @torch.no_grad()
     def after_step(self, sum_over_ranks) -> None:
-        """Each MoE layer's tally summed by `sum_over_ranks` (in place, over the ranks that hold other tokens
-        of the same layers: data-parallel x cp) into its `last_step_tally` (E loads, then dropped slots,
-        auxiliary loss x tokens, sequence-wise auxiliary loss x tokens, tokens; on the device), the balancing
+        """Each MoE layer's tally summed by `sum_over_ranks` (in place, over the ranks that route other tokens
+        through the same layers: data-parallel x cp, and the tp ranks when ep folds over them) into its
+        `last_step_tally` (E loads, then dropped slots, auxiliary loss x tokens, sequence-wise auxiliary loss x
+        tokens, tokens; on the device), the balancing
         bias moved toward equal load (the same on every such rank), the tallies zeroed. One small all-reduce;
         nothing read on the host."""
         tally = torch.stack([layer.load_tally for layer in self.layers.values()])

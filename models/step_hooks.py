@@ -25,7 +25,8 @@ class StepHooks:
 
     def after_step(self, sum_over_ranks: Callable[[torch.Tensor], object]) -> None:
         """After the optimizer step: `sum_over_ranks(tensor)` sums a tensor in place over the ranks
-        that hold other tokens of the same layers (data-parallel x cp). Nothing is read on the host."""
+        that hold other tokens of the same layers (data-parallel x cp, and the tp ranks where each routes its own
+        tokens through the layers). Nothing is read on the host."""
 
     def statistics(self) -> dict:
         """A logged step's metrics (read on the host), by metric name."""

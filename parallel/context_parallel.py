@@ -168,8 +168,14 @@ def apply_context_parallel(model: nn.Module, cp_mesh) -> None:
     model.register_forward_pre_hook(pass_positions, with_kwargs=True)
     for block in model.blocks().values():
         block.attention.attend = _AcrossShards(group, rank, cp, block.attention.attend)
-    shards = _SequenceShards(group, cp)
-    for module in model.modules():  # parts with per-sequence statistics (models/moe.py SequenceShards)
+    split_sequences(model, group, cp)
+
+
+def split_sequences(model: nn.Module, group, count: int) -> None:
+    """Tell the parts with per-sequence statistics (models/moe.py SequenceShards) that `count` ranks, `group`, hold the
+    positions of their sequences (context parallelism's cp; cp x tp where ep folds over the tp ranks)."""
+    shards = _SequenceShards(group, count)
+    for module in model.modules():
         if hasattr(module, "sequence_shards"):
             module.sequence_shards = shards
 

@@ -16,13 +16,17 @@ Sub-meshes other code needs:
 - `all_reduce_dp`: sums over every rank holding other tokens of the global batch (dp x cp): the
   token count and the loss.
 
-Expert parallelism (`ep`, parallel/expert_parallel.py) is carved out of dp_shard x cp, as torchtitan
-does: with ep > 1 the flattened dp_replicate x dp_shard x cp ranks of each (pp, tp) coordinate are
-viewed a second time as (dp_replicate, efsdp, ep), ep innermost (so ep = the inner dp_shard ranks
-x cp). `ep_mesh` spreads the routed experts; `expert_fsdp_mesh` is what FSDP2 shards them over, the
-data-parallel ranks left: (dp_replicate, efsdp) for HSDP, else efsdp (kept even of size 1, so the
-experts have their own FSDP group). Everything else is placed as without ep. With ep = 1 none of this
-exists: no extra mesh, no extra process group.
+Expert parallelism (`ep`, parallel/expert_parallel.py) views the ranks of each pp stage a second time, as
+torchtitan and Megatron-Core's MoE parallel folding do: the flattened dp_replicate x dp_shard x cp x tp ranks as
+(dp_replicate, efsdp, ep, etp), etp innermost. With parallel.etp = tp the etp axis is the tp ranks (the routed
+experts tensor-parallel over it) and ep the inner dp_shard x cp ranks, tp apart; with etp = 1 (folded) there is no
+etp axis and ep is the innermost ranks: every tp rank, then cp, then some of dp_shard. `ep_mesh` spreads the routed
+experts (`expert_tp_mesh` the (ep, etp) pair they are split over with etp = tp); `expert_fsdp_mesh` is what FSDP2
+shards them over, the data-parallel ranks left: (dp_replicate, efsdp) for HSDP, else efsdp (kept even of size 1, so
+the experts have their own FSDP group). Everything else is placed as without ep. Folded, each tp rank routes its own
+tokens: the MoE layers' statistics are summed over the cp x tp ranks of a sequence (`routed_sequence_group`) and
+their tallies over every rank (`all_reduce_routed`). With ep = 1 none of this exists: no extra mesh, no extra
+process group.
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ class ParallelDims:
 
     @property
     def ep(self) -> int:
-        """Expert parallelism, within dp_shard x cp (not a mesh axis of its own)."""
+        """Expert parallelism, within dp_shard x cp (x tp folded: parallel.etp=1); not a mesh axis of its own."""
         return self.layout.ep
 
     # --- what is on -----------------------------------------------------------------------------
@@ -110,8 +114,8 @@ class ParallelDims:
 
     @property
     def efsdp(self) -> int:
-        """The sharded data-parallel ranks left to the routed experts: dp_shard x cp / ep."""
-        return self.dp_shard * self.cp // self.ep
+        """The sharded data-parallel ranks left to the routed experts: dp_shard x cp (x tp folded) / ep."""
+        return self.layout.efsdp
 
     @property
     def ep_nodes(self) -> tuple[int, int]:
@@ -128,24 +132,27 @@ class ParallelDims:
         self.mesh = init_device_mesh(device_type, tuple(getattr(self, n) for n in names), mesh_dim_names=tuple(names))
         if self.dp_replicate > 1:
             self.mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        if self.cp > 1:
-            for axes, flat in ((("dp_shard", "cp"), "dp_shard_cp"), (("dp_replicate", "dp_shard", "cp"), "dp_cp")):
-                present = tuple(n for n in axes if n in names)
-                if len(present) > 1:
-                    self.mesh[present]._flatten(flat)
+        flats = [(("dp_shard", "cp"), "dp_shard_cp"), (("dp_replicate", "dp_shard", "cp"), "dp_cp")] * (self.cp > 1)
+        if self.layout.folded:  # the ranks routing other positions of the same sequences: cp x tp
+            flats.append((("cp", "tp"), "cp_tp"))
+        for axes, flat in flats:
+            present = tuple(n for n in axes if n in names)
+            if len(present) > 1:
+                self.mesh[present]._flatten(flat)
         if self.ep > 1:
             self._build_expert_mesh()
         return self.mesh
 
     def _build_expert_mesh(self) -> None:
-        """(dp_replicate, efsdp, ep) viewed on the flattened data-parallel x cp ranks of each (pp, tp)."""
-        present = [n for n in ("dp_replicate", "dp_shard", "cp") if n in self.mesh.mesh_dim_names]
-        flat = {("dp_replicate", "dp_shard"): "dp", ("dp_shard", "cp"): "dp_shard_cp"}.get(tuple(present), "dp_cp")
-        region = present[0] if len(present) == 1 else flat
+        """(dp_replicate, efsdp, ep[, etp]) viewed on the flattened data-parallel x cp x tp ranks of each pp stage."""
+        present = tuple(n for n in ("dp_replicate", "dp_shard", "cp", "tp") if n in self.mesh.mesh_dim_names)
+        region = self.mesh[present[0]] if len(present) == 1 else self.mesh[present]._flatten("expert_region")
         sizes, names = (self.efsdp, self.ep), ("efsdp", "ep")
         if self.dp_replicate > 1:
             sizes, names = (self.dp_replicate, *sizes), ("edp_replicate", *names)
-        self.expert_mesh = self.mesh[region]._unflatten(0, sizes, names)
+        if self.layout.expert_tp > 1:
+            sizes, names = (*sizes, self.tp), (*names, "etp")
+        self.expert_mesh = region._unflatten(0, sizes, names)
         nodes, members = self.ep_nodes
         if self.layout.ep_dispatch == "node" and nodes > 1:  # the per-node dispatch's two hops
             self.ep_node_mesh = self.expert_mesh["ep"]._unflatten(0, (nodes, members), ("ep_node", "ep_local"))
@@ -185,6 +192,13 @@ class ParallelDims:
         return self.expert_mesh["ep"] if self.expert_mesh is not None else None
 
     @property
+    def expert_tp_mesh(self) -> DeviceMesh | None:
+        """The 2-D (ep, etp) mesh the routed experts are split over with parallel.etp = tp > 1 (None otherwise)."""
+        if self.expert_mesh is None or "etp" not in self.expert_mesh.mesh_dim_names:
+            return None
+        return self.expert_mesh["ep", "etp"]
+
+    @property
     def expert_fsdp_mesh(self) -> DeviceMesh | None:
         """FSDP2's mesh for the routed experts under ep: the data-parallel ranks ep leaves."""
         if self.expert_mesh is None:
@@ -212,6 +226,23 @@ class ParallelDims:
     def dp_rank(self) -> int:
         mesh = self.dp_mesh
         return mesh.get_local_rank() if mesh is not None else 0
+
+    @property
+    def routed_sequence_group(self):
+        """Folded (parallel.etp=1): the process group of the ranks holding other positions of this rank's sequences
+        in the MoE layers, cp x tp; None otherwise (context parallelism alone: its cp group)."""
+        if not self.layout.folded:
+            return None
+        return self.mesh[self._flat(("cp", "tp"), "cp_tp")].get_group()
+
+    def all_reduce_routed(self, tensor):
+        """Sum `tensor` in place over the ranks routing other tokens through the MoE layers: data-parallel x cp, and
+        the tp ranks when ep folds over them (each routes its own tokens)."""
+        if not self.layout.folded:
+            return self.all_reduce_dp(tensor)
+        region = self._flat(("dp_replicate", "dp_shard", "cp", "tp"), "expert_region")  # _build_expert_mesh's
+        dist.all_reduce(tensor, group=self.mesh[region].get_group())
+        return tensor
 
     def all_reduce_dp(self, tensor, op=dist.ReduceOp.SUM):
         """Sum (or `op`) `tensor` in place over the ranks holding other tokens: data-parallel x cp (a no-op on one)."""
@@ -297,11 +328,14 @@ def _check_ep(layout: Layout, model_args) -> None:
             "MoE preset (e.g. --model.name=debug-moe)."
         )
     if experts % layout.ep:
-        valid = [d for d in divisors(experts) if (layout.dp_shard * layout.cp) % d == 0]
+        region, named = layout.dp_shard * layout.cp, "dp_shard x cp"
+        if layout.folded:
+            region, named = region * layout.tp, "dp_shard x cp x tp (parallel.etp=1)"
+        valid = [d for d in divisors(experts) if region % d == 0]
         raise ConfigError(
             f"parallel.ep={layout.ep} does not divide the model's {experts} routed experts "
             "(model.n_experts): each expert-parallel rank holds the same number of whole experts. Use an ep "
-            f"that divides both n_experts and dp_shard x cp (valid: {', '.join(map(str, valid))}), or set "
+            f"that divides both n_experts and {named} (valid: {', '.join(map(str, valid))}), or set "
             "--model.n_experts to a multiple of ep."
         )
     check_expert_shards(layout, model_args)

@@ -10,10 +10,16 @@ from trillion.models import parts
 log = logging.getLogger("trillion")
 
 
+def ep_stride(layout) -> int:
+    """How far apart the ep group's ranks are: tp (tp innermost, the group at one tp coordinate), or 1 folded over the
+    tp ranks (parallel.etp=1: consecutive ranks)."""
+    return 1 if layout.folded else layout.tp
+
+
 def ep_nodes(layout) -> tuple[int, int]:
-    """(nodes the ep group spans, its ranks in each): the group's ranks are tp apart (tp innermost), so a node of
-    ranks_per_node holds ranks_per_node / tp of them. (1, ep) inside one node."""
-    members = max(1, layout.ranks_per_node // layout.tp)
+    """(nodes the ep group spans, its ranks in each): the group's ranks are ep_stride apart, so a node of
+    ranks_per_node holds ranks_per_node / stride of them. (1, ep) inside one node."""
+    members = max(1, layout.ranks_per_node // ep_stride(layout))
     return (layout.ep // members, members) if layout.ep > members else (1, layout.ep)
 
 
@@ -38,11 +44,11 @@ def check_ep_dispatch(layout, nodes_and_members: tuple[int, int], model_args, wa
 
 
 def check_expert_shards(layout, model_args) -> None:
-    """FSDP2 shards each ep rank's expert stacks over the dp_shard x cp / ep ranks left (efsdp) on their expert dim,
-    or on the next where that does not split evenly (parallel/fsdp.py), and shards nothing unevenly: refuse where
-    neither splits, before FSDP does mid-setup."""
+    """FSDP2 shards each ep rank's expert stacks over the dp_shard x cp (x tp folded) / ep ranks left (efsdp) on their
+    expert dim, or on the next where that does not split evenly (parallel/fsdp.py), and shards nothing unevenly:
+    refuse where neither splits, before FSDP does mid-setup."""
     block = parts.block(model_args, True) if parts.routed_experts(model_args) else None
-    efsdp = layout.dp_shard * layout.cp // max(layout.ep, 1)
+    efsdp = layout.efsdp
     if block is None or layout.ep <= 1 or efsdp <= 1:  # ep 1: the experts shard with their block, dim 0 padded
         return
     local = block.routing.n_experts // layout.ep
@@ -50,7 +56,8 @@ def check_expert_shards(layout, model_args) -> None:
         if local % efsdp and stack.in_features % efsdp:
             raise ConfigError(
                 f"parallel.ep={layout.ep} leaves {local} experts on each expert-parallel rank, sharded by FSDP over "
-                f"the {efsdp} ranks left (parallel.dp_shard x cp / ep = {layout.dp_shard * layout.cp} / {layout.ep}); "
+                f"the {efsdp} ranks left (parallel.dp_shard x cp{' x tp' if layout.folded else ''} / ep = "
+                f"{efsdp * layout.ep} / {layout.ep}); "
                 f"neither {local} nor the expert stack's next dim ({stack.in_features}) divides by {efsdp}, and "
                 "FSDP2 shards nothing unevenly. Pick an ep whose leftover ranks divide the experts per rank (e.g. a "
                 "larger ep), or a dp_shard that keeps them a divisor."
@@ -58,11 +65,13 @@ def check_expert_shards(layout, model_args) -> None:
 
 
 def _check_ranks_per_node(layout) -> None:
-    per_node = max(1, layout.ranks_per_node // layout.tp)
-    if layout.ranks_per_node % layout.tp or (layout.ep > per_node and layout.ep % per_node):
+    stride = ep_stride(layout)
+    per_node = max(1, layout.ranks_per_node // stride)
+    apart = "consecutive: parallel.etp=1 folds them over tp" if stride == 1 else f"parallel.tp={stride} apart"
+    if layout.ranks_per_node % stride or (layout.ep > per_node and layout.ep % per_node):
         raise ConfigError(
-            f"parallel.ranks_per_node={layout.ranks_per_node} puts {layout.ranks_per_node / layout.tp:g} of the "
-            f"parallel.ep={layout.ep} expert-parallel ranks on a node (they are parallel.tp={layout.tp} apart), which "
+            f"parallel.ranks_per_node={layout.ranks_per_node} puts {layout.ranks_per_node / stride:g} of the "
+            f"parallel.ep={layout.ep} expert-parallel ranks on a node (they are {apart}), which "
             f"does not divide ep: the per-node dispatch needs every node to hold the same number of them. Use an ep "
             f"that is a multiple of {per_node} (or divides it), or give the true ranks per node "
             "(--parallel.ranks_per_node; 0 reads the launcher's LOCAL_WORLD_SIZE)."
@@ -70,7 +79,7 @@ def _check_ranks_per_node(layout) -> None:
     if layout.ep < per_node and per_node % layout.ep:
         raise ConfigError(
             f"parallel.ep={layout.ep} does not divide the {per_node} expert-parallel ranks of a node "
-            f"(parallel.ranks_per_node={layout.ranks_per_node} / tp={layout.tp}), so some ep groups straddle two "
+            f"(parallel.ranks_per_node={layout.ranks_per_node}, the ep ranks {apart}), so some ep groups straddle two "
             f"nodes. Use an ep that divides {per_node} or is a multiple of it."
         )
 

@@ -38,10 +38,12 @@ class Traffic:
     """Bytes and rows one rank's forward posts sent to other ranks, by (what, stage): what is a label the dispatch
     gives ("dispatch": rows to the experts, "routing": their weights and expert ids beside them, "combine": the
     outputs back, "counts": split sizes);
-    stage is one of STAGES. `tokens`: the MoE layers' input tokens in those forwards."""
+    stage is one of STAGES. `posted_rows`: by what, every row posted, the rank's own share included. `tokens`: the
+    MoE layers' input tokens in those forwards."""
 
     sent_bytes: dict = field(default_factory=dict)
     sent_rows: dict = field(default_factory=dict)
+    posted_rows: dict = field(default_factory=dict)
     tokens: int = 0
 
     def add(self, what: str, stage: str, rows: int, nbytes: int) -> None:
@@ -91,6 +93,7 @@ class Exchange:
         x = x.contiguous()
         out = x.new_empty((sum(recv), *x.shape[1:]))
         if self.traffic is not None and what:
+            self.traffic.posted_rows[what] = self.traffic.posted_rows.get(what, 0) + sum(send)
             row_bytes = x.element_size() * x[0].numel() if x.shape[0] else 0
             for member, rows in enumerate(send):
                 if member != self.me:

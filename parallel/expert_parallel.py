@@ -33,10 +33,11 @@ cached route and the experts' own FSDP group (all-gathers inside the checkpointe
 the routed experts' grouped matmuls are recomputed either way. The dispatch runs eager under
 torch.compile: the rest of the block is compiled.
 
-Placement in parallelize: after tensor parallelism (attention and shared experts tensor-parallel,
-routed experts whole on their ep rank and replicated over tp, tensor_parallel.py), before
-activation checkpointing and compile; FSDP then shards the experts over the data-parallel ranks
-ep leaves (fsdp.py, ParallelDims.expert_fsdp_mesh) and everything else as without ep.
+Placement in parallelize: after tensor parallelism (attention and shared experts tensor-parallel; the MoE layer
+folded over the tp ranks, each routing its own tokens to whole experts, or with each expert split over tp on the
+(ep, etp) mesh: expert_tensor_parallel.py), before activation checkpointing and compile; FSDP then shards the
+experts over the data-parallel ranks ep leaves (fsdp.py, ParallelDims.expert_fsdp_mesh) and everything else as
+without ep.
 """
 
 import contextlib
@@ -45,11 +46,12 @@ from collections import deque
 
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import distribute_tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from trillion.models import parts
 from trillion.models.expert_rows import run_experts
 from trillion.models.moe import MoE, moe_layers, rank_capacity
 from trillion.models.parts.moe import reach_share
@@ -57,8 +59,7 @@ from trillion.parallel.activation_checkpoint import recompute_key
 from trillion.parallel.ep_exchange import Exchange
 from trillion.parallel.ep_routing import Hop, Payload, combine, pack_routing, place, unpack_routing
 from trillion.parallel.expert_overlap import paired
-
-EXPERT_WEIGHTS = ("w1", "w2", "w3")
+from trillion.parallel.expert_tensor_parallel import expert_placements
 
 
 class _HostCopy:
@@ -314,18 +315,29 @@ def _outside_selective_checkpoint():
 
 
 def apply_expert_parallel(
-    model: nn.Module, ep_mesh, mode: str = "rank", ranks_per_node: int = 1, node_mesh=None, payload=Payload()
+    model: nn.Module,
+    ep_mesh,
+    mode: str = "rank",
+    ranks_per_node: int = 1,
+    node_mesh=None,
+    payload=Payload(),
+    expert_tp_mesh=None,
 ):
     """Shard every MoE layer's routed experts over the 1-D `ep_mesh` and route its tokens by all-to-all (`mode`
     the module docstring's; `node_mesh` the (ep_node, ep_local) view of ep_mesh for the per-node mode; `payload` how
-    the rows travel: float8 dispatch gives its wire, parallel/float8_dispatch.py)."""
+    the rows travel: float8 dispatch gives its wire, parallel/float8_dispatch.py). `expert_tp_mesh`: with
+    parallel.etp = tp, the (ep, etp) mesh each expert is also split over as declared (expert_tensor_parallel.py)."""
+    stacks = parts.block(model.args, True).experts
     for layer in moe_layers(model).values():
         experts = layer.experts
         if layer.moe.n_experts % ep_mesh.size():
             raise AssertionError("dims.check_layout checks that ep divides the experts")
-        for name in EXPERT_WEIGHTS:
+        for stack in stacks:
+            name = stack.name.rsplit(".", 1)[1]
             param = getattr(experts, name)
-            sharded = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            placements = expert_placements(stack, expert_tp_mesh is not None)
+            mesh = ep_mesh if expert_tp_mesh is None else expert_tp_mesh
+            sharded = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
             experts.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         exchanges = [Exchange(ep_mesh, ranks_per_node)]
         if mode == "node":
@@ -334,8 +346,10 @@ def apply_expert_parallel(
 
 
 def expert_dispatches(module: nn.Module) -> list[ExpertDispatch]:
-    """The ExpertDispatch of every MoE layer `module` holds under expert parallelism."""
-    return [m.dispatch for m in module.modules() if isinstance(m, MoE) and isinstance(m.dispatch, ExpertDispatch)]
+    """The ExpertDispatch of every MoE layer `module` holds under expert parallelism (inside a wrapper that sums the
+    gradients over tp: expert_tensor_parallel.py)."""
+    found = (getattr(m.dispatch, "inner", m.dispatch) for m in module.modules() if isinstance(m, MoE))
+    return [dispatch for dispatch in found if isinstance(dispatch, ExpertDispatch)]
 
 
 def cache_routes_for_recompute(block: nn.Module) -> None:

@@ -24,10 +24,11 @@ dp_replicate > 1 gives HSDP: shards within a dp_shard group, replicas across gro
 all-reduce of the sharded gradients). Gradients are summed, not averaged, over data-parallel
 ranks: the loss is already normalized by the token count of the global batch.
 
-Expert parallelism: the routed experts of a block, DTensors on the ep mesh, are an FSDP group of their
-own over `expert_mesh` (ParallelDims.expert_fsdp_mesh: the data-parallel ranks ep leaves; HSDP when
-2-D), wrapped before their block, which then leaves them alone; each ep rank's experts are sharded
-on the expert dimension, or on the next one when there are fewer local experts than shards.
+Expert parallelism: the routed experts of a block, DTensors on the ep mesh (with parallel.etp = tp on the 2-D
+(ep, etp) one), are an FSDP group of their own over `expert_mesh` (ParallelDims.expert_fsdp_mesh: the
+data-parallel ranks ep leaves, folded over tp or not; HSDP when 2-D), wrapped before their block, which then
+leaves them alone; each ep rank's experts are sharded on the expert dimension, or on the next one when there are
+fewer local experts than shards.
 
 Mixed precision: parameters are gathered in the compute dtype (bf16 on GPUs) and gradients are
 reduced in fp32; on CPU everything is fp32.

@@ -119,7 +119,11 @@ class Layout:
     compile: bool = False  # torch.compile of each block: fuses its element-wise kernels
     cp: int = 1  # context parallelism: each rank holds 1/cp of every sequence; FSDP shards over dp_shard x cp
     float8: Float8Training | None = None  # the blocks' linears compute in float8 (None: off)
-    ep: int = 1  # expert parallelism: routed experts over ep of the dp_shard x cp ranks
+    ep: int = 1  # expert parallelism: routed experts over ep ranks (which ones: etp)
+    # expert tensor parallelism, 1 or tp: with 1 (and ep > 1) ep folds over the tp ranks, then cp, then dp_shard (each
+    # rank routes its own sequence-parallel tokens to whole experts); with tp the experts are tensor-parallel like the
+    # shared ones and ep comes out of dp_shard x cp. With ep 1 there is nothing to fold: the experts are tensor-parallel
+    etp: int = 1
     ep_dispatch: str = "rank"  # how tokens reach the experts: one row per expert, per rank or per node (EP_DISPATCH)
     ranks_per_node: int = 8  # the processes of one node (the per-node dispatch's two hops; the planner's node)
     ep_capacity: float = 0.0  # rows per destination rank as a multiple of the even share (0: dropless)
@@ -138,6 +142,22 @@ class Layout:
     @property
     def sequence_parallel(self) -> bool:
         return self.tp > 1  # the trainer always pairs TP with sequence parallelism
+
+    @property
+    def folded(self) -> bool:
+        """Whether ep borrows the tp ranks (MoE parallel folding): each tp rank routes its own tokens."""
+        return self.ep > 1 and self.etp == 1 and self.tp > 1
+
+    @property
+    def expert_tp(self) -> int:
+        """The ranks one routed expert is split over by tensor parallelism: 1 folded, else tp."""
+        return 1 if self.folded else self.tp
+
+    @property
+    def efsdp(self) -> int:
+        """The data-parallel ranks the routed experts are sharded over once ep has its share: the expert region
+        (dp_shard x cp, x tp when folded) over ep."""
+        return self.dp_shard * self.cp * (self.tp if self.folded else 1) // self.ep
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -167,9 +187,9 @@ def _largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in divisors(n) if d <= limit)
 
 
-def check_degrees(world_size: int, *, pp=1, dp_replicate=1, dp_shard=-1, cp=1, tp=1, ep=1) -> int:
+def check_degrees(world_size: int, *, pp=1, dp_replicate=1, dp_shard=-1, cp=1, tp=1, ep=1, etp=1) -> int:
     """dp_shard (-1: what the world size leaves), once the degrees are known to make `world_size` ranks
-    and ep to fit in dp_shard x cp; a ConfigError naming the setting and the fix otherwise."""
+    and ep to fit in the ranks it borrows (etp: _check_ep); a ConfigError naming the setting and the fix otherwise."""
     degrees = {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp}
     for name in AXES:
         value = degrees[name]
@@ -196,13 +216,24 @@ def check_degrees(world_size: int, *, pp=1, dp_replicate=1, dp_shard=-1, cp=1, t
             "Make the product equal the number of processes, e.g. --parallel.dp_shard=-1 to infer it, "
             f"or launch {product} processes."
         )
-    _check_ep(ep, dp_shard, cp)
+    _check_ep(ep, etp, dp_shard, cp, tp)
     return dp_shard
 
 
-def _check_ep(ep: int, dp_shard: int, cp: int) -> None:
+def _check_ep(ep: int, etp: int, dp_shard: int, cp: int, tp: int) -> None:
+    """torchtitan's rule: with etp 1 (folded) ep takes every tp and cp rank and some of dp_shard, so cp x tp divides ep
+    and ep divides dp_shard x cp x tp; with etp = tp ep divides dp_shard x cp."""
     if ep < 1:
         raise ConfigError(f"parallel.ep={ep} must be a positive degree; use 1 to turn it off.")
+    if etp not in (1, tp):
+        raise ConfigError(
+            f"parallel.etp={etp} is neither 1 nor parallel.tp={tp}: the routed experts are either whole on each rank "
+            f"with ep folded over the tp ranks (--parallel.etp=1) or tensor-parallel like the rest of the block "
+            f"(--parallel.etp={tp}); --parallel.etp=auto picks the one that sends fewer bytes."
+        )
+    if ep > 1 and etp == 1 and tp > 1:
+        _check_folded_ep(ep, dp_shard, cp, tp)
+        return
     region = dp_shard * cp
     if region % ep:
         valid = ", ".join(map(str, divisors(region)))
@@ -214,13 +245,44 @@ def _check_ep(ep: int, dp_shard: int, cp: int) -> None:
         )
 
 
+def _check_folded_ep(ep: int, dp_shard: int, cp: int, tp: int) -> None:
+    borrowed, region = cp * tp, dp_shard * cp * tp
+    if ep % borrowed or region % ep:
+        valid = ", ".join(str(d) for d in divisors(region) if d % borrowed == 0 and d > 1)
+        raise ConfigError(
+            f"parallel.ep={ep} with parallel.etp=1 folds the expert-parallel group over the tp ranks, then the cp "
+            f"ones, then dp_shard (MoE parallel folding), so it must be a multiple of cp x tp = {cp} x {tp} = "
+            f"{borrowed} and divide dp_shard x cp x tp = {region}. Use an ep among {valid}, or "
+            f"--parallel.etp={tp} to keep ep inside dp_shard x cp (the experts then tensor-parallel over tp)."
+        )
+
+
+def resolve_etp(requested: int, *, tp: int, ep: int, cp: int = 1, dp_shard: int = 1) -> tuple[int, str]:
+    """parallel.etp (0: auto) and why, for the log: auto is 1 (ep folded over the tp ranks: each rank dispatches
+    only its sequence-parallel 1/tp of the tokens) wherever the folding rule allows it, the fewest bytes; else tp
+    (every tp rank sends the whole tp group's tokens). With tp 1 or ep 1 there is nothing to fold."""
+    if requested:
+        return requested, "as set"
+    if tp == 1 or ep == 1:
+        return tp, f"nothing to fold (tp {tp}, ep {ep})"
+    if ep % (cp * tp) or (dp_shard * cp * tp) % ep:
+        return tp, (
+            f"ep {ep} cannot fold over cp x tp = {cp * tp} (not a multiple of it, or not dividing dp_shard x cp x tp): "
+            f"ep stays in dp_shard x cp, the experts tensor-parallel, and every tp rank sends its tp group's tokens"
+        )
+    return 1, (
+        f"ep {ep} folded over the tp ranks: each rank dispatches its 1/{tp} of the tokens, 1/{tp} of the all-to-all "
+        f"bytes of etp {tp} (where every tp rank sends the whole tp group's tokens), no all-gather into the experts"
+    )
+
+
 def degrees_of(layout: Layout) -> dict:
     """The degrees `check_degrees` takes, from a layout."""
-    return {name: getattr(layout, name) for name in (*AXES, "ep")}
+    return {name: getattr(layout, name) for name in (*AXES, "ep", "etp")}
 
 
 def layout_on(world_size: int, **fields) -> Layout:
     """The Layout of `fields` on `world_size` ranks, its degrees checked and dp_shard (-1 or left out: what the
     world size leaves) resolved: for meshes built in code (tests, benchmarks); a run's comes from its config."""
-    degrees = {name: fields.pop(name) for name in (*AXES, "ep") if name in fields}
+    degrees = {name: fields.pop(name) for name in (*AXES, "ep", "etp") if name in fields}
     return Layout(**fields, **(degrees | {"dp_shard": check_degrees(world_size, **degrees)}))

@@ -9,9 +9,10 @@ float8_dispatch.py, is the wire expert parallelism's rows travel in), which TP t
 styles and FSDP gathers in float8; everything after must see the swapped modules (torchtitan's order). CP
 next: it only swaps each block's attention for attention across sequence shards and passes the rank's
 token positions, so everything after wraps the same modules. TP next, because it changes what a parameter
-is (a DTensor over the tp axis) and inserts the collectives the later wrappers must see; expert
-parallelism next (expert_parallel.py: the routed experts become DTensors on the ep mesh, whole on their
-rank, and the dispatch all-to-alls; the shared experts and attention keep TP's layout); AC next, so
+is (a DTensor over the tp axis) and inserts the collectives the later wrappers must see (an MoE layer's by
+parallel.etp: folded over tp or its experts split over it, expert_tensor_parallel.py); expert parallelism next
+(expert_parallel.py: the routed experts become DTensors on the ep mesh, whole on their rank or split over etp, and
+the dispatch all-to-alls; the shared experts and attention keep TP's layout); AC next, so
 recomputation replays those collectives; compile then traces the parallel blocks (with async TP after symmetric
 memory and Inductor's pass that fuses TP's collectives with their GEMMs are on: async_tp.py); FSDP last, so it shards
 the TP shards again over dp and its hooks wrap everything (the routed experts under ep apart, over the
@@ -27,11 +28,12 @@ from trillion.errors import ConfigError
 from trillion.parallel import async_tp
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
 from trillion.parallel.compile import apply_compile
-from trillion.parallel.context_parallel import apply_context_parallel
+from trillion.parallel.context_parallel import apply_context_parallel, split_sequences
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.ep_routing import Payload
 from trillion.parallel.expert_overlap import apply_pairing_gates
 from trillion.parallel.expert_parallel import apply_expert_parallel, cache_routes_for_recompute
+from trillion.parallel.expert_tensor_parallel import sum_expert_gradients
 from trillion.parallel.float8 import convert as convert_to_float8
 from trillion.parallel.float8_dispatch import Float8Wire
 from trillion.parallel.fsdp import apply_fsdp
@@ -67,11 +69,17 @@ def parallelize(
             dims.tp_mesh,
             float8_tp=float8 is not None and float8.float8_tp,
             expert_parallel=ep_mesh is not None,
+            folded=layout.folded,
             overlap_chunks=layout.tp_overlap,
         )
+    if layout.folded:  # each tp rank routes its own positions of the sequences
+        split_sequences(model, dims.routed_sequence_group, dims.cp * dims.tp)
     if ep_mesh is not None:
         payload = Payload(wire=Float8Wire(float8.experts, float8.emulate)) if float8 and float8.dispatch else Payload()
-        apply_expert_parallel(model, ep_mesh, layout.ep_dispatch, layout.ranks_per_node, dims.ep_node_mesh, payload)
+        mode, ranks_per_node = layout.ep_dispatch, layout.ranks_per_node
+        apply_expert_parallel(model, ep_mesh, mode, ranks_per_node, dims.ep_node_mesh, payload, dims.expert_tp_mesh)
+    if dims.tp_enabled and layout.expert_tp > 1:  # the experts split over tp: their gradients are partial sums
+        sum_expert_gradients(model, dims.tp_mesh)
     apply_activation_checkpointing(model, layout.activation_checkpoint)
     if ep_mesh is not None:
         blocks = list(model.layers.values())

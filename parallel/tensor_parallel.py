@@ -19,11 +19,8 @@ compile.py: with plain tensors at the boundary the compiled backward crashed or,
 the embedding a wrong gradient), and what a pipeline stage sends: PipelineStage passes the local
 shard and the next stage rebuilds the same DTensor, whichever part of the model a stage begins with.
 
-WHOLE_TOKENS parts (the mixture of experts, models/moe.py): the MoE layer takes its input all-gathered (every TP rank
-routes the same tokens, so the router, its balancing tallies and the auxiliary loss are the one-process
-ones), the router and the routed experts stay whole and replicated over tp (under expert parallelism
-each ep rank's experts, expert_parallel.py), the shared experts are column/row-wise with an all-reduce
-out, and the layer's output is handed back sequence-parallel (a local slice, no communication).
+ROUTED parts (the mixture of experts, models/moe.py): laid out by parallel.etp, with their experts tensor-parallel
+over all-gathered tokens or ep folded over the tp ranks (expert_tensor_parallel.py).
 
 DTENSOR_HEADS parts (latent attention, models/mla.py): heads split as above (wq or wq_b and wkv_b column-wise,
 wo row-wise), the low-rank down projections wq_a, wkv_a and their norms replicated. Its tensors stay DTensors
@@ -48,7 +45,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -56,7 +52,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from trillion.models import parts
-from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, HEADS, REPLICATED, ROW, WHOLE_TOKENS, Part
+from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, HEADS, REPLICATED, ROUTED, ROW, Part
+from trillion.parallel.expert_tensor_parallel import place_routed, routed_plan
 from trillion.parallel.tp_overlap import TpCollectives, overlap_head, overlap_sublayer
 
 # How the block calls each sublayer (models/transformer.py TransformerBlock): the attention with the
@@ -65,15 +62,21 @@ SUBLAYER_INPUTS = {"attention": 2, "feed_forward": 1}
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh, *, float8_tp: bool = False, expert_parallel: bool = False, overlap_chunks: int = 0
+    model: nn.Module,
+    tp_mesh,
+    *,
+    float8_tp: bool = False,
+    expert_parallel: bool = False,
+    folded: bool = False,
+    overlap_chunks: int = 0,
 ) -> None:
     """Shard `model` (built from models.transformer) over the 1-D `tp_mesh`, in place, each block as its parts
     declare (models/parts: each linear's split, each part's TP style). `float8_tp`: the blocks' float8 linears
     (parallel/float8.py, tensorwise) take torchao's float8 styles, which cast the activations to float8 before
     the all-gather (half the bytes, one cast for q, k and v). `expert_parallel`: the routed experts go to the
-    ep mesh next (not replicated over tp here). `overlap_chunks` > 0 (parallel.tp_overlap): the HEADS parts and
-    the output head run their all-gathers and reduce-scatters in that many chunks beside their GEMMs
-    (tp_overlap.py) instead of DTensor's styles."""
+    ep mesh next (not split over tp here); `folded`: ep borrows the tp ranks (parallel.etp=1). `overlap_chunks` > 0
+    (parallel.tp_overlap): the HEADS parts and the output head run their all-gathers and reduce-scatters in that many
+    chunks beside their GEMMs (tp_overlap.py) instead of DTensor's styles."""
     comm = TpCollectives(tp_mesh, overlap_chunks) if overlap_chunks else None
     top = {}
     if model.tok_embeddings is not None:
@@ -98,13 +101,18 @@ def apply_tensor_parallel(
         plan = {norm.name: SequenceParallel() for norm in declared.norms}
         overlapped = [part for part in declared.sublayers if comm is not None and part.tp_style == HEADS]
         for part in declared.sublayers:
-            if part not in overlapped:
+            if part.tp_style == ROUTED:
+                plan |= routed_plan(part, folded)
+            elif part not in overlapped:
                 plan |= SUBLAYER_PLANS[part.tp_style](part, style)
         parallelize_module(block, tp_mesh, plan)
         for part in declared.sublayers:
             if part in overlapped:
                 overlap_sublayer(block, part, comm)
-            _replicate_whole(block, part, tp_mesh, experts=not expert_parallel)
+            if part.tp_style == ROUTED:
+                place_routed(block, part, tp_mesh, folded, experts_here=not expert_parallel)
+            else:
+                _replicate_whole(block, part, tp_mesh)
     _, ahead = parts.ahead_modules(model.args)
     for module in model.ahead_modules().values():  # their norms on the stream, their projection replicated
         parallelize_module(module, tp_mesh, {norm.name: SequenceParallel() for norm in ahead.norms})
@@ -149,54 +157,19 @@ def _dtensor_heads_plan(part: Part, style) -> dict:
     return plan
 
 
-def _whole_tokens_plan(part: Part, style) -> dict:
-    """All-gathered in, sequence-parallel out (a local slice, no communication); the column/row linears (an MoE
-    layer's shared experts) split with an all-reduce out; the router and expert stacks whole (_replicate_whole)."""
-    plan = {
-        part.module: PrepareModuleInputOutput(
-            input_layouts=(Shard(1),),
-            desired_input_layouts=(Replicate(),),
-            use_local_input=True,
-            output_layouts=(Replicate(),),
-            desired_output_layouts=(Shard(1),),
-            use_local_output=False,
-        )
-    }
-    for linear in part.linears:
-        if linear.split == COLUMN:
-            plan[linear.name] = ColwiseParallel()
-        elif linear.split == ROW:
-            plan[linear.name] = RowwiseParallel(output_layouts=Replicate())
-    return plan
+SUBLAYER_PLANS = {HEADS: _heads_plan, DTENSOR_HEADS: _dtensor_heads_plan}
 
 
-SUBLAYER_PLANS = {HEADS: _heads_plan, DTENSOR_HEADS: _dtensor_heads_plan, WHOLE_TOKENS: _whole_tokens_plan}
-
-
-def _replicate_whole(block: nn.Module, part: Part, tp_mesh, experts: bool) -> None:
+def _replicate_whole(block: nn.Module, part: Part, tp_mesh) -> None:
     """What a part keeps whole on every tp rank, as replicated DTensors, so that every parameter is a DTensor
-    (foreach optimizers take no mix). A DTENSOR_HEADS part's replicated linears and norms compute on DTensors
-    (their inputs are), and its `attend` gets this rank's heads; a WHOLE_TOKENS part's router gate and expert
-    stacks (unless expert-parallel: expert_parallel.py shards them next) compute on local tensors."""
+    (foreach optimizers take no mix): a DTENSOR_HEADS part's replicated linears and norms compute on DTensors
+    (their inputs are), and its `attend` gets this rank's heads."""
     if part.tp_style == DTENSOR_HEADS:
         whole = [x.name for x in part.linears if x.split == REPLICATED] + [n.name for n in part.norms]
         for name in whole:
             distribute_module(block.get_submodule(name), tp_mesh)
         module = block.get_submodule(part.module)
         module.attend = _LocalHeads(module.attend)
-    elif part.tp_style == WHOLE_TOKENS:
-        if part.routing is not None:
-            distribute_module(
-                block.get_submodule(part.routing.gate.name),
-                tp_mesh,
-                input_fn=lambda _module, inputs, mesh: tuple(
-                    DTensor.from_local(t, mesh, [Replicate()], run_check=False) for t in inputs
-                ),
-                output_fn=lambda _module, output, _mesh: output.to_local(),
-            )
-        stacks = dict.fromkeys(stack.name.rsplit(".", 1)[0] for stack in part.experts)  # their modules, in order
-        for name in stacks if experts else ():
-            distribute_module(block.get_submodule(name), tp_mesh)
 
 
 class _LocalHeads:

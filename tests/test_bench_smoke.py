@@ -150,17 +150,30 @@ def test_device_check_smoke_runs_each_part_and_keeps_its_results(tmp_path):
     assert len(result.stdout.splitlines()) < 40  # the summary stays short: only the output's tail comes back
 
 
-@pytest.mark.slow  # about 20 s each on two cores
-@pytest.mark.parametrize("script", ["ep_overlap.py", "ep_dispatch.py", "tp_overlap.py"])
-def test_parallel_benchmarks_smoke(script, tmp_path):
-    """The latency-injection benchmarks (2 gloo ranks: the expert all-to-alls', TP's collectives') and the
-    dispatch-bytes benchmark (threads) at tiny sizes."""
+def _smoke(script: str, *args: str):
+    """A benchmark script of experiments/bench in its smoke mode, run to completion."""
     result = subprocess.run(
-        [sys.executable, str(ROOT / "experiments/bench" / script), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "experiments/bench" / script), "--smoke", *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow  # about 20 s each on two cores
+@pytest.mark.parametrize("script", ["ep_overlap.py", "ep_dispatch.py", "tp_overlap.py"])
+def test_parallel_benchmarks_smoke(script, tmp_path):
+    """The latency-injection benchmarks (2 gloo ranks: the expert all-to-alls', TP's collectives') and the
+    dispatch-bytes benchmark (threads) at tiny sizes."""
+    result = _smoke(script, "--out", str(tmp_path))
     assert any(head in result.stdout for head in ("| dispatch |", "| routing | dispatch |", "| tp | chunks |"))
+
+
+@pytest.mark.slow  # four gloo processes: about a minute on two cores
+def test_folding_bytes_benchmark_smoke():
+    """The folded and the tensor-parallel layouts' dispatch rows, counted on 4 gloo ranks, at a tiny size."""
+    result = _smoke("ep_folding.py")
+    assert "| all |" in result.stdout and "rows posted" in result.stdout

@@ -25,7 +25,7 @@ from trillion.parallel.ep_checks import ep_nodes, resolve_dispatch
 from trillion.parallel.float8_experts import check_experts
 from trillion.parallel.float8_recipes import check_block_scaled_layout, float8_dispatch, float8_recipe
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
-from trillion.parallel.layout import Layout, StageLayers, check_degrees, resolve_float8
+from trillion.parallel.layout import Layout, StageLayers, check_degrees, resolve_etp, resolve_float8
 from trillion.parallel.modes import check_schedule
 from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
@@ -194,8 +194,13 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
     pipeline schedule's stages per rank and float8 (its FSDP all-gather only where FSDP shards; a block-scaled
     recipe's limits). What the model must agree with is check_model_layout's."""
     p, t, f = config.parallel, config.training, config.float8
-    degrees = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp, "ep": p.ep}
-    degrees["dp_shard"] = check_degrees(world_size, **degrees)
+    degrees = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": p.dp_shard, "cp": p.cp, "tp": p.tp}
+    degrees["dp_shard"] = check_degrees(world_size, **degrees)  # the world's degrees, before ep's
+    etp, why = resolve_etp(p.etp, tp=p.tp, ep=p.ep, cp=p.cp, dp_shard=degrees["dp_shard"])
+    if p.ep > 1 and p.tp > 1:
+        log.info("parallel.etp=%d: %s", etp, why)
+    degrees |= {"ep": p.ep, "etp": etp}
+    check_degrees(world_size, **degrees)  # ep in the ranks etp lets it borrow
     ranks_per_node = p.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or hardware_node or world_size
     spread = Layout(**degrees, ranks_per_node=ranks_per_node)
     dp_ranks = spread.dp * config.fault_tolerance.groups  # fault-tolerant replica groups share each batch

@@ -26,7 +26,9 @@ def states_per_rank(model_args: ModelArgs, layout: Layout, optimizer: str) -> tu
     found = []
     for rank in pipeline_ranks(model_args, layout):
         # FSDP: dp_shard x cp; the routed experts E / ep a rank, sharded over the dp_shard x cp / ep left
-        tp_numel, shard_numel = rank.numel(model_args, layout.tp, layout.dp_shard * layout.cp, layout.ep)
+        tp_numel, shard_numel = rank.numel(
+            model_args, layout.tp, layout.dp_shard * layout.cp, layout.ep, layout.expert_tp
+        )
         parameters, gradients, _ = states_bytes(tp_numel, shard_numel, mode)
         found.append((parameters, gradients, optimizer_state_bytes(model_args, layout, optimizer, rank, shard_numel)))
     return max(found, key=sum)

@@ -66,7 +66,7 @@ def train_step(
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
     for hook in hooks:
-        hook.after_step(dims.all_reduce_dp)
+        hook.after_step(dims.all_reduce_routed)
     if timer is not None:
         timer.mark("optimizer")
     return loss_sum, grad_norm

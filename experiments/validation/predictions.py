@@ -11,8 +11,10 @@ from pathlib import Path
 import tomllib
 
 from trillion.devices import fitted_constants
+from trillion.models.parts.moe import member_reach
 from trillion.models.presets import get_preset
-from trillion.parallel.layout import Float8Training, Layout, resolve_float8
+from trillion.parallel.ep_checks import ep_stride
+from trillion.parallel.layout import Float8Training, Layout, resolve_etp, resolve_float8
 from trillion.parallel.planner.hardware import HardwareProfile, load_profile
 from trillion.parallel.planner.memory import pipeline_ranks
 from trillion.parallel.planner.moe import (
@@ -21,6 +23,8 @@ from trillion.parallel.planner.moe import (
     effective_imbalance,
     expert_gemm_seconds,
     permutation_rows,
+    routed_block,
+    routed_tokens,
 )
 from trillion.parallel.planner.search import Request, evaluate, metrics, scaling
 from trillion.parallel.planner.timing import _memory_bound, all_to_all_time
@@ -93,6 +97,8 @@ def run_layout(run: dict, gpus: int) -> Layout:
         compile=spec.get("compile", False),
         float8=run_float8(spec),
         ep=spec.get("ep", 1),
+        # as the run set it, else as the trainer's parallel.etp=auto resolves it
+        etp=spec.get("etp") or resolve_etp(0, tp=spec["tp"], ep=spec.get("ep", 1), dp_shard=dp_shard)[0],
         ep_dispatch=spec.get("ep_dispatch", Layout.ep_dispatch),
         ep_overlap=spec.get("ep_overlap", False),
         tp_overlap=spec.get("tp_overlap", 0),
@@ -167,24 +173,30 @@ def unfused_attention_share(run: dict, row: dict) -> float:
     return per_layer * shape.n_layers / layout["pp"] * row["microbatches"] / row["step_time_s"]
 
 
+def even_ranks_per_token(args, ep: int) -> float:
+    """The ep ranks an evenly routed token reaches (each holding E / ep consecutive experts): what the planner's
+    per-rank dispatch sends it to (moe.py dispatch_rows)."""
+    routing = routed_block(args).routing
+    return ep * member_reach(routing, routing.n_experts // ep)
+
+
 def deepep_share(run: dict, row: dict) -> float:
     """The share of the planner's step that Automodel's DeepEP dispatch and fused permutation do not pay (negative):
     the routing's element-wise traffic and the all-to-alls' copies beyond the run's ranks per token, of each MoE
     layer and micro-batch in the forward, the backward and the recomputed forward, at the planner's memory-bound and
     all-to-all times."""
     args, layout, hw = run_args(run), run_layout(run, run["gpus"]), load_profile(run["hardware"])
-    k, ranks = args.moe.top_k, run["moe_ranks_per_token"]
+    k, ranks = args.moe.top_k, run.get("moe_ranks_per_token") or even_ranks_per_token(args, layout.ep)
     recomputed = int(layout.activation_checkpoint == "full")
-    row_bytes = layout.micro_batch_size * run["seq_len"] * args.dim * hw.element_bytes
-    row_bytes *= effective_imbalance(layout.ep, run_imbalance(run))
+    tokens = routed_tokens(layout.micro_batch_size * run["seq_len"] // layout.cp, layout)  # folded: 1/tp of them
+    row_bytes = tokens * args.dim * hw.element_bytes * effective_imbalance(layout.ep, run_imbalance(run))
     # moe_passes: the forward, the backward and the recomputed forward (the per-token rows taken at the imbalance too)
     forward, backward = (choice * k + token for choice, token in permutation_rows(layout.ep).values())
     trillion_rows = forward * (1 + recomputed) + backward
     routing = _memory_bound(hw, (trillion_rows - deepep_routing_rows(k, ranks) * (2 + recomputed)) * row_bytes)
-    tokens = layout.micro_batch_size * run["seq_len"] // layout.cp
     modeled = dispatch_seconds(args, hw, tokens, layout, imbalance=1.0)
     per_copy = modeled * effective_imbalance(layout.ep, run_imbalance(run)) - all_to_all_time(
-        hw, row_bytes * ranks, layout.ep, layout.tp
+        hw, row_bytes * ranks, layout.ep, ep_stride(layout)
     )
     copies = 2 * (2 + recomputed) * per_copy  # the dispatch and the combine of each pass
     routed_layers = pipeline_ranks(args, layout)[0].routed_layers
@@ -198,9 +210,9 @@ def grouped_mm_share(run: dict, row: dict) -> float:
     and a recomputed forward (full checkpointing), per micro-batch."""
     args, layout, hw = run_args(run), run_layout(run, run["gpus"]), load_profile(run["hardware"])
     measured = dataclasses.replace(hw.device, gemm_efficiency=((1e12, run["grouped_mm_share"]),))
-    tokens = layout.micro_batch_size * run["seq_len"] // layout.cp
+    tokens = routed_tokens(layout.micro_batch_size * run["seq_len"] // layout.cp, layout)  # folded: 1/tp of them
     seconds = [
-        expert_gemm_seconds(args, profile, tokens, layout.tp, layout.ep, run_imbalance(run))
+        expert_gemm_seconds(args, profile, tokens, layout.expert_tp, layout.ep, run_imbalance(run))
         for profile in (hw, dataclasses.replace(hw, device=measured))
     ]
     passes = 3 + (layout.activation_checkpoint == "full")

@@ -61,7 +61,8 @@ def _layout(spec: dict) -> str:
 
 def _ep(spec: dict) -> str:
     dispatch = f" per {spec['ep_dispatch']}" if "ep_dispatch" in spec else ""
-    return f", ep {spec['ep']}{dispatch}" if spec.get("ep", 1) > 1 else ""
+    folded = " folded over tp (etp 1)" if spec.get("etp") == 1 and spec["tp"] > 1 else ""
+    return f", ep {spec['ep']}{folded}{dispatch}" if spec.get("ep", 1) > 1 else ""
 
 
 def _float8(spec: dict) -> str:
@@ -142,8 +143,8 @@ def render(records: list[dict]) -> str:
         f"**Worst error on a row no constant was fitted to: {100 * worst_error:.1f}% ({worst_id})**; "
         f"rows within ±{TOLERANCE:.0%}: {sum(abs(row_error(r)) <= TOLERANCE for r in records)} "
         f"of {len(records)}. With the costs of the published systems' own kernels charged beside them (the unfused "
-        f"attention of Megatron-LM of 2021, NeMo Automodel's DeepEP dispatch and fused permutation, torchtitan's bf16 "
-        f"torch._grouped_mm on Blackwell): worst "
+        f"attention of Megatron-LM of 2021, Megatron-Core's and NeMo Automodel's DeepEP dispatch and fused "
+        f"permutation, torchtitan's bf16 torch._grouped_mm on Blackwell): worst "
         f"{100 * charged_error:.1f}% ({charged_id}), "
         f"{sum(abs(row_error(r, charged=True)) <= TOLERANCE for r in records)} of {len(records)} "
         f"within ±{TOLERANCE:.0%}.",

@@ -1,7 +1,7 @@
 """The mixture-of-experts feed-forward (models/moe.py MoE), declared: a router (replicated over tp), E routed
-SwiGLU experts as three stacks (whole on every tp rank, split over ep), and shared experts every token passes
-(an MLP of n_shared_experts x expert_ffn_dim, column/row-wise over tp). Every tp rank routes the same
-all-gathered tokens, so the router, its balancing tallies and the auxiliary loss are the one-process ones."""
+SwiGLU experts as three stacks (split over ep; w1 and w3 column-wise, w2 row-wise where expert tensor parallelism
+splits them), and shared experts every token passes (an MLP of n_shared_experts x expert_ffn_dim, column/row-wise
+over tp). How tensor parallelism lays it out is the layout's choice (parallel.etp: the ROUTED style)."""
 
 import dataclasses
 import math
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from trillion.errors import ConfigError
 from trillion.models.args import ModelArgs
 from trillion.models.parts import mlp
-from trillion.models.parts.spec import REPLICATED, WHOLE_TOKENS, ExpertStack, Linear, Part, Routing
+from trillion.models.parts.spec import COLUMN, REPLICATED, ROUTED, ROW, ExpertStack, Linear, Part, Routing
 from trillion.models.presets import expert_presets
 
 # Kernel launches an MoE layer adds besides its GEMMs, counted from models/moe.py (MoE.forward and
@@ -78,12 +78,12 @@ def declare(args: ModelArgs) -> Part:
     moe, h = args.moe, args.dim
     f, e = moe.expert_ffn_dim, moe.n_experts
     shared = mlp.declare(args, moe.n_shared_experts * f, prefix="feed_forward.shared_experts")
-    stacks = (("w1", h, f), ("w3", h, f), ("w2", f, h))
+    stacks = (("w1", h, f, COLUMN), ("w3", h, f, COLUMN), ("w2", f, h, ROW))
     kernels = MOE_KERNELS + (GROUP_ROUTING_KERNELS if moe.n_groups > 1 else 0)
     return Part(
         module="feed_forward",
         linears=shared.linears,
-        experts=tuple(ExpertStack(f"feed_forward.experts.{name}", e, i, o) for name, i, o in stacks),
+        experts=tuple(ExpertStack(f"feed_forward.experts.{name}", e, i, o, split) for name, i, o, split in stacks),
         routing=Routing(
             Linear("feed_forward.router.gate", h, e, REPLICATED),
             e,
@@ -96,7 +96,7 @@ def declare(args: ModelArgs) -> Part:
         saved=shared.saved,
         eager=shared.eager,
         compiled=shared.compiled,
-        tp_style=WHOLE_TOKENS,
+        tp_style=ROUTED,
     )
 
 

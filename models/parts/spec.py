@@ -22,9 +22,10 @@ COLUMN, ROW, REPLICATED = "column", "row", "replicated"
 #   DTENSOR_HEADS  the same, but its tensors stay DTensors (the rotary table passed in replicated) until
 #                  `attend`, which gets this rank's heads as plain tensors: a head shared by all ranks' heads
 #                  (latent attention's rotary key) gets its gradient summed over them; plain styles
-#   WHOLE_TOKENS   every rank runs the all-gathered tokens through it (its replicated linears and expert stacks
-#                  on local tensors), its row linears all-reduce, and its output goes back sequence-parallel
-HEADS, DTENSOR_HEADS, WHOLE_TOKENS = "heads", "dtensor_heads", "whole_tokens"
+#   ROUTED         a router and expert stacks (the mixture of experts), laid out by parallel.etp: the experts split
+#                  like an MLP over all-gathered tokens, or ep folded over the tp ranks, each routing its own tokens
+#                  (parallel/expert_tensor_parallel.py)
+HEADS, DTENSOR_HEADS, ROUTED = "heads", "dtensor_heads", "routed"
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,19 @@ class Table:
 
 @dataclass(frozen=True)
 class ExpertStack:
-    """E experts' weights of one projection stacked as (E, in, out); whole on every tp rank, split over ep."""
+    """E experts' weights of one projection stacked as (E, in, out), split over ep; expert tensor parallelism splits
+    each expert like a linear of that split (parallel.etp = tp), or keeps it whole (etp = 1)."""
 
     name: str
     n_experts: int
     in_features: int
     out_features: int
+    split: str = COLUMN
+
+    @property
+    def tp_dim(self) -> int:
+        """The (E, in, out) dimension expert tensor parallelism splits: out for a column stack, in for a row one."""
+        return {COLUMN: 2, ROW: 1}[self.split]
 
     @property
     def numel(self) -> int:

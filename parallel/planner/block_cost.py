@@ -7,7 +7,7 @@ from functools import lru_cache
 
 from trillion.models import parts
 from trillion.models.args import ModelArgs
-from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, HEADS, ROW
+from trillion.models.parts.spec import COLUMN, DTENSOR_HEADS, HEADS, ROUTED, ROW
 from trillion.parallel.float8_recipes import FLOAT8_RECIPES
 from trillion.parallel.layout import Layout
 from trillion.parallel.planner.assumptions import Assumptions
@@ -49,11 +49,13 @@ def layer_passes(
     routed: bool = False,
     attention_share: float = 1.0,
     hiding: Hiding | None = None,
+    folded: bool = False,
 ) -> Passes:
     """One transformer layer, one micro-batch of `batch` sequences, on one of `tp` tensor-parallel GPUs
     holding 1/cp of each sequence; with a `float8` recipe (parallel/float8_recipes.py FLOAT8_RECIPES; "" for none), its
     converted linears in that recipe's format (cost.py's docstring); `routed`: an MoE layer's attention and shared
-    experts (moe.py adds the rest); `attention_share`: document masking's (models/flops.py); `hiding`: how its TP
+    experts (moe.py adds the rest), `folded` with ep over the tp ranks (its tokens gathered over tp only for its
+    shared experts, if any); `attention_share`: document masking's (models/flops.py); `hiding`: how its TP
     collectives run beside its GEMMs (tp_hiding.py; None: exposed)."""
     tokens = batch * seq_len // cp
     recipe = FLOAT8_RECIPES[float8] if float8 else None
@@ -67,7 +69,7 @@ def layer_passes(
     attention = attention_flops(args, tokens, seq_len, tp, attention_share) / peak_attention
     elementwise = _memory_bound(hw, tokens * elementwise_per_token(args, tp, compiled, routed) * hw.element_bytes)
     launches = (1 + elementwise_kernels(args, compiled)) * hw.device.kernel_overhead_us * 1e-6
-    tp_comm_forward, tp_comm_backward = sublayers_tp(args, hw, tokens, tp, float8, routed, shapes, hiding)
+    tp_comm_forward, tp_comm_backward = sublayers_tp(args, hw, tokens, tp, float8, routed, shapes, hiding, folded)
     host_forward, host_backward = hw.tp_layer_host_s if tp > 1 else (0.0, 0.0)
     kv_bytes = batch * seq_len * parts.block(args).heads.kv_width / tp * hw.element_bytes  # the sequence's K and V
     cp_gather = collective_time(hw, kv_bytes, cp, tp * cp, "all_gather")
@@ -90,17 +92,21 @@ def layer_passes(
 
 
 def sublayers_tp(
-    args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, float8: str, routed: bool, shapes, hiding
+    args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, float8: str, routed: bool, shapes, hiding, folded=False
 ) -> tuple[float, float]:
     """(forward, backward) seconds of a layer's exposed TP collectives: per sublayer its input's all-gather (and its
     output gradient's, backward) and its reduce-scatter, of the tokens x dim activation, each exposed as DTensor
     runs it, or for a HEADS part under `hiding` what the schedule beside its GEMMs leaves (tp_hiding.py). `shapes`:
-    the layer's linears on a rank, in the parts' order (memory.tp_local_linears)."""
+    the layer's linears on a rank, in the parts' order (memory.tp_local_linears). Folded (ep over the tp ranks,
+    parallel/expert_tensor_parallel.py) an MoE sublayer's routed tokens stay sequence-parallel: only its shared
+    experts' linears, if any, gather."""
     stream, local = tokens * args.dim, iter(shapes)
     pieces = hiding.pieces if hiding is not None else 1
     gathers = tp_gather_bytes(args, tp, float8, routed, hw.element_bytes)
     forward = backward = 0.0
     for part, (gather_forward, gather_backward) in zip(parts.block(args, routed).sublayers, gathers):
+        if folded and part.tp_style == ROUTED and not part.linears:
+            continue
         transfers = {}
         for name, nbytes, kind in (
             ("gather_forward", gather_forward, "all_gather"),
@@ -169,7 +175,7 @@ def block_passes(
         return layer_passes(*shape, attention_share=assumed.attention_share, hiding=hiding)
     tokens = layout.micro_batch_size * seq_len // layout.cp
     # attention and shared experts: what a paired micro-batch computes beside this one's all-to-alls
-    around = layer_passes(*shape, True, assumed.attention_share, hiding)
+    around = layer_passes(*shape, True, assumed.attention_share, hiding, layout.folded)
     if high_precision:
         layout = dataclasses.replace(layout, float8=None)
     return around + moe_passes(args, hw, tokens, layout, assumed.moe_load_imbalance, around)

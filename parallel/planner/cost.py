@@ -42,7 +42,7 @@ trainer's DeviceMesh does):
       in the mesh), never overlapped (parallel/context_parallel.py gathers before attention).
   EP: an MoE layer (moe.py) is its attention and shared experts as a dense block, plus the router, the
       routed experts at their per-expert shapes and the dispatch and combine all-to-alls, forward and
-      backward, never overlapped; with ep > 1 the experts' FSDP traffic runs over the dp_shard x cp / ep ranks.
+      backward, never overlapped; with ep > 1 the experts' FSDP traffic runs over the efsdp ranks (Layout.efsdp).
 Optimizer: AdamW and gradient clipping on the rank's shard, at memory bandwidth (work.py); with Muon
 (assumptions.optimizer) also its Newton-Schulz on the stage's matrices spread over its ranks and its two all-to-alls,
 unhidden (optimizer.py).
@@ -207,18 +207,18 @@ def fsdp_copies(hw: HardwareProfile, layout: Layout, tp_numel: int, fp8_numel: i
 
 def dp_comm(args: ModelArgs, hw: HardwareProfile, layout: Layout, rank: RankParams) -> tuple[float, float, float]:
     """(seconds per micro-batch, per-step seconds hidden by a backward, by a forward) of data parallelism."""
-    d, r, tp, ep = layout.dp_shard * layout.cp, layout.dp_replicate, layout.tp, layout.ep
-    tp_numel, shard_numel = rank.numel(args, tp, d, ep)
-    # with ep > 1 the routed experts' FSDP group is the d / ep ranks outside the ep group (moe.py), spanning d x tp
-    experts = expert_numel(args, rank.routed_layers, tp, ep, d // ep)[0] if ep > 1 else 0
+    d, r, tp, ep, etp = layout.dp_shard * layout.cp, layout.dp_replicate, layout.tp, layout.ep, layout.expert_tp
+    tp_numel, shard_numel = rank.numel(args, tp, d, ep, etp)
+    # with ep > 1 the routed experts' FSDP group is the efsdp ranks outside the ep group (moe.py), spanning d x tp
+    experts = expert_numel(args, rank.routed_layers, etp, ep, layout.efsdp)[0] if ep > 1 else 0
     mode = layout.dp_shard_mode
     fp8 = float8_gathered(args, layout, rank)  # gathered at 1 byte instead of element_bytes
     gathered_bytes = hw.element_bytes * (tp_numel - experts - fp8) + FLOAT8_BYTES * fp8
     gather = collective_time(hw, gathered_bytes, d, tp * d, "all_gather")
     reduce = collective_time(hw, 4 * (tp_numel - experts), d, tp * d, "reduce_scatter")
     if experts:
-        gather += collective_time(hw, hw.element_bytes * experts, d // ep, tp * d, "all_gather")
-        reduce += collective_time(hw, 4 * experts, d // ep, tp * d, "reduce_scatter")
+        gather += collective_time(hw, hw.element_bytes * experts, layout.efsdp, tp * d, "all_gather")
+        reduce += collective_time(hw, 4 * experts, layout.efsdp, tp * d, "reduce_scatter")
     per_microbatch = {"zero3": 2 * gather + reduce, "zero2": reduce, "zero1": 0.0}[mode]
     replicate = collective_time(hw, 4 * shard_numel, r, tp * d * r, "all_reduce")
     after_backward = replicate + (reduce if mode == "zero1" else 0.0)
@@ -289,7 +289,7 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
     rank = pipeline_ranks(args, layout)[slowest]
     per_mb, after_backward, before_forward = dp_comm(args, hw, layout, rank)
     unhidden = m * v * per_mb / max(rank.layers, 1)
-    tp_numel, shard_numel = rank.numel(args, layout.tp, layout.dp_shard * layout.cp, layout.ep)
+    tp_numel, shard_numel = rank.numel(args, layout.tp, layout.dp_shard * layout.cp, layout.ep, layout.expert_tp)
     if hw.overlaps_collectives:
         dp_exposed = (
             max(0.0, m * per_mb - m * worst)

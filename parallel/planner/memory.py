@@ -36,7 +36,7 @@ from trillion.parallel import modes
 from trillion.parallel.layout import Layout
 from trillion.parallel.modes import checkpointed_blocks
 from trillion.parallel.planner.assumptions import Assumptions
-from trillion.parallel.planner.moe import expert_numel, moe_activation_bytes, pairs
+from trillion.parallel.planner.moe import expert_numel, expert_shards, moe_activation_bytes, pairs, routed_tokens
 from trillion.parallel.planner.optimizer import state_bytes, step_buffer_bytes
 from trillion.parallel.planner.schedules import in_flight_microbatches, rank_of_virtual_stage, stage_layers
 from trillion.parallel.planner.shards import ParamSpec, local_numel
@@ -168,22 +168,24 @@ class RankParams:
         it (parallel/pipeline_ahead.py)."""
         return self.first or (self.last and self.ahead_modules > 0)
 
-    def numel(self, args: ModelArgs, tp: int, dp_shard: int, ep: int = 1) -> tuple[int, int]:
+    def numel(self, args: ModelArgs, tp: int, dp_shard: int, ep: int = 1, etp: int = 0) -> tuple[int, int]:
         """(after TP, after TP and FSDP) parameter elements of this rank; `dp_shard` the FSDP ranks (dp_shard x
-        cp), the routed experts over ep of them and sharded over the other dp_shard / ep (moe.py)."""
+        cp), the routed experts split over etp (Layout.expert_tp; 0: tp) and over ep of the ranks, sharded over the
+        rest (moe.py expert_shards)."""
         dense, routed = self.blocks(args)
-        return _rank_numel(args, dense, routed, self.embedding, self.last, tp, dp_shard, ep, self.ahead_modules)
+        first, last = self.embedding, self.last
+        return _rank_numel(args, dense, routed, first, last, tp, dp_shard, ep, self.ahead_modules, etp or tp)
 
 
 @lru_cache(maxsize=65536)
 def _rank_numel(
-    args: ModelArgs, dense: int, routed: int, first: bool, last: bool, tp: int, dp_shard: int, ep: int, ahead: int = 0
+    args: ModelArgs, dense: int, routed: int, first: bool, last: bool, tp: int, d: int, ep: int, ahead: int, etp: int
 ) -> tuple[int, int]:
-    """(after TP, after TP and FSDP) elements of `dense` and `routed` blocks, the root's parts and
-    `ahead` multi-token prediction modules."""
+    """(after TP, after TP and FSDP over `d` ranks) elements of `dense` and `routed` blocks (their experts over ep,
+    split over etp), the root's parts and `ahead` multi-token prediction modules."""
     kinds = [("block", dense), ("routed_block", routed), ("first", int(first)), ("last", int(last)), ("ahead", ahead)]
-    totals = [(count * a, count * b) for kind, count in kinds if count for a, b in [_numel(args, kind, tp, dp_shard)]]
-    experts = expert_numel(args, routed, tp, ep, dp_shard // ep)
+    totals = [(count * a, count * b) for kind, count in kinds if count for a, b in [_numel(args, kind, tp, d)]]
+    experts = expert_numel(args, routed, etp, ep, expert_shards(tp, d, ep, etp))
     return sum(t[0] for t in totals) + experts[0], sum(t[1] for t in totals) + experts[1]
 
 
@@ -306,13 +308,14 @@ def rank_memory(
     tp, ms, cp = layout.tp, layout.micro_batch_size, layout.cp
     tokens = ms * seq_len // cp
     sp = layout.sequence_parallel
-    tp_numel, shard_numel = rank.numel(args, tp, layout.dp_shard * cp, layout.ep)
+    tp_numel, shard_numel = rank.numel(args, tp, layout.dp_shard * cp, layout.ep, layout.expert_tp)
     mode = "zero1" if layout.pp > 1 else layout.dp_shard_mode
     parameters, gradients, _ = states_bytes(tp_numel, shard_numel, mode)
     optimizer = state_bytes(args, layout, assumed.optimizer, rank, shard_numel)  # AdamW's or Muon's (optimizer.py)
 
     n_ckpt = rank.checkpointed(layout.activation_checkpoint)
-    dense_layer, moe_layer, kept = _layer_bytes(args, tokens, tp, sp, layout.ep, assumed.moe_load_imbalance)
+    experts = (layout.ep, assumed.moe_load_imbalance, layout.expert_tp, routed_tokens(tokens, layout))
+    dense_layer, moe_layer, kept = _layer_bytes(args, tokens, tp, sp, *experts)
     full_layer = (dense_layer * (rank.layers - rank.routed_layers) + moe_layer * rank.routed_layers) / max(
         rank.layers, 1
     )
@@ -329,8 +332,8 @@ def rank_memory(
 
     d = layout.dp_shard * cp
     dense_blocks, moe_blocks = rank.blocks(args)
-    layer_tp = _gathered_block(args, dense_blocks > 0, moe_blocks > 0, tp, d, layout.ep)
-    root_tp = _rank_numel(args, 0, 0, rank.embedding, rank.last, tp, d, 1)[0]
+    layer_tp = _gathered_block(args, dense_blocks > 0, moe_blocks > 0, tp, d, layout.ep, layout.expert_tp)
+    root_tp = _rank_numel(args, 0, 0, rank.embedding, rank.last, tp, d, 1, 0, tp)[0]
     # zero3: two gathered blocks (in use, prefetched) and the held root; all modes: an fp32 block's reduce-scatter
     fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if mode == "zero3" else 0)
     recompute = max(dense_layer, moe_layer if rank.routed_layers else 0) if n_ckpt else 0  # one layer, rebuilt
@@ -344,26 +347,28 @@ def rank_memory(
 
 @lru_cache(maxsize=65536)
 def _layer_bytes(
-    args: ModelArgs, tokens: int, tp: int, sp: bool, ep: int, imbalance: float
+    args: ModelArgs, tokens: int, tp: int, sp: bool, ep: int, imbalance: float, etp: int, routed: int
 ) -> tuple[float, float, float]:
-    """(a dense layer's, an MoE layer's activations kept for backward, a checkpointed layer's input)."""
+    """(a dense layer's, an MoE layer's activations kept for backward, a checkpointed layer's input); an MoE layer's
+    routed part for the `routed` tokens the rank routes (moe.py routed_tokens) and its experts' etp slices."""
     dense = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False)
     kept = layer_activation_bytes(args, tokens, tp, sp, checkpointed=True)
     if not parts.routed_experts(args):
         return dense, 0.0, kept
     moe = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False, routed=True) + moe_activation_bytes(
-        args, tokens, tp, ep, imbalance, ACTIVATION_BYTES
+        args, routed, etp, ep, imbalance, ACTIVATION_BYTES
     )
     return dense, moe, kept
 
 
 @lru_cache(maxsize=4096)
-def _gathered_block(args: ModelArgs, dense: bool, routed: bool, tp: int, d: int, ep: int) -> int:
-    """Elements of the largest block FSDP gathers on a rank: a dense one, or an MoE one with its E / ep experts."""
-    return max(
-        _numel(args, "block", tp, d)[0] if dense else 0,
-        _numel(args, "routed_block", tp, d)[0] + expert_numel(args, 1, tp, ep, d // ep)[0] if routed else 0,
-    )
+def _gathered_block(args: ModelArgs, dense: bool, routed: bool, tp: int, d: int, ep: int, etp: int) -> int:
+    """Elements of the largest block FSDP gathers on a rank: a dense one, or an MoE one with its E / ep experts (their
+    etp slices)."""
+    if not routed:
+        return _numel(args, "block", tp, d)[0] if dense else 0
+    experts = expert_numel(args, 1, etp, ep, expert_shards(tp, d, ep, etp))[0]
+    return max(_numel(args, "block", tp, d)[0] if dense else 0, _numel(args, "routed_block", tp, d)[0] + experts)
 
 
 def layout_memory(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assumptions) -> Memory:

@@ -1,13 +1,16 @@
 """The mixture-of-experts block as the planner sees it (models/moe.py; expert parallelism as torchtitan
 lays it out, `parallel.ep`): what an MoE layer adds to a block whose MLP is only its shared experts.
 
-Per MoE layer and micro-batch, on one rank whose tp group holds `tokens` (= micro-batch x seq / cp; the
-MoE input is all-gathered over tp and every tp rank routes and runs the same tokens: the router and the routed
-experts stay whole, replicated over tp, parallel/tensor_parallel.py; the shared experts are TP-split):
-  router     one GEMM tokens x dim x E (replicated over tp), forward, input and weight gradient.
-  experts    E / ep local experts, each three GEMMs at its own shape: rows x dim x f (w1, w3) and
-             rows x f x dim (w2), rows = tokens x top_k x ep / E x imbalance (f the expert width, not split
-             over tp), one grouped-GEMM launch per projection; the same again for each gradient.
+Per MoE layer and micro-batch, on one rank whose tp group holds `tokens` (= micro-batch x seq / cp). The rank
+routes `routed` of them (parallel/expert_tensor_parallel.py, routed_tokens): folded (parallel.etp = 1, ep over the
+tp ranks) its own sequence-parallel 1/tp; with the experts tensor-parallel (etp = tp) all of them, every tp rank
+the same; the shared experts are TP-split either way:
+  router     one GEMM routed x dim x E (replicated over tp), forward, input and weight gradient.
+  experts    E / ep local experts, each three GEMMs at its own shape: rows x dim x f / etp (w1, w3) and
+             rows x f / etp x dim (w2), rows = routed x top_k x ep / E x imbalance (f the expert width, split over
+             etp = Layout.expert_tp), one grouped-GEMM launch per projection; the same again for each gradient.
+             With etp = tp the gradients of the tokens and the router's weights are partial sums over tp: one
+             all-reduce of routed x dim in the backward (expert_tensor_parallel.py SummedOverTensorParallel).
   imbalance  `moe_load_imbalance` (assumptions.py): the busiest rank's routed tokens over the mean. It applies with
              ep > 1, where the all-to-alls make every rank wait for the busiest one; with ep 1 a rank runs
              every expert on all its tokens (tokens x top_k rows in all, whatever the balance), so there it
@@ -15,28 +18,30 @@ experts stay whole, replicated over tp, parallel/tensor_parallel.py; the shared 
   all-to-all per MoE layer forward: the counts' exchange (latency) and the host read's stall (host_read_stall;
              none with a capacity, parallel.ep_capacity), the dispatch and the combine; backward the two again
              (their gradients). The rows a token sends per hop and stage (network, the node's link) follow the
-             dispatch mode the trainer runs (dispatch_rows: per expert, per rank, per node; the ep group sits just
-             outside tp: ep x tp consecutive GPUs), each row the token and its routing (row_bytes), at the
-             imbalance (dispatch_seconds). With parallel.ep_overlap what hides is what the mechanism puts beside
-             each all-to-all's wait (exposed_all_to_alls; paired micro-batches: exposed_paired); else all of it.
-  element-wise  per token of the tp group: the fused permutation into expert order and back
+             dispatch mode the trainer runs (dispatch_rows: per expert, per rank, per node; the ep group's ranks are
+             ep_stride apart: folded ep consecutive GPUs, else ep x tp), each row the token and its routing
+             (row_bytes), at the imbalance (dispatch_seconds). With parallel.ep_overlap what hides is what the
+             mechanism puts beside each all-to-all's wait (exposed_all_to_alls; paired micro-batches:
+             exposed_paired); else all of it.
+  element-wise  per routed token: the fused permutation into expert order and back
              (kernels/permute.py, kernels.permutation=auto on GPUs; PERMUTATION_ROWS; under ep the dispatch's
              own gathers in torch, DISPATCH_PERMUTATION_ROWS), SwiGLU on the expert
-             hidden 5 k f, the router's softmax and top-k 3 E (read scores, write them, read for top-k), its
+             hidden 5 k f / etp, the router's softmax and top-k 3 E (read scores, write them, read for top-k), its
              loss-free bias 2 E (the add: read, write) and DeepSeek-V3's group-limited choice 3 E (the per-group
              top-2 reads the scores, the mask of the other groups reads and writes them: Router.forward); the
              same under torch.compile (the data-dependent shapes break the graph).
   float8     (layout.float8 with its experts not off, parallel/float8_experts.py) the experts' grouped GEMMs,
-             forward and both gradients, at the recipe's float8 rate (FLOAT8_EXPERT_SHARE), plus their casts
-             (each GEMM casts both operands: FLOAT8_CAST_BYTES per element); with float8 dispatch the
-             forward dispatch all-to-all carries float8 rows and their scales (dispatch_row_bytes), the combine
-             and both backward all-to-alls stay bf16.
-Memory: expert parameters total / (ep x efsdp), efsdp = dp_shard x cp / ep, so a rank's states are
-those of its E / ep experts sharded over efsdp (the states per rank do not depend on ep; FSDP's gathered
-copies, its buffers and its traffic do: one layer's E / ep experts, all-gathered over the efsdp ranks).
-Activations of an MoE layer (not checkpointed): the router's fp32 scores tokens x E x 4 bytes, the
-permuted tokens k h, the experts' w1 and w3 outputs, silu and product 4 k f, their outputs k h, and under ep
-their weighted outputs k h more (WEIGHTED_OUTPUT_ROWS), all times imbalance where it applies, bf16.
+             forward and both gradients, at the recipe's float8 rate (float8_experts.py FLOAT8_EXPERT_SHARE, here in
+             the planner), plus their casts (each GEMM casts both operands: FLOAT8_CAST_BYTES per element); with
+             float8 dispatch the forward dispatch all-to-all carries float8 rows and their scales (dispatch_row_bytes),
+             the combine and both backward all-to-alls stay bf16.
+Memory: expert parameters total / (ep x etp x efsdp), efsdp = dp_shard x cp (x tp folded) / ep
+(Layout.efsdp), so a rank's states are those of its E / ep experts split over etp and sharded over efsdp (the
+states per rank do not depend on ep; FSDP's gathered copies, its buffers and its traffic do: one layer's E / ep
+experts' etp slices, all-gathered over the efsdp ranks). Activations of an MoE layer (not checkpointed), per
+routed token: the router's fp32 scores E x 4 bytes, the permuted tokens k h, the experts' w1 and w3 outputs, silu
+and product 4 k f / etp, their outputs k h, and under ep their weighted outputs k h more (WEIGHTED_OUTPUT_ROWS),
+all times imbalance where it applies, bf16.
 """
 
 import math
@@ -45,9 +50,15 @@ from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.models.parts import Block
 from trillion.models.parts.moe import member_reach
-from trillion.parallel.float8_recipes import FLOAT8_RECIPES, Float8Recipe
+from trillion.parallel.ep_checks import ep_stride
+from trillion.parallel.planner.float8_experts import (
+    FLOAT8_EXPERT_SHARE,
+    dispatch_row_bytes,
+    expert_number_format,
+    float8_expert_recipe,
+)
 from trillion.parallel.planner.hardware import HardwareProfile
-from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time
+from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time, collective_time
 from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, cast_bytes
 
 # The busiest rank's routed tokens over the mean, by default. MEASURED on debug-moe (sigmoid scores, loss-free
@@ -72,24 +83,6 @@ DISPATCH_PERMUTATION_ROWS = {"forward": (7, 1), "backward": (14, 2)}
 # Kernels the dropless dispatch launches between reading its split sizes on the host and posting its all-to-all:
 # counted by tests/planner/test_dispatch_plan.py, which runs that stretch under a dispatch mode
 HOST_READ_LAUNCHES = 39
-# The routed experts' float8 grouped GEMMs (float8_experts) as a share of the device's dense fp8 GEMM plateau
-# (devices.toml fp8_gemm_efficiency), by recipe:
-# - rowwise, torchao's _scaled_grouped_mm (what float8.experts=auto runs on sm90 and gfx942): pytorch/ao PR 2490
-#   on an H100, 0.885 ms against bf16 torch._grouped_mm's 1.31 ms at M 8192, K 5120, N 8192, 16 experts: 1.48 x
-#   the bf16 grouped rate, 1.48 x 794.5 / 1402.6 = 0.838 of the H100's fp8 plateau (both [mamf], devices.toml);
-# - blockwise, DeepSeek-V3's 1 x 128 / 128 x 128 scales (the Triton kernel): DeepGEMM's contiguous grouped GEMMs at
-#   DeepSeek-V3's expert shapes on an H800 (deepseek-ai/DeepGEMM README, February 2025: 1297, 1099, 1288 and
-#   1093 TFLOP/s), mean 1194 = 0.851 of the same plateau. ASSUMED for Trillion's Triton kernel, which no GPU
-#   has timed yet: DeepGEMM's rate is what the recipe reaches on Hopper.
-# On gfx942 no grouped float8 figure is published: the same shares of its fp8 plateau (itself assumed, devices.toml).
-# - mxfp8, torchao's _to_mxfp8_then_scaled_grouped_mm (float8.recipe=mxfp8's experts): pytorch/ao
-#   torchao/prototype/moe_training/README.md, "MXFP8 Kernel Breakdown by Pass", DeepSeek-V3 shapes (131072 tokens x
-#   7168 x 2048, 8 groups) on a B200: the 2D-3D scaled grouped GEMM (forward, input gradient) 1838.1 us each, the
-#   2D-2D one (weight gradient) 2412.4 us, 3 x 3.848 TFLOP in 6088.6 us = 1896 TFLOP/s, 0.421 of the 4500 MXFP8 peak,
-#   0.552 of the B200's fp8 plateau (0.763, [mamf]; the MXFP8 plateau assumed equal, devices.toml). Its quantisation
-#   kernels are the casts below, at memory bandwidth.
-# - nvfp4, mxfp4: no grouped 4-bit figure found: ASSUMED mxfp8's share of their own plateaus.
-FLOAT8_EXPERT_SHARE = {"rowwise": 0.838, "blockwise": 0.851, "mxfp8": 0.552, "nvfp4": 0.552, "mxfp4": 0.552}
 # Rows of dim per choice an MoE layer keeps under ep beyond one process's: the receivers' experts return their
 # outputs by weighting them, then index_add_ into their rows (models/expert_rows.py run_experts with `slots`), and
 # index_add_'s backward keeps its source, the weighted outputs (torch's derivatives.yaml: source's gradient is
@@ -97,7 +90,6 @@ FLOAT8_EXPERT_SHARE = {"rowwise": 0.838, "blockwise": 0.851, "mxfp8": 0.552, "nv
 # Measured: `trillion estimate` of kimi-k2's frontier plan held 3.6 GB more on its second rank once the dispatch
 # took this path, 2 MoE layers x 31 micro-batches x 512 tokens x 8 x 7168 x 2 bytes (KIMI_K2.md section 4).
 WEIGHTED_OUTPUT_ROWS = 1
-BLOCKWISE_TILE, SCALE_BYTES = 128, 4  # a dispatched row's float32 scale per 1 x 128 tile (or per row)
 
 
 def routed_block(args: ModelArgs) -> Block:
@@ -122,42 +114,22 @@ def effective_imbalance(ep: int, imbalance: float) -> float:
     return imbalance if ep > 1 else 1.0
 
 
+def routed_tokens(tokens: int, layout) -> int:
+    """The tokens of a tp group's `tokens` one rank routes: folded (parallel.etp = 1) its sequence-parallel share,
+    else all of them (parallel/expert_tensor_parallel.py)."""
+    return tokens // layout.tp if layout.folded else tokens
+
+
 def expert_rows(args: ModelArgs, tokens: int, ep: int, imbalance: float) -> int:
-    """Rows of each local expert's GEMMs on the busiest rank."""
+    """Rows of each local expert's GEMMs on the busiest rank, of `tokens` routed by each rank."""
     routing = routed_block(args).routing
     return math.ceil(tokens * routing.top_k * ep / routing.n_experts * effective_imbalance(ep, imbalance))
 
 
 def members_per_node(layout) -> int:
-    """The ep group's ranks on one node of layout.ranks_per_node (the planner's: its hardware's GPUs per node; the group
-    sits just outside tp: ep x tp consecutive GPUs)."""
-    return max(1, min(layout.ep, layout.ranks_per_node // layout.tp))
-
-
-def float8_expert_recipe(float8) -> str | None:
-    """The recipe a layout's float8 (a Float8Training, None: off) runs the routed experts in on a float8 GPU (None:
-    they stay bf16): float8.experts=auto is torchao's rowwise, which runs wherever the planner prices float8 (sm90
-    and later, gfx942 and later); under a block-scaled recipe resolve_float8 has already made auto that recipe
-    (float8.recipe=mxfp8: torchao's MXFP8 grouped GEMM)."""
-    if float8 is None or float8.experts == "off":
-        return None
-    return "rowwise" if float8.experts == "auto" else float8.experts
-
-
-def expert_number_format(recipe: str) -> Float8Recipe:
-    """The number format an expert recipe multiplies in (parallel/float8_recipes.py): a block-scaled one's own;
-    rowwise and blockwise (DeepSeek-V3's 1 x 128 / 128 x 128, fp32 scales the GEMM applies itself) plain fp8."""
-    named = FLOAT8_RECIPES.get(recipe)
-    return named if named is not None and named.block else FLOAT8_RECIPES["tensorwise"]
-
-
-def dispatch_row_bytes(dim: int, recipe: str) -> float:
-    """Bytes of one token row on a float8 dispatch's wire (parallel/float8_dispatch.py): a byte per element and
-    a float32 scale per 1 x 128 tile (blockwise) or per row (rowwise), against 2 per element in bf16; a block-scaled
-    recipe's elements and a scale per block (MXFP8: a byte and an e8m0 per 32)."""
-    if expert_number_format(recipe).block:
-        return expert_number_format(recipe).quantised_bytes(dim)
-    return dim + SCALE_BYTES * (-(-dim // BLOCKWISE_TILE) if recipe == "blockwise" else 1)
+    """The ep group's ranks on one node of layout.ranks_per_node (the planner's: its hardware's GPUs per node): its
+    ranks are ep_stride apart (folded: ep consecutive GPUs; else just outside tp, ep x tp consecutive GPUs)."""
+    return max(1, min(layout.ep, layout.ranks_per_node // ep_stride(layout)))
 
 
 def dispatch_mode(layout) -> str:
@@ -194,10 +166,11 @@ def row_bytes(args: ModelArgs, mode: str, payload_bytes: int) -> int:
 def dispatch_seconds(
     args: ModelArgs, hw: HardwareProfile, tokens: int, layout, imbalance: float, payload_bytes: int = 0
 ) -> float:
-    """One direction's all-to-alls (the dispatch, its rows of `payload_bytes`, default the token in the compute dtype;
-    the combine takes as long in that dtype) on the busiest rank, at the load `imbalance` (assumptions.py): each hop's
-    network and node-link shares at once, the hops one after the other, a latency each."""
-    ep, tp = layout.ep, layout.tp
+    """One direction's all-to-alls of `tokens` routed by the rank (the dispatch, its rows of `payload_bytes`, default
+    the token in the compute dtype; the combine takes as long in that dtype) on the busiest rank, at the load
+    `imbalance` (assumptions.py): each hop's network and node-link shares at once, the hops one after the other, a
+    latency each."""
+    ep, stride = layout.ep, ep_stride(layout)
     if ep <= 1:
         return 0.0
     members, mode = members_per_node(layout), dispatch_mode(layout)
@@ -207,10 +180,10 @@ def dispatch_seconds(
     for network, link in dispatch_rows(args, mode, ep, members):
         hop, latency = 0.0, 0.0
         if link:
-            bandwidth, latency = hw.collective_link(members * tp, False, "all_to_all")
+            bandwidth, latency = hw.collective_link(members * stride, False, "all_to_all")
             hop = size * link / bandwidth
         if network:
-            bandwidth, latency = hw.collective_link(ep * tp, True, "all_to_all")
+            bandwidth, latency = hw.collective_link(ep * stride, True, "all_to_all")
             hop = max(hop, size * network / bandwidth)
         seconds += hop + latency
     return seconds
@@ -254,36 +227,39 @@ def permutation_rows(ep: int) -> dict:
 def moe_passes(
     args: ModelArgs, hw: HardwareProfile, tokens: int, layout, imbalance: float, around: Passes | None = None
 ) -> Passes:
-    """What one MoE layer adds to its block's attention and shared experts (`around`; the module docstring), at the
-    load `imbalance`, with the layout's float8 experts (float8_expert_recipe) and float8 dispatch."""
+    """What one MoE layer adds to its block's attention and shared experts (`around`; the module docstring) for a tp
+    group's `tokens`, at the load `imbalance`, with the layout's float8 experts (float8_expert_recipe) and dispatch."""
     block, h, launch = routed_block(args), args.dim, hw.device.kernel_overhead_us * 1e-6
-    tp, ep = layout.tp, layout.ep
+    ep, etp = layout.ep, layout.expert_tp
+    routed = routed_tokens(tokens, layout)
     float8 = float8_expert_recipe(layout.float8)
-    routing, f = block.routing, expert_width(block)  # the routed experts are whole on every tp rank
-    experts = expert_gemm_seconds(args, hw, tokens, tp, ep, imbalance, float8)
-    casts = expert_float8_casts(args, hw, tokens, ep, imbalance, float8) if float8 else (0.0, 0.0, 0.0)
-    router = _gemm(hw, tokens, routing.gate.in_features, routing.gate.out_features)
+    routing, f = block.routing, expert_width(block)
+    experts = expert_gemm_seconds(args, hw, routed, etp, ep, imbalance, float8)
+    casts = expert_float8_casts(args, hw, routed, ep, imbalance, float8, etp) if float8 else (0.0, 0.0, 0.0)
+    router = _gemm(hw, routed, routing.gate.in_features, routing.gate.out_features)
     k, imb = routing.top_k, effective_imbalance(ep, imbalance)
-    swiglu = tokens * (5 * k * f * imb + routing.elements)
-    forward_rows, backward_rows = (tokens * (c * k * imb + t) * h for c, t in permutation_rows(ep).values())
+    swiglu = routed * (5 * k * f / etp * imb + routing.elements)
+    forward_rows, backward_rows = (routed * (c * k * imb + t) * h for c, t in permutation_rows(ep).values())
     elementwise = _memory_bound(hw, (swiglu + forward_rows) * hw.element_bytes) + routing.kernels * launch
     backward_elementwise = (
         _memory_bound(hw, (BACKWARD_ELEMENTWISE * swiglu + backward_rows) * hw.element_bytes)
         + BACKWARD_ELEMENTWISE * routing.kernels * launch
     )
+    summed = collective_time(hw, routed * h * hw.element_bytes, etp, etp, "all_reduce") if etp > 1 else 0.0
     forward, input_grad, weight_grad = (
         router + experts + casts[0] + elementwise,
-        router + experts + casts[1] + backward_elementwise,
+        router + experts + casts[1] + backward_elementwise + summed,
         router + experts + casts[2],
     )
     exposed = [0.0, 0.0, 0.0]  # forward, backward, recomputed forward
     if ep > 1:
-        routed = (forward, input_grad + weight_grad)
-        exposed = exposed_seconds(args, hw, tokens, layout, imbalance, float8, experts, routed, around)
+        passes = (forward, input_grad + weight_grad)
+        exposed = exposed_seconds(args, hw, tokens, layout, imbalance, float8, experts, passes, around)
     return Passes(
         forward=forward + exposed[0],
         input_grad=input_grad + exposed[1],
         weight_grad=weight_grad,
+        tp_backward=summed,
         ep_forward=exposed[0],
         ep_backward=exposed[1],
         ep_recompute=exposed[2],
@@ -297,11 +273,11 @@ def exposed_seconds(
     under ep: the dispatch in float8 in the forwards with float8 dispatch (its backward and the combine in the compute
     dtype); beside the shared experts and the routed `experts`, or with paired micro-batches beside the other's layer
     (`routed`: this layer's routed forward and backward, both gradients, `around` its attention and shared experts)."""
-    tp, ep = layout.tp, layout.ep
-    one_way, shared = dispatch_seconds(args, hw, tokens, layout, imbalance), shared_expert_seconds(args, hw, tokens, tp)
+    tp, ep, rows = layout.tp, layout.ep, routed_tokens(tokens, layout)
+    one_way, shared = dispatch_seconds(args, hw, rows, layout, imbalance), shared_expert_seconds(args, hw, tokens, tp)
     wire = dispatch_row_bytes(args.dim, float8) if float8 and layout.float8.dispatch else 0
-    dispatch = dispatch_seconds(args, hw, tokens, layout, imbalance, wire) if wire else one_way
-    counts = 0.0 if layout.ep_capacity else all_to_all_time(hw, 0.0, ep, tp) + host_read_stall(hw)
+    dispatch = dispatch_seconds(args, hw, rows, layout, imbalance, wire) if wire else one_way
+    counts = 0.0 if layout.ep_capacity else all_to_all_time(hw, 0.0, ep, ep_stride(layout)) + host_read_stall(hw)
     if around is not None and pairs(layout):  # the other micro-batch's layer computes beside each all-to-all
         forward = around.forward - around.tp_forward - around.cp_forward + routed[0]
         backward = around.input_grad + around.weight_grad - around.tp_forward - around.cp_forward + routed[1]
@@ -335,61 +311,67 @@ def host_read_stall(hw: HardwareProfile) -> float:
 
 
 def expert_gemm_seconds(
-    args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int, ep: int, imbalance: float, float8: str | None = None
+    args: ModelArgs, hw: HardwareProfile, tokens: int, etp: int, ep: int, imbalance: float, float8: str | None = None
 ) -> float:
-    """One pass of the routed experts' three grouped GEMMs on the busiest rank: each local expert's GEMMs at its
-    own shape (rows x dim x f twice, rows x f x dim), one launch per projection; `tp` does not split them
-    (each tp rank runs the same tokens through whole experts); `float8`: at that recipe's float8 rate."""
+    """One pass of the routed experts' three grouped GEMMs on the busiest rank, for `tokens` routed by each rank:
+    each local expert's GEMMs at its own shape (rows x dim x f / etp twice, rows x f / etp x dim: `etp` the ranks
+    each expert is split over, ExpertStack's split), one launch per projection; `float8`: at that recipe's float8
+    rate."""
     block, launch = routed_block(args), hw.device.kernel_overhead_us * 1e-6
     rows, local = expert_rows(args, tokens, ep, imbalance), block.routing.n_experts // ep
     share = FLOAT8_EXPERT_SHARE[float8] if float8 else 1.0
     number_format = expert_number_format(float8) if float8 else None
-    per_expert = sum(
-        _gemm(hw, rows, s.in_features, s.out_features, number_format, share) - launch for s in block.experts
-    )
+    per_expert = sum(_gemm(hw, rows, *_split(s, etp), number_format, share) - launch for s in block.experts)
     return local * per_expert + len(block.experts) * launch
 
 
+def _split(stack, etp: int) -> tuple[int, int]:
+    """(in, out) features of one expert's projection on one of `etp` ranks (its declared split)."""
+    if stack.tp_dim == 2:
+        return stack.in_features, stack.out_features // etp
+    return stack.in_features // etp, stack.out_features
+
+
 def expert_float8_casts(
-    args: ModelArgs, hw: HardwareProfile, tokens: int, ep: int, imbalance: float, recipe: str = "rowwise"
+    args: ModelArgs, hw: HardwareProfile, tokens: int, ep: int, imbalance: float, recipe: str = "rowwise", etp: int = 1
 ) -> tuple[float, float, float]:
     """Seconds of the float8 experts' casts in (forward, input gradient, weight gradient) on the busiest rank: each
     grouped GEMM casts its two operands, the local experts' rows and weights (forward: input and weight; input
     gradient: the output's gradient and the weight; weight gradient: input and output's gradient along the
     tokens), at the recipe's bytes per element (work.cast_bytes: FLOAT8_CAST_BYTES in fp8, a scale per block more
-    in MX), two launches each."""
+    in MX), two launches each; each expert's slice on one of `etp` ranks."""
     block, launch = routed_block(args), hw.device.kernel_overhead_us * 1e-6
     rows = expert_rows(args, tokens, ep, imbalance) * (block.routing.n_experts // ep)
-    weights = [s.n_experts // ep * s.in_features * s.out_features for s in block.experts]
-    forward = sum(rows * s.in_features + w for s, w in zip(block.experts, weights))
-    input_grad = sum(rows * s.out_features + w for s, w in zip(block.experts, weights))
-    weight_grad = sum(rows * (s.in_features + s.out_features) for s in block.experts)
+    shapes = [_split(s, etp) for s in block.experts]
+    weights = [s.n_experts // ep * k * n for s, (k, n) in zip(block.experts, shapes)]
+    forward = sum(rows * k + w for (k, _), w in zip(shapes, weights))
+    input_grad = sum(rows * n + w for (_, n), w in zip(shapes, weights))
+    weight_grad = sum(rows * (k + n) for k, n in shapes)
     launches = 2 * len(block.experts) * launch
     per_element = cast_bytes(expert_number_format(recipe))
     return tuple(_memory_bound(hw, per_element * n) + launches for n in (forward, input_grad, weight_grad))
 
 
-def expert_numel(args: ModelArgs, routed_layers: int, tp: int, ep: int, efsdp: int) -> tuple[int, int]:
-    """(after TP and EP, after TP, EP and expert-FSDP) elements of the routed experts of `routed_layers` layers
-    on one rank: each of w1, w2, w3 is (E / ep, dim, f) locally (whole on every tp rank, so `tp` does not divide
-    them), dim 0 chunked over efsdp (the ceiling on rank 0, as torch.chunk)."""
+def expert_numel(args: ModelArgs, routed_layers: int, etp: int, ep: int, efsdp: int) -> tuple[int, int]:
+    """(after EP and expert TP, after those and expert-FSDP) elements of the routed experts of `routed_layers` layers
+    on one rank: each of w1, w2, w3 is (E / ep, dim, f) locally, split over `etp` as declared (1: whole, the tp ranks
+    folded into ep), dim 0 chunked over efsdp (the ceiling on rank 0, as torch.chunk)."""
     if not routed_layers or not parts.routed_experts(args):
         return 0, 0
-    local = [s.n_experts // ep * s.in_features * s.out_features for s in routed_block(args).experts]
+    local = [s.n_experts // ep * s.in_features * s.out_features // etp for s in routed_block(args).experts]
     return routed_layers * sum(local), routed_layers * sum(math.ceil(n / efsdp) for n in local)
 
 
-def moe_activation_bytes(args: ModelArgs, tokens: int, tp: int, ep: int, imbalance: float, dtype_bytes: int) -> float:
-    """Bytes an MoE layer keeps for backward beyond its attention and shared experts (the module docstring)."""
+def expert_shards(tp: int, dp_shard: int, ep: int, etp: int) -> int:
+    """The ranks FSDP shards a rank's routed experts over: dp_shard (x cp) x the tp ranks not splitting them, over
+    ep (Layout.efsdp)."""
+    return dp_shard * (tp // etp) // ep
+
+
+def moe_activation_bytes(args: ModelArgs, tokens: int, etp: int, ep: int, imbalance: float, dtype_bytes: int) -> float:
+    """Bytes an MoE layer keeps for backward beyond its attention and shared experts, for `tokens` routed by the rank
+    and experts split over `etp` (the module docstring)."""
     block = routed_block(args)
     k, f, imb = block.routing.top_k, expert_width(block), effective_imbalance(ep, imbalance)
     rows = 2 + (WEIGHTED_OUTPUT_ROWS if ep > 1 else 0)  # the permuted tokens, the outputs (and weighted: ep)
-    return tokens * (4 * block.routing.n_experts + (rows * k * args.dim + 4 * k * f) * imb * dtype_bytes)
-
-
-def ep_degrees(args: ModelArgs, shard_ranks: int) -> list[int]:
-    """Expert-parallel degrees: divisors of dp_shard x cp that divide the experts; 1 for a dense model."""
-    experts = parts.routed_experts(args)
-    if not experts:
-        return [1]
-    return [e for e in range(1, shard_ranks + 1) if shard_ranks % e == 0 and experts % e == 0]
+    return tokens * (4 * block.routing.n_experts + (rows * k * args.dim + 4 * k * f / etp) * imb * dtype_bytes)

@@ -48,19 +48,21 @@ MUON_FIXED_BYTES, MUON_NS_ELEMENTS = 48, 12
 MUON_ROUND_BUFFERS = 4
 
 
-def muon_numel(args: ModelArgs, rank, tp: int, dp_shard: int, ep: int) -> tuple[int, int]:
+def muon_numel(args: ModelArgs, rank, tp: int, dp_shard: int, ep: int, etp: int = 0) -> tuple[int, int]:
     """(after TP, after TP and FSDP) hidden-matrix elements of `rank` (memory.RankParams; `dp_shard`: the FSDP
-    ranks, x cp)."""
+    ranks, x cp; `etp` the ranks each routed expert is split over, Layout.expert_tp, 0: tp)."""
     dense, routed = rank.blocks(args)
-    return _muon_numel(args, dense, routed, tp, dp_shard, ep, rank.ahead_modules)
+    return _muon_numel(args, dense, routed, tp, dp_shard, ep, rank.ahead_modules, etp or tp)
 
 
 @lru_cache(maxsize=4096)
-def _muon_numel(args: ModelArgs, dense: int, routed: int, tp: int, d: int, ep: int, ahead: int) -> tuple[int, int]:
+def _muon_numel(
+    args: ModelArgs, dense: int, routed: int, tp: int, d: int, ep: int, ahead: int, etp: int
+) -> tuple[int, int]:
     specs = _block_specs(args, False) * dense + (_block_specs(args, True) * routed if routed else [])
     specs += _ahead_specs(args) * ahead
     pairs = [local_numel(s, tp, d) for s in specs]
-    experts = expert_numel(args, routed, tp, ep, d // ep)
+    experts = expert_numel(args, routed, etp, ep, d * (tp // etp) // ep)
     return sum(p[0] for p in pairs) + experts[0], sum(p[1] for p in pairs) + experts[1]
 
 
@@ -83,7 +85,7 @@ def state_bytes(args: ModelArgs, layout, optimizer: str, rank, shard_numel: int)
     """The fp32 state of `optimizer` (adamw | muon) on this rank."""
     if optimizer != "muon":
         return ADAMW_STATE_BYTES * shard_numel
-    hidden = muon_numel(args, rank, layout.tp, layout.dp_shard * layout.cp, layout.ep)[1]
+    hidden = muon_numel(args, rank, layout.tp, layout.dp_shard * layout.cp, layout.ep, layout.expert_tp)[1]
     return MUON_STATE_BYTES * hidden + ADAMW_STATE_BYTES * (shard_numel - hidden)
 
 
@@ -92,7 +94,7 @@ def step_buffer_bytes(args: ModelArgs, layout, optimizer: str, rank, element_byt
     B X), alive during the step only; 0 for AdamW."""
     if optimizer != "muon":
         return 0.0
-    hidden = muon_numel(args, rank, layout.tp, layout.dp_shard * layout.cp, layout.ep)[1]
+    hidden = muon_numel(args, rank, layout.tp, layout.dp_shard * layout.cp, layout.ep, layout.expert_tp)[1]
     largest = max(((min(r, c), max(r, c)) for r, c, _ in _stage_matrices(args, rank)), default=(0, 0), key=math.prod)
     m, n = largest
     return element_bytes * (hidden + MUON_ROUND_BUFFERS * min(hidden, ROUND_ELEMENTS) + 3 * m * n + 2 * m * m)
@@ -121,7 +123,7 @@ def step_seconds(args: ModelArgs, hw: HardwareProfile, layout, optimizer: str, r
     if optimizer != "muon":
         return _memory_bound(hw, OPTIMIZER_BYTES_PER_PARAM * shard_numel)
     ranks = layout.tp * layout.cp * layout.dp_shard * layout.dp_replicate  # a pipeline stage's
-    hidden = muon_numel(args, rank, layout.tp, layout.dp_shard * layout.cp, layout.ep)[1]
+    hidden = muon_numel(args, rank, layout.tp, layout.dp_shard * layout.cp, layout.ep, layout.expert_tp)[1]
     e = hw.element_bytes
     elementwise = _memory_bound(
         hw, OPTIMIZER_BYTES_PER_PARAM * (shard_numel - hidden) + (MUON_FIXED_BYTES + MUON_NS_ELEMENTS * e) * hidden

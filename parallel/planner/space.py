@@ -26,7 +26,6 @@ from trillion.parallel.modes import CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SC
 from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.block_cost import layer_passes
 from trillion.parallel.planner.hardware import HardwareProfile, low_precision_peak_tflops
-from trillion.parallel.planner.moe import ep_degrees
 from trillion.parallel.planner.tp_hiding import Hiding
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
@@ -52,6 +51,7 @@ LAYOUT_FIELDS = (
     "float8_experts",
     "float8_dispatch",
     "ep",
+    "etp",
     "ep_dispatch",
     "ep_capacity",
     "ep_overlap",
@@ -94,6 +94,11 @@ def check_request(request: Request) -> None:
             and value < 1
         ):
             raise ConfigError(f"--{key.replace('_', '-')} {value} must be at least 1.")
+    if request.fixed.get("etp", 1) > 1 and request.fixed["etp"] != request.fixed.get("tp", request.fixed["etp"]):
+        raise ConfigError(
+            f"--etp {request.fixed['etp']} is neither 1 nor --tp {request.fixed['tp']}: the routed experts are whole "
+            "with ep folded over the tp ranks (--etp 1) or tensor-parallel over tp (--etp equal to --tp)."
+        )
     if request.fixed.get("ep", 1) > 1 and not parts.routed_experts(args):
         raise ConfigError(
             f"--ep {request.fixed['ep']}: {request.model} has no routed experts; use --ep 1 or leave it out."
@@ -214,6 +219,24 @@ def layouts(request: Request):
                 yield from _layouts_for(request, tp, pp, dp, cp)
 
 
+def ep_degrees(args: ModelArgs, shard_ranks: int) -> list[int]:
+    """Expert-parallel degrees: divisors of dp_shard x cp that divide the experts; 1 for a dense model."""
+    experts = parts.routed_experts(args)
+    if not experts:
+        return [1]
+    return [e for e in range(1, shard_ranks + 1) if shard_ranks % e == 0 and experts % e == 0]
+
+
+def expert_layouts(args: ModelArgs, tp: int, cp: int, dp_shard: int) -> list[tuple[int, int]]:
+    """(ep, etp) pairs the trainer runs for these degrees: ep 1 (etp tp: nothing to fold); ep within dp_shard x cp with
+    the experts tensor-parallel (etp tp); and with tp > 1 ep folded over the tp ranks (etp 1: a multiple of cp x tp
+    dividing dp_shard x cp x tp, parallel/layout.py's rule), each ep dividing the experts."""
+    pairs = [(ep, tp) for ep in ep_degrees(args, dp_shard * cp)]
+    if tp > 1:
+        pairs += [(ep, 1) for ep in ep_degrees(args, dp_shard * cp * tp) if ep > 1 and ep % (cp * tp) == 0]
+    return pairs
+
+
 def _cp_degrees(request: Request, tp: int, ranks: int) -> list[int]:
     """1, and degrees that split the sequence into 2 cp chunks (each rank's share over tp) and keep the
     cp group inside a node with its tp group: the K/V exchange runs on every layer, unhidden."""
@@ -237,14 +260,18 @@ def _layouts_for(request: Request, tp: int, pp: int, dp: int, cp: int = 1):
         if dp % dp_shard or (replicate and replicate * dp_shard != dp):
             continue
         zero_modes = _options(request, "dp_shard_mode", list(ZERO_MODES) if dp_shard * cp > 1 else ["zero3"])
-        for ep in _options(request, "ep", ep_degrees(args, dp_shard * cp)):
-            if ep in ep_degrees(args, dp_shard * cp):
-                yield from _schedules_for(request, tp, pp, dp, cp, dp_shard, ep, schedules, zero_modes)
+        for ep, etp in expert_layouts(args, tp, cp, dp_shard):
+            if request.fixed.get("ep", ep) == ep and request.fixed.get("etp", etp) in (etp, 0):
+                experts = {"ep": ep, "etp": etp}
+                yield from _schedules_for(request, tp, pp, dp, cp, dp_shard, experts, schedules, zero_modes)
 
 
-def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shard: int, ep: int, schedules, zero_modes):
-    """The layouts of one (tp, pp, dp, cp, dp_shard, ep): schedules, micro-batch sizes, checkpointing, ZeRO modes."""
-    args, dispatch = request.args, _dispatch(request, tp, ep)
+def _schedules_for(
+    request: Request, tp: int, pp: int, dp: int, cp: int, dp_shard: int, experts: dict, schedules, zero_modes
+):
+    """The layouts of one (tp, pp, dp, cp, dp_shard, ep, etp): schedules, micro-batch sizes, checkpointing, ZeRO
+    modes."""
+    args, dispatch, ep = request.args, _dispatch(request, tp, **experts), experts["ep"]
     for name in schedules:
         schedule = modes.schedule(name, "--pp-schedule")
         any_v = [request.fixed.get("virtual_stages", DEFAULT_VIRTUAL_STAGES)]
@@ -274,7 +301,7 @@ def _schedules_for(request: Request, tp: int, pp: int, dp: int, cp: int, dp_shar
                         compile=request.fixed.get("compile", False),
                         cp=cp,
                         float8=_float8(request, dp * cp > 1, ep),
-                        ep=ep,
+                        **experts,
                         **dispatch,
                         **hiding,
                     )
@@ -321,13 +348,13 @@ def _float8(request: Request, fsdp_enabled: bool, ep: int) -> Float8Training | N
     )
 
 
-def _dispatch(request: Request, tp: int, ep: int) -> dict:
+def _dispatch(request: Request, tp: int, ep: int, etp: int) -> dict:
     """The expert dispatch's Layout fields: ranks per node the hardware's scale-up domain (the per-node dispatch
     crosses the network once per domain); the mode as `auto` resolves it (per node where the ep group spans domains)
     unless fixed; overlap on with ep unless fixed (the model never loses by it); the per-rank capacity as fixed (0:
     dropless)."""
     fixed, node = request.fixed, request.hardware.scale_up
-    probe = Layout(tp=tp, ep=ep, ranks_per_node=node)
+    probe = Layout(tp=tp, ep=ep, etp=etp, ranks_per_node=node)
     mode = fixed.get("ep_dispatch", "auto")
     return {
         "ranks_per_node": node,

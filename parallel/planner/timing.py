@@ -86,8 +86,9 @@ def collective_time(hw: HardwareProfile, nbytes: float, group: int, span: int, k
 
 
 def all_to_all_time(hw: HardwareProfile, nbytes: float, group: int, tp: int) -> float:
-    """Seconds of an all-to-all in which each of `group` ranks (taken every `tp`-th GPU, as the ep group sits
-    just outside tp in the mesh) sends `nbytes` split evenly over the group (its own share stays). The
+    """Seconds of an all-to-all in which each of `group` ranks (taken every `tp`-th GPU: the ep group sits just
+    outside tp in the mesh, or folded over it every GPU, tp 1) sends `nbytes` split evenly over the group (its own
+    share stays). The
     shares for peers in its node go over the node's link and those for other nodes over its share of the
     network, at the same time; NCCL posts every peer's send and receive at once (one latency)."""
     if group <= 1:

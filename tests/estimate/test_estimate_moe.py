@@ -133,7 +133,7 @@ def _pipeline_stage_held(ep: int, mode: str):
         f"--parallel.ep={ep}",
         "--parallel.pp=2",
         "--parallel.pp_schedule=ZBVZeroBubble",
-        f"--parallel.ep_dispatch={mode}",
+        *[f"--parallel.ep_dispatch={mode}"] * (ep > 1),  # with ep 1 there is no dispatch (config/effects.py)
         "--parallel.ranks_per_node=2",
         "--parallel.activation_checkpoint=none",
     ]
@@ -216,3 +216,18 @@ def test_the_last_stage_runs_its_multi_token_prediction_module_as_the_trainer_do
     with_module, logits_elements = _last_stage_held(1)
     without, _ = _last_stage_held(0)
     assert with_module - without >= 2 * logits_elements, (with_module, without, logits_elements)
+
+
+@pytest.mark.parametrize("etp, ep, experts_per_rank", [(1, 8, 1), pytest.param(2, 4, 2, marks=pytest.mark.slow)])
+def test_a_folded_layout_holds_whole_experts_over_the_tp_ranks(etp, ep, experts_per_rank):
+    """16 ranks, tp 2 x dp_shard 8: ep 8 folded over the tp ranks (etp 1: one whole expert a rank, FSDP over the
+    efsdp 2 ranks left), or ep 4 in dp_shard with each expert split over tp (etp 2: two experts' halves a rank, FSDP
+    over 2); the planner's model states agree either way."""
+    overrides = [*MOE, "--parallel.tp=2", "--parallel.dp_shard=8", f"--parallel.ep={ep}", f"--parallel.etp={etp}"]
+    result = estimate(load_config(None, overrides), 16, ranks="first,last")
+    assert (result.layout["ep"], result.layout["etp"], result.layout["efsdp"]) == (ep, etp, 2), result.layout
+    whole = _routed_expert_elements("debug-moe") // 8  # one expert's, of every layer
+    for rank in result.ranks:  # fp32 shards
+        assert rank.detail["routed_expert_parameters"] == whole * experts_per_rank // (2 * etp) * 4, rank.detail
+        for kind in ("parameters", "gradients", "optimizer"):
+            assert getattr(rank, kind) == pytest.approx(rank.planner[kind], rel=0.01), (rank.rank, kind)

@@ -43,15 +43,15 @@ def emulated(experts: str, dispatch: bool = False) -> Float8Training:
     return Float8Training(emulate=True, experts=experts, dispatch=dispatch)
 
 
-def differences(name: str, got: dict, want: dict) -> list[str]:
-    """What differs beyond TOLERANCE: the first step's gradients, every step's loss and gradient norm."""
+def differences(name: str, got: dict, want: dict, tolerance: dict = TOLERANCE) -> list[str]:
+    """What differs beyond `tolerance`: the first step's gradients, every step's loss and gradient norm."""
     problems = []
     for key, value in want["grads"][0].items():
-        off = ~torch.isclose(got["grads"][0][key], value, **TOLERANCE)
+        off = ~torch.isclose(got["grads"][0][key], value, **tolerance)
         if off.any():
             problems.append(f"{name}: step 0 {key}: {int(off.sum())}/{off.numel()} off")
     for what in ("losses", "norms"):
-        if not torch.allclose(torch.tensor(got[what]), torch.tensor(want[what]), **TOLERANCE):
+        if not torch.allclose(torch.tensor(got[what]), torch.tensor(want[what]), **tolerance):
             problems.append(f"{name}: {what} {got[what]} vs {want[what]}")
     return problems
 
@@ -68,12 +68,13 @@ def check_wide_model(rank: int, world_size: int, cases: list[dict]) -> None:
             if key not in references:
                 reference = {"model": "wide", "float8": key[0], "variant": key[1], "steps": 2}
                 references[key] = harness.train_case(reference, 1)
-            problems += differences(case["name"], result, references[key])
+            problems += differences(case["name"], result, references[key], case.get("tolerance", TOLERANCE))
         dist.barrier()
     assert not problems, "\n".join(problems)
-    if rank == 0:
+    if rank == 0:  # float8's effect is beyond the loosest tolerance a case used
         plain = harness.train_case({"model": "wide", "steps": 2}, 1)
-        assert len(differences("plain", plain, next(iter(references.values())))) > 10
+        loosest = max((case.get("tolerance", TOLERANCE) for case in cases), key=lambda t: t["rtol"])
+        assert len(differences("plain", plain, next(iter(references.values())), loosest)) > 10
 
 
 def test_ep2_emulated_float8_experts_and_dispatch_equal_one_process():
@@ -105,3 +106,23 @@ def test_ep4_as_two_nodes_of_two_per_node_dispatch_in_float8_equals_one_process(
     through another rank of the node."""
     ep4 = {"dp_shard": 4, "ep": 4, "ep_dispatch": "node", "ranks_per_node": 2, "model": "wide", "steps": 2}
     run_ranks(check_wide_model, 4, [{"name": "ep4-node-dispatch", **ep4, "float8": emulated("blockwise", True)}])
+
+
+# Folded over tp, each tp rank routes half of every sequence's positions, and an expert's weight-gradient tiles
+# restart at each source rank's rows (as under ep), so they hold one half's rows where one process's hold all of them:
+# measured, 0.04% of the elements of the first step's gradients past 1e-5 and the second step's loss 3e-5 apart, for
+# both recipes. Held to 1e-3 here; the plain run is farther than that (checked).
+FOLDED = {"rtol": 1e-3, "atol": 1e-5}
+
+
+@pytest.mark.slow  # about a minute on two cores
+def test_float8_experts_with_ep_folded_over_tp_stay_near_one_process():
+    folded = {"dp_shard": 1, "tp": 2, "ep": 2, "model": "wide", "steps": 2, "tolerance": FOLDED}
+    run_ranks(
+        check_wide_model,
+        2,
+        [
+            {"name": "tp2-ep2-folded-rowwise-dispatch", **folded, "float8": emulated("rowwise", True)},
+            {"name": "tp2-ep2-folded-blockwise-dispatch", **folded, "float8": emulated("blockwise", True)},
+        ],
+    )

@@ -35,7 +35,7 @@ FAMILIES = {
 }
 FAMILIES["llama-kv4"] = dataclasses.replace(FAMILIES["llama"], n_kv_heads=4)  # 4 key/value heads: tp 4 splits them
 SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH, STEPS, SEED = 16, 8, 2, 3, 11
-DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")  # a case's keys for the layout's degrees
+DEGREES = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep", "etp")  # a case's keys for the layout's degrees
 MAX_NORM = float(os.environ.get("PARITY_MAX_NORM", 0.5))  # 0: no clipping, to localize a wrong gradient
 
 

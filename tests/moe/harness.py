@@ -20,7 +20,8 @@ from trillion.models import PRESETS, Transformer
 from trillion.models.args import MLAArgs, YaRNArgs
 from trillion.models.moe import AUX_TIMES_TOKENS, DROPPED, SEQ_AUX_TIMES_TOKENS, moe_layers
 from trillion.parallel.dims import ParallelDims, check_layout
-from trillion.parallel.expert_parallel import ExpertDispatch
+from trillion.parallel.ep_exchange import Traffic
+from trillion.parallel.expert_parallel import ExpertDispatch, expert_dispatches
 from trillion.parallel.forward_backward import MicroBatchLoop
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline
@@ -58,6 +59,8 @@ VARIANTS = {  # MoE settings on top of BASE.moe
     "mtp": {},
     # a per-rank capacity of one even share: ep 2 drops some tokens, one process (told of the 2 ranks) the same
     "capacity": {"rank_capacity_factor": 1.0, "capacity_ranks": 2},
+    # folded over tp 2: each tp rank routes half of every sequence, its own capacity (one process told so: 2 shards)
+    "capacity-folded": {"rank_capacity_factor": 1.0, "capacity_ranks": 2, "capacity_shards": 2},
 }
 DISPATCH_KEYS = ("ep_dispatch", "ranks_per_node", "ep_overlap")  # Layout's; the capacity is the model's (variant)
 
@@ -119,6 +122,7 @@ def train_case(case: dict, world_size: int) -> dict:
         RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, MICRO_BATCH, dims.dp_rank, dims.dp_size
     )
     scaler = torch.amp.GradScaler("cpu", enabled=False)
+    traffic = _count_rows(parts) if case.get("count_rows") else None
     losses, norms, loads, ahead = [], [], [], []
     layers = {i: layer for part in parts for i, layer in moe_layers(part).items()}
     for _ in range(case.get("steps", 3)):
@@ -140,11 +144,36 @@ def train_case(case: dict, world_size: int) -> dict:
         "bias": {i: _bias(layer) for i, layer in layers.items()},
         "host_reads": {i: _host_reads(layer) for i, layer in layers.items()},
     }
+    if traffic is not None:  # every rank's (rows its dispatches posted, tokens they routed), in rank order
+        result["rows"] = [None] * world_size
+        dist.all_gather_object(result["rows"], (traffic.posted_rows.get("dispatch", 0), traffic.tokens))
     if dims.pp == 1 and dims.cp == 1:
-        result["choices"] = router_choices(parts[0], args)
+        result["choices"] = router_choices(parts[0], args, dims)
     if dims.pp > 1:
         result = _merge_stages(result, world_size)
     return result
+
+
+def _count_rows(parts) -> Traffic:
+    """One Traffic for every dispatch of this rank: the rows its all-to-alls are posted, counted where they are."""
+    traffic = Traffic()
+    for part in parts:
+        for dispatch in expert_dispatches(part):
+            for exchange in {dispatch.exchange, *dispatch.exchanges()}:
+                exchange.traffic = traffic
+    return traffic
+
+
+def check_half_the_rows(name: str, folded: list, whole: list, tp: int) -> None:
+    """Folded over tp, the tp ranks of a tp group route disjoint shares of its tokens, so together they post exactly
+    the rows each of them posts with the experts tensor-parallel (every tp rank the whole group's tokens): each posts
+    1/tp of them, on average over the group (counted rows: `folded`, `whole`, each rank's (rows, tokens))."""
+    for group in range(len(folded) // tp):
+        ranks = range(group * tp, (group + 1) * tp)
+        assert all(folded[r][1] * tp == whole[r][1] for r in ranks), (name, folded, whole)
+        assert sum(folded[r][0] for r in ranks) == whole[group * tp][0], (name, folded, whole)
+        assert all(whole[r] == whole[group * tp] for r in ranks), (name, whole)  # the duplicated sends
+    print(f"{name}: rows posted per rank {[r[0] for r in folded]} folded, {[r[0] for r in whole]} before", flush=True)
 
 
 def _bias(layer) -> torch.Tensor | None:
@@ -153,11 +182,13 @@ def _bias(layer) -> torch.Tensor | None:
 
 
 def _host_reads(layer) -> int:
-    return layer.dispatch.host_reads if isinstance(layer.dispatch, ExpertDispatch) else 0
+    dispatch = getattr(layer.dispatch, "inner", layer.dispatch)  # inside the tp gradient sum (etp = tp)
+    return dispatch.host_reads if isinstance(dispatch, ExpertDispatch) else 0
 
 
-def router_choices(model, args) -> dict:
-    """Each MoE layer's chosen experts for every token of one fixed batch (the same on every rank)."""
+def router_choices(model, args, dims=None) -> dict:
+    """Each MoE layer's chosen experts for every token of one fixed batch (the same on every rank; folded over tp,
+    each tp rank's routed positions gathered)."""
     tokens = torch.randint(0, args.vocab_size, (2, SEQ_LEN), generator=torch.Generator().manual_seed(SEED + 1))
     chosen, hooks = {}, []
     for index, layer in moe_layers(model).items():
@@ -168,7 +199,16 @@ def router_choices(model, args) -> dict:
         model(tokens)
     for hook in hooks:
         hook.remove()
+    if dims is not None and dims.layout.folded:
+        chosen = {i: _gathered_positions(c, tokens.shape[0], dims.tp_mesh.get_group()) for i, c in chosen.items()}
     return {i: c.sort(dim=-1).values for i, c in chosen.items()}
+
+
+def _gathered_positions(local: torch.Tensor, sequences: int, group) -> torch.Tensor:
+    """(sequences x positions, k) from each rank's (sequences x its positions, k), the ranks' positions in order."""
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    return torch.cat([p.view(sequences, -1, local.shape[-1]) for p in pieces], dim=1).flatten(0, 1)
 
 
 def _merge_stages(result: dict, world_size: int) -> dict:
@@ -234,6 +274,8 @@ def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
                 _compare(f"{name} vs {case['same_as']}", result, results[case["same_as"]], exact=True)
             if case.get("drops"):  # the capacity dropped tokens (and one process the same: _compare_routing)
                 assert any(load[DROPPED] > 0 for step in result["loads"] for load in step.values()), name
+            if "half_the_rows_of" in case:
+                check_half_the_rows(name, result["rows"], results[case["half_the_rows_of"]]["rows"], case["tp"])
             if "host_reads" in case:
                 assert set(result["host_reads"].values()) == {case["host_reads"]}, (name, result["host_reads"])
             print("PASSED", name, flush=True)

@@ -25,19 +25,30 @@ def _resume_from(source: Path, target: Path, step: int) -> None:
     dist.barrier()
 
 
+def chain(root: Path, flags: list[str], first: list[str], other: list[str]) -> None:
+    """On every rank: `first` straight to step 4 (a checkpoint at 2); from its step 2 `other` to step 3 (saving it);
+    from that `first` again to step 4."""
+    run(root / "straight", *flags, *first, "--checkpoint.interval=2", steps=4)
+    _resume_from(root / "straight", root / "other", step=2)
+    run(root / "other", *flags, *other, "--checkpoint.interval=3", steps=3)
+    _resume_from(root / "other", root / "back", step=3)
+    run(root / "back", *flags, *first, steps=4)
+
+
+def check_chain(root: Path, rtol: float) -> None:
+    """The chained run's losses, at step 3 (`other`) and step 4 (`first` again), are the straight run's."""
+    straight = dict(losses(root / "straight"))
+    other, back = dict(losses(root / "other")), dict(losses(root / "back"))
+    assert 3 in other and 4 in back, (other, back)
+    torch.testing.assert_close(other[3], straight[3], rtol=rtol, atol=0)
+    torch.testing.assert_close(back[4], straight[4], rtol=rtol, atol=0)
+
+
 def _chain(rank, world_size, root):
     as_launched(rank, world_size)
-    run(root / "straight", *MOE, *EP2, "--checkpoint.interval=2", steps=4)
-    _resume_from(root / "straight", root / "ep1", step=2)
-    run(root / "ep1", *MOE, *EP1, "--checkpoint.interval=3", steps=3)  # ep 2's step 2 -> ep 1, saves step 3
-    _resume_from(root / "ep1", root / "back", step=3)
-    run(root / "back", *MOE, *EP2, steps=4)  # ep 1's step 3 -> ep 2
+    chain(root, MOE, EP2, EP1)  # ep 2's step 2 -> ep 1, ep 1's step 3 -> ep 2
 
 
 def test_ep2_checkpoint_resumes_at_ep1_and_back(tmp_path):
     run_ranks(_chain, 2, tmp_path)
-    straight = dict(losses(tmp_path / "straight"))
-    ep1, back = dict(losses(tmp_path / "ep1")), dict(losses(tmp_path / "back"))
-    assert 3 in ep1 and 4 in back, (ep1, back)
-    torch.testing.assert_close(ep1[3], straight[3], rtol=1e-5, atol=0)
-    torch.testing.assert_close(back[4], straight[4], rtol=1e-5, atol=0)
+    check_chain(tmp_path, rtol=1e-5)

@@ -44,6 +44,13 @@ def _config(**parallel) -> Config:
     ],
 )
 def test_bad_expert_parallel_degree_is_refused_with_the_fix(parallel, world, args, words):
+    message = refusal(parallel, world, args)
+    for word in words:
+        assert word in message, f"{word!r} not in: {message}"
+
+
+def refusal(parallel: dict, world: int, args) -> str:
+    """The one-paragraph ConfigError `parallel` gets on `world` ranks (a batch of 24 sequences)."""
     env = LaunchEnv(rank=0, world_size=world, local_rank=0, device=torch.device("cpu"))
     config = _config(**parallel)
     config.training.global_batch_size, config.training.micro_batch_size = 24, 2  # splits over every world here
@@ -51,8 +58,7 @@ def test_bad_expert_parallel_degree_is_refused_with_the_fix(parallel, world, arg
         build_parallel_dims(resolve_layout(config, world), args, config.training.seq_len, env)
     message = str(error.value)
     assert "\n" not in message
-    for word in words:
-        assert word in message, f"{word!r} not in: {message}"
+    return message
 
 
 def test_ep_divides_experts_of_an_overridden_model():

@@ -1,5 +1,5 @@
 """Muon under each layout equals one process (tests/muon/harness.py): 2 ranks in the default suite (FSDP zero3,
-TP, EP, PP, MuonClip under TP and under dp), the rest of the issue's matrix marked slow."""
+TP, EP, EP folded over TP, PP, MuonClip under TP and under dp), the rest of the issue's matrix marked slow."""
 
 import pytest
 
@@ -19,6 +19,8 @@ FAST_TWO = [
         "round_elements": 8192,
     },
     {"name": "pp 2", "pp": 2},
+    # ep folded over the tp ranks (parallel.etp=1): the experts whole on their ep rank, the exchange over both
+    {"name": "ep 2 over tp 2 (debug-moe, folded)", "model": "moe", "tp": 2, "ep": 2},
     {"name": "MuonClip tp 2 (heads sharded)", "tp": 2, "qk_clip": TAU, "pump": PUMP},
     {"name": "MuonClip dp_shard 2 (maxima reduced)", "dp_shard": 2, "qk_clip": TAU, "pump": PUMP},
 ]
@@ -39,7 +41,15 @@ SLOW_TWO = [
 FOUR = [
     {"name": "HSDP 2x2", "dp_replicate": 2, "dp_shard": 2},
     {"name": "dp 2 x tp 2", "dp_shard": 2, "tp": 2},
-    {"name": "ep 2 x tp 2 (debug-moe)", "model": "moe", "dp_shard": 2, "ep": 2, "tp": 2},
+    {"name": "ep 2 x tp 2 (debug-moe, folded)", "model": "moe", "dp_shard": 2, "ep": 2, "tp": 2},
+    {
+        "name": "ep 2 x tp 2 (debug-moe, experts tensor-parallel)",
+        "model": "moe",
+        "dp_shard": 2,
+        "ep": 2,
+        "tp": 2,
+        "etp": 2,
+    },
 ]
 EIGHT = [{"name": "tp 2 x pp 2 x dp 2", "tp": 2, "pp": 2, "dp_shard": 2}]
 

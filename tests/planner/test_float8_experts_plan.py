@@ -16,6 +16,7 @@ from trillion.devices import fitted_constants
 from trillion.models.presets import get_preset
 from trillion.parallel.layout import Float8Training, Layout
 from trillion.parallel.planner import moe
+from trillion.parallel.planner.float8_experts import dispatch_row_bytes
 from trillion.parallel.planner.hardware import load_profile
 from trillion.trainer.cli.main import main as trillion
 from trillion.trainer.config.schema import load_config
@@ -57,7 +58,7 @@ def test_float8_dispatch_shrinks_the_forward_dispatch_only():
     saved = network * (2 * 7168 - (7168 + 4 * 56)) / bandwidth
     assert plain.ep_forward - dispatched.ep_forward == pytest.approx(saved)
     assert plain.ep_backward == dispatched.ep_backward  # the combine and the backward stay bf16
-    assert moe.dispatch_row_bytes(7168, "blockwise") == 7392 and moe.dispatch_row_bytes(7168, "rowwise") == 7172
+    assert dispatch_row_bytes(7168, "blockwise") == 7392 and dispatch_row_bytes(7168, "rowwise") == 7172
 
 
 def test_the_fused_permutation_moves_18_rows_a_token_forward_and_26_backward_at_top_8():

@@ -18,7 +18,6 @@ from trillion.parallel.planner.hardware import load_profile
 from trillion.parallel.planner.memory import RankParams, layout_memory, pipeline_ranks
 from trillion.parallel.planner.moe import (
     dispatch_seconds,
-    ep_degrees,
     expert_gemm_seconds,
     expert_numel,
     host_read_stall,
@@ -26,6 +25,7 @@ from trillion.parallel.planner.moe import (
     rank_load_imbalance,
 )
 from trillion.parallel.planner.search import Request, search
+from trillion.parallel.planner.space import ep_degrees
 from trillion.parallel.planner.timing import _gemm, all_to_all_time
 from trillion.trainer.tools import plan_cli
 
@@ -43,7 +43,7 @@ def test_expert_memory_is_total_expert_parameters_over_ep_times_expert_fsdp(ep):
     args = get_preset("qwen3-30b-a3b")
     dp_shard = 64
     efsdp = dp_shard // ep
-    local, shard = expert_numel(args, args.n_layers, tp=1, ep=ep, efsdp=efsdp)
+    local, shard = expert_numel(args, args.n_layers, etp=1, ep=ep, efsdp=efsdp)
     total = _expert_params(args)
     assert total == args.n_layers * 128 * 3 * 2048 * 768
     assert shard * ep * efsdp == total  # exactly: total / (ep x efsdp)

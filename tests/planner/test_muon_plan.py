@@ -14,7 +14,7 @@ from trillion.parallel.layout import Layout
 from trillion.parallel.muon.matrices import newton_schulz_flops
 from trillion.parallel.muon.newton_schulz import orthogonalize
 from trillion.parallel.planner.memory import RankParams, pipeline_ranks
-from trillion.parallel.planner.optimizer import muon_numel, state_bytes
+from trillion.parallel.planner.optimizer import muon_numel, state_bytes, step_buffer_bytes
 from trillion.trainer.cli.main import main
 from trillion.trainer.config.schema import Optimizer, load_config
 from trillion.trainer.optim import build_optimizer
@@ -55,7 +55,16 @@ def test_plan_costs_muon_beside_adamw_for_kimi_k2(tmp_path, capsys):
         rows[extra[-1] if extra else "adamw"] = json.loads(capsys.readouterr().out)["candidates"][0]
     adamw, muon = rows["adamw"], rows["muon"]
     assert muon["optimizer"] == "muon" and adamw["optimizer"] == "adamw"
-    assert muon["memory"]["optimizer"] < adamw["memory"]["optimizer"]  # states halved, step buffers added
+    assert (muon["ep"], muon["etp"]) == (adamw["ep"], adamw["etp"]) == (16, 1)  # ep 16 folded over tp 8 (x 2 dp)
+    for part in ("parameters", "gradients", "activations", "buffers"):
+        assert muon["memory"][part] == adamw["memory"][part], part
+    # the states halved, the step's buffers beyond the activations added (at this layout the states are small: the
+    # buffers outweigh the halving)
+    args = PRESETS["kimi-k2"]
+    layout = Layout(tp=8, pp=16, dp_shard=16, ep=16, etp=1, micro_batch_size=1)
+    rank = pipeline_ranks(args, layout)[1]
+    buffers = step_buffer_bytes(args, layout, "muon", rank, 2) / 1e9 - muon["memory"]["activations"]
+    assert muon["memory"]["optimizer"] == pytest.approx(adamw["memory"]["optimizer"] / 2 + buffers, abs=0.002)
     assert (
         muon["time_shares"]["optimizer"] * muon["step_time_s"]
         > adamw["time_shares"]["optimizer"] * adamw["step_time_s"]
@@ -63,6 +72,6 @@ def test_plan_costs_muon_beside_adamw_for_kimi_k2(tmp_path, capsys):
     assert load_config(str(tmp_path / "best2.toml")).optimizer.name == "muon"
     args, layout = PRESETS["kimi-k2"], Layout(tp=8, pp=16, dp_shard=16, ep=16)
     rank = pipeline_ranks(args, layout)[1]
-    shard = rank.numel(args, 8, 16, 16)[1]
+    shard = rank.numel(args, 8, 16, 16, layout.expert_tp)[1]
     states = {o: state_bytes(args, layout, o, rank, shard) for o in ("adamw", "muon")}
     assert 0.5 < states["muon"] / states["adamw"] < 0.51  # one state per hidden-matrix element instead of two

@@ -11,9 +11,9 @@ from trillion.models import get_preset
 from trillion.parallel.float8_recipes import FLOAT8_RECIPES
 from trillion.parallel.layout import Layout, resolve_float8
 from trillion.parallel.planner.cost import high_precision_tail
+from trillion.parallel.planner.float8_experts import dispatch_row_bytes
 from trillion.parallel.planner.hardware import PROFILE_DIR, load_profile
 from trillion.parallel.planner.memory import layers_from
-from trillion.parallel.planner.moe import dispatch_row_bytes
 from trillion.parallel.planner.search import Request, metrics, search
 from trillion.parallel.planner.space import tp_degrees
 from trillion.parallel.planner.timing import _gemm, collective_time

@@ -131,8 +131,12 @@ def test_the_guide_states_what_the_validation_shows(records):
     assert max(abs(e) for e in mi300x.values()) <= 0.15 and "to about 15% on MI300X" in docs
     cdna3 = next(e for e in fitted_constants() if e["family"].startswith("CDNA3"))
     assert f"MI300X {cdna3['value']}" in docs
-    moe = next(r for r in records if r["run"].get("moe_dispatch") == "deepep")
+    moe = next(r for r in records if r["run"]["id"].startswith("automodel"))
     assert f"MoE run is {100 * moe['error']:+.1f}% as planned and {100 * moe['charged_error']:+.1f}% with" in docs
+    qwen = {r["run"]["id"].split("-")[-2]: r for r in records if r["run"]["id"].startswith("megatron-qwen3")}
+    fsdp, pipelined = qwen["fsdp"], qwen["pp8"]
+    assert f"are {100 * fsdp['error']:+.1f}% (FSDP; {100 * fsdp['charged_error']:+.1f}% with DeepEP charged" in docs
+    assert f"and {100 * pipelined['error']:+.1f}% (pipelined at one 4096-token micro-batch" in docs
     charged_error, charged_id = worst(records, charged=True)
     charged_signed = next(row_error(r, charged=True) for r in records if r["run"]["id"] == charged_id)
     assert f"{100 * charged_signed:+.1f}% ({charged_id})" in docs

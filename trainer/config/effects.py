@@ -98,6 +98,14 @@ RULES = (
         "Add --parallel.ep=2 or more (an MoE model)",
     ),
     Needs(
+        ("parallel.etp",),
+        "with expert parallelism under tensor parallelism (parallel.ep > 1 and parallel.tp > 1), where ep can fold "
+        "over the tp ranks",
+        lambda c: c.parallel.ep > 1 and c.parallel.tp > 1,
+        ("parallel.ep", "parallel.tp"),
+        "Add --parallel.ep=2 and --parallel.tp=2 or more (an MoE model)",
+    ),
+    Needs(
         (
             "parallel.pp_schedule",
             "parallel.pp_virtual_stages",

@@ -35,9 +35,18 @@ class Parallel:
     tp: int = doc(1, "Tensor-parallel degree (keep inside a node).", POSITIVE)
     ep: int = doc(
         1,
-        "Expert-parallel degree (MoE models): the routed experts are split over ep ranks taken from the "
-        "data-parallel ones (ep divides dp_shard x cp and the expert count); tokens reach them by all-to-all.",
+        "Expert-parallel degree (MoE models): the routed experts are split over ep ranks (which ones: etp); tokens "
+        "reach them by all-to-all. ep divides the expert count.",
         POSITIVE,
+    )
+    etp: int = doc(
+        0,
+        "Expert tensor parallelism, 1 or tp (with ep > 1). 1: MoE parallel folding, ep borrows the tp ranks, then "
+        "cp, then dp_shard (ep a multiple of cp x tp dividing dp_shard x cp x tp), each tp rank routing and sending "
+        "only its own sequence-parallel tokens to whole experts. tp: the experts tensor-parallel like the shared "
+        "ones, ep inside dp_shard x cp, every tp rank sending the tp group's tokens. 0 = auto: 1 where ep can fold "
+        "(the fewest bytes), else tp; the log names the choice.",
+        Range(1, also={0: "auto: the fewest bytes"}),
     )
     ep_dispatch: str = doc(
         "auto",

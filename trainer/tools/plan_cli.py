@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("activation_checkpoint", str, SEARCHED_CHECKPOINT_MODES),
         ("cp", int, None),
         ("ep", int, None),
+        ("etp", int, None),
         ("optimizer", str, OPTIMIZERS),
     ):
         fixed.add_argument(
@@ -144,7 +145,7 @@ def argument_problems(ns: argparse.Namespace) -> tuple[list[str], object]:
     for flag, value in (("--gpus", ns.gpus), ("--global-batch", ns.global_batch)):
         if value is not None and value < 1:
             problems.append(f"{flag} {value} must be at least 1")
-    for key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size", "cp", "ep"):
+    for key in ("tp", "pp", "dp_replicate", "dp_shard", "virtual_stages", "micro_batch_size", "cp", "ep", "etp"):
         if getattr(ns, key) is not None and getattr(ns, key) < 1:
             problems.append(f"--{key.replace('_', '-')} {getattr(ns, key)} must be at least 1")
     for flag, setting in PART_FLAGS.items():

@@ -33,6 +33,7 @@ def train_config_toml(request: Request, row: dict) -> str:
         "activation_checkpoint",
         "cp",
         "ep",
+        "etp",
     ):
         setattr(config.parallel, key, row[key])
     for setting in PART_FLAGS.values():  # a part setting the plan changed from the preset's

@@ -35,7 +35,13 @@ def parse(argv: list[str]):
         "--ep",
         type=int,
         default=None,
-        help="expert-parallel degree of an MoE model (parallel.ep; default: the config's), within dp_shard x cp",
+        help="expert-parallel degree of an MoE model (parallel.ep; default: the config's)",
+    )
+    p.add_argument(
+        "--etp",
+        type=int,
+        default=None,
+        help="expert tensor parallelism, 1 (ep folded over the tp ranks) or tp (parallel.etp; default: the config's)",
     )
     p.add_argument(
         "--world-size",
@@ -67,6 +73,7 @@ def parse(argv: list[str]):
     if ns.config is None and ns.model is None:
         raise ConfigError("trillion estimate needs --config FILE or --model NAME (e.g. --model qwen3-235b-a22b).")
     flags = [f"--model.name={ns.model}"] * (ns.model is not None) + [f"--parallel.ep={ns.ep}"] * (ns.ep is not None)
+    flags += [f"--parallel.etp={ns.etp}"] * (ns.etp is not None)
     return ns, [*overrides, *flags]
 
 
@@ -86,7 +93,8 @@ def table(result: Estimate) -> str:
     lay = result.layout
     pipelined = lay["pp"] > 1
     cp = f"cp {lay['cp']} x " if lay["cp"] > 1 else ""
-    ep = f", ep {lay['ep']} (experts sharded over efsdp {lay['efsdp']})" if lay.get("ep", 1) > 1 else ""
+    folded = " folded over tp (etp 1)" if lay.get("etp", 1) == 1 and lay["tp"] > 1 else ""
+    ep = f", ep {lay['ep']}{folded} (experts sharded over efsdp {lay['efsdp']})" if lay.get("ep", 1) > 1 else ""
     lines = [
         f"# trillion estimate: {result.config_model} on {result.world_size} ranks "
         f"(pp {lay['pp']} x dp_replicate {lay['dp_replicate']} x dp_shard {lay['dp_shard']} x {cp}tp {lay['tp']}{ep}, "

@@ -230,6 +230,7 @@ def layout_summary(config: Config, dims: ParallelDims, plan: StagePlan) -> dict:
     layout, t, pipelined = dims.layout, config.training, dims.pp > 1
     return {
         **{axis: getattr(layout, axis) for axis in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")},
+        "etp": layout.expert_tp,
         "efsdp": dims.efsdp,
         "dp_shard_mode": layout.dp_shard_mode,
         "activation_checkpoint": layout.activation_checkpoint,
