@@ -14,8 +14,7 @@ Attention across shards, by all-gather of K/V: each layer gathers the cp ranks' 
 restores the global order, and each of the rank's two query chunks attends, with the ordinary
 lower-right-aligned causal mask, to the key prefix that ends where the chunk ends. Any attention
 backend then runs unchanged (the Triton kernel, SDPA, eager), forward and backward, and nothing
-needs log-sum-exp merging. Why all-gather rather than a ring: see the README's context-parallel
-section and /work/notes/cp.md (measured).
+needs log-sum-exp merging. Why all-gather rather than a ring: docs/parallelism.md, "Context parallelism".
 """
 
 from __future__ import annotations

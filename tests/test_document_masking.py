@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 
+from tests.helpers.documentation import documentation_text
 from trillion.errors import ConfigError
 from trillion.models import Transformer, get_preset
 from trillion.models.flops import model_flops_per_token
@@ -137,7 +138,7 @@ def test_an_attention_that_cannot_mask_documents_is_refused_naming_the_fix():
 
 
 def test_trillion_train_masks_documents_and_counts_the_masked_work(tmp_path):
-    """The README's `trillion train --data.document_mask=true`, in small: on the default corpus (each source file a
+    """The data guide's `trillion train --data.document_mask=true`, in small: on the default corpus (each source file a
     document: most are longer than a window, so few windows hold a boundary) it trains and evaluates, masked in
     evaluation too; on short documents the logged attention share is below 1 and the FLOP count follows it."""
     import json
@@ -165,15 +166,14 @@ def test_evaluation_masks_as_its_setting_says():
 
 
 @pytest.mark.slow
-def test_the_readme_s_masked_default_run_logs_the_held_out_losses_it_states(tmp_path):
+def test_the_guide_s_masked_default_run_logs_the_held_out_losses_it_states(tmp_path):
     """`trillion train --training.steps=200 --data.document_mask=true` as a user types it: the held-out losses
-    the README sets beside the unmasked default run's (to 0.05, for another CPU's rounding)."""
+    the data guide sets beside the unmasked default run's (to 0.05, for another CPU's rounding)."""
     import json
     import os
     import re
     import subprocess
     import sys
-    from pathlib import Path
 
     out = tmp_path / "masked"
     command = ["train", "--training.steps=200", "--data.document_mask=true", f"--job.output_dir={out}"]
@@ -187,11 +187,11 @@ def test_the_readme_s_masked_default_run_logs_the_held_out_losses_it_states(tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     lines = (out / "metrics.jsonl").read_text().splitlines()
     losses = [record["eval_loss"] for record in map(json.loads, lines) if "eval_loss" in record]
-    text = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    text = documentation_text()
     stated = re.search(
         r"`trillion train --training.steps=200 --data.document_mask=true`\): held-out loss (\d\.\d\d) at step 0, "
         r"(\d\.\d\d) at 50, (\d\.\d\d) at 100, (\d\.\d\d) at 150 and (\d\.\d\d) at step 200",
         text,
     )
-    assert stated, "README's sentence on the masked run moved"
+    assert stated, "the documentation's sentence on the masked run moved"
     assert all(abs(float(s) - loss) < 0.05 for s, loss in zip(stated.groups(), losses)), (stated.groups(), losses)

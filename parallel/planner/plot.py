@@ -8,19 +8,29 @@ from trillion.errors import ConfigError
 from trillion.parallel.planner.search import Request, SearchResult, metrics, scaling
 
 
-def _pyplot():
+def pyplot(needed_by: str = "--plot"):
+    """matplotlib's pyplot, drawing to files; without matplotlib a user error naming `needed_by` and the extra."""
     try:
         import matplotlib
     except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'trillion[plot]'.") from None
+        raise ConfigError(f"{needed_by} needs matplotlib: pip install 'trillion[plot]'.") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
+def save_figure(plt, fig, path: Path) -> Path:
+    """Writes `fig` to `path` (its folder made) and frees it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_tradeoff(request: Request, result: SearchResult, path: Path) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     rows = [metrics(request, c) for c in result.ranked]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for mode, marker in (("none", "o"), ("selective", "s"), ("full", "^")):
@@ -42,10 +52,7 @@ def plot_tradeoff(request: Request, result: SearchResult, path: Path) -> Path:
         title=f"{request.model} on {request.gpus} x {request.hardware.name}: layouts that fit",
     )
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
 
 
 def plot_scaling(
@@ -55,20 +62,24 @@ def plot_scaling(
     reference: dict[str, tuple[int, float]] | None = None,
 ) -> Path:
     """curves: label -> [(gpus, efficiency)]; reference: label -> (gpus, efficiency) published points."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, points in curves.items():
         ax.plot([g for g, _ in points], [100 * e for _, e in points], marker="o", label=label)
     for label, (gpus, efficiency) in (reference or {}).items():
         ax.scatter([gpus], [100 * efficiency], marker="*", s=160, zorder=5, label=label)
     ax.set_xscale("log", base=2)
-    ax.set(xlabel="GPUs", ylabel="scaling efficiency (%)", title=title, ylim=(0, 110))
+    ax.set(xlabel="GPUs", ylabel="scaling efficiency (%)", title=title, ylim=(0, efficiency_top(curves, reference)))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path)
+
+
+def efficiency_top(curves: dict[str, list[tuple[int, float]]], reference: dict | None = None) -> float:
+    """The scaling plot's upper limit in percent: 110, or above the highest point (the planner may predict a
+    superlinear efficiency where the smallest GPU count can only hold a slower layout)."""
+    points = [e for line in curves.values() for _, e in line] + [e for _, e in (reference or {}).values()]
+    return max(110.0, 105.0 * max(points, default=0.0))
 
 
 def plot_request(request: Request, result: SearchResult, directory: Path) -> list[Path]:

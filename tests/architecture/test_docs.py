@@ -1,4 +1,4 @@
-"""The repository explains itself and stays true: every path docs/ARCHITECTURE.md and CONTRIBUTING.md name
+"""The repository explains itself and stays true: every path the README, CONTRIBUTING.md and the guides in docs/ name
 exists, no source file cites a design document outside the repository, and the pre-commit hook runs the
 ruff version the test extra pins (another version formats differently, and tests/test_style.py would fail)."""
 
@@ -11,7 +11,8 @@ import tomllib
 from tests.architecture.test_rooms import SOURCE_FOLDERS, source_files
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = ("docs/ARCHITECTURE.md", "CONTRIBUTING.md")
+# the README, CONTRIBUTING.md and every guide in docs/ (ARCHITECTURE.md among them)
+DOCS = ("README.md", "CONTRIBUTING.md", *sorted(f"docs/{path.name}" for path in (ROOT / "docs").glob("*.md")))
 TOP_FOLDERS = ("trillion", "kernels", "models", "parallel", "trainer", "experiments", "tests", "docs", ".ci")
 # `models/parts.py`, `parallel/planner/`, `tests/architecture/test_rooms.py`: a path inside the repository,
 # written in backquotes; a bare file name (`train.py`) is prose, resolved against the folder the text names.

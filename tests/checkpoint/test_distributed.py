@@ -134,7 +134,7 @@ def test_torchrun_restarts_a_killed_rank_and_ends_on_the_same_loss(tmp_path):
         *args,
     ]
     # The restarted workers must not read the dead ones' addresses from torchrun's shared store
-    # (pytorch/pytorch#135712); the README asks the same of every torchrun --max-restarts job.
+    # (pytorch/pytorch#135712); docs/checkpoints.md asks the same of every torchrun --max-restarts job.
     env = {
         **os.environ,
         "CRASH_AT_STEP": "3",

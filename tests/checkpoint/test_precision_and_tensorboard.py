@@ -1,4 +1,4 @@
-"""README claims with no other fast test: fp16 with dynamic loss scaling in one process (the paper's
+"""Guide claims with no other fast test: fp16 with dynamic loss scaling in one process (the paper's
 precision) trains the fp32 run's curve within fp16's precision and scales the loss; TensorBoard event
 files hold the logged metrics."""
 

@@ -1,5 +1,5 @@
-"""A preempted torchrun job ends cleanly: SIGUSR1, then SIGTERM, sent to `trillion torchrun` (the command the README
-gives for torchrun and SLURM jobs) while its two ranks train, each saves after the step it lands in and the command
+"""A preempted torchrun job ends cleanly: SIGUSR1, then SIGTERM, sent to `trillion torchrun` (the command the guides
+give for torchrun and SLURM jobs) while its two ranks train, each saves after the step it lands in and the command
 exits 0 with a `preempted, saved` line a job script can test; the same command run again resumes, on the losses of
 an unbroken run bitwise. (Plain torchrun exits 1 with a traceback after SIGTERM, and SIGUSR1 kills
 it: its agent handles the first and not the second.)"""

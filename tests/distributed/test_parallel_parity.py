@@ -76,7 +76,7 @@ HSDP_X_TP = [
 ]
 
 
-def test_eight_ranks_hsdp_x_tp():  # the README's HSDP 2 x 2 x TP 2 command, one family
+def test_eight_ranks_hsdp_x_tp():  # the parallelism guide's HSDP 2 x 2 x TP 2 command, one family
     run_ranks(check_cases, 8, HSDP_X_TP[:1])
 
 

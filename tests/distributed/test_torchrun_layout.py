@@ -1,4 +1,4 @@
-"""The README's command: `torchrun --nproc-per-node 4 -m trillion train --parallel.dp_shard=2
+"""The parallelism guide's command: `torchrun --nproc-per-node 4 -m trillion train --parallel.dp_shard=2
 --parallel.tp=2` logs the losses and gradient norms of the one-process run on the real data path
 (embedded corpus, packing, each data-parallel rank's slice of the global batch)."""
 

@@ -46,7 +46,7 @@ def test_groups_meet_every_sync_steps_and_then_hold_the_same_weights(method, tmp
 def test_diloco_trains_the_debug_model_close_to_synchronous_training(tmp_path):
     """DiLoCo, 2 groups, sync_steps 5, 100 steps of the debug model on the default corpus, against one
     process training the same global batches synchronously: the held-out loss after the last step within
-    5% (measured +3.0%: README, "Fault tolerance"), and 20 meetings. The outer momentum is 0.5: with the DiLoCo
+    5% (measured +3.0%: docs/checkpoints.md), and 20 meetings. The outer momentum is 0.5: with the DiLoCo
     paper's 0.9, 20 meetings are too few for it to settle (measured +18.7%)."""
     base = ["--training.steps=100", "--eval.interval=100", "--checkpoint.interval=0", "--job.device=cpu"]
     synchronous = train_records(tmp_path / "sync", TRILLION, [*base, "--logging.wandb=false"])

@@ -1,6 +1,6 @@
 """Parts of the fault-tolerant step, each against a reference written here, in one process and without a
 Lighthouse (the multi-group runs: test_kill_rejoin.py, test_semi_sync.py): which rows of every global batch each
-data-parallel rank of each replica group reads (the README's rule, with several ranks in a group); an attempt
+data-parallel rank of each replica group reads (docs/checkpoints.md's rule, several ranks a group); an attempt
 that does not commit leaves an MoE layer's balancing bias where it was; DiLoCo's outer step is Nesterov's
 (the DiLoCo paper's outer optimizer, written out in float64)."""
 

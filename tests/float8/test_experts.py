@@ -1,6 +1,6 @@
 """The routed experts in float8 (float8.experts, parallel/float8_experts.py) as the trainer applies them: the log
 counts the float8 expert GEMMs and keeps the routers in high precision, `off` keeps the experts, a short
-debug-deepseek run emulated in float8 keeps the plain run's loss (the fast representative of the README's
+debug-deepseek run emulated in float8 keeps the plain run's loss (the fast representative of the low-precision guide's
 50-step figure, tests/float8/test_long_run.py), and the bad inputs exit 2 with one paragraph before any work:
 float8 dispatch without float8 experts or without expert parallelism, a float8 expert recipe on a GPU
 without float8 units or where neither of its backends runs. Blockwise dims that are not multiples of 128 are

@@ -6,7 +6,7 @@ stay within a stated band. On a GPU without float8 units (A100, MI250X) the floa
 The band: at every step |float8 - bf16| <= 4% of the bf16 loss + 0.05, and over the last 10 steps the mean
 within 2%. Float8 rounds each GEMM operand to 3 mantissa bits (e4m3) where bf16 keeps 8, a relative error
 of up to 2^-4 per element that averages out over the K-long dot products; the CPU emulation of the debug
-model (README, "Float8 training") ends 200 steps within 0.9% of the fp32 run's held-out loss, and
+model (docs/low-precision.md) ends 200 steps within 0.9% of the fp32 run's held-out loss, and
 torchtitan's published Llama 3 8B float8 curves lie on the bf16 ones. Early steps, where the loss falls
 fastest, get the wider per-step allowance.
 """

@@ -1,7 +1,7 @@
-"""The README's float8 figures (slow: about an hour on two CPU cores): the default debug run, 200 steps on the
+"""The guide's float8 figures (slow: about an hour on two CPU cores): the default debug run, 200 steps on the
 embedded corpus, with float8 emulated and without (on a CPU the plain run is fp32), from the same seed and
 data; the float8 run's held-out loss must end within BAND of the plain run's. And debug-deepseek's 50 steps with
-the routed experts in float8 too. The README's "Float8 training" section gives the commands and the losses."""
+the routed experts in float8 too. docs/low-precision.md gives the commands and the losses."""
 
 import json
 
@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers.launch import TRILLION, train_records
 
-BAND = 0.02  # relative: measured 2026-12-01, float8 0.9% below (README); 2% leaves room for other builds
+BAND = 0.02  # relative: measured 2026-12-01, float8 0.9% below (docs/low-precision.md); 2% leaves room for other builds
 RUN = ["--logging.wandb=false", "--logging.progress_bar=lines", "--job.device=cpu"]
 
 
@@ -31,10 +31,10 @@ def test_200_steps_of_emulated_float8_end_within_the_band_of_the_plain_run(tmp_p
 
 @pytest.mark.slow
 def test_50_steps_of_debug_deepseek_with_float8_experts_keep_the_plain_loss(tmp_path, caplog):
-    """The README's routed-experts figure (slow: about 50 minutes on two shared CPU cores): debug-deepseek, 50 steps
+    """The routed-experts figure of the guide (slow: about 50 minutes on two shared CPU cores): debug-deepseek, 50 steps
     on the embedded corpus, emulated float8 (the experts' grouped GEMMs blockwise, the linears tensorwise) and plain,
     same seed and data: the mean training loss of the last 10 steps within BAND of the plain run's (measured 2026-12-04:
-    1.8% below it, README)."""
+    1.8% below it, docs/low-precision.md)."""
     from trillion.trainer.cli.main import main
 
     flags = ["--model.name=debug-deepseek", "--training.steps=50", "--eval.interval=0", "--checkpoint.interval=0",

@@ -16,7 +16,7 @@ ENTRY = Path(__file__).resolve().parents[1] / "fault_tolerance" / "ft_entry.py"
 
 @contextlib.contextmanager
 def lighthouse(folder: Path, heartbeat_timeout_ms: int = 1500):
-    """Yields the Lighthouse's address (http://127.0.0.1:PORT), started with the README's settings."""
+    """Yields the Lighthouse's address (http://127.0.0.1:PORT), started with the settings docs/checkpoints.md gives."""
     log = folder / "lighthouse.log"
     server = subprocess.Popen(
         [

@@ -221,7 +221,7 @@ def test_every_architecture_has_configs_for_every_head_dim(arch):
         (None, dict(major=8, minor=0), "sm80"),
         (None, dict(major=8, minor=9), "sm80"),
         (None, dict(major=9, minor=0), "sm90"),
-        (None, dict(major=10, minor=0), "sm90"),
+        (None, dict(major=10, minor=0), "sm100"),
         ("6.2", dict(gcnArchName="gfx90a:sramecc+:xnack-"), "gfx90a"),
         ("6.2", dict(gcnArchName="gfx942:sramecc+:xnack-"), "gfx942"),
         ("6.2", dict(gcnArchName="gfx950"), "gfx942"),

@@ -1,4 +1,4 @@
-"""What each dp_shard_mode keeps gathered between uses (the README's table), observed on the module
+"""What each dp_shard_mode keeps gathered between uses (the parallelism guide's table), observed on the module
 itself: FSDP2 swaps a block's parameters for unsharded tensors while it holds them gathered and back
 to DTensor shards when it reshards. zero3 reshards after every forward and backward; zero2 and zero1
 keep a block gathered from its first forward through every micro-batch until the last backward.

@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from tests.helpers.documentation import documentation_text
 from trillion.models.flops import count_params, model_flops_per_token
 from trillion.models.presets import get_preset
 from trillion.parallel.layout import Layout
@@ -209,10 +210,9 @@ DEEPSEEK_LAYOUT = ["--pp", "16", "--ep", "64", "--dp-shard", "128", "--dp-shard-
 
 def test_deepseeks_own_layout_plans_with_mtp_per_node_and_its_cost_beside_the_published(tmp_path, capsys):
     """DeepSeek-V3's layout (pp 16, ep 64 over 8 nodes, zero1) in float8 plans with its MTP module and the per-node
-    dispatch, and the plan file carries them; the README's comparison with the published 2.664M H800 GPU-hours is
+    dispatch, and the plan file carries them; the guide's comparison with the published 2.664M H800 GPU-hours is
     the planner's."""
     import json
-    from pathlib import Path
 
     from trillion.trainer.cli.main import main
     from trillion.trainer.config.schema import load_config
@@ -223,15 +223,14 @@ def test_deepseeks_own_layout_plans_with_mtp_per_node_and_its_cost_beside_the_pu
     config = load_config(str(tmp_path / "ds.toml"))
     assert config.model.mtp_modules == -1 and get_preset("deepseek-v3-671b").mtp_modules == 1  # the preset's MTP
     assert (config.job.world_size, config.job.hardware, config.parallel.ep_dispatch) == (2048, "dgx-h800", "auto")
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    readme, shares = " ".join(readme.split()), row["time_shares"]
+    docs, shares = documentation_text(), row["time_shares"]
     quoted = [
         f"{row['gpu_hours'] / 1e6:.2f}M GPU-hours ({row['gpu_hours'] / 2.664e6 - 1:+.0%} against DeepSeek's 2.664M)",
         f"the all-to-alls {100 * shares['ep_exposed']:.0f}% of the step, the stage imbalance "
         f"{100 * shares['imbalance']:.0f}% and the bubble {100 * shares['bubble']:.0f}%",
     ]
     for text in quoted:
-        assert text in readme, text
+        assert text in docs, text
 
 
 @pytest.mark.slow  # about 30 s (70k layouts) and the 2048-rank dry run about 15 s on two cores

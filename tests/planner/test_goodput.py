@@ -127,7 +127,7 @@ KIMI = "--model kimi-k2 --hardware dgx-h100 --gpus 4096 --global-batch 4096 --se
     ],
     ids=["gpt-1t-3072-mi250x", "kimi-k2-4096-h100"],
 )
-def test_the_readme_goodput_figures(argv, figures, capsys):
+def test_the_guides_goodput_figures(argv, figures, capsys):
     assert trillion(["plan", *argv.split(), "--top", "1", "--config-out", ""]) == 0
     out = capsys.readouterr().out
     assert all(figure in out for figure in figures), out[-800:]

@@ -2,6 +2,7 @@
 keeps the Frontier plan inside the MI250X GCD's 64 GB and records that float8 is refused there."""
 
 from experiments.frontier.kimi_k2_report import HARDWARE, main
+from tests.helpers.documentation import documentation_text
 
 
 def test_the_report_plans_each_machine_within_its_memory_and_refuses_float8_on_frontier(tmp_path):
@@ -16,11 +17,9 @@ def test_the_report_plans_each_machine_within_its_memory_and_refuses_float8_on_f
     assert "8 GCDs per node" in text and "100 GB/s per node" in text
 
 
-def test_the_readmes_kimi_k2_on_frontier_is_the_planners_prediction():
-    """README's DeepSeek/Kimi section quotes the Frontier plan: its layout, step, MFU, shares, days, GCD-hours and
+def test_the_guides_kimi_k2_on_frontier_is_the_planners_prediction():
+    """The planning guide's Kimi K2 section quotes the Frontier plan: its layout, step, MFU, shares, days, GCD-hours and
     energy are what the planner gives now."""
-    from pathlib import Path
-
     from experiments.frontier.kimi_k2_report import plan
     from trillion.models.presets import get_preset
     from trillion.parallel.planner.hardware import load_profile
@@ -28,7 +27,7 @@ def test_the_readmes_kimi_k2_on_frontier_is_the_planners_prediction():
 
     request = Request("kimi-k2", get_preset("kimi-k2"), load_profile("frontier"), 4096, 4096, 4096, 15.5e12)
     r, _ = plan(request)
-    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    docs = documentation_text()
     shares = r["time_shares"]
     layout = f"tp {r['tp']}, pp {r['pp']}, cp {r['cp']}, ep {r['ep']}, dp_shard {r['dp_shard']} ({r['dp_shard_mode']})"
     quoted = [
@@ -40,12 +39,10 @@ def test_the_readmes_kimi_k2_on_frontier_is_the_planners_prediction():
         f"{round(r['energy_mwh'], -2):,.0f} MWh",
     ]
     for text in quoted:
-        assert text in readme, text
+        assert text in docs, text
 
 
-def test_the_readmes_kimi_k2_days_on_h100_and_mi300x_are_the_planners():
-    from pathlib import Path
-
+def test_the_guides_kimi_k2_days_on_h100_and_mi300x_are_the_planners():
     from experiments.frontier.kimi_k2_report import plan
     from trillion.models.presets import get_preset
     from trillion.parallel.planner.hardware import load_profile
@@ -57,5 +54,5 @@ def test_the_readmes_kimi_k2_days_on_h100_and_mi300x_are_the_planners():
         ]
         for hardware in ("dgx-h100", "mi300x")
     }
-    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
-    assert f"4096 H100s at {days['dgx-h100']:.0f} days and 4096 MI300X at {days['mi300x']:.0f}." in readme
+    docs = documentation_text()
+    assert f"4096 H100s at {days['dgx-h100']:.0f} days and 4096 MI300X at {days['mi300x']:.0f}." in docs

@@ -5,6 +5,7 @@ DeepSeek-V3 plan on 256 B200 in MXFP8 against torchtitan's published 918 tokens/
 
 import pytest
 
+from tests.helpers.documentation import documentation_text
 from trillion.errors import ConfigError
 from trillion.models import get_preset
 from trillion.parallel.float8_recipes import FLOAT8_RECIPES
@@ -96,7 +97,7 @@ def test_a_format_the_hardware_lacks_is_refused_naming_its_formats(hardware, rec
 
 
 # The layout `trillion plan --model deepseek-v3-671b --hardware dgx-b200 --gpus 256 --global-batch 2048 --seq-len 4096
-# --float8 --float8-recipe mxfp8` ranks first (README), fixed here so that the search is one layout's
+# --float8 --float8-recipe mxfp8` ranks first (docs/planning.md), fixed here so that the search is one layout's
 DEEPSEEK_B200 = dict(
     tp=1, pp=8, pp_schedule="Interleaved1F1B", virtual_stages=2, micro_batch_size=1, activation_checkpoint="full",
     ep=8, dp_shard=32, dp_shard_mode="zero1", float8=True, float8_recipe="mxfp8",
@@ -119,7 +120,7 @@ def test_deepseek_v3_on_256_b200_in_mxfp8_is_planned_past_torchtitans_918():
     assert per_gpu >= 918 and best["fits"], per_gpu
     shares = best["time_shares"]
     assert shares["compute"] > 0.6 and shares["ep_exposed"] < 0.05  # the experts' all-to-alls stay on NVLink
-    readme = " ".join((PROFILE_DIR.parents[2] / "README.md").read_text().split())
+    docs = documentation_text()
     quoted = [
         f"{best['step_time_s']:.2f} s a step",
         f"**{per_gpu:,.0f} tokens/s per GPU**",
@@ -128,7 +129,7 @@ def test_deepseek_v3_on_256_b200_in_mxfp8_is_planned_past_torchtitans_918():
     quoted += [f"{best['memory_gb']:.1f} GB per GPU", f"compute {100 * shares['compute']:.1f}%"]
     quoted += [f"pipeline stage imbalance {100 * shares['imbalance']:.1f}%", f"bubble {100 * shares['bubble']:.1f}%"]
     quoted += [f"exposed data-parallel traffic {100 * shares['dp_exposed']:.1f}%"]
-    assert [text for text in quoted if text not in readme] == []
+    assert [text for text in quoted if text not in docs] == []
 
 
 def test_an_ep_whose_expert_shards_fsdp_cannot_split_is_refused_for_the_planner_and_the_trainer():

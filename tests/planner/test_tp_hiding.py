@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from tests.helpers.documentation import documentation_text
 from trillion.errors import ConfigError
 from trillion.models.presets import get_preset
 from trillion.parallel.layout import Layout
@@ -89,11 +90,11 @@ def test_async_tp_is_planned_where_asked_and_needs_compile():
     assert best.layout.async_tp and best.layout.tp_overlap == 0
 
 
-def test_readme_states_what_the_tp_rows_of_the_validation_show():
-    """README's figures for the rows planned with the overlap (experiments/validation: runs.toml, VALIDATION.md)."""
-    from experiments.validation.predictions import RUNS_FILE, load_pairs, load_runs, predict
+def test_the_guide_states_what_the_tp_rows_of_the_validation_show():
+    """The guide's figures for the rows planned with the overlap (experiments/validation: runs.toml, VALIDATION.md)."""
+    from experiments.validation.predictions import load_pairs, load_runs, predict
 
-    readme = " ".join((RUNS_FILE.parents[2] / "README.md").read_text().split())
+    docs = documentation_text()
     runs = {run["id"]: run for run in load_runs()}
     tp_rows = ("megatron-gpt", "torchtitan-70b", "torchtitan-405b")
     predicted = {i: predict(run)[0] for i, run in runs.items() if i.startswith(tp_rows)}
@@ -103,14 +104,14 @@ def test_readme_states_what_the_tp_rows_of_the_validation_show():
     assert len(megatron) == 8 and len(inside) == 7
     assert (
         f"7 of its 8 rows with TP ({100 * inside[0]:+.1f}% to {100 * inside[-1]:+.1f}%; "
-        f"32B at {100 * megatron[0]:+.1f}%" in readme
+        f"32B at {100 * megatron[0]:+.1f}%" in docs
     )
     titan = sorted(
         e
         for i, e in errors.items()
         if i.startswith("torchtitan") and "async_tp" in runs[i]["layout"] and "2025" not in i
     )
-    assert f"torchtitan's async-TP rows {100 * titan[0]:+.1f}% to {100 * titan[-1]:+.1f}%" in readme
+    assert f"torchtitan's async-TP rows {100 * titan[0]:+.1f}% to {100 * titan[-1]:+.1f}%" in docs
     ratios = {
         p["what"]: (
             runs[p["with"]]["published"] / runs[p["without"]]["published"],
@@ -124,6 +125,6 @@ def test_readme_states_what_the_tp_rows_of_the_validation_show():
         ratios["async TP, June 2025, bf16"],
     )
     assert (
-        abs(june[1] - june[0]) <= 0.03 and f"{june[0]:.3f} in June 2025 (float8), is planned as {june[1]:.3f}" in readme
+        abs(june[1] - june[0]) <= 0.03 and f"{june[0]:.3f} in June 2025 (float8), is planned as {june[1]:.3f}" in docs
     )
-    assert f"December 2024 pair ({december[0]:.3f})" in readme and f"June bf16 one ({bf16[0]:.3f})" in readme
+    assert f"December 2024 pair ({december[0]:.3f})" in docs and f"June bf16 one ({bf16[0]:.3f})" in docs

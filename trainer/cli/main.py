@@ -39,6 +39,10 @@ COMMANDS = {
         "trillion.trainer.tools.estimate.cli",
         "check a layout's memory per rank at full scale on one CPU: trillion estimate --config FILE --world-size N",
     ),
+    "plot": Command(
+        "trillion.trainer.tools.plot.cli",
+        "draw a run's curves, pipeline schedule and replica groups, or a layout's mesh: trillion plot RUN_DIR",
+    ),
     "export": Command(
         "trillion.trainer.cli.export",
         "a checkpoint as a Hugging Face model: trillion export --checkpoint DIR --format hf OUT",

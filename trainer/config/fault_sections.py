@@ -1,6 +1,6 @@
 """The [fault_tolerance] section: torchft replica groups (torchtitan's setting names), the Lighthouse at
 TORCHFT_LIGHTHOUSE. Each group is its own job (its own torchrun or srun); together they are the
-data-parallel replicas, joined by torchft's managed all-reduce (README, "Fault tolerance")."""
+data-parallel replicas, joined by torchft's managed all-reduce (docs/checkpoints.md, "Fault tolerance")."""
 
 from dataclasses import dataclass
 
