@@ -91,6 +91,22 @@ def hardware_flops_per_token(
     return model_flops_per_token(args, seq_len, attention_share) + recompute_fraction * block_forward
 
 
+def unit_flops_per_token(args: ModelArgs, seq_len: int) -> list[float]:
+    """Forward + backward FLOPs per token of each pipeline unit (parallel/pp_layout.py): the embedding (a lookup:
+    none), each layer (its active parameters and attention), and the output end: the head and each multi-token
+    prediction module (its block, its projection and the head again)."""
+    attention = 6 * _query_heads(args) * attention_width(args) * seq_len
+
+    def layer(index: int) -> float:
+        block = parts.layer_block(args, index)
+        return 6 * (block.numel - block.inactive_numel) + attention
+
+    head = 6 * args.vocab_size * args.dim
+    count, ahead = parts.ahead_modules(args)
+    modules = count * (layer(args.n_layers) + 6 * ahead.numel + head) if count else 0.0
+    return [0.0, *(layer(index) for index in range(args.n_layers)), head + modules]
+
+
 def count_blocks_matmul_params(args: ModelArgs) -> int:
     """The trunk's blocks' parameters one token's forward multiplies by (active ones only; activation
     checkpointing recomputes these, never the multi-token prediction modules)."""

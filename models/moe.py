@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 from trillion.errors import ConfigError
 from trillion.kernels.grouped_gemm import backend_unavailable, grouped_mm
@@ -75,6 +76,8 @@ class RoutedExperts(nn.Module):
         super().__init__()
         self.impl, self.permute_impl = moe.experts_impl, moe.permute_impl
         self.float8 = None  # a float8 grouped product (parallel/float8.py), in place of grouped_mm
+        # keep w1's and w3's outputs, recompute SwiGLU's in backward (DeepSeek's: parallel/activation_checkpoint.py)
+        self.recompute_swiglu = False
         self.w1 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
         self.w3 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
         self.w2 = nn.Parameter(torch.empty(moe.n_experts, moe.expert_ffn_dim, dim))
@@ -86,8 +89,15 @@ class RoutedExperts(nn.Module):
         per_source = counts.dim() == 2
         offsets = (counts.sum(0) if per_source else counts).cumsum(0).to(torch.int32)
         segments = counts.t().flatten().cumsum(0).to(torch.int32) if per_source else offsets
-        hidden = F.silu(self._product(x, w1, offsets, segments)) * self._product(x, w3, offsets, segments)
-        return self._product(hidden, w2, offsets, segments)
+        gate, up = self._product(x, w1, offsets, segments), self._product(x, w3, offsets, segments)
+        if self.recompute_swiglu and torch.is_grad_enabled():
+            # what backward needs of SwiGLU's output (w2's input) comes back from gate and up, its ops run again;
+            # the recompute stops there (checkpoint's early stop), before w2's product
+            return checkpoint(self._down, gate, up, w2, offsets, segments, use_reentrant=False)
+        return self._down(gate, up, w2, offsets, segments)
+
+    def _down(self, gate, up, w2, offsets, segments) -> torch.Tensor:
+        return self._product(F.silu(gate) * up, w2, offsets, segments)
 
     def _product(self, x, weight, offsets, segments) -> torch.Tensor:
         """The grouped GEMM; a float8 one bounds its weight gradient's token tiles by the segments (one source's

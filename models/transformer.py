@@ -74,10 +74,18 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor | None, cache: LayerKV | None = None, document_ids=None
     ) -> torch.Tensor:
+        x = x + self.attend(x, rope, cache, document_ids)
+        return x + self.feed(x)
+
+    # The two sublayers' branches, each its norm and its part: seams a recompute mode checkpoints apart
+    # (parallel/activation_checkpoint.py, DeepSeek's recompute of norms and up-projections)
+    def attend(self, x: torch.Tensor, rope, cache: LayerKV | None = None, document_ids=None) -> torch.Tensor:
         # keywords: TP plans list positional inputs; document ids only where given (an attention kind that
         # cannot mask documents is refused before a run: models/parts AttentionKind.masks_documents)
-        x = x + self.attention(self.attention_norm(x), rope, cache=cache, **with_documents(document_ids))
-        return x + self.feed_forward(self.ffn_norm(x))
+        return self.attention(self.attention_norm(x), rope, cache=cache, **with_documents(document_ids))
+
+    def feed(self, x: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):

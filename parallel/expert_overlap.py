@@ -13,23 +13,44 @@ block's door (`enter`) while the other is inside it, which keeps the second forw
 gives FSDP and activation checkpointing each block's calls whole. Each forward keeps its own thread's autograd,
 autocast and checkpointing state; the recompute of a checkpointed block finds its route by the block's input
 (expert_parallel.py), whichever micro-batch's backward comes first.
+
+Across pipeline stages (DualPipeV's OVERLAP_F_B, parallel/pipeline_pairing.py) a Pair runs one micro-batch's
+forward beside another's backward: `Pair(backward_side=True)`. Its backward side is whatever runs inside an autograd
+graph task while the pair is active, on any thread (on a GPU the autograd engine runs a backward's device nodes on its
+own thread, not the caller's), and hands the turn over after posting the reverse all-to-alls (ep_exchange.py) and
+the all-to-alls of a recomputed forward.
 """
 
 from __future__ import annotations
 
 import threading
 
-_LOCAL = threading.local()  # .pair and .side of a forward thread of a Pair
+import torch
+
+_LOCAL = threading.local()  # .pair and .side of a thread of a Pair
+_ACTIVE: list = []  # the forward-and-backward Pair running now, if any (one at a time per process)
 
 
 class Pair:
     """Two forwards taking turns (the module docstring): `run(first, second)` -> their results."""
 
-    def __init__(self):
+    def __init__(self, backward_side: bool = False):
+        """`backward_side`: the second runs a backward (the module docstring)."""
         self.turns = threading.Condition()
         self.turn, self.running, self.inside = 0, [True, True], [None, None]
+        self.backward_side = backward_side
+        self.handovers = 0  # turns handed to a side still running (the overlap that took place)
 
     def run(self, first, second) -> list:
+        if self.backward_side:
+            _ACTIVE.append(self)
+        try:
+            return self._run(first, second)
+        finally:
+            if self.backward_side:
+                _ACTIVE.remove(self)
+
+    def _run(self, first, second) -> list:
         results = [None, None]
 
         def body(side: int, work) -> None:
@@ -52,7 +73,7 @@ class Pair:
         with self.turns:
             if not self.running[1 - side]:
                 return
-            self.turn = 1 - side
+            self.turn, self.handovers = 1 - side, self.handovers + 1
             self.turns.notify_all()
             self.turns.wait_for(lambda: self.turn == side)
 
@@ -76,6 +97,12 @@ def in_threads(bodies) -> None:
         raise errors[0]
 
 
+def pairs_across_stages(layout) -> bool:
+    """Whether parallel.ep_overlap pairs one micro-batch's forward with another's backward on each OVERLAP_F_B of
+    DualPipeV (parallel/pipeline_pairing.py)."""
+    return layout.ep_overlap and layout.ep > 1 and layout.pp > 1 and layout.pp_schedule == "DualPipeV"
+
+
 def pairs_micro_batches(layout) -> bool:
     """Whether parallel.ep_overlap pairs micro-batches in this layout (the module docstring): one pipeline stage,
     two micro-batches a step at least, and blocks FSDP keeps gathered (zero3 reshards each block after its forward,
@@ -84,22 +111,31 @@ def pairs_micro_batches(layout) -> bool:
     return layout.ep_overlap and layout.ep > 1 and layout.pp == 1 and layout.microbatches > 1 and gathered
 
 
+def _side() -> tuple[Pair, int] | None:
+    """(the Pair, its side) of what runs now, or None outside one: the backward side of an active forward-and-backward
+    pair by its graph task (any thread), else by thread."""
+    if _ACTIVE and torch._C._current_graph_task_id() != -1:
+        return _ACTIVE[0], 1
+    pair = getattr(_LOCAL, "pair", None)
+    return (pair, _LOCAL.side) if pair is not None else None
+
+
 def paired() -> bool:
-    """Whether this thread runs one of a Pair's forwards."""
-    return getattr(_LOCAL, "pair", None) is not None
+    """Whether what runs now is one side of a Pair."""
+    return _side() is not None
 
 
 def after_post() -> None:
-    """Called right after an expert all-to-all is posted: the other forward's turn, if this thread has a partner."""
-    if paired():
-        _LOCAL.pair.hand_over(_LOCAL.side)
+    """Called right after an expert all-to-all is posted: the other side's turn, if there is one."""
+    if (found := _side()) is not None:
+        found[0].hand_over(found[1])
 
 
 def enter(block, *_args, **_kwargs) -> None:
     """A block's first forward pre-hook: wait (handing the turn over) while the other forward is inside it."""
-    if not paired():
+    if (found := _side()) is None:
         return
-    pair, side = _LOCAL.pair, _LOCAL.side
+    pair, side = found
     while pair.running[1 - side] and pair.inside[1 - side] is block:
         pair.hand_over(side)
     pair.inside[side] = block
@@ -107,8 +143,8 @@ def enter(block, *_args, **_kwargs) -> None:
 
 def leave(block, *_args, **_kwargs) -> None:
     """A block's last forward hook."""
-    if paired():
-        _LOCAL.pair.inside[_LOCAL.side] = None
+    if (found := _side()) is not None:
+        found[0].inside[found[1]] = None
 
 
 def apply_pairing_gates(model) -> None:

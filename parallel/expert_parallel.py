@@ -58,7 +58,6 @@ from trillion.models.parts.moe import reach_share
 from trillion.parallel.activation_checkpoint import recompute_key
 from trillion.parallel.ep_exchange import Exchange
 from trillion.parallel.ep_routing import Hop, Payload, combine, pack_routing, place, unpack_routing
-from trillion.parallel.expert_overlap import paired
 from trillion.parallel.expert_tensor_parallel import expert_placements
 
 
@@ -94,6 +93,7 @@ class ExpertDispatch:
         self.capacity_factor = moe.rank_capacity_factor  # 0: dropless
         self.exchange, self.inter, self.intra, self.payload = exchange, inter, intra, payload
         self.overlap = False  # parallel.ep_overlap: the module docstring's overlap
+        self.pairs = False  # the layout pairs micro-batches (expert_overlap.py): one chunk, always
         if mode == "node":
             self.nodes, self.members = inter.size, intra.size
         self.recompute_from_cache = False  # set for checkpointed blocks (parallelize.py)
@@ -145,7 +145,9 @@ class ExpertDispatch:
     def _one_hop(self, x, ids, weights, beside):
         """Rows to the ranks owning their experts and back (the expert and rank modes); with overlap in two chunks
         of the tokens, the second's all-to-alls beside the first's experts and the first's beside the second's."""
-        tokens, parts = x.shape[0], 2 if self.overlap and not paired() and x.shape[0] > 1 else 1
+        # where micro-batches pair, the partner runs beside the all-to-alls instead; decided by the layout, never by
+        # the moment, so a checkpointed block's recompute chunks its tokens as its first forward did
+        tokens, parts = x.shape[0], 2 if self.overlap and not self.pairs and x.shape[0] > 1 else 1
         bounds = [(tokens * c // parts, tokens * (c + 1) // parts) for c in range(parts)]
         chunks = [_Chunk(*self._rows(x[a:b], ids[a:b], weights[a:b]), self) for a, b in bounds]
         capacity = self.capacity(tokens)

@@ -62,13 +62,16 @@ def resolve_float8(
 
 @dataclass(frozen=True)
 class StageLayers:
-    """Explicit pipeline stage sizes in transformer layers: parallel.pp_layers_per_stage (0 = automatic),
-    pp_first_stage_layers and pp_last_stage_layers (-1 = pp_layers_per_stage - 1, since the embedding and the
-    output count as a layer each; automatic when that is 0 too). pipeline.py split_units applies them."""
+    """The pipeline stages' sizes: parallel.pp_layout written out (`written`, parallel/pp_layout.py: e.g.
+    "E+3 | 2*29 | M+O"; `auto` until the model is known, trainer/assemble.py resolve_stage_split), or in
+    transformer layers parallel.pp_layers_per_stage (0 = automatic), pp_first_stage_layers and pp_last_stage_layers
+    (-1 = pp_layers_per_stage - 1, since the embedding and the output count as a layer each; automatic when that is
+    0 too). pp_layout.py split_units applies them."""
 
     per_stage: int = 0
     first: int = -1
     last: int = -1
+    written: str = ""
 
     def fixed_units(self, num_stages: int) -> dict[int, int]:
         """Units of the stages these settings size (first/last count their embedding/output)."""
@@ -92,6 +95,8 @@ class StageLayers:
         return sizes
 
     def describe(self) -> str:
+        if self.written:
+            return f"parallel.pp_layout={self.written!r}"
         return (
             f"parallel.pp_layers_per_stage={self.per_stage}, pp_first_stage_layers={self.first}, "
             f"pp_last_stage_layers={self.last}"
@@ -166,13 +171,14 @@ class Layout:
 
     def as_dict(self) -> dict:
         """The layout as flat JSON fields (`trillion plan --format json`): float8 as `float8` on or off and its
-        `float8_*` settings, the stage sizes as the `pp_*_layers` settings."""
+        `float8_*` settings, the stage sizes as `pp_layout` and the `pp_*_layers` settings."""
         flat = {name: value for name, value in asdict(self).items() if name not in ("float8", "stage_layers")}
         f8 = self.float8 or Float8Training()
         flat |= {"float8": self.float8 is not None, "float8_recipe": f8.recipe, "float8_all_gather": f8.fsdp_all_gather}
         flat |= {"float8_experts": f8.experts, "float8_dispatch": f8.dispatch, "float8_linears": f8.linears}
         s = self.stage_layers
         return flat | {
+            "pp_layout": s.written,
             "pp_layers_per_stage": s.per_stage,
             "pp_first_stage_layers": s.first,
             "pp_last_stage_layers": s.last,

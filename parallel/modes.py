@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trillion.errors import ConfigError
+from trillion.models import parts
 
 
 @dataclass(frozen=True)
@@ -102,15 +103,10 @@ def check_schedule(
     compile_enabled: bool = False,
     *,
     n_layers: int | None = None,
-    experts_recomputed: bool = False,
-    output_end_reads: bool = False,
 ) -> tuple[Schedule, int]:
     """Raise ConfigError for a schedule the trainer cannot run with pp ranks and n_microbatches per
     step (and, given n_layers, more stages than the model's n_layers + embedding + output units);
-    returns (the schedule, stages per rank). With pp = 1 no pipeline runs: only the name is checked.
-    `experts_recomputed`: expert parallelism under activation checkpointing (its recompute replays routes).
-    `output_end_reads`: the model's last stage reads the embedding too (multi-token prediction), which a copy
-    there serves (parallel/pipeline_ahead.py)."""
+    returns (the schedule, stages per rank). With pp = 1 no pipeline runs: only the name is checked."""
     if pp < 1:
         raise ConfigError(f"parallel.pp={pp} must be a positive degree; use 1 to turn pipelining off.")
     s = schedule(name)
@@ -150,36 +146,25 @@ def check_schedule(
             "which torch.distributed.pipelining does not support for compiled stages. Use "
             "--compile.enabled=false, or a schedule with a full backward (1F1B, Interleaved1F1B)."
         )
-    if output_end_reads and s.v_shape:
-        raise ConfigError(
-            f"parallel.pp_schedule={s.name} places the first and the last stage on one rank, and the last stage "
-            "keeps its own copy of the embedding (multi-token prediction, model.mtp_modules, reads it), which the "
-            "copy of the first stage would share a name with there. Use a schedule with one rank per end (1F1B, "
-            "Interleaved1F1B, InterleavedZeroBubble), or --model.mtp_modules=0."
-        )
-    if experts_recomputed and s.split_backward:
-        raise ConfigError(
-            f"parallel.pp_schedule={s.name} splits each backward, which reorders the recomputed forwards of "
-            "activation checkpointing; under parallel.ep > 1 each recompute replays its forward's expert route in "
-            "order, so the two do not mix (measured: the recompute's tensors differ). Use "
-            "--parallel.activation_checkpoint=none, or a schedule with a full backward (1F1B, Interleaved1F1B)."
-        )
     return s, v
 
 
-def check_layout_schedule(layout, n_layers: int, output_end_reads: bool = False) -> tuple[Schedule, int]:
+def check_layout_schedule(layout, n_layers: int) -> tuple[Schedule, int]:
     """check_schedule of a resolved layout (parallel/layout.py Layout): what the trainer (pipeline.py
     validate_pipeline) and the planner (planner/search.py trainer_refusal) both ask of it."""
     return check_schedule(
-        layout.pp_schedule,
-        layout.pp,
-        layout.microbatches,
-        layout.virtual_stages,
-        layout.compile,
-        n_layers=n_layers,
-        experts_recomputed=layout.ep > 1 and layout.activation_checkpoint != "none",
-        output_end_reads=output_end_reads,
+        layout.pp_schedule, layout.pp, layout.microbatches, layout.virtual_stages, layout.compile, n_layers=n_layers
     )
+
+
+def joins_weight_passes(layout) -> bool:
+    """Whether a split-backward schedule runs its weight passes with their input passes (pipeline_pairing.py
+    join_weight_passes): under activation checkpointing a deferred weight pass would recompute its regions a second
+    time, which selective checkpointing refuses and which would repeat the expert all-to-alls of replayed blocks.
+    Plain full or every-N-th checkpointing of a model without expert parallelism recomputes twice and stays split."""
+    mode = checkpoint_mode(layout.activation_checkpoint)
+    twice_refused = mode.op_level or mode.sublayers or (layout.ep > 1 and mode.replays_blocks)
+    return layout.pp > 1 and schedule(layout.pp_schedule).split_backward and twice_refused
 
 
 @dataclass(frozen=True)
@@ -218,11 +203,19 @@ class CheckpointMode:
     name: str
     every: int  # checkpoint every N-th block; 0 = none
     op_level: bool = False  # save matmul/attention outputs, recompute only the cheap elementwise work
+    # DeepSeek-V3's: no block replayed; each sublayer's norm, latent attention's up-projections and the
+    # experts' SwiGLU recomputed (parallel/activation_checkpoint.py), so no expert all-to-all runs twice
+    sublayers: bool = False
 
     @property
     def period(self) -> int:
         """Blocks after which the pattern repeats."""
         return max(1, self.every)
+
+    @property
+    def replays_blocks(self) -> bool:
+        """Whether checkpointed blocks run their whole forward again in backward (the MoE dispatch included)."""
+        return self.every > 0
 
 
 SELECTIVE_EVERY = 2
@@ -233,6 +226,7 @@ CHECKPOINT_MODES: dict[str, CheckpointMode] = {
         CheckpointMode("full", 1),
         CheckpointMode("selective", SELECTIVE_EVERY),
         CheckpointMode("selective:op", 1, op_level=True),
+        CheckpointMode("deepseek", 0, sublayers=True),
     )
 }  # and selective:N, every N-th block
 
@@ -246,8 +240,22 @@ def checkpoint_mode(name: str) -> CheckpointMode:
         return CheckpointMode(name, int(every))
     raise ConfigError(
         f"parallel.activation_checkpoint={name!r} is not known. Use none, full, selective "
-        f"(every {SELECTIVE_EVERY}nd block), selective:N (every N-th block, e.g. selective:3) or "
-        "selective:op (save matmul outputs, recompute the rest)."
+        f"(every {SELECTIVE_EVERY}nd block), selective:N (every N-th block, e.g. selective:3), "
+        "selective:op (save matmul outputs, recompute the rest) or deepseek (recompute the norms, latent "
+        "attention's up-projections and the experts' SwiGLU)."
+    )
+
+
+def checkpoint_refusal(name: str, args) -> str:
+    """Why `name` cannot recompute this model's parts ("" when it can): DeepSeek's mode recomputes latent attention's
+    up-projections (models/parts: Part.up_projections), which a model without them has none of."""
+    if not checkpoint_mode(name).sublayers or any(part.up_projections for part in parts.block(args).parts):
+        return ""
+    return (
+        f"parallel.activation_checkpoint={name} recomputes the norms and latent attention's up-projections in "
+        "backward, but this model's attention has no up-projections (it is not latent attention: DeepSeek-V2/V3, "
+        "Kimi K2, debug-deepseek). Use --parallel.activation_checkpoint=selective:op (keeps matmul outputs, "
+        "recomputes the element-wise work) or full."
     )
 
 

@@ -3,8 +3,9 @@ each in a PipelineStage and run a schedule chosen by name.
 
 Splitting deletes what a stage does not own (a Transformer skips parts set to None), so parameter
 names stay global: checkpoints and `init_weights` see the same names whatever the layout. The split
-balances by layer count, counting the embedding and the output projection (with the final norm) as
-one layer each: n_layers + 2 units over pp * virtual stages; a remainder goes to the middle stages.
+takes n_layers + 2 units (the embedding, the layers, the output end) over pp * virtual stages: as
+Layout.stage_layers says (pp_layout.py split_units: parallel.pp_layout written out or balanced by cost, or the
+older layers-per-stage settings), else evenly, a remainder going to the middle stages.
 
 Looped schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) hold `virtual` stages per
 rank, placed r, r + pp, ...; the V-shaped ones (ZBVZeroBubble, DualPipeV) hold exactly two, placed r
@@ -42,6 +43,7 @@ buffers with or without requires_grad) on the training stages.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -51,24 +53,25 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trillion.errors import ConfigError
+from trillion.parallel.expert_overlap import pairs_across_stages
 from trillion.parallel.forward_backward import carried_inputs, token_loss
-from trillion.parallel.layout import AUTOMATIC_STAGES, Layout, StageLayers
-from trillion.parallel.modes import SCHEDULES, check_layout_schedule
+from trillion.parallel.layout import Layout
+from trillion.parallel.modes import SCHEDULES, check_layout_schedule, joins_weight_passes
 from trillion.parallel.pipeline_ahead import AheadOutputs
+from trillion.parallel.pp_layout import check_stages, describe, split_units
 from trillion.parallel.tensor_parallel import loss_context
 
 log = logging.getLogger("trillion")
 
 
-def validate_pipeline(layout: Layout, n_layers: int, *, tie_embeddings: bool = False, output_end_reads: bool = False):
-    """Raise ConfigError for a pipeline this build cannot run with the model's `n_layers`: the schedule's own rules
-    (modes.check_layout_schedule, which the planner applies too), then the stage sizes. `output_end_reads`: the last
-    stage reads the embedding too (Transformer.output_end_reads)."""
-    check_layout_schedule(layout, n_layers, output_end_reads)
-    stages = layout.stage_layers
+def validate_pipeline(layout: Layout, n_layers: int, *, tie_embeddings: bool = False, ahead_modules: int = 0):
+    """Raise ConfigError for a pipeline this build cannot run with the model's `n_layers` (and `ahead_modules`
+    multi-token prediction modules): the schedule's own rules (modes.check_layout_schedule, which the planner
+    applies too), then the stage sizes (pp_layout.py check_stages)."""
+    check_layout_schedule(layout, n_layers)
+    check_stages(layout.stage_layers, n_layers, layout.pp * layout.virtual_stages, ahead_modules)
     if layout.pp == 1:  # stage sizes given without a pipeline are refused with the config (trainer/config/effects.py)
         return
-    split_units(n_layers, layout.pp * layout.virtual_stages, stages)  # explicit stage sizes add up, none left empty
     if tie_embeddings:
         raise ConfigError(
             "parallel.pp > 1 with tied input/output embeddings is not supported: the embedding and "
@@ -79,55 +82,6 @@ def validate_pipeline(layout: Layout, n_layers: int, *, tie_embeddings: bool = F
 def bubble_fraction(pp: int, n_microbatches: int, virtual: int = 1) -> float:
     """The idle share of a step for GPipe/1F1B-type schedules: (p-1) / (v m + p - 1)."""
     return (pp - 1) / (virtual * n_microbatches + pp - 1)
-
-
-def split_units(n_layers: int, num_stages: int, layers: StageLayers = AUTOMATIC_STAGES) -> list[range]:
-    """Units 0 = embedding, 1..n = layers, n+1 = output; one contiguous range per stage. Stages that
-    `layers` sizes get that many; the others share the rest evenly, a remainder going to the middle."""
-    units = n_layers + 2
-    sizes = layers.fixed_units(num_stages)
-    free = [stage for stage in range(num_stages) if stage not in sizes]
-    left = units - sum(sizes.values())
-    if not free and left:
-        per_stage = layers.per_stage
-        if n_layers < (num_stages - 2) * per_stage:  # the middle stages alone hold too many
-            per_stage = n_layers // (num_stages - 2)
-        ends = n_layers - (num_stages - 2) * per_stage  # what first + last must hold at this per_stage
-        fix = (
-            f"--parallel.pp_layers_per_stage={per_stage} --parallel.pp_first_stage_layers={ends // 2} "
-            f"--parallel.pp_last_stage_layers={ends - ends // 2}"
-        )
-        raise ConfigError(
-            f"{layers.describe()} put {units - 2 - left} transformer layers on the {num_stages} pipeline stages, "
-            f"but the model has {n_layers} (model.n_layers): first + (stages - 2) x per stage + last must equal "
-            f"{n_layers}. Use e.g. {fix}, or --parallel.pp_layers_per_stage=0 to split automatically."
-        )
-    if free and left < len(free):
-        raise ConfigError(
-            f"{layers.describe()} give {units - left} of the model's {units} pipeline units ({n_layers} layers + "
-            f"embedding + output) to the stages they size, leaving {max(left, 0)} for the other {len(free)} "
-            f"stage(s); each stage needs at least one. Give the first / last stage fewer layers, or use "
-            f"--parallel.pp_first_stage_layers=-1 --parallel.pp_last_stage_layers=-1 to split automatically."
-        )
-    base, extra = divmod(left, len(free)) if free else (0, 0)
-    middle = sorted(free, key=lambda s: (abs(s - (num_stages - 1) / 2), s))[:extra]
-    for stage in free:
-        sizes[stage] = base + (stage in middle)
-    ranges, start = [], 0
-    for stage in range(num_stages):
-        ranges.append(range(start, start + sizes[stage]))
-        start += sizes[stage]
-    return ranges
-
-
-def describe_split(ranges: list[range], n_layers: int) -> str:
-    """E.g. "E+2 | 3 | 3 | 2+O": each stage's transformer layers, E and O marking embedding and output."""
-
-    def one(units: range) -> str:
-        layers = len([u for u in units if 0 < u <= n_layers])
-        return "+".join([*("E" for u in units if u == 0), str(layers), *("O" for u in units if u == n_layers + 1)])
-
-    return " | ".join(one(units) for units in ranges)
 
 
 def stage_module(model: nn.Module, units: range) -> nn.Module:
@@ -168,7 +122,7 @@ def stages_as_one_module(parts: list[nn.Module]) -> nn.Module:
         for name, child in part.named_children():  # a stage's missing parts are None and skipped
             if name == "layers":
                 union.layers.update(child)
-            else:
+            elif not hasattr(union, name):  # a V's last stage's copy of the embedding: the first stage's is stepped
                 union.add_module(name, child)
     return union
 
@@ -188,13 +142,14 @@ class Pipeline:
             layout,
             len(model.layers),
             tie_embeddings=model.args.tie_embeddings,
-            output_end_reads=bool(model.output_end_reads()),
+            ahead_modules=model.args.mtp_modules,
         )
         name, v, n_microbatches = layout.pp_schedule, layout.virtual_stages, layout.microbatches
         pp_mesh = dims.mesh["pp"]
         self.pp_group, self.pp_rank, self.pp = pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp
         self.name, self.virtual, self.n_microbatches = name, v, n_microbatches
-        ranges = split_units(len(model.layers), dims.pp * v, layout.stage_layers)
+        # pp_layout's M: the multi-token prediction modules beside O
+        ranges = split_units(len(model.layers), dims.pp * v, layout.stage_layers, model.args.mtp_modules)
         self.blocks_per_stage = [sum(1 for unit in r if 1 <= unit <= len(model.layers)) for r in ranges]  # all ranks'
         self.parts, self.stages = [], []
         for index in stage_indices(self.pp_rank, dims.pp, v, name):
@@ -209,19 +164,22 @@ class Pipeline:
         self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)
         self.tokens = None
         self.dims = dims
+        self.pairs = pairs_across_stages(dims.layout)  # DualPipeV's OVERLAP_F_B paired (pipeline_pairing.py)
+        self.autocast = contextlib.nullcontext()  # the step's, for the paired forwards' threads
+        self.handovers: list[int] = []  # per paired action, the turns its two sides handed each other
         self.eval_stages, self._eval_schedule = [], None  # made by the first evaluation
         self.ahead = AheadOutputs(model.args, model.output_end_reads())  # multi-token prediction, if it trains
         self.lookahead = self.ahead.depths
         log.info(
             "pipeline: %s, %d stages (%d per rank) over pp=%d, %d micro-batches, bubble (p-1)/(v m+p-1) = %.1f%%; "
-            "layers per stage: %s",
+            "stages (parallel.pp_layout): %s",
             name,
             dims.pp * v,
             v,
             dims.pp,
             n_microbatches,
             100 * bubble_fraction(dims.pp, n_microbatches, v),
-            describe_split(ranges, len(model.layers)),
+            describe([len(units) for units in ranges], len(model.layers), self.ahead.depths),
         )
 
     def build(self) -> None:
@@ -230,8 +188,14 @@ class Pipeline:
         self.stages = [self._make_stage(part, index) for part, index in zip(self.parts, indices)]
         stages = self.stages[0] if self._single else self.stages
         self.schedule = self._schedule_cls(stages, self.n_microbatches, loss_fn=self._loss, scale_grads=False)
+        from trillion.parallel.pipeline_pairing import join_weight_passes, pair_forwards_with_backwards
+
+        if self.pairs:
+            pair_forwards_with_backwards(self.schedule, lambda: self.autocast, self.handovers)
+        if joins_weight_passes(self.dims.layout):
+            join_weight_passes(self.schedule)
         self.model = stages_as_one_module(self.parts)
-        self.ahead.find_copies(self.parts, self.dims.mesh["pp"], self.pp_rank)
+        self.ahead.find_copies(self.parts, self.dims.mesh["pp"], self.pp_rank, SCHEDULES[self.name].v_shape)
 
     @property
     def ahead_loss(self) -> torch.Tensor | None:
@@ -255,6 +219,7 @@ class Pipeline:
         """`step` under autocast, which changes only the forwards the schedule interleaves with
         backwards. No loss scaling: fp16 runs in one process only, so never with a pipeline."""
         assert not scaler.is_enabled(), "fp16 loss scaling under a pipeline"
+        self.autocast = autocast
         with autocast:
             return self.step(micro_batches, tokens)
 

@@ -14,6 +14,7 @@ from torch import nn
 from trillion.errors import ConfigError
 from trillion.kernels import ATTENTION_IMPLS, NORM_IMPLS
 from trillion.models import ModelArgs, Transformer, get_preset, parts
+from trillion.models.flops import unit_flops_per_token
 from trillion.models.logit_probe import install_probes
 from trillion.models.parts import AttentionSettings, PartSettings
 from trillion.models.parts import apply_settings as apply_part_settings
@@ -26,10 +27,11 @@ from trillion.parallel.float8_experts import check_experts
 from trillion.parallel.float8_recipes import check_block_scaled_layout, float8_dispatch, float8_recipe
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, StageLayers, check_degrees, resolve_etp, resolve_float8
-from trillion.parallel.modes import check_schedule
+from trillion.parallel.modes import check_schedule, checkpoint_refusal
 from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, validate_pipeline
+from trillion.parallel.pp_layout import resolve_auto, stage_ranks
 from trillion.trainer.config.schema import Config, Training, divisor_near, validate_config
 from trillion.trainer.launch.env import LaunchEnv
 
@@ -129,16 +131,19 @@ def part_settings(config: Config, layout: Layout) -> PartSettings:
 def check_model_layout(layout: Layout, model_args: ModelArgs, seq_len: int) -> None:
     """Refuse, before any work, a layout this model cannot train under: its degrees against the model's shape and
     the sequence (parallel/dims.py check_layout), what a part refuses (models/parts layout_refusal: an objective
-    that needs whole sequences under cp, pp or tp; the planner asks the same and never proposes them), and the
-    pipeline's schedule and stages against its layers."""
+    that needs whole sequences under cp, pp or tp; the planner asks the same and never proposes them), the
+    activation checkpointing's (a recompute mode the model has no parts for), and the pipeline's schedule and stages
+    against its layers."""
     check_layout(layout, model_args, seq_len)
-    if refused := parts.layout_refusal(model_args, layout):
+    if refused := parts.layout_refusal(model_args, layout) or checkpoint_refusal(
+        layout.activation_checkpoint, model_args
+    ):
         raise ConfigError(refused)
     validate_pipeline(
         layout,
         model_args.n_layers,
         tie_embeddings=model_args.tie_embeddings,
-        output_end_reads=parts.ahead_modules(model_args)[0] > 0,  # multi-token prediction reads the embedding
+        ahead_modules=parts.ahead_modules(model_args)[0],  # pp_layout's M
     )
 
 
@@ -228,7 +233,9 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
         dp_shard_mode=p.dp_shard_mode,
         pp_schedule=schedule.name,
         virtual_stages=virtual_stages,
-        stage_layers=StageLayers(p.pp_layers_per_stage, p.pp_first_stage_layers, p.pp_last_stage_layers),
+        stage_layers=StageLayers(
+            p.pp_layers_per_stage, p.pp_first_stage_layers, p.pp_last_stage_layers, written=p.pp_layout
+        ),
         micro_batch_size=micro_batch_size,
         microbatches=microbatches,
         activation_checkpoint=p.activation_checkpoint,
@@ -240,6 +247,21 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
         tp_overlap=p.tp_overlap,
         async_tp=p.async_tp,
     )
+
+
+def resolve_stage_split(layout: Layout, model_args: ModelArgs, seq_len: int) -> Layout:
+    """`layout` with parallel.pp_layout=auto written out once the model is known: the split whose busiest pipeline
+    rank is least busy by each unit's forward and backward FLOPs (models/flops.py; parallel/pp_layout.py balance)."""
+    if layout.pp == 1:
+        return layout
+    stages = resolve_auto(
+        layout.stage_layers,
+        model_args.n_layers,
+        unit_flops_per_token(model_args, seq_len),
+        stage_ranks(layout.pp, layout.virtual_stages, layout.pp_schedule),
+        parts.ahead_modules(model_args)[0],
+    )
+    return dataclasses.replace(layout, stage_layers=stages)
 
 
 def check_batch_split(t: Training, dp_size: int) -> None:
@@ -260,10 +282,10 @@ def check_batch_split(t: Training, dp_size: int) -> None:
 
 
 def build_parallel_dims(layout: Layout, model_args: ModelArgs, seq_len: int, env: LaunchEnv) -> ParallelDims:
-    """The run's ParallelDims, built once: `layout` checked against the model (check_model_layout), then its mesh
-    over this world."""
+    """The run's ParallelDims, built once: `layout` checked against the model (check_model_layout), its stage split
+    resolved (resolve_stage_split), then its mesh over this world."""
     check_model_layout(layout, model_args, seq_len)
-    dims = ParallelDims(layout, env.world_size)
+    dims = ParallelDims(resolve_stage_split(layout, model_args, seq_len), env.world_size)
     dims.build_mesh(env.device.type)
     return dims
 

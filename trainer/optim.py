@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from trillion.errors import ConfigError
+from trillion.parallel.adamw_states import STATE_DTYPES, StateDtypeAdamW
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.float8 import register_scale_precompute
 from trillion.parallel.muon.distributed import stage_group
@@ -47,13 +48,18 @@ def build_optimizer(
         )
     matrices = hidden_matrices(model_args or model.args) if cfg.name == "muon" else {}
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    adamw = torch.optim.AdamW(
-        parameter_groups(model, cfg.weight_decay, skip={id(p) for n, p in named if n in matrices}),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
-        **flags[implementation],
-    )
+    groups = parameter_groups(model, cfg.weight_decay, skip={id(p) for n, p in named if n in matrices})
+    hyper = {"lr": cfg.lr, "betas": (cfg.beta1, cfg.beta2), "eps": cfg.eps}
+    if cfg.state_dtype == "float32":
+        adamw = torch.optim.AdamW(groups, **hyper, **flags[implementation])
+    elif cfg.implementation == "fused":
+        raise ConfigError(
+            f"optimizer.state_dtype={cfg.state_dtype} with optimizer.implementation=fused: torch's fused AdamW keeps "
+            "its moments in the parameters' dtype. Use --optimizer.implementation=auto (the step that keeps them in "
+            f"{cfg.state_dtype}), or --optimizer.state_dtype=float32."
+        )
+    else:
+        adamw = StateDtypeAdamW(groups, **hyper, state_dtype=STATE_DTYPES[cfg.state_dtype])
     optimizer = adamw if cfg.name == "adamw" else build_muon(model, cfg, named, matrices, adamw, model_args, dims)
     register_scale_precompute(optimizer, model)  # FSDP float8 all-gather: the next step's weight scales, per step
     return optimizer

@@ -143,6 +143,7 @@ def _set_up_locked(config: Config, hooks: RunHooks, env: LaunchEnv, layout: Layo
     model_args = build_model_args(config, tokenizer.vocab_size, layout)
     check_grouped_gemm(model_args, env.device, compute_dtype(t.dtype, env.device.type))
     dims = build_parallel_dims(layout, model_args, t.seq_len, env)
+    layout = dims.layout  # its stage split resolved against the model (parallel.pp_layout=auto)
     groups = config.fault_tolerance.groups  # replica groups sharing each batch (1 without fault tolerance)
     check_memory(  # before any allocation or file
         layout,

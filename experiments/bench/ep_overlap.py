@@ -13,6 +13,14 @@ a per-rank capacity.
 
     python experiments/bench/ep_overlap.py [--ranks 2] [--steps 6] [--scales 0.5,1,2] [--out DIR]
     python experiments/bench/ep_overlap.py --smoke         # tiny, seconds (tested)
+
+With --pp 2 the same on a pipeline: pp 2 x ep 2 x dp_shard 2 on 4 ranks under pp_schedule=DualPipeV (zero1, the
+model split by parallel.pp_layout=auto), --microbatches a step of 1 x 128 tokens each; overlap on pairs each
+OVERLAP_F_B's forward and backward across the rank's two stages (parallel/pipeline_pairing.py), off runs them one
+after the other. The delay's unit is again a layer's pass of compute: the step without delay over (MoE layers x
+micro-batches x 3), a stage's layers counted once per micro-batch.
+
+    python experiments/bench/ep_overlap.py --pp 2 [--microbatches 16] [--steps 4] [--scales 1]
 """
 
 import argparse
@@ -38,6 +46,11 @@ from trillion.parallel.parallelize import parallelize  # noqa: E402
 from trillion.trainer.step import train_step  # noqa: E402
 
 
+def moe_layers_of(args) -> list[int]:
+    """The trunk's MoE layers (each runs once per micro-batch in a step, whichever stage holds it)."""
+    return [index for index in range(args.n_layers) if args.is_moe_layer(index)]
+
+
 def model_args(smoke: bool, capacity: float):
     base = PRESETS["debug-moe"]
     moe = dataclasses.replace(base.moe, rank_capacity_factor=capacity, capacity_ranks=2 if capacity else 1)
@@ -52,7 +65,8 @@ class Run:
 
     def __init__(self, args, world: int, batch: tuple):
         layout = ParallelDims.of(world, dp_shard=world, ep=world).layout
-        self.dims = ParallelDims(dataclasses.replace(layout, ep_overlap=True, dp_shard_mode="zero2"), world)
+        layout = dataclasses.replace(layout, ep_overlap=True, dp_shard_mode="zero2", microbatches=batch[2])
+        self.dims = ParallelDims(layout, world)
         self.dims.build_mesh("cpu")
         with torch.device("meta"):
             model = Transformer(args)
@@ -84,6 +98,64 @@ class Run:
         return time.perf_counter() - start
 
 
+class PipelineRun:
+    """The model on a DualPipeV pipeline over pp 2 x ep 2 x dp_shard 2, twice: paired (ep_overlap) and not."""
+
+    def __init__(self, args, world: int, batch: tuple):
+        from trillion.parallel.layout import StageLayers
+        from trillion.parallel.pipeline import Pipeline
+        from trillion.trainer.assemble import resolve_stage_split
+
+        micro, seq, count = batch
+        self.args, self.batch, self.pipelines, self.optimizers = args, batch, {}, {}
+        for overlap in (False, True):
+            degrees = ParallelDims.of(world, pp=2, dp_shard=world // 2, ep=world // 2).layout
+            layout = dataclasses.replace(
+                degrees,
+                pp_schedule="DualPipeV",
+                virtual_stages=2,
+                stage_layers=StageLayers(written="auto"),
+                microbatches=count,
+                ep_overlap=overlap,
+                dp_shard_mode="zero1",
+            )
+            layout = resolve_stage_split(layout, args, seq)
+            self.dims = ParallelDims(layout, world)
+            self.dims.build_mesh("cpu")
+            with torch.device("meta"):
+                model = Transformer(args)
+            pipeline = Pipeline(model, self.dims, torch.device("cpu"), parallelize_fn=self.layout)
+            for part in pipeline.parts:
+                part.to_empty(device="cpu")
+                part.init_weights(0)
+            pipeline.build()
+            self.pipelines[overlap] = pipeline
+            self.optimizers[overlap] = torch.optim.AdamW(pipeline.model.parameters(), lr=1e-4, foreach=True)
+        self.dispatches = {
+            o: [d for part in p.parts for d in expert_dispatches(part)] for o, p in self.pipelines.items()
+        }
+        self.generator = torch.Generator().manual_seed(self.dims.dp_rank)
+
+    def layout(self, part):
+        return parallelize(part, self.dims)
+
+    def step(self, overlap: bool, delay_s: float) -> float:
+        exchanges = {e for d in self.dispatches[overlap] for e in (d.exchange, *d.exchanges())}
+        for exchange in exchanges:
+            exchange.delay_s = delay_s
+        micro, seq, count = self.batch
+        windows = torch.randint(0, self.args.vocab_size, (count, micro, seq + 1), generator=self.generator)
+        micro_batches = [(w[:, :-1], w[:, 1:]) for w in windows]
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        blocked = sum(e.blocked_s for e in exchanges)
+        dist.barrier()
+        start = time.perf_counter()
+        runner, optimizer = self.pipelines[overlap], self.optimizers[overlap]
+        train_step(runner, micro_batches, optimizer, scaler, contextlib.nullcontext(), 1.0, dims=self.dims)
+        self.blocked = sum(e.blocked_s for e in exchanges) - blocked
+        return time.perf_counter() - start
+
+
 def measure(run: Run, settings: list[tuple], rounds: int) -> dict:
     """Median step seconds of each (overlap, delay) setting, the settings taking turns step by step (the machine's
     other load falls on all of them alike); one warm-up round first."""
@@ -94,26 +166,32 @@ def measure(run: Run, settings: list[tuple], rounds: int) -> dict:
             if round_:
                 times[setting].append(seconds)
                 blocked[setting].append(run.blocked)
-    run.blocked_medians = {setting: statistics.median(values) for setting, values in blocked.items()}
+    medians = torch.tensor([statistics.median(values) for values in blocked.values()], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the busiest rank's (one of no MoE layer blocks on none)
+    run.blocked_medians = dict(zip(blocked, medians.tolist()))
     return {setting: statistics.median(values) for setting, values in times.items()}
 
 
 def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    batch = (2, 32, 2) if ns.smoke else (4, 128, 2)  # micro-batch, sequence, micro-batches per step
+    if ns.pp > 1:
+        batch = (1, 32, 4) if ns.smoke else (1, 128, ns.microbatches)
+    else:
+        batch = (2, 32, 2) if ns.smoke else (4, 128, 2)  # micro-batch, sequence, micro-batches per step
     rows = []
-    for capacity in (0.0, 1.5):
+    for capacity in (0.0,) if ns.pp > 1 else (0.0, 1.5):
         args = model_args(ns.smoke, capacity)
-        run = Run(args, world, batch)
+        run = PipelineRun(args, world, batch) if ns.pp > 1 else Run(args, world, batch)
         base = measure(run, [(False, 0.0)], ns.steps)
-        layer_s = base[False, 0.0] / (len(run.dispatches) * batch[2] * 3)  # a layer's pass of one micro-batch
+        layers = len(moe_layers_of(args))  # each MoE layer's pass of one micro-batch, once per step
+        layer_s = base[False, 0.0] / (layers * batch[2] * 3)  # a layer's pass of one micro-batch
         for scale in ns.scales:
             delay = scale * layer_s
             timed = measure(run, [(False, 0.0), (True, 0.0), (False, delay), (True, delay)], ns.steps)
             exposed = {o: timed[o, delay] - timed[o, 0.0] for o in (False, True)}
             row = {
-                "mode": "capacity 1.5" if capacity else "dropless",
+                "mode": ("capacity 1.5" if capacity else "dropless") + (" DualPipeV pp 2" if ns.pp > 1 else ""),
                 "delay_ms": 1e3 * delay,
                 "delay_per_layer_compute": scale,
                 "step_s": timed[False, 0.0],
@@ -124,7 +202,7 @@ def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
                 # the same, read off the waits: seconds a step blocked on the delayed all-to-alls (rank 0)
                 "blocked_off_s": run.blocked_medians[False, delay],
                 "blocked_on_s": run.blocked_medians[True, delay],
-                "hidden_by_waits": 1 - run.blocked_medians[True, delay] / run.blocked_medians[False, delay],
+                "hidden_by_waits": 1 - run.blocked_medians[True, delay] / max(run.blocked_medians[False, delay], 1e-9),
             }
             rows.append(row)
             if rank == 0:
@@ -156,12 +234,16 @@ def main(argv=None) -> int:
     p.add_argument("--scales", default="0.5,1,2", help="delays as multiples of a layer's pass of compute")
     p.add_argument("--out", default="experiments/bench/results")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--pp", type=int, default=1, choices=(1, 2), help="2: DualPipeV over pp 2 x ep 2 on 4 ranks")
+    p.add_argument("--microbatches", type=int, default=16, help="with --pp 2: micro-batches a step (at least 4)")
     ns = p.parse_args(argv)
+    if ns.pp > 1:
+        ns.ranks = 4
     ns.scales = [float(s) for s in ns.scales.split(",")]
     if ns.smoke:
         ns.steps, ns.scales = 2, [1.0]
     Path(ns.out).mkdir(parents=True, exist_ok=True)
-    out = str(Path(ns.out) / "ep_overlap.jsonl")
+    out = str(Path(ns.out) / ("ep_overlap.jsonl" if ns.pp == 1 else "ep_overlap_pp2.jsonl"))
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_rank, args=(ns.ranks, f"{folder}/store", ns, out), nprocs=ns.ranks, join=True)
     print(table([json.loads(line) for line in Path(out).read_text().splitlines()]))

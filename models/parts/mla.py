@@ -14,7 +14,9 @@ TP           splits heads (wq_b or wq and wkv_b column-wise, wo row-wise); the d
 attention    per head QK^T at qk_head_dim and PV at v_head_dim; every head reads its own expanded key and value.
 saved        beyond the block's norms: the query latent before and after its norm (q_lora_rank each) and the
              key/value latent before and after its norm (kv_lora_rank each) with the rotary key part, all whole;
-             per head q and k at qk_head_dim, v, the attention output and wo's input at v_head_dim.
+             per head q and k at qk_head_dim, v, the attention output and wo's input at v_head_dim. DeepSeek's
+             recompute mode recomputes the up-projections wq_b and wkv_b (and the normed latents, q, k, v and wo's
+             input from them) and keeps the latents and the attention's output.
 element-wise (eager, per token) the two latent norms as RMSNorm decomposes, rotary on the query's and the
              shared key's rotary parts, and q and k assembled from their no-position and rotary parts (read and
              write heads x qk_head_dim each); compiled: each chain once (per latent feature, per element of q, k).
@@ -92,6 +94,10 @@ def declare(args: ModelArgs) -> Part:
         tp_style=DTENSOR_HEADS,
         tp_divides=(Divides("model.n_heads", heads, "query heads"),),
         logit_terms=_logit_terms(args),
+        up_projections=("attention.wq_b", "attention.wkv_b") if mla.q_lora_rank else ("attention.wkv_b",),
+        # recomputed from the kept latents: the normed latents, q (from wq_b), k and v (from wkv_b) and wo's input
+        # (the attention's output, transposed); kept: the latents, the rotary key part, the attention's output
+        recomputed=PerToken(heads * ((2 if mla.q_lora_rank else 1) * qk + 2 * v), float(latents)),
     )
 
 

@@ -196,6 +196,10 @@ class Part:
     refusals: tuple[Refusal, ...] = ()
     logit_terms: tuple[LogitTerm, ...] = ()  # an attention's: what makes each head's logit (QK-clip scales them)
     logit_terms_absent: str = ""  # an attention without them: why its logits cannot be clipped by its weights
+    # linears whose outputs DeepSeek's recompute mode recomputes in backward instead of keeping: latent attention's
+    # up-projections (parallel/activation_checkpoint.py); `recomputed` the saved elements per token that spares
+    up_projections: tuple[str, ...] = ()
+    recomputed: PerToken = PerToken()
 
     @property
     def numel(self) -> int:

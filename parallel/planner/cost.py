@@ -269,7 +269,8 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
         args, hw, pipeline_part(layout), seq_len, assumed
     )
     chunk = (passes.forward / v, recompute.forward / v, passes.input_grad / v, passes.weight_grad / v)
-    bubble = max(0.0, sum(s * c for s, c in zip(bubble_slots(schedule, p), chunk))) if p > 1 else 0.0
+    slots = bubble_slots(schedule, p, joined=modes.joins_weight_passes(layout))
+    bubble = max(0.0, sum(s * c for s, c in zip(slots, chunk))) if p > 1 else 0.0
 
     boundary_bytes = (
         layout.micro_batch_size

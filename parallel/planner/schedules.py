@@ -23,9 +23,11 @@ def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int) -> tuple[
     return first, first if schedule.v_shape else 1.0 + extra
 
 
-def bubble_slots(schedule: Schedule, p: int) -> tuple[float, float, float, float]:
-    """Idle time of a step as multiples of one chunk's (F, R, Bi, Bw); clamp the sum at zero."""
-    return tuple((p - 1) * w for w in schedule.bubble_weights)
+def bubble_slots(schedule: Schedule, p: int, joined: bool = False) -> tuple[float, float, float, float]:
+    """Idle time of a step as multiples of one chunk's (F, R, Bi, Bw); clamp the sum at zero. `joined`: a split-backward
+    schedule running its weight passes with their input passes (modes.joins_weight_passes: under checkpointing), which
+    leaves none to fill the pipeline's ends: each idle slot a whole chunk's, as 1F1B's."""
+    return tuple((p - 1) * w for w in ((1, 1, 1, 1) if joined else schedule.bubble_weights))
 
 
 def stage_layers(n_layers: int, p: int, v: int, schedule: Schedule) -> list[list[int]]:

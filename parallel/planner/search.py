@@ -23,7 +23,7 @@ from trillion.models.flops import (
 from trillion.parallel.ep_checks import check_ep_dispatch, check_expert_shards, ep_nodes
 from trillion.parallel.float8_recipes import FLOAT8_RECIPES, check_block_scaled_layout
 from trillion.parallel.layout import Layout
-from trillion.parallel.modes import check_layout_schedule
+from trillion.parallel.modes import check_layout_schedule, checkpoint_refusal
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
@@ -64,8 +64,8 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
     (parallel/modes.py check_layout_schedule, which its validate_pipeline calls), so the search never
     proposes what the trainer refuses (DualPipeV with fewer than 2 pp micro-batches, a
     split-backward schedule under compile, an objective that needs whole sequences under cp, ...)."""
-    if refused := parts.layout_refusal(args, layout):  # what a part cannot train under (models/parts)
-        return refused
+    if refused := parts.layout_refusal(args, layout) or checkpoint_refusal(layout.activation_checkpoint, args):
+        return refused  # what a part cannot train under (models/parts), or recompute
     try:
         if layout.ep > 1:
             check_ep_dispatch(layout, ep_nodes(layout), args, warn=False)
@@ -74,7 +74,7 @@ def trainer_refusal(args: ModelArgs, layout: Layout) -> str:
         recipe = FLOAT8_RECIPES[f8.recipe] if f8 is not None and f8.linears else None
         if recipe is not None and recipe.block and not recipe.untrainable:
             check_block_scaled_layout(layout.tp)  # the trainer's MXFP8 linears take no TP
-        check_layout_schedule(layout, args.n_layers, output_end_reads=parts.ahead_modules(args)[0] > 0)
+        check_layout_schedule(layout, args.n_layers)
     except ConfigError as error:
         return str(error)
     return ""

@@ -31,7 +31,9 @@ from trillion.parallel.planner.tp_hiding import Hiding
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # The checkpointing modes the search tries: selective:op keeps matmul outputs, which the memory
 # model (memory.py) does not count yet; selective:N (every N-th block) is the trainer's only.
-SEARCHED_CHECKPOINT_MODES = tuple(name for name, mode in CHECKPOINT_MODES.items() if not mode.op_level)
+SEARCHED_CHECKPOINT_MODES = tuple(
+    name for name, mode in CHECKPOINT_MODES.items() if not mode.op_level and not mode.sublayers
+)
 OPTIMIZERS = ("adamw", "muon")  # optimizer.name: not searched (it changes the training), costed as given
 LAYOUT_FIELDS = (
     "tp",

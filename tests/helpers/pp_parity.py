@@ -29,7 +29,10 @@ from trillion.trainer.step import train_step
 def train_pipeline_case(case: dict, world_size: int) -> dict:
     args = FAMILIES[case["family"]]
     stages = StageLayers(
-        case.get("layers_per_stage", 0), case.get("first_stage_layers", -1), case.get("last_stage_layers", -1)
+        case.get("layers_per_stage", 0),
+        case.get("first_stage_layers", -1),
+        case.get("last_stage_layers", -1),
+        written=case.get("pp_layout", ""),
     )
     layout = parity.case_layout(case, world_size, stage_layers=stages)
     check_layout(layout, args, SEQ_LEN)
@@ -41,6 +44,7 @@ def train_pipeline_case(case: dict, world_size: int) -> dict:
     pipeline = Pipeline(
         model, dims, torch.device("cpu"), parallelize_fn=lambda part: parallelize(part, dims, compile_backend=backend)
     )
+    assert pipeline.blocks_per_stage == case.get("blocks", pipeline.blocks_per_stage), "the stages' layers differ"
     for part in pipeline.parts:
         part.to_empty(device="cpu")
         part.init_weights(SEED)

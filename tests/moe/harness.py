@@ -113,13 +113,17 @@ def train_case(case: dict, world_size: int) -> dict:
     args = model_args(case.get("variant", "plain"), case.get("model", "gqa"))
     dims = _dims(case, world_size, args)
     runner, parts = _build(case, dims, args)
-    named = [(n, p) for part in parts for n, p in part.named_parameters()]
+    named = list(runner.model.named_parameters())  # what the trainer's optimizer steps (a V's stages: one embedding)
     initial = {n: _full(p) for n, p in named}
     optimizer = torch.optim.AdamW([p for _, p in named], lr=3e-3, weight_decay=0.1, foreach=True)
     grads = []
     optimizer.register_step_pre_hook(lambda *_: grads.append({n: _full(p.grad) for n, p in named}))
     loader = DataLoader(
-        RandomWindows(args.vocab_size, SEQ_LEN + 1), GLOBAL_BATCH, MICRO_BATCH, dims.dp_rank, dims.dp_size
+        RandomWindows(args.vocab_size, SEQ_LEN + 1),
+        GLOBAL_BATCH,
+        case.get("micro", MICRO_BATCH),
+        dims.dp_rank,
+        dims.dp_size,
     )
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     traffic = _count_rows(parts) if case.get("count_rows") else None
@@ -134,6 +138,9 @@ def train_case(case: dict, world_size: int) -> dict:
         if runner.ahead_loss is not None:  # multi-token prediction's, summed over the ranks by train_step
             ahead.append(runner.ahead_loss.item())
         loads.append({i: layer.last_step_tally.clone() for i, layer in layers.items()})
+    if case.get("paired") and all(moe_layers(part) for part in parts):
+        # DualPipeV's OVERLAP_F_B ran paired, its two stages' sides taking turns at the all-to-alls
+        assert runner.handovers and min(runner.handovers) > 0, runner.handovers
     result = {
         "losses": losses,
         "norms": norms,
@@ -261,9 +268,11 @@ def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
         result = results[name] = train_case(case, world_size)
         _check_bias_same_on_every_rank(name, result, world_size)
         if rank == 0:
-            key = (case.get("variant", "plain"), case.get("steps", 3), case.get("model", "gqa"))
+            # the micro-batch size too: a per-rank capacity counts a micro-batch's tokens
+            key = (case.get("variant", "plain"), case.get("steps", 3), case.get("model", "gqa"), case.get("micro"))
             if key not in references:
-                references[key] = train_case({"variant": key[0], "steps": key[1], "model": key[2]}, world_size=1)
+                reference = {"variant": key[0], "steps": key[1], "model": key[2], "micro": key[3] or MICRO_BATCH}
+                references[key] = train_case(reference, world_size=1)
             tol = case.get("tol")  # {"rtol": ..., "atol": ...}: tighter than the harness's default
             _compare(name, result, references[key], tol=tol, relative=case.get("relative", 0.0))
             torch.testing.assert_close(

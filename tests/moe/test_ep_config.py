@@ -81,10 +81,15 @@ def test_the_cli_refuses_ep_on_one_process(capsys):
     assert "parallel.ep=2" in err and "Traceback" not in err
 
 
-def test_expert_parallel_recompute_under_a_split_backward_schedule_is_refused():
-    from trillion.parallel.modes import check_schedule
+def test_split_backward_schedules_join_their_weight_passes_where_a_second_recompute_cannot_run():
+    """Expert parallelism's replayed blocks (their all-to-alls) and selective checkpointing's regions recompute once:
+    under them the zero-bubble schedules run each weight pass with its input pass (parallel/pipeline_pairing.py)."""
+    from trillion.parallel.layout import Layout
+    from trillion.parallel.modes import joins_weight_passes
 
-    with pytest.raises(ConfigError, match="parallel.pp_schedule=ZBVZeroBubble splits each backward") as refused:
-        check_schedule("ZBVZeroBubble", 2, 4, experts_recomputed=True)
-    assert "--parallel.activation_checkpoint=none" in str(refused.value)
-    assert check_schedule("1F1B", 2, 4, experts_recomputed=True)[0].name == "1F1B"  # a full backward replays fine
+    def joins(**fields) -> bool:
+        return joins_weight_passes(Layout(pp=2, pp_schedule="ZBVZeroBubble", virtual_stages=2, **fields))
+
+    assert joins(ep=2, activation_checkpoint="full") and joins(activation_checkpoint="selective:op")
+    assert joins(activation_checkpoint="deepseek") and not joins(ep=2) and not joins(activation_checkpoint="full")
+    assert not joins_weight_passes(Layout(pp=2, pp_schedule="1F1B", ep=2, activation_checkpoint="full"))

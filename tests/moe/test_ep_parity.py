@@ -14,6 +14,7 @@ READS = 2 * 3
 OVERLAP = {"dp_shard": 2, "ep": 2, "ep_overlap": True}
 # the first two steps at 1e-6 relative (after them AdamW's normalisation magnifies float rounding: 2e-4)
 TIGHT = {"rtol": 1e-6, "atol": 1e-8}
+DEEPSEEK_RECOMPUTE = {"model": "mla", "ac": "deepseek"}  # recomputes latent attention's up-projections
 
 
 def test_two_ranks_ep2_checkpointing_aux_loss_and_cp():
@@ -28,6 +29,15 @@ def test_two_ranks_ep2_checkpointing_aux_loss_and_cp():
             # the recompute routes as the first forward did, from its cached route: no second exchange
             {"name": "ep2-ac-full", "dp_shard": 2, "ep": 2, "ac": "full", "same_as": "ep2", "host_reads": READS},
             {"name": "ep2-ac-op", "dp_shard": 2, "ep": 2, "ac": "selective:op", "host_reads": READS},
+            # DeepSeek's recompute: no block replayed, so one split-size read per layer and forward, as without AC
+            {
+                "name": "ep2-deepseek-recompute",
+                "dp_shard": 2,
+                "ep": 2,
+                "model": "mla",
+                "ac": "deepseek",
+                "host_reads": READS,
+            },
             # the all-to-alls beside the shared experts and the other chunk's experts (zero3), recomputed under AC
             {"name": "ep2-overlap-ac-full", **OVERLAP, "ac": "full", "host_reads": READS},
             # zero2 keeps the blocks gathered: a step's two micro-batches in flight together (expert_overlap.py)
@@ -109,6 +119,14 @@ def test_two_ranks_overlap_breadth():
             {"name": "ep2-paired-zero1-ac-full", **OVERLAP, "mode": "zero1", "ac": "full", "steps": 8},
             {"name": "ep2-paired-mla-mtp", **OVERLAP, "mode": "zero2", "model": "mla", "variant": "mtp"},
             {"name": "ep2-paired-selective", **OVERLAP, "mode": "zero2", "ac": "selective"},
+            {
+                "name": "ep2-paired-deepseek-mtp",
+                **OVERLAP,
+                "mode": "zero2",
+                "model": "mla",
+                "ac": "deepseek",
+                "variant": "mtp",
+            },
             # the first two steps at 1e-6 relative (after them AdamW's normalisation magnifies float rounding)
             {"name": "ep2-tight", "dp_shard": 2, "ep": 2, "steps": 2, "tol": TIGHT},
         ],

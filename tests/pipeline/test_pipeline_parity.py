@@ -22,6 +22,11 @@ def test_two_stages_gpipe_and_1f1b():
         for s in ("GPipe", "1F1B")
     ]
     cases.append(_case("llama", "1F1B", compile="aot_eager"))  # each stage's blocks compiled
+    # parallel.pp_layout's uneven splits: a stage with the embedding alone, and one with the output head alone
+    cases += [
+        _case("llama", "1F1B", pp_layout="E | 2+O", blocks=[0, 2]),
+        _case("gpt", "GPipe", pp_layout="E+2 | O", blocks=[2, 0]),
+    ]
     run_ranks(check_pipeline_cases, 2, cases)
 
 

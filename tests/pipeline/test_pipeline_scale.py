@@ -20,7 +20,8 @@ from trillion.models.flops import count_params
 from trillion.parallel.dims import ParallelDims, check_layout
 from trillion.parallel.layout import StageLayers
 from trillion.parallel.parallelize import parallelize
-from trillion.parallel.pipeline import Pipeline, split_units, stage_module
+from trillion.parallel.pipeline import Pipeline, stage_module
+from trillion.parallel.pp_layout import split_units
 
 GPT_1T = PRESETS["gpt-1t"]  # 128 layers, hidden 25600, 200 heads
 SEQ_LEN = 2048
@@ -85,7 +86,7 @@ def test_explicit_stage_sizes_reach_the_stages(model):
     tp, pp, dp = 4, 128, 2
     for pp_rank, layers in ((0, ["0"]), (1, ["1"]), (pp - 1, ["127"])):
         with fake_rank(pp_rank * dp * tp, tp * pp * dp):
-            stages = StageLayers(per_stage=1, first=1, last=1)
+            stages = StageLayers(written="E+1 | 1*126 | 1+O")  # one layer per stage, beside E and O
             dims = ParallelDims.of(
                 pp=pp, dp_shard=dp, tp=tp, world_size=tp * pp * dp, microbatches=pp, stage_layers=stages
             )

@@ -9,7 +9,8 @@ from tests.helpers.schedules import trainer_pipeline
 from trillion.errors import ConfigError
 from trillion.models import PRESETS, Transformer
 from trillion.parallel.layout import StageLayers
-from trillion.parallel.pipeline import bubble_fraction, describe_split, split_units, stage_indices, stage_module
+from trillion.parallel.pipeline import bubble_fraction, stage_indices, stage_module
+from trillion.parallel.pp_layout import describe, split_units
 from trillion.trainer.assemble import build_parallel_dims, resolve_layout
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.launch.env import LaunchEnv
@@ -88,7 +89,7 @@ def test_accepted_pipelines():
 
 
 def _sizes(n_layers: int, stages: int, layers: StageLayers) -> str:
-    return describe_split(split_units(n_layers, stages, layers), n_layers)
+    return describe([len(r) for r in split_units(n_layers, stages, layers)], n_layers)
 
 
 def test_explicit_stage_sizes():
@@ -99,7 +100,7 @@ def test_explicit_stage_sizes():
     # only the first/last stage sized: the other stages share the rest evenly, the remainder in the middle
     assert _sizes(8, 4, StageLayers(first=0)) == "E+0 | 3 | 3 | 2+O"
     assert _sizes(9, 5, StageLayers(first=0, last=0)) == "E+0 | 3 | 3 | 3 | 0+O"
-    assert _sizes(61, 16, StageLayers()) == describe_split(split_units(61, 16), 61)  # defaults: automatic
+    assert _sizes(61, 16, StageLayers()) == describe([len(r) for r in split_units(61, 16)], 61)  # defaults: automatic
     ranges = split_units(126, 32, StageLayers(4, first=3, last=3))  # llama3-405b-like: 3 + 30 x 4 + 3
     assert [len(r) for r in ranges] == [4] * 32 and ranges[-1].stop == 128
 

@@ -109,6 +109,7 @@ RULES = (
         (
             "parallel.pp_schedule",
             "parallel.pp_virtual_stages",
+            "parallel.pp_layout",
             "parallel.pp_layers_per_stage",
             "parallel.pp_first_stage_layers",
             "parallel.pp_last_stage_layers",
@@ -295,6 +296,7 @@ ALWAYS_ACTS = {
     "optimizer.eps": "AdamW's, with Muon too",
     "optimizer.weight_decay": "AdamW's and Muon's",
     "optimizer.implementation": "AdamW's, with Muon too",
+    "optimizer.state_dtype": "AdamW's moments, with Muon too (its AdamW part's)",
     "lr_schedule.name": "the schedule",
     "lr_schedule.warmup_steps": "every schedule warms up",
     "checkpoint.interval": "the saves",

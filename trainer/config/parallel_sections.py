@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from trillion.parallel.layout import EP_DISPATCH
 from trillion.parallel.modes import CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SCHEDULES, SELECTIVE_EVERY, ZERO_MODES
-from trillion.trainer.config.checks import Flag, OneOf, Range
+from trillion.trainer.config.checks import Flag, OneOf, Range, Text
 from trillion.trainer.config.fields import POSITIVE, doc
 
 
@@ -66,7 +66,9 @@ class Parallel:
         False,
         "Overlap the expert all-to-alls with compute: the shared experts run while the dispatch is in flight, and "
         "each MoE layer's tokens go in two chunks, one chunk's all-to-all beside the other's experts (forward and "
-        "backward; parallel/expert_overlap.py).",
+        "backward; parallel/expert_overlap.py); with one pipeline stage and zero1/zero2, two micro-batches' forwards "
+        "take turns at the all-to-alls; under pp_schedule=DualPipeV each OVERLAP_F_B's forward and backward do "
+        "(parallel/pipeline_pairing.py).",
         Flag(),
     )
     tp_overlap: int = doc(
@@ -92,6 +94,16 @@ class Parallel:
         f"Pipeline stages per rank for looped schedules ({_names(placement='looped')}); 0 = {DEFAULT_VIRTUAL_STAGES}. "
         f"One for {_names(placement='single')}; two for {_names(placement='v')}.",
         Range(1, also={0: "the schedule's default"}),
+    )
+    pp_layout: str = doc(
+        "",
+        "What each pipeline stage holds: stages separated by |, a stage's parts by +: E (the embedding), a count of "
+        "transformer layers, M (multi-token prediction modules, beside O) and O (the output head), S*k repeating a "
+        "stage, e.g. 'E+3 | 2*29 | M+O' (pp x stages per rank stages; the layers add up to model.n_layers) | auto "
+        "(balanced by each unit's forward and backward FLOPs: a dense layer, an MoE layer's active experts, the head "
+        "with the multi-token prediction modules) | '' (the even split, or the three settings below, which "
+        "pp_layout replaces).",
+        Text(),
     )
     pp_layers_per_stage: int = doc(
         0,
@@ -121,6 +133,8 @@ class Parallel:
     activation_checkpoint: str = doc(
         "none",
         f"{' | '.join(CHECKPOINT_MODES)} | selective:N (every N-th block): which blocks recompute their activations "
-        f"in backward (selective: every {SELECTIVE_EVERY}nd; selective:op: every block, saving matmul outputs).",
+        f"in backward (selective: every {SELECTIVE_EVERY}nd; selective:op: every block, saving matmul outputs; "
+        "deepseek: DeepSeek-V3's, no block replayed, the norms, latent attention's up-projections and the experts' "
+        "SwiGLU recomputed: latent-attention models only).",
         OneOf((*CHECKPOINT_MODES, "selective:N")),
     )

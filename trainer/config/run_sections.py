@@ -116,6 +116,13 @@ class Optimizer:
         "foreach and for-loop read the step's finite flag on the host every step.",
         OneOf(("auto", "fused", "foreach", "for-loop")),
     )
+    state_dtype: str = doc(
+        "float32",
+        "float32 | bfloat16: the dtype AdamW keeps its two moments in (bfloat16: 4 bytes a parameter instead of 8, "
+        "as DeepSeek-V3 trained; the step still computes in float32, parallel/adamw_states.py); with Muon, its AdamW "
+        "part's. bfloat16 runs its own step, not the fused one.",
+        OneOf(("float32", "bfloat16")),
+    )
     momentum: float = doc(MOMENTUM, "Muon: the hidden matrices' Nesterov momentum.", Range(0, 1, open_high=True))
     newton_schulz_steps: int = doc(
         NEWTON_SCHULZ_STEPS,

@@ -115,6 +115,5 @@ def add_part_arguments(p: argparse.ArgumentParser) -> None:
         "--mtp-modules",
         type=int,
         default=None,
-        help="multi-token prediction modules to plan (default: the preset's; 0 plans without them, which the "
-        "V-shaped pipeline schedules need)",
+        help="multi-token prediction modules to plan (default: the preset's; 0 plans without them)",
     )

@@ -1,7 +1,8 @@
 """What one simulated rank of the dry run builds and holds (trainer/tools/estimate/dry_run.py drives it).
 
-A rank's stages come from parallel/pipeline.py's own split (`split_units`, `stage_indices`; the
-trainer's `Pipeline` builds and parallelizes them), one stage of everything without pipelining.
+A rank's stages come from the pipeline's own split (parallel/pp_layout.py `split_units` of the layout's
+stage_layers, parallel/pipeline.py `stage_indices`; the trainer's `Pipeline` builds and parallelizes them), one
+stage of everything without pipelining.
 Stages of the same shape (embeddings or not, number of blocks, output or not) hold the same bytes,
 so each shape is built and measured once, and each (shapes of a rank's stages, dp_shard and cp
 coordinates) is sharded once: FSDP's torch.chunk shards differ along dp_shard x cp only (the routed
@@ -30,7 +31,8 @@ from trillion.models.moe import routed_expert_parameters
 from trillion.parallel.dims import AXES, ParallelDims
 from trillion.parallel.layout import Layout
 from trillion.parallel.modes import checkpoint_mode
-from trillion.parallel.pipeline import Pipeline, split_units, stage_indices, stage_module
+from trillion.parallel.pipeline import Pipeline, stage_indices, stage_module
+from trillion.parallel.pp_layout import split_units
 from trillion.trainer.assemble import build_model, compute_dtype, layout_fn
 from trillion.trainer.config.schema import Config
 from trillion.trainer.tools.estimate.activations import (
@@ -134,13 +136,14 @@ class StageShape:
 
 
 class StagePlan:
-    """The split of the model into the layout's pp x v stages (parallel/pipeline.py's, sized by `layers`), one
-    stage without pipelining; `routed_layers` the indices of the layers with routed experts."""
+    """The split of the model into the layout's pp x v stages (the pipeline's, sized by its stage_layers), one
+    stage without pipelining; `routed_layers` the indices of the layers with routed experts, `ahead_modules` the
+    multi-token prediction modules (pp_layout's M)."""
 
-    def __init__(self, layout: Layout, n_layers: int, routed_layers: frozenset = frozenset()):
+    def __init__(self, layout: Layout, n_layers: int, routed_layers: frozenset = frozenset(), ahead_modules: int = 0):
         self.pp, self.n_layers, self.routed_layers = layout.pp, n_layers, routed_layers
         self.schedule, self.virtual = layout.pp_schedule, layout.virtual_stages
-        self.ranges = split_units(n_layers, self.pp * self.virtual, layout.stage_layers)
+        self.ranges = split_units(n_layers, self.pp * self.virtual, layout.stage_layers, ahead_modules)
 
     @property
     def last_index(self) -> int:

@@ -51,7 +51,7 @@ class Simulation:
         self.micro_batch, self.microbatches = dims.layout.micro_batch_size, dims.layout.microbatches
         self.measure, self.prediction, self.notes = measure, prediction, notes
         routed = frozenset(i for i in range(model_args.n_layers) if parts.routed_layer(model_args, i))
-        self.plan = StagePlan(dims.layout, model_args.n_layers, routed)
+        self.plan = StagePlan(dims.layout, model_args.n_layers, routed, parts.ahead_modules(model_args)[0])
         self.source = StageSource(model_args, dims.pp)
         self.muon = frozenset(hidden_matrices(model_args) if config.optimizer.name == "muon" else ())
         self.states, self.facts = {}, {}  # (stage shapes, (dp_shard, cp) coordinates) -> States; StageShape -> ...

@@ -1,0 +1,105 @@
+"""DualPipe's pairing across pipeline stages (parallel/pipeline_pairing.py): under pp_schedule=DualPipeV with
+parallel.ep_overlap each OVERLAP_F_B runs one micro-batch's forward and another's backward in two threads taking turns
+at the expert all-to-alls. Checked: the turns (the backward side known by its autograd graph task, a recompute's
+posts included), and parity with one process on gloo, fp32, at pp 2 x ep 2 (4 ranks): debug-deepseek's kind (latent
+attention, group-limited routing, a dense first block, MTP on) over 8 steps, losses, gradient norms and the first
+step's gradients within 1e-6 relative and every gradient of every step within the harness's elementwise tolerance
+(tests/moe/harness.py; later steps' Adam normalisation magnifies rounding), with zero1 and selective or DeepSeek's
+recompute, each OVERLAP_F_B of a rank whose two stages hold MoE layers handing the turn over. The breadth (full
+recompute, zero2, zero3, the per-expert and per-node dispatch, a per-rank capacity, selective:op, context
+parallelism, float8 experts and dispatch) is under -m slow."""
+
+import pytest
+import torch
+
+from tests.float8.test_experts_parity import check_wide_model, emulated
+from tests.helpers.spawn import run_ranks
+from tests.moe.harness import check_cases
+from trillion.parallel.expert_overlap import Pair, after_post, paired
+
+PAIRED = {"pp": 2, "dp_shard": 2, "ep": 2, "ep_overlap": True, "schedule": "DualPipeV", "micro": 1, "paired": True}
+DEEPSEEK_KIND = {"model": "mla", "variant": "mtp", "mode": "zero1", "steps": 8, "relative": 1e-6}
+
+
+class _Post(torch.autograd.Function):
+    """Stands in for an all-to-all's wait: its backward posts the reverse all-to-all (ep_exchange.py)."""
+
+    @staticmethod
+    def forward(ctx, x, log, name):
+        ctx.log, ctx.name = log, name
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(f"B{ctx.name}")
+        after_post()
+        return grad, None, None
+
+
+def test_the_forward_and_the_backward_take_turns_at_each_post():
+    """The forward side hands the turn over after each post; the backward side after each post its graph task
+    makes (a checkpointed recompute's too: it runs inside the same graph task), so the log alternates."""
+    log = []
+    x = torch.ones(3, requires_grad=True)
+    y = x
+    for name in "123":
+        y = _Post.apply(y, log, name)
+    loss = y.sum()
+
+    def forward():
+        for name in "abc":
+            log.append(f"F{name}")
+            after_post()
+
+    def backward():
+        assert paired()
+        loss.backward()
+
+    pair = Pair(backward_side=True)
+    pair.run(forward, backward)
+    assert log == ["Fa", "B3", "Fb", "B2", "Fc", "B1"] and pair.handovers == 6
+    assert not paired()
+
+
+def test_dualpipev_pairing_at_pp2_x_ep2_equals_one_process():
+    run_ranks(
+        check_cases,
+        4,
+        [
+            {"name": "dualpipev-paired-selective", **PAIRED, **DEEPSEEK_KIND, "ac": "selective"},
+            {"name": "dualpipev-paired-deepseek-recompute", **PAIRED, **DEEPSEEK_KIND, "ac": "deepseek"},
+        ],
+    )
+
+
+@pytest.mark.slow  # about four minutes on two cores
+def test_dualpipev_pairing_breadth():
+    run_ranks(
+        check_cases,
+        4,
+        [
+            {"name": "dualpipev-paired", **PAIRED, **DEEPSEEK_KIND},
+            {"name": "dualpipev-paired-full", **PAIRED, **DEEPSEEK_KIND, "ac": "full"},
+            {"name": "dualpipev-paired-zero2-selective", **PAIRED, **DEEPSEEK_KIND, "mode": "zero2", "ac": "selective"},
+            {"name": "dualpipev-paired-zero3", **PAIRED, "mode": "zero3", "relative": 1e-6},
+            {"name": "dualpipev-paired-per-expert", **PAIRED, "mode": "zero1", "ep_dispatch": "expert"},
+            # each rank its own node: the per-node dispatch's two hops, one across "nodes"
+            {"name": "dualpipev-paired-per-node", **PAIRED, "ep_dispatch": "node", "ranks_per_node": 1},
+            {"name": "dualpipev-paired-capacity", **PAIRED, "mode": "zero1", "variant": "capacity"},
+            {"name": "dualpipev-paired-op", **PAIRED, "mode": "zero1", "ac": "selective:op"},
+            {"name": "dualpipev-paired-cp2", **{**PAIRED, "dp_shard": 1, "cp": 2, "micro": 2}, **DEEPSEEK_KIND},
+        ],
+    )
+
+
+@pytest.mark.slow  # about a minute on two cores
+def test_dualpipev_pairing_with_float8_experts_and_dispatch():
+    wide = {**PAIRED, "model": "wide", "steps": 2, "mode": "zero1"}
+    run_ranks(
+        check_wide_model,
+        4,
+        [
+            {"name": "dualpipev-paired-float8-experts", **wide, "float8": emulated("blockwise")},
+            {"name": "dualpipev-paired-float8-dispatch", **wide, "float8": emulated("blockwise", True)},
+        ],
+    )
