@@ -21,8 +21,8 @@ the same; the shared experts are TP-split either way:
              dispatch mode the trainer runs (dispatch_rows: per expert, per rank, per node; the ep group's ranks are
              ep_stride apart: folded ep consecutive GPUs, else ep x tp), each row the token and its routing
              (row_bytes), at the imbalance (dispatch_seconds). With parallel.ep_overlap what hides is what the
-             mechanism puts beside each all-to-all's wait (exposed_all_to_alls; paired micro-batches:
-             exposed_paired); else all of it.
+             mechanism puts beside each all-to-all's wait (exposed_all_to_alls; paired micro-batches, two forwards
+             on one stage or DualPipeV's forward beside a backward: exposed_seconds); else all of it.
   element-wise  per routed token: the fused permutation into expert order and back
              (kernels/permute.py, kernels.permutation=auto on GPUs; PERMUTATION_ROWS; under ep the dispatch's
              own gathers in torch, DISPATCH_PERMUTATION_ROWS), SwiGLU on the expert
@@ -58,6 +58,7 @@ from trillion.parallel.planner.float8_experts import (
     float8_expert_recipe,
 )
 from trillion.parallel.planner.hardware import HardwareProfile
+from trillion.parallel.planner.schedules import dualpipe_paired_share
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time, collective_time
 from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, cast_bytes
 
@@ -278,20 +279,30 @@ def exposed_seconds(
     wire = dispatch_row_bytes(args.dim, float8) if float8 and layout.float8.dispatch else 0
     dispatch = dispatch_seconds(args, hw, rows, layout, imbalance, wire) if wire else one_way
     counts = 0.0 if layout.ep_capacity else all_to_all_time(hw, 0.0, ep, ep_stride(layout)) + host_read_stall(hw)
-    if around is not None and pairs(layout):  # the other micro-batch's layer computes beside each all-to-all
-        forward = around.forward - around.tp_forward - around.cp_forward + routed[0]
-        backward = around.input_grad + around.weight_grad - around.tp_forward - around.cp_forward + routed[1]
-        turns = 3 if counts else 2  # a forward hands the turn over after the counts, the rows, the combine
+    alone = [
+        exposed_all_to_alls(layout, dispatch, one_way, counts, shared, experts),
+        exposed_all_to_alls(layout, one_way, one_way, 0.0, 2 * shared, 2 * experts),
+        exposed_all_to_alls(layout, dispatch, one_way, 0.0, shared, experts),
+    ]
+    share = dualpipe_paired_share(layout) if around is not None else 0.0
+    if not share and not (around is not None and pairs(layout)):
+        return alone
+    # the other micro-batch's layer computes beside each all-to-all, a segment of it between two of its posts
+    forward = around.forward - around.tp_forward - around.cp_forward + routed[0]
+    backward = around.input_grad + around.weight_grad - around.tp_forward - around.cp_forward + routed[1]
+    turns = 3 if counts else 2  # a forward hands the turn over after the counts, the rows, the combine
+    if not share:  # two forwards paired, then two backwards (one pipeline stage)
         return [
             exposed_paired(dispatch, one_way, counts, forward / turns),
             exposed_paired(one_way, one_way, 0.0, backward / 2),
             exposed_paired(dispatch, one_way, 0.0, forward / 2),
         ]
-    return [
-        exposed_all_to_alls(layout, dispatch, one_way, counts, shared, experts),
-        exposed_all_to_alls(layout, one_way, one_way, 0.0, 2 * shared, 2 * experts),
-        exposed_all_to_alls(layout, dispatch, one_way, 0.0, shared, experts),
+    paired = [  # DualPipeV: a forward beside a backward, which hands over after its two all-to-alls
+        exposed_paired(dispatch, one_way, counts, backward / 2),
+        exposed_paired(one_way, one_way, 0.0, forward / turns),
+        exposed_paired(dispatch, one_way, 0.0, forward / turns),
     ]
+    return [share * p + (1 - share) * a for p, a in zip(paired, alone)]
 
 
 def shared_expert_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) -> float:
@@ -368,10 +379,14 @@ def expert_shards(tp: int, dp_shard: int, ep: int, etp: int) -> int:
     return dp_shard * (tp // etp) // ep
 
 
-def moe_activation_bytes(args: ModelArgs, tokens: int, etp: int, ep: int, imbalance: float, dtype_bytes: int) -> float:
+def moe_activation_bytes(
+    args: ModelArgs, tokens: int, etp: int, ep: int, imbalance: float, dtype_bytes: int, recompute_swiglu: bool = False
+) -> float:
     """Bytes an MoE layer keeps for backward beyond its attention and shared experts, for `tokens` routed by the rank
-    and experts split over `etp` (the module docstring)."""
+    and experts split over `etp` (the module docstring); `recompute_swiglu` (DeepSeek's recompute mode): the experts
+    keep w1's and w3's outputs, not silu's and the product (models/moe.py RoutedExperts.recompute_swiglu)."""
     block = routed_block(args)
     k, f, imb = block.routing.top_k, expert_width(block), effective_imbalance(ep, imbalance)
     rows = 2 + (WEIGHTED_OUTPUT_ROWS if ep > 1 else 0)  # the permuted tokens, the outputs (and weighted: ep)
-    return tokens * (4 * block.routing.n_experts + (rows * k * args.dim + 4 * k * f / etp) * imb * dtype_bytes)
+    hidden = 2 if recompute_swiglu else 4  # w1's and w3's outputs (and silu's, the product)
+    return tokens * (4 * block.routing.n_experts + (rows * k * args.dim + hidden * k * f / etp) * imb * dtype_bytes)
