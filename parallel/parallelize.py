@@ -31,7 +31,7 @@ from trillion.parallel.compile import apply_compile
 from trillion.parallel.context_parallel import apply_context_parallel, split_sequences
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.ep_routing import Payload
-from trillion.parallel.expert_overlap import apply_pairing_gates, pairs_across_stages, pairs_micro_batches
+from trillion.parallel.expert_overlap import apply_pairing_gates, pairs_micro_batches
 from trillion.parallel.expert_parallel import apply_expert_parallel, cache_routes_for_recompute, expert_dispatches
 from trillion.parallel.expert_tensor_parallel import sum_expert_gradients
 from trillion.parallel.float8 import convert as convert_to_float8
@@ -78,7 +78,7 @@ def parallelize(
         payload = Payload(wire=Float8Wire(float8.experts, float8.emulate)) if float8 and float8.dispatch else Payload()
         mode, ranks_per_node = layout.ep_dispatch, layout.ranks_per_node
         apply_expert_parallel(model, ep_mesh, mode, ranks_per_node, dims.ep_node_mesh, payload, dims.expert_tp_mesh)
-        pairs = pairs_across_stages(layout) or pairs_micro_batches(layout)
+        pairs = layout.pairs_across_stages or pairs_micro_batches(layout)
         for dispatch in expert_dispatches(model):  # parallel.ep_overlap: beside what, expert_overlap.py
             dispatch.overlap, dispatch.pairs = layout.ep_overlap, pairs
     if dims.tp_enabled and layout.expert_tp > 1:  # the experts split over tp: their gradients are partial sums

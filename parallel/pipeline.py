@@ -53,7 +53,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trillion.errors import ConfigError
-from trillion.parallel.expert_overlap import pairs_across_stages
 from trillion.parallel.forward_backward import carried_inputs, token_loss
 from trillion.parallel.layout import Layout
 from trillion.parallel.modes import SCHEDULES, check_layout_schedule, joins_weight_passes
@@ -164,7 +163,7 @@ class Pipeline:
         self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)
         self.tokens = None
         self.dims = dims
-        self.pairs = pairs_across_stages(dims.layout)  # DualPipeV's OVERLAP_F_B paired (pipeline_pairing.py)
+        self.pairs = dims.layout.pairs_across_stages  # DualPipeV's OVERLAP_F_B paired (pipeline_pairing.py)
         self.autocast = contextlib.nullcontext()  # the step's, for the paired forwards' threads
         self.handovers: list[int] = []  # per paired action, the turns its two sides handed each other
         self.eval_stages, self._eval_schedule = [], None  # made by the first evaluation

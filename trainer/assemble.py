@@ -251,7 +251,8 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
 
 def resolve_stage_split(layout: Layout, model_args: ModelArgs, seq_len: int) -> Layout:
     """`layout` with parallel.pp_layout=auto written out once the model is known: the split whose busiest pipeline
-    rank is least busy by each unit's forward and backward FLOPs (models/flops.py; parallel/pp_layout.py balance)."""
+    rank is least busy by each unit's forward and backward FLOPs (models/flops.py; parallel/pp_layout.py balance, or
+    balance_paired under DualPipeV's pairing)."""
     if layout.pp == 1:
         return layout
     stages = resolve_auto(
@@ -260,6 +261,7 @@ def resolve_stage_split(layout: Layout, model_args: ModelArgs, seq_len: int) -> 
         unit_flops_per_token(model_args, seq_len),
         stage_ranks(layout.pp, layout.virtual_stages, layout.pp_schedule),
         parts.ahead_modules(model_args)[0],
+        paired=layout.pairs_across_stages,
     )
     return dataclasses.replace(layout, stage_layers=stages)
 
