@@ -165,12 +165,6 @@ class Layout:
         return self.dp_shard * self.cp * (self.tp if self.folded else 1) // self.ep
 
     @property
-    def pairs_across_stages(self) -> bool:
-        """Whether parallel.ep_overlap pairs one micro-batch's forward with another's backward on each OVERLAP_F_B of
-        DualPipeV (parallel/pipeline_pairing.py)."""
-        return self.ep_overlap and self.ep > 1 and self.pp > 1 and self.pp_schedule == "DualPipeV"
-
-    @property
     def fsdp_enabled(self) -> bool:
         """FSDP2 wraps the model: more than one data-parallel or context-parallel rank."""
         return self.dp * self.cp > 1

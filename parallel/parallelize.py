@@ -37,7 +37,7 @@ from trillion.parallel.expert_tensor_parallel import sum_expert_gradients
 from trillion.parallel.float8 import convert as convert_to_float8
 from trillion.parallel.float8_dispatch import Float8Wire
 from trillion.parallel.fsdp import apply_fsdp
-from trillion.parallel.modes import checkpointed_blocks, schedule, zero_mode
+from trillion.parallel.modes import checkpointed_blocks, pairs_across_stages, schedule, zero_mode
 from trillion.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -78,7 +78,7 @@ def parallelize(
         payload = Payload(wire=Float8Wire(float8.experts, float8.emulate)) if float8 and float8.dispatch else Payload()
         mode, ranks_per_node = layout.ep_dispatch, layout.ranks_per_node
         apply_expert_parallel(model, ep_mesh, mode, ranks_per_node, dims.ep_node_mesh, payload, dims.expert_tp_mesh)
-        pairs = layout.pairs_across_stages or pairs_micro_batches(layout)
+        pairs = pairs_across_stages(layout) or pairs_micro_batches(layout)
         for dispatch in expert_dispatches(model):  # parallel.ep_overlap: beside what, expert_overlap.py
             dispatch.overlap, dispatch.pairs = layout.ep_overlap, pairs
     if dims.tp_enabled and layout.expert_tp > 1:  # the experts split over tp: their gradients are partial sums

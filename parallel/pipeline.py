@@ -55,7 +55,7 @@ from torch.distributed.tensor import DTensor
 from trillion.errors import ConfigError
 from trillion.parallel.forward_backward import carried_inputs, token_loss
 from trillion.parallel.layout import Layout
-from trillion.parallel.modes import SCHEDULES, check_layout_schedule, joins_weight_passes
+from trillion.parallel.modes import SCHEDULES, check_layout_schedule, joins_weight_passes, pairs_across_stages
 from trillion.parallel.pipeline_ahead import AheadOutputs
 from trillion.parallel.pp_layout import check_stages, describe, split_units
 from trillion.parallel.tensor_parallel import loss_context
@@ -163,7 +163,7 @@ class Pipeline:
         self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)
         self.tokens = None
         self.dims = dims
-        self.pairs = dims.layout.pairs_across_stages  # DualPipeV's OVERLAP_F_B paired (pipeline_pairing.py)
+        self.pairs = pairs_across_stages(dims.layout)  # DualPipeV's OVERLAP_F_B paired (pipeline_pairing.py)
         self.autocast = contextlib.nullcontext()  # the step's, for the paired forwards' threads
         self.handovers: list[int] = []  # per paired action, the turns its two sides handed each other
         self.eval_stages, self._eval_schedule = [], None  # made by the first evaluation
