@@ -295,10 +295,7 @@ def rank_memory(
     )
     gathered_kv = ms * seq_len * parts.block(args).heads.kv_width / tp * ACTIVATION_BYTES if cp > 1 else 0
     per_microbatch = n_ckpt * kept + (rank.layers - n_ckpt) * (full_layer + gathered_kv)
-    # an MTP module (models/parts), not checkpointed: its block, its projection's input; its output as the root's
-    mtp_block = moe_layer if parts.routed_layer(args, args.n_layers) else dense_layer
-    mtp = mtp_block + 2 * tokens * args.dim * ACTIVATION_BYTES + gathered_kv
-    per_microbatch += rank.ahead_modules * mtp
+    per_microbatch += rank.ahead_modules * (ahead_module_bytes(args, tokens, dense_layer, moe_layer) + gathered_kv)
     output = output_activation_bytes(args, tokens, tp, sp) * (1 + rank.ahead_modules) if rank.last else 0
     activations = in_flight * per_microbatch + output
     # Muon's step buffers live after the backward, where the activations were: only what passes them adds
@@ -329,6 +326,13 @@ def _gathered_block(args: ModelArgs, dense: bool, routed: bool, tp: int, d: int,
     return max(_numel(args, "block", tp, d)[0] if dense else 0, _numel(args, "routed_block", tp, d)[0] + experts)
 
 
+def ahead_module_bytes(args: ModelArgs, tokens: int, dense_layer: float, moe_layer: float) -> float:
+    """An MTP module's activations per micro-batch (models/parts), not checkpointed: its block, its projection's input
+    (its output is counted as the root's)."""
+    block = moe_layer if parts.routed_layer(args, args.n_layers) else dense_layer
+    return block + 2 * tokens * args.dim * ACTIVATION_BYTES
+
+
 def _layer_kinds(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assumptions, kept: bool = False) -> tuple:
     """(a dense layer's, an MoE layer's activations per micro-batch; with `kept` a checkpointed layer's input too)."""
     tokens = layout.micro_batch_size * seq_len // layout.cp
@@ -352,6 +356,9 @@ def layout_memory(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assump
         dense, moe = _layer_kinds(args, layout, seq_len, assumed)
         for index, rank in enumerate(pipeline_ranks(args, layout)):
             held = [dense * (n - r) + moe * r for n, r in zip(rank.chunks, rank.chunk_routed)]  # each chunk's bytes
+            if rank.ahead_modules:  # the MTP modules run in the V's last stage, this rank's second chunk
+                tokens = layout.micro_batch_size * seq_len // layout.cp
+                held[-1] += rank.ahead_modules * ahead_module_bytes(args, tokens, dense, moe)
             in_flight = dualpipe_in_flight(layout.pp, layout.microbatches, index, held)
             candidates.append(rank_memory(args, layout, seq_len, assumed, rank, in_flight))
         return max(candidates, key=lambda m: m.total)

@@ -6,7 +6,7 @@ GEMMs: the MoE layer's all-to-alls, permutation and element-wise work, the head'
 A unit's seconds are one micro-batch's forward, input- and weight-gradient passes and recomputed forward (cost.py):
 the embedding's lookup and its gradient as memory passes (EMBEDDING_ROW_PASSES), each layer's block (dense or MoE),
 the output head with the multi-token prediction modules beside it. parallel/pp_layout.py `balance` splits them (exact
-for a V and for one stage per rank).
+for a V and for one stage per rank; `balance_paired` under DualPipeV's pairing, as the trainer's `auto`).
 """
 
 import dataclasses
@@ -21,7 +21,7 @@ from trillion.parallel.planner.block_cost import block_passes, output_passes
 from trillion.parallel.planner.cost import ahead_module_passes, pipeline_part
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.timing import Passes, _memory_bound
-from trillion.parallel.pp_layout import balance, describe, stage_ranks
+from trillion.parallel.pp_layout import balance, balance_paired, describe, stage_ranks
 
 # Rows of dim per token the embedding moves: the forward reads the table's row and writes the hidden state (2), the
 # backward reads the hidden state's gradient and adds it into the row's gradient (read and write: 3). Counted from the
@@ -57,10 +57,13 @@ def balanced(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int,
         return layout
     costs = tuple(unit_seconds(args, hw, layout, seq_len, assumed))
     ranks = tuple(stage_ranks(layout.pp, layout.virtual_stages, layout.pp_schedule))
-    written = describe(_balance(costs, ranks), args.n_layers, parts.ahead_modules(args)[0], compact=True)
+    counts = _balance(costs, ranks, modes.pairs_across_stages(layout))
+    written = describe(counts, args.n_layers, parts.ahead_modules(args)[0], compact=True)
     return dataclasses.replace(layout, stage_layers=StageLayers(written=written))
 
 
 @lru_cache(maxsize=1024)
-def _balance(costs: tuple, ranks: tuple) -> tuple[int, ...]:
-    return balance(list(costs), list(ranks))
+def _balance(costs: tuple, ranks: tuple, paired: bool) -> tuple[int, ...]:
+    """The trainer's own split of `costs` (pp_layout.balance; balance_paired under DualPipeV's pairing, whose stages
+    each need compute to hide the other's all-to-alls)."""
+    return (balance_paired if paired else balance)(list(costs), list(ranks))
