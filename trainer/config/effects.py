@@ -60,7 +60,7 @@ RULES = (
         "Add --float8.enabled=true",
     ),
     Needs(
-        ("float8.experts",),
+        ("float8.experts", "float8.cache_activations"),
         "with float8.enabled=true on a model with routed experts",
         lambda c: c.float8.enabled and _has_experts(c),
         ("float8.enabled", "model.name"),
