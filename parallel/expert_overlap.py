@@ -97,12 +97,6 @@ def in_threads(bodies) -> None:
         raise errors[0]
 
 
-def pairs_across_stages(layout) -> bool:
-    """Whether parallel.ep_overlap pairs one micro-batch's forward with another's backward on each OVERLAP_F_B of
-    DualPipeV (parallel/pipeline_pairing.py)."""
-    return layout.ep_overlap and layout.ep > 1 and layout.pp > 1 and layout.pp_schedule == "DualPipeV"
-
-
 def pairs_micro_batches(layout) -> bool:
     """Whether parallel.ep_overlap pairs micro-batches in this layout (the module docstring): one pipeline stage,
     two micro-batches a step at least, and blocks FSDP keeps gathered (zero3 reshards each block after its forward,

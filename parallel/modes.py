@@ -167,6 +167,12 @@ def joins_weight_passes(layout) -> bool:
     return layout.pp > 1 and schedule(layout.pp_schedule).split_backward and twice_refused
 
 
+def pairs_across_stages(layout) -> bool:
+    """Whether parallel.ep_overlap pairs one micro-batch's forward with another's backward on each OVERLAP_F_B of
+    DualPipeV (parallel/pipeline_pairing.py; the planner prices it: planner/moe.py)."""
+    return layout.ep_overlap and layout.ep > 1 and layout.pp > 1 and layout.pp_schedule == "DualPipeV"
+
+
 @dataclass(frozen=True)
 class ZeroMode:
     """What FSDP keeps gathered between uses (parallel/fsdp.py has the table of costs)."""

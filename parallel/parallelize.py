@@ -31,13 +31,13 @@ from trillion.parallel.compile import apply_compile
 from trillion.parallel.context_parallel import apply_context_parallel, split_sequences
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.ep_routing import Payload
-from trillion.parallel.expert_overlap import apply_pairing_gates, pairs_across_stages, pairs_micro_batches
+from trillion.parallel.expert_overlap import apply_pairing_gates, pairs_micro_batches
 from trillion.parallel.expert_parallel import apply_expert_parallel, cache_routes_for_recompute, expert_dispatches
 from trillion.parallel.expert_tensor_parallel import sum_expert_gradients
 from trillion.parallel.float8 import convert as convert_to_float8
 from trillion.parallel.float8_dispatch import Float8Wire
 from trillion.parallel.fsdp import apply_fsdp
-from trillion.parallel.modes import checkpointed_blocks, schedule, zero_mode
+from trillion.parallel.modes import checkpointed_blocks, pairs_across_stages, schedule, zero_mode
 from trillion.parallel.tensor_parallel import apply_tensor_parallel
 
 

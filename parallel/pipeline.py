@@ -53,10 +53,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from trillion.errors import ConfigError
-from trillion.parallel.expert_overlap import pairs_across_stages
 from trillion.parallel.forward_backward import carried_inputs, token_loss
 from trillion.parallel.layout import Layout
-from trillion.parallel.modes import SCHEDULES, check_layout_schedule, joins_weight_passes
+from trillion.parallel.modes import SCHEDULES, check_layout_schedule, joins_weight_passes, pairs_across_stages
 from trillion.parallel.pipeline_ahead import AheadOutputs
 from trillion.parallel.pp_layout import check_stages, describe, split_units
 from trillion.parallel.tensor_parallel import loss_context

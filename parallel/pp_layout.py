@@ -46,12 +46,67 @@ def check_stages(stages: StageLayers, n_layers: int, num_stages: int, ahead_modu
         split_units(n_layers, num_stages, stages, ahead_modules)
 
 
-def resolve_auto(stages: StageLayers, n_layers: int, costs: list[float], rank_of_stage: list[int], ahead_modules=0):
+def resolve_auto(
+    stages: StageLayers, n_layers: int, costs: list[float], rank_of_stage: list[int], ahead_modules=0, paired=False
+):
     """`stages` with pp_layout=auto written out: the split `balance` finds for `costs` (each unit's, in order) over
-    the stages of `rank_of_stage`; other stage sizes as they are."""
+    the stages of `rank_of_stage` (`paired`: under DualPipeV's pairing, `balance_paired`); other stage sizes as they
+    are."""
     if stages.written != AUTO:
         return stages
-    return dataclasses.replace(stages, written=describe(balance(costs, rank_of_stage), n_layers, ahead_modules, True))
+    counts = balance_paired(costs, rank_of_stage) if paired else balance(costs, rank_of_stage)
+    return dataclasses.replace(stages, written=describe(counts, n_layers, ahead_modules, True))
+
+
+def balance_paired(costs: list[float], rank_of_stage: list[int]) -> tuple[int, ...]:
+    """`balance` for a V whose two stages on a rank run paired (DualPipeV's pairing hides one stage's all-to-alls
+    behind the compute of the other), so each stage needs compute of its own: the embedding, which costs next to
+    nothing, never makes a stage alone (the least busy rank sum left debug-moe widened to 9 layers on pp 2 `E+0 | 3 |
+    2 | 4+O`, and that rank's pairs hid next to nothing: experiments/bench/ep_overlap.py --pp 2), and among the splits
+    as little busy, the one whose stages are most even (`E+3 | 2 | 2 | 2+O` there), as DeepSeek-V3 sized its chunks."""
+    counts = list(balance([costs[0] + costs[1], *costs[2:]], rank_of_stage))
+    counts[0] += 1
+    return tuple(_even_out_v(costs, counts))
+
+
+def _even_out_v(costs: list[float], counts: list[int]) -> list[int]:
+    """The split of a V with the units per rank of `counts` and no rank busier than there whose stages are most even
+    (least sum of squared stage costs), the first stage the embedding and a layer at least; exact, by dynamic
+    programming over each rank's first stage's start x_r (its second stage ends at x_r plus the units left inside)."""
+    stages, units = len(counts), len(costs)
+    ranks, prefix = stages // 2, np.concatenate([[0.0], np.cumsum(costs)])
+    held = [counts[r] + counts[stages - 1 - r] for r in range(ranks)]  # each rank's units
+    inside = [units - sum(held[:r]) for r in range(ranks)]  # units from rank r's first stage to its second's end
+
+    def load(x0: int, x1: int, r: int) -> float:  # rank r's two stages: [x0, x1) and [x1 + inside[r+1], x0 + inside[r])
+        return prefix[x1] - prefix[x0] + prefix[x0 + inside[r]] - prefix[x1 + inside[r + 1]]
+
+    starts, bound = np.cumsum([0, *counts[: ranks - 1]]), 0.0
+    for r in range(ranks - 1):
+        bound = max(bound, load(int(starts[r]), int(starts[r + 1]), r))
+    bound = max(bound, prefix[starts[-1] + inside[-1]] - prefix[starts[-1]]) * (1 + 1e-12)
+    best = {0: (0.0, [0])}  # x_r -> (sum of squares of the stages placed so far, x_0..x_r)
+    for r in range(ranks - 1):
+        reached = {}
+        for x0, (squares, path) in best.items():
+            for x1 in range(x0 + (2 if r == 0 else 1), x0 + held[r]):
+                if load(x0, x1, r) > bound:
+                    continue
+                end0, end1 = x0 + inside[r], x1 + inside[r + 1]
+                total = squares + (prefix[x1] - prefix[x0]) ** 2 + (prefix[end0] - prefix[end1]) ** 2
+                if x1 not in reached or total < reached[x1][0]:
+                    reached[x1] = (total, [*path, x1])
+        best = reached
+    last = min(
+        (squares + (prefix[m] - prefix[x]) ** 2 + (prefix[x + inside[-1]] - prefix[m]) ** 2, path, m)
+        for x, (squares, path) in best.items()
+        if prefix[x + inside[-1]] - prefix[x] <= bound  # the last rank's load: its two stages meet inside
+        for m in range(x + 1, x + inside[-1])
+    )
+    _, lefts, middle = last
+    rights = [x + inside[r] for r, x in enumerate(lefts)]
+    bounds = [*lefts, middle, *rights[::-1]]
+    return [bounds[i + 1] - bounds[i] for i in range(stages)]
 
 
 def stage_ranks(pp: int, virtual: int, schedule: str) -> list[int]:

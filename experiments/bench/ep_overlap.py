@@ -15,10 +15,10 @@ a per-rank capacity.
     python experiments/bench/ep_overlap.py --smoke         # tiny, seconds (tested)
 
 With --pp 2 the same on a pipeline: pp 2 x ep 2 x dp_shard 2 on 4 ranks under pp_schedule=DualPipeV (zero1, the
-model split by parallel.pp_layout=auto), --microbatches a step of 1 x 128 tokens each; overlap on pairs each
-OVERLAP_F_B's forward and backward across the rank's two stages (parallel/pipeline_pairing.py), off runs them one
-after the other. The delay's unit is again a layer's pass of compute: the step without delay over (MoE layers x
-micro-batches x 3), a stage's layers counted once per micro-batch.
+model split as parallel.pp_layout=auto splits it for the pairing, both runs alike), --microbatches a step of
+1 x 128 tokens each; overlap on pairs each OVERLAP_F_B's forward and backward across the rank's two stages
+(parallel/pipeline_pairing.py), off runs them one after the other. The delay's unit is again a layer's pass of
+compute: the step without delay over (MoE layers x micro-batches x 3), a stage's layers counted once per micro-batch.
 
     python experiments/bench/ep_overlap.py --pp 2 [--microbatches 16] [--steps 4] [--scales 1]
 """
@@ -108,19 +108,19 @@ class PipelineRun:
 
         micro, seq, count = batch
         self.args, self.batch, self.pipelines, self.optimizers = args, batch, {}, {}
+        degrees = ParallelDims.of(world, pp=2, dp_shard=world // 2, ep=world // 2).layout
+        paired = dataclasses.replace(
+            degrees,
+            pp_schedule="DualPipeV",
+            virtual_stages=2,
+            stage_layers=StageLayers(written="auto"),
+            microbatches=count,
+            ep_overlap=True,
+            dp_shard_mode="zero1",
+        )
+        paired = resolve_stage_split(paired, args, seq)  # one split for both: the one auto gives the pairing
         for overlap in (False, True):
-            degrees = ParallelDims.of(world, pp=2, dp_shard=world // 2, ep=world // 2).layout
-            layout = dataclasses.replace(
-                degrees,
-                pp_schedule="DualPipeV",
-                virtual_stages=2,
-                stage_layers=StageLayers(written="auto"),
-                microbatches=count,
-                ep_overlap=overlap,
-                dp_shard_mode="zero1",
-            )
-            layout = resolve_stage_split(layout, args, seq)
-            self.dims = ParallelDims(layout, world)
+            self.dims = ParallelDims(dataclasses.replace(paired, ep_overlap=overlap), world)
             self.dims.build_mesh("cpu")
             with torch.device("meta"):
                 model = Transformer(args)

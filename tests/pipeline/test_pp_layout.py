@@ -14,6 +14,7 @@ from trillion.parallel.layout import AUTOMATIC_STAGES, StageLayers
 from trillion.parallel.pp_layout import (
     _min_max_stages,
     balance,
+    balance_paired,
     check_stages,
     describe,
     even,
@@ -92,6 +93,33 @@ def test_balance_finds_the_least_busy_busiest_rank_of_a_v():
     costs, memory = [0.0, 1, 1, 1, 1, 1, 1, 0.5], [4.0, 1, 1, 1, 1, 1, 1, 0.0]
     units = balance(costs, [0, 1], memory, budget=6.0)
     assert sum(memory[: units[0]]) <= 6.0 < sum(memory[: balance(costs, [0, 1])[0]])
+
+
+def test_balance_paired_gives_every_stage_of_the_v_compute_and_evens_the_stages():
+    """Under DualPipeV's pairing (each rank's two stages run side by side, parallel/pipeline_pairing.py) `auto` keeps
+    the embedding beside a layer and, at the busiest rank of every split that does so (all of them enumerated),
+    spreads each rank's units most evenly over its two stages. debug-moe widened as the pairing benchmark runs it
+    (experiments/bench/ep_overlap.py --pp 2): the plain balance leaves stage 0 the embedding alone."""
+    generator = random.Random(7)
+    for _ in range(40):
+        costs = [0.0, *(round(generator.uniform(0.2, 3), 1) for _ in range(generator.randint(6, 10)))]
+        p = generator.choice([2, 3])
+        ranks = [*range(p), *range(p - 1, -1, -1)]
+        units = balance_paired(costs, ranks)
+        fitting = [split for split in _splits(len(costs), 2 * p) if split[0] >= 2]
+        best = min(_busiest(costs, split, ranks) for split in fitting)
+        assert units[0] >= 2 and _busiest(costs, units, ranks) == pytest.approx(best)
+        held = [units[r] + units[2 * p - 1 - r] for r in range(p)]
+        same = [s for s in fitting if [s[r] + s[2 * p - 1 - r] for r in range(p)] == held]
+        same = [s for s in same if _busiest(costs, s, ranks) <= best + 1e-9]
+        assert _stage_squares(costs, units) == pytest.approx(min(_stage_squares(costs, s) for s in same))
+    widened = [0.0, 0.36, *[1.0] * 8, 0.04]  # embedding, a dense layer, 8 MoE layers, the head (FLOPs / MoE layer)
+    assert describe(balance(widened, [0, 1, 1, 0]), 9, compact=True) == "E+0 | 3 | 2 | 4+O"
+    assert describe(balance_paired(widened, [0, 1, 1, 0]), 9, compact=True) == "E+3 | 2 | 2 | 2+O"
+
+
+def _stage_squares(costs, units) -> float:
+    return sum(sum(costs[start : start + count]) ** 2 for start, count in zip([0, *_ends(units)], units))
 
 
 def _splits(units: int, stages: int):
