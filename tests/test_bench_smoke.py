@@ -186,7 +186,7 @@ def test_memory_recipe_drift_benchmark_smoke(tmp_path):
     import json
 
     result = _smoke("memory_recipe.py", "--out", str(tmp_path))
-    rows = [line for line in result.stdout.splitlines() if line.startswith("| ")][2:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and not line.startswith("| run |")]
     assert [row.split(" | ")[0] for row in rows] == [
         "| fp32 moments, no float8",
         "| bf16 moments",
