@@ -315,7 +315,8 @@ def rank_memory(
 
     n_ckpt = rank.checkpointed(layout.activation_checkpoint)
     experts = (layout.ep, assumed.moe_load_imbalance, layout.expert_tp, routed_tokens(tokens, layout))
-    dense_layer, moe_layer, kept = _layer_bytes(args, tokens, tp, sp, *experts)
+    float8_cache = layout.float8 is not None and layout.float8.cache_activations  # the experts' activations in float8
+    dense_layer, moe_layer, kept = _layer_bytes(args, tokens, tp, sp, *experts, float8_cache)
     full_layer = (dense_layer * (rank.layers - rank.routed_layers) + moe_layer * rank.routed_layers) / max(
         rank.layers, 1
     )
@@ -347,16 +348,17 @@ def rank_memory(
 
 @lru_cache(maxsize=65536)
 def _layer_bytes(
-    args: ModelArgs, tokens: int, tp: int, sp: bool, ep: int, imbalance: float, etp: int, routed: int
+    args: ModelArgs, tokens: int, tp: int, sp: bool, ep: int, imbalance: float, etp: int, routed: int, float8: bool
 ) -> tuple[float, float, float]:
     """(a dense layer's, an MoE layer's activations kept for backward, a checkpointed layer's input); an MoE layer's
-    routed part for the `routed` tokens the rank routes (moe.py routed_tokens) and its experts' etp slices."""
+    routed part for the `routed` tokens the rank routes (moe.py routed_tokens) and its experts' etp slices, in
+    float8 with `float8` (float8.cache_activations)."""
     dense = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False)
     kept = layer_activation_bytes(args, tokens, tp, sp, checkpointed=True)
     if not parts.routed_experts(args):
         return dense, 0.0, kept
     moe = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False, routed=True) + moe_activation_bytes(
-        args, routed, etp, ep, imbalance, ACTIVATION_BYTES
+        args, routed, etp, ep, imbalance, ACTIVATION_BYTES, float8
     )
     return dense, moe, kept
 
