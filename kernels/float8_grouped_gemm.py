@@ -1,7 +1,8 @@
 """The routed experts' grouped GEMM in float8: out = x @ w per group, its input gradient dy @ w^T and its weight
 gradient x^T @ dy, all three with float8 operands scaled by a recipe (kernels/float8_scaling.py: blockwise,
 DeepSeek-V3's 1 x 128 / 128 x 128; rowwise, torchao's), accumulated in fp32, outputs in the operands'
-high-precision dtype. The master weights and the saved input stay in high precision.
+high-precision dtype. The master weights stay in high precision, and so does the saved input unless the product
+keeps its float8 (float8.cache_activations, `keep_float8`).
 
     product = Float8GroupedMM("auto")                   # float8.experts; parallel/float8_experts.py installs it
     out = product(x, weight, offsets, segment_ends)     # the contract of kernels/grouped_gemm.py's grouped_mm
@@ -101,10 +102,11 @@ def triton_unavailable(device: torch.device) -> str | None:
     return unavailable_reason(device)
 
 
-def choose(setting: str, device: torch.device, emulate: bool) -> tuple[str, str, str]:
+def choose(setting: str, device: torch.device, emulate: bool, keep_float8: bool = False) -> tuple[str, str, str]:
     """(recipe, backend, why) for `float8.experts=setting` on `device`: auto takes torchao's rowwise GEMM where it
-    runs, else blockwise in the Triton kernel; emulated, auto is blockwise (DeepSeek-V3's). A ValueError saying
-    why where neither backend of the recipe runs (the trainer refuses those devices before any work)."""
+    runs (not where the product keeps its float8 input, `keep_float8`: torchao's keeps its own), else blockwise in
+    the Triton kernel; emulated, auto is blockwise (DeepSeek-V3's). A ValueError saying why where neither backend
+    of the recipe runs (the trainer refuses those devices before any work)."""
     if emulate or device.type == "meta":  # meta: shapes only (trillion estimate), no numbers to get right
         recipe = "blockwise" if setting == "auto" else setting
         return recipe, "emulated", "emulated: the recipe's quantisation with high-precision matmuls, not faster"
@@ -115,6 +117,8 @@ def choose(setting: str, device: torch.device, emulate: bool) -> tuple[str, str,
         return "mxfp8", "torchao_mx", "torchao's MXFP8 grouped GEMM runs here"
     recipe = "rowwise" if setting == "auto" else setting
     no_torchao = torchao_unavailable(device) if recipe == "rowwise" else "torchao's grouped GEMM is rowwise only"
+    if keep_float8 and no_torchao is None:
+        no_torchao = "float8.cache_activations keeps the quantised input, which torchao's grouped GEMM keeps itself"
     if no_torchao is None:
         return recipe, "torchao", "torchao's rowwise float8 grouped GEMM runs here"
     no_triton = triton_unavailable(device)
@@ -125,9 +129,9 @@ def choose(setting: str, device: torch.device, emulate: bool) -> tuple[str, str,
 
 
 @functools.cache
-def resolved(setting: str, emulate: bool, device: torch.device) -> tuple[str, str]:
+def resolved(setting: str, emulate: bool, device: torch.device, keep_float8: bool = False) -> tuple[str, str]:
     """(recipe, backend) of `setting` on `device`, its reason logged once (as kernels.grouped_gemm's choice)."""
-    recipe, backend, why = choose(setting, device, emulate)
+    recipe, backend, why = choose(setting, device, emulate, keep_float8)
     if device.type != "meta":
         logging.getLogger("trillion").info("float8.experts=%s runs the %s recipe: %s", setting, recipe, why)
     return recipe, backend
@@ -145,19 +149,29 @@ class Float8GroupedMM:
     setting: str = "auto"
     emulate: bool = False
     impl: str = "auto"
+    # float8.cache_activations: keep for backward the input as quantised for the forward (float8 data and scales,
+    # about half the bytes) instead of the high-precision input; lossy, the weight gradient quantising the
+    # dequantised input again along its token tiles. torchao's products keep their own, so it runs the Triton one.
+    keep_float8: bool = False
 
-    def __call__(self, x, weight, offsets, segment_ends: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x, weight, offsets, segment_ends: torch.Tensor | None = None, quantized=None) -> torch.Tensor:
         """grouped_mm's contract; `segment_ends` (int32, every group end among them; default: the groups) bound
-        the weight gradient's token tiles (kernels/float8_scaling.py)."""
-        recipe, backend = resolved(self.setting, self.emulate, x.device)
+        the weight gradient's token tiles (kernels/float8_scaling.py); `quantized`: x's (data, scales) from
+        `quantize_input`, shared by the products of one input so that backward keeps them once."""
+        recipe, backend = resolved(self.setting, self.emulate, x.device, self.keep_float8)
         if backend == "torchao":
             return _torchao_rowwise(x, weight, offsets, float8_dtype(x.device))
         if backend == "torchao_mx":
             return _torchao_mxfp8(x, weight, offsets)
         segments = offsets if segment_ends is None else segment_ends
-        return _Float8GroupedMM.apply(
-            x, weight, offsets, segments, _Product(recipe, backend, self.impl, float8_dtype(x.device))
-        )
+        product = _Product(recipe, backend, self.impl, float8_dtype(x.device), self.keep_float8)
+        return _Float8GroupedMM.apply(x, weight, offsets, segments, product, *(quantized or (None, None)))
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x's float8 data and scales as this product's forward quantises it (outside autograd: recorded, the
+        quantisation's ops would keep x itself for a backward that never comes)."""
+        recipe, _ = resolved(self.setting, self.emulate, x.device, self.keep_float8)
+        return scaling.quantize_blocks(x.detach(), *scaling.activation_blocks(recipe), float8_dtype(x.device))
 
 
 @dataclass(frozen=True)
@@ -168,22 +182,26 @@ class _Product:
     backend: str
     impl: str
     dtype: torch.dtype
+    keep_float8: bool = False
 
 
 class _Float8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, offsets, segment_ends, product: _Product):
+    def forward(ctx, x, weight, offsets, segment_ends, product: _Product, xq=None, x_scale=None):
         x_blocks, w_blocks = scaling.activation_blocks(product.recipe), scaling.weight_blocks(product.recipe)
-        xq, x_scale = scaling.quantize_blocks(x, *x_blocks, product.dtype)
+        if xq is None:
+            xq, x_scale = scaling.quantize_blocks(x, *x_blocks, product.dtype)
         wq, w_scale = scaling.quantize_blocks(weight, *w_blocks, product.dtype)
-        ctx.save_for_backward(x, weight, offsets, segment_ends)
-        ctx.product = product
+        ctx.save_for_backward(weight, offsets, segment_ends, *((xq, x_scale) if product.keep_float8 else (x,)))
+        ctx.product, ctx.x_dtype = product, x.dtype
         return _product(product, (xq, x_scale, x_blocks), (wq, w_scale, w_blocks), offsets, x.dtype)
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, offsets, segment_ends = ctx.saved_tensors
+        weight, offsets, segment_ends, *kept = ctx.saved_tensors
         product, dy = ctx.product, dy.contiguous()
+        blocks = scaling.activation_blocks(product.recipe)
+        x = scaling.dequantize_blocks(*kept, *blocks, ctx.x_dtype) if product.keep_float8 else kept[0]
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dy_blocks, wt_blocks = scaling.activation_blocks(product.recipe), scaling.weight_blocks(product.recipe)
@@ -195,7 +213,7 @@ class _Float8GroupedMM(torch.autograd.Function):
             xq, x_scale = scaling.quantize_token_tiles(x, tiles, product.dtype)
             dyq, dy_scale = scaling.quantize_token_tiles(dy, tiles, product.dtype)
             dw = _weight_grad(product, (xq, x_scale, x.dtype), (dyq, dy_scale), tiles, offsets, weight.dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 def _product(product: _Product, x: tuple, weight: tuple, offsets, out_dtype) -> torch.Tensor:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from trillion.errors import ConfigError
+from trillion.kernels.float8_swiglu import Float8KeptSwiGLU
 from trillion.kernels.grouped_gemm import backend_unavailable, grouped_mm
 from trillion.models.args import ModelArgs, MoEArgs
 from trillion.models.expert_rows import run_experts
@@ -89,12 +90,24 @@ class RoutedExperts(nn.Module):
         per_source = counts.dim() == 2
         offsets = (counts.sum(0) if per_source else counts).cumsum(0).to(torch.int32)
         segments = counts.t().flatten().cumsum(0).to(torch.int32) if per_source else offsets
+        if self.float8 is not None and self.float8.keep_float8 and torch.is_grad_enabled():
+            return self._float8_kept(x, w1, w2, w3, offsets, segments)
         gate, up = self._product(x, w1, offsets, segments), self._product(x, w3, offsets, segments)
         if self.recompute_swiglu and torch.is_grad_enabled():
             # what backward needs of SwiGLU's output (w2's input) comes back from gate and up, its ops run again;
             # the recompute stops there (checkpoint's early stop), before w2's product
             return checkpoint(self._down, gate, up, w2, offsets, segments, use_reentrant=False)
         return self._down(gate, up, w2, offsets, segments)
+
+    def _float8_kept(self, x, w1, w2, w3, offsets, segments) -> torch.Tensor:
+        """float8.cache_activations (DeepSeek-V3's activation cache): backward keeps the rows as w1's and w3's
+        products quantise them (once, for both), SwiGLU's inputs in float8 (its output recomputed from them,
+        kernels/float8_swiglu.py) and w2's input as its product quantises it; no high-precision activation."""
+        quantized = self.float8.quantize_input(x)
+        gate = self.float8(x, w1, offsets, segments, quantized)
+        up = self.float8(x, w3, offsets, segments, quantized)
+        hidden = Float8KeptSwiGLU.apply(gate, up, quantized[0].dtype)
+        return self.float8(hidden, w2, offsets, segments)
 
     def _down(self, gate, up, w2, offsets, segments) -> torch.Tensor:
         return self._product(F.silu(gate) * up, w2, offsets, segments)

@@ -211,7 +211,7 @@ def convert(model: nn.Module, settings: Float8Training, tp: int = 1) -> dict[str
     float8.convert_to_float8_training(
         model, config=config, module_filter_fn=lambda module, fqn: decisions.get(fqn, "") is None
     )
-    convert_experts(model, settings.experts, settings.emulate)
+    convert_experts(model, settings.experts, settings.emulate, settings.cache_activations)
     if dist.is_initialized() and dist.get_backend() == "gloo":
         _float8_all_gather_as_bytes()
     if settings.fsdp_all_gather:
@@ -238,7 +238,7 @@ def _convert_other(model: nn.Module, settings: Float8Training) -> dict[str, str 
         decisions = float8_mx.convert_linears(model, settings.emulate, ROUTER_NAMES)
     else:
         decisions = {n: "float8.linears=false" for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    convert_experts(model, settings.experts, settings.emulate)
+    convert_experts(model, settings.experts, settings.emulate, settings.cache_activations)
     converted = [name for name, reason in decisions.items() if reason is None]
     kept = [f"{name} ({reason})" for name, reason in decisions.items() if reason is not None]
     log.info(

@@ -33,23 +33,25 @@ log = logging.getLogger("trillion")
 EXPERT_PROJECTIONS = ("w1", "w3", "w2")
 
 
-def convert_experts(model: nn.Module, setting: str, emulate: bool) -> int:
+def convert_experts(model: nn.Module, setting: str, emulate: bool, cache_activations: bool = False) -> int:
     """Give every routed-expert stack of `model` the float8 product of `float8.experts=setting` (in place, on the
-    meta device); returns the number of grouped GEMMs now in float8 (three per stack), which the log says."""
+    meta device); returns the number of grouped GEMMs now in float8 (three per stack), which the log says.
+    `cache_activations` (float8.cache_activations): the products keep their float8 inputs for backward, and SwiGLU
+    its inputs in float8 (models/moe.py RoutedExperts)."""
     stacks = routed_expert_stacks(model)
     if setting == "off" or not stacks:
         if stacks:
             log.info("float8.experts=off: the routed experts' %d grouped GEMMs stay high precision", 3 * len(stacks))
         return 0
     for stack in stacks:
-        stack.float8 = Float8GroupedMM(setting, emulate, stack.impl)
+        stack.float8 = Float8GroupedMM(setting, emulate, stack.impl, keep_float8=cache_activations)
     count = len(EXPERT_PROJECTIONS) * len(stacks)
     _, dim, width = stacks[0].w1.shape
     block = activation_blocks(setting)[1] or BLOCK  # the recipe's scale block along a reduction (blockwise, mxfp8)
     short = [f"{name} {size}" for name, size in (("dim", dim), ("expert width", width)) if size % block]
     log.info(
         "float8 experts (float8.experts=%s%s): %d grouped GEMMs in float8 (%s of %d MoE layers; each "
-        "forward, input and weight gradient), the routers in high precision%s",
+        "forward, input and weight gradient), the routers in high precision%s%s",
         setting,
         ", emulated" if emulate else "",
         count,
@@ -59,16 +61,17 @@ def convert_experts(model: nn.Module, setting: str, emulate: bool) -> int:
         "(as if zero-padded; not refused)"
         if short and setting != "rowwise"
         else "",
+        "; their activations kept for backward in float8 (float8.cache_activations)" if cache_activations else "",
     )
     return count
 
 
-def check_experts(setting: str, device: torch.device, emulate: bool) -> None:
+def check_experts(setting: str, device: torch.device, emulate: bool, cache_activations: bool = False) -> None:
     """Refuse, before any work, float8.experts where neither backend of its recipe runs on `device`."""
     if setting == "off":
         return
     try:
-        choose(setting, device, emulate)
+        choose(setting, device, emulate, cache_activations)
     except ValueError as error:
         raise ConfigError(
             f"{error}. Use --float8.experts=auto (torchao's rowwise grouped GEMM where it runs, else the Triton "

@@ -125,6 +125,23 @@ def low_precision_recipe(name: str, setting: str = "--float8-recipe") -> Float8R
     return FLOAT8_RECIPES[name]
 
 
+def float8_cache(cache: bool, experts: str) -> None:
+    """Refuse float8.cache_activations where no float8 product of this project's quantises the experts' inputs: it
+    keeps that float8 for backward (parallel/float8_experts.py), which high-precision experts do not make and
+    torchao's MXFP8 grouped GEMM keeps itself."""
+    if cache and experts in ("off", "mxfp8"):
+        why = (
+            "keep them in high precision"
+            if experts == "off"
+            else "run torchao's MXFP8 grouped GEMM, which keeps its own"
+        )
+        raise ConfigError(
+            f"float8.cache_activations=true with float8.experts={experts}: it keeps for backward the float8 the "
+            f"routed experts' products quantise their inputs to, and these {why}. Use --float8.experts=auto "
+            "(or blockwise, rowwise: the Triton product, emulated on a CPU), or drop --float8.cache_activations."
+        )
+
+
 def float8_dispatch(dispatch: bool, enabled: bool, experts: str, ep: int | None = None) -> None:
     """Refuse float8.dispatch where it cannot work: the tokens go out in the float8 the experts' GEMMs would
     quantise them to anyway, so it needs float8 experts, and an expert all-to-all (parallel.ep > 1) to carry them.

@@ -1,8 +1,8 @@
 """optimizer.state_dtype (parallel/adamw_states.py): AdamW's moments in bfloat16. With float32 moments the step is
 torch's AdamW's; with bfloat16 each moment is the float32 one rounded, in half the bytes, and the parameters drift
 from torch's AdamW by a small share of how far they moved; under FSDP its DTensor moments shard with the parameters
-and step as one process does. The loss drift over 200 steps of debug-deepseek is README's figure
-(experiments/bench/memory_recipe.py)."""
+and step as one process does. The loss drift over 200 steps of debug-deepseek is a benchmark's figure, not a test's:
+experiments/bench/RESULTS.md, written by experiments/bench/memory_recipe.py (docs/optimizers.md quotes it)."""
 
 import copy
 

@@ -178,3 +178,21 @@ def test_folding_bytes_benchmark_smoke():
     """The folded and the tensor-parallel layouts' dispatch rows, counted on 4 gloo ranks, at a tiny size."""
     result = _smoke("ep_folding.py")
     assert "| all |" in result.stdout and "rows posted" in result.stdout
+
+
+def test_memory_recipe_drift_benchmark_smoke(tmp_path):
+    """The loss-drift benchmark of bf16 AdamW moments and the float8 activation cache: its four runs, 3 steps each
+    on a small debug-deepseek, each compared with the run it changes."""
+    import json
+
+    result = _smoke("memory_recipe.py", "--out", str(tmp_path))
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and not line.startswith("| run |")]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| fp32 moments, no float8",
+        "| bf16 moments",
+        "| float8 experts",
+        "| float8 experts + float8 cache",
+    ]
+    assert rows[3].split(" | ")[1] == "float8 experts"
+    runs = json.loads((tmp_path / "memory_recipe.json").read_text())
+    assert all(len(run["losses"]) == 3 for run in runs.values())

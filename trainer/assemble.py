@@ -175,7 +175,7 @@ def check_float8(layout: Layout, device: torch.device) -> None:
     else:
         float8.check_device(device, f8.emulate)
     float8.require_torchao()
-    check_experts(f8.experts, device, f8.emulate)
+    check_experts(f8.experts, device, f8.emulate, f8.cache_activations)
     if not f8.emulate and not layout.compile:
         log.info(
             "float8 without --compile.enabled=true: torchao's casts and scales run as separate kernels, which "
@@ -227,6 +227,7 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
             experts=f.experts,
             dispatch=f.dispatch,
             linears=f.linears,
+            cache_activations=f.cache_activations,
         )
     return dataclasses.replace(
         spread,

@@ -18,6 +18,7 @@ from trillion.models.step_hooks import StepHooks, find_step_hooks
 from trillion.parallel.clip import clip_grad_norm_
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.forward_backward import Runner
+from trillion.parallel.host_ema import HostEMA
 from trillion.parallel.layout import Layout
 from trillion.parallel.pipeline import Pipeline
 from trillion.trainer.assemble import (
@@ -203,9 +204,13 @@ def build_training(config: Config, env: LaunchEnv, model_args, dims: ParallelDim
     torch.manual_seed(config.job.seed)
     optimizer = build_optimizer(runner.model, config.optimizer, env.device.type, model_args=model_args, dims=dims)
     scheduler = build_lr_scheduler(optimizer, config.lr_schedule, config.training.steps)
+    ema = None
+    if config.optimizer.ema_decay > 0:  # the parameters' moving average, in host memory (parallel/host_ema.py)
+        ema = HostEMA(runner.model, config.optimizer.ema_decay, env.device)
+        ema.attach(optimizer)
     counters = RunCounters()
     states = RunStates(
-        [runner.model], [optimizer], scheduler, loader, counters, env.device, model_args, pipeline is None
+        [runner.model], [optimizer], scheduler, loader, counters, env.device, model_args, pipeline is None, ema
     )
     checkpointer = CheckpointManager(
         Path(config.job.output_dir),

@@ -47,6 +47,7 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from experiments.bench.results_file import replace_section  # noqa: E402
 from trillion.models import PRESETS, Transformer  # noqa: E402
 from trillion.parallel.dims import ParallelDims  # noqa: E402
 from trillion.parallel.forward_backward import MicroBatchLoop  # noqa: E402
@@ -248,14 +249,7 @@ def write_section(path: Path, rows: list[dict], ns) -> None:
         "past each collective's own completion, the injected delay nothing covered, which the machine's other load "
         "(the ranks' drift, which the waits also hold) disturbs least.\n\n" + table(rows) + "\n"
     )
-    text = path.read_text()
-    if HEADING in text:
-        start = text.index(HEADING)
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
+    replace_section(HEADING, section, path)
 
 
 GPU_SETTINGS = {"exposed": (), "tp_overlap 4": ("--parallel.tp_overlap=4",), "async TP": ("--parallel.async_tp=true",)}

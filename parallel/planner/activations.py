@@ -20,7 +20,13 @@ from functools import lru_cache
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.parallel.modes import checkpointed_blocks
-from trillion.parallel.planner.moe import moe_activation_bytes
+from trillion.parallel.planner.moe import (
+    FLOAT8_CACHE_BLOCK,
+    WEIGHTED_OUTPUT_ROWS,
+    effective_imbalance,
+    expert_width,
+    routed_block,
+)
 
 ACTIVATION_BYTES = 2  # bf16
 
@@ -87,10 +93,12 @@ def layer_bytes(
     etp: int,
     routed: int,
     recomputes_sublayers: bool = False,
+    float8_cache: bool = False,
 ) -> tuple[float, float, float]:
     """(a dense layer's, an MoE layer's activations kept for backward, a checkpointed layer's input); an MoE layer's
     routed part for the `routed` tokens the rank routes (moe.py routed_tokens) and its experts' etp slices;
-    `recomputes_sublayers`: under DeepSeek's recompute mode."""
+    `recomputes_sublayers`: under DeepSeek's recompute mode; `float8_cache`: the experts' in float8
+    (float8.cache_activations)."""
     dense = layer_activation_bytes(args, tokens, tp, sp, False, recomputes_sublayers=recomputes_sublayers)
     kept = layer_activation_bytes(args, tokens, tp, sp, checkpointed=True)
     if not parts.routed_experts(args):
@@ -98,5 +106,33 @@ def layer_bytes(
     attention = layer_activation_bytes(
         args, tokens, tp, sp, False, routed=True, recomputes_sublayers=recomputes_sublayers
     )
-    experts = moe_activation_bytes(args, routed, etp, ep, imbalance, ACTIVATION_BYTES, recomputes_sublayers)
+    experts = moe_activation_bytes(
+        args, routed, etp, ep, imbalance, ACTIVATION_BYTES, float8_cache, recompute_swiglu=recomputes_sublayers
+    )
     return dense, attention + experts, kept
+
+
+def moe_activation_bytes(
+    args: ModelArgs,
+    tokens: int,
+    etp: int,
+    ep: int,
+    imbalance: float,
+    dtype_bytes: int,
+    float8_cache: bool = False,
+    recompute_swiglu: bool = False,
+) -> float:
+    """Bytes an MoE layer keeps for backward beyond its attention and shared experts, for `tokens` routed by the rank
+    and experts split over `etp` (the module docstring). `float8_cache` (float8.cache_activations, models/moe.py
+    RoutedExperts): the permuted tokens k h, and of the experts' 4 k f / etp the three float8 ones SwiGLU's inputs
+    and w2's input, a byte an element and a float32 scale per 128 (checked against the measured bytes:
+    tests/float8/test_activation_cache.py). Else `recompute_swiglu` (DeepSeek's recompute mode): the experts keep w1's
+    and w3's outputs, not silu's and the product (models/moe.py RoutedExperts.recompute_swiglu)."""
+    block = routed_block(args)
+    k, f, imb = block.routing.top_k, expert_width(block), effective_imbalance(ep, imbalance)
+    rows = 2 + (WEIGHTED_OUTPUT_ROWS if ep > 1 else 0)  # the permuted tokens, the outputs (and weighted: ep)
+    if float8_cache:
+        float8 = (k * args.dim + 3 * k * f / etp) * (1 + 4 / FLOAT8_CACHE_BLOCK)
+        return tokens * (4 * block.routing.n_experts + ((rows - 1) * k * args.dim * dtype_bytes + float8) * imb)
+    hidden = 2 if recompute_swiglu else 4  # w1's and w3's outputs (and silu's, the product)
+    return tokens * (4 * block.routing.n_experts + (rows * k * args.dim + hidden * k * f / etp) * imb * dtype_bytes)

@@ -338,7 +338,8 @@ def _layer_kinds(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assumpt
     tokens = layout.micro_batch_size * seq_len // layout.cp
     experts = (layout.ep, assumed.moe_load_imbalance, layout.expert_tp, routed_tokens(tokens, layout))
     recomputes_sublayers = modes.checkpoint_mode(layout.activation_checkpoint).sublayers
-    found = layer_bytes(args, tokens, layout.tp, layout.sequence_parallel, *experts, recomputes_sublayers)
+    float8_cache = layout.float8 is not None and layout.float8.cache_activations  # the experts' activations in float8
+    found = layer_bytes(args, tokens, layout.tp, layout.sequence_parallel, *experts, recomputes_sublayers, float8_cache)
     return found if kept else found[:2]
 
 

@@ -41,7 +41,8 @@ states per rank do not depend on ep; FSDP's gathered copies, its buffers and its
 experts' etp slices, all-gathered over the efsdp ranks). Activations of an MoE layer (not checkpointed), per
 routed token: the router's fp32 scores E x 4 bytes, the permuted tokens k h, the experts' w1 and w3 outputs, silu
 and product 4 k f / etp, their outputs k h, and under ep their weighted outputs k h more (WEIGHTED_OUTPUT_ROWS),
-all times imbalance where it applies, bf16.
+all times imbalance where it applies, bf16; with float8.cache_activations the permuted tokens and three of the four
+k f in float8 with their scales instead (activations.py moe_activation_bytes).
 """
 
 import math
@@ -91,6 +92,9 @@ HOST_READ_LAUNCHES = 39
 # Measured: `trillion estimate` of kimi-k2's frontier plan held 3.6 GB more on its second rank once the dispatch
 # took this path, 2 MoE layers x 31 micro-batches x 512 tokens x 8 x 7168 x 2 bytes (KIMI_K2.md section 4).
 WEIGHTED_OUTPUT_ROWS = 1
+# float8.cache_activations' scale block: one float32 scale per 128 float8 elements (kernels/float8_scaling.py BLOCK,
+# DeepSeek-V3's 1 x 128 tiles; rowwise recipes keep fewer, so this bounds them from above)
+FLOAT8_CACHE_BLOCK = 128
 
 
 def routed_block(args: ModelArgs) -> Block:
@@ -377,16 +381,3 @@ def expert_shards(tp: int, dp_shard: int, ep: int, etp: int) -> int:
     """The ranks FSDP shards a rank's routed experts over: dp_shard (x cp) x the tp ranks not splitting them, over
     ep (Layout.efsdp)."""
     return dp_shard * (tp // etp) // ep
-
-
-def moe_activation_bytes(
-    args: ModelArgs, tokens: int, etp: int, ep: int, imbalance: float, dtype_bytes: int, recompute_swiglu: bool = False
-) -> float:
-    """Bytes an MoE layer keeps for backward beyond its attention and shared experts, for `tokens` routed by the rank
-    and experts split over `etp` (the module docstring); `recompute_swiglu` (DeepSeek's recompute mode): the experts
-    keep w1's and w3's outputs, not silu's and the product (models/moe.py RoutedExperts.recompute_swiglu)."""
-    block = routed_block(args)
-    k, f, imb = block.routing.top_k, expert_width(block), effective_imbalance(ep, imbalance)
-    rows = 2 + (WEIGHTED_OUTPUT_ROWS if ep > 1 else 0)  # the permuted tokens, the outputs (and weighted: ep)
-    hidden = 2 if recompute_swiglu else 4  # w1's and w3's outputs (and silu's, the product)
-    return tokens * (4 * block.routing.n_experts + (rows * k * args.dim + hidden * k * f / etp) * imb * dtype_bytes)

@@ -3,8 +3,9 @@ gloo, 2 steps): ep 2 with the experts' grouped GEMMs emulated in float8 gives th
 losses and gradient norms, and every gradient of the first step, within 1e-5, for the blockwise, rowwise and mxfp8
 recipes (mxfp8's blocks of 32 along every reduction, its weight-gradient tiles of 32 tokens), with float8 dispatch too
 (per rank, the default; per expert; with a per-rank capacity, against one process dropping the same tokens; per node
-at ep 4 as 2 nodes of 2, under -m slow) and under full activation checkpointing, and FSDP over 2 ranks without ep; and
-the plain run is far outside that tolerance.
+at ep 4 as 2 nodes of 2, under -m slow) and under full activation checkpointing, with the activations kept for backward
+in float8 (float8.cache_activations), and FSDP over 2 ranks without ep; and the plain run is far outside that
+tolerance.
 
 Why that tight: activations are quantised per token row (each rank quantises the rows one process does), the
 weights per expert (whole on a rank), and the weight gradient's token tiles restart at every source rank's
@@ -39,8 +40,8 @@ WIDE = dataclasses.replace(
 )
 
 
-def emulated(experts: str, dispatch: bool = False) -> Float8Training:
-    return Float8Training(emulate=True, experts=experts, dispatch=dispatch)
+def emulated(experts: str, dispatch: bool = False, cache: bool = False) -> Float8Training:
+    return Float8Training(emulate=True, experts=experts, dispatch=dispatch, cache_activations=cache)
 
 
 def differences(name: str, got: dict, want: dict, tolerance: dict = TOLERANCE) -> list[str]:
@@ -95,6 +96,8 @@ def test_ep2_emulated_float8_experts_and_dispatch_equal_one_process():
             {"name": "fsdp2-blockwise", "dp_shard": 2, "model": "wide", "steps": 2, "float8": emulated("blockwise")},
             # a recomputed block quantises what its first forward did (the route replayed, the same scales)
             {"name": "ep2-blockwise-ac-full", **ep2, "ac": "full", "float8": emulated("blockwise")},
+            # float8.cache_activations: each rank keeps, and dequantises in backward, the float8 one process keeps
+            {"name": "ep2-blockwise-dispatch-cache", **ep2, "float8": emulated("blockwise", True, cache=True)},
         ],
     )
 

@@ -9,10 +9,9 @@ import dataclasses
 import pytest
 import torch
 
+from tests.helpers.parallelized import parallelized_model
 from trillion.errors import ConfigError
 from trillion.models import PRESETS, Transformer
-from trillion.parallel.dims import ParallelDims
-from trillion.parallel.parallelize import parallelize
 from trillion.trainer.assemble import check_model_layout, resolve_layout
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.tools.estimate.activations import measure_micro_batch
@@ -21,12 +20,7 @@ ARGS = dataclasses.replace(PRESETS["debug-deepseek"], n_layers=2, dim=64, vocab_
 
 
 def _model(mode: str, args=ARGS) -> Transformer:
-    with torch.device("meta"):
-        model = Transformer(args)
-    parallelize(model, ParallelDims.of(activation_checkpoint=mode))
-    model.to_empty(device="cpu")
-    model.init_weights(3)
-    return model
+    return parallelized_model(args, activation_checkpoint=mode)
 
 
 def _forward(model):

@@ -7,7 +7,7 @@ step's gradients within 1e-6 relative and every gradient of every step within th
 (tests/moe/harness.py; later steps' Adam normalisation magnifies rounding), with zero1 and selective or DeepSeek's
 recompute, each OVERLAP_F_B of a rank whose two stages hold MoE layers handing the turn over. The breadth (full
 recompute, zero2, zero3, the per-expert and per-node dispatch, a per-rank capacity, selective:op, context
-parallelism, float8 experts and dispatch) is under -m slow."""
+parallelism, float8 experts and dispatch, their activations kept in float8) is under -m slow."""
 
 import pytest
 import torch
@@ -101,5 +101,6 @@ def test_dualpipev_pairing_with_float8_experts_and_dispatch():
         [
             {"name": "dualpipev-paired-float8-experts", **wide, "float8": emulated("blockwise")},
             {"name": "dualpipev-paired-float8-dispatch", **wide, "float8": emulated("blockwise", True)},
+            {"name": "dualpipev-paired-float8-cache", **wide, "float8": emulated("blockwise", True, cache=True)},
         ],
     )

@@ -1,4 +1,4 @@
-"""`trillion export --checkpoint DIR --format hf OUT`: a training checkpoint as a Hugging Face
+"""`trillion export --checkpoint DIR --format hf [--weights live|ema] OUT`: a training checkpoint as a Hugging Face
 model folder (model.safetensors + config.json) that `transformers` loads as the class of its family
 (models/hf.py's registry of adapters; experts one matrix per expert, the layout of Hub checkpoints and of
 save_pretrained; multi-token prediction modules are training-only and left out).
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 
 from trillion.errors import ConfigError, RunAborted
 from trillion.models import Transformer
@@ -76,10 +77,11 @@ def _newest_intact(checkpoints: list[Path]) -> Path | None:
     return None
 
 
-def load_checkpoint_model(step: Path) -> Transformer:
+def load_checkpoint_model(step: Path, weights: str = "live") -> Transformer:
     """The checkpoint's model, whole, on the CPU, built from the config it was saved with, as one process runs it
     (whatever layout trained it: no expert-parallel ranks, so no per-rank capacity drops a token, as in the
-    transformers model the export writes)."""
+    transformers model the export writes). `weights`: live, the trained parameters; ema, their moving average
+    (optimizer.ema_decay)."""
     from trillion.parallel.layout import Layout
     from trillion.trainer.assemble import build_model_args
 
@@ -90,7 +92,25 @@ def load_checkpoint_model(step: Path) -> Transformer:
     model.to_empty(device="cpu")
     model.init_weights(config.job.seed)  # fills the non-persistent rope table; the weights come from the checkpoint
     dcp.load({"model": ModelParts([model])}, checkpoint_id=str(step), no_dist=True)
+    if weights == "ema":
+        load_moving_average(model, step)
     return model
+
+
+def load_moving_average(model: Transformer, step: Path) -> None:
+    """The parameters' moving average the run kept (parallel/host_ema.py), in place of the trained values."""
+    metadata = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    if not any(key.startswith("ema.") for key in metadata):
+        raise ConfigError(
+            f"--weights ema: checkpoint {step} holds no moving average of the parameters (its run had "
+            "optimizer.ema_decay=0). Export its trained weights with --weights live, or train with "
+            "--optimizer.ema_decay=0.999 (for example) to keep one."
+        )
+    averages = {name: torch.empty(p.shape, dtype=torch.float32) for name, p in model.named_parameters()}
+    dcp.load({"ema": averages}, checkpoint_id=str(step), no_dist=True)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(averages[name])
 
 
 def inference_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
@@ -103,11 +123,11 @@ def inference_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     return {name: tensor for name, tensor in state.items() if not name.startswith("mtp.")}
 
 
-def export_hf(step: Path, out: Path) -> Path:
+def export_hf(step: Path, out: Path, weights: str = "live") -> Path:
     from trillion.models.hf import family_classes, hf_config, to_hf_state_dict
 
     check_destination(out)
-    model = load_checkpoint_model(step)
+    model = load_checkpoint_model(step, weights)
     try:  # before anything is written: a model no transformers family expresses (debug-moe's shared expert)
         config = hf_config(model.args)
         config.bos_token_id = config.eos_token_id = end_of_document_id(step)

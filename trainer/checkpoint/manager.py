@@ -164,8 +164,14 @@ class CheckpointManager:
             log.info("checkpoint.initial_load is ignored: the run resumes from its own checkpoint %s", latest)
         metadata = FileSystemReader(str(latest)).read_metadata().state_dict_metadata
         self.states["rng"].saved_keys = {k.split(".")[1] for k in metadata if k.startswith("rng.")}
+        states = self.states
+        if "ema" in states and not any(k.startswith("ema.") for k in metadata):
+            log.info("optimizer.ema_decay: %s holds no moving average; it starts from the loaded weights", latest)
+            states = {k: v for k, v in states.items() if k != "ema"}
         start = time.perf_counter()
-        dcp.load(self.states, checkpoint_id=str(latest), process_group=self.group, no_dist=self.group is None)
+        dcp.load(states, checkpoint_id=str(latest), process_group=self.group, no_dist=self.group is None)
+        if states is not self.states:
+            self.states["ema"].load_state_dict(self.states["model"].state_dict())
         log.info(
             "resumed from %s: step %d, %d tokens seen (loaded in %.2fs)",
             latest,

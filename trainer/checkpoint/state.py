@@ -30,7 +30,8 @@ OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)  # keyed
 class RunStates:
     """What a checkpoint saves of a run, and what a resume loads into: the model parts (the model, or
     this rank's pipeline stages: not the `whole_model`, a share of the names), their optimizers, the
-    LR schedule, the data loader's position, the run's counters and the RNG states of `device`;
+    LR schedule, the data loader's position, the run's counters, the RNG states of `device` and the parameters'
+    moving average where kept;
     `model_args` check weights loaded from elsewhere (checkpoint.initial_load)."""
 
     model_parts: list
@@ -41,14 +42,16 @@ class RunStates:
     device: torch.device
     model_args: object
     whole_model: bool = True
+    ema: Stateful | None = None  # the parameters' host-memory average (optimizer.ema_decay > 0; parallel/host_ema.py)
 
     def stateful(self) -> dict:
-        return {
+        states = {
             "model": ModelParts(self.model_parts),
             "optimizer": Optimizers(self.model_parts, self.optimizers),
             "training": TrainingState(self.counters, self.scheduler, self.loader),
             "rng": RNGStates(self.device),
         }
+        return states | ({"ema": self.ema} if self.ema is not None else {})
 
 
 class ModelParts(Stateful):

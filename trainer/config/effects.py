@@ -60,7 +60,7 @@ RULES = (
         "Add --float8.enabled=true",
     ),
     Needs(
-        ("float8.experts",),
+        ("float8.experts", "float8.cache_activations"),
         "with float8.enabled=true on a model with routed experts",
         lambda c: c.float8.enabled and _has_experts(c),
         ("float8.enabled", "model.name"),
@@ -297,6 +297,7 @@ ALWAYS_ACTS = {
     "optimizer.weight_decay": "AdamW's and Muon's",
     "optimizer.implementation": "AdamW's, with Muon too",
     "optimizer.state_dtype": "AdamW's moments, with Muon too (its AdamW part's)",
+    "optimizer.ema_decay": "the host-memory average of the parameters, with either optimizer",
     "lr_schedule.name": "the schedule",
     "lr_schedule.warmup_steps": "every schedule warms up",
     "checkpoint.interval": "the saves",

@@ -6,6 +6,7 @@ from trillion.parallel.float8_recipes import (
     FLOAT8_ALL_GATHER,
     FLOAT8_EXPERTS,
     FLOAT8_RECIPES,
+    float8_cache,
     float8_dispatch,
     trainable_recipe,
 )
@@ -190,7 +191,19 @@ class Float8:
         Flag(),
     )
 
+    cache_activations: bool = doc(
+        False,
+        "The routed experts keep their activations for backward in float8, as DeepSeek-V3 cached them: the rows "
+        "as w1's and w3's products quantise them, SwiGLU's inputs in 1 x 128 tiles (its output recomputed from "
+        "them) and w2's input as its product quantises it, about 3 bytes an expert-width element where bf16 "
+        "keeps 8; lossy (the weight gradients quantise the dequantised inputs again). Needs float8 experts of "
+        "this project's product (auto, blockwise, rowwise; auto then runs blockwise in the Triton kernel, not "
+        "torchao's, which keeps its own).",
+        Flag(),
+    )
+
     def check_relations(self) -> None:
         if self.enabled:  # without it, these settings do nothing and are refused as such (effects.py)
             trainable_recipe(self.recipe, self.fsdp_all_gather)
             float8_dispatch(self.dispatch, self.enabled, self.experts)
+            float8_cache(self.cache_activations, self.experts)

@@ -123,6 +123,14 @@ class Optimizer:
         "part's. bfloat16 runs its own step, not the fused one.",
         OneOf(("float32", "bfloat16")),
     )
+    ema_decay: float = doc(
+        0.0,
+        "The parameters' exponential moving average, kept in pinned host memory as DeepSeek-V3 kept it: after each "
+        "step ema = decay * ema + (1 - decay) * parameter, from each rank's own shard (no gathering), copied off the "
+        "device without waiting for it; saved in checkpoints, and `trillion export --weights ema` writes it. "
+        "0 = off; otherwise below 1 (0.999 averages about the last 1000 steps).",
+        Range(0, 1, open_high=True),
+    )
     momentum: float = doc(MOMENTUM, "Muon: the hidden matrices' Nesterov momentum.", Range(0, 1, open_high=True))
     newton_schulz_steps: int = doc(
         NEWTON_SCHULZ_STEPS,
