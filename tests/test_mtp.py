@@ -205,27 +205,19 @@ def test_bad_mtp_settings_exit_2_naming_the_setting(flags, named, tmp_path, caps
 
 
 @pytest.mark.parametrize(
-    "layout, refused",
-    [
-        ({"pp": 2}, ""),
-        ({"cp": 2}, ""),
-        ({"tp": 2}, ""),
-        ({"pp": 2, "pp_schedule": '"ZBVZeroBubble"'}, "parallel.pp_schedule=ZBVZeroBubble places the first and the"),
-    ],
+    "layout",
+    [{"pp": 2}, {"cp": 2}, {"tp": 2}, {"pp": 2, "pp_schedule": '"ZBVZeroBubble"'}],
 )
-def test_every_layout_takes_mtp_but_a_v_schedule_exits_2_with_one_paragraph(layout, refused, tmp_path, capsys):
+def test_every_layout_takes_mtp_a_v_schedule_included(layout, tmp_path, capsys):
     """Through `trillion estimate` on fake ranks: the layout is checked as `trillion train` checks it. A V-shaped
-    schedule puts both ends on one rank, where the last stage's embedding copy would share the first's name."""
+    schedule puts both ends on one rank, the last stage's embedding copy beside the first stage's embedding
+    (parallel/pipeline_ahead.py), as DeepSeek's DualPipe places them."""
     config = tmp_path / "run.toml"
     parallel = "\n".join(f"{axis} = {degree}" for axis, degree in {**layout, "dp_shard": 2}.items())
     training = "[training]\nglobal_batch_size = 8\nmicro_batch_size = 1\nseq_len = 64\n"
     config.write_text(f'[model]\nname = "debug"\nmtp_modules = 1\n\n[parallel]\n{parallel}\n\n{training}')
     code = main(["estimate", "--config", str(config), "--world-size", "4", "--no-measure", "--model.n_layers=2"])
-    err = capsys.readouterr().err
-    assert code == (2 if refused else 0), err
-    if refused:
-        assert "Traceback" not in err and err.strip().count("\n") == 0, err
-        assert all(fragment in err for fragment in (refused, "model.mtp_modules", "1F1B")), err
+    assert code == 0, capsys.readouterr().err
 
 
 def test_data_and_expert_parallelism_run_mtp_and_every_layout_the_sequence_wise_loss():
