@@ -309,7 +309,7 @@ def _v_split(costs: list[float], ranks: int) -> list[int]:
         return levels
 
     low, high = 0.0, float(prefix[-1])
-    for _ in range(60):
+    while high - low > 1e-9 * high:  # the busiest rank's load to a billionth
         middle = (low + high) / 2
         low, high = (low, middle) if reachable(middle)[-1].any() else (middle, high)
     levels = reachable(high)
@@ -327,24 +327,25 @@ def _v_split(costs: list[float], ranks: int) -> list[int]:
 
 
 def _min_max_stages(costs: list[float], stages: int) -> list[int]:
-    """The contiguous split into `stages` non-empty stages whose costliest stage costs least."""
+    """The contiguous split into `stages` non-empty stages whose costliest stage costs least (dynamic programming over
+    the stages, each step one numpy pass over every (end, last cut) pair; the first of equal cuts kept)."""
     units = len(costs)
-    prefix = [0.0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
-    inf = float("inf")
-    # worst[s][u]: the least max stage cost splitting the first u units into s stages; cut[s][u] the last cut
-    worst = [[inf] * (units + 1) for _ in range(stages + 1)]
-    cut = [[0] * (units + 1) for _ in range(stages + 1)]
-    worst[0][0] = 0.0
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    end, last = np.meshgrid(np.arange(units + 1), np.arange(units + 1), indexing="ij")
+    stage_cost = np.where(last < end, prefix[end] - prefix[last], np.inf)  # the stage of units [last, end)
+    # worst[u]: the least max stage cost splitting the first u units into s stages; cuts[s][u] its last cut
+    worst = np.full(units + 1, np.inf)
+    worst[0] = 0.0
+    cuts = []
     for s in range(1, stages + 1):
-        for u in range(s, units - (stages - s) + 1):
-            for last in range(s - 1, u):
-                value = max(worst[s - 1][last], prefix[u] - prefix[last])
-                if value < worst[s][u]:
-                    worst[s][u], cut[s][u] = value, last
+        value = np.maximum(worst[None, :], stage_cost)
+        valid = (end >= s) & (end <= units - (stages - s)) & (last >= s - 1)
+        value = np.where(valid, value, np.inf)
+        cuts.append(np.argmin(value, axis=1))
+        worst = value.min(axis=1)
     counts, u = [], units
     for s in range(stages, 0, -1):
-        counts.append(u - cut[s][u])
-        u = cut[s][u]
+        cut = int(cuts[s - 1][u])
+        counts.append(u - cut)
+        u = cut
     return counts[::-1]

@@ -14,7 +14,7 @@ from trillion.devices import fitted_constants
 from trillion.models.parts.moe import member_reach
 from trillion.models.presets import get_preset
 from trillion.parallel.ep_checks import ep_stride
-from trillion.parallel.layout import Float8Training, Layout, resolve_etp, resolve_float8
+from trillion.parallel.layout import Float8Training, Layout, StageLayers, resolve_etp, resolve_float8
 from trillion.parallel.planner.hardware import HardwareProfile, load_profile
 from trillion.parallel.planner.memory import pipeline_ranks
 from trillion.parallel.planner.moe import (
@@ -27,6 +27,7 @@ from trillion.parallel.planner.moe import (
     routed_tokens,
 )
 from trillion.parallel.planner.search import Request, evaluate, metrics, scaling
+from trillion.parallel.planner.stage_balance import balanced
 from trillion.parallel.planner.timing import _memory_bound, all_to_all_time
 
 HERE = Path(__file__).parent
@@ -103,6 +104,9 @@ def run_layout(run: dict, gpus: int) -> Layout:
         ep_overlap=spec.get("ep_overlap", False),
         tp_overlap=spec.get("tp_overlap", 0),
         async_tp=spec.get("async_tp", False),
+        stage_layers=StageLayers(written=spec["pp_layout"])
+        if spec.get("pp_layout", "auto") != "auto"
+        else StageLayers(),
         ranks_per_node=hardware.scale_up,  # the expert dispatch's node: the scale-up domain (an NVL72 rack's 72)
     )
 
@@ -151,9 +155,13 @@ def predict(run: dict, profile: HardwareProfile | None = None) -> tuple[float, d
         request = Request(run["model"], args, hardware, first, batch, run["seq_len"], fixed=fixed)
         points = scaling(request, [first, last], weak=weak)
         return points[-1][1], points[-1][2]
-    assumed = {"moe_load_imbalance": run_imbalance(run)}  # the plan's assumption (planner/assumptions.py)
+    assumed = {"moe_load_imbalance": run_imbalance(run)}  # the plan's assumptions (planner/assumptions.py)
+    assumed |= {k: run["layout"][k] for k in ("optimizer_state_dtype",) if k in run["layout"]}
     request = Request(run["model"], args, hardware, run["gpus"], run["global_batch"], run["seq_len"], fixed=assumed)
-    row = metrics(request, evaluate(request, run_layout(run, run["gpus"])))
+    layout = run_layout(run, run["gpus"])
+    if run["layout"].get("pp_layout") == "auto":  # the stages as `trillion plan` balances them (stage_balance.py)
+        layout = balanced(args, hardware, layout, run["seq_len"], request.assumptions)
+    row = metrics(request, evaluate(request, layout))
     value = {
         "megatron_share_of_peak": row["megatron_share_of_peak"],
         "tokens_per_s_per_gpu": row["tokens_per_s"] / run["gpus"],

@@ -94,6 +94,7 @@ def declare(args: ModelArgs) -> Part:
             moe.topk_groups,
         ),
         saved=shared.saved,
+        recomputed=shared.recomputed,  # the shared experts' SwiGLU under DeepSeek's recompute mode
         eager=shared.eager,
         compiled=shared.compiled,
         tp_style=ROUTED,

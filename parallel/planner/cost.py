@@ -159,14 +159,10 @@ def rank_passes(
     tokens, tp = layout.micro_batch_size * seq_len // layout.cp, layout.tp
     if rank.last:
         total = total + output_passes(args, hw, tokens, tp)
-    if rank.ahead_modules:  # models/parts/mtp.py: a block, its projection (whole on every tp rank), the head again
-        _, ahead = parts.ahead_modules(args)
-        projection = sum(_gemm(hw, tokens, x.in_features, x.out_features) for x in ahead.linears)
-        after_tail = bool(high_precision_tail(args, layout))  # a 4-bit recipe's bf16 tail holds what follows it
-        routed = parts.routed_layer(args, args.n_layers)
-        module = block_passes(args, hw, layout, seq_len, assumed, routed=routed, high_precision=after_tail)
-        module = module + output_passes(args, hw, tokens, tp)
-        total = total + (module + Passes(projection, projection, projection)) * rank.ahead_modules
+    if rank.ahead_modules:
+        total = total + ahead_module_passes(args, hw, layout, seq_len, assumed) * rank.ahead_modules
+    if modes.checkpoint_mode(layout.activation_checkpoint).sublayers:  # DeepSeek's: the up-projections again
+        return total, Passes(forward=up_projection_seconds(args, hw, layout, seq_len) * rank.layers)
     mean = forward_sum * (1 / max(rank.layers, 1))  # a recomputed layer: the mean of the rank's layers
     recompute = Passes(  # its all-to-alls without the counts (the route is replayed)
         forward=mean.forward - mean.ep_forward + mean.ep_recompute,
@@ -175,6 +171,26 @@ def rank_passes(
         ep_forward=mean.ep_recompute,
     )
     return total, recompute * rank.checkpointed(layout.activation_checkpoint)
+
+
+def up_projection_seconds(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int) -> float:
+    """One layer's recompute under DeepSeek's mode: the GEMMs of the up-projections its attention declares (models/parts
+    Part.up_projections) at their tp split. Its element-wise recompute (the norms, rotary, SwiGLU's silu and product)
+    is left out: memory passes over a few of the layer's activations, beside the up-projections' GEMMs."""
+    tokens, tp = layout.micro_batch_size * seq_len // layout.cp, layout.tp
+    linears = [x for part in parts.block(args).parts for x in part.linears if x.name in part.up_projections]
+    return sum(_gemm(hw, tokens, x.in_features, x.out_features // (tp if x.tp_dim == 0 else 1)) for x in linears)
+
+
+def ahead_module_passes(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int, assumed) -> Passes:
+    """One multi-token prediction module (models/parts/mtp.py): a block, its projection (whole on every tp rank), the
+    output head again."""
+    tokens, (_, ahead) = layout.micro_batch_size * seq_len // layout.cp, parts.ahead_modules(args)
+    projection = sum(_gemm(hw, tokens, x.in_features, x.out_features) for x in ahead.linears)
+    after_tail = bool(high_precision_tail(args, layout))  # a 4-bit recipe's bf16 tail holds what follows it
+    routed = parts.routed_layer(args, args.n_layers)
+    module = block_passes(args, hw, layout, seq_len, assumed, routed=routed, high_precision=after_tail)
+    return module + output_passes(args, hw, tokens, layout.tp) + Passes(projection, projection, projection)
 
 
 def high_precision_tail(args: ModelArgs, layout: Layout) -> int:
@@ -239,7 +255,10 @@ def embedding_copy_sum(args: ModelArgs, hw: HardwareProfile, layout: Layout) -> 
 def pipeline_part(layout: Layout) -> Layout:
     """The layout with its data-parallel settings at one process's: what the pipeline's compute depends on."""
     float8 = layout.float8 and dataclasses.replace(layout.float8, fsdp_all_gather=True)
-    return dataclasses.replace(layout, dp_replicate=1, dp_shard=1, dp_shard_mode="zero3", microbatches=1, float8=float8)
+    microbatches = layout.microbatches if modes.pairs_across_stages(layout) else 1  # DualPipeV's paired share (moe.py)
+    return dataclasses.replace(
+        layout, dp_replicate=1, dp_shard=1, dp_shard_mode="zero3", microbatches=microbatches, float8=float8
+    )
 
 
 @lru_cache(maxsize=65536)

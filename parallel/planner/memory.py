@@ -15,10 +15,7 @@ through the step too. A
 pipeline schedule turns gradient sync off until the last micro-batch and keeps its stages
 gathered from their first backward on, whatever the mode, so with pp > 1 every mode costs zero1's
 bytes (measured in gloo runs by `trillion estimate`, trainer/tools/estimate/dry_run.py).
-Activations follow Korthikanti et al. 2022 without dropout and with flash
-attention (no s^2 terms): 34 s b h bytes per GPT layer in bf16. With sequence parallelism the
-norm inputs are split over TP ranks, but DTensor saves the all-gathered inputs of the
-column-parallel linears whole, so those stay s b h each.
+Activations per layer are activations.py's, by checkpointing mode.
 Context parallelism (cp): a rank holds s / cp of every sequence, so its activations are those of
 s / cp tokens, plus the whole sequence's K and V that attention gathers per block: kept for backward
 by every block that is not checkpointed, held once while one block runs. FSDP shards the states over
@@ -33,15 +30,20 @@ from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.models.parts.spec import Linear, Norm
 from trillion.parallel import modes
-from trillion.parallel.layout import Layout
-from trillion.parallel.modes import checkpointed_blocks
+from trillion.parallel.layout import Layout, StageLayers
+from trillion.parallel.planner.activations import (
+    ACTIVATION_BYTES,
+    checkpointed_layers,
+    layer_bytes,
+    output_activation_bytes,
+)
 from trillion.parallel.planner.assumptions import Assumptions
-from trillion.parallel.planner.moe import expert_numel, expert_shards, moe_activation_bytes, pairs, routed_tokens
+from trillion.parallel.planner.moe import expert_numel, expert_shards, pairs, routed_tokens
 from trillion.parallel.planner.optimizer import state_bytes, step_buffer_bytes
-from trillion.parallel.planner.schedules import in_flight_microbatches, rank_of_virtual_stage, stage_layers
+from trillion.parallel.planner.schedules import dualpipe_in_flight, in_flight_microbatches, rank_of_virtual_stage
 from trillion.parallel.planner.shards import ParamSpec, local_numel
+from trillion.parallel.pp_layout import split_units
 
-ACTIVATION_BYTES = 2  # bf16
 FRAMEWORK_BYTES = 1e9  # CUDA/HIP context, BLAS workspaces
 MEMORY_HEADROOM = 0.9  # share of device memory a plan may fill; the rest is allocator fragmentation
 
@@ -152,6 +154,7 @@ class RankParams:
     chunks: tuple[int, ...] = ()  # layers of each of its pipeline chunks (stage modules); () = one of `layers`
     routed_layers: int = 0  # of its layers, those with routed experts (moe.py)
     ahead_modules: int = 0  # multi-token prediction modules it holds besides its layers (models/parts): the last rank's
+    chunk_routed: tuple[int, ...] = ()  # of each chunk's layers, those with routed experts
 
     def blocks(self, args: ModelArgs) -> tuple[int, int]:
         """(dense, MoE) transformer blocks it holds: its layers' and its MTP modules'."""
@@ -190,90 +193,61 @@ def _rank_numel(
 
 
 def pipeline_ranks(args: ModelArgs, layout: Layout) -> list[RankParams]:
-    """What each pipeline rank holds; V schedules put the first and the last stage on rank 0."""
+    """What each pipeline rank holds: its stages' units (rank_units), on the ranks the schedule places them (V
+    schedules put the first and the last stage on rank 0)."""
     dense, (ahead, _) = parts.first_routed_layer(args), parts.ahead_modules(args)
-    return _pipeline_ranks(args.n_layers, layout.pp, layout.virtual_stages, layout.pp_schedule, dense, ahead)
+    written = layout.stage_layers.written
+    return _pipeline_ranks(args.n_layers, layout.pp, layout.virtual_stages, layout.pp_schedule, dense, ahead, written)
 
 
 @lru_cache(maxsize=4096)
 def _pipeline_ranks(
-    n_layers: int, pp: int, v: int, schedule_name: str, dense_layers: int = -1, mtp: int = 0
+    n_layers: int, pp: int, v: int, schedule_name: str, dense_layers: int = -1, mtp: int = 0, written: str = ""
 ) -> list[RankParams]:
-    """`dense_layers`: the first layers without routed experts (-1: all); `mtp` modules on the last rank."""
-    schedule = modes.schedule(schedule_name, "--pp-schedule")
-    chunks = stage_layers(n_layers, pp, v, schedule)
-    last_rank = 0 if schedule.v_shape and pp > 1 else pp - 1
-    first_moe = n_layers if dense_layers < 0 else dense_layers
-    starts = _virtual_stage_starts(n_layers, pp, v, schedule)
+    """`dense_layers`: the first layers without routed experts (-1: all); `mtp` modules with the output head."""
+    first_routed = n_layers if dense_layers < 0 else dense_layers
     ranks = []
-    for r, c in enumerate(chunks):
-        moe = sum(max(0, start + count - max(first_moe, start)) for start, count in zip(starts[r], c))
-        ranks.append(RankParams(sum(c), r == 0, r == last_rank, tuple(c), moe, mtp if r == last_rank else 0))
+    for held in _rank_units(n_layers, pp, v, schedule_name, written, mtp):
+        chunks = tuple(sum(1 for unit in units if 1 <= unit <= n_layers) for units in held)
+        chunk_routed = tuple(sum(1 for unit in units if first_routed < unit <= n_layers) for units in held)
+        last = any(n_layers + 1 in units for units in held)
+        first = any(0 in units for units in held)
+        ranks.append(RankParams(sum(chunks), first, last, chunks, sum(chunk_routed), mtp if last else 0, chunk_routed))
     return ranks
 
 
 def layers_from(args: ModelArgs, layout: Layout, first: int) -> list[int]:
     """Each pipeline rank's layers at index `first` or later (a 4-bit recipe's bf16 tail: cost.py)."""
-    schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
-    chunks = stage_layers(args.n_layers, layout.pp, layout.virtual_stages, schedule)
-    starts = _virtual_stage_starts(args.n_layers, layout.pp, layout.virtual_stages, schedule)
-    return [sum(max(0, s + n - max(first, s)) for s, n in zip(starts[r], c)) for r, c in enumerate(chunks)]
+    held = _rank_units(
+        args.n_layers,
+        layout.pp,
+        layout.virtual_stages,
+        layout.pp_schedule,
+        layout.stage_layers.written,
+        parts.ahead_modules(args)[0],
+    )
+    return [sum(1 for units in ranges for unit in units if first < unit <= args.n_layers) for ranges in held]
 
 
-def _virtual_stage_starts(n_layers: int, pp: int, v: int, schedule) -> list[list[int]]:
-    """First layer index of each rank's chunks, in the order stage_layers lists them."""
-    stages = pp * v
-    counts = [n_layers // stages + (1 if k < n_layers % stages else 0) for k in range(stages)]
-    starts: list[list[int]] = [[] for _ in range(pp)]
-    for k in range(stages):
-        starts[rank_of_virtual_stage(k, pp, schedule)].append(sum(counts[:k]))
-    return starts
-
-
-def layer_activation_bytes(
-    args: ModelArgs,
-    tokens: int,
-    tp: int,
-    sequence_parallel: bool,
-    checkpointed: bool,
-    dtype_bytes: int = ACTIVATION_BYTES,
-    routed: bool = False,
-) -> float:
-    """Bytes one layer keeps for backward for `tokens` (= micro-batch size x sequence length).
-
-    Replicated over TP ranks (split by sequence parallelism): the two norm inputs. Always whole:
-    the two norm outputs, which the column-parallel linears save (all-gathered under SP).
-    Split by TP: q, k, v and the attention output (kept by flash attention), the output
-    projection's input, the MLP's hidden activations (GELU: input and output; SwiGLU: w1 and w3
-    outputs, silu output, product). Flash attention adds an fp32 log-sum-exp per head. Latent attention adds
-    its latents, whole on every TP rank. Each part declares what it keeps (models/parts, `saved`).
-    A checkpointed layer keeps only its input. `routed`: an MoE layer's (its attention and shared experts; its
-    routed experts moe.moe_activation_bytes counts).
-    """
-    h, block = args.dim, parts.block(args, routed)
-    split = tp if sequence_parallel else 1
-    if checkpointed:
-        return tokens * h / split * dtype_bytes
-    norm_inputs = sum(n.features for n in block.norms)
-    replicated = norm_inputs / split
-    whole = norm_inputs + sum(p.saved.whole for p in block.parts)
-    sharded = sum(p.saved.split / tp for p in block.parts)
-    logsumexp = 4 * block.heads.heads / tp
-    return tokens * ((replicated + whole + sharded) * dtype_bytes + logsumexp)
-
-
-def output_activation_bytes(
-    args: ModelArgs, tokens: int, tp: int, sequence_parallel: bool, dtype_bytes: int = ACTIVATION_BYTES
-) -> float:
-    """Final norm input and output, and the fp32 log-softmax the cross-entropy keeps."""
-    split = tp if sequence_parallel else 1
-    return tokens * ((args.dim / split + args.dim) * dtype_bytes + 4 * args.vocab_size / tp)
-
-
-def checkpointed_layers(mode: str, n_layers: int) -> int:
-    """How many of a stage module's layers are checkpointed (the trainer applies the mode to each
-    stage module's own blocks: selective checkpoints every second one, starting with the first)."""
-    return len(checkpointed_blocks(mode, n_layers))
+@lru_cache(maxsize=4096)
+def _rank_units(n_layers: int, pp: int, v: int, schedule_name: str, written: str, mtp: int) -> list[list[range]]:
+    """Each pipeline rank's stages as ranges of units (0 the embedding, 1..n the layers, n + 1 the output head with
+    the MTP modules: parallel/pp_layout.py): parallel.pp_layout as written (the planner writes `auto` out:
+    stage_balance.py), else the planner's even split of the layers over the pp x v stages in order (earlier stages
+    take the remainder), the embedding with the first, the head with the last."""
+    schedule = modes.schedule(schedule_name, "--pp-schedule")
+    stages = pp * v if pp > 1 else 1
+    if written and stages > 1:
+        ranges = split_units(n_layers, stages, StageLayers(written=written), mtp)
+    else:
+        counts = [n_layers // stages + (1 if k < n_layers % stages else 0) for k in range(stages)]
+        ends = [1 + sum(counts[: k + 1]) for k in range(stages)]
+        ends[-1] += 1  # the output head
+        ranges = [range(0 if k == 0 else ends[k - 1], ends[k]) for k in range(stages)]
+    held: list[list[range]] = [[] for _ in range(pp)]
+    for k, units in enumerate(ranges):
+        held[rank_of_virtual_stage(k, pp, schedule) if pp > 1 else 0].append(units)
+    return held
 
 
 @dataclass(frozen=True)
@@ -311,21 +285,17 @@ def rank_memory(
     tp_numel, shard_numel = rank.numel(args, tp, layout.dp_shard * cp, layout.ep, layout.expert_tp)
     mode = "zero1" if layout.pp > 1 else layout.dp_shard_mode
     parameters, gradients, _ = states_bytes(tp_numel, shard_numel, mode)
-    optimizer = state_bytes(args, layout, assumed.optimizer, rank, shard_numel)  # AdamW's or Muon's (optimizer.py)
+    dtype = assumed.optimizer_state_dtype
+    optimizer = state_bytes(args, layout, assumed.optimizer, rank, shard_numel, dtype)  # AdamW's or Muon's
 
     n_ckpt = rank.checkpointed(layout.activation_checkpoint)
-    experts = (layout.ep, assumed.moe_load_imbalance, layout.expert_tp, routed_tokens(tokens, layout))
-    float8_cache = layout.float8 is not None and layout.float8.cache_activations  # the experts' activations in float8
-    dense_layer, moe_layer, kept = _layer_bytes(args, tokens, tp, sp, *experts, float8_cache)
+    dense_layer, moe_layer, kept = _layer_kinds(args, layout, seq_len, assumed, kept=True)
     full_layer = (dense_layer * (rank.layers - rank.routed_layers) + moe_layer * rank.routed_layers) / max(
         rank.layers, 1
     )
     gathered_kv = ms * seq_len * parts.block(args).heads.kv_width / tp * ACTIVATION_BYTES if cp > 1 else 0
     per_microbatch = n_ckpt * kept + (rank.layers - n_ckpt) * (full_layer + gathered_kv)
-    # an MTP module (models/parts), not checkpointed: its block, its projection's input; its output as the root's
-    mtp_block = moe_layer if parts.routed_layer(args, args.n_layers) else dense_layer
-    mtp = mtp_block + 2 * tokens * args.dim * ACTIVATION_BYTES + gathered_kv
-    per_microbatch += rank.ahead_modules * mtp
+    per_microbatch += rank.ahead_modules * (ahead_module_bytes(args, tokens, dense_layer, moe_layer) + gathered_kv)
     output = output_activation_bytes(args, tokens, tp, sp) * (1 + rank.ahead_modules) if rank.last else 0
     activations = in_flight * per_microbatch + output
     # Muon's step buffers live after the backward, where the activations were: only what passes them adds
@@ -346,23 +316,6 @@ def rank_memory(
     return Memory(parameters, gradients, optimizer, activations, buffers)
 
 
-@lru_cache(maxsize=65536)
-def _layer_bytes(
-    args: ModelArgs, tokens: int, tp: int, sp: bool, ep: int, imbalance: float, etp: int, routed: int, float8: bool
-) -> tuple[float, float, float]:
-    """(a dense layer's, an MoE layer's activations kept for backward, a checkpointed layer's input); an MoE layer's
-    routed part for the `routed` tokens the rank routes (moe.py routed_tokens) and its experts' etp slices, in
-    float8 with `float8` (float8.cache_activations)."""
-    dense = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False)
-    kept = layer_activation_bytes(args, tokens, tp, sp, checkpointed=True)
-    if not parts.routed_experts(args):
-        return dense, 0.0, kept
-    moe = layer_activation_bytes(args, tokens, tp, sp, checkpointed=False, routed=True) + moe_activation_bytes(
-        args, routed, etp, ep, imbalance, ACTIVATION_BYTES, float8
-    )
-    return dense, moe, kept
-
-
 @lru_cache(maxsize=4096)
 def _gathered_block(args: ModelArgs, dense: bool, routed: bool, tp: int, d: int, ep: int, etp: int) -> int:
     """Elements of the largest block FSDP gathers on a rank: a dense one, or an MoE one with its E / ep experts (their
@@ -371,6 +324,23 @@ def _gathered_block(args: ModelArgs, dense: bool, routed: bool, tp: int, d: int,
         return _numel(args, "block", tp, d)[0] if dense else 0
     experts = expert_numel(args, 1, etp, ep, expert_shards(tp, d, ep, etp))[0]
     return max(_numel(args, "block", tp, d)[0] if dense else 0, _numel(args, "routed_block", tp, d)[0] + experts)
+
+
+def ahead_module_bytes(args: ModelArgs, tokens: int, dense_layer: float, moe_layer: float) -> float:
+    """An MTP module's activations per micro-batch (models/parts), not checkpointed: its block, its projection's input
+    (its output is counted as the root's)."""
+    block = moe_layer if parts.routed_layer(args, args.n_layers) else dense_layer
+    return block + 2 * tokens * args.dim * ACTIVATION_BYTES
+
+
+def _layer_kinds(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assumptions, kept: bool = False) -> tuple:
+    """(a dense layer's, an MoE layer's activations per micro-batch; with `kept` a checkpointed layer's input too)."""
+    tokens = layout.micro_batch_size * seq_len // layout.cp
+    experts = (layout.ep, assumed.moe_load_imbalance, layout.expert_tp, routed_tokens(tokens, layout))
+    recomputes_sublayers = modes.checkpoint_mode(layout.activation_checkpoint).sublayers
+    float8_cache = layout.float8 is not None and layout.float8.cache_activations  # the experts' activations in float8
+    found = layer_bytes(args, tokens, layout.tp, layout.sequence_parallel, *experts, recomputes_sublayers, float8_cache)
+    return found if kept else found[:2]
 
 
 def layout_memory(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assumptions) -> Memory:
@@ -383,16 +353,25 @@ def layout_memory(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assump
     if pairs(layout):  # two micro-batches in flight (parallel/expert_overlap.py)
         first = last = 2.0
     span, candidates = max(layout.pp - 1, 1), []
-    for rank, index in _earliest_of_each_kind(args, layout.pp, layout.virtual_stages, layout.pp_schedule):
+    if schedule.in_flight == "pipeline+1" and layout.pp > 1:  # DualPipeV: each rank's two chunks hold unequal counts
+        dense, moe = _layer_kinds(args, layout, seq_len, assumed)
+        for index, rank in enumerate(pipeline_ranks(args, layout)):
+            held = [dense * (n - r) + moe * r for n, r in zip(rank.chunks, rank.chunk_routed)]  # each chunk's bytes
+            if rank.ahead_modules:  # the MTP modules run in the V's last stage, this rank's second chunk
+                tokens = layout.micro_batch_size * seq_len // layout.cp
+                held[-1] += rank.ahead_modules * ahead_module_bytes(args, tokens, dense, moe)
+            in_flight = dualpipe_in_flight(layout.pp, layout.microbatches, index, held)
+            candidates.append(rank_memory(args, layout, seq_len, assumed, rank, in_flight))
+        return max(candidates, key=lambda m: m.total)
+    for rank, index in _earliest_of_each_kind(args, layout):
         in_flight = last if rank.last and index else first + (last - first) * index / span
         candidates.append(rank_memory(args, layout, seq_len, assumed, rank, in_flight))
     return max(candidates, key=lambda m: m.total)
 
 
-@lru_cache(maxsize=4096)
-def _earliest_of_each_kind(args: ModelArgs, pp: int, v: int, schedule_name: str) -> tuple:
+def _earliest_of_each_kind(args: ModelArgs, layout: Layout) -> tuple:
     """((rank's parts, its index), ...): the first pipeline rank of each distinct RankParams."""
     earliest: dict = {}
-    for index, rank in enumerate(pipeline_ranks(args, Layout(pp=pp, pp_schedule=schedule_name, virtual_stages=v))):
+    for index, rank in enumerate(pipeline_ranks(args, layout)):
         earliest.setdefault(rank, index)
     return tuple(earliest.items())

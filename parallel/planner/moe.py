@@ -21,8 +21,8 @@ the same; the shared experts are TP-split either way:
              dispatch mode the trainer runs (dispatch_rows: per expert, per rank, per node; the ep group's ranks are
              ep_stride apart: folded ep consecutive GPUs, else ep x tp), each row the token and its routing
              (row_bytes), at the imbalance (dispatch_seconds). With parallel.ep_overlap what hides is what the
-             mechanism puts beside each all-to-all's wait (exposed_all_to_alls; paired micro-batches:
-             exposed_paired); else all of it.
+             mechanism puts beside each all-to-all's wait (exposed_all_to_alls; paired micro-batches, two forwards
+             on one stage or DualPipeV's forward beside a backward: exposed_seconds); else all of it.
   element-wise  per routed token: the fused permutation into expert order and back
              (kernels/permute.py, kernels.permutation=auto on GPUs; PERMUTATION_ROWS; under ep the dispatch's
              own gathers in torch, DISPATCH_PERMUTATION_ROWS), SwiGLU on the expert
@@ -42,7 +42,7 @@ experts' etp slices, all-gathered over the efsdp ranks). Activations of an MoE l
 routed token: the router's fp32 scores E x 4 bytes, the permuted tokens k h, the experts' w1 and w3 outputs, silu
 and product 4 k f / etp, their outputs k h, and under ep their weighted outputs k h more (WEIGHTED_OUTPUT_ROWS),
 all times imbalance where it applies, bf16; with float8.cache_activations the permuted tokens and three of the four
-k f in float8 with their scales instead (moe_activation_bytes).
+k f in float8 with their scales instead (activations.py moe_activation_bytes).
 """
 
 import math
@@ -59,6 +59,7 @@ from trillion.parallel.planner.float8_experts import (
     float8_expert_recipe,
 )
 from trillion.parallel.planner.hardware import HardwareProfile
+from trillion.parallel.planner.schedules import dualpipe_paired_share
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time, collective_time
 from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, cast_bytes
 
@@ -282,20 +283,30 @@ def exposed_seconds(
     wire = dispatch_row_bytes(args.dim, float8) if float8 and layout.float8.dispatch else 0
     dispatch = dispatch_seconds(args, hw, rows, layout, imbalance, wire) if wire else one_way
     counts = 0.0 if layout.ep_capacity else all_to_all_time(hw, 0.0, ep, ep_stride(layout)) + host_read_stall(hw)
-    if around is not None and pairs(layout):  # the other micro-batch's layer computes beside each all-to-all
-        forward = around.forward - around.tp_forward - around.cp_forward + routed[0]
-        backward = around.input_grad + around.weight_grad - around.tp_forward - around.cp_forward + routed[1]
-        turns = 3 if counts else 2  # a forward hands the turn over after the counts, the rows, the combine
+    alone = [
+        exposed_all_to_alls(layout, dispatch, one_way, counts, shared, experts),
+        exposed_all_to_alls(layout, one_way, one_way, 0.0, 2 * shared, 2 * experts),
+        exposed_all_to_alls(layout, dispatch, one_way, 0.0, shared, experts),
+    ]
+    share = dualpipe_paired_share(layout) if around is not None else 0.0
+    if not share and not (around is not None and pairs(layout)):
+        return alone
+    # the other micro-batch's layer computes beside each all-to-all, a segment of it between two of its posts
+    forward = around.forward - around.tp_forward - around.cp_forward + routed[0]
+    backward = around.input_grad + around.weight_grad - around.tp_forward - around.cp_forward + routed[1]
+    turns = 3 if counts else 2  # a forward hands the turn over after the counts, the rows, the combine
+    if not share:  # two forwards paired, then two backwards (one pipeline stage)
         return [
             exposed_paired(dispatch, one_way, counts, forward / turns),
             exposed_paired(one_way, one_way, 0.0, backward / 2),
             exposed_paired(dispatch, one_way, 0.0, forward / 2),
         ]
-    return [
-        exposed_all_to_alls(layout, dispatch, one_way, counts, shared, experts),
-        exposed_all_to_alls(layout, one_way, one_way, 0.0, 2 * shared, 2 * experts),
-        exposed_all_to_alls(layout, dispatch, one_way, 0.0, shared, experts),
+    paired = [  # DualPipeV: a forward beside a backward, which hands over after its two all-to-alls
+        exposed_paired(dispatch, one_way, counts, backward / 2),
+        exposed_paired(one_way, one_way, 0.0, forward / turns),
+        exposed_paired(dispatch, one_way, 0.0, forward / turns),
     ]
+    return [share * p + (1 - share) * a for p, a in zip(paired, alone)]
 
 
 def shared_expert_seconds(args: ModelArgs, hw: HardwareProfile, tokens: int, tp: int) -> float:
@@ -370,20 +381,3 @@ def expert_shards(tp: int, dp_shard: int, ep: int, etp: int) -> int:
     """The ranks FSDP shards a rank's routed experts over: dp_shard (x cp) x the tp ranks not splitting them, over
     ep (Layout.efsdp)."""
     return dp_shard * (tp // etp) // ep
-
-
-def moe_activation_bytes(
-    args: ModelArgs, tokens: int, etp: int, ep: int, imbalance: float, dtype_bytes: int, float8_cache: bool = False
-) -> float:
-    """Bytes an MoE layer keeps for backward beyond its attention and shared experts, for `tokens` routed by the rank
-    and experts split over `etp` (the module docstring). `float8_cache` (float8.cache_activations, models/moe.py
-    RoutedExperts): the permuted tokens k h, and of the experts' 4 k f / etp the three float8 ones SwiGLU's inputs
-    and w2's input, a byte an element and a float32 scale per 128 (checked against the measured bytes:
-    tests/float8/test_activation_cache.py)."""
-    block = routed_block(args)
-    k, f, imb = block.routing.top_k, expert_width(block), effective_imbalance(ep, imbalance)
-    rows = 2 + (WEIGHTED_OUTPUT_ROWS if ep > 1 else 0)  # the permuted tokens, the outputs (and weighted: ep)
-    if float8_cache:
-        float8 = (k * args.dim + 3 * k * f / etp) * (1 + 4 / FLOAT8_CACHE_BLOCK)
-        return tokens * (4 * block.routing.n_experts + ((rows - 1) * k * args.dim * dtype_bytes + float8) * imb)
-    return tokens * (4 * block.routing.n_experts + (rows * k * args.dim + 4 * k * f / etp) * imb * dtype_bytes)

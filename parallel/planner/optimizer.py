@@ -81,12 +81,14 @@ def _ahead_specs(args: ModelArgs) -> list[ParamSpec]:
     return [ParamSpec(x.name, (x.out_features, x.in_features), x.tp_dim) for x in ahead.linears] if ahead else []
 
 
-def state_bytes(args: ModelArgs, layout, optimizer: str, rank, shard_numel: int) -> float:
-    """The fp32 state of `optimizer` (adamw | muon) on this rank."""
+def state_bytes(args: ModelArgs, layout, optimizer: str, rank, shard_numel: int, state_dtype: str = "float32") -> float:
+    """The state of `optimizer` (adamw | muon) on this rank: AdamW's moments in `state_dtype` (optimizer.state_dtype:
+    bfloat16 halves them, parallel/adamw_states.py), Muon's momentum in fp32."""
+    adamw = ADAMW_STATE_BYTES // 2 if state_dtype == "bfloat16" else ADAMW_STATE_BYTES
     if optimizer != "muon":
-        return ADAMW_STATE_BYTES * shard_numel
+        return adamw * shard_numel
     hidden = muon_numel(args, rank, layout.tp, layout.dp_shard * layout.cp, layout.ep, layout.expert_tp)[1]
-    return MUON_STATE_BYTES * hidden + ADAMW_STATE_BYTES * (shard_numel - hidden)
+    return MUON_STATE_BYTES * hidden + adamw * (shard_numel - hidden)
 
 
 def step_buffer_bytes(args: ModelArgs, layout, optimizer: str, rank, element_bytes: int) -> float:

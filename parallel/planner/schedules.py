@@ -1,8 +1,8 @@
 """Pipeline-schedule arithmetic for the planner: the bubble a schedule leaves, the micro-batches a rank holds in
-flight at its peak, and which rank runs each virtual stage with how many layers. The schedules themselves, with
+flight at its peak, and which rank runs each virtual stage. The schedules themselves, with
 their rules and bubble weights, are the trainer's own table (parallel/modes.py)."""
 
-from trillion.parallel.modes import Schedule
+from trillion.parallel.modes import Schedule, pairs_across_stages
 
 
 def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int) -> tuple[float, float]:
@@ -30,17 +30,28 @@ def bubble_slots(schedule: Schedule, p: int, joined: bool = False) -> tuple[floa
     return tuple((p - 1) * w for w in ((1, 1, 1, 1) if joined else schedule.bubble_weights))
 
 
-def stage_layers(n_layers: int, p: int, v: int, schedule: Schedule) -> list[list[int]]:
-    """Layer counts of each rank's chunks: layers split as evenly as possible over the p*v virtual
-    stages in order (earlier stages take the remainder)."""
-    stages = p * v
-    counts = [n_layers // stages + (1 if k < n_layers % stages else 0) for k in range(stages)]
-    ranks: list[list[int]] = [[] for _ in range(p)]
-    for k, count in enumerate(counts):
-        ranks[rank_of_virtual_stage(k, p, schedule)].append(count)
-    return ranks
-
-
 def rank_of_virtual_stage(k: int, p: int, schedule: Schedule) -> int:
     """Looped placement runs virtual stage k on rank k mod p; V placement on k, then 2p-1-k."""
     return (k if k < p else 2 * p - 1 - k) if schedule.v_shape else k % p
+
+
+def dualpipe_paired_share(layout) -> float:
+    """The share of a rank's chunk forwards and backwards that DualPipeV runs paired (pipeline_pairing.py; 0 where
+    none pair): torch's ScheduleDualPipeV emits 2m - 3p + r + 1 OVERLAP_F_B actions on rank r of p (one fewer on the
+    last) among its 2m forwards and 2m backwards (tests/planner/test_dualpipe_plan.py counts them in torch's own
+    action lists); the mean over the ranks."""
+    if not pairs_across_stages(layout):
+        return 0.0
+    p, m = layout.pp, layout.microbatches
+    return min(1.0, max(0.0, (2 * m - 3 * p + 1 + (p - 1) / 2 - 1 / p) / (2 * m)))
+
+
+def dualpipe_in_flight(p: int, m: int, rank: int, chunks: list[float]) -> float:
+    """Micro-batches in flight on DualPipeV's pipeline rank `rank`, in units of one micro-batch through all its layers,
+    given what each of its two chunks keeps of one micro-batch (`chunks`: its layers' bytes): torch's
+    ScheduleDualPipeV runs 2 (p - r - 1) forwards of the rank's first stage, then r + 1 of each, before its first
+    backward, so the first chunk holds 2 p - r - 1 and the second the rest of the 2 p + 1 chunks `trillion estimate`
+    counts on every rank (r + 2)."""
+    first, second = min(m, 2 * p - rank - 1), min(m, rank + 2)
+    held = sum(chunks)
+    return (first * chunks[0] + second * chunks[1]) / held if held and len(chunks) == 2 else float(first)

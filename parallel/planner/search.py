@@ -28,6 +28,7 @@ from trillion.parallel.planner.caveats import memory_warning, utilisation_warnin
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
 from trillion.parallel.planner.space import Request, check_request, layouts, tp_degrees
+from trillion.parallel.planner.stage_balance import balanced
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,35 @@ def search(request: Request) -> SearchResult:
     if not ranked:  # only the headroom objects: evaluate them, each with its memory warning (metrics)
         ranked = [evaluate(request, layout) for layout in tight]
     ranked.sort(key=lambda c: (c.step.total, c.memory.total))
+    ranked = balance_stages(request, ranked)
     result = SearchResult(ranked, considered, too_big, smallest, refusal)
     if not ranked:
         raise ConfigError(_no_layout_message(request, result))
     return result
+
+
+# The fastest pipelined layouts of a search whose stages it balances (--pp-layout auto, the default), where the even
+# split leaves more than IMBALANCE_WORTH_BALANCING of their step to stage imbalance: up to half a second each at
+# 128 stages (parallel/pp_layout.py balance), so not every layout of a search of thousands
+BALANCED_CANDIDATES = 4
+IMBALANCE_WORTH_BALANCING = 0.01
+
+
+def balance_stages(request: Request, ranked: list[Candidate]) -> list[Candidate]:
+    """`ranked` with the stages of its fastest pipelined layouts balanced by the planner's cost of each unit
+    (stage_balance.py) where that is faster and fits as well, ranked again."""
+    if request.fixed.get("pp_layout", "auto") != "auto":
+        return ranked
+    out = []
+    for index, candidate in enumerate(ranked):
+        uneven = candidate.step.imbalance > IMBALANCE_WORTH_BALANCING * candidate.step.total
+        if index < BALANCED_CANDIDATES and candidate.layout.pp > 1 and uneven:
+            layout = balanced(request.args, request.hardware, candidate.layout, request.seq_len, request.assumptions)
+            other = evaluate(request, layout, only_if_fits=True)
+            if other.fits >= candidate.fits and other.step and other.step.total < candidate.step.total:
+                candidate = other
+        out.append(candidate)
+    return sorted(out, key=lambda c: (c.step.total, c.memory.total))
 
 
 def _no_layout_message(request: Request, result: SearchResult) -> str:

@@ -21,19 +21,19 @@ from trillion.models.args import ModelArgs
 from trillion.parallel import modes
 from trillion.parallel.ep_checks import ep_nodes, resolve_dispatch
 from trillion.parallel.float8_recipes import low_precision_recipe
-from trillion.parallel.layout import Float8Training, Layout, resolve_float8
+from trillion.parallel.layout import AUTOMATIC_STAGES, Float8Training, Layout, StageLayers, resolve_float8
 from trillion.parallel.modes import CHECKPOINT_MODES, DEFAULT_VIRTUAL_STAGES, SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.block_cost import layer_passes
 from trillion.parallel.planner.hardware import HardwareProfile, low_precision_peak_tflops
 from trillion.parallel.planner.tp_hiding import Hiding
+from trillion.parallel.pp_layout import parse
 
 MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # The checkpointing modes the search tries: selective:op keeps matmul outputs, which the memory
-# model (memory.py) does not count yet; selective:N (every N-th block) is the trainer's only.
-SEARCHED_CHECKPOINT_MODES = tuple(
-    name for name, mode in CHECKPOINT_MODES.items() if not mode.op_level and not mode.sublayers
-)
+# model (activations.py) does not count yet; selective:N (every N-th block) is the trainer's only; deepseek where the
+# model's parts have its up-projections (search.py trainer_refusal drops it for the others).
+SEARCHED_CHECKPOINT_MODES = tuple(name for name, mode in CHECKPOINT_MODES.items() if not mode.op_level)
 OPTIMIZERS = ("adamw", "muon")  # optimizer.name: not searched (it changes the training), costed as given
 LAYOUT_FIELDS = (
     "tp",
@@ -59,8 +59,13 @@ LAYOUT_FIELDS = (
     "ep_overlap",
     "tp_overlap",
     "async_tp",
+    "pp_layout",
 )
-ASSUMPTION_FIELDS = ("moe_load_imbalance", "optimizer", "attention_share")  # planner/assumptions.py's, fixed too
+ASSUMPTION_FIELDS = ("moe_load_imbalance", "optimizer", "optimizer_state_dtype", "attention_share")
+OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")  # optimizer.state_dtype: costed as given, never searched
+# --pp-layout: the stages balanced by the planner's cost of each unit (auto: stage_balance.py), or written out
+# (parallel/pp_layout.py); `even` is the planner's even split of the layers
+PP_LAYOUT_CHOICES = ("auto", "even")  # planner/assumptions.py's, fixed too
 # parallel.tp_overlap's chunk counts the search weighs where they divide the local sequence (0: DTensor's exposed
 # collectives); more chunks hide more of each transfer and pay its latency, and smaller GEMMs, more often (tp_hiding.py)
 OVERLAP_CHUNKS = (0, 1, 2, 4, 8)
@@ -122,8 +127,14 @@ def check_request(request: Request) -> None:
             f"--activation-checkpoint {request.fixed['activation_checkpoint']!r} is not known. "
             f"Use {', '.join(SEARCHED_CHECKPOINT_MODES)}."
         )
+    if request.fixed.get("optimizer_state_dtype", "float32") not in OPTIMIZER_STATE_DTYPES:
+        raise ConfigError(
+            f"--optimizer-state-dtype {request.fixed['optimizer_state_dtype']!r} is not known. Use "
+            f"{' or '.join(OPTIMIZER_STATE_DTYPES)} (optimizer.state_dtype: AdamW's moments)."
+        )
     if request.fixed.get("optimizer", "adamw") not in OPTIMIZERS:
         raise ConfigError(f"--optimizer {request.fixed['optimizer']!r} is not known. Use {' or '.join(OPTIMIZERS)}.")
+    _check_stages(request)
     if "pp_schedule" in request.fixed:
         modes.schedule(request.fixed["pp_schedule"], "--pp-schedule")
     _check_hiding(request.fixed)
@@ -150,6 +161,21 @@ def check_request(request: Request) -> None:
             f"tp {max(tps)} x pp {args.n_layers} (one layer per stage) x dp {request.global_batch} (one sequence per "
             f"data-parallel rank) = {most}. Use fewer GPUs or a larger global batch."
         )
+
+
+def _check_stages(request: Request) -> None:
+    """--pp-layout: auto, even, or a layout for the fixed --pp (its stages: pp x the schedule's stages per rank)."""
+    written = request.fixed.get("pp_layout", "auto")
+    if written in PP_LAYOUT_CHOICES:
+        return
+    if "pp" not in request.fixed or "pp_schedule" not in request.fixed:
+        raise ConfigError(
+            f"--pp-layout {written!r} writes the stages out, which needs their count: give --pp and --pp-schedule "
+            "(and --virtual-stages for a looped schedule), or --pp-layout auto."
+        )
+    schedule = modes.schedule(request.fixed["pp_schedule"], "--pp-schedule")
+    v = modes.stages_per_rank(schedule, request.fixed.get("virtual_stages", 0))
+    parse(written, request.args.n_layers, request.fixed["pp"] * v, parts.ahead_modules(request.args)[0])
 
 
 def _check_hiding(fixed: dict) -> None:
@@ -303,10 +329,18 @@ def _schedules_for(
                         compile=request.fixed.get("compile", False),
                         cp=cp,
                         float8=_float8(request, dp * cp > 1, ep),
+                        stage_layers=_written_stages(request, pp),
                         **experts,
                         **dispatch,
                         **hiding,
                     )
+
+
+def _written_stages(request: Request, pp: int) -> StageLayers:
+    """The stages --pp-layout writes out (checked by _check_stages); auto and even: the planner's even split, which
+    search.py balances for auto."""
+    written = request.fixed.get("pp_layout", "auto")
+    return AUTOMATIC_STAGES if pp == 1 or written in PP_LAYOUT_CHOICES else StageLayers(written=written)
 
 
 def _hiding_options(request: Request, tp: int, cp: int, micro_batch: int) -> list[dict]:

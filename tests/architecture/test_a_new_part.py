@@ -18,10 +18,11 @@ from trillion.models.parts import ATTENTION_KINDS, AttentionKind, block, gqa, re
 from trillion.models.parts.spec import COLUMN, Linear, PerToken
 from trillion.models.rope import apply_rope
 from trillion.parallel.layout import Layout
+from trillion.parallel.planner.activations import layer_activation_bytes
 from trillion.parallel.planner.assumptions import ASSUMED
 from trillion.parallel.planner.block_cost import layer_passes
 from trillion.parallel.planner.hardware import load_profile
-from trillion.parallel.planner.memory import block_params, layer_activation_bytes, layout_memory
+from trillion.parallel.planner.memory import block_params, layout_memory
 from trillion.parallel.planner.timing import _gemm
 
 

@@ -149,7 +149,8 @@ def test_planner_counts_what_the_dispatch_keeps_and_a_v_schedules_in_flight(mode
     difference per routed layer is the planner's within 12% (the rest: the hops' int64 indices). And every rank of
     the V schedule holds as many micro-batches as the first (planner: in_flight_microbatches)."""
     from trillion.parallel import modes
-    from trillion.parallel.planner.moe import dispatch_mode, moe_activation_bytes
+    from trillion.parallel.planner.activations import moe_activation_bytes
+    from trillion.parallel.planner.moe import dispatch_mode
     from trillion.parallel.planner.schedules import in_flight_microbatches
 
     held, in_flight, args, layout = _pipeline_stage_held(4, mode)

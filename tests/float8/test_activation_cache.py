@@ -17,9 +17,9 @@ from trillion.errors import ConfigError
 from trillion.models import PRESETS, Transformer
 from trillion.models.presets import get_preset
 from trillion.parallel.layout import Float8Training, Layout
+from trillion.parallel.planner.activations import moe_activation_bytes
 from trillion.parallel.planner.assumptions import ASSUMED
 from trillion.parallel.planner.memory import layout_memory
-from trillion.parallel.planner.moe import moe_activation_bytes
 from trillion.trainer.assemble import resolve_layout
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.tools.estimate.activations import measure_micro_batch
@@ -60,7 +60,7 @@ def test_it_drops_the_experts_high_precision_activations_as_the_planner_counts()
     tokens x top 2 in each of 2 MoE layers) the cache no longer keeps the row (dim 256) for w1 and w3, nor gate, up,
     silu's output and w2's input (4 x expert width 256), 5120 bytes, and keeps instead the row, gate, up and w2's
     input in float8 (4 x 256 bytes) with one float32 scale per 128 elements (8 of them): 1056 bytes. The planner's
-    activation accounting (parallel/planner/moe.py moe_activation_bytes) drops the same within 5%, and so does a
+    activation accounting (parallel/planner/activations.py moe_activation_bytes) drops the same within 5%, and so does a
     plan's memory (deepseek-v3-671b, its layers' activations only)."""
     inputs, target = _batch()
     held = {cache: measure_micro_batch(_model(cache), inputs, target, False, True).held for cache in (False, True)}

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from trillion.models.presets import get_preset
 from trillion.models.transformer import Transformer
-from trillion.parallel.planner.memory import layer_activation_bytes, output_activation_bytes
+from trillion.parallel.planner.activations import layer_activation_bytes, output_activation_bytes
 
 
 def saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:

@@ -16,7 +16,7 @@ from tests.planner.test_work import _ElementCount
 from trillion.models.presets import get_preset
 from trillion.models.rope import model_rope_cache
 from trillion.models.transformer import Transformer, TransformerBlock
-from trillion.parallel.planner.memory import layer_activation_bytes, output_activation_bytes
+from trillion.parallel.planner.activations import layer_activation_bytes, output_activation_bytes
 from trillion.parallel.planner.work import elementwise_per_token
 
 

@@ -31,6 +31,18 @@ def add_dispatch_arguments(fixed) -> None:
     )
 
 
+def add_pipeline_arguments(fixed) -> None:
+    """--pp-layout: the stages the search balances, or the ones given."""
+    fixed.add_argument(
+        "--pp-layout",
+        dest="pp_layout",
+        default=None,
+        help="the pipeline's stages: auto (balanced by the planner's cost of each layer, the head and the MTP modules, "
+        "for the fastest layouts, written out; the default), even (the layers split evenly) or a layout written out, "
+        "e.g. 'E+3 | 2*29 | M+O' (with --pp and --pp-schedule; parallel.pp_layout)",
+    )
+
+
 def add_tp_hiding_arguments(fixed) -> None:
     """How TP's collectives run beside the GEMMs (parallel.tp_overlap, parallel.async_tp), each fixed when given."""
     fixed.add_argument(

@@ -28,7 +28,13 @@ from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
 from trillion.parallel.planner.search import Request, metrics, model_summary, search
-from trillion.parallel.planner.space import ASSUMPTION_FIELDS, LAYOUT_FIELDS, OPTIMIZERS, SEARCHED_CHECKPOINT_MODES
+from trillion.parallel.planner.space import (
+    ASSUMPTION_FIELDS,
+    LAYOUT_FIELDS,
+    OPTIMIZER_STATE_DTYPES,
+    OPTIMIZERS,
+    SEARCHED_CHECKPOINT_MODES,
+)
 from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.checks import creatable_problem
 from trillion.trainer.config.schema import load_config
@@ -40,6 +46,7 @@ from trillion.trainer.tools.plan_args import (
     add_documents_argument,
     add_float8_arguments,
     add_part_arguments,
+    add_pipeline_arguments,
     add_tp_hiding_arguments,
 )
 from trillion.trainer.tools.plan_config import train_config_toml
@@ -90,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("ep", int, None),
         ("etp", int, None),
         ("optimizer", str, OPTIMIZERS),
+        ("optimizer_state_dtype", str, OPTIMIZER_STATE_DTYPES),
     ):
         fixed.add_argument(
             f"--{name.replace('_', '-')}",
@@ -107,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_float8_arguments(fixed)
     add_dispatch_arguments(fixed)
+    add_pipeline_arguments(fixed)
     add_tp_hiding_arguments(fixed)
     fixed.add_argument(
         "--moe-load-imbalance",
@@ -328,6 +337,8 @@ def main(argv: list[str]) -> int:
         print(format_table(request, rows, result.considered, sum(c.fits for c in result.ranked)))
         if why_ep:
             print(why_ep["why"])
+        if rows[0]["pp_layout"]:  # the stages the plan timed (balanced: stage_balance.py), as parallel.pp_layout
+            print(f"best layout: pipeline stages {rows[0]['pp_layout']} (parallel.pp_layout)")
         print("\n".join(f"best layout: {line}" for line in best.lines()))
     out = (
         ns.config_out

@@ -261,10 +261,11 @@ def planner_prediction(model_args: ModelArgs, layout: Layout, seq_len: int, assu
 
 
 def planner_assumptions(config: Config):
-    """What the planner assumes of this run beyond its layout: the config's optimizer, the planner's defaults else."""
+    """What the planner assumes of this run beyond its layout: the config's optimizer and its moments' dtype, the
+    planner's defaults else."""
     from trillion.parallel.planner.assumptions import Assumptions
 
-    return Assumptions(optimizer=config.optimizer.name)
+    return Assumptions(optimizer=config.optimizer.name, optimizer_state_dtype=config.optimizer.state_dtype)
 
 
 # --- which ranks -------------------------------------------------------------------------------------------

@@ -240,9 +240,10 @@ class States:
     routed_experts: int = 0  # of `parameters`, the routed experts' (MoE: E / ep experts, FSDP-sharded over efsdp)
 
 
-def state_bytes(parts: list[nn.Module], muon: frozenset[str] = frozenset()) -> States:
-    """Parameters, gradients and optimizer state of the sharded `parts`, from the local shard shapes: AdamW's, or
-    for the parameters named in `muon` (optimizer.name=muon: its hidden matrices) one momentum buffer."""
+def state_bytes(parts: list[nn.Module], muon: frozenset[str] = frozenset(), moment_bytes: int = 0) -> States:
+    """Parameters, gradients and optimizer state of the sharded `parts`, from the local shard shapes: AdamW's (its
+    moments `moment_bytes` an element, optimizer.state_dtype's; 0: the parameter's), or for the parameters named in
+    `muon` (optimizer.name=muon: its hidden matrices) one momentum buffer."""
     named = [(n, p) for part in parts for n, p in part.named_parameters()]
     params = [p for _, p in named]
     experts = [p for part in parts for p in routed_expert_parameters(part)]
@@ -252,7 +253,7 @@ def state_bytes(parts: list[nn.Module], muon: frozenset[str] = frozenset()) -> S
     optimizer = sum(
         local_tensor(p).numel() * p.element_size()
         if n in muon
-        else ADAMW_STATES * local_tensor(p).numel() * p.element_size() + ADAMW_STEP_BYTES
+        else ADAMW_STATES * local_tensor(p).numel() * (moment_bytes or p.element_size()) + ADAMW_STEP_BYTES
         for n, p in named
         if p.requires_grad
     )

@@ -54,6 +54,7 @@ class Simulation:
         self.plan = StagePlan(dims.layout, model_args.n_layers, routed, parts.ahead_modules(model_args)[0])
         self.source = StageSource(model_args, dims.pp)
         self.muon = frozenset(hidden_matrices(model_args) if config.optimizer.name == "muon" else ())
+        self.moment_bytes = 2 if config.optimizer.state_dtype == "bfloat16" else 0  # AdamW's moments (0: fp32)
         self.states, self.facts = {}, {}  # (stage shapes, (dp_shard, cp) coordinates) -> States; StageShape -> ...
         self.hidden_bytes = None  # pp > 1: one micro-batch's residual stream between stages, local bytes
         self.schedule = None  # pp > 1: every pipeline rank's actions and how it holds receive buffers
@@ -81,7 +82,7 @@ class Simulation:
             if key not in self.states or self.schedule is None and pipelined:
                 parts, pipeline = rank_parts(self.config, self.source.whole(), dims)
                 assert [len(part.layers) for part in parts] == [shape.layers for shape in key[0]], "split diverged"
-                self.states[key] = state_bytes(parts, self.muon)
+                self.states[key] = state_bytes(parts, self.muon, self.moment_bytes)
                 if pipelined and self.schedule is None:
                     self.schedule = schedule_of(pipeline)
 
