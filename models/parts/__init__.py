@@ -98,8 +98,9 @@ def layer_block(args: ModelArgs, index: int) -> Block:
     return block(args, routed_layer(args, index))
 
 
+@lru_cache(maxsize=1024)
 def first_routed_layer(args: ModelArgs) -> int:
-    """The first block with routed experts (n_layers: none)."""
+    """The first block with routed experts (n_layers: none); cached, as the planner's search asks it of every layout."""
     return next((i for i in range(args.n_layers) if routed_layer(args, i)), args.n_layers)
 
 
