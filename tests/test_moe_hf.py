@@ -215,7 +215,7 @@ def test_export_refuses_by_name_what_no_family_expresses(tmp_path, monkeypatch):
     from trillion.trainer.checkpoint import export
 
     shared = dataclasses.replace(MIXTRAL, moe=dataclasses.replace(MIXTRAL.moe, n_shared_experts=1))  # as debug-moe
-    monkeypatch.setattr(export, "load_checkpoint_model", lambda step: Transformer(shared))
+    monkeypatch.setattr(export, "load_checkpoint_model", lambda step, weights: Transformer(shared))
     with pytest.raises(ConfigError, match="n_shared_experts=1"):
         export.export_hf(tmp_path / "step-00000001", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()  # refused before anything is written
