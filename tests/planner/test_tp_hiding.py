@@ -111,7 +111,9 @@ def test_the_guide_states_what_the_tp_rows_of_the_validation_show():
         for i, e in errors.items()
         if i.startswith("torchtitan") and "async_tp" in runs[i]["layout"] and "2025" not in i
     )
-    assert f"torchtitan's async-TP rows {100 * titan[0]:+.1f}% to {100 * titan[-1]:+.1f}%" in docs
+    assert f"torchtitan's December 2024 async-TP rows {100 * titan[0]:+.1f}% to {100 * titan[-1]:+.1f}%" in docs
+    june_float8, june_bf16 = (errors[f"torchtitan-70b-256gpu-2025-{p}-asynctp"] for p in ("float8", "bf16"))
+    assert f"(June 2025's {100 * june_float8:+.1f}% in float8, {100 * june_bf16:+.1f}% in bf16)" in docs
     ratios = {
         p["what"]: (
             runs[p["with"]]["published"] / runs[p["without"]]["published"],
