@@ -29,10 +29,12 @@ PrepareModuleInput does) carrying the column outputs; each column linear's forwa
 (the sublayer's code, unchanged, calls it with that input). The row linear's forward runs `_ScatterRow` and returns
 the stream's DTensor. Both are autograd Functions over local tensors: DTensor in and out, as the styles.
 
-Latency injection (`TpCollectives.delay_s` > 0, the benchmark experiments/bench/tp_overlap.py): each collective
-completes its share of `delay_s` (a chunk's: 1/N) later than it would have, and after the one before it, as on a
-wire of fixed bandwidth whose transfer starts once every rank has posted; the time waits block is summed in
-`blocked_s`, the part of it past the collective's own completion (the injected delay nothing covered) in `late_s`.
+Latency injection (`TpCollectives.delay_s`, the benchmark experiments/bench/tp_overlap.py): each collective
+completes its share (a chunk's: 1/N) of the delay of its kind at the time it is posted (`delay_s["all_gather"]`,
+`delay_s["reduce_scatter"]`: the benchmark sets them per sublayer and pass) later than it would have, and after the
+one before it, as on a wire of fixed bandwidth whose transfer starts once every rank has posted; the time waits
+block is summed in `blocked_s`, the part of it past the collective's own completion (the injected delay nothing
+covered) in `late_s`.
 """
 
 from __future__ import annotations
@@ -55,23 +57,24 @@ class TpCollectives:
     def __init__(self, tp_mesh, chunks: int):
         self.mesh, self.group, self.chunks = tp_mesh, tp_mesh.get_group(), chunks
         self.size, self.rank = tp_mesh.size(), tp_mesh.get_local_rank()
-        self.delay_s, self.blocked_s, self.late_s, self._free_at = 0.0, 0.0, 0.0, 0.0
+        self.delay_s = {"all_gather": 0.0, "reduce_scatter": 0.0}  # a whole collective's, injected (docstring)
+        self.blocked_s, self.late_s, self._free_at = 0.0, 0.0, 0.0
 
     def all_gather(self, piece: torch.Tensor) -> _Posted:
         """Every rank's `piece`, stacked on a new first dimension."""
         out = piece.new_empty((self.size * piece.shape[0], *piece.shape[1:]))
         work = dist.all_gather_single(out, piece, group=self.group, async_op=True)
-        return self._posted(out.view(self.size, *piece.shape), work)
+        return self._posted(out.view(self.size, *piece.shape), work, self.delay_s["all_gather"])
 
     def reduce_scatter(self, stacked: torch.Tensor) -> _Posted:
         """The sum over the ranks of `stacked[r]`, for this rank r."""
         out = stacked.new_empty(stacked.shape[1:])
         work = dist.reduce_scatter_single(out, stacked.flatten(0, 1), group=self.group, async_op=True)
-        return self._posted(out, work)
+        return self._posted(out, work, self.delay_s["reduce_scatter"])
 
-    def _posted(self, out: torch.Tensor, work) -> _Posted:
-        posted = _Posted(out, work, self)
-        if self.delay_s > 0:  # note when the collective itself is done (gloo's works have no future to ask)
+    def _posted(self, out: torch.Tensor, work, delay_s: float) -> _Posted:
+        posted = _Posted(out, work, self, delay_s / self.chunks)
+        if delay_s > 0:  # note when the collective itself is done (gloo's works have no future to ask)
             threading.Thread(target=posted.arrived, daemon=True).start()
         return posted
 
@@ -79,8 +82,8 @@ class TpCollectives:
 class _Posted:
     """A collective in flight: `wait()` gives its output."""
 
-    def __init__(self, out: torch.Tensor, work, owner: TpCollectives):
-        self.out, self.work, self.owner, self.arrived_at = out, work, owner, None
+    def __init__(self, out: torch.Tensor, work, owner: TpCollectives, delay_s: float):
+        self.out, self.work, self.owner, self.delay_s, self.arrived_at = out, work, owner, delay_s, None
 
     def arrived(self) -> None:
         self.work.wait()
@@ -89,8 +92,8 @@ class _Posted:
     def wait(self) -> torch.Tensor:
         start, owner = time.perf_counter(), self.owner
         self.work.wait()
-        if owner.delay_s > 0:  # its share of the wire, once it is done and the one before it is through
-            done = max(self.arrived_at or time.perf_counter(), owner._free_at) + owner.delay_s / owner.chunks
+        if self.delay_s > 0:  # its share of the wire, once it is done and the one before it is through
+            done = max(self.arrived_at or time.perf_counter(), owner._free_at) + self.delay_s
             owner._free_at, late = done, done - time.perf_counter()
             if late > 0:
                 time.sleep(late)

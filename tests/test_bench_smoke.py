@@ -173,6 +173,21 @@ def test_parallel_benchmarks_smoke(script, tmp_path):
     assert any(head in result.stdout for head in ("| dispatch |", "| routing | dispatch |", "| tp | chunks |"))
 
 
+def test_tp_latency_injection_delays_each_collective_by_the_gemm_beside_it(tmp_path):
+    """The TP benchmark's `--delays gemm` (2 gloo ranks, 2 layers, 2 micro-batches): with the overlap off every
+    collective is held its own GEMM's time, so a step's injected delay is, per micro-batch, each block's four GEMMs
+    twice (forward and backward), the head's column GEMM twice and the embedding's stand-in twice."""
+    import json
+
+    _smoke("tp_overlap.py", "--out", str(tmp_path))
+    (row,) = [json.loads(line) for line in (tmp_path / "tp_overlap.jsonl").read_text().splitlines()]
+    gemm, layers, micro_batches = row["gemm_ms"], 2, 2
+    block = sum(gemm["attention"]) + sum(gemm["mlp"])
+    expected = micro_batches * (2 * layers * block + 2 * gemm["head"][0] + 2 * gemm["embedding"][0]) / 1e3
+    assert row["collectives_per_step"] == micro_batches * (8 * layers + 4)
+    assert row["late_off_s"] == pytest.approx(expected, rel=1e-9)
+
+
 @pytest.mark.slow  # four gloo processes: about a minute on two cores
 def test_folding_bytes_benchmark_smoke():
     """The folded and the tensor-parallel layouts' dispatch rows, counted on 4 gloo ranks, at a tiny size."""

@@ -12,7 +12,7 @@ def replace_section(heading: str, section: str, path: Path = RESULTS) -> None:
     if heading in text:
         start = text.index(heading)
         end = text.find("\n## ", start + 1)
-        text = text[:start] + section + (text[end + 1 :] if end >= 0 else "")
+        text = text[:start] + section.rstrip("\n") + "\n" + ("\n" + text[end + 1 :] if end >= 0 else "")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text)

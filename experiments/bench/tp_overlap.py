@@ -11,14 +11,19 @@ A sleep, so the delay costs no CPU. The exposed communication is the step time w
 
     hidden = 1 - exposed(on) / exposed(off)
 
-D is a multiple (--scales) of the GEMM a collective feeds: the mean, over a block's four collectives, of the local
-GEMMs next to each (forward: q, k, v after the attention's all-gather, wo before its reduce-scatter, w1 and w3, w2),
-timed on the rank. The debug model widened (dim 512, FFN 1408, 4 layers), tp over all the ranks, 4 x 256 tokens a
-micro-batch, 2 micro-batches a step, fp32. The settings (overlap off / on, D 0 / D) take turns step by step (the
-machine's other load falls on all alike), medians after a warm-up round. Without --smoke the table is written into
-experiments/bench/RESULTS.md (its section replaced).
+D is a multiple (--scales) of a GEMM's time, timed on the rank at the sublayer's local shapes. With `--delays gemm`
+each collective's own: the GEMM it feeds or follows, forward and backward alike (an attention's all-gather: q, k, v,
+and the reduce-scatter of their input gradient; its reduce-scatter: wo, and the all-gather of wo's output gradient;
+the MLP's: w1 and w3, w2; the head's: the output projection; the embedding, beside no GEMM, the mean of a block's
+four); a step's hooks set it as each sublayer's forward starts and as its output's gradient arrives. With `--delays
+mean` every collective takes that mean: the same bytes cross the wire each time, so a slower wire is one D for all,
+which the attention's collectives outlast their GEMMs by (wo's is about a third of the mean here). The debug model
+widened (dim 512, FFN 1408, 4 layers), tp over all the ranks, 4 x 256 tokens a micro-batch, 2 micro-batches a step,
+fp32. The settings (overlap off / on, D 0 / D) take turns step by step (the machine's other load falls on all
+alike), medians after a warm-up round. Without --smoke the table is written into experiments/bench/RESULTS.md (its
+section replaced).
 
-    python experiments/bench/tp_overlap.py [--ranks 2] [--chunks 2,4] [--steps 5] [--scales 0.5,1]
+    python experiments/bench/tp_overlap.py [--ranks 2] [--chunks 2,4] [--steps 5] [--scales 1] [--delays gemm,mean]
     python experiments/bench/tp_overlap.py --smoke         # tiny, seconds (tested)
     python experiments/bench/tp_overlap.py --device cuda   # device_check.sh: tp 2 on two GPUs, no injection
 
@@ -31,6 +36,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import itertools
 import json
 import os
 import statistics
@@ -57,6 +63,7 @@ from trillion.parallel.tp_overlap import collectives  # noqa: E402
 from trillion.trainer.step import train_step  # noqa: E402
 
 HEADING = "## CPU: `python experiments/bench/tp_overlap.py`"
+DELAYS = {"gemm": "its own GEMM", "mean": "the mean of a block's four GEMMs"}  # --delays
 
 
 def model_args(smoke: bool):
@@ -66,35 +73,68 @@ def model_args(smoke: bool):
     return dataclasses.replace(base, n_layers=4, dim=512, n_heads=8, n_kv_heads=4, ffn_dim=1408)
 
 
+KINDS = ("all_gather", "reduce_scatter")
+
+
 class LateDTensor:
-    """DTensor's all-gathers and reduce-scatters held `delay_s` after they complete (DTensor waits for each before the
-    next op, so that is when a wire that slow would deliver it); the seconds held in `blocked_s` and `late_s`."""
+    """DTensor's all-gathers and reduce-scatters held `delay_s[kind]` after they complete (DTensor waits for each
+    before the next op, so that is when a wire that slow would deliver it); the seconds held in `blocked_s` and
+    `late_s`."""
 
     def __init__(self):
-        self.delay_s, self.blocked_s, self.late_s, self.calls = 0.0, 0.0, 0.0, 0
-        for name in ("all_gather_single", "reduce_scatter_single"):
-            setattr(funcol, name, self._late(getattr(funcol, name)))
+        self.delay_s, self.blocked_s, self.late_s, self.calls = dict.fromkeys(KINDS, 0.0), 0.0, 0.0, 0
+        for kind in KINDS:
+            setattr(funcol, f"{kind}_single", self._late(getattr(funcol, f"{kind}_single"), kind))
 
-    def _late(self, collective):
+    def _late(self, collective, kind: str):
         def late(*args, **kwargs):
             start = time.perf_counter()
             out = collective(*args, **kwargs)
             self.calls += 1
-            if self.delay_s > 0:
+            if self.delay_s[kind] > 0:
                 out = out.wait() if isinstance(out, funcol.AsyncCollectiveTensor) else out
-                time.sleep(self.delay_s)  # DTensor waits for it right away: all of it is the next op's
-                self.late_s += self.delay_s
+                time.sleep(self.delay_s[kind])  # DTensor waits for it right away: all of it is the next op's
+                self.late_s += self.delay_s[kind]
                 self.blocked_s += time.perf_counter() - start
             return out
 
         return late
 
 
+class DelaysBeside:
+    """Sets every TP collective's injected delay to `scale` x the local GEMM beside it (the module docstring), as a
+    step reaches each sublayer: on entering its forward, and when its output's gradient arrives (its backward).
+    Forward, a sublayer's all-gather feeds its column GEMMs and its reduce-scatter follows its row GEMM; backward, the
+    output gradient's all-gather feeds the row GEMM's input gradient and the input gradient's reduce-scatter follows
+    the column GEMMs'."""
+
+    def __init__(self, gemm: dict[str, tuple[float, float]], sinks: list):
+        self.gemm, self.sinks, self.scale = gemm, sinks, 0.0
+
+    def watch(self, model) -> None:
+        sublayers = [("embedding", model.tok_embeddings), ("head", model.output)]
+        for block in model.layers.values():
+            sublayers += [("attention", block.attention), ("mlp", block.feed_forward)]
+        for name, module in sublayers:  # before the pre-hooks that parallelize() put there post the all-gather
+            module.register_forward_pre_hook(lambda *_, name=name: self._reach(name, forward=True), prepend=True)
+            module.register_forward_hook(lambda _m, _a, out, name=name: self._on_gradient(name, out))
+
+    def _on_gradient(self, name: str, out: torch.Tensor) -> None:
+        if out.requires_grad:
+            out.register_hook(lambda _grad: self._reach(name, forward=False))
+
+    def _reach(self, name: str, forward: bool) -> None:
+        column, row = self.gemm[name]
+        gather, scatter = (column, row) if forward else (row, column)
+        for sink in self.sinks:
+            sink.delay_s.update(all_gather=self.scale * gather, reduce_scatter=self.scale * scatter)
+
+
 class Run:
     """The model twice on the tp group, DTensor TP and the chunked overlap, from the same weights; a step of either
     timed under any delay."""
 
-    def __init__(self, args, world: int, chunks: int, batch: tuple, late: LateDTensor):
+    def __init__(self, args, world: int, chunks: int, batch: tuple, late: LateDTensor, gemm: dict):
         self.models = {}
         for overlap in (False, True):
             dims = ParallelDims(Layout(tp=world, tp_overlap=chunks if overlap else 0), world)
@@ -104,15 +144,17 @@ class Run:
             model.to_empty(device="cpu").init_weights(0)  # the same weights for both
             self.models[overlap] = (model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True), dims)
         self.comms = collectives(self.models[True][0])
+        self.delays = DelaysBeside(gemm, [late, *self.comms])
+        for model, _, _ in self.models.values():
+            self.delays.watch(model)
         self.args, self.batch, self.late = args, batch, late
         self.generator = torch.Generator().manual_seed(0)
 
-    def step(self, overlap: bool, delay_s: float) -> dict:
-        """A step's readings: its seconds, the seconds its waits blocked, the injected delay they left uncovered."""
+    def step(self, overlap: bool, scale: float) -> dict:
+        """A step's readings under delays `scale` x the GEMMs: its seconds, the seconds its waits blocked, the
+        injected delay they left uncovered."""
         model, optimizer, dims = self.models[overlap]
-        self.late.delay_s = delay_s
-        for comm in self.comms:
-            comm.delay_s = delay_s
+        self.delays.scale = scale
         micro, seq, count = self.batch
         windows = torch.randint(0, self.args.vocab_size, (count, micro, seq + 1), generator=self.generator)
         blocked, late, calls = self._waits(), self._late(), self.late.calls
@@ -151,24 +193,31 @@ def measure(run: Run, settings: list[tuple], rounds: int) -> dict:
     return {name: {k: statistics.median(v) for k, v in by.items()} for name, by in readings.items()}
 
 
-def gemm_seconds(args, tp: int, tokens: int) -> float:
-    """The mean over a block's four TP collectives of the local GEMMs next to each (the module docstring): the
-    column linears split their outputs over tp, the row linears their inputs."""
+def gemm_seconds(args, tp: int, tokens: int) -> dict[str, tuple[float, float]]:
+    """Per sublayer, (column, row) seconds of the local GEMMs beside its collectives, timed on the rank; the head is
+    one column linear (its row figure unused); the embedding, beside no GEMM, takes the mean of the block's four."""
     h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim, args.ffn_hidden
-    columns = [[(h, q), (h, kv), (h, kv)], [(h, f), (h, f)]]
-    rows = [[(q, h)], [(f, h)]]
-    groups = [[(k, n // tp) for k, n in g] for g in columns] + [[(k // tp, n) for k, n in g] for g in rows]
-    times = []
-    for group in groups:
-        operands = [(torch.randn(tokens, k), torch.randn(k, n)) for k, n in group]
-        runs = []
-        for _ in range(7):
-            start = time.perf_counter()
-            for x, w in operands:
-                x @ w
-            runs.append(time.perf_counter() - start)
-        times.append(statistics.median(runs[2:]))
-    return sum(times) / len(times)
+    shapes = {
+        "attention": ([(h, q // tp), (h, kv // tp), (h, kv // tp)], [(q // tp, h)]),
+        "mlp": ([(h, f // tp), (h, f // tp)], [(f // tp, h)]),
+        "head": ([(h, args.vocab_size // tp)], [(h, args.vocab_size // tp)]),
+    }
+    seconds = {name: tuple(_timed(group, tokens) for group in groups) for name, groups in shapes.items()}
+    block = [t for name in ("attention", "mlp") for t in seconds[name]]
+    seconds["embedding"] = (statistics.mean(block),) * 2
+    return seconds
+
+
+def _timed(group: list[tuple[int, int]], tokens: int) -> float:
+    """The median seconds of `tokens` rows through the GEMMs of `group`'s (k, n) weights, after two warm-ups."""
+    operands = [(torch.randn(tokens, k), torch.randn(k, n)) for k, n in group]
+    runs = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for x, w in operands:
+            x @ w
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs[2:])
 
 
 def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
@@ -177,33 +226,37 @@ def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     batch = (2, 32, 2) if ns.smoke else (4, 256, 2)  # micro-batch, sequence, micro-batches per step
     args, late_dtensor = model_args(ns.smoke), LateDTensor()
-    gemm = gemm_seconds(args, world, batch[0] * batch[1])
+    measured = [gemm_seconds(args, world, batch[0] * batch[1])]
+    dist.broadcast_object_list(measured, src=0)  # rank 0's times: one wire, the same delays on every rank
+    beside = measured[0]
+    mean = statistics.mean(t for name in ("attention", "mlp") for t in beside[name])
+    gemms = {"gemm": beside, "mean": {name: (mean, mean) for name in beside}}
     rows = []
     for chunks in ns.chunks:
-        run = Run(args, world, chunks, batch, late_dtensor)
-        for scale in ns.scales:
-            delay = scale * gemm
-            readings = measure(run, [(False, 0.0), (True, 0.0), (False, delay), (True, delay)], ns.steps)
+        run = Run(args, world, chunks, batch, late_dtensor, beside)
+        for (delays, gemm), scale in itertools.product([(d, gemms[d]) for d in ns.delays], ns.scales):
+            run.delays.gemm = gemm
+            readings = measure(run, [(False, 0.0), (True, 0.0), (False, scale), (True, scale)], ns.steps)
             timed, waits, left = readings["step"], readings["blocked"], readings["late"]
-            exposed = {o: timed[o, delay] - timed[o, 0.0] for o in (False, True)}
+            exposed = {o: timed[o, scale] - timed[o, 0.0] for o in (False, True)}
             row = {
                 "tp": world,
                 "chunks": chunks,
-                "gemm_ms": 1e3 * gemm,
-                "delay_ms": 1e3 * delay,
-                "delay_per_gemm": scale,
+                "delays": delays,
+                "scale": scale,
+                "gemm_ms": {name: [1e3 * t for t in pair] for name, pair in gemm.items()},
                 "collectives_per_step": run.dtensor_collectives,
                 "step_s": timed[False, 0.0],
                 "step_overlap_s": timed[True, 0.0],
                 "exposed_off_s": exposed[False],
                 "exposed_on_s": exposed[True],
                 "hidden": _hidden(exposed[True], exposed[False]),
-                "blocked_off_s": waits[False, delay],
-                "blocked_on_s": waits[True, delay],
-                "hidden_by_waits": _hidden(waits[True, delay], waits[False, delay]),
-                "late_off_s": left[False, delay],
-                "late_on_s": left[True, delay],
-                "hidden_by_delay_left": _hidden(left[True, delay], left[False, delay]),
+                "blocked_off_s": waits[False, scale],
+                "blocked_on_s": waits[True, scale],
+                "hidden_by_waits": _hidden(waits[True, scale], waits[False, scale]),
+                "late_off_s": left[False, scale],
+                "late_on_s": left[True, scale],
+                "hidden_by_delay_left": _hidden(left[True, scale], left[False, scale]),
             }
             rows.append(row)
             if rank == 0:  # each row as soon as it is measured, then all of them for the table
@@ -219,15 +272,15 @@ def _hidden(on: float, off: float) -> float:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| tp | chunks | delay ms (x GEMM) | collectives a step, x delay | step s off / on | exposed s, off / on "
-        "| hidden | blocked in waits s, off / on | hidden by the waits | delay left s, off / on "
+        "| tp | chunks | each collective's delay | collectives a step, their delays | step s off / on "
+        "| exposed s, off / on | hidden | blocked in waits s, off / on | hidden by the waits | delay left s, off / on "
         "| hidden of the delay |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['tp']} | {r['chunks']} | {r['delay_ms']:.1f} ({r['delay_per_gemm']:g}x) | "
-            f"{r['collectives_per_step']}, {r['collectives_per_step'] * r['delay_ms'] / 1e3:.3f} s | "
+            f"| {r['tp']} | {r['chunks']} | {r['scale']:g} x {DELAYS[r['delays']]} | "
+            f"{r['collectives_per_step']}, {r['late_off_s']:.3f} s | "
             f"{r['step_s']:.3f} / {r['step_overlap_s']:.3f} | {r['exposed_off_s']:.3f} / {r['exposed_on_s']:.3f} | "
             f"{r['hidden']:.0%} | {r['blocked_off_s']:.3f} / {r['blocked_on_s']:.3f} | {r['hidden_by_waits']:.0%} | "
             f"{r['late_off_s']:.3f} / {r['late_on_s']:.3f} | {r['hidden_by_delay_left']:.0%} |"
@@ -241,7 +294,8 @@ def write_section(path: Path, rows: list[dict], ns) -> None:
     section = (
         f"{HEADING} (latency injection: how much of TP's collectives the chunked overlap hides)\n\n"
         f"{datetime.datetime.now():%Y-%m-%d %H:%M}, `python experiments/bench/tp_overlap.py --ranks {ns.ranks} "
-        f"--chunks {','.join(map(str, ns.chunks))} --steps {ns.steps} --scales {','.join(map(str, ns.scales))}`, "
+        f"--chunks {','.join(map(str, ns.chunks))} --steps {ns.steps} --scales {','.join(map(str, ns.scales))} "
+        f"--delays {','.join(ns.delays)}`, "
         f"{os.cpu_count()} CPU cores (1-minute load {load:.1f} at the end), torch {torch.__version__}, gloo, one "
         'thread a rank, fp32. The module docstring says what is measured. "collectives a step": DTensor\'s '
         "all-gathers and reduce-scatters in a step with the overlap off, and what they would expose if none hid "
@@ -308,7 +362,12 @@ def main(argv=None) -> int:
     p.add_argument("--ranks", type=int, default=2, help="gloo processes; tp over all of them")
     p.add_argument("--chunks", default="2,4", help="parallel.tp_overlap values to measure")
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--scales", default="0.5,1", help="delays as multiples of the GEMM a collective feeds")
+    p.add_argument("--scales", default="1", help="delays as multiples of the GEMM beside a collective")
+    p.add_argument(
+        "--delays",
+        default="gemm,mean",
+        help=f"which GEMM's time each collective's delay is ({'; '.join(f'{k}: {v}' for k, v in DELAYS.items())})",
+    )
     p.add_argument("--out", default="experiments/bench/results")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -323,8 +382,9 @@ def main(argv=None) -> int:
         print(gpu_table(rows))
         return 0
     ns.chunks, ns.scales = [int(c) for c in ns.chunks.split(",")], [float(s) for s in ns.scales.split(",")]
+    ns.delays = ns.delays.split(",")
     if ns.smoke:
-        ns.steps, ns.scales, ns.chunks = 1, [1.0], [2]
+        ns.steps, ns.scales, ns.chunks, ns.delays = 1, [1.0], [2], ["gemm"]
     Path(ns.out).mkdir(parents=True, exist_ok=True)
     out = str(Path(ns.out) / "tp_overlap.jsonl")
     with tempfile.TemporaryDirectory() as folder:
