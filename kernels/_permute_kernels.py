@@ -1,12 +1,12 @@
 """Triton kernels of the fused token permutation around the routed experts (kernels/permute.py): a token's row
-copied to its TOP_K slots in expert order, and the experts' rows gathered back to their token, weighted by the
-router and summed; forward and backward, each one pass over the rows with no intermediate tensor.
+copied to its TOP_K slots in expert order (forward and backward), and the experts' rows (already weighted by the
+router inside the experts: models/expert_rows.py) summed back into their token, whose backward is the permutation's
+forward; each one pass over the rows with no intermediate tensor.
 
 POSITIONS (tokens x TOP_K, int64) holds where slot t * TOP_K + j sits in expert order. The sums follow
 torch's reference (kernels/permute.py) term by term, so that float32 results are bitwise equal to it: a
 token's gradient adds its slots' in the order of their positions (torch's index backward accumulates in index
-order), the weighted sum adds slot 0, 1, ... of products rounded to the rows' dtype, with fp32 accumulation
-where torch's reductions accumulate in fp32.
+order), the combine adds slot 0, 1, ... with fp32 accumulation where torch's reductions accumulate in fp32.
 """
 
 import triton
@@ -47,50 +47,14 @@ def permute_bwd(
 
 
 @triton.jit
-def unpermute_fwd(ROUTED, POSITIONS, WEIGHTS, OUT, D, stride_r, stride_o, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (tokens, cdiv(D, BLOCK_D)): out[t] = sum over j of routed[positions[t, j]] x weights[t, j], each
-    product rounded to the rows' dtype, the sum accumulated in fp32."""
+def combine_fwd(ROUTED, POSITIONS, OUT, D, stride_r, stride_o, TOP_K: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (tokens, cdiv(D, BLOCK_D)): out[t] = the sum over j of routed[positions[t, j]], accumulated in fp32 in
+    slot order."""
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     ok = offs < D
-    dtype = OUT.dtype.element_ty
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         position = tl.load(POSITIONS + t * TOP_K + j)
-        weight = tl.load(WEIGHTS + t * TOP_K + j).to(dtype)
-        row = tl.load(ROUTED + position * stride_r + offs, mask=ok, other=0.0)
-        acc += (row * weight).to(dtype).to(tl.float32)
-    tl.store(OUT + t.to(tl.int64) * stride_o + offs, acc.to(dtype), mask=ok)
-
-
-@triton.jit
-def unpermute_bwd(
-    DOUT,
-    ROUTED,
-    POSITIONS,
-    WEIGHTS,
-    DROUTED,
-    DWEIGHTS,
-    D,
-    stride_do,
-    stride_r,
-    stride_dr,
-    TOP_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """Grid (tokens,): drouted[positions[t, j]] = dout[t] x weights[t, j] and dweights[t, j] = the dot of
-    dout[t] and routed[positions[t, j]] (products in the rows' dtype, summed in fp32, rounded to it)."""
-    t = tl.program_id(0)
-    dtype = DOUT.dtype.element_ty
-    for j in tl.static_range(TOP_K):
-        position = tl.load(POSITIONS + t * TOP_K + j)
-        weight = tl.load(WEIGHTS + t * TOP_K + j).to(dtype)
-        dot = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for d in range(0, D, BLOCK_D):
-            offs = d + tl.arange(0, BLOCK_D)
-            ok = offs < D
-            grad = tl.load(DOUT + t.to(tl.int64) * stride_do + offs, mask=ok, other=0.0)
-            row = tl.load(ROUTED + position * stride_r + offs, mask=ok, other=0.0)
-            tl.store(DROUTED + position * stride_dr + offs, (grad * weight).to(dtype), mask=ok)
-            dot += (grad * row).to(dtype).to(tl.float32)
-        tl.store(DWEIGHTS + t * TOP_K + j, tl.sum(dot, 0).to(dtype).to(tl.float32))
+        acc += tl.load(ROUTED + position * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + t.to(tl.int64) * stride_o + offs, acc.to(OUT.dtype.element_ty), mask=ok)

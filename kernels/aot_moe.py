@@ -26,7 +26,7 @@ FLOAT8_ARCHS = {
     "gfx942": torch.float8_e4m3fnuz,
     "gfx950": torch.float8_e4m3fn,
 }
-PERMUTATION_KERNELS = ("perm_fwd", "perm_bwd", "unperm_fwd", "unperm_bwd")
+PERMUTATION_KERNELS = ("perm_fwd", "perm_bwd", "comb_fwd")
 # The permutation's launch: 8192 tokens, DeepSeek-V3's top-8 of dim 7168
 PERMUTE_TOKENS, PERMUTE_TOP_K, PERMUTE_DIM = 8192, 8, 7168
 _PERMUTE_KERNEL_NAMES = dict(zip(PERMUTATION_KERNELS, permute.KERNELS))
@@ -80,15 +80,9 @@ def permutation_launch(kernel: str, dtype: torch.dtype):
     tokens, rows = PERMUTE_TOKENS, PERMUTE_TOKENS * PERMUTE_TOP_K
     x, routed = (torch.empty(count, PERMUTE_DIM, device="meta", dtype=dtype) for count in (tokens, rows))
     positions = torch.empty(tokens, PERMUTE_TOP_K, device="meta", dtype=torch.long)
-    weights = torch.empty(tokens, PERMUTE_TOP_K, device="meta", dtype=torch.float32)
     name = _PERMUTE_KERNEL_NAMES[kernel]
     if name == "permute_fwd":
         args, meta = permute.kernel_args(name, x, positions, torch.empty_like(routed))
-    elif name == "permute_bwd":
+    else:  # permute_bwd, combine_fwd: the routed rows into the tokens'
         args, meta = permute.kernel_args(name, routed, positions, torch.empty_like(x))
-    elif name == "unpermute_fwd":
-        args, meta = permute.kernel_args(name, routed, positions, torch.empty_like(x), weights)
-    else:
-        extra = (routed, torch.empty_like(routed), torch.empty_like(weights))
-        args, meta = permute.kernel_args(name, x, positions, None, weights, extra)
     return permute.kernel_fn(name), args, meta

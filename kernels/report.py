@@ -219,8 +219,8 @@ def markdown(rows: list[dict], searches: list[dict], command: str, wide_norms: l
         "gmm_fwd is x (rows, K) @ w (K, N) per expert, gmm_dx the same kernel on w transposed, gmm_dw x^T dy per",
         "expert; the sizes are run-time arguments, so every preset's expert shapes compile to these binaries;",
         "gmm8_* the same in float8 with DeepSeek-V3's 1 x 128 / 128 x 128 scales, *_rowwise with rowwise ones, on",
-        "sm90, sm100 and gfx950 (e4m3fn) and gfx942 (e4m3fnuz) with bf16 out; perm_*/unperm_* the fused permutation of "
-        f"{aot_moe.PERMUTE_TOKENS} tokens,",
+        "sm90, sm100 and gfx950 (e4m3fn) and gfx942 (e4m3fnuz) with bf16 out; perm_*/comb_fwd the fused permutation",
+        f"and combine of {aot_moe.PERMUTE_TOKENS} tokens,",
         f"top-{aot_moe.PERMUTE_TOP_K}, size the row width).",
         "Documents: masked rows are launches with document masking (causal, as training masks documents). Tile",
         "FLOPs: what one BLOCK_M x BLOCK_N tile's matmuls execute, and the share of it spent on padding the head",

@@ -1,7 +1,7 @@
 """The mixture-of-experts feed-forward: a router picks each token's top_k of E routed SwiGLU experts,
 the tokens are permuted into expert order (no per-token Python), the experts run as one grouped
-matrix product per projection (kernels/grouped_gemm.py), and the outputs return to token order,
-weighted by the router's scores; shared experts, if any, see every token.
+matrix product per projection (kernels/grouped_gemm.py), each slot's SwiGLU output weighted by the router's score
+before the down projection, and the outputs return to token order, summed; shared experts, if any, see every token.
 
 Where the experts live is not this file's business: `MoE.dispatch` takes the tokens, their chosen experts and
 weights and returns each token's weighted sum of its experts' outputs. Here it runs the local experts
@@ -27,8 +27,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from trillion.errors import ConfigError
-from trillion.kernels.float8_swiglu import Float8KeptSwiGLU
 from trillion.kernels.grouped_gemm import backend_unavailable, grouped_mm
+from trillion.kernels.swiglu import routed_swiglu
 from trillion.models.args import ModelArgs, MoEArgs
 from trillion.models.expert_rows import run_experts
 from trillion.models.parts.moe import reach_share
@@ -83,34 +83,35 @@ class RoutedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
         self.w2 = nn.Parameter(torch.empty(moe.n_experts, moe.expert_ffn_dim, dim))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x (rows, dim) sorted by expert, `counts` rows per expert of this rank (rows past them: zeros), or
-        (sources, experts): rows per expert from each source rank, each expert's in source order."""
+        (sources, experts): rows per expert from each source rank, each expert's in source order; `weights` (rows,)
+        each row's routing weight, applied to its SwiGLU output before w2 (models/expert_rows.py says why)."""
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
         per_source = counts.dim() == 2
         offsets = (counts.sum(0) if per_source else counts).cumsum(0).to(torch.int32)
         segments = counts.t().flatten().cumsum(0).to(torch.int32) if per_source else offsets
         if self.float8 is not None and self.float8.keep_float8 and torch.is_grad_enabled():
-            return self._float8_kept(x, w1, w2, w3, offsets, segments)
+            return self._float8_kept(x, weights, w1, w2, w3, offsets, segments)
         gate, up = self._product(x, w1, offsets, segments), self._product(x, w3, offsets, segments)
         if self.recompute_swiglu and torch.is_grad_enabled():
             # what backward needs of SwiGLU's output (w2's input) comes back from gate and up, its ops run again;
             # the recompute stops there (checkpoint's early stop), before w2's product
-            return checkpoint(self._down, gate, up, w2, offsets, segments, use_reentrant=False)
-        return self._down(gate, up, w2, offsets, segments)
+            return checkpoint(self._down, gate, up, weights, w2, offsets, segments, use_reentrant=False)
+        return self._down(gate, up, weights, w2, offsets, segments)
 
-    def _float8_kept(self, x, w1, w2, w3, offsets, segments) -> torch.Tensor:
+    def _float8_kept(self, x, weights, w1, w2, w3, offsets, segments) -> torch.Tensor:
         """float8.cache_activations (DeepSeek-V3's activation cache): backward keeps the rows as w1's and w3's
         products quantise them (once, for both), SwiGLU's inputs in float8 (its output recomputed from them,
-        kernels/float8_swiglu.py) and w2's input as its product quantises it; no high-precision activation."""
+        kernels/swiglu.py) and w2's input as its product quantises it; no high-precision activation."""
         quantized = self.float8.quantize_input(x)
         gate = self.float8(x, w1, offsets, segments, quantized)
         up = self.float8(x, w3, offsets, segments, quantized)
-        hidden = Float8KeptSwiGLU.apply(gate, up, quantized[0].dtype)
+        hidden = routed_swiglu(gate, up, weights, quantized[0].dtype)
         return self.float8(hidden, w2, offsets, segments)
 
-    def _down(self, gate, up, w2, offsets, segments) -> torch.Tensor:
-        return self._product(F.silu(gate) * up, w2, offsets, segments)
+    def _down(self, gate, up, weights, w2, offsets, segments) -> torch.Tensor:
+        return self._product(routed_swiglu(gate, up, weights), w2, offsets, segments)
 
     def _product(self, x, weight, offsets, segments) -> torch.Tensor:
         """The grouped GEMM; a float8 one bounds its weight gradient's token tiles by the segments (one source's

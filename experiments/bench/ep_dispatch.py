@@ -72,8 +72,10 @@ class ThreadExchange(Exchange):
 
 
 class _PassThrough(nn.Module):
-    def forward(self, x, counts):
-        return x
+    """Identity experts that apply the routing weights, as the experts do before their down projection."""
+
+    def forward(self, x, counts, weights):
+        return x * weights.unsqueeze(-1).to(x.dtype)
 
 
 def _dispatches(moe: MoEArgs, ep: int, ranks_per_node: int, mode: str, payload: Payload) -> list[ExpertDispatch]:

@@ -53,8 +53,8 @@ class _CopyExperts(torch.nn.Module):
         self.w1 = torch.empty(n_experts, 0, 0)  # run_experts reads the expert count from it
         self.permute_impl = permute_impl  # and the permutation's backend (kernels.permutation)
 
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        return rows * 1.0
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return rows * weights.unsqueeze(-1).to(rows.dtype)  # the routing weights, as the experts apply them
 
 
 def layer_rows(device, dtype, tokens, repeats):

@@ -11,8 +11,8 @@ section 3.2.3) replays no block: a layer keeps what it keeps without checkpointi
 what it keeps, each from a declaration: the attention norm's output (and a dense block's feed-forward norm's; an MoE
 block's feeds its dispatch, which runs once, so it stays), what each part declares `recomputed` (latent attention's
 up-projections' outputs and what they make, from the kept latents; an MLP's activation outputs, silu's and the
-product, the shared experts' too), and of the routed experts silu's output and the product (moe.py
-moe_activation_bytes `recompute_swiglu`, as models/moe.py RoutedExperts.recompute_swiglu).
+product, the shared experts' too), and of the routed experts w2's input, the product (moe.py moe_activation_bytes
+`recompute_swiglu`, as models/moe.py RoutedExperts.recompute_swiglu).
 """
 
 from functools import lru_cache
@@ -20,13 +20,7 @@ from functools import lru_cache
 from trillion.models import parts
 from trillion.models.args import ModelArgs
 from trillion.parallel.modes import checkpointed_blocks
-from trillion.parallel.planner.moe import (
-    FLOAT8_CACHE_BLOCK,
-    WEIGHTED_OUTPUT_ROWS,
-    effective_imbalance,
-    expert_width,
-    routed_block,
-)
+from trillion.parallel.planner.moe import FLOAT8_CACHE_BLOCK, effective_imbalance, expert_width, routed_block
 
 ACTIVATION_BYTES = 2  # bf16
 
@@ -123,16 +117,18 @@ def moe_activation_bytes(
     recompute_swiglu: bool = False,
 ) -> float:
     """Bytes an MoE layer keeps for backward beyond its attention and shared experts, for `tokens` routed by the rank
-    and experts split over `etp` (the module docstring). `float8_cache` (float8.cache_activations, models/moe.py
-    RoutedExperts): the permuted tokens k h, and of the experts' 4 k f / etp the three float8 ones SwiGLU's inputs
-    and w2's input, a byte an element and a float32 scale per 128 (checked against the measured bytes:
-    tests/float8/test_activation_cache.py). Else `recompute_swiglu` (DeepSeek's recompute mode): the experts keep w1's
-    and w3's outputs, not silu's and the product (models/moe.py RoutedExperts.recompute_swiglu)."""
+    and experts split over `etp` (the module docstring): the router's float32 scores, the permuted tokens k h, and of
+    the experts' k f / etp wide activations w1's and w3's outputs (kernels/swiglu.py keeps them, recomputing SwiGLU's
+    output and the routing weights' product in backward) and w2's input; nothing of the experts' outputs, which
+    return summed, their routing weights applied before w2 (models/expert_rows.py), whatever the ep.
+    `float8_cache` (float8.cache_activations, models/moe.py RoutedExperts): the permuted tokens and the three expert
+    activations in float8, a byte an element and a float32 scale per 128 (checked against the measured bytes:
+    tests/float8/test_activation_cache.py). Else `recompute_swiglu` (DeepSeek's recompute mode): w2's input is
+    recomputed too (models/moe.py RoutedExperts.recompute_swiglu)."""
     block = routed_block(args)
     k, f, imb = block.routing.top_k, expert_width(block), effective_imbalance(ep, imbalance)
-    rows = 2 + (WEIGHTED_OUTPUT_ROWS if ep > 1 else 0)  # the permuted tokens, the outputs (and weighted: ep)
     if float8_cache:
         float8 = (k * args.dim + 3 * k * f / etp) * (1 + 4 / FLOAT8_CACHE_BLOCK)
-        return tokens * (4 * block.routing.n_experts + ((rows - 1) * k * args.dim * dtype_bytes + float8) * imb)
-    hidden = 2 if recompute_swiglu else 4  # w1's and w3's outputs (and silu's, the product)
-    return tokens * (4 * block.routing.n_experts + (rows * k * args.dim + hidden * k * f / etp) * imb * dtype_bytes)
+        return tokens * (4 * block.routing.n_experts + float8 * imb)
+    hidden = 2 if recompute_swiglu else 3  # w1's and w3's outputs (and w2's input)
+    return tokens * (4 * block.routing.n_experts + (k * args.dim + hidden * k * f / etp) * imb * dtype_bytes)

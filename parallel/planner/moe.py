@@ -25,11 +25,12 @@ the same; the shared experts are TP-split either way:
              on one stage or DualPipeV's forward beside a backward: exposed_seconds); else all of it.
   element-wise  per routed token: the fused permutation into expert order and back
              (kernels/permute.py, kernels.permutation=auto on GPUs; PERMUTATION_ROWS; under ep the dispatch's
-             own gathers in torch, DISPATCH_PERMUTATION_ROWS), SwiGLU on the expert
-             hidden 5 k f / etp, the router's softmax and top-k 3 E (read scores, write them, read for top-k), its
-             loss-free bias 2 E (the add: read, write) and DeepSeek-V3's group-limited choice 3 E (the per-group
-             top-2 reads the scores, the mask of the other groups reads and writes them: Router.forward); the
-             same under torch.compile (the data-dependent shapes break the graph).
+             own gathers in torch, DISPATCH_PERMUTATION_ROWS), SwiGLU on the expert hidden 5 k f / etp
+             (kernels/swiglu.py; the routing weights' product on it is counted in the rows above), the router's
+             softmax and top-k 3 E (read scores, write them, read for top-k), its loss-free bias 2 E (the add:
+             read, write) and DeepSeek-V3's group-limited choice 3 E (the per-group top-2 reads the scores, the
+             mask of the other groups reads and writes them: Router.forward); the same under torch.compile (the
+             data-dependent shapes break the graph).
   float8     (layout.float8 with its experts not off, parallel/float8_experts.py) the experts' grouped GEMMs,
              forward and both gradients, at the recipe's float8 rate (float8_experts.py FLOAT8_EXPERT_SHARE, here in
              the planner), plus their casts (each GEMM casts both operands: FLOAT8_CAST_BYTES per element); with
@@ -39,10 +40,10 @@ Memory: expert parameters total / (ep x etp x efsdp), efsdp = dp_shard x cp (x t
 (Layout.efsdp), so a rank's states are those of its E / ep experts split over etp and sharded over efsdp (the
 states per rank do not depend on ep; FSDP's gathered copies, its buffers and its traffic do: one layer's E / ep
 experts' etp slices, all-gathered over the efsdp ranks). Activations of an MoE layer (not checkpointed), per
-routed token: the router's fp32 scores E x 4 bytes, the permuted tokens k h, the experts' w1 and w3 outputs, silu
-and product 4 k f / etp, their outputs k h, and under ep their weighted outputs k h more (WEIGHTED_OUTPUT_ROWS),
-all times imbalance where it applies, bf16; with float8.cache_activations the permuted tokens and three of the four
-k f in float8 with their scales instead (activations.py moe_activation_bytes).
+routed token: the router's fp32 scores E x 4 bytes, the permuted tokens k h, the experts' w1 and w3 outputs and w2's
+input 3 k f / etp (their outputs return summed with nothing kept, the routing weights applied before w2:
+models/expert_rows.py), all times imbalance where it applies, bf16; with float8.cache_activations the permuted
+tokens and the three k f in float8 with their scales instead (activations.py moe_activation_bytes).
 """
 
 import math
@@ -71,27 +72,23 @@ from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, cast_bytes
 # Give another figure with `trillion plan --moe-load-imbalance X`. It is a rank's figure: rank_load_imbalance
 # turns per-expert loads into it for an ep (an expert's max/mean overstates it when a rank holds several).
 MOE_LOAD_IMBALANCE = 1.16
-# Rows of dim the fused permutation (kernels/permute.py) reads and writes per token, as (per choice, per token):
-# forward, permute reads the token's row and writes a copy per choice (k + 1), unpermute reads the k routed rows
-# and writes their weighted sum (k + 1); backward, permute's gradient reads the k copies' and writes one (k + 1),
-# unpermute's reads the output's gradient (once: its k reads hit the cache), the k routed rows, and writes their k
-# gradients (2 k + 1). torch's path (kernels.permutation=torch) moved 7 per choice and 1 forward (the gathers,
-# the weighting's product and the sum, each materialised), twice that backward: 57 and 114 at top-8, now 18, 26.
+# Rows of dim the fused permutation (kernels/permute.py) reads and writes per token, as (per choice, per token), as
+# counted when the combine also weighted the rows: forward, permute reads the token's row and writes a copy per choice
+# (k + 1), the combine reads the k routed rows and writes their sum (k + 1); backward, permute's gradient reads the k
+# copies' and writes one (k + 1), the weighted combine's read the output's gradient, the k routed rows, and wrote their
+# k gradients (2 k + 1). The combine no longer weights (models/expert_rows.py: the weights are applied before w2,
+# its backward is the permutation's forward, k + 1), so the backward's count is high by k rows a token; kept until the
+# validation rows that price it are re-planned with the change (torch's path: 7 per choice and 1 forward, twice that
+# backward, 57 and 114 at top-8; the fused one 18 and 26).
 PERMUTATION_ROWS = {"forward": (2, 2), "backward": (3, 2)}
 # Under expert parallelism the dispatch permutes the rows itself, in torch (parallel/ep_routing.py: the rows
-# gathered per destination, the receivers' gather into expert order, the weighting, the sum back and the combine's
-# gather and sum), counted as torch's path above: 7 per choice and 1 forward, twice that backward.
+# gathered per destination, the receivers' gather into expert order, the sum back and the combine's gather and
+# sum), counted as torch's path above: 7 per choice and 1 forward, twice that backward (the weighting of the experts'
+# outputs among them, which now happens on the experts' hidden rows inside SwiGLU: high, as PERMUTATION_ROWS).
 DISPATCH_PERMUTATION_ROWS = {"forward": (7, 1), "backward": (14, 2)}
 # Kernels the dropless dispatch launches between reading its split sizes on the host and posting its all-to-all:
 # counted by tests/planner/test_dispatch_plan.py, which runs that stretch under a dispatch mode
 HOST_READ_LAUNCHES = 39
-# Rows of dim per choice an MoE layer keeps under ep beyond one process's: the receivers' experts return their
-# outputs by weighting them, then index_add_ into their rows (models/expert_rows.py run_experts with `slots`), and
-# index_add_'s backward keeps its source, the weighted outputs (torch's derivatives.yaml: source's gradient is
-# grad.index_select(...).expand_as(source)); the product keeps the unweighted ones, as the fused unpermute does.
-# Measured: `trillion estimate` of kimi-k2's frontier plan held 3.6 GB more on its second rank once the dispatch
-# took this path, 2 MoE layers x 31 micro-batches x 512 tokens x 8 x 7168 x 2 bytes (KIMI_K2.md section 4).
-WEIGHTED_OUTPUT_ROWS = 1
 # float8.cache_activations' scale block: one float32 scale per 128 float8 elements (kernels/float8_scaling.py BLOCK,
 # DeepSeek-V3's 1 x 128 tiles; rowwise recipes keep fewer, so this bounds them from above)
 FLOAT8_CACHE_BLOCK = 128

@@ -143,11 +143,13 @@ def _pipeline_stage_held(ep: int, mode: str):
 
 
 @pytest.mark.parametrize("mode", ["node", "rank"])
-def test_planner_counts_what_the_dispatch_keeps_and_a_v_schedules_in_flight(mode):
-    """Per MoE layer the dispatch keeps, beyond one process, the weighted expert outputs index_add_ saves (planner:
-    moe.WEIGHTED_OUTPUT_ROWS); the dry run measures the same stage with ep 4 over 2 nodes and with ep 1, and the
-    difference per routed layer is the planner's within 12% (the rest: the hops' int64 indices). And every rank of
-    the V schedule holds as many micro-batches as the first (planner: in_flight_microbatches)."""
+def test_the_dispatch_keeps_no_rows_beyond_one_process_and_a_v_schedules_in_flight(mode):
+    """Per MoE layer the dispatch keeps, beyond one process, nothing a row wide: the experts apply the routing weights
+    before w2 and their outputs return summed, the sums keeping only their indices (models/expert_rows.py), so the
+    planner counts the same bytes with ep as without (activations.py moe_activation_bytes). The dry run measures the
+    same stage with ep 4 over 2 nodes and with ep 1: the difference per routed layer, the hops' int64 indices, is
+    under a quarter of a hidden state a token (the weighted outputs were top_k of them). And every rank of the V
+    schedule holds as many micro-batches as the first (planner: in_flight_microbatches)."""
     from trillion.parallel import modes
     from trillion.parallel.planner.activations import moe_activation_bytes
     from trillion.parallel.planner.moe import dispatch_mode
@@ -157,11 +159,11 @@ def test_planner_counts_what_the_dispatch_keeps_and_a_v_schedules_in_flight(mode
     alone, _, _, _ = _pipeline_stage_held(1, "rank")
     assert dispatch_mode(layout) == mode
     tokens = layout.micro_batch_size * 256
-    planned = moe_activation_bytes(args, tokens, 1, 4, 1.0, 2) - moe_activation_bytes(args, tokens, 1, 1, 1.0, 2)
+    assert moe_activation_bytes(args, tokens, 1, 4, 1.0, 2) == moe_activation_bytes(args, tokens, 1, 1, 1.0, 2)
     for shape, measured in held.items():
         if shape.routed_layers:
             per_layer = (measured - alone[shape]) / shape.routed_layers
-            assert planned == pytest.approx(per_layer, rel=0.12), (shape, planned, per_layer)
+            assert 0 <= per_layer < tokens * args.dim * 2 / 4, (shape, per_layer)
     first, last = in_flight_microbatches(modes.schedule(layout.pp_schedule, ""), 2, 2, layout.microbatches)
     assert in_flight == layout.virtual_stages * last == layout.virtual_stages * first
 

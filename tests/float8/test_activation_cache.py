@@ -1,4 +1,4 @@
-"""float8.cache_activations (models/moe.py RoutedExperts, kernels/float8_swiglu.py): the routed experts keep their
+"""float8.cache_activations (models/moe.py RoutedExperts, kernels/swiglu.py): the routed experts keep their
 activations for backward in float8. On debug-deepseek's kind (fp32, the experts emulated in float8, blockwise), the
 forward is the uncached one's bit for bit and the gradients stay within float8's rounding of it; the bytes held from
 forward to backward drop by what the experts no longer keep in high precision; settings where no product of this
@@ -57,15 +57,16 @@ def test_forward_is_unchanged_and_gradients_stay_within_float8_rounding():
 
 def test_it_drops_the_experts_high_precision_activations_as_the_planner_counts():
     """Bytes held from the forward to the backward of one micro-batch (MemTracker, fp32): per routed slot (256
-    tokens x top 2 in each of 2 MoE layers) the cache no longer keeps the row (dim 256) for w1 and w3, nor gate, up,
-    silu's output and w2's input (4 x expert width 256), 5120 bytes, and keeps instead the row, gate, up and w2's
-    input in float8 (4 x 256 bytes) with one float32 scale per 128 elements (8 of them): 1056 bytes. The planner's
+    tokens x top 2 in each of 2 MoE layers) the cache no longer keeps the row (dim 256) for w1 and w3, nor gate, up
+    and w2's input (3 x expert width 256; kernels/swiglu.py recomputes the rest), 4096 bytes, and keeps instead the
+    row, gate, up and w2's input in float8 (4 x 256 bytes) with one float32 scale per 128 elements (8 of them): 1056
+    bytes. The planner's
     activation accounting (parallel/planner/activations.py moe_activation_bytes) drops the same within 5%, and so does a
     plan's memory (deepseek-v3-671b, its layers' activations only)."""
     inputs, target = _batch()
     held = {cache: measure_micro_batch(_model(cache), inputs, target, False, True).held for cache in (False, True)}
     slots = 2 * 128 * ARGS.moe.top_k * (ARGS.n_layers - ARGS.moe.n_dense_layers)
-    expected = slots * (4 * (ARGS.dim + 4 * ARGS.moe.expert_ffn_dim) - (4 * 256 + 8 * 4))
+    expected = slots * (4 * (ARGS.dim + 3 * ARGS.moe.expert_ffn_dim) - (4 * 256 + 8 * 4))
     dropped = held[False] - held[True]
     assert 0.95 * expected <= dropped <= 1.05 * expected, (dropped, expected)
     tokens, moe_layers = 2 * 128, ARGS.n_layers - ARGS.moe.n_dense_layers
@@ -77,8 +78,9 @@ def test_it_drops_the_experts_high_precision_activations_as_the_planner_counts()
         layout_memory(args, replace(layout, float8=f), 4096, ASSUMED)
         for f in (replace(f8, cache_activations=False), f8)
     )
-    # its activations 232 GB without the cache, 186 GB with it (no recompute): at least a tenth less
-    assert cached.activations < 0.9 * plain.activations and cached.parameters == plain.parameters
+    # its fullest rank's activations 130 GB without the cache, 107 GB with it (no recompute): at least a tenth less
+    # (the fullest rank is another pipeline rank with the cache, so only the activations compare)
+    assert cached.activations < 0.9 * plain.activations
 
 
 @pytest.mark.parametrize(

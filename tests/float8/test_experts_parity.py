@@ -40,6 +40,13 @@ WIDE = dataclasses.replace(
 )
 
 
+# With a per-rank capacity the second step's gradient norm measured 1.1e-5 apart (2.990352 against 2.990384) once the
+# routing weights moved before w2 (models/expert_rows.py): the first step's gradients all agree within 1e-5, so this
+# is the second step's float8 rounding flip the module docstring describes, through fp32 summation order (a token's
+# slots summed per rank, then over ranks). Held to 2e-5 there; the plain run is farther than that (checked).
+CAPACITY = {"variant": "capacity", "tolerance": {"rtol": 2e-5, "atol": 1e-6}}
+
+
 def emulated(experts: str, dispatch: bool = False, cache: bool = False) -> Float8Training:
     return Float8Training(emulate=True, experts=experts, dispatch=dispatch, cache_activations=cache)
 
@@ -88,7 +95,7 @@ def test_ep2_emulated_float8_experts_and_dispatch_equal_one_process():
             {"name": "ep2-blockwise-dispatch", **ep2, "float8": emulated("blockwise", True)},
             # the other dispatch modes carry the same wire: a row per expert, and fixed per-rank buffers
             {"name": "ep2-per-expert-dispatch", **ep2, "ep_dispatch": "expert", "float8": emulated("blockwise", True)},
-            {"name": "ep2-capacity-dispatch", **ep2, "variant": "capacity", "float8": emulated("blockwise", True)},
+            {"name": "ep2-capacity-dispatch", **ep2, **CAPACITY, "float8": emulated("blockwise", True)},
             {"name": "ep2-rowwise-dispatch", **ep2, "float8": emulated("rowwise", True)},
             {"name": "ep2-mxfp8", **ep2, "float8": emulated("mxfp8")},
             {"name": "ep2-mxfp8-dispatch", **ep2, "float8": emulated("mxfp8", True)},  # one e8m0 byte per 32

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import warnings
 from dataclasses import dataclass
 
@@ -79,7 +80,14 @@ def measure_micro_batch(
     # (pipeline_schedule.py's, counted apart)
     tracker.track_external(model, inputs, target)
     try:
-        with tracker, _flash_on_meta(), _moe_on_meta(), warnings.catch_warnings(), loss_context(tp_enabled and last):
+        with (
+            tracker,
+            _flash_on_meta(),
+            _norm_on_meta(),
+            _moe_on_meta(),
+            warnings.catch_warnings(),
+            loss_context(tp_enabled and last),
+        ):
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable")  # MemTracker on grad=None
             base = _device_total(tracker.get_tracker_snapshot("current"), device)
             output = _last_stage_loss(model, inputs, target) if last else model(inputs)
@@ -108,26 +116,13 @@ def _last_stage_loss(model: nn.Module, inputs: torch.Tensor, target: torch.Tenso
     return token_loss(logits, target, 1) + lookahead_loss(depth_logits, stacked, 1)
 
 
-class _UnequalHeadsFlash(torch.autograd.Function):
-    """Flash attention's saved set on meta tensors where the value head is narrower or wider than the query/key
-    head (latent attention: 192 and 128), which aten's flash op does not take: q, k, v, the output and an fp32
-    log-sum-exp per query and head."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
-        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, _, _ = ctx.saved_tensors
-        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
 def _meta_flash(q, k, v, causal: bool, scale: float | None) -> torch.Tensor:
     if q.shape[-1] != v.shape[-1]:
-        return _UnequalHeadsFlash.apply(q, k, v)
+        # a value head narrower or wider than the query/key head (latent attention: 192 and 128), which aten's flash
+        # op does not take: the project's flash kernel (kernels/flash_attention_op.py), whose fake has its outputs,
+        # the output and an fp32 log-sum-exp per query and head; an op the op-level policies keep, as on a GPU
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return torch.ops.trillion.flash_attn_fwd(q, k, v, causal, scale)[0]
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[0]
 
 
@@ -168,6 +163,31 @@ def _flash_on_meta():
         yield
     finally:
         F.scaled_dot_product_attention, kernels.eager_attention = plain, eager
+
+
+@contextlib.contextmanager
+def _norm_on_meta():
+    """A run on a GPU takes the fused norm kernel (kernels/norm.py, kernels.norm=auto without tensor parallelism)
+    where a row fits it, which keeps its input and an fp32 rstd per row; on meta tensors it would fall back to torch's
+    composite RMSNorm, which keeps an fp32 copy of its input and of the normalised rows (8 bytes an element in bf16).
+    While measuring, the fused norm runs its op on meta tensors, whose fake has exactly the kernel's outputs."""
+    norm = importlib.import_module("trillion.kernels.norm")
+    plain = norm._use_triton
+
+    def fused_on_meta(x, what):
+        if x.device.type != "meta":
+            return plain(x, what)
+        return x.shape[-1] <= norm.MAX_FUSED_DIM
+
+    # the kernels' fall-back notes (the target's Triton kernels on meta tensors fall back to the ops patched here)
+    notes = logging.getLogger("kernels")
+    level, norm._use_triton = notes.level, fused_on_meta
+    notes.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        norm._use_triton = plain
+        notes.setLevel(level)
 
 
 @contextlib.contextmanager

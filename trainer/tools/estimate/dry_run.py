@@ -167,8 +167,11 @@ def hardware_node(hardware: str) -> int:
 
 
 def model_args_for(config: Config, layout: Layout) -> ModelArgs:
-    # The tokenizer is not built (it may need files that live on the cluster): the preset's vocabulary stands.
-    return build_model_args(config, 0, layout)
+    # The tokenizer is not built (it may need files that live on the cluster): the preset's vocabulary stands. The
+    # kernels are those the run picks on its target device, not this host's (kernels.norm=auto: the fused norm on a
+    # GPU, whose saved set the measurement takes: activations.py _norm_on_meta)
+    on_target = dataclasses.replace(config, job=dataclasses.replace(config.job, device=target_device(config)))
+    return build_model_args(on_target, 0, layout)
 
 
 def without_async_tp(config: Config) -> tuple[Config, list[str]]:
