@@ -39,7 +39,11 @@ def test_two_ranks_tp2_debug_and_debug_moe_with_checkpointing_and_compile():
 
 def test_four_ranks_tp4_debug_and_debug_moe():
     dense = [{"name": "llama-tp4-overlap", "family": "llama-kv4", "tp": 4, **OVERLAP}]
-    moe = [{"name": "moe-tp4-overlap", "model": "gqa-kv4", "dp_shard": 1, "tp": 4, **OVERLAP}]
+    # Later steps' elementwise atol 1e-5: at step 4 one of output.weight's 8192 gradients (about 1e-3) is 4.7e-6 off
+    # under tp 4 with or without the overlap (plain DTensor TP the same), after AdamW moved the weights by rounding-
+    # sized amounts (the module docstring); every first-step gradient and every step's loss and norm stay at 1e-6.
+    tol = {"rtol": 2e-4, "atol": 1e-5}
+    moe = [{"name": "moe-tp4-overlap", "model": "gqa-kv4", "dp_shard": 1, "tp": 4, **OVERLAP, "tol": tol}]
     run_ranks(_dense_and_moe, 4, dense, moe)
 
 

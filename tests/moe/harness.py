@@ -273,7 +273,7 @@ def check_cases(rank: int, world_size: int, cases: list[dict]) -> None:
             if key not in references:
                 reference = {"variant": key[0], "steps": key[1], "model": key[2], "micro": key[3] or MICRO_BATCH}
                 references[key] = train_case(reference, world_size=1)
-            tol = case.get("tol")  # {"rtol": ..., "atol": ...}: tighter than the harness's default
+            tol = case.get("tol")  # {"rtol": ..., "atol": ...}: the elementwise tolerance, if not the default
             _compare(name, result, references[key], tol=tol, relative=case.get("relative", 0.0))
             torch.testing.assert_close(
                 result["ahead"], references[key]["ahead"], **(tol or {"rtol": 2e-4, "atol": 2e-6})
