@@ -55,8 +55,11 @@ def power_of_two_scale(amax: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale clamped to the format and cast, through one float32 copy of x (divided and clamped in place: at
+    DeepSeek-V3's shape an expert operand's copies are 0.9 GB each)."""
     limit = float8_max(dtype)
-    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+    values = x.to(torch.float32, copy=True)
+    return values.div_(scale).clamp_(-limit, limit).to(dtype)
 
 
 def _blocked(x: torch.Tensor, rows: int | None, cols: int | None) -> tuple[torch.Tensor, tuple]:
@@ -87,7 +90,7 @@ def quantize_blocks(
 
 def dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, rows: int | None, cols: int | None, dtype):
     blocks, back = _blocked(data.view(torch.uint8), rows, cols)  # pad bytes: F.pad has no float8 kernel
-    values = blocks.view(data.dtype).float() * scale.unsqueeze(-2).unsqueeze(-1)
+    values = blocks.view(data.dtype).float().mul_(scale.unsqueeze(-2).unsqueeze(-1))  # float(): a new tensor
     return _unblocked(values, back).to(dtype)
 
 
@@ -134,13 +137,28 @@ def token_tiles(rows: int, offsets: torch.Tensor, segment_ends: torch.Tensor, ti
 def quantize_token_tiles(x: torch.Tensor, tiles: TokenTiles, dtype: torch.dtype):
     """x (rows, C) scaled per (tile, column): (float8 data like x, scales (tiles, C) in float32). A tile's rows are
     consecutive and the tiles in row order, so the maxima are a segment reduction."""
-    amax = torch.segment_reduce(x.abs().float(), "max", lengths=tiles.end - tiles.start, unsafe=True, initial=0)
+    magnitude = x.to(torch.float32, copy=True).abs_()
+    amax = torch.segment_reduce(magnitude, "max", lengths=tiles.end - tiles.start, unsafe=True, initial=0)
+    del magnitude
     scale = power_of_two_scale(amax, dtype)
-    return _cast(x, scale[tiles.of_row], dtype), scale
+    data = torch.empty_like(x, dtype=dtype)
+    for rows in _row_slices(x.shape[0]):  # each slice's scales gathered per row (float32, like x's copy)
+        data[rows] = _cast(x[rows], scale[tiles.of_row[rows]], dtype)
+    return data, scale
 
 
 def dequantize_token_tiles(data: torch.Tensor, scale: torch.Tensor, tiles: TokenTiles, dtype) -> torch.Tensor:
-    return (data.float() * scale[tiles.of_row]).to(dtype)
+    values = torch.empty_like(data, dtype=dtype)
+    for rows in _row_slices(data.shape[0]):
+        values[rows] = data[rows].float().mul_(scale[tiles.of_row[rows]]).to(dtype)
+    return values
+
+
+ROWS_AT_ONCE = 8192  # rows a token-tile cast scales at once: its float32 temporaries stay under 2 x 8192 x width
+
+
+def _row_slices(rows: int) -> list[slice]:
+    return [slice(start, min(start + ROWS_AT_ONCE, rows)) for start in range(0, rows, ROWS_AT_ONCE)]
 
 
 # --- the recipes, operand by operand ------------------------------------------------------------------------
