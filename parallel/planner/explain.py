@@ -44,11 +44,14 @@ def ep_choice(request: Request, result: SearchResult) -> dict | None:
             )
         else:
             same = evaluate(request, dataclasses.replace(layout, ep=ep, etp=etp), only_if_fits=True)
-            alternatives.append({"ep": ep, "etp": etp, "step_time_s": None, "memory_gb": same.memory.total / 1e9})
-            notes.append(
-                f"{name} fits no layout (this one would need {same.memory.total / 1e9:.1f} GB of "
-                f"{MEMORY_HEADROOM * request.capacity_bytes / 1e9:.0f})"
-            )
+            step_time = same.step.total if same.fits else None  # fits, where the search was held to another ep
+            alternatives.append({"ep": ep, "etp": etp, "step_time_s": step_time, "memory_gb": same.memory.total / 1e9})
+            gb = f"{same.memory.total / 1e9:.1f} GB of {MEMORY_HEADROOM * request.capacity_bytes / 1e9:.0f}"
+            if same.fits:
+                slower = same.step.total / step.total - 1
+                notes.append(f"{name} in this layout {same.step.total:.2f} s ({slower:+.1%}), {gb}")
+            else:
+                notes.append(f"{name} fits no layout (this one would need {gb})")
     why = f"why {chosen}" + ("; " + "; ".join(_nearest(notes, alternatives, layout.ep)) if notes else "") + "."
     return {"ep": layout.ep, "etp": layout.expert_tp, "why": why, "alternatives": alternatives}
 

@@ -40,7 +40,12 @@ from trillion.parallel.planner.activations import (
 from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.moe import expert_numel, expert_shards, pairs, routed_tokens
 from trillion.parallel.planner.optimizer import state_bytes, step_buffer_bytes
-from trillion.parallel.planner.schedules import dualpipe_in_flight, in_flight_microbatches, rank_of_virtual_stage
+from trillion.parallel.planner.schedules import (
+    dualpipe_chunks_in_flight,
+    dualpipe_in_flight,
+    in_flight_microbatches,
+    rank_of_virtual_stage,
+)
 from trillion.parallel.planner.shards import ParamSpec, local_numel
 from trillion.parallel.pp_layout import split_units
 
@@ -277,8 +282,17 @@ def states_bytes(tp_numel: int, shard_numel: int, mode: str) -> tuple[float, flo
 
 
 def rank_memory(
-    args: ModelArgs, layout: Layout, seq_len: int, assumed: Assumptions, rank: RankParams, in_flight: float
+    args: ModelArgs,
+    layout: Layout,
+    seq_len: int,
+    assumed: Assumptions,
+    rank: RankParams,
+    in_flight: float,
+    received: float | None = None,
 ) -> Memory:
+    """`in_flight` micro-batches (through all the rank's layers) held at its peak; `received`: the hidden states its
+    stages hold received from the previous stage at that peak (default: `in_flight` for each of its chunks but the
+    model's first stage)."""
     tp, ms, cp = layout.tp, layout.micro_batch_size, layout.cp
     tokens = ms * seq_len // cp
     sp = layout.sequence_parallel
@@ -308,12 +322,23 @@ def rank_memory(
     # zero3: two gathered blocks (in use, prefetched) and the held root; all modes: an fp32 block's reduce-scatter
     fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if mode == "zero3" else 0)
     recompute = max(dense_layer, moe_layer if rank.routed_layers else 0) if n_ckpt else 0  # one layer, rebuilt
-    pipeline = (
-        2 * layout.virtual_stages * tokens * args.dim / (tp if sp else 1) * ACTIVATION_BYTES if layout.pp > 1 else 0
-    )
+    if received is None:
+        received = in_flight * ((len(rank.chunks) or 1) - rank.first)
+    pipeline = _receive_bytes(args, layout, tokens, rank, received)
     logits_grad = (4 + 2) * tokens * args.vocab_size / tp if rank.last else 0
     buffers = FRAMEWORK_BYTES + fsdp + recompute + pipeline + logits_grad + gathered_kv
     return Memory(parameters, gradients, optimizer, activations, buffers)
+
+
+def _receive_bytes(args: ModelArgs, layout: Layout, tokens: int, rank: RankParams, received: float) -> float:
+    """The pipeline's receive buffers (parallel/pipeline_stage.py): a hidden state (the sequence-parallel shard) for
+    each micro-batch a stage holds in flight, from its forward until its backward (all but the model's first stage),
+    and the gradient for its output during one backward (all but the last)."""
+    if layout.pp == 1:
+        return 0.0
+    gradients = 1 if (len(rank.chunks) or 1) > rank.last else 0
+    hidden = tokens * args.dim / (layout.tp if layout.sequence_parallel else 1) * ACTIVATION_BYTES
+    return (received + gradients) * hidden
 
 
 @lru_cache(maxsize=4096)
@@ -361,12 +386,25 @@ def layout_memory(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assump
                 tokens = layout.micro_batch_size * seq_len // layout.cp
                 held[-1] += rank.ahead_modules * ahead_module_bytes(args, tokens, dense, moe)
             in_flight = dualpipe_in_flight(layout.pp, layout.microbatches, index, held)
-            candidates.append(rank_memory(args, layout, seq_len, assumed, rank, in_flight))
+            first, second = dualpipe_chunks_in_flight(layout.pp, layout.microbatches, index)
+            received = (0 if rank.first else first) + second  # rank 0's first chunk is the model's first stage
+            candidates.append(rank_memory(args, layout, seq_len, assumed, rank, in_flight, received))
         return max(candidates, key=lambda m: m.total)
     for rank, index in _earliest_of_each_kind(args, layout):
         in_flight = last if rank.last and index else first + (last - first) * index / span
         candidates.append(rank_memory(args, layout, seq_len, assumed, rank, in_flight))
     return max(candidates, key=lambda m: m.total)
+
+
+def largest_optimizer_state(args: ModelArgs, layout: Layout, assumed: Assumptions) -> float:
+    """The most optimizer state one pipeline rank holds (its checkpoint share: a save waits for the rank that writes
+    the most, which need not be the fullest in memory)."""
+    d = layout.dp_shard * layout.cp
+    return max(
+        state_bytes(args, layout, assumed.optimizer, rank, shard_numel, assumed.optimizer_state_dtype)
+        for rank, _ in _earliest_of_each_kind(args, layout)
+        for _, shard_numel in [rank.numel(args, layout.tp, d, layout.ep, layout.expert_tp)]
+    )
 
 
 def _earliest_of_each_kind(args: ModelArgs, layout: Layout) -> tuple:

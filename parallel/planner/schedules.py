@@ -52,6 +52,12 @@ def dualpipe_in_flight(p: int, m: int, rank: int, chunks: list[float]) -> float:
     ScheduleDualPipeV runs 2 (p - r - 1) forwards of the rank's first stage, then r + 1 of each, before its first
     backward, so the first chunk holds 2 p - r - 1 and the second the rest of the 2 p + 1 chunks `trillion estimate`
     counts on every rank (r + 2)."""
-    first, second = min(m, 2 * p - rank - 1), min(m, rank + 2)
+    first, second = dualpipe_chunks_in_flight(p, m, rank)
     held = sum(chunks)
     return (first * chunks[0] + second * chunks[1]) / held if held and len(chunks) == 2 else float(first)
+
+
+def dualpipe_chunks_in_flight(p: int, m: int, rank: int) -> tuple[int, int]:
+    """Micro-batches DualPipeV's pipeline rank `rank` holds in flight in its first and in its second chunk at its peak
+    (dualpipe_in_flight)."""
+    return min(m, 2 * p - rank - 1), min(m, rank + 2)
