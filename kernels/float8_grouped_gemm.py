@@ -154,10 +154,14 @@ class Float8GroupedMM:
     # dequantised input again along its token tiles. torchao's products keep their own, so it runs the Triton one.
     keep_float8: bool = False
 
-    def __call__(self, x, weight, offsets, segment_ends: torch.Tensor | None = None, quantized=None) -> torch.Tensor:
+    def __call__(
+        self, x, weight, offsets, segment_ends: torch.Tensor | None = None, quantized=None, rebuild=None
+    ) -> torch.Tensor:
         """grouped_mm's contract; `segment_ends` (int32, every group end among them; default: the groups) bound
         the weight gradient's token tiles (kernels/float8_scaling.py); `quantized`: x's (data, scales) from
-        `quantize_input`, shared by the products of one input so that backward keeps them once."""
+        `quantize_input`, shared by the products of one input so that backward keeps them once; `rebuild`: (function,
+        tensors) giving x again in backward, function(*tensors), tensors another op keeps anyway: the product then
+        keeps nothing of x (the down projection's input under DeepSeek's recompute, kernels/swiglu.py)."""
         recipe, backend = resolved(self.setting, self.emulate, x.device, self.keep_float8)
         if backend == "torchao":
             return _torchao_rowwise(x, weight, offsets, float8_dtype(x.device))
@@ -165,7 +169,7 @@ class Float8GroupedMM:
             return _torchao_mxfp8(x, weight, offsets)
         segments = offsets if segment_ends is None else segment_ends
         product = _Product(recipe, backend, self.impl, float8_dtype(x.device), self.keep_float8)
-        return _Float8GroupedMM.apply(x, weight, offsets, segments, product, *(quantized or (None, None)))
+        return _Float8GroupedMM.apply(x, weight, offsets, segments, product, *(quantized or (None, None)), rebuild)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x's float8 data and scales as this product's forward quantises it (outside autograd: recorded, the
@@ -187,13 +191,14 @@ class _Product:
 
 class _Float8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, offsets, segment_ends, product: _Product, xq=None, x_scale=None):
+    def forward(ctx, x, weight, offsets, segment_ends, product: _Product, xq=None, x_scale=None, rebuild=None):
         x_blocks, w_blocks = scaling.activation_blocks(product.recipe), scaling.weight_blocks(product.recipe)
         if xq is None:
             xq, x_scale = scaling.quantize_blocks(x, *x_blocks, product.dtype)
         wq, w_scale = scaling.quantize_blocks(weight, *w_blocks, product.dtype)
-        ctx.save_for_backward(weight, offsets, segment_ends, *((xq, x_scale) if product.keep_float8 else (x,)))
-        ctx.product, ctx.x_dtype = product, x.dtype
+        kept = rebuild[1] if rebuild else (xq, x_scale) if product.keep_float8 else (x,)
+        ctx.save_for_backward(weight, offsets, segment_ends, *kept)
+        ctx.product, ctx.x_dtype, ctx.rebuild = product, x.dtype, rebuild[0] if rebuild else None
         return _product(product, (xq, x_scale, x_blocks), (wq, w_scale, w_blocks), offsets, x.dtype)
 
     @staticmethod
@@ -201,19 +206,22 @@ class _Float8GroupedMM(torch.autograd.Function):
         weight, offsets, segment_ends, *kept = ctx.saved_tensors
         product, dy = ctx.product, dy.contiguous()
         blocks = scaling.activation_blocks(product.recipe)
-        x = scaling.dequantize_blocks(*kept, *blocks, ctx.x_dtype) if product.keep_float8 else kept[0]
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dy_blocks, wt_blocks = scaling.activation_blocks(product.recipe), scaling.weight_blocks(product.recipe)
-            dyq, dy_scale = scaling.quantize_blocks(dy, *dy_blocks, product.dtype)
+            wt_blocks = scaling.weight_blocks(product.recipe)
+            dyq, dy_scale = scaling.quantize_blocks(dy, *blocks, product.dtype)
             wtq, wt_scale = scaling.quantize_blocks(weight.transpose(1, 2), *wt_blocks, product.dtype)
-            dx = _product(product, (dyq, dy_scale, dy_blocks), (wtq, wt_scale, wt_blocks), offsets, x.dtype)
+            dx = _product(product, (dyq, dy_scale, blocks), (wtq, wt_scale, wt_blocks), offsets, ctx.x_dtype)
         if ctx.needs_input_grad[1]:
+            if ctx.rebuild is not None:
+                x = ctx.rebuild(*kept)
+            else:
+                x = scaling.dequantize_blocks(*kept, *blocks, ctx.x_dtype) if product.keep_float8 else kept[0]
             tiles = scaling.token_tiles(x.shape[0], offsets, segment_ends, scaling.token_tile(product.recipe))
             xq, x_scale = scaling.quantize_token_tiles(x, tiles, product.dtype)
             dyq, dy_scale = scaling.quantize_token_tiles(dy, tiles, product.dtype)
             dw = _weight_grad(product, (xq, x_scale, x.dtype), (dyq, dy_scale), tiles, offsets, weight.dtype)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def _product(product: _Product, x: tuple, weight: tuple, offsets, out_dtype) -> torch.Tensor:

@@ -18,6 +18,7 @@ Each MoE layer tallies its loads over the step in `load_tally` for both and for 
 """
 
 import math
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -28,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trillion.errors import ConfigError
 from trillion.kernels.grouped_gemm import backend_unavailable, grouped_mm
-from trillion.kernels.swiglu import routed_swiglu
+from trillion.kernels.swiglu import float8_inputs, from_float8_inputs, routed_swiglu
 from trillion.models.args import ModelArgs, MoEArgs
 from trillion.models.expert_rows import run_experts
 from trillion.models.parts.moe import reach_share
@@ -103,12 +104,15 @@ class RoutedExperts(nn.Module):
     def _float8_kept(self, x, weights, w1, w2, w3, offsets, segments) -> torch.Tensor:
         """float8.cache_activations (DeepSeek-V3's activation cache): backward keeps the rows as w1's and w3's
         products quantise them (once, for both), SwiGLU's inputs in float8 (its output recomputed from them,
-        kernels/swiglu.py) and w2's input as its product quantises it; no high-precision activation."""
+        kernels/swiglu.py) and w2's input as its product quantises it; no high-precision activation. Under DeepSeek's
+        recompute (`recompute_swiglu`) not w2's input either: its product rebuilds it from SwiGLU's float8 inputs."""
         quantized = self.float8.quantize_input(x)
         gate = self.float8(x, w1, offsets, segments, quantized)
         up = self.float8(x, w3, offsets, segments, quantized)
-        hidden = routed_swiglu(gate, up, weights, quantized[0].dtype)
-        return self.float8(hidden, w2, offsets, segments)
+        kept = float8_inputs(gate, up, quantized[0].dtype)
+        hidden = routed_swiglu(gate, up, weights, kept)
+        rebuild = (partial(from_float8_inputs, dtype=hidden.dtype), (*kept, weights)) if self.recompute_swiglu else None
+        return self.float8(hidden, w2, offsets, segments, rebuild=rebuild)
 
     def _down(self, gate, up, weights, w2, offsets, segments) -> torch.Tensor:
         return self._product(routed_swiglu(gate, up, weights), w2, offsets, segments)

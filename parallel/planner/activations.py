@@ -123,12 +123,12 @@ def moe_activation_bytes(
     return summed, their routing weights applied before w2 (models/expert_rows.py), whatever the ep.
     `float8_cache` (float8.cache_activations, models/moe.py RoutedExperts): the permuted tokens and the three expert
     activations in float8, a byte an element and a float32 scale per 128 (checked against the measured bytes:
-    tests/float8/test_activation_cache.py). Else `recompute_swiglu` (DeepSeek's recompute mode): w2's input is
-    recomputed too (models/moe.py RoutedExperts.recompute_swiglu)."""
+    tests/float8/test_activation_cache.py). `recompute_swiglu` (DeepSeek's recompute mode): w2's input is recomputed
+    too (models/moe.py RoutedExperts.recompute_swiglu; with the cache, from SwiGLU's float8 inputs)."""
     block = routed_block(args)
     k, f, imb = block.routing.top_k, expert_width(block), effective_imbalance(ep, imbalance)
-    if float8_cache:
-        float8 = (k * args.dim + 3 * k * f / etp) * (1 + 4 / FLOAT8_CACHE_BLOCK)
-        return tokens * (4 * block.routing.n_experts + float8 * imb)
     hidden = 2 if recompute_swiglu else 3  # w1's and w3's outputs (and w2's input)
+    if float8_cache:
+        float8 = (k * args.dim + hidden * k * f / etp) * (1 + 4 / FLOAT8_CACHE_BLOCK)
+        return tokens * (4 * block.routing.n_experts + float8 * imb)
     return tokens * (4 * block.routing.n_experts + (k * args.dim + hidden * k * f / etp) * imb * dtype_bytes)

@@ -95,3 +95,31 @@ def test_where_it_cannot_act_it_is_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
         config = load_config(None, ["--float8.enabled=true", "--float8.cache_activations=true", *flags])
         resolve_layout(config, 1)
+
+
+def test_under_deepseeks_recompute_w2s_input_is_rebuilt_from_the_cached_gate_and_up():
+    """DeepSeek recomputes the SwiGLU output from its cached float8 inputs (models/moe.py RoutedExperts with
+    recompute_swiglu, as parallel.activation_checkpoint=deepseek sets it): w2's product keeps nothing of its input, 256
+    float8 bytes and 2 float32 scales a slot; the forward and every gradient but w2's are the same bit for bit, w2's
+    moves by float8's rounding (its weight gradient reads the input rebuilt from float8 gate and up); the planner
+    drops the same bytes."""
+    inputs, target = _batch()
+    held, grads = {}, {}
+    for rebuilt in (False, True):
+        model = _model(True)
+        for module in model.modules():
+            if hasattr(module, "recompute_swiglu"):
+                module.recompute_swiglu = rebuilt
+        held[rebuilt] = measure_micro_batch(model, inputs, target, False, True).held
+        loss = torch.nn.functional.cross_entropy(model(inputs).flatten(0, 1), target.flatten())
+        loss.backward()
+        grads[rebuilt] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    slots = 2 * 128 * ARGS.moe.top_k * (ARGS.n_layers - ARGS.moe.n_dense_layers)
+    assert held[False] - held[True] == slots * (ARGS.moe.expert_ffn_dim + 4 * ARGS.moe.expert_ffn_dim // 128)
+    moved = {n for n, g in grads[False].items() if not torch.equal(g, grads[True][n])}
+    assert moved and all(n.endswith("experts.w2") for n in moved), moved
+    for name in moved:
+        assert (grads[True][name] - grads[False][name]).norm() < 0.1 * grads[False][name].norm()
+    tokens, moe_layers = 2 * 128, ARGS.n_layers - ARGS.moe.n_dense_layers
+    planned = [moe_activation_bytes(ARGS, tokens, 1, 1, 1.0, 4, True, rebuilt) for rebuilt in (False, True)]
+    assert moe_layers * (planned[0] - planned[1]) == pytest.approx(held[False] - held[True], rel=0.05)
