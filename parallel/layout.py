@@ -181,6 +181,7 @@ class Layout:
         f8 = self.float8 or Float8Training()
         flat |= {"float8": self.float8 is not None, "float8_recipe": f8.recipe, "float8_all_gather": f8.fsdp_all_gather}
         flat |= {"float8_experts": f8.experts, "float8_dispatch": f8.dispatch, "float8_linears": f8.linears}
+        flat["float8_cache_activations"] = f8.cache_activations
         s = self.stage_layers
         return flat | {
             "pp_layout": s.written,

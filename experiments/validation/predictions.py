@@ -124,6 +124,7 @@ def run_float8(spec: dict) -> Float8Training | None:
         experts=spec.get("float8_experts", "auto"),
         dispatch=spec.get("float8_dispatch", False),
         linears=spec.get("float8_linears", True),
+        cache_activations=spec.get("float8_cache_activations", False),
     )
 
 

@@ -74,7 +74,8 @@ def _float8(spec: dict) -> str:
         return f", {recipe}{only}" + (", float8 dispatch" if spec.get("float8_dispatch") else "")
     gather = " (float8 all-gather)" if spec.get("float8_all_gather", True) else ""
     experts = f", {spec['float8_experts']} float8 experts" if spec.get("float8_experts", "auto") != "auto" else ""
-    return ", float8" + gather + experts + (", float8 dispatch" if spec.get("float8_dispatch") else "")
+    cache = ", float8 activation cache" if spec.get("float8_cache_activations") else ""
+    return ", float8" + gather + experts + (", float8 dispatch" if spec.get("float8_dispatch") else "") + cache
 
 
 def comparable(record: dict) -> bool:

@@ -52,6 +52,7 @@ LAYOUT_FIELDS = (
     "float8_linears",
     "float8_experts",
     "float8_dispatch",
+    "float8_cache_activations",
     "ep",
     "etp",
     "ep_dispatch",
@@ -381,6 +382,7 @@ def _float8(request: Request, fsdp_enabled: bool, ep: int) -> Float8Training | N
         experts=fixed.get("float8_experts", "auto"),
         dispatch=fixed.get("float8_dispatch", False) and ep > 1,
         linears=fixed.get("float8_linears", True),
+        cache_activations=fixed.get("float8_cache_activations", False),
     )
 
 

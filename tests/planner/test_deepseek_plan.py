@@ -248,3 +248,27 @@ def test_deepseek_v3_on_2048_h800_plans_with_mtp_and_its_own_layout_dry_runs(tmp
     data = json.loads(capsys.readouterr().out)
     assert code in (0, 1) and data["world_size"] == 2048 and len(data["ranks"]) == 5
     assert all(rank["activations_source"] == "measured" for rank in data["ranks"])
+
+
+DEEPSEEK_RECIPE = ["--pp-schedule", "DualPipeV", "--activation-checkpoint", "deepseek"]
+DEEPSEEK_RECIPE += ["--optimizer-state-dtype", "bfloat16", "--float8-cache-activations"]
+
+
+def test_deepseeks_recipe_fits_the_plans_memory_with_the_float8_activation_cache(tmp_path, capsys):
+    """DeepSeek's layout as DeepSeek ran it, no full recompute: with the experts' activations cached in float8 (w2's
+    input rebuilt from SwiGLU's cached inputs) its fullest rank fits the 72 GB a plan may fill, and the plan file
+    carries the cache; without the cache it does not fit the GPU and the plan is refused."""
+    import json
+
+    from trillion.trainer.cli.main import main
+    from trillion.trainer.config.schema import load_config
+
+    assert main([*DEEPSEEK_PLAN, *DEEPSEEK_LAYOUT, *DEEPSEEK_RECIPE, "--config-out", str(tmp_path / "ds.toml")]) == 0
+    row = json.loads(capsys.readouterr().out)["candidates"][0]
+    assert row["fits"] and row["memory_gb"] <= 72 and row["activation_checkpoint"] == "deepseek", row["memory_gb"]
+    assert row["pp_schedule"] == "DualPipeV" and row["float8_cache_activations"]
+    config = load_config(str(tmp_path / "ds.toml"))
+    assert config.float8.cache_activations and config.parallel.activation_checkpoint == "deepseek"
+    uncached = [*DEEPSEEK_PLAN, *DEEPSEEK_LAYOUT, *DEEPSEEK_RECIPE[:-1], "--config-out", ""]
+    assert main(uncached) != 0
+    assert "fits in memory: of 2 valid layouts the smallest needs 98.1 GB" in capsys.readouterr().err

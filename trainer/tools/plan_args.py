@@ -106,6 +106,16 @@ def add_float8_arguments(fixed) -> None:
         help="with --float8 and float8 experts: the expert dispatch all-to-all carries float8 rows and their "
         "scales (the trainer's float8.dispatch, under ep > 1)",
     )
+    fixed.add_argument(
+        "--float8-cache-activations",
+        dest="float8_cache_activations",
+        action="store_const",
+        const=True,
+        default=None,
+        help="with --float8 and float8 experts: the routed experts keep their activations for backward in float8 "
+        "(DeepSeek-V3's cache; with --activation-checkpoint deepseek, w2's input rebuilt from SwiGLU's cached "
+        "inputs; the trainer's float8.cache_activations)",
+    )
 
 
 # plan flag -> the model setting it gives the parts (models/parts apply_settings), each a count, 0 or more
