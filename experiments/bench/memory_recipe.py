@@ -4,14 +4,16 @@
 - AdamW's moments in bfloat16 (`optimizer.state_dtype=bfloat16`, parallel/adamw_states.py) against float32 moments;
 - the routed experts' activations kept for backward in float8 (`float8.cache_activations`, models/moe.py) against
   the same float8 experts keeping them in high precision (both emulated: the float8 quantisation with fp32 matmuls);
-  and the float8 experts against the plain run, for scale.
+  under DeepSeek's recompute too (`parallel.activation_checkpoint=deepseek`, itself exact), where w2's weight gradient
+  reads its input rebuilt from the float8 gate and up (kernels/swiglu.py); and the float8 experts against the plain
+  run, for scale.
 
 Each run trains in fp32 on the CPU (sequences of 64 tokens, 4 a step; the held-out loss at steps 0 and 200), one
 thread in a process of its own (the runs go side by side, --jobs), and logs every step. The drift of a run against
 its reference: the largest and the mean absolute difference of their training losses over the steps, the difference
 of their last 20 steps' mean loss, and of their final held-out loss.
 
-    python experiments/bench/memory_recipe.py            # 4 runs x 200 steps; rewrites its section of RESULTS.md
+    python experiments/bench/memory_recipe.py            # 5 runs x 200 steps; rewrites its section of RESULTS.md
     python experiments/bench/memory_recipe.py --smoke    # 3 steps, a small model, seconds (tested); no RESULTS.md
 """
 
@@ -37,6 +39,10 @@ RUNS = {  # name: (flags, the run it is compared with)
     "bf16 moments": (("--optimizer.state_dtype=bfloat16",), "fp32 moments, no float8"),
     "float8 experts": (FLOAT8_EXPERTS, "fp32 moments, no float8"),
     "float8 experts + float8 cache": ((*FLOAT8_EXPERTS, "--float8.cache_activations=true"), "float8 experts"),
+    "float8 cache + deepseek recompute": (
+        (*FLOAT8_EXPERTS, "--float8.cache_activations=true", "--parallel.activation_checkpoint=deepseek"),
+        "float8 experts",
+    ),
 }
 
 
