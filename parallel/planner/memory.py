@@ -14,7 +14,8 @@ root (embeddings, final norm, output) is never resharded after forward, so under
 through the step too. A
 pipeline schedule turns gradient sync off until the last micro-batch and keeps its stages
 gathered from their first backward on, whatever the mode, so with pp > 1 every mode costs zero1's
-bytes (measured in gloo runs by `trillion estimate`, trainer/tools/estimate/dry_run.py).
+bytes (measured in gloo runs by `trillion estimate`, trainer/tools/estimate/dry_run.py). Its stages hold a received
+hidden state for every micro-batch in flight (parallel/pipeline_stage.py), counted with the buffers.
 Activations per layer are activations.py's, by checkpointing mode.
 Context parallelism (cp): a rank holds s / cp of every sequence, so its activations are those of
 s / cp tokens, plus the whole sequence's K and V that attention gathers per block: kept for backward
