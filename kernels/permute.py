@@ -34,7 +34,7 @@ def inverse_order(order: torch.Tensor) -> torch.Tensor:
 
 
 def permute(x: torch.Tensor, order: torch.Tensor, positions: torch.Tensor, top_k: int, impl: str = "auto"):
-    if _choose(impl, x):
+    if fused(impl, x):
         return _permute_op(x.contiguous(), positions.view(-1, top_k))
     return x[order // top_k]
 
@@ -42,12 +42,12 @@ def permute(x: torch.Tensor, order: torch.Tensor, positions: torch.Tensor, top_k
 def combine(routed: torch.Tensor, positions: torch.Tensor, impl: str = "auto") -> torch.Tensor:
     """routed (tokens x top_k, dim) in expert order, positions (tokens, top_k) -> (tokens, dim), each token's slots
     summed."""
-    if _choose(impl, routed):
+    if fused(impl, routed):
         return _combine_op(routed.contiguous(), positions)
     return routed[positions].sum(dim=1)
 
 
-def _choose(impl: str, x: torch.Tensor) -> bool:
+def fused(impl: str, x: torch.Tensor) -> bool:
     """Whether `impl` runs the Triton kernels on x."""
     if impl == "torch" or (impl == "auto" and x.device.type != "cuda"):
         return False

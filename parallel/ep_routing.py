@@ -22,6 +22,9 @@ from typing import Protocol
 
 import torch
 
+from trillion.kernels.permute import combine as permutation_combine
+from trillion.kernels.permute import fused
+
 
 class Wire(Protocol):
     """A payload's form on the wire: `encode(rows)` -> the tensor posted; `decode(tensor, dim, dtype)` -> the rows
@@ -120,29 +123,34 @@ def unpack_routing(routing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return routing[:, top_k:].long(), routing[:, :top_k]
 
 
-def combine(returned: torch.Tensor, placement: Placement) -> torch.Tensor:
-    """(R, dim) each row's sum of what its members sent back (their weighted outputs), in slot order."""
-    return _SumReturns.apply(returned, placement.combine_index, placement.rows)
+def combine(returned: torch.Tensor, placement: Placement, impl: str = "auto") -> torch.Tensor:
+    """(R, dim) each row's sum of what its members sent back (their weighted outputs), in slot order; `impl` the
+    permutation's kernels (kernels.permutation: the fused combine on a GPU)."""
+    return _SumReturns.apply(returned, placement.combine_index, placement.rows, impl)
 
 
 class _SumReturns(torch.autograd.Function):
-    """Each row's returns summed slot by slot into one accumulator (float32 for a narrower dtype, as torch's sum
-    over the slots accumulates: the same sums, bit for bit), so a hop keeps no (R, top_k, dim) gather: at
-    DeepSeek-V3's shape the second hop of the per-node dispatch gathered 1.9 GB a layer for a sum of 0.2 GB.
-    Backward keeps only the send slots' rows: each send slot's return went into one row, whose gradient it takes."""
+    """Each row's returns summed in slot order with float32 accumulation, as torch's sum over a gathered (R, top_k,
+    dim) adds them, without that gather: at DeepSeek-V3's shape the second hop of the per-node dispatch gathered 1.9 GB
+    a layer for a sum of 0.2 GB. On a GPU the fused combine (kernels/permute.py) reads each returned row once; elsewhere
+    the slots are added one at a time into one accumulator. Backward keeps only the send slots' rows: each send slot's
+    return went into one row, whose gradient it takes."""
 
     @staticmethod
-    def forward(ctx, returned: torch.Tensor, combine_index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, returned, combine_index, rows, impl: str) -> torch.Tensor:
         ctx.save_for_backward(rows)
         sent = returned.shape[0]
+        if sent and fused(impl, returned):  # `sent` (not a slot of this member's) reads the zero row after them
+            padded = torch.cat([returned, returned.new_zeros(1, returned.shape[1])])
+            return permutation_combine(padded, combine_index, impl)
         dtype = torch.float32 if returned.dtype in (torch.float16, torch.bfloat16) else returned.dtype
         total = returned.new_zeros(combine_index.shape[0], returned.shape[1], dtype=dtype)
         for slots in combine_index.t() if sent else ():  # no slot sent: every row's sum is zero
             part = returned.index_select(0, slots.clamp(max=sent - 1))
-            total += part.masked_fill_((slots == sent).unsqueeze(1), 0)  # `sent`: not this slot's member's first
+            total += part.masked_fill_((slots == sent).unsqueeze(1), 0)
         return total.to(returned.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (rows,) = ctx.saved_tensors
-        return gather_rows(grad, rows), None, None
+        return gather_rows(grad, rows), None, None, None

@@ -223,8 +223,9 @@ class ExpertDispatch:
         rows, routing = self._travel(self.intra, received, node_ids, node_weights, second, placement2, send2, recv2)
         expert_ids, expert_weights = unpack_routing(routing)
         out = run_experts(self.experts, rows, expert_ids, expert_weights, self.held, slots, sources)
-        node_sums = combine(self.intra.rows(out, recv2, send2, "combine").wait(), placement2)
-        return combine(self.inter.rows(node_sums, recv1, send1, "combine").wait(), placement1)
+        impl = self.experts.permute_impl
+        node_sums = combine(self.intra.rows(out, recv2, send2, "combine").wait(), placement2, impl)
+        return combine(self.inter.rows(node_sums, recv1, send1, "combine").wait(), placement1, impl)
 
     def _travel(self, exchange, x, ids, weights, hop, placement, send, recv):
         """(rows received, their routing): the payload and its routing posted, then waited for."""
@@ -280,11 +281,11 @@ class _Chunk:
         received = self.payload.wait()
         expert_ids, expert_weights = unpack_routing(self.routing.wait())
         out = run_experts(experts, received, expert_ids, expert_weights, held, self.slots, self.recv)
-        self.returning = exchange.rows(out, self.recv, self.send, "combine")
+        self.returning, self.impl = exchange.rows(out, self.recv, self.send, "combine"), experts.permute_impl
 
     def combined(self, choices: int) -> torch.Tensor:
         """Each token's sum of what came back (per-expert rows summed over the token's `choices`, if any)."""
-        out = combine(self.returning.wait(), self.placement)
+        out = combine(self.returning.wait(), self.placement, self.impl)
         return out.view(-1, choices, out.shape[-1]).sum(dim=1) if choices else out
 
 

@@ -84,7 +84,8 @@ PERMUTATION_ROWS = {"forward": (2, 2), "backward": (3, 2)}
 # Under expert parallelism the dispatch permutes the rows itself, in torch (parallel/ep_routing.py: the rows
 # gathered per destination, the receivers' gather into expert order, the sum back and the combine's gather and
 # sum), counted as torch's path above: 7 per choice and 1 forward, twice that backward (the weighting of the experts'
-# outputs among them, which now happens on the experts' hidden rows inside SwiGLU: high, as PERMUTATION_ROWS).
+# outputs among them, which now happens on the experts' hidden rows inside SwiGLU: high, as PERMUTATION_ROWS; and the
+# hop's combine, now the fused one on a GPU, reads each returned row once instead of gathering top_k per row).
 DISPATCH_PERMUTATION_ROWS = {"forward": (7, 1), "backward": (14, 2)}
 # Kernels the dropless dispatch launches between reading its split sizes on the host and posting its all-to-all:
 # counted by tests/planner/test_dispatch_plan.py, which runs that stretch under a dispatch mode

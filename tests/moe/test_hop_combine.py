@@ -1,13 +1,15 @@
 """A dispatch hop's combine (parallel/ep_routing.py): each row's returns summed as the gathered reference sums them,
-bit for bit, with the gradient autograd gives the reference, and without the reference's (rows, top_k, dim) gather."""
+bit for bit, with the gradient autograd gives the reference, and without the reference's (rows, top_k, dim) gather:
+the slot-by-slot sum (torch) and the fused combine a GPU runs (triton, here through the interpreter)."""
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trillion.kernels.permute import fused
 from trillion.parallel.ep_routing import Hop, combine, place
 
-ROWS, TOP_K, MEMBERS, DIM = 48, 6, 4, 32
+ROWS, TOP_K, MEMBERS, DIM = 48, 6, 4, 64
 
 
 def _placement(capacity: int = 0):
@@ -24,15 +26,18 @@ def _reference(returned, placement):
     return padded[placement.combine_index].sum(dim=1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("impl", "dtype"), [("torch", torch.float32), ("torch", torch.bfloat16), ("triton", torch.float32)], ids=str
+)
 @pytest.mark.parametrize("capacity", [0, 7], ids=["dropless", "capacity"])
-def test_sums_and_gradients_equal_the_gathered_reference_bit_for_bit(dtype, capacity):
+def test_sums_and_gradients_equal_the_gathered_reference_bit_for_bit(impl, dtype, capacity):
     placement = _placement(capacity)
     returned = torch.randn(placement.total, DIM, dtype=dtype, requires_grad=True)
     grad = torch.randn(ROWS, DIM, dtype=dtype)
     expected = _reference(returned, placement)
     (expected_grad,) = torch.autograd.grad(expected, returned, grad)
-    out = combine(returned, placement)
+    assert fused(impl, returned) == (impl == "triton")  # the kernel runs (the interpreter here), not the fallback
+    out = combine(returned, placement, impl)
     (out_grad,) = torch.autograd.grad(out, returned, grad)
     assert torch.equal(out, expected) and torch.equal(out_grad, expected_grad)
     assert placement.combine_index.lt(placement.total).any(dim=1).sum() < ROWS  # some rows got nothing back
@@ -57,7 +62,7 @@ def test_no_buffer_outgrows_one_float32_row_per_row():
     placement = _placement()
     returned = torch.randn(placement.total, DIM, dtype=torch.bfloat16, requires_grad=True)
     with _Largest() as measured:
-        combine(returned, placement).sum().backward()
+        combine(returned, placement, "torch").sum().backward()
     assert measured.largest == max(4 * ROWS * DIM, 2 * placement.total * DIM)
     with _Largest() as reference:
         _reference(returned, placement).sum().backward()
