@@ -106,6 +106,8 @@ def grouped_mm_unavailable(x: torch.Tensor, weight: torch.Tensor) -> str | None:
         return None
     if x.device.type != "cpu":
         return f"torch._grouped_mm has no {x.device.type} kernel"
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:  # its meta function, which compile traces with
+        return "torch._grouped_mm under torch.compile takes bfloat16 only (its meta function, torch 2.13)"
     row_bytes = [size * x.element_size() for size in (x.shape[-1], weight.shape[-1])]
     if any(size % 16 for size in row_bytes):
         return f"torch._grouped_mm on CPU needs rows of a multiple of 16 bytes (these are {row_bytes})"

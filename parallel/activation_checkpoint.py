@@ -25,6 +25,7 @@ Applied from outside by wrapping each block's forward in place, so parameter nam
 """
 
 import contextvars
+from functools import partial
 
 import torch
 from torch import nn
@@ -126,7 +127,7 @@ def _under_policy(function, policy):
             function,
             *args,
             use_reentrant=False,
-            context_fn=lambda: create_selective_checkpoint_contexts(policy),
+            context_fn=partial(create_selective_checkpoint_contexts, policy),  # not a closure: compile takes a partial
             **kwargs,
         )
 
