@@ -247,3 +247,14 @@ def test_tp_overlap_steps_at_a_chunk_count_the_tiny_sequence_divides_and_async_t
     assert [(r["steps"], r["failed"]) for r in json.loads(capsys.readouterr().out)["steps"]] == [(1, None)]
     assert main(["estimate", *SMALL, "--parallel.async_tp=true", "--compile.enabled=true", "--no-measure"]) == 0
     assert "async TP: sized as DTensor TP" in capsys.readouterr().out
+
+
+def test_a_float8_plan_for_a_gpu_estimates_with_hardware_and_steps(capsys):
+    """A plan file for float8 GPUs (float8 on, not emulated: `trillion plan --float8 --config-out`) estimates here with
+    --hardware (the goodput's step time reads the layout) and --steps (the tiny loop): both as the dry run does, float8
+    emulated on this CPU, which has no float8 units."""
+    float8 = [*DEBUG_2D, "--model.n_layers=2", "--training.seq_len=64", "--float8.enabled=true", "--ranks", "first"]
+    float8 += ["--format", "json"]  # the job's device a GPU's, as a plan writes it (not --job.device=cpu)
+    assert main(["estimate", *float8, "--hardware", "dgx-h100", "--steps", "1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(r["steps"], r["failed"]) for r in data["steps"]] == [(1, None)] and data["goodput"]

@@ -162,11 +162,11 @@ def job_goodput(ns, config, result: Estimate):
     if ns.hardware:
         from trillion.parallel.planner.cost import step_time
         from trillion.parallel.planner.hardware import load_profile
-        from trillion.trainer.tools.estimate.dry_run import layout_dims, planner_assumptions
+        from trillion.trainer.tools.estimate.dry_run import layout_dims, planner_assumptions, runnable_here
 
         hw = load_profile(ns.hardware)
         link_gbs = hw.node_bandwidth_gbs / hw.gpus_per_node
-        dims, model_args = layout_dims(config, result.world_size)
+        dims, model_args = layout_dims(runnable_here(config)[0], result.world_size)
         with contextlib.suppress(ConfigError, KeyError):  # a layout the planner has no model of: no step time
             seq_len = config.training.seq_len
             step_s = step_time(model_args, hw, dims.layout, seq_len, planner_assumptions(config)).total

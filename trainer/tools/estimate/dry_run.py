@@ -174,9 +174,12 @@ def model_args_for(config: Config, layout: Layout) -> ModelArgs:
     return build_model_args(on_target, 0, layout)
 
 
-def without_async_tp(config: Config) -> tuple[Config, list[str]]:
-    """The config as the dry run can run it, with the note of what that changes: async TP is a pass of compile over
-    CUDA's symmetric memory, neither of which runs here; its placements are DTensor TP's, so it is sized as that."""
+def runnable_here(config: Config) -> tuple[Config, list[str]]:
+    """The config as the dry run can run it on this CPU, with the note of what that changes: float8 emulated where the
+    target has float8 units (this CPU has none; the same bytes); async TP, a pass of compile over CUDA's symmetric
+    memory, neither of which runs here, sized as DTensor TP, its placements."""
+    if config.float8.enabled and target_device(config) == "cuda":
+        config = dataclasses.replace(config, float8=dataclasses.replace(config.float8, emulate=True))
     if not config.parallel.async_tp:
         return config, []
     config = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, async_tp=False))
@@ -198,9 +201,7 @@ def estimate(
     start = time.perf_counter()
     if world_size < 1:
         raise ConfigError(f"--world-size {world_size} must be a positive number of processes.")
-    if config.float8.enabled and target_device(config) == "cuda":  # this CPU has no float8 units; the target has
-        config = dataclasses.replace(config, float8=dataclasses.replace(config.float8, emulate=True))
-    config, notes = without_async_tp(config)
+    config, notes = runnable_here(config)
     dims, model_args = layout_dims(config, world_size)  # raises ConfigError for bad degrees, model, batch or schedule
     device_name, capacity = device_capacity(hardware)
     result = Estimate(config.model.name, world_size, {}, device_name)

@@ -119,10 +119,10 @@ def tiny_config(config: Config, dims, steps: int, output_dir: str) -> Config:
 def run_steps(config: Config, world_size: int, steps: int, ranks: list[int]) -> tuple[list[StepsRun], str]:
     """`train` for `steps` steps of the tiny model as each of `ranks` of a fake world of the layout;
     also says what the tiny model and batch were."""
-    from trillion.trainer.tools.estimate.dry_run import layout_dims, model_args_for, without_async_tp
+    from trillion.trainer.tools.estimate.dry_run import layout_dims, model_args_for, runnable_here
     from trillion.trainer.train import train
 
-    config, _ = without_async_tp(config)  # the estimate's note says so
+    config, _ = runnable_here(config)  # the estimate's note says so
     dims, _ = layout_dims(config, world_size)
     runs = []
     with tempfile.TemporaryDirectory(prefix="trillion-estimate-steps-") as folder:
