@@ -74,6 +74,8 @@ class ThreadExchange(Exchange):
 class _PassThrough(nn.Module):
     """Identity experts that apply the routing weights, as the experts do before their down projection."""
 
+    permute_impl = "torch"  # the hops' combine (kernels.permutation) as on this CPU
+
     def forward(self, x, counts, weights):
         return x * weights.unsqueeze(-1).to(x.dtype)
 

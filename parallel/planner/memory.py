@@ -32,6 +32,7 @@ from trillion.models.args import ModelArgs
 from trillion.models.parts.spec import Linear, Norm
 from trillion.parallel import modes
 from trillion.parallel.layout import Layout, StageLayers
+from trillion.parallel.planner import schedules
 from trillion.parallel.planner.activations import (
     ACTIVATION_BYTES,
     checkpointed_layers,
@@ -41,12 +42,6 @@ from trillion.parallel.planner.activations import (
 from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.moe import expert_numel, expert_shards, pairs, routed_tokens
 from trillion.parallel.planner.optimizer import state_bytes, step_buffer_bytes
-from trillion.parallel.planner.schedules import (
-    dualpipe_chunks_in_flight,
-    dualpipe_in_flight,
-    in_flight_microbatches,
-    rank_of_virtual_stage,
-)
 from trillion.parallel.planner.shards import ParamSpec, local_numel
 from trillion.parallel.pp_layout import split_units
 
@@ -252,7 +247,7 @@ def _rank_units(n_layers: int, pp: int, v: int, schedule_name: str, written: str
         ranges = [range(0 if k == 0 else ends[k - 1], ends[k]) for k in range(stages)]
     held: list[list[range]] = [[] for _ in range(pp)]
     for k, units in enumerate(ranges):
-        held[rank_of_virtual_stage(k, pp, schedule) if pp > 1 else 0].append(units)
+        held[schedules.rank_of_virtual_stage(k, pp, schedule) if pp > 1 else 0].append(units)
     return held
 
 
@@ -291,9 +286,8 @@ def rank_memory(
     in_flight: float,
     received: float | None = None,
 ) -> Memory:
-    """`in_flight` micro-batches (through all the rank's layers) held at its peak; `received`: the hidden states its
-    stages hold received from the previous stage at that peak (default: `in_flight` for each of its chunks but the
-    model's first stage)."""
+    """`in_flight` micro-batches (through all its layers) held at its peak; `received`: the hidden states its stages
+    hold received then (default: `in_flight` for each of its chunks but the model's first stage)."""
     tp, ms, cp = layout.tp, layout.micro_batch_size, layout.cp
     tokens = ms * seq_len // cp
     sp = layout.sequence_parallel
@@ -323,23 +317,12 @@ def rank_memory(
     # zero3: two gathered blocks (in use, prefetched) and the held root; all modes: an fp32 block's reduce-scatter
     fsdp = 4 * layer_tp + (2 * 2 * layer_tp + 2 * root_tp if mode == "zero3" else 0)
     recompute = max(dense_layer, moe_layer if rank.routed_layers else 0) if n_ckpt else 0  # one layer, rebuilt
-    if received is None:
-        received = in_flight * ((len(rank.chunks) or 1) - rank.first)
-    pipeline = _receive_bytes(args, layout, tokens, rank, received)
+    received = in_flight * ((len(rank.chunks) or 1) - rank.first) if received is None else received
+    hidden = tokens * args.dim / (tp if sp else 1) * ACTIVATION_BYTES
+    pipeline = schedules.held_receives(received, len(rank.chunks) or 1, rank.last) * hidden if layout.pp > 1 else 0
     logits_grad = (4 + 2) * tokens * args.vocab_size / tp if rank.last else 0
     buffers = FRAMEWORK_BYTES + fsdp + recompute + pipeline + logits_grad + gathered_kv
     return Memory(parameters, gradients, optimizer, activations, buffers)
-
-
-def _receive_bytes(args: ModelArgs, layout: Layout, tokens: int, rank: RankParams, received: float) -> float:
-    """The pipeline's receive buffers (parallel/pipeline_stage.py): a hidden state (the sequence-parallel shard) for
-    each micro-batch a stage holds in flight, from its forward until its backward (all but the model's first stage),
-    and the gradient for its output during one backward (all but the last)."""
-    if layout.pp == 1:
-        return 0.0
-    gradients = 1 if (len(rank.chunks) or 1) > rank.last else 0
-    hidden = tokens * args.dim / (layout.tp if layout.sequence_parallel else 1) * ACTIVATION_BYTES
-    return (received + gradients) * hidden
 
 
 @lru_cache(maxsize=4096)
@@ -375,7 +358,7 @@ def layout_memory(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assump
     middle ranks can pass a first rank of dense blocks (deepseek-v3-671b: `trillion estimate` measured 100 GB on one
     where the first rank held 21)."""
     schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
-    first, last = in_flight_microbatches(schedule, layout.pp, layout.virtual_stages, layout.microbatches)
+    first, last = schedules.in_flight_microbatches(schedule, layout.pp, layout.virtual_stages, layout.microbatches)
     if pairs(layout):  # two micro-batches in flight (parallel/expert_overlap.py)
         first = last = 2.0
     span, candidates = max(layout.pp - 1, 1), []
@@ -386,8 +369,8 @@ def layout_memory(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assump
             if rank.ahead_modules:  # the MTP modules run in the V's last stage, this rank's second chunk
                 tokens = layout.micro_batch_size * seq_len // layout.cp
                 held[-1] += rank.ahead_modules * ahead_module_bytes(args, tokens, dense, moe)
-            in_flight = dualpipe_in_flight(layout.pp, layout.microbatches, index, held)
-            first, second = dualpipe_chunks_in_flight(layout.pp, layout.microbatches, index)
+            in_flight = schedules.dualpipe_in_flight(layout.pp, layout.microbatches, index, held)
+            first, second = schedules.dualpipe_chunks_in_flight(layout.pp, layout.microbatches, index)
             received = (0 if rank.first else first) + second  # rank 0's first chunk is the model's first stage
             candidates.append(rank_memory(args, layout, seq_len, assumed, rank, in_flight, received))
         return max(candidates, key=lambda m: m.total)
@@ -395,17 +378,6 @@ def layout_memory(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assump
         in_flight = last if rank.last and index else first + (last - first) * index / span
         candidates.append(rank_memory(args, layout, seq_len, assumed, rank, in_flight))
     return max(candidates, key=lambda m: m.total)
-
-
-def largest_optimizer_state(args: ModelArgs, layout: Layout, assumed: Assumptions) -> float:
-    """The most optimizer state one pipeline rank holds (its checkpoint share: a save waits for the rank that writes
-    the most, which need not be the fullest in memory)."""
-    d = layout.dp_shard * layout.cp
-    return max(
-        state_bytes(args, layout, assumed.optimizer, rank, shard_numel, assumed.optimizer_state_dtype)
-        for rank, _ in _earliest_of_each_kind(args, layout)
-        for _, shard_numel in [rank.numel(args, layout.tp, d, layout.ep, layout.expert_tp)]
-    )
 
 
 def _earliest_of_each_kind(args: ModelArgs, layout: Layout) -> tuple:

@@ -61,3 +61,10 @@ def dualpipe_chunks_in_flight(p: int, m: int, rank: int) -> tuple[int, int]:
     """Micro-batches DualPipeV's pipeline rank `rank` holds in flight in its first and in its second chunk at its peak
     (dualpipe_in_flight)."""
     return min(m, 2 * p - rank - 1), min(m, rank + 2)
+
+
+def held_receives(received: float, chunks: int, last: bool) -> float:
+    """Hidden states a rank's pipeline receive buffers hold at its peak (parallel/pipeline_stage.py): `received`, one
+    for each micro-batch its stages hold in flight from the previous stage, and the gradient for its output during
+    one backward (none where its only stage is the model's last)."""
+    return received + (1 if chunks > last else 0)

@@ -27,6 +27,7 @@ from trillion.parallel.modes import check_layout_schedule, checkpoint_refusal
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
+from trillion.parallel.planner.optimizer import state_bytes
 from trillion.parallel.planner.space import Request, check_request, layouts, tp_degrees
 from trillion.parallel.planner.stage_balance import balanced
 
@@ -162,6 +163,17 @@ def _describe(layout: Layout) -> str:
         f"tp {layout.tp}, pp {layout.pp}, dp {layout.dp_replicate}x{layout.dp_shard} {layout.dp_shard_mode}, "
         f"cp {layout.cp}, ep {layout.ep}, micro-batch {layout.micro_batch_size}, "
         f"checkpointing {layout.activation_checkpoint}"
+    )
+
+
+def largest_optimizer_state(request: Request, layout: Layout) -> float:
+    """The most optimizer state one pipeline rank holds (its checkpoint share: a save waits for the rank that writes
+    the most, which need not be the fullest in memory)."""
+    args, assumed, d = request.args, request.assumptions, layout.dp_shard * layout.cp
+    return max(
+        state_bytes(args, layout, assumed.optimizer, rank, shard, assumed.optimizer_state_dtype)
+        for rank in set(pipeline_ranks(args, layout))
+        for _, shard in [rank.numel(args, layout.tp, d, layout.ep, layout.expert_tp)]
     )
 
 

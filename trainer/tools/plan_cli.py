@@ -26,9 +26,8 @@ from trillion.parallel.float8_recipes import FLOAT8_RECIPES
 from trillion.parallel.modes import SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile, profile_names
-from trillion.parallel.planner.memory import largest_optimizer_state
 from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
-from trillion.parallel.planner.search import Request, metrics, model_summary, search
+from trillion.parallel.planner.search import Request, largest_optimizer_state, metrics, model_summary, search
 from trillion.parallel.planner.space import (
     ASSUMPTION_FIELDS,
     LAYOUT_FIELDS,
@@ -316,7 +315,7 @@ def main(argv: list[str]) -> int:
     best = goodput(
         ns,
         request.gpus,
-        largest_optimizer_state(request.args, result.ranked[0].layout, request.assumptions),
+        largest_optimizer_state(request, result.ranked[0].layout),
         rows[0]["step_time_s"],
         hw.node_bandwidth_gbs / hw.gpus_per_node,
     )
