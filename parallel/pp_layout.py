@@ -54,6 +54,14 @@ def resolve_auto(
     are."""
     if stages.written != AUTO:
         return stages
+    units = len(costs) - 1 if paired else len(costs)  # paired, the embedding never makes a stage alone
+    if units < len(rank_of_stage):
+        raise ConfigError(
+            f"parallel.pp_layout=auto has {units} units (the model's {n_layers} layers with the embedding and the "
+            f"output head{', the embedding kept beside a layer under the pairing' if paired else ''}) for "
+            f"{len(rank_of_stage)} pipeline stages, and every stage needs one: lower parallel.pp (or the virtual "
+            "stages per rank), or train a model with more layers."
+        )
     counts = balance_paired(costs, rank_of_stage) if paired else balance(costs, rank_of_stage)
     return dataclasses.replace(stages, written=describe(counts, n_layers, ahead_modules, True))
 

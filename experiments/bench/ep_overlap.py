@@ -2,7 +2,8 @@
 
 Every all-to-all of the expert dispatch (counts, rows, their routing, the combine; forward and backward) is made
 to complete D ms late (parallel/ep_exchange.py: a timer thread sleeps, so the delay costs no CPU). The exposed
-communication is the step time with D minus the step time without, with parallel.ep_overlap off and on:
+communication is the step time with D minus the step time without (both measured in the same round, the median over
+the rounds of that difference), with parallel.ep_overlap off and on:
 
     hidden = 1 - exposed(on) / exposed(off)
 
@@ -38,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from experiments.bench.timing import in_turns, median_difference  # noqa: E402
 from trillion.models import PRESETS, Transformer  # noqa: E402
 from trillion.parallel.dims import ParallelDims  # noqa: E402
 from trillion.parallel.expert_parallel import expert_dispatches  # noqa: E402
@@ -51,11 +53,11 @@ def moe_layers_of(args) -> list[int]:
     return [index for index in range(args.n_layers) if args.is_moe_layer(index)]
 
 
-def model_args(smoke: bool, capacity: float):
+def model_args(smoke: bool, capacity: float, pp: int = 1):
     base = PRESETS["debug-moe"]
     moe = dataclasses.replace(base.moe, rank_capacity_factor=capacity, capacity_ranks=2 if capacity else 1)
-    if smoke:
-        return dataclasses.replace(base, n_layers=2, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, moe=moe)
+    if smoke:  # a V of 2 pp stages a rank needs a layer per stage
+        return dataclasses.replace(base, n_layers=2 * pp, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, moe=moe)
     moe = dataclasses.replace(moe, expert_ffn_dim=512, n_shared_experts=2)  # 8 MoE layers: few edges of the pairing
     return dataclasses.replace(base, n_layers=9, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512, moe=moe)
 
@@ -157,19 +159,14 @@ class PipelineRun:
 
 
 def measure(run: Run, settings: list[tuple], rounds: int) -> dict:
-    """Median step seconds of each (overlap, delay) setting, the settings taking turns step by step (the machine's
-    other load falls on all of them alike); one warm-up round first."""
-    times, blocked = {setting: [] for setting in settings}, {setting: [] for setting in settings}
-    for round_ in range(rounds + 1):
-        for setting in settings:
-            seconds = run.step(*setting)
-            if round_:
-                times[setting].append(seconds)
-                blocked[setting].append(run.blocked)
-    medians = torch.tensor([statistics.median(values) for values in blocked.values()], dtype=torch.float64)
+    """Step seconds of each (overlap, delay) setting over the rounds, in round order (timing.in_turns); the busiest
+    rank's median seconds blocked on the delayed all-to-alls in `run.blocked_medians`."""
+    readings = in_turns(lambda *setting: (run.step(*setting), run.blocked), settings, rounds)
+    blocked = [statistics.median(b for _, b in values) for values in readings.values()]
+    medians = torch.tensor(blocked, dtype=torch.float64)
     dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # the busiest rank's (one of no MoE layer blocks on none)
-    run.blocked_medians = dict(zip(blocked, medians.tolist()))
-    return {setting: statistics.median(values) for setting, values in times.items()}
+    run.blocked_medians = dict(zip(readings, medians.tolist()))
+    return {setting: [seconds for seconds, _ in values] for setting, values in readings.items()}
 
 
 def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
@@ -181,15 +178,16 @@ def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
         batch = (2, 32, 2) if ns.smoke else (4, 128, 2)  # micro-batch, sequence, micro-batches per step
     rows = []
     for capacity in (0.0,) if ns.pp > 1 else (0.0, 1.5):
-        args = model_args(ns.smoke, capacity)
+        args = model_args(ns.smoke, capacity, ns.pp)
         run = PipelineRun(args, world, batch) if ns.pp > 1 else Run(args, world, batch)
         base = measure(run, [(False, 0.0)], ns.steps)
         layers = len(moe_layers_of(args))  # each MoE layer's pass of one micro-batch, once per step
-        layer_s = base[False, 0.0] / (layers * batch[2] * 3)  # a layer's pass of one micro-batch
+        layer_s = statistics.median(base[False, 0.0]) / (layers * batch[2] * 3)  # a layer's pass of one micro-batch
         for scale in ns.scales:
             delay = scale * layer_s
-            timed = measure(run, [(False, 0.0), (True, 0.0), (False, delay), (True, delay)], ns.steps)
-            exposed = {o: timed[o, delay] - timed[o, 0.0] for o in (False, True)}
+            steps = measure(run, [(False, 0.0), (True, 0.0), (False, delay), (True, delay)], ns.steps)
+            timed = {setting: statistics.median(values) for setting, values in steps.items()}
+            exposed = {o: median_difference(steps[o, delay], steps[o, 0.0]) for o in (False, True)}  # same round
             row = {
                 "mode": ("capacity 1.5" if capacity else "dropless") + (" DualPipeV pp 2" if ns.pp > 1 else ""),
                 "delay_ms": 1e3 * delay,

@@ -7,7 +7,8 @@ batch x seq x dim activation) completes D later than it would have, one chunk of
 one before it is through. With the overlap off they are DTensor's (its `all_gather_single` and
 `reduce_scatter_single`, held D after they complete); with it on, the overlap's own (parallel/tp_overlap.py
 TpCollectives.delay_s), and DTensor's for what the overlap leaves to it (the embedding's).
-A sleep, so the delay costs no CPU. The exposed communication is the step time with D minus the step time without:
+A sleep, so the delay costs no CPU. The exposed communication is the step time with D minus the step time without,
+the two measured in the same round (the median over the rounds of that difference):
 
     hidden = 1 - exposed(on) / exposed(off)
 
@@ -54,6 +55,7 @@ import torch.multiprocessing as mp
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from experiments.bench.results_file import replace_section  # noqa: E402
+from experiments.bench.timing import in_turns, median_difference  # noqa: E402
 from trillion.models import PRESETS, Transformer  # noqa: E402
 from trillion.parallel.dims import ParallelDims  # noqa: E402
 from trillion.parallel.forward_backward import MicroBatchLoop  # noqa: E402
@@ -74,6 +76,7 @@ def model_args(smoke: bool):
 
 
 KINDS = ("all_gather", "reduce_scatter")
+READINGS = ("step", "blocked", "late")  # a step's seconds, its waits' blocked seconds, the delay they left uncovered
 
 
 class LateDTensor:
@@ -182,15 +185,10 @@ class Run:
 
 
 def measure(run: Run, settings: list[tuple], rounds: int) -> dict:
-    """Each reading's median per (overlap, delay) setting, the settings taking turns step by step (the machine's
-    other load falls on all of them alike), after a warm-up round."""
-    readings = {name: {setting: [] for setting in settings} for name in ("step", "blocked", "late")}
-    for round_ in range(rounds + 1):
-        for setting in settings:
-            values = run.step(*setting)
-            for name, value in values.items() if round_ else ():
-                readings[name][setting].append(value)
-    return {name: {k: statistics.median(v) for k, v in by.items()} for name, by in readings.items()}
+    """Each reading (step, blocked, late) of each (overlap, delay) setting over the rounds, in round order
+    (timing.in_turns)."""
+    by_setting = in_turns(run.step, settings, rounds)
+    return {name: {k: [r[name] for r in v] for k, v in by_setting.items()} for name in READINGS}
 
 
 def gemm_seconds(args, tp: int, tokens: int) -> dict[str, tuple[float, float]]:
@@ -237,8 +235,9 @@ def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
         for (delays, gemm), scale in itertools.product([(d, gemms[d]) for d in ns.delays], ns.scales):
             run.delays.gemm = gemm
             readings = measure(run, [(False, 0.0), (True, 0.0), (False, scale), (True, scale)], ns.steps)
-            timed, waits, left = readings["step"], readings["blocked"], readings["late"]
-            exposed = {o: timed[o, scale] - timed[o, 0.0] for o in (False, True)}
+            timed, waits, left = ({k: statistics.median(v) for k, v in readings[n].items()} for n in READINGS)
+            step = readings["step"]  # exposed: the step's lengthening by the delay, paired within each round
+            exposed = {o: median_difference(step[o, scale], step[o, 0.0]) for o in (False, True)}
             row = {
                 "tp": world,
                 "chunks": chunks,

@@ -19,6 +19,7 @@ from trillion.parallel.pp_layout import (
     describe,
     even,
     parse,
+    resolve_auto,
     split_units,
     stage_ranks,
 )
@@ -116,6 +117,15 @@ def test_balance_paired_gives_every_stage_of_the_v_compute_and_evens_the_stages(
     widened = [0.0, 0.36, *[1.0] * 8, 0.04]  # embedding, a dense layer, 8 MoE layers, the head (FLOPs / MoE layer)
     assert describe(balance(widened, [0, 1, 1, 0]), 9, compact=True) == "E+0 | 3 | 2 | 4+O"
     assert describe(balance_paired(widened, [0, 1, 1, 0]), 9, compact=True) == "E+3 | 2 | 2 | 2+O"
+
+
+def test_auto_refuses_more_stages_than_units_with_the_fix():
+    """A V of 4 stages over a 2-layer model: the 4 units (embedding, 2 layers, head) fill it one each, but not under
+    the pairing, which keeps the embedding beside a layer."""
+    costs, ranks = [0.0, 1.0, 1.0, 0.1], [0, 1, 1, 0]
+    assert resolve_auto(StageLayers(written="auto"), 2, costs, ranks).written == "E+0 | 1 | 1 | 0+O"
+    with pytest.raises(ConfigError, match=r"has 3 units .* for 4 pipeline stages.*lower parallel.pp"):
+        resolve_auto(StageLayers(written="auto"), 2, costs, ranks, paired=True)
 
 
 def _stage_squares(costs, units) -> float:
