@@ -6,7 +6,10 @@ copy of each rank's own shard of every parameter in (pinned) CPU memory, updated
 so it takes no accelerator memory and no collective: under FSDP each rank averages the shard it steps (a DTensor's
 local tensor), never the gathered whole. On an accelerator the step's parameters are copied into a pinned staging
 buffer with non_blocking (the copy queued behind the optimizer's kernels, the host not waiting) and folded into the
-average at the next step, or before a checkpoint reads it; on the CPU the fold is immediate.
+average by a host thread of its own once the copy lands, while the training thread goes on launching the next step:
+the fold reads and writes about 18 bytes of host memory a parameter, seconds a step on one core at DeepSeek-V3's
+shard sizes (torchrun gives each rank one intra-op thread), which on the training thread would hold the next step's
+launches. The next update, and a checkpoint's read, wait for it. On the CPU the fold is immediate.
 
 A checkpoint saves it under `ema.<parameter name>` with the parameters' global shapes and placements, so a resume
 under any layout loads it (DCP re-slices it as it does the model) and `trillion export --weights ema` writes it.
@@ -14,6 +17,7 @@ under any layout loads it (DCP re-slices it as it does the model) and `trillion 
 
 import logging
 import re
+import threading
 
 import torch
 from torch import nn
@@ -39,17 +43,21 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 class HostEMA(Stateful):
     """The moving average of `model`'s trainable parameters, each rank's shard in host memory."""
 
-    def __init__(self, model: nn.Module, decay: float, device: torch.device):
+    def __init__(self, model: nn.Module, decay: float, device: torch.device, staged: bool | None = None):
+        """`staged` (default: on an accelerator): each step's parameters go through the staging buffers and a fold
+        thread (the module docstring); on the CPU that path copies synchronously (tests run it there)."""
         assert 0 < decay < 1, decay
         self.decay = decay
         self.params = {checkpoint_name(n): p for n, p in model.named_parameters() if p.requires_grad}
+        staged = device.type != "cpu" if staged is None else staged
         pinned = device.type == "cuda"  # pinned host memory: what a non_blocking device-to-host copy needs
         self.average = {n: self._host(_local(p), pinned) for n, p in self.params.items()}
         for name, average in self.average.items():
             average.copy_(_local(self.params[name]).detach())
-        # the step's parameters on their way to the host (accelerators only), and the event marking their arrival
-        self.staging = {n: self._host(_local(p), pinned, p.dtype) for n, p in self.params.items()} if pinned else None
-        self.in_flight: torch.cuda.Event | None = None
+        # the step's parameters on their way to the host, and the thread folding them in once they land
+        self.staging = {n: self._host(_local(p), pinned, p.dtype) for n, p in self.params.items()} if staged else None
+        self.folding: threading.Thread | None = None
+        self.fold_error: BaseException | None = None
         numel = sum(a.numel() for a in self.average.values())
         log.info("optimizer.ema_decay=%g: %.1f MB of host memory on this rank", decay, numel * 4 / 1e6)
 
@@ -58,8 +66,8 @@ class HostEMA(Stateful):
         return torch.empty(local.shape, dtype=dtype, device="cpu", pin_memory=pinned)
 
     def update(self) -> None:
-        """Fold in the parameters as the step left them: on an accelerator, the previous step's copy is folded and
-        this step's copy queued (non_blocking into pinned memory); on the CPU, folded now."""
+        """Fold in the parameters as the step left them: staged, the previous step's fold awaited, this step's
+        copy queued (non_blocking into pinned memory) and its fold started on a host thread; else folded now."""
         if self.staging is None:
             for name, average in self.average.items():
                 average.lerp_(_local(self.params[name]).detach().float(), 1 - self.decay)
@@ -67,17 +75,30 @@ class HostEMA(Stateful):
         self.fold()
         for name, staged in self.staging.items():
             staged.copy_(_local(self.params[name]).detach(), non_blocking=True)
-        self.in_flight = torch.cuda.Event()
-        self.in_flight.record()
+        landed = torch.cuda.Event() if next(iter(self.params.values())).is_cuda else None
+        if landed is not None:
+            landed.record()
+        self.folding = threading.Thread(target=self._fold_staged, args=(landed,), daemon=True)
+        self.folding.start()
+
+    def _fold_staged(self, landed) -> None:
+        try:
+            if landed is not None:
+                landed.synchronize()
+            for name, average in self.average.items():  # torch's CPU ops release the GIL: the step goes on
+                average.lerp_(self.staging[name].float(), 1 - self.decay)
+        except BaseException as error:  # noqa: BLE001 (raised on the training thread by fold)
+            self.fold_error = error
 
     def fold(self) -> None:
-        """Wait for the queued copy (it was queued a step ago: normally done) and fold it into the average."""
-        if self.in_flight is None:
+        """Wait for the last step's fold (normally done: it had a step's time)."""
+        if self.folding is None:
             return
-        self.in_flight.synchronize()
-        self.in_flight = None
-        for name, average in self.average.items():
-            average.lerp_(self.staging[name].float(), 1 - self.decay)
+        self.folding.join()
+        self.folding = None
+        if self.fold_error is not None:
+            error, self.fold_error = self.fold_error, None
+            raise RuntimeError("optimizer.ema_decay: folding the step's parameters into the average failed") from error
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Update after every optimizer step the optimizer takes (GradScaler's and the masked fused step's too)."""
@@ -97,7 +118,7 @@ class HostEMA(Stateful):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.in_flight = None
+        self.fold()
         for name, average in self.average.items():
             loaded = state[name]
             average.copy_(_local(loaded) if isinstance(loaded, DTensor) else loaded)

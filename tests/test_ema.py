@@ -22,11 +22,14 @@ def _relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
     return ((ours.double() - reference).norm() / reference.norm()).item()
 
 
-def test_average_of_torch_adamw_matches_a_float64_reference():
+@pytest.mark.parametrize("staged", [False, True], ids=["folded-now", "staged-fold-thread"])
+def test_average_of_torch_adamw_matches_a_float64_reference(staged):
+    """Both paths: folded at once (the CPU's), and the accelerators' (staging buffers, folded by a thread of its own
+    while the step goes on: run here with a synchronous copy)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ema = HostEMA(model, DECAY, torch.device("cpu"))
+    ema = HostEMA(model, DECAY, torch.device("cpu"), staged=staged)
     ema.attach(optimizer)
     reference = {n: p.detach().double().clone() for n, p in model.named_parameters()}
     for _ in range(8):
@@ -35,10 +38,21 @@ def test_average_of_torch_adamw_matches_a_float64_reference():
         optimizer.zero_grad()
         for name, param in model.named_parameters():
             reference[name] = DECAY * reference[name] + (1 - DECAY) * param.detach().double()
+        assert (ema.folding is not None) == staged  # staged, the training thread left the fold to its thread
     state = ema.state_dict()
     for name, param in model.named_parameters():
         assert _relative(state[name], reference[name]) < 1e-6, name
         assert _relative(param.detach(), reference[name]) > 1e-3, name  # the average is not the parameters
+
+
+def test_a_failed_fold_is_raised_on_the_training_thread():
+    model = torch.nn.Linear(4, 4)
+    ema = HostEMA(model, DECAY, torch.device("cpu"), staged=True)
+    ema.average = {name: torch.zeros(3) for name in ema.average}  # a shape the staged copy cannot fold into
+    ema.update()
+    with pytest.raises(RuntimeError, match="optimizer.ema_decay: folding"):
+        ema.fold()
+    assert ema.folding is None and ema.fold_error is None
 
 
 FSDP = ["--parallel.dp_shard=2", f"--optimizer.ema_decay={DECAY}"]
