@@ -1,8 +1,8 @@
 """What the planner assumes about a run beyond its layout (parallel/layout.py): figures no layout setting fixes,
 which the planner costs but the trainer never reads. `trillion plan` takes them as flags (--moe-load-imbalance,
---optimizer, --optimizer-state-dtype, --documents), `trillion estimate` and the memory pre-flight from the run's
-config (its optimizer and its moments' dtype), and the planner's functions receive them beside the layout, explicitly
-(memory.layout_memory, cost.step_time)."""
+--optimizer, --optimizer-state-dtype, --documents, --ema-decay), `trillion estimate` and the memory pre-flight from
+the run's config (its optimizer, its moments' dtype and its average's decay), and the planner's functions receive
+them beside the layout, explicitly (memory.layout_memory, cost.step_time)."""
 
 from dataclasses import asdict, dataclass
 
@@ -17,6 +17,7 @@ class Assumptions:
     optimizer: str = "adamw"  # adamw | muon: the optimizer's state and step work (optimizer.py)
     optimizer_state_dtype: str = "float32"  # optimizer.state_dtype: AdamW's moments' (optimizer.py)
     attention_share: float = 1.0  # document masking: the attention work left (models/flops.py)
+    ema_decay: float = 0.0  # optimizer.ema_decay (0: none): the parameters' average, in host memory (optimizer.py)
 
     def as_dict(self) -> dict:
         return asdict(self)

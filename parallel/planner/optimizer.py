@@ -18,6 +18,10 @@ Step time (nothing overlapped: parallel/muon/distributed.py runs gather, compute
                 the compute dtype (the trainer's newton_schulz_dtype=auto: bfloat16 on GPUs)
   exchange      two all-to-alls over the stage's ranks, each moving the rank's hidden-matrix shard in that dtype
                 (an upper bound under replicas: HSDP's replicas gather one copy of each piece, and receive all)
+The parameters' moving average (optimizer.ema_decay, parallel/host_ema.py) takes no GPU memory and no GPU time: a
+float32 average of each parameter of the rank's shard and, on an accelerator, a staging copy in the parameter's
+dtype (the fp32 master weights), both in host memory, folded by a host thread beside the next step; the checkpoint
+saves the average (host_ema_bytes).
 The QK-clip (optimizer.qk_clip) is not costed: a step scales two weights' rows, and the forward's max-logit probe
 adds a QK^T product per attention (models/logit_probe.py).
 """
@@ -140,3 +144,26 @@ def step_seconds(args: ModelArgs, hw: HardwareProfile, layout, optimizer: str, r
 def newton_schulz_flops_per_step(args: ModelArgs, rank) -> float:
     """FLOPs of one Muon step's orthogonalizations on this rank's stage, all its ranks together."""
     return sum(count * newton_schulz_flops(r, c) for r, c, count in _stage_matrices(args, rank))
+
+
+# parallel/host_ema.py, per parameter element of the rank's shard: its float32 average, and on an accelerator the
+# staging copy the step's parameters land in, in their dtype (fp32 master weights: memory.py)
+EMA_AVERAGE_BYTES = 4
+EMA_STAGING_BYTES = 4
+
+
+def host_ema_bytes(shard_numel: int) -> tuple[int, int]:
+    """(host memory, checkpoint share) of the parameters' average on a rank whose shard has `shard_numel`
+    elements."""
+    return (EMA_AVERAGE_BYTES + EMA_STAGING_BYTES) * shard_numel, EMA_AVERAGE_BYTES * shard_numel
+
+
+def host_ema_line(decay: float, shard_numel: int, gpus_per_node: int) -> str:
+    """The plan's line for the parameters' average (optimizer.ema_decay `decay` > 0) on the largest shard."""
+    host = host_ema_bytes(shard_numel)[0] / 1e9
+    return (
+        f"parameter average in host memory (optimizer.ema_decay {decay:g}): {host:.3g} GB a rank, "
+        f"{host * gpus_per_node:.3g} GB a node of {gpus_per_node} GPUs (a float32 average and a staging copy of "
+        "each parameter of the rank's shard: parallel/host_ema.py), none on the GPU; folded by a host thread beside "
+        "the next step, saved with the checkpoint"
+    )

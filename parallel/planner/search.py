@@ -27,7 +27,7 @@ from trillion.parallel.modes import check_layout_schedule, checkpoint_refusal
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
-from trillion.parallel.planner.optimizer import state_bytes
+from trillion.parallel.planner.optimizer import host_ema_bytes, state_bytes
 from trillion.parallel.planner.space import Request, check_request, layouts, tp_degrees
 from trillion.parallel.planner.stage_balance import balanced
 
@@ -166,15 +166,18 @@ def _describe(layout: Layout) -> str:
     )
 
 
-def largest_optimizer_state(request: Request, layout: Layout) -> float:
-    """The most optimizer state one pipeline rank holds (its checkpoint share: a save waits for the rank that writes
-    the most, which need not be the fullest in memory)."""
-    args, assumed, d = request.args, request.assumptions, layout.dp_shard * layout.cp
-    return max(
-        state_bytes(args, layout, assumed.optimizer, rank, shard, assumed.optimizer_state_dtype)
-        for rank in set(pipeline_ranks(args, layout))
-        for _, shard in [rank.numel(args, layout.tp, d, layout.ep, layout.expert_tp)]
-    )
+def rank_states(request: Request, layout: Layout) -> list[tuple[int, float]]:
+    """(parameter shard elements, optimizer state bytes) of each distinct pipeline rank: what it checkpoints (a save
+    waits for the rank that writes the most, which need not be the fullest in memory)."""
+    args, assumed, found = request.args, request.assumptions, []
+    for rank in set(pipeline_ranks(args, layout)):
+        shard = _shard(args, layout, rank)
+        found.append((shard, state_bytes(args, layout, assumed.optimizer, rank, shard, assumed.optimizer_state_dtype)))
+    return found
+
+
+def _shard(args: ModelArgs, layout: Layout, rank) -> int:
+    return rank.numel(args, layout.tp, layout.dp_shard * layout.cp, layout.ep, layout.expert_tp)[1]
 
 
 def metrics(request: Request, candidate: Candidate) -> dict:
@@ -209,6 +212,8 @@ def metrics(request: Request, candidate: Candidate) -> dict:
         "memory_warning": memory_warning(candidate.memory.total / 1e9, hw.device.memory_gb, candidate.fits),
     }
     out["utilisation_warning"] = utilisation_warning(hw.device.name, out)
+    if request.assumptions.ema_decay:  # the parameters' average: host memory of the largest shard's rank
+        out["host_ema_gb"] = host_ema_bytes(max(shard for shard, _ in rank_states(request, layout)))[0] / 1e9
     if request.tokens > 0:
         out.update(budget(request, step))
     return out

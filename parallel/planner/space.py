@@ -58,7 +58,7 @@ LAYOUT_FIELDS = (
     "async_tp",
     "pp_layout",
 )
-ASSUMPTION_FIELDS = ("moe_load_imbalance", "optimizer", "optimizer_state_dtype", "attention_share")
+ASSUMPTION_FIELDS = ("moe_load_imbalance", "optimizer", "optimizer_state_dtype", "attention_share", "ema_decay")
 OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")  # optimizer.state_dtype: costed as given, never searched
 # --pp-layout: the stages balanced by the planner's cost of each unit (auto: stage_balance.py), or written out
 # (parallel/pp_layout.py); `even` is the planner's even split of the layers

@@ -102,9 +102,10 @@ def test_estimate_prices_the_measured_checkpoint(capsys):
     assert trillion([*argv, "--mtbf-hours-per-gpu", "10", "--restart-s", "60"]) == 0
     result = json.loads(capsys.readouterr().out)
     figures = result["goodput"]
-    optimizer = max(rank["optimizer"] for rank in result["ranks"])  # the dry run's measured shard bytes
+    # the dry run's measured shard: its fp32 master weights and its optimizer state
+    saved = max(4 * rank["parameter_count"] + rank["optimizer"] for rank in result["ranks"])
     assert figures["gpus"] == 2 and figures["failures_per_day"] == pytest.approx(24 * 2 / 10)
-    assert figures["save_s"] == pytest.approx(optimizer * 1.5 / 1e9)  # at the assumed 1 GB/s per GPU
+    assert figures["save_s"] == pytest.approx(saved / 1e9)  # at the assumed 1 GB/s per GPU
     assert figures["step_s"] > 0 and math.isfinite(figures["goodput_fault_tolerant"])
 
 

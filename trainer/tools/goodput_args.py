@@ -7,9 +7,9 @@ import argparse
 from trillion.errors import ConfigError
 from trillion.parallel.planner.goodput import CHECKPOINT_GBS_PER_GPU, MTBF_HOURS_PER_GPU, RESTART_S, Goodput
 
-# A checkpoint holds each rank's fp32 master shard and AdamW's two fp32 moments: 12 bytes per sharded
-# parameter, 1.5 times the optimizer state (parallel/planner/memory.py, states_bytes).
-CHECKPOINT_PER_OPTIMIZER_BYTE = 12 / 8
+# A checkpoint holds each rank's shard of the fp32 master weights (parallel/planner/memory.py), its optimizer state
+# and, with optimizer.ema_decay, the parameters' float32 average (parallel/host_ema.py)
+MASTER_BYTES = 4
 
 
 def add_goodput_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,13 +55,19 @@ def check_goodput_arguments(ns: argparse.Namespace) -> list[str]:
     return problems
 
 
-def goodput(ns: argparse.Namespace, gpus: int, optimizer_bytes: float, step_s: float, link_gbs: float) -> Goodput:
-    """The goodput of a layout whose fullest GPU holds `optimizer_bytes` of optimizer state and steps in
+def checkpoint_share(shard_numel: int, optimizer_bytes: float, average_bytes: float) -> float:
+    """A rank's bytes in a checkpoint: its master weights' shard of `shard_numel` elements, its optimizer state and
+    the parameters' average (0: none)."""
+    return MASTER_BYTES * shard_numel + optimizer_bytes + average_bytes
+
+
+def goodput(ns: argparse.Namespace, gpus: int, checkpoint_bytes: float, step_s: float, link_gbs: float) -> Goodput:
+    """The goodput of a layout whose largest writer saves `checkpoint_bytes` (checkpoint_share) and steps in
     `step_s` (0: unknown), a restarted group copying its checkpoint's worth from a peer at `link_gbs` per GPU."""
     problems = check_goodput_arguments(ns)
     if problems:
         raise ConfigError("; ".join(problems) + ".")
-    checkpoint_gb = optimizer_bytes * CHECKPOINT_PER_OPTIMIZER_BYTE / 1e9
+    checkpoint_gb = checkpoint_bytes / 1e9
     save_s = ns.checkpoint_save_s if ns.checkpoint_save_s is not None else checkpoint_gb / CHECKPOINT_GBS_PER_GPU
     heal_s = checkpoint_gb / link_gbs if link_gbs > 0 else 0.0
     return Goodput(gpus, ns.mtbf_hours_per_gpu, save_s, ns.restart_s, step_s, ns.ft_groups, heal_s)

@@ -27,7 +27,8 @@ from trillion.parallel.modes import SCHEDULES, ZERO_MODES
 from trillion.parallel.planner.explain import ep_choice
 from trillion.parallel.planner.hardware import load_profile, profile_names
 from trillion.parallel.planner.moe import MOE_LOAD_IMBALANCE
-from trillion.parallel.planner.search import Request, largest_optimizer_state, metrics, model_summary, search
+from trillion.parallel.planner.optimizer import host_ema_bytes, host_ema_line
+from trillion.parallel.planner.search import Request, metrics, model_summary, rank_states, search
 from trillion.parallel.planner.space import (
     ASSUMPTION_FIELDS,
     LAYOUT_FIELDS,
@@ -39,7 +40,12 @@ from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.checks import creatable_problem
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.data.token_store import TokenStore
-from trillion.trainer.tools.goodput_args import add_goodput_arguments, check_goodput_arguments, goodput
+from trillion.trainer.tools.goodput_args import (
+    add_goodput_arguments,
+    check_goodput_arguments,
+    checkpoint_share,
+    goodput,
+)
 from trillion.trainer.tools.plan_args import (
     PART_FLAGS,
     add_dispatch_arguments,
@@ -98,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("etp", int, None),
         ("optimizer", str, OPTIMIZERS),
         ("optimizer_state_dtype", str, OPTIMIZER_STATE_DTYPES),
+        ("ema_decay", float, None),
     ):
         fixed.add_argument(
             f"--{name.replace('_', '-')}",
@@ -160,6 +167,8 @@ def argument_problems(ns: argparse.Namespace) -> tuple[list[str], object]:
     for flag, setting in PART_FLAGS.items():
         if getattr(ns, flag) is not None and getattr(ns, flag) < 0:
             problems.append(f"--{flag.replace('_', '-')} {getattr(ns, flag)} must be 0 or more (0: none; {setting})")
+    if ns.ema_decay is not None and not 0 <= ns.ema_decay < 1:
+        problems.append(f"--ema-decay {ns.ema_decay:g} must be in [0, 1) (optimizer.ema_decay; 0: no average)")
     if ns.ep_capacity is not None and ns.ep_capacity < 1:
         problems.append(
             f"--ep-capacity {ns.ep_capacity:g} must be at least 1 (an even share; moe.rank_capacity_factor)"
@@ -311,14 +320,11 @@ def main(argv: list[str]) -> int:
     result = search(request)
     rows = [metrics(request, c) for c in result.ranked[: max(ns.top, 1)]]
     why_ep = ep_choice(request, result)
-    hw = request.hardware
-    best = goodput(
-        ns,
-        request.gpus,
-        largest_optimizer_state(request, result.ranked[0].layout),
-        rows[0]["step_time_s"],
-        hw.node_bandwidth_gbs / hw.gpus_per_node,
-    )
+    hw, ema_decay = request.hardware, request.assumptions.ema_decay
+    states = rank_states(request, result.ranked[0].layout)
+    saved = max(checkpoint_share(n, state, host_ema_bytes(n)[1] if ema_decay else 0) for n, state in states)
+    best = goodput(ns, request.gpus, saved, rows[0]["step_time_s"], hw.node_bandwidth_gbs / hw.gpus_per_node)
+    shard = max(n for n, _ in states)
     if ns.format == "json":
         json.dump(
             {
@@ -340,6 +346,8 @@ def main(argv: list[str]) -> int:
         if rows[0]["pp_layout"]:  # the stages the plan timed (balanced: stage_balance.py), as parallel.pp_layout
             print(f"best layout: pipeline stages {rows[0]['pp_layout']} (parallel.pp_layout)")
         print("\n".join(f"best layout: {line}" for line in best.lines()))
+        if ema_decay:
+            print(f"best layout: {host_ema_line(ema_decay, shard, hw.gpus_per_node)}")
     out = (
         ns.config_out
         if ns.config_out is not None

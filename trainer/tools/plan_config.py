@@ -46,6 +46,7 @@ def train_config_toml(request: Request, row: dict) -> str:
     config.moe.rank_capacity_factor = row["ep_capacity"]
     config.optimizer.name = row["optimizer"]
     config.optimizer.state_dtype = row["optimizer_state_dtype"]
+    config.optimizer.ema_decay = row["ema_decay"]
     config.parallel.pp_layout = row["pp_layout"] if row["pp"] > 1 else ""  # the split the plan timed, written out
     config.data.document_mask = row["attention_share"] < 1.0  # --documents: the plan timed masked attention
     config.compile.enabled = row["compile"]

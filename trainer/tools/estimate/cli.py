@@ -24,7 +24,7 @@ from trillion.trainer.cli.args import CommandParser
 from trillion.trainer.config.schema import load_config
 from trillion.trainer.tools.estimate.dry_run import DEFAULT_RANKS, KINDS, Estimate, estimate, shortfall_message
 from trillion.trainer.tools.estimate.steps import run_steps, summary
-from trillion.trainer.tools.goodput_args import add_goodput_arguments, goodput
+from trillion.trainer.tools.goodput_args import add_goodput_arguments, checkpoint_share, goodput
 
 
 def parse(argv: list[str]):
@@ -156,8 +156,9 @@ def table(result: Estimate) -> str:
 
 
 def job_goodput(ns, config, result: Estimate):
-    """Goodput of the job (every replica group's GPUs) from the fullest simulated rank's measured optimizer
-    bytes; the step time and links from the planner on --hardware (without it, unknown: 0)."""
+    """Goodput of the job (every replica group's GPUs) from the largest checkpoint share of a simulated rank (its
+    measured shard and optimizer state); the step time and links from the planner on --hardware (without it,
+    unknown: 0)."""
     step_s, link_gbs = 0.0, 0.0
     if ns.hardware:
         from trillion.parallel.planner.cost import step_time
@@ -170,8 +171,19 @@ def job_goodput(ns, config, result: Estimate):
         with contextlib.suppress(ConfigError, KeyError):  # a layout the planner has no model of: no step time
             seq_len = config.training.seq_len
             step_s = step_time(model_args, hw, dims.layout, seq_len, planner_assumptions(config)).total
-    optimizer = max((r.optimizer for r in result.ranks), default=0)
-    return goodput(ns, result.world_size * config.fault_tolerance.groups, optimizer, step_s, link_gbs)
+    from trillion.parallel.planner.optimizer import host_ema_bytes
+
+    def average(shard: int) -> int:  # the parameters' float32 average, saved beside them
+        return host_ema_bytes(shard)[1] if config.optimizer.ema_decay else 0
+
+    shares = [checkpoint_share(r.parameter_count, r.optimizer, average(r.parameter_count)) for r in result.ranks]
+    saved = max(shares, default=0)
+    return goodput(ns, result.world_size * config.fault_tolerance.groups, saved, step_s, link_gbs)
+
+
+def largest_shard(result: Estimate) -> int:
+    """The most parameter elements a simulated rank's shard holds (the dry run's local shapes)."""
+    return max((r.parameter_count for r in result.ranks), default=0)
 
 
 def main(argv: list[str]) -> int:
@@ -210,6 +222,12 @@ def main(argv: list[str]) -> int:
         )
     else:
         lines = [table(result), *(f"# {line}" for line in summary(runs, model) if runs)]
+        if config.optimizer.ema_decay:  # the parameters' average, in host memory
+            from trillion.parallel.planner.hardware import load_profile
+            from trillion.parallel.planner.optimizer import host_ema_line
+
+            nodes = load_profile(hardware).gpus_per_node if hardware else 1
+            lines.append(f"# {host_ema_line(config.optimizer.ema_decay, largest_shard(result), nodes)}")
         print("\n".join([*lines, *(f"# {line}" for line in failures.lines())]))
     if message:
         print(f"trillion estimate: {message}", file=sys.stderr)

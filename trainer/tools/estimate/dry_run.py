@@ -265,11 +265,14 @@ def planner_prediction(model_args: ModelArgs, layout: Layout, seq_len: int, assu
 
 
 def planner_assumptions(config: Config):
-    """What the planner assumes of this run beyond its layout: the config's optimizer and its moments' dtype, the
-    planner's defaults else."""
+    """What the planner assumes of this run beyond its layout: the config's optimizer, its moments' dtype and its
+    parameters' average, the planner's defaults else."""
     from trillion.parallel.planner.assumptions import Assumptions
 
-    return Assumptions(optimizer=config.optimizer.name, optimizer_state_dtype=config.optimizer.state_dtype)
+    optimizer = config.optimizer
+    return Assumptions(
+        optimizer=optimizer.name, optimizer_state_dtype=optimizer.state_dtype, ema_decay=optimizer.ema_decay
+    )
 
 
 # --- which ranks -------------------------------------------------------------------------------------------
