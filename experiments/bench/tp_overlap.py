@@ -296,7 +296,8 @@ def write_section(path: Path, rows: list[dict], ns) -> None:
         f"--chunks {','.join(map(str, ns.chunks))} --steps {ns.steps} --scales {','.join(map(str, ns.scales))} "
         f"--delays {','.join(ns.delays)}`, "
         f"{os.cpu_count()} CPU cores (1-minute load {load:.1f} at the end), torch {torch.__version__}, gloo, one "
-        'thread a rank, fp32. The module docstring says what is measured. "collectives a step": DTensor\'s '
+        'thread a rank, fp32. The module docstring says what is measured. "exposed": how much the delay lengthens a '
+        'step, the median over the rounds of the difference within each round. "collectives a step": DTensor\'s '
         "all-gathers and reduce-scatters in a step with the overlap off, and what they would expose if none hid "
         '(x the delay); "blocked": the seconds rank 0 spent in the delayed waits; "delay left": the part of them '
         "past each collective's own completion, the injected delay nothing covered, which the machine's other load "
