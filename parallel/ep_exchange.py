@@ -14,13 +14,13 @@ among the rest. Nothing else reads the buffers in flight.
 Counting (`Exchange.traffic`, a Traffic): the bytes each post sends to every other member, split by whether that
 member sits on this rank's node (ranks_per_node consecutive ranks) or across the network; forward posts only (the
 backward sends the same bytes back). Latency injection (`Exchange.delay_s` > 0, the benchmarks'): each post completes
-no earlier than that many seconds after it was posted; a timer thread sleeps the delay, so it costs no CPU, and
-compute that runs between the post and the wait hides it.
+no earlier than that many seconds after it was posted; its wait sleeps to that deadline, so the delay costs no CPU
+(nor a thread a post, whose start-up the machine would charge to both of the benchmarks' arms), and compute that runs
+between the post and the wait hides it.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -56,19 +56,17 @@ class Traffic:
 
 
 class _Late:
-    """A posted collective that completes no earlier than `delay` seconds after its post (a timer thread); the time its
-    waits block is added to `exchange.blocked_s` (the communication left exposed, as the benchmarks read it)."""
+    """A posted collective that completes no earlier than `delay` seconds after its post (its wait sleeps to that
+    deadline: no thread, no CPU); the time its waits block is added to `exchange.blocked_s` (the communication left
+    exposed, as the benchmarks read it)."""
 
     def __init__(self, work, delay: float, exchange: Exchange):
-        self.work, self.done, self.exchange = work, threading.Event(), exchange
-        timer = threading.Timer(delay, self.done.set)
-        timer.daemon = True
-        timer.start()
+        self.work, self.due, self.exchange = work, time.perf_counter() + delay, exchange
 
     def wait(self) -> None:
         start = time.perf_counter()
         self.work.wait()
-        self.done.wait()
+        time.sleep(max(0.0, self.due - time.perf_counter()))
         self.exchange.blocked_s += time.perf_counter() - start
 
 

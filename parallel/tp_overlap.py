@@ -39,8 +39,8 @@ covered) in `late_s`.
 
 from __future__ import annotations
 
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
 from trillion.models.parts.spec import COLUMN, ROW, Part
+
+NOTING_THREADS = 16  # collectives of a tp group in flight at once, at most: a sublayer's chunks, both directions
 
 
 class TpCollectives:
@@ -59,6 +61,7 @@ class TpCollectives:
         self.size, self.rank = tp_mesh.size(), tp_mesh.get_local_rank()
         self.delay_s = {"all_gather": 0.0, "reduce_scatter": 0.0}  # a whole collective's, injected (docstring)
         self.blocked_s, self.late_s, self._free_at = 0.0, 0.0, 0.0
+        self._notes: ThreadPoolExecutor | None = None  # threads that note when delayed collectives complete
 
     def all_gather(self, piece: torch.Tensor) -> _Posted:
         """Every rank's `piece`, stacked on a new first dimension."""
@@ -75,7 +78,9 @@ class TpCollectives:
     def _posted(self, out: torch.Tensor, work, delay_s: float) -> _Posted:
         posted = _Posted(out, work, self, delay_s / self.chunks)
         if delay_s > 0:  # note when the collective itself is done (gloo's works have no future to ask)
-            threading.Thread(target=posted.arrived, daemon=True).start()
+            # by a thread of a pool (a new thread a post cost the step its start): gloo may finish two out of order
+            self._notes = self._notes or ThreadPoolExecutor(NOTING_THREADS, thread_name_prefix="tp-overlap-arrivals")
+            self._notes.submit(posted.arrived)
         return posted
 
 

@@ -1,7 +1,7 @@
 """Latency injection: how much of the expert all-to-alls' time the overlap hides, measured on gloo ranks.
 
 Every all-to-all of the expert dispatch (counts, rows, their routing, the combine; forward and backward) is made
-to complete D ms late (parallel/ep_exchange.py: a timer thread sleeps, so the delay costs no CPU). The exposed
+to complete D ms late (parallel/ep_exchange.py: its wait sleeps to the deadline, so the delay costs no CPU). The exposed
 communication is the step time with D minus the step time without (both measured in the same round, the median over
 the rounds of that difference), with parallel.ep_overlap off and on:
 
