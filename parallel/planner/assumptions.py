@@ -1,8 +1,9 @@
 """What the planner assumes about a run beyond its layout (parallel/layout.py): figures no layout setting fixes,
-which the planner costs but the trainer never reads. `trillion plan` takes them as flags (--moe-load-imbalance,
---optimizer, --optimizer-state-dtype, --documents, --ema-decay), `trillion estimate` and the memory pre-flight from
-the run's config (its optimizer, its moments' dtype and its average's decay), and the planner's functions receive
-them beside the layout, explicitly (memory.layout_memory, cost.step_time)."""
+which the planner costs (some the trainer reads too: the optimizer, its moments' dtype, the average's decay; others
+are the run's facts: the load imbalance, the documents' lengths). `trillion plan` takes them as flags
+(--moe-load-imbalance, --optimizer, --optimizer-state-dtype, --documents, --ema-decay), `trillion estimate` and the
+memory pre-flight from the run's config (its optimizer, its moments' dtype and its average's decay), and the
+planner's functions receive them beside the layout, explicitly (memory.layout_memory, cost.step_time)."""
 
 from dataclasses import asdict, dataclass
 

@@ -4,9 +4,9 @@ average and a staging copy of the fp32 master weights), the average saved with t
 is the one the dry run measures from the trainer's own sharded parameters."""
 
 import json
-import tomllib
 
 import pytest
+import tomllib
 
 from trillion.trainer.cli.main import main as trillion
 
