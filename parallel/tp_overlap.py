@@ -34,7 +34,8 @@ completes its share (a chunk's: 1/N) of the delay of its kind at the time it is 
 `delay_s["reduce_scatter"]`: the benchmark sets them per sublayer and pass) later than it would have, and after the
 one before it, as on a wire of fixed bandwidth whose transfer starts once every rank has posted; the time waits
 block is summed in `blocked_s`, the part of it past the collective's own completion (the injected delay nothing
-covered) in `late_s`.
+covered) in `late_s`. Its bookkeeping (a pooled thread noting each collective's completion) runs whenever
+a delay is set, and with `instrumented` at a delay of 0 too: the step a delay is measured against pays the same.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class TpCollectives:
         self.mesh, self.group, self.chunks = tp_mesh, tp_mesh.get_group(), chunks
         self.size, self.rank = tp_mesh.size(), tp_mesh.get_local_rank()
         self.delay_s = {"all_gather": 0.0, "reduce_scatter": 0.0}  # a whole collective's, injected (docstring)
+        self.instrumented = False  # the injection's bookkeeping on, whatever the delay (docstring)
         self.blocked_s, self.late_s, self._free_at = 0.0, 0.0, 0.0
         self._notes: ThreadPoolExecutor | None = None  # threads that note when delayed collectives complete
 
@@ -76,8 +78,9 @@ class TpCollectives:
         return self._posted(out, work, self.delay_s["reduce_scatter"])
 
     def _posted(self, out: torch.Tensor, work, delay_s: float) -> _Posted:
-        posted = _Posted(out, work, self, delay_s / self.chunks)
-        if delay_s > 0:  # note when the collective itself is done (gloo's works have no future to ask)
+        injected = self.instrumented or delay_s > 0
+        posted = _Posted(out, work, self, delay_s / self.chunks if injected else None)
+        if injected:  # note when the collective itself is done (gloo's works have no future to ask)
             # by a thread of a pool (a new thread a post cost the step its start): gloo may finish two out of order
             self._notes = self._notes or ThreadPoolExecutor(NOTING_THREADS, thread_name_prefix="tp-overlap-arrivals")
             self._notes.submit(posted.arrived)
@@ -87,7 +90,7 @@ class TpCollectives:
 class _Posted:
     """A collective in flight: `wait()` gives its output."""
 
-    def __init__(self, out: torch.Tensor, work, owner: TpCollectives, delay_s: float):
+    def __init__(self, out: torch.Tensor, work, owner: TpCollectives, delay_s: float | None):
         self.out, self.work, self.owner, self.delay_s, self.arrived_at = out, work, owner, delay_s, None
 
     def arrived(self) -> None:
@@ -97,7 +100,7 @@ class _Posted:
     def wait(self) -> torch.Tensor:
         start, owner = time.perf_counter(), self.owner
         self.work.wait()
-        if self.delay_s > 0:  # its share of the wire, once it is done and the one before it is through
+        if self.delay_s is not None:  # its share of the wire, once it is done and the one before it is through
             done = max(self.arrived_at or time.perf_counter(), owner._free_at) + self.delay_s
             owner._free_at, late = done, done - time.perf_counter()
             if late > 0:
