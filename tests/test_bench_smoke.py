@@ -1,5 +1,6 @@
 """The benchmark scripts run in their CPU smoke mode, so they never rot."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -122,6 +123,7 @@ def test_device_check_smoke_runs_each_part_and_keeps_its_results(tmp_path):
         text=True,
         timeout=600,
         cwd=ROOT,
+        env={**os.environ, "PYTHON": sys.executable},  # this interpreter, whether or not its venv is on PATH
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     parts = dict(line.split("\t")[:2] for line in (tmp_path / "summary.tsv").read_text().splitlines())

@@ -130,10 +130,11 @@ def test_pipeline_stages_cost_zero1_whatever_the_mode():
 
 
 def test_thirty_thousand_gpus_in_seconds():
-    start = time.perf_counter()
+    # the search's own CPU seconds (about 5.6 here), not the wall clock, which other jobs on the machine stretch
+    start = time.process_time()
     request = Request("gpt-1t", get_preset("gpt-1t"), load_profile("dgx-h100"), 30720, 15360, 2048, 20e12)
     assert search(request).ranked
-    assert time.perf_counter() - start < 10
+    assert time.process_time() - start < 10
 
 
 def test_cli_json_and_train_config(tmp_path, capsys):
