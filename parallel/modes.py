@@ -167,10 +167,21 @@ def joins_weight_passes(layout) -> bool:
     return layout.pp > 1 and schedule(layout.pp_schedule).split_backward and twice_refused
 
 
+PAIRED_SCHEDULES = ("DualPipeV", "Interleaved1F1B")  # their steady state pairs a forward with a backward
+INTERLEAVED_EXTRA_WARMUP = 1  # forwards a rank runs beyond Interleaved1F1B's warm-up when paired (pipeline_pairing.py)
+
+
 def pairs_across_stages(layout) -> bool:
     """Whether parallel.ep_overlap pairs one micro-batch's forward with another's backward on each OVERLAP_F_B of
-    DualPipeV (parallel/pipeline_pairing.py; the planner prices it: planner/moe.py)."""
-    return layout.ep_overlap and layout.ep > 1 and layout.pp > 1 and layout.pp_schedule == "DualPipeV"
+    DualPipeV, or of Interleaved1F1B with its extra warm-up (parallel/pipeline_pairing.py; the planner prices it:
+    planner/moe.py)."""
+    return layout.ep_overlap and layout.ep > 1 and layout.pp > 1 and layout.pp_schedule in PAIRED_SCHEDULES
+
+
+def pairs_in_a_v(layout) -> bool:
+    """Whether the pairing runs a V's two stages on a rank against each other (DualPipeV), which the stage split
+    balances so that each stage keeps compute of its own (pp_layout.balance_paired)."""
+    return pairs_across_stages(layout) and schedule(layout.pp_schedule).v_shape
 
 
 @dataclass(frozen=True)

@@ -99,7 +99,10 @@ def parallelize(
             dims.fsdp_mesh,
             layout.dp_shard_mode,
             param_dtype,
-            keep_gathered_after_forward=split_backward,
+            # paired across stages too: resharded after a paired forward, the routed experts' weights were not
+            # gathered again before a later backward read them (the zero3 case of tests/pipeline/
+            # test_interleaved_pairing.py; inside FSDP2's hooks, not traced)
+            keep_gathered_after_forward=split_backward or pairs_across_stages(layout),
             expert_mesh=dims.expert_fsdp_mesh if ep_mesh is not None else None,
         )
     if layout.ep_overlap and dims.pp == 1:

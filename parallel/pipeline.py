@@ -163,7 +163,11 @@ class Pipeline:
         self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)
         self.tokens = None
         self.dims = dims
-        self.pairs = pairs_across_stages(dims.layout)  # DualPipeV's OVERLAP_F_B paired (pipeline_pairing.py)
+        self.pairs = pairs_across_stages(dims.layout)  # each OVERLAP_F_B paired (pipeline_pairing.py)
+        if self.pairs and name == "Interleaved1F1B":  # its pairs need the extra warm-up of our schedule
+            from trillion.parallel.pipeline_pairing import PairedInterleaved1F1B
+
+            self._schedule_cls = PairedInterleaved1F1B
         self.autocast = contextlib.nullcontext()  # the step's, for the paired forwards' threads
         self.handovers: list[int] = []  # per paired action, the turns its two sides handed each other
         self.eval_stages, self._eval_schedule = [], None  # made by the first evaluation

@@ -2,6 +2,15 @@
 OVERLAP_F_B action (one micro-batch's forward through one of this rank's two stages and another's backward
 through the other, which torch's ScheduleDualPipeV emits in its steady state) runs the two together.
 
+Under `pp_schedule=Interleaved1F1B` with `parallel.ep_overlap` the schedule is torch's with two changes
+(`PairedInterleaved1F1B`), Kimi K2's recipe (arXiv 2507.20534: interleaved 1F1B whose extra warm-up micro-batches
+let one micro-batch's all-to-alls overlap another's compute): each rank runs one forward more before its first
+backward (modes.INTERLEAVED_EXTRA_WARMUP), and each steady-state forward runs paired with the backward after it.
+Without the extra forward the pairs wait on each other: a rank's pair needs the gradient the next rank's pair
+makes from this pair's own forward (one extra warm-up breaks that cycle at every pp and virtual-stage count the
+tests run; tests/pipeline/test_interleaved_pairing.py checks the orders for deadlock). It costs one chunk's
+activations more in flight on each rank, which `trillion estimate` replays from this schedule's own order.
+
 The forward and the backward each run in a thread of their own and take turns, one at a time, handing the turn to
 the other right after posting an expert all-to-all (ep_exchange.py; the Pair of expert_overlap.py with its
 backward side): while one micro-batch's dispatch or combine travels, the other computes its attention, its experts
@@ -35,9 +44,21 @@ from __future__ import annotations
 
 import copy
 
-from torch.distributed.pipelining.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, OVERLAP_F_B, _wait_batch_p2p
+from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    FULL_BACKWARD,
+    OVERLAP_F_B,
+    ScheduleInterleaved1F1B,
+    _Action,
+    _get_1f1b_rank_ops,
+    _get_warmup_ops,
+    _wait_batch_p2p,
+)
 
 from trillion.parallel.expert_overlap import Pair
+from trillion.parallel.modes import INTERLEAVED_EXTRA_WARMUP
 
 
 def pair_forwards_with_backwards(schedule, autocast_of, handovers: list) -> None:
@@ -102,3 +123,33 @@ def _backward(schedule, stages: dict, stage, micro_batch: int) -> None:
     stage.backward_one_chunk(micro_batch, loss=loss, full_backward=True, last_backward=last)
     if stage.stage_index - 1 in stages:
         stages[stage.stage_index - 1].set_local_bwd_input(stage.get_local_bwd_output(micro_batch), micro_batch)
+
+
+class PairedInterleaved1F1B(ScheduleInterleaved1F1B):
+    """Interleaved 1F1B whose steady state runs each forward paired with the backward after it (one OVERLAP_F_B),
+    every rank running INTERLEAVED_EXTRA_WARMUP forwards more before its first backward (the module docstring)."""
+
+    def _calculate_single_rank_operations(self, rank):
+        p, v, per_round, m = self.pp_group_size, self.n_local_stages, self.microbatches_per_round, self._n_microbatches
+        warmup = min(_get_warmup_ops(rank, v, per_round, p, m) + INTERLEAVED_EXTRA_WARMUP, v * m)
+
+        def forward_stage(step: int) -> int:  # torch's Interleaved1F1B's, over the longer warm-up
+            return (step // per_round) % v * p + rank
+
+        def backward_stage(step: int) -> int:
+            return (v - 1 - (step - warmup) // per_round % v) * p + rank
+
+        ops = _get_1f1b_rank_ops(v, p, warmup, v * m - warmup, warmup, rank, forward_stage, backward_stage)
+        return _merge_steady_pairs([op for op in ops if op is not None])
+
+
+def _merge_steady_pairs(ops: list) -> list:
+    """`ops` with each forward that a full backward follows merged with it into one OVERLAP_F_B (the steady state's
+    pairs; the warm-up's forwards and the cool-down's backwards stay alone)."""
+    merged = []
+    for op in ops:
+        if op.computation_type == FULL_BACKWARD and merged and merged[-1].computation_type == FORWARD:
+            merged[-1] = _Action(-1, OVERLAP_F_B, None, (merged[-1], op))
+        else:
+            merged.append(op)
+    return merged

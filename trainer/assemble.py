@@ -27,7 +27,7 @@ from trillion.parallel.float8_experts import check_experts
 from trillion.parallel.float8_recipes import check_block_scaled_layout, float8_dispatch, float8_recipe
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, StageLayers, check_degrees, resolve_etp, resolve_float8
-from trillion.parallel.modes import check_schedule, checkpoint_refusal, pairs_across_stages
+from trillion.parallel.modes import check_schedule, checkpoint_refusal, pairs_in_a_v
 from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, validate_pipeline
@@ -262,7 +262,7 @@ def resolve_stage_split(layout: Layout, model_args: ModelArgs, seq_len: int) -> 
         unit_flops_per_token(model_args, seq_len),
         stage_ranks(layout.pp, layout.virtual_stages, layout.pp_schedule),
         parts.ahead_modules(model_args)[0],
-        paired=pairs_across_stages(layout),
+        paired=pairs_in_a_v(layout),
     )
     return dataclasses.replace(layout, stage_layers=stages)
 

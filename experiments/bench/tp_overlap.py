@@ -4,15 +4,11 @@ measured on gloo ranks.
 Every sequence-parallel all-gather and reduce-scatter of a training step is made to complete late, as on a wire of
 fixed bandwidth whose transfer starts once every rank has posted: a collective of the whole stream (a micro-batch's
 batch x seq x dim activation) completes D later than it would have, one chunk of it D / chunks later, each after the
-one before it is through. With the overlap off they are DTensor's (its `all_gather_single` and
-`reduce_scatter_single`, held D after they complete); with it on, the overlap's own (parallel/tp_overlap.py
-TpCollectives.delay_s), and DTensor's for what the overlap leaves to it (the embedding's).
-A sleep, so the delay costs no CPU; the overlap's bookkeeping of the injection (a pooled thread noting when each
-collective completes) runs in the steps without delay too, so its cost is not read as exposure. The exposed
-communication is the step time with D minus the step time without, the two measured in the same round (the median
-over the rounds of that difference):
-
-    hidden = 1 - exposed(on) / exposed(off)
+one before it is through. With the overlap off they are DTensor's (`all_gather_single`, `reduce_scatter_single`,
+held D after they complete); with it on, the overlap's own (parallel/tp_overlap.py TpCollectives.delay_s, its
+bookkeeping on in the steps without delay too, so that its cost is not read as exposure), and DTensor's for what the
+overlap leaves to it (the embedding's). A sleep, so the delay costs no CPU. Exposed: the step time with D minus
+without, both in the same round (the median over the rounds); hidden = 1 - exposed(on) / exposed(off).
 
 D is a multiple (--scales) of a GEMM's time, timed on the rank at the sublayer's local shapes. With `--delays gemm`
 each collective's own: the GEMM it feeds or follows, forward and backward alike (an attention's all-gather: q, k, v,

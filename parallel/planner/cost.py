@@ -255,7 +255,7 @@ def embedding_copy_sum(args: ModelArgs, hw: HardwareProfile, layout: Layout) -> 
 def pipeline_part(layout: Layout) -> Layout:
     """The layout with its data-parallel settings at one process's: what the pipeline's compute depends on."""
     float8 = layout.float8 and dataclasses.replace(layout.float8, fsdp_all_gather=True)
-    microbatches = layout.microbatches if modes.pairs_across_stages(layout) else 1  # DualPipeV's paired share (moe.py)
+    microbatches = layout.microbatches if modes.pairs_across_stages(layout) else 1  # the paired share (moe.py)
     return dataclasses.replace(
         layout, dp_replicate=1, dp_shard=1, dp_shard_mode="zero3", microbatches=microbatches, float8=float8
     )

@@ -22,7 +22,7 @@ the same; the shared experts are TP-split either way:
              ep_stride apart: folded ep consecutive GPUs, else ep x tp), each row the token and its routing
              (row_bytes), at the imbalance (dispatch_seconds). With parallel.ep_overlap what hides is what the
              mechanism puts beside each all-to-all's wait (exposed_all_to_alls; paired micro-batches, two forwards
-             on one stage or DualPipeV's forward beside a backward: exposed_seconds); else all of it.
+             on one stage or a forward beside a backward across stages: exposed_seconds); else all of it.
   element-wise  per routed token: the fused permutation into expert order and back
              (kernels/permute.py, kernels.permutation=auto on GPUs; PERMUTATION_ROWS; under ep the dispatch's
              own gathers in torch, DISPATCH_PERMUTATION_ROWS), SwiGLU on the expert hidden 5 k f / etp
@@ -60,7 +60,7 @@ from trillion.parallel.planner.float8_experts import (
     float8_expert_recipe,
 )
 from trillion.parallel.planner.hardware import HardwareProfile
-from trillion.parallel.planner.schedules import dualpipe_paired_share
+from trillion.parallel.planner.schedules import paired_share
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time, collective_time
 from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, cast_bytes
 
@@ -286,7 +286,7 @@ def exposed_seconds(
         exposed_all_to_alls(layout, one_way, one_way, 0.0, 2 * shared, 2 * experts),
         exposed_all_to_alls(layout, dispatch, one_way, 0.0, shared, experts),
     ]
-    share = dualpipe_paired_share(layout) if around is not None else 0.0
+    share = paired_share(layout) if around is not None else 0.0
     if not share and not (around is not None and pairs(layout)):
         return alone
     # the other micro-batch's layer computes beside each all-to-all, a segment of it between two of its posts
@@ -299,7 +299,7 @@ def exposed_seconds(
             exposed_paired(one_way, one_way, 0.0, backward / 2),
             exposed_paired(dispatch, one_way, 0.0, forward / 2),
         ]
-    paired = [  # DualPipeV: a forward beside a backward, which hands over after its two all-to-alls
+    paired = [  # across stages (DualPipeV, Interleaved1F1B): a forward beside a backward, which hands over twice
         exposed_paired(dispatch, one_way, counts, backward / 2),
         exposed_paired(one_way, one_way, 0.0, forward / turns),
         exposed_paired(dispatch, one_way, 0.0, forward / turns),

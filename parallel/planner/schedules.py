@@ -2,7 +2,7 @@
 flight at its peak, and which rank runs each virtual stage. The schedules themselves, with
 their rules and bubble weights, are the trainer's own table (parallel/modes.py)."""
 
-from trillion.parallel.modes import Schedule, pairs_across_stages
+from trillion.parallel.modes import INTERLEAVED_EXTRA_WARMUP, Schedule, pairs_across_stages
 
 
 def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int) -> tuple[float, float]:
@@ -35,15 +35,26 @@ def rank_of_virtual_stage(k: int, p: int, schedule: Schedule) -> int:
     return (k if k < p else 2 * p - 1 - k) if schedule.v_shape else k % p
 
 
-def dualpipe_paired_share(layout) -> float:
-    """The share of a rank's chunk forwards and backwards that DualPipeV runs paired (pipeline_pairing.py; 0 where
-    none pair): torch's ScheduleDualPipeV emits 2m - 3p + r + 1 OVERLAP_F_B actions on rank r of p (one fewer on the
-    last) among its 2m forwards and 2m backwards (tests/planner/test_dualpipe_plan.py counts them in torch's own
-    action lists); the mean over the ranks."""
+def paired_share(layout) -> float:
+    """The share of a rank's chunk forwards and backwards that run paired (pipeline_pairing.py; 0 where none pair), the
+    mean over the ranks. DualPipeV: torch's ScheduleDualPipeV emits 2m - 3p + r + 1 OVERLAP_F_B actions on rank r of
+    p (one fewer on the last) among its 2m forwards and 2m backwards; Interleaved1F1B: every forward after the
+    rank's warm-up, the v m - w_r of its v m (interleaved_warmup); both counted in the schedules' own action lists by
+    tests/planner/test_dualpipe_plan.py."""
     if not pairs_across_stages(layout):
         return 0.0
-    p, m = layout.pp, layout.microbatches
+    p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
+    if layout.pp_schedule == "Interleaved1F1B":
+        return sum(v * m - interleaved_warmup(p, v, m, r) for r in range(p)) / (p * v * m)
     return min(1.0, max(0.0, (2 * m - 3 * p + 1 + (p - 1) / 2 - 1 / p) / (2 * m)))
+
+
+def interleaved_warmup(p: int, v: int, m: int, rank: int) -> int:
+    """Forwards rank `rank` runs before its first backward under the paired Interleaved1F1B: torch's warm-up ((v - 1)
+    micro-batches a round, two more a rank before the last; torch.distributed.pipelining.schedules._get_warmup_ops)
+    and INTERLEAVED_EXTRA_WARMUP, at most all v m."""
+    per_round = m // max(1, m // p)
+    return min((v - 1) * per_round + 2 * (p - 1 - rank) + INTERLEAVED_EXTRA_WARMUP, v * m)
 
 
 def dualpipe_in_flight(p: int, m: int, rank: int, chunks: list[float]) -> float:

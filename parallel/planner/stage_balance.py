@@ -57,7 +57,7 @@ def balanced(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int,
         return layout
     costs = tuple(unit_seconds(args, hw, layout, seq_len, assumed))
     ranks = tuple(stage_ranks(layout.pp, layout.virtual_stages, layout.pp_schedule))
-    counts = _balance(costs, ranks, modes.pairs_across_stages(layout))
+    counts = _balance(costs, ranks, modes.pairs_in_a_v(layout))
     written = describe(counts, args.n_layers, parts.ahead_modules(args)[0], compact=True)
     return dataclasses.replace(layout, stage_layers=StageLayers(written=written))
 

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 from torch.distributed.pipelining.schedules import OVERLAP_F_B, ScheduleDualPipeV
 
+from tests.pipeline.test_interleaved_pairing import rank_orders
 from trillion.errors import ConfigError
 from trillion.models import parts
 from trillion.models.presets import get_preset
@@ -17,7 +18,7 @@ from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.cost import step_time
 from trillion.parallel.planner.hardware import load_profile
 from trillion.parallel.planner.memory import layout_memory, pipeline_ranks
-from trillion.parallel.planner.schedules import dualpipe_paired_share
+from trillion.parallel.planner.schedules import paired_share
 from trillion.parallel.planner.search import Request, search
 from trillion.parallel.planner.stage_balance import balanced
 from trillion.parallel.pp_layout import parse
@@ -46,7 +47,7 @@ ASSUMED = Assumptions(optimizer_state_dtype="bfloat16")
 
 @pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 13), (16, 120)])
 def test_the_paired_share_counts_torchs_own_overlap_actions(pp, m):
-    """dualpipe_paired_share is the mean over the ranks of OVERLAP_F_B actions in torch's DualPipeV action lists,
+    """paired_share is the mean over the ranks of OVERLAP_F_B actions in torch's DualPipeV action lists,
     over the rank's 2m chunk forwards."""
     schedule = ScheduleDualPipeV.__new__(ScheduleDualPipeV)
     schedule.pp_group_size, schedule._n_microbatches = pp, m
@@ -59,9 +60,20 @@ def test_the_paired_share_counts_torchs_own_overlap_actions(pp, m):
         for r in range(pp)
     ]
     layout = dataclasses.replace(LAYOUT, pp=pp, microbatches=m)
-    assert dualpipe_paired_share(layout) == pytest.approx(sum(paired) / pp / (2 * m), abs=1e-9)
-    assert dualpipe_paired_share(dataclasses.replace(layout, ep_overlap=False)) == 0.0
-    assert dualpipe_paired_share(dataclasses.replace(layout, pp_schedule="ZBVZeroBubble")) == 0.0
+    assert paired_share(layout) == pytest.approx(sum(paired) / pp / (2 * m), abs=1e-9)
+    assert paired_share(dataclasses.replace(layout, ep_overlap=False)) == 0.0
+    assert paired_share(dataclasses.replace(layout, pp_schedule="ZBVZeroBubble")) == 0.0
+
+
+@pytest.mark.parametrize("pp, v, m", [(2, 2, 4), (4, 2, 8), (4, 4, 16), (16, 2, 64), (16, 2, 120)])
+def test_the_interleaved_paired_share_counts_the_schedules_own_pairs(pp, v, m):
+    """Under Interleaved1F1B paired_share is the mean over the ranks of OVERLAP_F_B actions in the action lists the
+    trainer's PairedInterleaved1F1B builds, over the rank's v m chunk forwards."""
+    orders = rank_orders(pp, v, m)
+    paired = [sum(1 for a in order if a.computation_type == OVERLAP_F_B) for order in orders.values()]
+    layout = dataclasses.replace(LAYOUT, pp=pp, microbatches=m, pp_schedule="Interleaved1F1B", virtual_stages=v)
+    assert paired_share(layout) == pytest.approx(sum(paired) / pp / (v * m), abs=1e-9)
+    assert paired_share(dataclasses.replace(layout, ep_overlap=False)) == 0.0
 
 
 def test_pairing_hides_the_all_to_alls_the_unpaired_schedule_exposes():

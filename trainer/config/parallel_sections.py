@@ -67,8 +67,9 @@ class Parallel:
         "Overlap the expert all-to-alls with compute: the shared experts run while the dispatch is in flight, and "
         "each MoE layer's tokens go in two chunks, one chunk's all-to-all beside the other's experts (forward and "
         "backward; parallel/expert_overlap.py); with one pipeline stage and zero1/zero2, two micro-batches' forwards "
-        "take turns at the all-to-alls; under pp_schedule=DualPipeV each OVERLAP_F_B's forward and backward do "
-        "(parallel/pipeline_pairing.py).",
+        "take turns at the all-to-alls; under pp_schedule=DualPipeV each OVERLAP_F_B's forward and backward do, and "
+        "under Interleaved1F1B each steady-state forward and the backward after it, with one extra warm-up forward "
+        "per rank (Kimi K2's recipe; parallel/pipeline_pairing.py).",
         Flag(),
     )
     tp_overlap: int = doc(
