@@ -166,7 +166,16 @@ def _smoke(script: str, *args: str):
 
 
 @pytest.mark.slow  # about 20 s each on two cores
-@pytest.mark.parametrize("script", ["ep_overlap.py", "ep_overlap.py --pp 2", "ep_dispatch.py", "tp_overlap.py"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        "ep_overlap.py",
+        "ep_overlap.py --pp 2",
+        "ep_overlap.py --pp 2 --schedule Interleaved1F1B",
+        "ep_dispatch.py",
+        "tp_overlap.py",
+    ],
+)
 def test_parallel_benchmarks_smoke(script, tmp_path):
     """The latency-injection benchmarks (2 gloo ranks: the expert all-to-alls', with --pp 2 DualPipeV's on 4, TP's
     collectives') and the dispatch-bytes benchmark (threads) at tiny sizes."""

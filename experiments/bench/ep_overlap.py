@@ -20,8 +20,11 @@ model split as parallel.pp_layout=auto splits it for the pairing, both runs alik
 1 x 128 tokens each; overlap on pairs each OVERLAP_F_B's forward and backward across the rank's two stages
 (parallel/pipeline_pairing.py), off runs them one after the other. The delay's unit is again a layer's pass of
 compute: the step without delay over (MoE layers x micro-batches x 3), a stage's layers counted once per micro-batch.
+With --schedule Interleaved1F1B the pipeline runs Kimi K2's pairing instead: 2 stages a rank, interleaved 1F1B with
+one extra warm-up forward, each steady-state forward paired with the backward after it (the stages split by auto's
+plain balance).
 
-    python experiments/bench/ep_overlap.py --pp 2 [--microbatches 16] [--steps 4] [--scales 1]
+    python experiments/bench/ep_overlap.py --pp 2 [--schedule Interleaved1F1B] [--microbatches 16] [--steps 4]
 """
 
 import argparse
@@ -101,9 +104,10 @@ class Run:
 
 
 class PipelineRun:
-    """The model on a DualPipeV pipeline over pp 2 x ep 2 x dp_shard 2, twice: paired (ep_overlap) and not."""
+    """The model on a pipeline over pp 2 x ep 2 x dp_shard 2 (DualPipeV or Interleaved1F1B, 2 stages a rank), twice:
+    paired (ep_overlap) and not."""
 
-    def __init__(self, args, world: int, batch: tuple):
+    def __init__(self, args, world: int, batch: tuple, schedule: str):
         from trillion.parallel.layout import StageLayers
         from trillion.parallel.pipeline import Pipeline
         from trillion.trainer.assemble import resolve_stage_split
@@ -113,7 +117,7 @@ class PipelineRun:
         degrees = ParallelDims.of(world, pp=2, dp_shard=world // 2, ep=world // 2).layout
         paired = dataclasses.replace(
             degrees,
-            pp_schedule="DualPipeV",
+            pp_schedule=schedule,
             virtual_stages=2,
             stage_layers=StageLayers(written="auto"),
             microbatches=count,
@@ -179,7 +183,7 @@ def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
     rows = []
     for capacity in (0.0,) if ns.pp > 1 else (0.0, 1.5):
         args = model_args(ns.smoke, capacity, ns.pp)
-        run = PipelineRun(args, world, batch) if ns.pp > 1 else Run(args, world, batch)
+        run = PipelineRun(args, world, batch, ns.schedule) if ns.pp > 1 else Run(args, world, batch)
         base = measure(run, [(False, 0.0)], ns.steps)
         layers = len(moe_layers_of(args))  # each MoE layer's pass of one micro-batch, once per step
         layer_s = statistics.median(base[False, 0.0]) / (layers * batch[2] * 3)  # a layer's pass of one micro-batch
@@ -189,7 +193,7 @@ def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
             timed = {setting: statistics.median(values) for setting, values in steps.items()}
             exposed = {o: median_difference(steps[o, delay], steps[o, 0.0]) for o in (False, True)}  # same round
             row = {
-                "mode": ("capacity 1.5" if capacity else "dropless") + (" DualPipeV pp 2" if ns.pp > 1 else ""),
+                "mode": ("capacity 1.5" if capacity else "dropless") + (f" {ns.schedule} pp 2" if ns.pp > 1 else ""),
                 "delay_ms": 1e3 * delay,
                 "delay_per_layer_compute": scale,
                 "step_s": timed[False, 0.0],
@@ -234,6 +238,7 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--pp", type=int, default=1, choices=(1, 2), help="2: DualPipeV over pp 2 x ep 2 on 4 ranks")
     p.add_argument("--microbatches", type=int, default=16, help="with --pp 2: micro-batches a step (at least 4)")
+    p.add_argument("--schedule", default="DualPipeV", choices=("DualPipeV", "Interleaved1F1B"), help="with --pp 2")
     ns = p.parse_args(argv)
     if ns.pp > 1:
         ns.ranks = 4
@@ -241,7 +246,8 @@ def main(argv=None) -> int:
     if ns.smoke:
         ns.steps, ns.scales = 2, [1.0]
     Path(ns.out).mkdir(parents=True, exist_ok=True)
-    out = str(Path(ns.out) / ("ep_overlap.jsonl" if ns.pp == 1 else "ep_overlap_pp2.jsonl"))
+    pipelined = f"ep_overlap_pp2{'' if ns.schedule == 'DualPipeV' else '_' + ns.schedule.lower()}.jsonl"
+    out = str(Path(ns.out) / ("ep_overlap.jsonl" if ns.pp == 1 else pipelined))
     with tempfile.TemporaryDirectory() as folder:
         mp.spawn(_rank, args=(ns.ranks, f"{folder}/store", ns, out), nprocs=ns.ranks, join=True)
     print(table([json.loads(line) for line in Path(out).read_text().splitlines()]))
