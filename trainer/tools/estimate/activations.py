@@ -51,7 +51,7 @@ class MicroBatchMemory:
 
 
 def measure_micro_batch(
-    model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, tp_enabled: bool, last: bool
+    model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, tp_enabled: bool, last: bool, gpu: bool = True
 ) -> MicroBatchMemory:
     """Forward and backward of one micro-batch under MemTracker. `inputs`: tokens, or the hidden state a
     later stage receives; `target`: the labels on the `last` stage (its loss is the trainer's), else
@@ -60,7 +60,8 @@ def measure_micro_batch(
     accumulated (FSDP reduce-scatters and frees them; the kept shards are counted as gradients), so the
     figures are activations, their gradients and the temporaries of backward. Under TP alone a
     vocabulary-parallel embedding gets a replicated, whole-table gradient (DTensor's embedding backward
-    does not keep the shard), which `grad_elements` reports."""
+    does not keep the shard), which `grad_elements` reports. `gpu`: the run is for GPUs, whose fused norms meta
+    tensors then keep (`_norm_on_meta`); else torch's norms keep on meta what they keep on a CPU."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from trillion.parallel.tensor_parallel import loss_context
@@ -83,7 +84,7 @@ def measure_micro_batch(
         with (
             tracker,
             _flash_on_meta(),
-            _norm_on_meta(),
+            _norm_on_meta(gpu),
             _moe_on_meta(),
             warnings.catch_warnings(),
             loss_context(tp_enabled and last),
@@ -166,27 +167,40 @@ def _flash_on_meta():
 
 
 @contextlib.contextmanager
-def _norm_on_meta():
-    """A run on a GPU takes the fused norm kernel (kernels/norm.py, kernels.norm=auto without tensor parallelism)
-    where a row fits it, which keeps its input and an fp32 rstd per row; on meta tensors it would fall back to torch's
-    composite RMSNorm, which keeps an fp32 copy of its input and of the normalised rows (8 bytes an element in bf16).
-    While measuring, the fused norm runs its op on meta tensors, whose fake has exactly the kernel's outputs."""
+def _norm_on_meta(gpu: bool):
+    """Norms on meta tensors as a GPU runs them. There both norm paths are fused and keep the input and an fp32 rstd
+    per row: the project's kernel (kernels/norm.py; kernels.norm=triton, auto without tensor parallelism) where a row
+    fits it, else torch's F.rms_norm (auto under tensor parallelism; the latent and QK norms), which on CUDA runs
+    aten._fused_rms_norm: its autograd node (FusedRmsNormBackward0, torch 2.13) saves the input, the weight and the
+    fp32 rstd, and DTensor has its sharding rule (torch/distributed/tensor/_ops/_math_ops.py). On meta tensors both
+    would run torch's composite RMSNorm (aten._fused_rms_norm has no meta kernel, only its composite, and
+    torch.library refuses a meta kernel for an op with one), which keeps an fp32 copy of the input and of the
+    normalised rows: 8 bytes an element in bf16, against 2. So while measuring both run the project's fused op on meta
+    tensors, whose fake and DTensor rule keep that same set. F.rms_norm stays the composite where aten's rms_norm
+    takes it (a weight of another dtype than the input's) and for a run not on GPUs (`gpu` false), as a CPU runs it."""
     norm = importlib.import_module("trillion.kernels.norm")
-    plain = norm._use_triton
+    plain, functional = norm._use_triton, F.rms_norm
 
     def fused_on_meta(x, what):
         if x.device.type != "meta":
             return plain(x, what)
         return x.shape[-1] <= norm.MAX_FUSED_DIM
 
+    def rms_norm_on_meta(x, normalized_shape, weight=None, eps=None):
+        composite = len(normalized_shape) != 1 or (weight is not None and weight.dtype != x.dtype)
+        if x.device.type != "meta" or not gpu or composite:
+            return functional(x, normalized_shape, weight, eps)
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
+        return norm._fwd_op(x, weight, None, float(eps), True)[0]
+
     # the kernels' fall-back notes (the target's Triton kernels on meta tensors fall back to the ops patched here)
     notes = logging.getLogger("kernels")
-    level, norm._use_triton = notes.level, fused_on_meta
+    level, norm._use_triton, F.rms_norm = notes.level, fused_on_meta, rms_norm_on_meta
     notes.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        norm._use_triton = plain
+        norm._use_triton, F.rms_norm = plain, functional
         notes.setLevel(level)
 
 

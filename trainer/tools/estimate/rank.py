@@ -299,7 +299,8 @@ def stage_facts(
 
     def run(n: int) -> MicroBatchMemory:
         cut = part if n == shape.layers else apply_layout(source.stage(units, n), config, dims, fsdp=False)
-        return measure_micro_batch(cut, inputs, target, dims.tp_enabled, last=shape.last)
+        gpu = target_device(config) == "cuda"
+        return measure_micro_batch(cut, inputs, target, dims.tp_enabled, last=shape.last, gpu=gpu)
 
     period = checkpoint_mode(dims.layout.activation_checkpoint).period
     return StageFacts(
