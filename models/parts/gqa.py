@@ -1,6 +1,8 @@
 """Grouped-query attention (models/transformer.py Attention), declared: q, k, v column-wise over the heads,
-wo row-wise, optional per-head QK norms; flash attention keeps q, k, v, its output and wo's input. A head's logit is
-its wq rows against its group's wk rows; with QK norms the norms undo any scaling of those rows."""
+wo row-wise, optional per-head QK norms; flash attention keeps q, k, v and its output, which is also wo's input: the
+output is laid out (batch, seq, heads, head_dim) in memory (kernels/flash_attention_op.py; aten's flash op alike), so
+the reshape to wo's input is a view, one tensor kept once. A head's logit is its wq rows against its group's wk rows;
+with QK norms the norms undo any scaling of those rows."""
 
 from trillion.models.args import ModelArgs
 from trillion.models.parts.counts import ROPE_COMPILED, ROPE_EAGER
@@ -21,7 +23,7 @@ def declare(args: ModelArgs) -> Part:
         ),
         norms=tuple(Norm(f"attention.{n}", d) for n in ("q_norm", "k_norm")) if args.qk_norm else (),
         heads=Heads(args.n_heads, args.kv_heads, d, d),
-        saved=PerToken(split=args.n_heads * 3 * d + 2 * args.kv_heads * d),
+        saved=PerToken(split=args.n_heads * 2 * d + 2 * args.kv_heads * d),  # q and the output; k and v
         eager=PerToken(split=ROPE_EAGER * (q + kv) if rope else 0),
         compiled=PerToken(split=ROPE_COMPILED * (q + kv) if rope else 0),
         tp_divides=(

@@ -1,10 +1,10 @@
 """Activations a layer keeps for backward, per micro-batch, as the planner counts them (memory.py adds them up per
 rank): from what each part declares it keeps (models/parts `saved`), by checkpointing mode.
 
-Activations follow Korthikanti et al. 2022 without dropout and with flash attention (no s^2 terms): 34 s b h bytes
-per GPT layer in bf16. With sequence parallelism the norm inputs are split over TP ranks, but DTensor saves the
-all-gathered inputs of the column-parallel linears whole, so those stay s b h each. A checkpointed layer keeps only
-its input.
+Activations follow Korthikanti et al. 2022 without dropout and with flash attention (no s^2 terms): 32 s b h bytes
+per GPT layer in bf16 (their 34 less the two dropout masks) and flash attention's fp32 log-sum-exp. With sequence
+parallelism the norm inputs are split over TP ranks, but DTensor saves the all-gathered inputs of the column-parallel
+linears whole, so those stay s b h each. A checkpointed layer keeps only its input.
 
 DeepSeek's recompute mode (parallel.activation_checkpoint=deepseek, parallel/activation_checkpoint.py; DeepSeek-V3
 section 3.2.3) replays no block: a layer keeps what it keeps without checkpointing less what the mode recomputes from
@@ -39,10 +39,11 @@ def layer_activation_bytes(
 
     Replicated over TP ranks (split by sequence parallelism): the two norm inputs. Always whole:
     the two norm outputs, which the column-parallel linears save (all-gathered under SP).
-    Split by TP: q, k, v and the attention output (kept by flash attention), the output
-    projection's input, the MLP's hidden activations (GELU: input and output; SwiGLU: w1 and w3
-    outputs, silu output, product). Flash attention adds an fp32 log-sum-exp per head. Latent attention adds
-    its latents, whole on every TP rank. Each part declares what it keeps (models/parts, `saved`).
+    Split by TP: q, k, v and the attention output (kept by flash attention; the output projection's
+    input is a view of it, models/parts/gqa.py), the MLP's hidden activations (GELU: input and output;
+    SwiGLU: w1 and w3 outputs, silu output, product). Flash attention adds an fp32 log-sum-exp per head.
+    Latent attention adds its latents, whole on every TP rank. Each part declares what it keeps
+    (models/parts, `saved`).
     `routed`: an MoE layer's (its attention and shared experts; its routed experts moe.moe_activation_bytes
     counts). `recomputes_sublayers`: DeepSeek's recompute mode (the module docstring).
     """
@@ -68,6 +69,20 @@ def output_activation_bytes(
     """Final norm input and output, and the fp32 log-softmax the cross-entropy keeps."""
     split = tp if sequence_parallel else 1
     return tokens * ((args.dim / split + args.dim) * dtype_bytes + 4 * args.vocab_size / tp)
+
+
+# The loss backward's transient above the kept fp32 log-softmax, bytes per logit element on a rank, as `trillion
+# estimate` measures it (tests/estimate/test_estimate_tp_activations.py). Without TP: nll_loss_backward's fp32 gradient
+# and log_softmax's backward output (4 + 4). Under loss_parallel (tp > 1): torch/distributed/tensor/parallel/loss.py
+# _nll_loss_and_log_softmax_backward holds zeros_like(x), exp(x) and their sum, each fp32, at once (4 + 4 + 4).
+LOSS_BACKWARD_BYTES = 8
+LOSS_PARALLEL_BACKWARD_BYTES = 12
+
+
+def loss_backward_bytes(args: ModelArgs, tokens: int, tp: int) -> float:
+    """The peak the cross-entropy's backward adds on the last stage for one output's logits (the constants above)."""
+    per_element = LOSS_PARALLEL_BACKWARD_BYTES if tp > 1 else LOSS_BACKWARD_BYTES
+    return per_element * tokens * args.vocab_size / tp
 
 
 def checkpointed_layers(mode: str, n_layers: int) -> int:

@@ -37,6 +37,7 @@ from trillion.parallel.planner.activations import (
     ACTIVATION_BYTES,
     checkpointed_layers,
     layer_bytes,
+    loss_backward_bytes,
     output_activation_bytes,
 )
 from trillion.parallel.planner.assumptions import Assumptions
@@ -320,8 +321,9 @@ def rank_memory(
     received = in_flight * ((len(rank.chunks) or 1) - rank.first) if received is None else received
     hidden = tokens * args.dim / (tp if sp else 1) * ACTIVATION_BYTES
     pipeline = schedules.held_receives(received, len(rank.chunks) or 1, rank.last) * hidden if layout.pp > 1 else 0
-    logits_grad = (4 + 2) * tokens * args.vocab_size / tp if rank.last else 0
-    buffers = FRAMEWORK_BYTES + fsdp + recompute + pipeline + logits_grad + gathered_kv
+    logits_grad = loss_backward_bytes(args, tokens, tp) if rank.last else 0
+    # the loss backward runs before any layer is rebuilt (the log-softmax it holds freed by then): the larger of the two
+    buffers = FRAMEWORK_BYTES + fsdp + max(recompute, logits_grad) + pipeline + gathered_kv
     return Memory(parameters, gradients, optimizer, activations, buffers)
 
 

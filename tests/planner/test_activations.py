@@ -45,7 +45,8 @@ def test_activation_bytes_within_25_percent(preset, batch, seq):
 def test_sequence_parallel_and_checkpointing_shrink_activations():
     args = get_preset("gpt-22b")
     full = layer_activation_bytes(args, 2048, tp=1, sequence_parallel=False, checkpointed=False)
-    assert full == pytest.approx(34 * 2048 * args.dim, rel=0.02)  # Korthikanti's 34 s b h, no dropout, flash attention
+    # Korthikanti's 34 s b h less the two dropout masks, with flash attention (its output is wo's input)
+    assert full == pytest.approx(32 * 2048 * args.dim, rel=0.02)
     tp8 = layer_activation_bytes(args, 2048, tp=8, sequence_parallel=False, checkpointed=False)
     sp8 = layer_activation_bytes(args, 2048, tp=8, sequence_parallel=True, checkpointed=False)
     assert sp8 < tp8 < full
