@@ -179,14 +179,13 @@ def section_deepseek(lines: list[str]) -> None:
         "stage (with a copy of the embedding), float8 linears (torchao's tensorwise recipe), the routed experts' "
         "grouped GEMMs in float8 (`--float8` prices them as the trainer's float8.experts=auto runs them, torchao's "
         "rowwise recipe; the recipe rows as DeepSeek ran them, blockwise 1 x 128 / 128 x 128 scaling, with the "
-        "dispatch in float8 and the combine in bf16; rates and sources in parallel/planner/moe.py). What it "
-        "cannot: DualPipe's overlap of one micro-batch's all-to-alls with another's compute under a pipeline (the "
-        "trainer pairs micro-batches only on one stage; under pp 16 its overlap stays inside each MoE layer, whose "
-        "last combine and first exchange stay exposed: the EP column), a fused permutation inside the dispatch "
-        "(the dispatch's gathers run in torch), DeepSeek's own stage split (the planner splits the 61 layers "
-        "evenly, with the embedding on the first stage and the output head and MTP module on the last: the "
-        "imbalance column), and the batch ramp. All of them make the planner slower than DeepSeek's run, the sign "
-        "of the error above.",
+        "dispatch in float8 and the combine in bf16; rates and sources in parallel/planner/moe.py), the stages "
+        "balanced by their cost, and one micro-batch's all-to-alls beside another's compute across pipeline "
+        "stages (the searched rows pair forwards with backwards under Interleaved1F1B, Kimi K2's recipe). What "
+        "it cannot: a fused permutation inside the dispatch (the dispatch's gathers run in torch) and the batch "
+        "ramp. These rows are what the search picks for DeepSeek's layout flags; DeepSeek's own schedule "
+        "(DualPipeV with its pairing, its recompute, bf16 moments) is VALIDATION.md's deepseek-v3-671b row. What "
+        "stays unmodelled makes the planner slower than DeepSeek's run, the sign of the error above.",
         "",
     ]
 

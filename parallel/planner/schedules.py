@@ -5,9 +5,10 @@ their rules and bubble weights, are the trainer's own table (parallel/modes.py).
 from trillion.parallel.modes import INTERLEAVED_EXTRA_WARMUP, Schedule, pairs_across_stages
 
 
-def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int) -> tuple[float, float]:
+def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int, paired: bool = False) -> tuple[float, float]:
     """Micro-batches whose activations the first and the last rank hold at the peak, in units of
-    one micro-batch through all of that rank's layers (Narayanan et al. 2021 for interleaving). A V
+    one micro-batch through all of that rank's layers (Narayanan et al. 2021 for interleaving; `paired`: the paired
+    Interleaved1F1B's extra warm-up forwards, a chunk each, on every rank). A V
     schedule holds as many on every rank (ZB-V, Qi et al. 2024: its two chunks balance each rank's
     memory; `trillion estimate` replaying torch's ZBVZeroBubble order at pp 16 counted 2 x 16 chunks
     on ranks 1, 4, 8, 12 and 15, and DualPipeV's 2 x 16 + 1)."""
@@ -17,7 +18,8 @@ def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int) -> tuple[
     if rule == "all":
         return float(m), float(m)
     if rule == "interleaved":
-        return min(m, p) * (1 + (p - 1) / (p * v)), 1.0 + (p - 1) / (p * v)
+        ahead = INTERLEAVED_EXTRA_WARMUP / v if paired else 0.0
+        return min(m, p) * (1 + (p - 1) / (p * v)) + ahead, 1.0 + (p - 1) / (p * v) + ahead
     extra = 1 if rule == "pipeline+1" else 0
     first = float(min(m, p + extra))
     return first, first if schedule.v_shape else 1.0 + extra

@@ -85,3 +85,20 @@ def test_interleaved_pairing_at_pp2_x_ep2_equals_one_process():
             {"name": "interleaved-paired-zero3", **PAIRED, "mode": "zero3", "paired": True},
         ],
     )
+
+
+@pytest.mark.parametrize("p, v, m", [(4, 2, 8), (8, 2, 32), (16, 2, 64), (4, 4, 16)])
+def test_the_planner_counts_the_extra_chunk_in_flight(p, v, m):
+    """The planner's first-rank in-flight micro-batches (planner/schedules.py in_flight_microbatches) under the paired
+    schedule: the most chunks rank 0 holds at once when its own order is replayed as `trillion estimate` replays it
+    (pipeline_schedule.in_flight_peak), one more than unpaired."""
+    from trillion.parallel import modes
+    from trillion.parallel.planner.schedules import in_flight_microbatches
+    from trillion.trainer.tools.estimate.activations import MicroBatchMemory
+    from trillion.trainer.tools.estimate.pipeline_schedule import in_flight_peak
+
+    one = MicroBatchMemory(held=1, forward_peak=1, peak=1, grad_elements=0)
+    _, most = in_flight_peak(rank_orders(p, v, m)[0], {s * p: one for s in range(v)})
+    schedule = modes.schedule("Interleaved1F1B")
+    paired, unpaired = (in_flight_microbatches(schedule, p, v, m, paired)[0] for paired in (True, False))
+    assert most == pytest.approx(v * paired) and v * (paired - unpaired) == pytest.approx(1)
