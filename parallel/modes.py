@@ -178,6 +178,12 @@ def pairs_across_stages(layout) -> bool:
     return layout.ep_overlap and layout.ep > 1 and layout.pp > 1 and layout.pp_schedule in PAIRED_SCHEDULES
 
 
+def pairs_interleaved(layout) -> bool:
+    """Whether the pairing runs under Interleaved1F1B with its extra warm-up (pipeline_pairing.py
+    PairedInterleaved1F1B): one chunk more in flight a rank, a second set of outputs on the last stage."""
+    return pairs_across_stages(layout) and layout.pp_schedule == "Interleaved1F1B"
+
+
 def pairs_in_a_v(layout) -> bool:
     """Whether the pairing runs a V's two stages on a rank against each other (DualPipeV), which the stage split
     balances so that each stage keeps compute of its own (pp_layout.balance_paired)."""

@@ -55,7 +55,13 @@ from torch.distributed.tensor import DTensor
 from trillion.errors import ConfigError
 from trillion.parallel.forward_backward import carried_inputs, token_loss
 from trillion.parallel.layout import Layout
-from trillion.parallel.modes import SCHEDULES, check_layout_schedule, joins_weight_passes, pairs_across_stages
+from trillion.parallel.modes import (
+    SCHEDULES,
+    check_layout_schedule,
+    joins_weight_passes,
+    pairs_across_stages,
+    pairs_interleaved,
+)
 from trillion.parallel.pipeline_ahead import AheadOutputs
 from trillion.parallel.pp_layout import check_stages, describe, split_units
 from trillion.parallel.tensor_parallel import loss_context
@@ -164,7 +170,7 @@ class Pipeline:
         self.tokens = None
         self.dims = dims
         self.pairs = pairs_across_stages(dims.layout)  # each OVERLAP_F_B paired (pipeline_pairing.py)
-        if self.pairs and name == "Interleaved1F1B":  # its pairs need the extra warm-up of our schedule
+        if pairs_interleaved(dims.layout):  # its pairs need the extra warm-up of our schedule
             from trillion.parallel.pipeline_pairing import PairedInterleaved1F1B
 
             self._schedule_cls = PairedInterleaved1F1B

@@ -307,7 +307,7 @@ def rank_memory(
     per_microbatch = n_ckpt * kept + (rank.layers - n_ckpt) * (full_layer + gathered_kv)
     per_microbatch += rank.ahead_modules * (ahead_module_bytes(args, tokens, dense_layer, moe_layer) + gathered_kv)
     output = output_activation_bytes(args, tokens, tp, sp) * (1 + rank.ahead_modules) if rank.last else 0
-    if layout.pp > 1 and modes.pairs_across_stages(layout) and not modes.schedule(layout.pp_schedule).v_shape:
+    if modes.pairs_interleaved(layout):
         output *= 2  # the paired Interleaved1F1B's last stage holds a forward's outputs beside the backward it pairs
     activations = in_flight * per_microbatch + output
     # Muon's step buffers live after the backward, where the activations were: only what passes them adds
@@ -363,7 +363,7 @@ def layout_memory(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assump
     where the first rank held 21)."""
     schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
     first, last = schedules.in_flight_microbatches(
-        schedule, layout.pp, layout.virtual_stages, layout.microbatches, modes.pairs_across_stages(layout)
+        schedule, layout.pp, layout.virtual_stages, layout.microbatches, modes.pairs_interleaved(layout)
     )
     if pairs(layout):  # two micro-batches in flight (parallel/expert_overlap.py)
         first = last = 2.0

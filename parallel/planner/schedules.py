@@ -2,7 +2,7 @@
 flight at its peak, and which rank runs each virtual stage. The schedules themselves, with
 their rules and bubble weights, are the trainer's own table (parallel/modes.py)."""
 
-from trillion.parallel.modes import INTERLEAVED_EXTRA_WARMUP, Schedule, pairs_across_stages
+from trillion.parallel.modes import INTERLEAVED_EXTRA_WARMUP, Schedule, pairs_across_stages, pairs_interleaved
 
 
 def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int, paired: bool = False) -> tuple[float, float]:
@@ -46,7 +46,7 @@ def paired_share(layout) -> float:
     if not pairs_across_stages(layout):
         return 0.0
     p, m, v = layout.pp, layout.microbatches, layout.virtual_stages
-    if layout.pp_schedule == "Interleaved1F1B":
+    if pairs_interleaved(layout):
         return sum(v * m - interleaved_warmup(p, v, m, r) for r in range(p)) / (p * v * m)
     return min(1.0, max(0.0, (2 * m - 3 * p + 1 + (p - 1) / 2 - 1 / p) / (2 * m)))
 
