@@ -25,6 +25,7 @@ one extra warm-up forward, each steady-state forward paired with the backward af
 plain balance).
 
     python experiments/bench/ep_overlap.py --pp 2 [--schedule Interleaved1F1B] [--microbatches 16] [--steps 4]
+        [--stage-layers 2]      # MoE layers a stage holds (the model grows with it)
 """
 
 import argparse
@@ -56,13 +57,16 @@ def moe_layers_of(args) -> list[int]:
     return [index for index in range(args.n_layers) if args.is_moe_layer(index)]
 
 
-def model_args(smoke: bool, capacity: float, pp: int = 1):
+def model_args(smoke: bool, capacity: float, pp: int = 1, stage_layers: int = 2):
     base = PRESETS["debug-moe"]
     moe = dataclasses.replace(base.moe, rank_capacity_factor=capacity, capacity_ranks=2 if capacity else 1)
     if smoke:  # a V of 2 pp stages a rank needs a layer per stage
         return dataclasses.replace(base, n_layers=2 * pp, dim=64, n_heads=4, n_kv_heads=2, ffn_dim=96, moe=moe)
-    moe = dataclasses.replace(moe, expert_ffn_dim=512, n_shared_experts=2)  # 8 MoE layers: few edges of the pairing
-    return dataclasses.replace(base, n_layers=9, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512, moe=moe)
+    moe = dataclasses.replace(moe, expert_ffn_dim=512, n_shared_experts=2)
+    # a dense first layer, then stage_layers MoE layers for each of the 4 stages of a V on pp 2 (8 by default: few
+    # edges of the pairing; DeepSeek-V3's own stage holds about 4, 58 MoE layers over 16)
+    n_layers = 1 + 4 * stage_layers
+    return dataclasses.replace(base, n_layers=n_layers, dim=256, n_heads=4, n_kv_heads=2, ffn_dim=512, moe=moe)
 
 
 class Run:
@@ -182,7 +186,7 @@ def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
         batch = (2, 32, 2) if ns.smoke else (4, 128, 2)  # micro-batch, sequence, micro-batches per step
     rows = []
     for capacity in (0.0,) if ns.pp > 1 else (0.0, 1.5):
-        args = model_args(ns.smoke, capacity, ns.pp)
+        args = model_args(ns.smoke, capacity, ns.pp, ns.stage_layers)
         run = PipelineRun(args, world, batch, ns.schedule) if ns.pp > 1 else Run(args, world, batch)
         base = measure(run, [(False, 0.0)], ns.steps)
         layers = len(moe_layers_of(args))  # each MoE layer's pass of one micro-batch, once per step
@@ -239,6 +243,7 @@ def main(argv=None) -> int:
     p.add_argument("--pp", type=int, default=1, choices=(1, 2), help="2: DualPipeV over pp 2 x ep 2 on 4 ranks")
     p.add_argument("--microbatches", type=int, default=16, help="with --pp 2: micro-batches a step (at least 4)")
     p.add_argument("--schedule", default="DualPipeV", choices=("DualPipeV", "Interleaved1F1B"), help="with --pp 2")
+    p.add_argument("--stage-layers", type=int, default=2, help="MoE layers per pipeline stage (DeepSeek-V3: about 4)")
     ns = p.parse_args(argv)
     if ns.pp > 1:
         ns.ranks = 4
