@@ -16,8 +16,8 @@ R (checkpointing), input-gradient pass Bi and weight-gradient pass Bw, p stages,
   InterleavedZeroBubble (ZB-H1): (p-1)(F+R+Bi-Bw): deferred weight passes fill the drain;
   ZBVZeroBubble, DualPipeV (ZB-V): (p-1) max(0, F+R+Bi-2Bw): the V layout fills the fill too.
 `in_flight` names the rule for the micro-batches whose activations a rank holds at the peak
-(planner/schedules.py in_flight_microbatches). DualPipeV's own lever, hiding expert all-to-all
-behind compute, does nothing for dense models.
+(planner/schedules.py: in_flight_microbatches, interleaved_in_flight, dualpipe_in_flight). DualPipeV's own
+lever, hiding expert all-to-all behind compute, does nothing for dense models.
 """
 
 from __future__ import annotations

@@ -147,3 +147,10 @@ def moe_activation_bytes(
         float8 = (k * args.dim + hidden * k * f / etp) * (1 + 4 / FLOAT8_CACHE_BLOCK)
         return tokens * (4 * block.routing.n_experts + float8 * imb)
     return tokens * (4 * block.routing.n_experts + (k * args.dim + hidden * k * f / etp) * imb * dtype_bytes)
+
+
+def ahead_module_bytes(args: ModelArgs, tokens: int, dense_layer: float, moe_layer: float) -> float:
+    """An MTP module's activations per micro-batch (models/parts), not checkpointed: its block, its projection's input
+    (its output is counted as the root's)."""
+    block = moe_layer if parts.routed_layer(args, args.n_layers) else dense_layer
+    return block + 2 * tokens * args.dim * ACTIVATION_BYTES

@@ -35,6 +35,7 @@ from trillion.parallel.layout import Layout, StageLayers
 from trillion.parallel.planner import schedules
 from trillion.parallel.planner.activations import (
     ACTIVATION_BYTES,
+    ahead_module_bytes,
     checkpointed_layers,
     layer_bytes,
     loss_backward_bytes,
@@ -339,13 +340,6 @@ def _gathered_block(args: ModelArgs, dense: bool, routed: bool, tp: int, d: int,
     return max(_numel(args, "block", tp, d)[0] if dense else 0, _numel(args, "routed_block", tp, d)[0] + experts)
 
 
-def ahead_module_bytes(args: ModelArgs, tokens: int, dense_layer: float, moe_layer: float) -> float:
-    """An MTP module's activations per micro-batch (models/parts), not checkpointed: its block, its projection's input
-    (its output is counted as the root's)."""
-    block = moe_layer if parts.routed_layer(args, args.n_layers) else dense_layer
-    return block + 2 * tokens * args.dim * ACTIVATION_BYTES
-
-
 def _layer_kinds(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assumptions, kept: bool = False) -> tuple:
     """(a dense layer's, an MoE layer's activations per micro-batch; with `kept` a checkpointed layer's input too)."""
     tokens = layout.micro_batch_size * seq_len // layout.cp
@@ -356,39 +350,51 @@ def _layer_kinds(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assumpt
     return found if kept else found[:2]
 
 
+def _chunk_bytes(args: ModelArgs, layout: Layout, seq_len: int, layers: tuple, rank: RankParams) -> tuple:
+    """What each of a rank's pipeline chunks keeps of one micro-batch, as rank_memory counts a rank's: its checkpointed
+    layers' inputs, its other layers whole (`layers`: _layer_kinds'), the MTP modules in the model's last stage."""
+    (dense, moe, kept), held = layers, []
+    for n, routed in zip(rank.chunks, rank.chunk_routed):
+        checkpointed = checkpointed_layers(layout.activation_checkpoint, n)
+        held.append(checkpointed * kept + (n - checkpointed) * (dense * (n - routed) + moe * routed) / max(n, 1))
+    if rank.ahead_modules:
+        tokens = layout.micro_batch_size * seq_len // layout.cp
+        held[-1] += rank.ahead_modules * ahead_module_bytes(args, tokens, dense, moe)
+    return tuple(held)
+
+
 def layout_memory(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assumptions) -> Memory:
-    """Memory of the fullest GPU under what the plan assumes (`assumed`): the earliest rank of each kind (in-flight
-    micro-batches fall linearly from the first rank's to the last's, as 1F1B's p - r). An MoE model's all-expert
-    middle ranks can pass a first rank of dense blocks (deepseek-v3-671b: `trillion estimate` measured 100 GB on one
-    where the first rank held 21)."""
-    schedule = modes.schedule(layout.pp_schedule, "--pp-schedule")
-    first, last = schedules.in_flight_microbatches(
-        schedule, layout.pp, layout.virtual_stages, layout.microbatches, modes.pairs_interleaved(layout)
-    )
-    if pairs(layout):  # two micro-batches in flight (parallel/expert_overlap.py)
-        first = last = 2.0
-    span, candidates = max(layout.pp - 1, 1), []
-    if schedule.in_flight == "pipeline+1" and layout.pp > 1:  # DualPipeV: each rank's two chunks hold unequal counts
-        dense, moe = _layer_kinds(args, layout, seq_len, assumed)
-        for index, rank in enumerate(pipeline_ranks(args, layout)):
-            held = [dense * (n - r) + moe * r for n, r in zip(rank.chunks, rank.chunk_routed)]  # each chunk's bytes
-            if rank.ahead_modules:  # the MTP modules run in the V's last stage, this rank's second chunk
-                tokens = layout.micro_batch_size * seq_len // layout.cp
-                held[-1] += rank.ahead_modules * ahead_module_bytes(args, tokens, dense, moe)
-            in_flight = schedules.dualpipe_in_flight(layout.pp, layout.microbatches, index, held)
-            first, second = schedules.dualpipe_chunks_in_flight(layout.pp, layout.microbatches, index)
-            received = (0 if rank.first else first) + second  # rank 0's first chunk is the model's first stage
+    """Memory of the fullest GPU under what the plan assumes (`assumed`): each kind's earliest rank (DualPipeV's
+    chunks trade counts across the ranks: every rank), in flight falling from the first rank's to the last's."""
+    schedule, candidates = modes.schedule(layout.pp_schedule, "--pp-schedule"), []
+    if schedule.in_flight in ("pipeline+1", "interleaved") and layout.pp > 1:  # a rank's chunks hold unequal counts
+        extra = modes.INTERLEAVED_EXTRA_WARMUP if modes.pairs_interleaved(layout) else 0
+        layers = _layer_kinds(args, layout, seq_len, assumed, kept=True)
+        kinds = enumerate(pipeline_ranks(args, layout)) if schedule.v_shape else _earliest_of_each_kind(args, layout)
+        for index, rank in kinds:
+            held = _chunk_bytes(args, layout, seq_len, layers, rank)
+            if schedule.v_shape:  # DualPipeV
+                in_flight = schedules.dualpipe_in_flight(layout.pp, layout.microbatches, index, held)
+                counts = schedules.dualpipe_chunks_in_flight(layout.pp, layout.microbatches, index)
+            else:
+                p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
+                in_flight, counts = schedules.interleaved_in_flight(p, v, m, index, held, extra)
+            received = sum(counts) - (counts[0] if rank.first else 0)  # rank 0's first chunk: the model's first stage
             candidates.append(rank_memory(args, layout, seq_len, assumed, rank, in_flight, received))
         return max(candidates, key=lambda m: m.total)
-    for rank, index in _earliest_of_each_kind(args, layout):
+    first, last = schedules.in_flight_microbatches(schedule, layout.pp, layout.microbatches)
+    if pairs(layout):  # two micro-batches in flight (parallel/expert_overlap.py)
+        first = last = 2.0
+    span = max(layout.pp - 1, 1)
+    for index, rank in _earliest_of_each_kind(args, layout):
         in_flight = last if rank.last and index else first + (last - first) * index / span
         candidates.append(rank_memory(args, layout, seq_len, assumed, rank, in_flight))
     return max(candidates, key=lambda m: m.total)
 
 
 def _earliest_of_each_kind(args: ModelArgs, layout: Layout) -> tuple:
-    """((rank's parts, its index), ...): the first pipeline rank of each distinct RankParams."""
+    """((its index, rank's parts), ...): the first pipeline rank of each distinct RankParams."""
     earliest: dict = {}
     for index, rank in enumerate(pipeline_ranks(args, layout)):
         earliest.setdefault(rank, index)
-    return tuple(earliest.items())
+    return tuple((index, rank) for rank, index in earliest.items())

@@ -2,25 +2,19 @@
 flight at its peak, and which rank runs each virtual stage. The schedules themselves, with
 their rules and bubble weights, are the trainer's own table (parallel/modes.py)."""
 
+from functools import lru_cache
+
 from trillion.parallel.modes import INTERLEAVED_EXTRA_WARMUP, Schedule, pairs_across_stages, pairs_interleaved
 
 
-def in_flight_microbatches(schedule: Schedule, p: int, v: int, m: int, paired: bool = False) -> tuple[float, float]:
-    """Micro-batches whose activations the first and the last rank hold at the peak, in units of
-    one micro-batch through all of that rank's layers (Narayanan et al. 2021 for interleaving; `paired`: the paired
-    Interleaved1F1B's extra warm-up forwards, a chunk each, on every rank). A V
-    schedule holds as many on every rank (ZB-V, Qi et al. 2024: its two chunks balance each rank's
-    memory; `trillion estimate` replaying torch's ZBVZeroBubble order at pp 16 counted 2 x 16 chunks
-    on ranks 1, 4, 8, 12 and 15, and DualPipeV's 2 x 16 + 1)."""
+def in_flight_microbatches(schedule: Schedule, p: int, m: int) -> tuple[float, float]:
+    """Micro-batches whose activations the first and the last rank hold at the peak under a schedule of one chunk a
+    rank (1F1B's p - r, ...; the schedules of several chunks a rank: interleaved_in_flight, dualpipe_in_flight)."""
     if p == 1:
         return 1.0, 1.0
-    rule = schedule.in_flight
-    if rule == "all":
+    if schedule.in_flight == "all":
         return float(m), float(m)
-    if rule == "interleaved":
-        ahead = INTERLEAVED_EXTRA_WARMUP / v if paired else 0.0
-        return min(m, p) * (1 + (p - 1) / (p * v)) + ahead, 1.0 + (p - 1) / (p * v) + ahead
-    extra = 1 if rule == "pipeline+1" else 0
+    extra = 1 if schedule.in_flight == "pipeline+1" else 0
     first = float(min(m, p + extra))
     return first, first if schedule.v_shape else 1.0 + extra
 
@@ -51,12 +45,39 @@ def paired_share(layout) -> float:
     return min(1.0, max(0.0, (2 * m - 3 * p + 1 + (p - 1) / 2 - 1 / p) / (2 * m)))
 
 
-def interleaved_warmup(p: int, v: int, m: int, rank: int) -> int:
-    """Forwards rank `rank` runs before its first backward under the paired Interleaved1F1B: torch's warm-up ((v - 1)
+def interleaved_warmup(p: int, v: int, m: int, rank: int, extra: int = INTERLEAVED_EXTRA_WARMUP) -> int:
+    """Forwards rank `rank` runs before its first backward under Interleaved1F1B: torch's warm-up ((v - 1)
     micro-batches a round, two more a rank before the last; torch.distributed.pipelining.schedules._get_warmup_ops)
-    and INTERLEAVED_EXTRA_WARMUP, at most all v m."""
+    and `extra` (the paired schedule's INTERLEAVED_EXTRA_WARMUP), at most all v m."""
     per_round = m // max(1, m // p)
-    return min((v - 1) * per_round + 2 * (p - 1 - rank) + INTERLEAVED_EXTRA_WARMUP, v * m)
+    return min((v - 1) * per_round + 2 * (p - 1 - rank) + extra, v * m)
+
+
+@lru_cache(maxsize=65536)
+def interleaved_in_flight(p: int, v: int, m: int, rank: int, chunks: tuple, extra: int = 0) -> tuple[float, tuple]:
+    """(micro-batches in flight on Interleaved1F1B's pipeline rank `rank` at its peak, in units of one micro-batch
+    through all its layers; each chunk's count then), given what each of its v chunks keeps of one micro-batch
+    (`chunks`). torch's order (ScheduleInterleaved1F1B): the warm-up's w forwards (interleaved_warmup, `extra` the
+    paired schedule's), then each forward followed by a backward; forward i runs the rank's chunk (i // per_round) mod
+    v, backward j chunk v - 1 - (j // per_round) mod v. The peak follows a forward: the warm-up's last, or the k-th
+    steady one (w + k + 1 forwards, k backwards), whose counts repeat every v per_round. With equal chunks the first
+    rank holds Narayanan et al. 2021's p (1 + (p - 1) / (p v)) micro-batches, the last ((v - 1) p + 1) / v."""
+    per_round, total = m // max(1, m // p), v * m
+    warmup = interleaved_warmup(p, v, m, rank, extra)
+
+    def runs(n: int, chunk: int) -> int:  # of the first n passes, those on chunk `chunk` (forward order)
+        cycles, rest = divmod(n, per_round * v)
+        return cycles * per_round + min(max(rest - chunk * per_round, 0), per_round)
+
+    peak, at_peak = -1.0, ()
+    for k in range(min(total - warmup, per_round * v) if warmup < total else 1):
+        forwards, backwards = min(warmup + k + 1, total), k
+        counts = tuple(runs(forwards, c) - runs(backwards, v - 1 - c) for c in range(v))
+        held = sum(count * size for count, size in zip(counts, chunks))
+        if held > peak:
+            peak, at_peak = held, counts
+    whole = sum(chunks)
+    return (peak / whole if whole else sum(at_peak) / v), at_peak
 
 
 def dualpipe_in_flight(p: int, m: int, rank: int, chunks: list[float]) -> float:

@@ -164,7 +164,7 @@ def test_the_dispatch_keeps_no_rows_beyond_one_process_and_a_v_schedules_in_flig
         if shape.routed_layers:
             per_layer = (measured - alone[shape]) / shape.routed_layers
             assert 0 <= per_layer < tokens * args.dim * 2 / 4, (shape, per_layer)
-    first, last = in_flight_microbatches(modes.schedule(layout.pp_schedule, ""), 2, 2, layout.microbatches)
+    first, last = in_flight_microbatches(modes.schedule(layout.pp_schedule, ""), 2, layout.microbatches)
     assert in_flight == layout.virtual_stages * last == layout.virtual_stages * first
 
 

@@ -10,7 +10,7 @@ within the harness's elementwise tolerance, each rank's pairs handing the turn o
 from types import SimpleNamespace
 
 import pytest
-from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, OVERLAP_F_B
+from torch.distributed.pipelining.schedules import FORWARD, FULL_BACKWARD, OVERLAP_F_B, ScheduleInterleaved1F1B
 
 from tests.helpers.spawn import run_ranks
 from tests.moe.harness import check_cases
@@ -87,18 +87,32 @@ def test_interleaved_pairing_at_pp2_x_ep2_equals_one_process():
     )
 
 
+def torch_orders(p: int, v: int, m: int) -> dict[int, list]:
+    """Every rank's compute actions under torch's own ScheduleInterleaved1F1B (unpaired), built as torch builds them."""
+    schedule = SimpleNamespace(pp_group_size=p, n_local_stages=v, _n_microbatches=m)
+    schedule.microbatches_per_round = m // max(1, m // p)
+    return {r: ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, r) for r in range(p)}
+
+
 @pytest.mark.parametrize("p, v, m", [(4, 2, 8), (8, 2, 32), (16, 2, 64), (4, 4, 16)])
-def test_the_planner_counts_the_extra_chunk_in_flight(p, v, m):
-    """The planner's first-rank in-flight micro-batches (planner/schedules.py in_flight_microbatches) under the paired
-    schedule: the most chunks rank 0 holds at once when its own order is replayed as `trillion estimate` replays it
-    (pipeline_schedule.in_flight_peak), one more than unpaired."""
-    from trillion.parallel import modes
-    from trillion.parallel.planner.schedules import in_flight_microbatches
+def test_the_planner_holds_each_ranks_chunks_as_its_order_does(p, v, m):
+    """The planner's in-flight micro-batches on every rank (planner/schedules.py interleaved_in_flight) are what the
+    rank's own order holds at its peak, replayed as `trillion estimate` replays it (pipeline_schedule.in_flight_peak),
+    paired and unpaired: with equal chunks the most chunks at once (the last rank (v - 1) p + 1, the paired schedule
+    one more on every rank), and with chunks of unequal bytes (a last stage keeping the MTP module whole) the peak
+    bytes."""
+    from trillion.parallel.planner.schedules import interleaved_in_flight
     from trillion.trainer.tools.estimate.activations import MicroBatchMemory
     from trillion.trainer.tools.estimate.pipeline_schedule import in_flight_peak
 
-    one = MicroBatchMemory(held=1, forward_peak=1, peak=1, grad_elements=0)
-    _, most = in_flight_peak(rank_orders(p, v, m)[0], {s * p: one for s in range(v)})
-    schedule = modes.schedule("Interleaved1F1B")
-    paired, unpaired = (in_flight_microbatches(schedule, p, v, m, paired)[0] for paired in (True, False))
-    assert most == pytest.approx(v * paired) and v * (paired - unpaired) == pytest.approx(1)
+    for extra, orders in ((1, rank_orders(p, v, m)), (0, torch_orders(p, v, m))):
+        for rank, order in orders.items():
+            sizes = [1.0] * (v - 1) + [7.0 if rank == p - 1 else 1.0]
+            for chunks in ([1.0] * v, sizes):
+                memory = {s * p + rank: MicroBatchMemory(held=b, forward_peak=b, peak=b, grad_elements=0) for s, b in
+                          enumerate(chunks)}  # fmt: skip
+                peak, most = in_flight_peak(order, memory)
+                units, counts = interleaved_in_flight(p, v, m, rank, tuple(chunks), extra)
+                assert units * sum(chunks) == pytest.approx(peak), (extra, rank, chunks)
+                if chunks == [1.0] * v:
+                    assert sum(counts) == most == (v - 1) * p + 2 * (p - 1 - rank) + 1 + extra

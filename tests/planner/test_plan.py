@@ -1,5 +1,6 @@
 """The planner end to end: the Frontier table, the search, the CLI's outputs and its errors."""
 
+import gc
 import json
 import time
 from pathlib import Path
@@ -130,11 +131,17 @@ def test_pipeline_stages_cost_zero1_whatever_the_mode():
 
 
 def test_thirty_thousand_gpus_in_seconds():
-    # the search's own CPU seconds (about 5.6 here), not the wall clock, which other jobs on the machine stretch
-    start = time.process_time()
-    request = Request("gpt-1t", get_preset("gpt-1t"), load_profile("dgx-h100"), 30720, 15360, 2048, 20e12)
-    assert search(request).ranked
-    assert time.process_time() - start < 10
+    # the search's own CPU seconds (about 6 here), not the wall clock, which other jobs on the machine stretch; the
+    # suite's objects frozen out of the garbage collector's passes, which in the full suite took 4 s more of them
+    gc.collect()
+    gc.freeze()
+    try:
+        start = time.process_time()
+        request = Request("gpt-1t", get_preset("gpt-1t"), load_profile("dgx-h100"), 30720, 15360, 2048, 20e12)
+        assert search(request).ranked
+        assert time.process_time() - start < 10
+    finally:
+        gc.unfreeze()
 
 
 def test_cli_json_and_train_config(tmp_path, capsys):
