@@ -8,8 +8,11 @@ from trillion.parallel.modes import INTERLEAVED_EXTRA_WARMUP, Schedule, pairs_ac
 
 
 def in_flight_microbatches(schedule: Schedule, p: int, m: int) -> tuple[float, float]:
-    """Micro-batches whose activations the first and the last rank hold at the peak under a schedule of one chunk a
-    rank (1F1B's p - r, ...; the schedules of several chunks a rank: interleaved_in_flight, dualpipe_in_flight)."""
+    """Micro-batches whose activations the first and the last rank hold at the peak, in units of one micro-batch
+    through all of that rank's layers (1F1B's p - r; Interleaved1F1B and DualPipeV count each chunk apart:
+    interleaved_in_flight, dualpipe_in_flight). ZBVZeroBubble's V holds as many on every rank (ZB-V, Qi et al. 2024:
+    its two chunks balance each rank's memory; `trillion estimate` replaying torch's order at pp 16 counted 2 x 16
+    chunks on ranks 1, 4, 8, 12 and 15)."""
     if p == 1:
         return 1.0, 1.0
     if schedule.in_flight == "all":
