@@ -131,15 +131,16 @@ def test_pipeline_stages_cost_zero1_whatever_the_mode():
 
 
 def test_thirty_thousand_gpus_in_seconds():
-    # the search's own CPU seconds (about 6 here), not the wall clock, which other jobs on the machine stretch; the
-    # suite's objects frozen out of the garbage collector's passes, which in the full suite took 4 s more of them
+    # the search's own CPU seconds (6.2-7.2 here alone; bounded at about twice that): its thread's, not the wall
+    # clock, which other jobs on the machine stretch, nor the process's, to which the threads earlier tests leave
+    # behind add (10.6 s in a CI run); the suite's objects frozen out of the garbage collector's passes
     gc.collect()
     gc.freeze()
     try:
-        start = time.process_time()
+        start = time.thread_time()
         request = Request("gpt-1t", get_preset("gpt-1t"), load_profile("dgx-h100"), 30720, 15360, 2048, 20e12)
         assert search(request).ranked
-        assert time.process_time() - start < 10
+        assert time.thread_time() - start < 15
     finally:
         gc.unfreeze()
 
