@@ -86,8 +86,9 @@ class Exchange:
         self.traffic: Traffic | None = None
         self.delay_s, self.blocked_s = 0.0, 0.0
 
-    def post(self, x: torch.Tensor, send: list[int], recv: list[int], what: str = ""):
-        """(the receive buffer, the work) of an all-to-all sending send[j] rows of `x` to member j."""
+    def post(self, x: torch.Tensor, send: list[int], recv: list[int], what: str = "", hand_over: bool = True):
+        """(the receive buffer, the work) of an all-to-all sending send[j] rows of `x` to member j; then, with
+        `hand_over`, a paired micro-batch's turn while they travel (expert_overlap.py)."""
         x = x.contiguous()
         out = x.new_empty((sum(recv), *x.shape[1:]))
         if self.traffic is not None and what:
@@ -98,30 +99,36 @@ class Exchange:
                     self.traffic.add(what, self.stage_of[member], rows, rows * row_bytes)
         work = self._all_to_all(out, x, recv, send)
         work = _Late(work, self.delay_s, self) if self.delay_s > 0 else work
-        if what != "dispatch":  # the rows' routing is posted right after them: one turn for both
-            after_post()  # a paired micro-batch's turn while these travel (expert_overlap.py)
+        if hand_over:
+            after_post()
         return out, work
 
     def _all_to_all(self, out: torch.Tensor, x: torch.Tensor, recv: list[int], send: list[int]):
         return dist.all_to_all_single(out, x, recv, send, group=self.group, async_op=True)
 
     def counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """An even all-to-all of a counts tensor (its chunks in member order), on the device."""
-        out, work = self.post(
-            counts, [counts.numel() // self.size] * self.size, [counts.numel() // self.size] * self.size, "counts"
-        )
+        """An even all-to-all of a counts tensor (its chunks in member order), on the device, waited for at once:
+        no turn handed over (ExpertDispatch.exchanges_counts says why)."""
+        even = [counts.numel() // self.size] * self.size
+        out, work = self.post(counts, even, even, "counts", hand_over=False)
         work.wait()
         return out
 
-    def rows(self, x: torch.Tensor, send: list[int], recv: list[int], what: str = "", wire=None) -> Pending:
-        return Pending(self, x, send, recv, what, wire)
+    def rows(
+        self, x: torch.Tensor, send: list[int], recv: list[int], what: str = "", wire=None, beside=None
+    ) -> Pending:
+        """`beside`: a Pending posted just before this one in the same turn (the dispatch's rows, beside which their
+        routing travels): one turn handed over for the two, after the second post, forward and backward."""
+        return Pending(self, x, send, recv, what, wire, beside)
 
 
 class Pending:
     """An all-to-all in flight: `wait()` returns the rows received (autograd: the module docstring)."""
 
-    def __init__(self, exchange: Exchange, x: torch.Tensor, send: list[int], recv: list[int], what: str, wire=None):
+    def __init__(self, exchange: Exchange, x: torch.Tensor, send, recv, what: str, wire=None, beside=None):
         self.box = _Box(exchange, send, recv, what, wire)
+        if beside is not None:
+            self.box.partner, beside.box.partner = beside.box, self.box
         self.out = _Post.apply(x, self.box)
 
     def wait(self) -> torch.Tensor:
@@ -141,6 +148,8 @@ class _Box:
     back: torch.Tensor | None = None  # the reverse all-to-all's buffer (the backward)
     back_work: object = None
     back_input: torch.Tensor | None = None  # kept alive while it travels
+    partner: _Box | None = None  # the all-to-all posted in the same turn (Exchange.rows's `beside`)
+    reversed: bool = False  # the reverse all-to-all has been posted
 
 
 class _Post(torch.autograd.Function):
@@ -148,7 +157,9 @@ class _Post(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, box: _Box) -> torch.Tensor:
         """The receive buffer; with a wire an empty tensor that only links the wait to this post in autograd (the
         encoded buffer is not differentiable), the buffer kept in the box."""
-        out, box.work = box.exchange.post(x if box.wire is None else box.wire.encode(x), box.send, box.recv, box.what)
+        rows = x if box.wire is None else box.wire.encode(x)
+        # the dispatch's rows are followed in the same turn by their routing (Exchange.rows's `beside`)
+        out, box.work = box.exchange.post(rows, box.send, box.recv, box.what, hand_over=box.what != "dispatch")
         ctx.box = box
         if box.wire is None:
             return out
@@ -178,5 +189,7 @@ class _Finish(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         box = ctx.box
         box.back_input = grad.contiguous()
-        box.back, box.back_work = box.exchange.post(box.back_input, box.recv, box.send)
+        last = box.partner is None or box.partner.reversed  # the turn's second reverse post hands it over
+        box.back, box.back_work = box.exchange.post(box.back_input, box.recv, box.send, hand_over=last)
+        box.reversed = True
         return (grad if box.wire is None else grad.new_zeros(0)), None

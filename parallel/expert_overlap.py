@@ -17,8 +17,9 @@ autocast and checkpointing state; the recompute of a checkpointed block finds it
 Across pipeline stages (DualPipeV's OVERLAP_F_B, parallel/pipeline_pairing.py) a Pair runs one micro-batch's
 forward beside another's backward: `Pair(backward_side=True)`. Its backward side is whatever runs inside an autograd
 graph task while the pair is active, on any thread (on a GPU the autograd engine runs a backward's device nodes on its
-own thread, not the caller's), and hands the turn over after posting the reverse all-to-alls (ep_exchange.py) and
-the all-to-alls of a recomputed forward.
+own thread, not the caller's), and hands the turn over as often a layer as the forward does: after the combine's
+reverse all-to-all, once after the two reverses of the rows and their routing (ep_exchange.py), and where the
+forward exchanged its counts (`turn_in_backward`); a recomputed forward's all-to-alls hand it over too.
 """
 
 from __future__ import annotations
@@ -123,6 +124,28 @@ def after_post() -> None:
     """Called right after an expert all-to-all is posted: the other side's turn, if there is one."""
     if (found := _side()) is not None:
         found[0].hand_over(found[1])
+
+
+class _TurnInBackward(torch.autograd.Function):
+    """The identity; its backward hands the turn over, as `after_post` does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        after_post()
+        return grad
+
+
+def turn_in_backward(x: torch.Tensor) -> torch.Tensor:
+    """`x`, whose gradient, once complete, hands the backward side's turn over: where a forward hands over without
+    a backward counterpart (after the counts it exchanges, which have no gradient), so that a backward hands over
+    as often a layer as the forward it is paired with. Otherwise the side with fewer turns finishes first and
+    leaves the other's last all-to-alls with nothing beside them, or the two fall into step with one side's posts
+    beside the other's shortest segments."""
+    return _TurnInBackward.apply(x)
 
 
 def enter(block, *_args, **_kwargs) -> None:

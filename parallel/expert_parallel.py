@@ -58,6 +58,7 @@ from trillion.models.parts.moe import reach_share
 from trillion.parallel.activation_checkpoint import recompute_key
 from trillion.parallel.ep_exchange import Exchange
 from trillion.parallel.ep_routing import Hop, Payload, combine, pack_routing, place, unpack_routing
+from trillion.parallel.expert_overlap import turn_in_backward
 from trillion.parallel.expert_tensor_parallel import expert_placements
 
 
@@ -127,8 +128,17 @@ class ExpertDispatch:
             + ([rank] * self.nodes + [slots * self.nodes]) * self.members
         )
 
+    def exchanges_counts(self, tokens: int) -> bool:
+        """Whether the forward exchanges split sizes (dropless), handing the paired side its turn after them. The
+        node mode's second exchange (among the node's ranks, Exchange.counts) is waited for at once and hands
+        nothing over: a forward hands over once for its counts, as its paired backward does (turn_in_backward)."""
+        return self.mode == "node" or not self.capacity(tokens)
+
     @torch._disable_dynamo  # torch.compiler.disable's, imported on the first call (models/moe.py says why)
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, beside=None):
+        if self.pairs and self.exchanges_counts(x.shape[0]):
+            with _outside_selective_checkpoint():
+                x = turn_in_backward(x)  # the counts' turn, mirrored in a paired backward
         beside = _Beside(beside, x)  # the shared experts, a function of rows
         if not self.overlap:
             beside.upto(x.shape[0])  # all of them first: nothing runs beside the all-to-alls
@@ -230,7 +240,7 @@ class ExpertDispatch:
     def _travel(self, exchange, x, ids, weights, hop, placement, send, recv):
         """(rows received, their routing): the payload and its routing posted, then waited for."""
         payload = exchange.rows(self.payload.pack(x, placement.rows), send, recv, "dispatch", self.payload.wire)
-        routing = exchange.rows(pack_routing(hop, placement, ids, weights), send, recv, "routing")
+        routing = exchange.rows(pack_routing(hop, placement, ids, weights), send, recv, "routing", beside=payload)
         return payload.wait(), routing.wait()
 
     def _sizes(self, start, beside, beside_rows: int, x: torch.Tensor, parts: int = 1) -> list[int]:
@@ -274,7 +284,7 @@ class _Chunk:
         packed = payload.pack(self.x, self.placement.rows)
         self.payload = exchange.rows(packed, self.send, self.recv, "dispatch", payload.wire)
         routing = pack_routing(self.hop, self.placement, self.ids, self.weights)
-        self.routing = exchange.rows(routing, self.send, self.recv, "routing")
+        self.routing = exchange.rows(routing, self.send, self.recv, "routing", beside=self.payload)
 
     def run_experts(self, experts, held: range, exchange: Exchange) -> None:
         """The rows that arrived through this rank's experts, their weighted sums posted back."""

@@ -15,7 +15,8 @@ import torch
 from tests.float8.test_experts_parity import check_wide_model, emulated
 from tests.helpers.spawn import run_ranks
 from tests.moe.harness import check_cases
-from trillion.parallel.expert_overlap import Pair, after_post, paired
+from trillion.parallel.ep_exchange import Exchange
+from trillion.parallel.expert_overlap import Pair, after_post, paired, turn_in_backward
 
 PAIRED = {"pp": 2, "dp_shard": 2, "ep": 2, "ep_overlap": True, "schedule": "DualPipeV", "micro": 1, "paired": True}
 DEEPSEEK_KIND = {"model": "mla", "variant": "mtp", "mode": "zero1", "steps": 8, "relative": 1e-6}
@@ -59,6 +60,56 @@ def test_the_forward_and_the_backward_take_turns_at_each_post():
     pair.run(forward, backward)
     assert log == ["Fa", "B3", "Fb", "B2", "Fc", "B1"] and pair.handovers == 6
     assert not paired()
+
+
+class _Loopback(Exchange):
+    """One member whose rows come back to itself at once: an expert layer's posts and turns without a group; each
+    reverse post is logged by its rows' width."""
+
+    def __init__(self, log: list):
+        self.place(0, [0], 1)
+        self.log = log
+
+    def post(self, x, send, recv, what="", hand_over=True):
+        if not what:
+            self.log.append(f"B{x.shape[1]}")
+        return super().post(x, send, recv, what, hand_over)
+
+    def _all_to_all(self, out, x, recv, send):
+        out.copy_(x)
+        return _Arrived()
+
+
+class _Arrived:
+    def wait(self) -> None:
+        pass
+
+
+def test_a_backward_hands_over_as_often_a_layer_as_the_forward():
+    """An expert layer's backward hands the turn over three times, as its forward does (after the counts, the rows
+    with their routing, the combine): after the combine's reverse, once after the two reverses of the rows and their
+    routing (a turn of the forward between them would sit beside almost nothing), and where the forward exchanged the
+    counts (turn_in_backward). So the paired forward's three posts each find a backward segment beside them."""
+    log = []
+    exchange = _Loopback(log)
+    x = torch.ones(5, 4, requires_grad=True)
+    weights = torch.full((5, 2), 0.5, requires_grad=True)
+    rows = turn_in_backward(x)
+    payload = exchange.rows(rows, [5], [5], "dispatch")
+    routing = exchange.rows(weights, [5], [5], "routing", beside=payload)
+    out = payload.wait()[:, :3] * routing.wait()[:, :1]
+    loss = exchange.rows(out, [5], [5], "combine").wait().sum()
+
+    def forward():
+        for name in "abc":
+            log.append(f"F{name}")
+            after_post()
+
+    pair = Pair(backward_side=True)
+    pair.run(forward, loss.backward)
+    assert log[:3] == ["Fa", "B3", "Fb"] and sorted(log[3:5]) == ["B2", "B4"] and log[5:] == ["Fc"], log
+    assert pair.handovers == 6  # three each way: the mirrored counts' turn is the backward's last
+    assert x.grad is not None and weights.grad is not None
 
 
 def test_dualpipev_pairing_at_pp2_x_ep2_equals_one_process():
