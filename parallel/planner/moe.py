@@ -299,8 +299,10 @@ def exposed_seconds(
             exposed_paired(one_way, one_way, 0.0, backward / 2),
             exposed_paired(dispatch, one_way, 0.0, forward / 2),
         ]
-    paired = [  # across stages (DualPipeV, Interleaved1F1B): a forward beside a backward, which hands over twice
-        exposed_paired(dispatch, one_way, counts, backward / 2),
+    # across stages (DualPipeV, Interleaved1F1B): a forward beside a backward, which hands over as often a layer
+    # (after the combine's reverse, the rows' and their routing's, and where the counts were: turn_in_backward)
+    paired = [
+        exposed_paired(dispatch, one_way, counts, backward / turns),
         exposed_paired(one_way, one_way, 0.0, forward / turns),
         exposed_paired(dispatch, one_way, 0.0, forward / turns),
     ]
