@@ -1,5 +1,6 @@
 """What the expert dispatch needs of a layout, checked before any work (dims.check_layout) and by the planner:
-the per-node dispatch's nodes, group-limited routing lined up with them, the per-rank capacity and the overlap.
+the per-node dispatch's nodes, group-limited routing lined up with them, the per-rank capacity, the overlap and the
+pairing's phase.
 No torch here: the planner and the config checks import it."""
 
 import logging
@@ -41,6 +42,23 @@ def check_ep_dispatch(layout, nodes_and_members: tuple[int, int], model_args, wa
             f"the per-rank dispatch has; parallel.ep_dispatch={layout.ep_dispatch} has not. Use "
             "--parallel.ep_dispatch=rank, or --moe.rank_capacity_factor=0 (dropless)."
         )
+    if layout.ep_pairing_phase >= (turns := pairing_turns(layout)):
+        raise ConfigError(
+            f"parallel.ep_pairing_phase={layout.ep_pairing_phase}: each side of a paired forward and backward hands "
+            f"the turn over {turns} times a MoE layer with parallel.ep_dispatch={layout.ep_dispatch}"
+            f"{' and a per-rank capacity' if layout.ep_capacity > 0 else ''}, so the phases are 0 to {turns - 1} (a "
+            f"larger one repeats one of them and leaves the forward alone for longer at each start). Use one of 0 to "
+            f"{turns - 1} (`trillion plan` gives the best)."
+        )
+
+
+def pairing_turns(layout) -> int:
+    """Turns each side of a paired forward and backward hands over a MoE layer (parallel/expert_overlap.py): after
+    the counts (dropless; the per-node mode's among the node's ranks is waited for at once), the rows and the
+    combine; per node after each of the two hops' rows and combines."""
+    if layout.ep_dispatch == "node":
+        return 5
+    return 2 if layout.ep_capacity > 0 else 3
 
 
 def check_expert_shards(layout, model_args) -> None:

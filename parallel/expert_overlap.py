@@ -19,7 +19,10 @@ forward beside another's backward: `Pair(backward_side=True)`. Its backward side
 graph task while the pair is active, on any thread (on a GPU the autograd engine runs a backward's device nodes on its
 own thread, not the caller's), and hands the turn over as often a layer as the forward does: after the combine's
 reverse all-to-all, once after the two reverses of the rows and their routing (ep_exchange.py), and where the
-forward exchanged its counts (`turn_in_backward`); a recomputed forward's all-to-alls hand it over too.
+forward exchanged its counts (`turn_in_backward`); a recomputed forward's all-to-alls hand it over too. The two
+sides alternate, so the start sets which segment of one side each post of the other travels beside; the backward
+side hands the turn straight back `lead` times before it starts (parallel.ep_pairing_phase, which the planner
+chooses: planner/pairing.py).
 """
 
 from __future__ import annotations
@@ -35,11 +38,12 @@ _ACTIVE: list = []  # the forward-and-backward Pair running now, if any (one at 
 class Pair:
     """Two forwards taking turns (the module docstring): `run(first, second)` -> their results."""
 
-    def __init__(self, backward_side: bool = False):
-        """`backward_side`: the second runs a backward (the module docstring)."""
+    def __init__(self, backward_side: bool = False, lead: int = 0):
+        """`backward_side`: the second runs a backward (the module docstring); `lead`: the turns it hands straight
+        back before it starts (parallel.ep_pairing_phase: which segment of the other side each post meets)."""
         self.turns = threading.Condition()
         self.turn, self.running, self.inside = 0, [True, True], [None, None]
-        self.backward_side = backward_side
+        self.backward_side, self.lead = backward_side, lead
         self.handovers = 0  # turns handed to a side still running (the overlap that took place)
 
     def run(self, first, second) -> list:
@@ -59,6 +63,8 @@ class Pair:
             with self.turns:
                 self.turns.wait_for(lambda: self.turn == side)
             try:
+                for _ in range(self.lead if side else 0):
+                    self.hand_over(side)
                 results[side] = work()
             finally:
                 _LOCAL.pair = None

@@ -138,6 +138,7 @@ class Layout:
     ranks_per_node: int = 8  # the processes of one node (the per-node dispatch's two hops; the planner's node)
     ep_capacity: float = 0.0  # rows per destination rank as a multiple of the even share (0: dropless)
     ep_overlap: bool = False  # the dispatch's all-to-alls run beside the shared experts and the other micro-batch
+    ep_pairing_phase: int = 0  # turns a paired backward hands straight back before it starts (pipeline_pairing.py)
     tp_overlap: int = 0  # chunks per rank of TP's all-gathers and reduce-scatters run beside their GEMMs (0: off)
     async_tp: bool = False  # torch's micro-pipelined TP: symmetric-memory collectives fused with the GEMMs (CUDA)
 

@@ -200,7 +200,8 @@ class Pipeline:
         from trillion.parallel.pipeline_pairing import join_weight_passes, pair_forwards_with_backwards
 
         if self.pairs:
-            pair_forwards_with_backwards(self.schedule, lambda: self.autocast, self.handovers)
+            phase = self.dims.layout.ep_pairing_phase
+            pair_forwards_with_backwards(self.schedule, lambda: self.autocast, self.handovers, phase)
         if joins_weight_passes(self.dims.layout):
             join_weight_passes(self.schedule)
         self.model = stages_as_one_module(self.parts)

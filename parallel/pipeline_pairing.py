@@ -61,11 +61,12 @@ from trillion.parallel.expert_overlap import Pair
 from trillion.parallel.modes import INTERLEAVED_EXTRA_WARMUP
 
 
-def pair_forwards_with_backwards(schedule, autocast_of, handovers: list) -> None:
-    """Run `schedule`'s OVERLAP_F_B actions paired; `autocast_of()` gives the step's autocast context; each action's
-    count of turns handed over is appended to `handovers`."""
+def pair_forwards_with_backwards(schedule, autocast_of, handovers: list, phase: int = 0) -> None:
+    """Run `schedule`'s OVERLAP_F_B actions paired, each backward handing the turn straight back `phase` times before
+    it starts (parallel.ep_pairing_phase); `autocast_of()` gives the step's autocast context; each action's count of
+    turns handed over is appended to `handovers`."""
     schedule.register_custom_function(
-        OVERLAP_F_B, lambda action, ctx: handovers.append(_overlapped(action, ctx, autocast_of()))
+        OVERLAP_F_B, lambda action, ctx: handovers.append(_overlapped(action, ctx, autocast_of(), phase))
     )
 
 
@@ -88,7 +89,7 @@ def _received_gradient(schedule, stages: dict, stage, micro_batch: int) -> None:
         _wait_batch_p2p(schedule.bwd_recv_ops.pop((stage.stage_index, micro_batch)))
 
 
-def _overlapped(action, ctx, autocast) -> int:
+def _overlapped(action, ctx, autocast, phase: int) -> int:
     schedule = ctx.schedule_ref
     stages = {stage.stage_index: stage for stage in schedule._stages}
     forward, backward = action.sub_actions
@@ -96,7 +97,7 @@ def _overlapped(action, ctx, autocast) -> int:
     if not ahead.is_first and forward.stage_index - 1 not in stages:  # a local hand-over needs no receive
         _wait_batch_p2p(schedule.fwd_recv_ops.pop((forward.stage_index, forward.microbatch_index)))
     _received_gradient(schedule, stages, behind, backward.microbatch_index)
-    pair = Pair(backward_side=True)
+    pair = Pair(backward_side=True, lead=phase)
     pair.run(
         lambda: _forward(schedule, ctx, stages, ahead, forward.microbatch_index, autocast),
         lambda: _backward(schedule, stages, behind, backward.microbatch_index),

@@ -245,6 +245,7 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
         ep_dispatch=resolve_dispatch(p.ep_dispatch, ep_nodes(spread)[0]),
         ep_capacity=config.moe.rank_capacity_factor,
         ep_overlap=p.ep_overlap,
+        ep_pairing_phase=p.ep_pairing_phase,
         tp_overlap=p.tp_overlap,
         async_tp=p.async_tp,
     )

@@ -1,11 +1,12 @@
 """DualPipe's pairing across pipeline stages (parallel/pipeline_pairing.py): under pp_schedule=DualPipeV with
 parallel.ep_overlap each OVERLAP_F_B runs one micro-batch's forward and another's backward in two threads taking
 turns at the expert all-to-alls. Checked: the turns (the backward side known by its autograd graph task, a
-recompute's posts included; a layer's backward handing over as often as its forward), and parity with one process on
+recompute's posts included; a layer's backward handing over as often as its forward; a phase starting the backward
+later), and parity with one process on
 gloo, fp32, at pp 2 x ep 2 (4 ranks): debug-deepseek's kind (latent attention, group-limited routing, a dense first
 block, MTP on) over 8 steps, losses, gradient norms and the first step's gradients within 1e-6 relative and every
 gradient of every step within the harness's elementwise tolerance (tests/moe/harness.py; later steps' Adam
-normalisation magnifies rounding), with zero1 and selective or DeepSeek's recompute, each OVERLAP_F_B of a rank
+normalisation magnifies rounding), with zero1 and selective or DeepSeek's recompute (at phase 1), each OVERLAP_F_B of a rank
 whose two stages hold MoE layers handing the turn over. The breadth (full recompute, zero2, zero3, the per-expert
 and per-node dispatch, a per-rank capacity, selective:op, context parallelism, float8 experts and dispatch, their
 activations kept in float8) is under -m slow."""
@@ -61,6 +62,27 @@ def test_the_forward_and_the_backward_take_turns_at_each_post():
     pair.run(forward, backward)
     assert log == ["Fa", "B3", "Fb", "B2", "Fc", "B1"] and pair.handovers == 6
     assert not paired()
+
+
+def test_a_phase_starts_the_backward_that_many_turns_later():
+    """parallel.ep_pairing_phase: the backward hands the turn straight back that many times before it starts, so each
+    of its posts meets a later segment of the forward; the turns still alternate, and the forward's first posts and
+    the backward's last travel beside nothing."""
+    log = []
+    x = torch.ones(3, requires_grad=True)
+    y = x
+    for name in "123":
+        y = _Post.apply(y, log, name)
+    loss = y.sum()
+
+    def forward():
+        for name in "abc":
+            log.append(f"F{name}")
+            after_post()
+
+    pair = Pair(backward_side=True, lead=1)
+    pair.run(forward, loss.backward)
+    assert log == ["Fa", "Fb", "B3", "Fc", "B2", "B1"] and pair.handovers == 6  # B1: the forward is done
 
 
 class _Loopback(Exchange):
@@ -119,7 +141,14 @@ def test_dualpipev_pairing_at_pp2_x_ep2_equals_one_process():
         4,
         [
             {"name": "dualpipev-paired-selective", **PAIRED, **DEEPSEEK_KIND, "ac": "selective"},
-            {"name": "dualpipev-paired-deepseek-recompute", **PAIRED, **DEEPSEEK_KIND, "ac": "deepseek"},
+            # the phase the planner gives DeepSeek-V3's per-rank layouts (planner/pairing.py)
+            {
+                "name": "dualpipev-paired-deepseek-recompute",
+                **PAIRED,
+                **DEEPSEEK_KIND,
+                "ac": "deepseek",
+                "ep_pairing_phase": 1,
+            },
         ],
     )
 
@@ -136,7 +165,13 @@ def test_dualpipev_pairing_breadth():
             {"name": "dualpipev-paired-zero3", **PAIRED, "mode": "zero3", "relative": 1e-6},
             {"name": "dualpipev-paired-per-expert", **PAIRED, "mode": "zero1", "ep_dispatch": "expert"},
             # each rank its own node: the per-node dispatch's two hops, one across "nodes"
-            {"name": "dualpipev-paired-per-node", **PAIRED, "ep_dispatch": "node", "ranks_per_node": 1},
+            {
+                "name": "dualpipev-paired-per-node",
+                **PAIRED,
+                "ep_dispatch": "node",
+                "ranks_per_node": 1,
+                "ep_pairing_phase": 4,
+            },
             {"name": "dualpipev-paired-capacity", **PAIRED, "mode": "zero1", "variant": "capacity"},
             {"name": "dualpipev-paired-op", **PAIRED, "mode": "zero1", "ac": "selective:op"},
             {"name": "dualpipev-paired-cp2", **{**PAIRED, "dp_shard": 1, "cp": 2, "micro": 2}, **DEEPSEEK_KIND},

@@ -24,6 +24,14 @@ def _has_experts(config) -> bool:
     return config.model.name in expert_presets()
 
 
+def _pairs_across_stages(config) -> bool:
+    """Whether each paired action runs a forward beside a backward (parallel/modes.py pairs_across_stages's rule)."""
+    from trillion.parallel.modes import PAIRED_SCHEDULES, schedule
+
+    p = config.parallel
+    return p.ep_overlap and p.ep > 1 and p.pp > 1 and schedule(p.pp_schedule).name in PAIRED_SCHEDULES
+
+
 def _trains_ahead(config) -> bool:
     """Whether multi-token prediction modules train, as the part resolves model.mtp_modules against the preset."""
     from trillion.models.parts import mtp
@@ -96,6 +104,15 @@ RULES = (
         lambda c: c.parallel.ep > 1,
         ("parallel.ep",),
         "Add --parallel.ep=2 or more (an MoE model)",
+    ),
+    Needs(
+        ("parallel.ep_pairing_phase",),
+        "where a forward pairs with a backward across pipeline stages (parallel.ep_overlap with parallel.ep > 1 and "
+        "pp_schedule DualPipeV or Interleaved1F1B at parallel.pp > 1)",
+        _pairs_across_stages,
+        ("parallel.ep_overlap", "parallel.ep", "parallel.pp", "parallel.pp_schedule"),
+        "Add --parallel.ep_overlap=true, --parallel.ep=2, --parallel.pp=2 and --parallel.pp_schedule=DualPipeV (an MoE "
+        "model)",
     ),
     Needs(
         ("parallel.etp",),
