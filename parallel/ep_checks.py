@@ -7,6 +7,7 @@ import logging
 
 from trillion.errors import ConfigError
 from trillion.models import parts
+from trillion.parallel.modes import pairs_across_stages
 
 log = logging.getLogger("trillion")
 
@@ -42,7 +43,8 @@ def check_ep_dispatch(layout, nodes_and_members: tuple[int, int], model_args, wa
             f"the per-rank dispatch has; parallel.ep_dispatch={layout.ep_dispatch} has not. Use "
             "--parallel.ep_dispatch=rank, or --moe.rank_capacity_factor=0 (dropless)."
         )
-    if layout.ep_pairing_phase >= (turns := pairing_turns(layout)):
+    turns = pairing_turns(layout)
+    if not 0 <= layout.ep_pairing_phase < turns:
         raise ConfigError(
             f"parallel.ep_pairing_phase={layout.ep_pairing_phase}: each side of a paired forward and backward hands "
             f"the turn over {turns} times a MoE layer with parallel.ep_dispatch={layout.ep_dispatch}"
@@ -50,6 +52,23 @@ def check_ep_dispatch(layout, nodes_and_members: tuple[int, int], model_args, wa
             f"larger one repeats one of them and leaves the forward alone for longer at each start). Use one of 0 to "
             f"{turns - 1} (`trillion plan` gives the best)."
         )
+
+
+# parallel.ep_pairing_phase=auto: the phase at which the rows, the combine and their reverses each travel beside the
+# other side's attention or routed experts, never beside its shared experts nor the gap between two hops
+# (planner/pairing.py's table; the turns' order is the same whatever the shapes): per rank and per expert the backward
+# starts one turn late, per node four; with a capacity (two turns a side) as it comes, both pairs being long
+AUTO_PAIRING_PHASE = {"rank": 1, "expert": 1, "node": 4}
+
+
+def resolve_pairing_phase(layout, requested: int) -> int:
+    """parallel.ep_pairing_phase: `requested`, or for -1 (auto) AUTO_PAIRING_PHASE's where the layout pairs a
+    forward with a backward across stages (else 0: nothing to set)."""
+    if requested >= 0:
+        return requested
+    if not pairs_across_stages(layout) or layout.ep_capacity > 0:
+        return 0
+    return AUTO_PAIRING_PHASE[layout.ep_dispatch]
 
 
 def pairing_turns(layout) -> int:

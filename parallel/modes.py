@@ -175,7 +175,8 @@ def pairs_across_stages(layout) -> bool:
     """Whether parallel.ep_overlap pairs one micro-batch's forward with another's backward on each OVERLAP_F_B of
     DualPipeV, or of Interleaved1F1B with its extra warm-up (parallel/pipeline_pairing.py; the planner prices it:
     planner/moe.py)."""
-    return layout.ep_overlap and layout.ep > 1 and layout.pp > 1 and layout.pp_schedule in PAIRED_SCHEDULES
+    paired_schedule = schedule(layout.pp_schedule).name in PAIRED_SCHEDULES  # a config's in any case
+    return layout.ep_overlap and layout.ep > 1 and layout.pp > 1 and paired_schedule
 
 
 def pairs_interleaved(layout) -> bool:

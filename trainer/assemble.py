@@ -22,12 +22,12 @@ from trillion.models.parts.moe import MoESettings
 from trillion.models.parts.mtp import MTPSettings
 from trillion.parallel import async_tp, float8, float8_mx
 from trillion.parallel.dims import ParallelDims, check_layout
-from trillion.parallel.ep_checks import ep_nodes, resolve_dispatch
+from trillion.parallel.ep_checks import ep_nodes, resolve_dispatch, resolve_pairing_phase
 from trillion.parallel.float8_experts import check_experts
 from trillion.parallel.float8_recipes import check_block_scaled_layout, float8_dispatch, float8_recipe
 from trillion.parallel.forward_backward import MicroBatchLoop, Runner
 from trillion.parallel.layout import Layout, StageLayers, check_degrees, resolve_etp, resolve_float8
-from trillion.parallel.modes import check_schedule, checkpoint_refusal, pairs_in_a_v
+from trillion.parallel.modes import check_schedule, checkpoint_refusal, pairs_across_stages, pairs_in_a_v
 from trillion.parallel.muon.qk_clip import check_clippable
 from trillion.parallel.parallelize import parallelize
 from trillion.parallel.pipeline import Pipeline, validate_pipeline
@@ -229,7 +229,7 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
             linears=f.linears,
             cache_activations=f.cache_activations,
         )
-    return dataclasses.replace(
+    layout = dataclasses.replace(
         spread,
         dp_shard_mode=p.dp_shard_mode,
         pp_schedule=schedule.name,
@@ -245,10 +245,13 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
         ep_dispatch=resolve_dispatch(p.ep_dispatch, ep_nodes(spread)[0]),
         ep_capacity=config.moe.rank_capacity_factor,
         ep_overlap=p.ep_overlap,
-        ep_pairing_phase=p.ep_pairing_phase,
         tp_overlap=p.tp_overlap,
         async_tp=p.async_tp,
     )
+    phase = resolve_pairing_phase(layout, p.ep_pairing_phase)
+    if p.ep_pairing_phase < 0 and pairs_across_stages(layout):
+        log.info("parallel.ep_pairing_phase=auto: %d (parallel.ep_dispatch=%s)", phase, layout.ep_dispatch)
+    return dataclasses.replace(layout, ep_pairing_phase=phase)
 
 
 def resolve_stage_split(layout: Layout, model_args: ModelArgs, seq_len: int) -> Layout:

@@ -22,10 +22,12 @@ model split as parallel.pp_layout=auto splits it for the pairing, both runs alik
 compute: the step without delay over (MoE layers x micro-batches x 3), a stage's layers counted once per micro-batch.
 With --schedule Interleaved1F1B the pipeline runs Kimi K2's pairing instead: 2 stages a rank, interleaved 1F1B with
 one extra warm-up forward, each steady-state forward paired with the backward after it (the stages split by auto's
-plain balance).
+plain balance). --pairing-phase sets parallel.ep_pairing_phase (default the trainer's auto). Every all-to-all here
+is delayed alike, the counts too, so the phase moves less than it does where the counts are short and the dispatch
+travels in float8 (planner/pairing.py).
 
     python experiments/bench/ep_overlap.py --pp 2 [--schedule Interleaved1F1B] [--microbatches 16] [--steps 4]
-        [--stage-layers 2]      # MoE layers a stage holds (the model grows with it)
+        [--stage-layers 2] [--pairing-phase -1]      # MoE layers a stage holds (the model grows with it)
 """
 
 import argparse
@@ -111,7 +113,8 @@ class PipelineRun:
     """The model on a pipeline over pp 2 x ep 2 x dp_shard 2 (DualPipeV or Interleaved1F1B, 2 stages a rank), twice:
     paired (ep_overlap) and not."""
 
-    def __init__(self, args, world: int, batch: tuple, schedule: str):
+    def __init__(self, args, world: int, batch: tuple, schedule: str, phase: int):
+        from trillion.parallel.ep_checks import resolve_pairing_phase
         from trillion.parallel.layout import StageLayers
         from trillion.parallel.pipeline import Pipeline
         from trillion.trainer.assemble import resolve_stage_split
@@ -129,6 +132,8 @@ class PipelineRun:
             dp_shard_mode="zero1",
         )
         paired = resolve_stage_split(paired, args, seq)  # one split for both: the one auto gives the pairing
+        self.phase = resolve_pairing_phase(paired, phase)  # -1: the trainer's auto
+        paired = dataclasses.replace(paired, ep_pairing_phase=self.phase)
         for overlap in (False, True):
             self.dims = ParallelDims(dataclasses.replace(paired, ep_overlap=overlap), world)
             self.dims.build_mesh("cpu")
@@ -187,7 +192,7 @@ def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
     rows = []
     for capacity in (0.0,) if ns.pp > 1 else (0.0, 1.5):
         args = model_args(ns.smoke, capacity, ns.pp, ns.stage_layers)
-        run = PipelineRun(args, world, batch, ns.schedule) if ns.pp > 1 else Run(args, world, batch)
+        run = PipelineRun(args, world, batch, ns.schedule, ns.pairing_phase) if ns.pp > 1 else Run(args, world, batch)
         base = measure(run, [(False, 0.0)], ns.steps)
         layers = len(moe_layers_of(args))  # each MoE layer's pass of one micro-batch, once per step
         layer_s = statistics.median(base[False, 0.0]) / (layers * batch[2] * 3)  # a layer's pass of one micro-batch
@@ -197,7 +202,8 @@ def _rank(rank: int, world: int, store: str, ns, out: str) -> None:
             timed = {setting: statistics.median(values) for setting, values in steps.items()}
             exposed = {o: median_difference(steps[o, delay], steps[o, 0.0]) for o in (False, True)}  # same round
             row = {
-                "mode": ("capacity 1.5" if capacity else "dropless") + (f" {ns.schedule} pp 2" if ns.pp > 1 else ""),
+                "mode": ("capacity 1.5" if capacity else "dropless")
+                + (f" {ns.schedule} pp 2 phase {run.phase}" if ns.pp > 1 else ""),
                 "delay_ms": 1e3 * delay,
                 "delay_per_layer_compute": scale,
                 "step_s": timed[False, 0.0],
@@ -244,6 +250,7 @@ def main(argv=None) -> int:
     p.add_argument("--microbatches", type=int, default=16, help="with --pp 2: micro-batches a step (at least 4)")
     p.add_argument("--schedule", default="DualPipeV", choices=("DualPipeV", "Interleaved1F1B"), help="with --pp 2")
     p.add_argument("--stage-layers", type=int, default=2, help="MoE layers per pipeline stage (DeepSeek-V3: about 4)")
+    p.add_argument("--pairing-phase", type=int, default=-1, help="with --pp 2: parallel.ep_pairing_phase (-1: auto)")
     ns = p.parse_args(argv)
     if ns.pp > 1:
         ns.ranks = 4

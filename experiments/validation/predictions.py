@@ -13,7 +13,7 @@ import tomllib
 from trillion.devices import fitted_constants
 from trillion.models.parts.moe import member_reach
 from trillion.models.presets import get_preset
-from trillion.parallel.ep_checks import ep_stride
+from trillion.parallel.ep_checks import ep_stride, resolve_pairing_phase
 from trillion.parallel.layout import Float8Training, Layout, StageLayers, resolve_etp, resolve_float8
 from trillion.parallel.planner.hardware import HardwareProfile, load_profile
 from trillion.parallel.planner.memory import pipeline_ranks
@@ -84,7 +84,7 @@ def run_layout(run: dict, gpus: int) -> Layout:
     dp = gpus // (spec["tp"] * spec["pp"])
     dp_shard = spec.get("dp_shard", dp // spec["dp_replicate"])
     microbatches = run["global_batch"] // (dp * spec["micro_batch_size"])
-    return Layout(
+    layout = Layout(
         tp=spec["tp"],
         pp=spec["pp"],
         dp_replicate=spec["dp_replicate"],
@@ -109,6 +109,8 @@ def run_layout(run: dict, gpus: int) -> Layout:
         else StageLayers(),
         ranks_per_node=hardware.scale_up,  # the expert dispatch's node: the scale-up domain (an NVL72 rack's 72)
     )
+    # the pairing's phase as the run set it, else the trainer's auto (the stages are balanced at it)
+    return dataclasses.replace(layout, ep_pairing_phase=resolve_pairing_phase(layout, spec.get("ep_pairing_phase", -1)))
 
 
 def run_float8(spec: dict) -> Float8Training | None:

@@ -53,6 +53,7 @@ from trillion.models.args import ModelArgs
 from trillion.models.parts import Block
 from trillion.models.parts.moe import member_reach
 from trillion.parallel.ep_checks import ep_stride
+from trillion.parallel.modes import checkpoint_mode
 from trillion.parallel.planner.float8_experts import (
     FLOAT8_EXPERT_SHARE,
     dispatch_row_bytes,
@@ -60,6 +61,7 @@ from trillion.parallel.planner.float8_experts import (
     float8_expert_recipe,
 )
 from trillion.parallel.planner.hardware import HardwareProfile
+from trillion.parallel.planner.pairing import Segments, backward_turns, exposed_at_phase, forward_turns
 from trillion.parallel.planner.schedules import paired_share
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time, collective_time
 from trillion.parallel.planner.work import BACKWARD_ELEMENTWISE, cast_bytes
@@ -171,15 +173,21 @@ def dispatch_seconds(
 ) -> float:
     """One direction's all-to-alls of `tokens` routed by the rank (the dispatch, its rows of `payload_bytes`, default
     the token in the compute dtype; the combine takes as long in that dtype) on the busiest rank, at the load
-    `imbalance` (assumptions.py): each hop's network and node-link shares at once, the hops one after the other, a
-    latency each."""
+    `imbalance` (assumptions.py): the hops one after the other (dispatch_hops)."""
+    return sum(dispatch_hops(args, hw, tokens, layout, imbalance, payload_bytes))
+
+
+def dispatch_hops(
+    args: ModelArgs, hw: HardwareProfile, tokens: int, layout, imbalance: float, payload_bytes: int = 0
+) -> list[float]:
+    """dispatch_seconds's hops, each its network and node-link shares at once and a latency; none without ep."""
     ep, stride = layout.ep, ep_stride(layout)
     if ep <= 1:
-        return 0.0
+        return []
     members, mode = members_per_node(layout), dispatch_mode(layout)
     row = row_bytes(args, mode, payload_bytes or args.dim * hw.element_bytes)
     size = tokens * row * effective_imbalance(ep, imbalance)
-    seconds = 0.0
+    hops = []
     for network, link in dispatch_rows(args, mode, ep, members):
         hop, latency = 0.0, 0.0
         if link:
@@ -188,8 +196,8 @@ def dispatch_seconds(
         if network:
             bandwidth, latency = hw.collective_link(ep * stride, True, "all_to_all")
             hop = max(hop, size * network / bandwidth)
-        seconds += hop + latency
-    return seconds
+        hops.append(hop + latency)
+    return hops
 
 
 def exposed_all_to_alls(layout, dispatch: float, combine: float, counts: float, shared: float, experts: float) -> float:
@@ -277,9 +285,10 @@ def exposed_seconds(
     dtype); beside the shared experts and the routed `experts`, or with paired micro-batches beside the other's layer
     (`routed`: this layer's routed forward and backward, both gradients, `around` its attention and shared experts)."""
     tp, ep, rows = layout.tp, layout.ep, routed_tokens(tokens, layout)
-    one_way, shared = dispatch_seconds(args, hw, rows, layout, imbalance), shared_expert_seconds(args, hw, tokens, tp)
+    hops, shared = dispatch_hops(args, hw, rows, layout, imbalance), shared_expert_seconds(args, hw, tokens, tp)
     wire = dispatch_row_bytes(args.dim, float8) if float8 and layout.float8.dispatch else 0
-    dispatch = dispatch_seconds(args, hw, rows, layout, imbalance, wire) if wire else one_way
+    sent = dispatch_hops(args, hw, rows, layout, imbalance, wire) if wire else hops  # the dispatch's, a hop each
+    one_way, dispatch = sum(hops), sum(sent)
     counts = 0.0 if layout.ep_capacity else all_to_all_time(hw, 0.0, ep, ep_stride(layout)) + host_read_stall(hw)
     alone = [
         exposed_all_to_alls(layout, dispatch, one_way, counts, shared, experts),
@@ -300,12 +309,20 @@ def exposed_seconds(
             exposed_paired(dispatch, one_way, 0.0, forward / 2),
         ]
     # across stages (DualPipeV, Interleaved1F1B): a forward beside a backward, which hands over as often a layer
-    # (after the combine's reverse, the rows' and their routing's, and where the counts were: turn_in_backward)
-    paired = [
-        exposed_paired(dispatch, one_way, counts, backward / turns),
-        exposed_paired(one_way, one_way, 0.0, forward / turns),
-        exposed_paired(dispatch, one_way, 0.0, forward / turns),
-    ]
+    # (after the combine's reverse, the rows' and their routing's, and where the counts were: turn_in_backward);
+    # each post beside the segment it meets (pairing.py), but for a replayed block's: the mean segment
+    paired = [exposed_paired(dispatch, one_way, counts, backward / turns)]
+    paired.append(exposed_paired(one_way, one_way, 0.0, forward / turns))
+    if not checkpoint_mode(layout.activation_checkpoint).replays_blocks:
+        mode, capacity = dispatch_mode(layout), bool(layout.ep_capacity)
+        ahead = Segments(forward - shared - routed[0], shared, routed[0])
+        behind = Segments(backward - 2 * shared - routed[1], 2 * shared, routed[1])
+        turns_of = (
+            forward_turns(mode, capacity, counts, sent, hops, ahead),
+            backward_turns(mode, capacity, hops, behind),
+        )
+        paired = list(exposed_at_phase(*turns_of, layout.ep_pairing_phase))
+    paired.append(exposed_paired(dispatch, one_way, 0.0, forward / turns))
     return [share * p + (1 - share) * a for p, a in zip(paired, alone)]
 
 

@@ -20,10 +20,10 @@ from trillion.models.flops import (
     megatron_flops_per_iteration,
     model_flops_per_token,
 )
-from trillion.parallel.ep_checks import check_ep_dispatch, check_expert_shards, ep_nodes
+from trillion.parallel.ep_checks import check_ep_dispatch, check_expert_shards, ep_nodes, pairing_turns
 from trillion.parallel.float8_recipes import FLOAT8_RECIPES, check_block_scaled_layout
 from trillion.parallel.layout import Layout
-from trillion.parallel.modes import check_layout_schedule, checkpoint_refusal
+from trillion.parallel.modes import check_layout_schedule, checkpoint_refusal, pairs_across_stages
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
@@ -46,7 +46,17 @@ def evaluate(request: Request, layout: Layout, only_if_fits: bool = False) -> Ca
     memory = layout_memory(request.args, layout, request.seq_len, assumed)
     fits = memory.total <= MEMORY_HEADROOM * request.capacity_bytes
     timed = fits or not only_if_fits
-    step = step_time(request.args, request.hardware, layout, request.seq_len, assumed) if timed else None
+    step = None
+    if timed:
+        # where a forward pairs with a backward, the phase fixed or the one leaving the step shortest (pairing.py)
+        phases = [layout.ep_pairing_phase if pairs_across_stages(layout) else 0]
+        if pairs_across_stages(layout) and "ep_pairing_phase" not in request.fixed:
+            phases = range(pairing_turns(layout))
+        at = [dataclasses.replace(layout, ep_pairing_phase=phase) for phase in phases]
+        step, layout = min(
+            ((step_time(request.args, request.hardware, x, request.seq_len, assumed), x) for x in at),
+            key=lambda t: t[0].total,
+        )
     return Candidate(layout, step, memory, fits)
 
 

@@ -54,6 +54,7 @@ LAYOUT_FIELDS = (
     "ep_dispatch",
     "ep_capacity",
     "ep_overlap",
+    "ep_pairing_phase",
     "tp_overlap",
     "async_tp",
     "pp_layout",
@@ -395,4 +396,5 @@ def _dispatch(request: Request, tp: int, ep: int, etp: int) -> dict:
         "ep_dispatch": resolve_dispatch(mode, ep_nodes(probe)[0]),
         "ep_capacity": fixed.get("ep_capacity", 0.0),
         "ep_overlap": fixed.get("ep_overlap", ep > 1),
+        "ep_pairing_phase": fixed.get("ep_pairing_phase", 0),  # unless fixed, search.py evaluate's best
     }

@@ -62,7 +62,8 @@ VARIANTS = {  # MoE settings on top of BASE.moe
     # folded over tp 2: each tp rank routes half of every sequence, its own capacity (one process told so: 2 shards)
     "capacity-folded": {"rank_capacity_factor": 1.0, "capacity_ranks": 2, "capacity_shards": 2},
 }
-DISPATCH_KEYS = ("ep_dispatch", "ranks_per_node", "ep_overlap", "ep_pairing_phase")  # Layout's; the capacity is the model's (variant)
+# Layout's; the capacity is the model's (variant)
+DISPATCH_KEYS = ("ep_dispatch", "ranks_per_node", "ep_overlap", "ep_pairing_phase")
 
 
 MTP = {"mtp_modules": 1, "mtp_loss_weight": 0.3}  # the "mtp" variant's model settings: an MoE block predicting ahead

@@ -6,8 +6,8 @@ later), and parity with one process on
 gloo, fp32, at pp 2 x ep 2 (4 ranks): debug-deepseek's kind (latent attention, group-limited routing, a dense first
 block, MTP on) over 8 steps, losses, gradient norms and the first step's gradients within 1e-6 relative and every
 gradient of every step within the harness's elementwise tolerance (tests/moe/harness.py; later steps' Adam
-normalisation magnifies rounding), with zero1 and selective or DeepSeek's recompute (at phase 1), each OVERLAP_F_B of a rank
-whose two stages hold MoE layers handing the turn over. The breadth (full recompute, zero2, zero3, the per-expert
+normalisation magnifies rounding), with zero1 and selective or DeepSeek's recompute (at phase 1), each OVERLAP_F_B of
+a rank whose two stages hold MoE layers handing the turn over. The breadth (full recompute, zero2, zero3, the per-expert
 and per-node dispatch, a per-rank capacity, selective:op, context parallelism, float8 experts and dispatch, their
 activations kept in float8) is under -m slow."""
 

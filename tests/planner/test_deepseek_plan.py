@@ -257,7 +257,7 @@ DEEPSEEK_RECIPE += ["--optimizer-state-dtype", "bfloat16", "--float8-cache-activ
 def test_deepseeks_recipe_fits_the_plans_memory_with_the_float8_activation_cache(tmp_path, capsys):
     """DeepSeek's layout as DeepSeek ran it, no full recompute: with the experts' activations cached in float8 (w2's
     input rebuilt from SwiGLU's cached inputs) its fullest rank fits the 72 GB a plan may fill, and the plan file
-    carries the cache; without the cache it does not fit the GPU and the plan is refused."""
+    carries the cache and the pairing's phase; without the cache it does not fit the GPU and the plan is refused."""
     import json
 
     from trillion.trainer.cli.main import main
@@ -269,6 +269,7 @@ def test_deepseeks_recipe_fits_the_plans_memory_with_the_float8_activation_cache
     assert row["pp_schedule"] == "DualPipeV" and row["float8_cache_activations"]
     config = load_config(str(tmp_path / "ds.toml"))
     assert config.float8.cache_activations and config.parallel.activation_checkpoint == "deepseek"
+    assert row["ep_pairing_phase"] == config.parallel.ep_pairing_phase == 4  # the pairing's phase the plan timed
     uncached = [*DEEPSEEK_PLAN, *DEEPSEEK_LAYOUT, *DEEPSEEK_RECIPE[:-1], "--config-out", ""]
     assert main(uncached) != 0
     assert "fits in memory: of 2 valid layouts the smallest needs 98.1 GB" in capsys.readouterr().err

@@ -41,6 +41,7 @@ LAYOUT = Layout(
     ep_dispatch="node",
     ranks_per_node=8,
     ep_overlap=True,
+    ep_pairing_phase=4,  # the trainer's auto for the per-node dispatch, the phase the plan takes (pairing.py)
 )
 ASSUMED = Assumptions(optimizer_state_dtype="bfloat16")
 

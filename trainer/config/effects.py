@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from trillion.errors import ConfigError
+from trillion.parallel.modes import pairs_across_stages
 
 
 def _has_experts(config) -> bool:
@@ -22,14 +23,6 @@ def _has_experts(config) -> bool:
     from trillion.models.presets import expert_presets
 
     return config.model.name in expert_presets()
-
-
-def _pairs_across_stages(config) -> bool:
-    """Whether each paired action runs a forward beside a backward (parallel/modes.py pairs_across_stages's rule)."""
-    from trillion.parallel.modes import PAIRED_SCHEDULES, schedule
-
-    p = config.parallel
-    return p.ep_overlap and p.ep > 1 and p.pp > 1 and schedule(p.pp_schedule).name in PAIRED_SCHEDULES
 
 
 def _trains_ahead(config) -> bool:
@@ -109,7 +102,7 @@ RULES = (
         ("parallel.ep_pairing_phase",),
         "where a forward pairs with a backward across pipeline stages (parallel.ep_overlap with parallel.ep > 1 and "
         "pp_schedule DualPipeV or Interleaved1F1B at parallel.pp > 1)",
-        _pairs_across_stages,
+        lambda c: pairs_across_stages(c.parallel),  # its fields are the Layout's names
         ("parallel.ep_overlap", "parallel.ep", "parallel.pp", "parallel.pp_schedule"),
         "Add --parallel.ep_overlap=true, --parallel.ep=2, --parallel.pp=2 and --parallel.pp_schedule=DualPipeV (an MoE "
         "model)",

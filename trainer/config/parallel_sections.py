@@ -73,14 +73,16 @@ class Parallel:
         Flag(),
     )
     ep_pairing_phase: int = doc(
-        0,
+        -1,
         "Where each paired backward starts against its forward under pp_schedule=DualPipeV or Interleaved1F1B with "
         "parallel.ep_overlap: it hands the turn straight back this many times first. The two sides then alternate, "
         "so this sets which segment of the other side's layer (its attention, shared experts or routed experts) each "
         "expert all-to-all travels beside. From 0 to one less than the turns a side takes a MoE layer: 3 per rank or "
-        "per expert dropless, 2 with a capacity, 5 per node. `trillion plan` writes the phase that leaves the fewest "
+        "per expert dropless, 2 with a capacity, 5 per node. -1 = auto: the phase that puts the rows, the combine "
+        "and their reverses beside the other side's attention and routed experts (1 per rank or per expert, 4 per "
+        "node, 0 with a capacity; parallel/ep_checks.py). `trillion plan` writes the phase that leaves the fewest "
         "all-to-alls exposed at the layout's shapes (planner/pairing.py).",
-        Range(0),
+        Range(0, also={-1: "auto"}),
     )
     tp_overlap: int = doc(
         0,

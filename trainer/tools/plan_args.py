@@ -23,6 +23,13 @@ def add_dispatch_arguments(fixed) -> None:
         help="MoE models: overlap the expert all-to-alls with compute (default on with ep > 1; parallel.ep_overlap)",
     )
     fixed.add_argument(
+        "--ep-pairing-phase",
+        type=int,
+        default=None,
+        help="MoE models paired across stages (DualPipeV, Interleaved1F1B): turns each paired backward hands straight "
+        "back before it starts (default: the one leaving the fewest all-to-alls exposed; parallel.ep_pairing_phase)",
+    )
+    fixed.add_argument(
         "--ep-capacity",
         type=float,
         default=None,
