@@ -44,7 +44,7 @@ def check_ep_dispatch(layout, nodes_and_members: tuple[int, int], model_args, wa
             "--parallel.ep_dispatch=rank, or --moe.rank_capacity_factor=0 (dropless)."
         )
     turns = pairing_turns(layout)
-    if not 0 <= layout.ep_pairing_phase < turns:
+    if not -1 <= layout.ep_pairing_phase < turns:  # -1: auto, until the model is known (resolve_pairing_phase)
         raise ConfigError(
             f"parallel.ep_pairing_phase={layout.ep_pairing_phase}: each side of a paired forward and backward hands "
             f"the turn over {turns} times a MoE layer with parallel.ep_dispatch={layout.ep_dispatch}"
@@ -54,21 +54,33 @@ def check_ep_dispatch(layout, nodes_and_members: tuple[int, int], model_args, wa
         )
 
 
-# parallel.ep_pairing_phase=auto: the phase at which the rows, the combine and their reverses each travel beside the
-# other side's attention or routed experts, never beside its shared experts nor the gap between two hops
-# (planner/pairing.py's table; the turns' order is the same whatever the shapes): per rank and per expert the backward
-# starts one turn late, per node four; with a capacity (two turns a side) as it comes, both pairs being long
-AUTO_PAIRING_PHASE = {"rank": 1, "expert": 1, "node": 4}
+# parallel.ep_pairing_phase=auto, by (dispatch mode, whether the attention outweighs the shared experts): the phase at
+# which the rows, the combine and their reverses each travel beside one of the other side's two longest segments, the
+# routed experts and the heavier of the attention and the shared experts (planner/pairing.py's table: the turns'
+# order is fixed, so only that comparison moves it; the per-expert mode turns as the per-rank one)
+AUTO_PAIRING_PHASE = {("rank", True): 1, ("rank", False): 0, ("node", True): 4, ("node", False): 2}
 
 
-def resolve_pairing_phase(layout, requested: int) -> int:
+def resolve_pairing_phase(layout, requested: int, model_args, seq_len: int) -> int:
     """parallel.ep_pairing_phase: `requested`, or for -1 (auto) AUTO_PAIRING_PHASE's where the layout pairs a
-    forward with a backward across stages (else 0: nothing to set)."""
+    forward with a backward across stages; 0 with a capacity (two turns a side, both posts long and both segments
+    holding compute) and where nothing pairs."""
     if requested >= 0:
         return requested
     if not pairs_across_stages(layout) or layout.ep_capacity > 0:
         return 0
-    return AUTO_PAIRING_PHASE[layout.ep_dispatch]
+    mode = "node" if layout.ep_dispatch == "node" else "rank"
+    return AUTO_PAIRING_PHASE[mode, attention_outweighs_shared(model_args, seq_len)]
+
+
+def attention_outweighs_shared(model_args, seq_len: int) -> bool:
+    """Whether a routed layer's attention (its linears, and its scores over `seq_len` as models/flops.py counts them)
+    takes more forward FLOPs a token than its shared experts."""
+    block = parts.block(model_args, True)
+    sublayer = {part.module: part for part in block.sublayers}
+    scores = block.heads.heads * (block.heads.qk_head_dim + block.heads.v_head_dim) * seq_len
+    attention = sum(x.numel for x in sublayer["attention"].linears) + scores
+    return attention > sum(x.numel for x in sublayer["feed_forward"].linears)
 
 
 def pairing_turns(layout) -> int:

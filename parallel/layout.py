@@ -138,7 +138,9 @@ class Layout:
     ranks_per_node: int = 8  # the processes of one node (the per-node dispatch's two hops; the planner's node)
     ep_capacity: float = 0.0  # rows per destination rank as a multiple of the even share (0: dropless)
     ep_overlap: bool = False  # the dispatch's all-to-alls run beside the shared experts and the other micro-batch
-    ep_pairing_phase: int = 0  # turns a paired backward hands straight back before it starts (pipeline_pairing.py)
+    # turns a paired backward hands straight back before it starts (pipeline_pairing.py); -1 (auto) until the model is
+    # known (trainer/assemble.py resolve_with_model)
+    ep_pairing_phase: int = 0
     tp_overlap: int = 0  # chunks per rank of TP's all-gathers and reduce-scatters run beside their GEMMs (0: off)
     async_tp: bool = False  # torch's micro-pipelined TP: symmetric-memory collectives fused with the GEMMs (CUDA)
 

@@ -229,7 +229,7 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
             linears=f.linears,
             cache_activations=f.cache_activations,
         )
-    layout = dataclasses.replace(
+    return dataclasses.replace(
         spread,
         dp_shard_mode=p.dp_shard_mode,
         pp_schedule=schedule.name,
@@ -245,11 +245,19 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
         ep_dispatch=resolve_dispatch(p.ep_dispatch, ep_nodes(spread)[0]),
         ep_capacity=config.moe.rank_capacity_factor,
         ep_overlap=p.ep_overlap,
+        ep_pairing_phase=p.ep_pairing_phase,  # auto (-1) once the model is known: resolve_with_model
         tp_overlap=p.tp_overlap,
         async_tp=p.async_tp,
     )
-    phase = resolve_pairing_phase(layout, p.ep_pairing_phase)
-    if p.ep_pairing_phase < 0 and pairs_across_stages(layout):
+
+
+def resolve_with_model(layout: Layout, model_args: ModelArgs, seq_len: int) -> Layout:
+    """`layout` with what waits for the model resolved, once: the stages (resolve_stage_split) and
+    parallel.ep_pairing_phase=auto (ep_checks.resolve_pairing_phase: the attention's FLOPs against the shared
+    experts')."""
+    layout = resolve_stage_split(layout, model_args, seq_len)
+    phase = resolve_pairing_phase(layout, layout.ep_pairing_phase, model_args, seq_len)
+    if layout.ep_pairing_phase < 0 and pairs_across_stages(layout):
         log.info("parallel.ep_pairing_phase=auto: %d (parallel.ep_dispatch=%s)", phase, layout.ep_dispatch)
     return dataclasses.replace(layout, ep_pairing_phase=phase)
 
@@ -290,9 +298,9 @@ def check_batch_split(t: Training, dp_size: int) -> None:
 
 def build_parallel_dims(layout: Layout, model_args: ModelArgs, seq_len: int, env: LaunchEnv) -> ParallelDims:
     """The run's ParallelDims, built once: `layout` checked against the model (check_model_layout), its stage split
-    resolved (resolve_stage_split), then its mesh over this world."""
+    resolved (resolve_with_model), then its mesh over this world."""
     check_model_layout(layout, model_args, seq_len)
-    dims = ParallelDims(resolve_stage_split(layout, model_args, seq_len), env.world_size)
+    dims = ParallelDims(resolve_with_model(layout, model_args, seq_len), env.world_size)
     dims.build_mesh(env.device.type)
     return dims
 

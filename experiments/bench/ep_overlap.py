@@ -114,10 +114,9 @@ class PipelineRun:
     paired (ep_overlap) and not."""
 
     def __init__(self, args, world: int, batch: tuple, schedule: str, phase: int):
-        from trillion.parallel.ep_checks import resolve_pairing_phase
         from trillion.parallel.layout import StageLayers
         from trillion.parallel.pipeline import Pipeline
-        from trillion.trainer.assemble import resolve_stage_split
+        from trillion.trainer.assemble import resolve_with_model
 
         micro, seq, count = batch
         self.args, self.batch, self.pipelines, self.optimizers = args, batch, {}, {}
@@ -129,11 +128,11 @@ class PipelineRun:
             stage_layers=StageLayers(written="auto"),
             microbatches=count,
             ep_overlap=True,
+            ep_pairing_phase=phase,  # -1: the trainer's auto
             dp_shard_mode="zero1",
         )
-        paired = resolve_stage_split(paired, args, seq)  # one split for both: the one auto gives the pairing
-        self.phase = resolve_pairing_phase(paired, phase)  # -1: the trainer's auto
-        paired = dataclasses.replace(paired, ep_pairing_phase=self.phase)
+        paired = resolve_with_model(paired, args, seq)  # one split for both: the one auto gives the pairing
+        self.phase = paired.ep_pairing_phase
         for overlap in (False, True):
             self.dims = ParallelDims(dataclasses.replace(paired, ep_overlap=overlap), world)
             self.dims.build_mesh("cpu")

@@ -110,7 +110,8 @@ def run_layout(run: dict, gpus: int) -> Layout:
         ranks_per_node=hardware.scale_up,  # the expert dispatch's node: the scale-up domain (an NVL72 rack's 72)
     )
     # the pairing's phase as the run set it, else the trainer's auto (the stages are balanced at it)
-    return dataclasses.replace(layout, ep_pairing_phase=resolve_pairing_phase(layout, spec.get("ep_pairing_phase", -1)))
+    phase = resolve_pairing_phase(layout, spec.get("ep_pairing_phase", -1), run_args(run), run["seq_len"])
+    return dataclasses.replace(layout, ep_pairing_phase=phase)
 
 
 def run_float8(spec: dict) -> Float8Training | None:

@@ -24,6 +24,7 @@ from trillion.parallel.ep_checks import check_ep_dispatch, check_expert_shards, 
 from trillion.parallel.float8_recipes import FLOAT8_RECIPES, check_block_scaled_layout
 from trillion.parallel.layout import Layout
 from trillion.parallel.modes import check_layout_schedule, checkpoint_refusal, pairs_across_stages
+from trillion.parallel.planner.block_cost import block_passes
 from trillion.parallel.planner.caveats import memory_warning, utilisation_warning
 from trillion.parallel.planner.cost import StepTime, step_time
 from trillion.parallel.planner.memory import MEMORY_HEADROOM, Memory, layout_memory, pipeline_ranks
@@ -46,18 +47,22 @@ def evaluate(request: Request, layout: Layout, only_if_fits: bool = False) -> Ca
     memory = layout_memory(request.args, layout, request.seq_len, assumed)
     fits = memory.total <= MEMORY_HEADROOM * request.capacity_bytes
     timed = fits or not only_if_fits
-    step = None
-    if timed:
-        # where a forward pairs with a backward, the phase fixed or the one leaving the step shortest (pairing.py)
-        phases = [layout.ep_pairing_phase if pairs_across_stages(layout) else 0]
-        if pairs_across_stages(layout) and "ep_pairing_phase" not in request.fixed:
-            phases = range(pairing_turns(layout))
-        at = [dataclasses.replace(layout, ep_pairing_phase=phase) for phase in phases]
-        step, layout = min(
-            ((step_time(request.args, request.hardware, x, request.seq_len, assumed), x) for x in at),
-            key=lambda t: t[0].total,
-        )
+    if timed and pairs_across_stages(layout) and "ep_pairing_phase" not in request.fixed:
+        layout = dataclasses.replace(layout, ep_pairing_phase=best_pairing_phase(request, layout))
+    step = step_time(request.args, request.hardware, layout, request.seq_len, assumed) if timed else None
     return Candidate(layout, step, memory, fits)
+
+
+def best_pairing_phase(request: Request, layout: Layout) -> int:
+    """The pairing's phase (parallel.ep_pairing_phase) that leaves a routed layer's all-to-alls least exposed
+    (planner/pairing.py), a layer's figure standing for the step's: every routed layer pairs alike."""
+
+    def exposed(phase: int) -> float:
+        at = dataclasses.replace(layout, ep_pairing_phase=phase)
+        layer = block_passes(request.args, request.hardware, at, request.seq_len, request.assumptions, routed=True)
+        return layer.ep_forward + layer.ep_backward
+
+    return min(range(pairing_turns(layout)), key=exposed)
 
 
 @dataclass

@@ -8,10 +8,10 @@ import pytest
 
 from tests.planner.test_dualpipe_plan import ASSUMED, DEEPSEEK, H800, LAYOUT, _request
 from trillion.errors import ConfigError
-from trillion.parallel.ep_checks import check_ep_dispatch, ep_nodes, resolve_pairing_phase
+from trillion.parallel.ep_checks import AUTO_PAIRING_PHASE, check_ep_dispatch, ep_nodes, resolve_pairing_phase
 from trillion.parallel.expert_overlap import Pair, after_post
 from trillion.parallel.planner.cost import step_time
-from trillion.parallel.planner.pairing import Turns, exposed_at_phase
+from trillion.parallel.planner.pairing import Segments, Turns, backward_turns, exposed_at_phase, forward_turns
 from trillion.parallel.planner.search import evaluate
 
 
@@ -56,6 +56,22 @@ def test_a_post_is_exposed_for_what_the_segment_beside_it_leaves():
     assert exposed_at_phase(forward, backward, 1) == pytest.approx((0.0, 5.0))
 
 
+@pytest.mark.parametrize("mode", ["rank", "node"])
+@pytest.mark.parametrize("attention_outweighs", [True, False])
+def test_the_trainers_auto_phase_is_the_models_best_for_either_heavier_segment(mode, attention_outweighs):
+    """The trainer's auto (ep_checks.AUTO_PAIRING_PHASE) decides by one comparison, the attention's FLOPs against the
+    shared experts'; pairing.py, given segments and all-to-alls of DeepSeek-V3's proportions (the shared experts and
+    the attention swapped for the other case), puts its least exposure at that phase."""
+    heavy, light = 5.7, 0.6
+    forward = Segments(heavy, light, 6.6) if attention_outweighs else Segments(light, heavy, 6.6)
+    backward = Segments(2 * forward.attention, 2 * forward.shared, 13.3)
+    hops = [6.0, 2.9] if mode == "node" else [8.8]
+    sent = [3.1, 1.5] if mode == "node" else [5.9]
+    ahead, behind = forward_turns(mode, False, 0.2, sent, hops, forward), backward_turns(mode, False, hops, backward)
+    exposed = [sum(exposed_at_phase(ahead, behind, p)) for p in range(len(ahead.posts))]
+    assert min(range(len(exposed)), key=exposed.__getitem__) == AUTO_PAIRING_PHASE[mode, attention_outweighs], exposed
+
+
 def test_deepseeks_layout_is_planned_at_the_phase_that_exposes_least():
     """On DeepSeek-V3's layout (per node: five turns a side) phase 0 puts the first hop's rows and the combine's
     reverse beside empty gaps; the search takes phase 4, which the trainer's auto also gives."""
@@ -66,9 +82,10 @@ def test_deepseeks_layout_is_planned_at_the_phase_that_exposes_least():
     assert min(range(5), key=exposed.__getitem__) == 4 and exposed[4] < 0.6 * exposed[0], exposed
     candidate = evaluate(_request(), LAYOUT)
     assert candidate.layout.ep_pairing_phase == 4
-    assert resolve_pairing_phase(LAYOUT, -1) == 4
+    assert resolve_pairing_phase(LAYOUT, -1, DEEPSEEK, 4096) == 4
     per_rank = dataclasses.replace(LAYOUT, ep_dispatch="rank")
-    assert evaluate(_request(), per_rank).layout.ep_pairing_phase == resolve_pairing_phase(per_rank, -1) == 1
+    auto = resolve_pairing_phase(per_rank, -1, DEEPSEEK, 4096)
+    assert evaluate(_request(), per_rank).layout.ep_pairing_phase == auto == 1
     # a phase the user gave is planned as given
     fixed = evaluate(_request(ep_pairing_phase=0), dataclasses.replace(LAYOUT, ep_pairing_phase=0))
     assert fixed.layout.ep_pairing_phase == 0 and fixed.step.total > candidate.step.total

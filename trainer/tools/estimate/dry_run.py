@@ -51,7 +51,7 @@ from trillion.trainer.assemble import (
     check_float8,
     check_model_layout,
     resolve_layout,
-    resolve_stage_split,
+    resolve_with_model,
     validate_training,
 )
 from trillion.trainer.config.schema import Config
@@ -155,7 +155,7 @@ def layout_dims(config: Config, world_size: int) -> tuple[ParallelDims, ModelArg
     check_planned_format(layout, config.job.hardware)
     model_args = model_args_for(config, layout)
     check_model_layout(layout, model_args, config.training.seq_len)
-    return ParallelDims(resolve_stage_split(layout, model_args, config.training.seq_len), world_size), model_args
+    return ParallelDims(resolve_with_model(layout, model_args, config.training.seq_len), world_size), model_args
 
 
 def hardware_node(hardware: str) -> int:
