@@ -13,10 +13,11 @@ among the rest. Nothing else reads the buffers in flight.
 
 Counting (`Exchange.traffic`, a Traffic): the bytes each post sends to every other member, split by whether that
 member sits on this rank's node (ranks_per_node consecutive ranks) or across the network; forward posts only (the
-backward sends the same bytes back). Latency injection (`Exchange.delay_s` > 0, the benchmarks'): each post completes
-no earlier than that many seconds after it was posted; its wait sleeps to that deadline, so the delay costs no CPU
-(nor a thread a post, whose start-up the machine would charge to both of the benchmarks' arms), and compute that runs
-between the post and the wait hides it.
+backward sends the same bytes back), but for a gradient sent back in a wire form of its own (`back_wire`:
+float8.combine_gradient's, "combine gradient"). Latency injection (`Exchange.delay_s` > 0, the benchmarks'): each post
+completes no earlier than that many seconds after it was posted; its wait sleeps to that deadline, so the delay costs
+no CPU (nor a thread a post, whose start-up the machine would charge to both of the benchmarks' arms), and compute that
+runs between the post and the wait hides it.
 """
 
 from __future__ import annotations
@@ -115,18 +116,22 @@ class Exchange:
         return out
 
     def rows(
-        self, x: torch.Tensor, send: list[int], recv: list[int], what: str = "", wire=None, beside=None
+        self, x: torch.Tensor, send: list[int], recv: list[int], what: str = "", wire=None, beside=None, back_wire=None
     ) -> Pending:
         """`beside`: a Pending posted just before this one in the same turn (the dispatch's rows, beside which their
-        routing travels): one turn handed over for the two, after the second post, forward and backward."""
-        return Pending(self, x, send, recv, what, wire, beside)
+        routing travels): one turn handed over for the two, after the second post, forward and backward.
+        `back_wire`: the gradient travels back in that wire form (float8.combine_gradient), counted as
+        "<what> gradient"."""
+        return Pending(self, x, send, recv, what, wire, beside, back_wire)
 
 
 class Pending:
     """An all-to-all in flight: `wait()` returns the rows received (autograd: the module docstring)."""
 
-    def __init__(self, exchange: Exchange, x: torch.Tensor, send, recv, what: str, wire=None, beside=None):
-        self.box = _Box(exchange, send, recv, what, wire)
+    def __init__(
+        self, exchange: Exchange, x: torch.Tensor, send, recv, what: str, wire=None, beside=None, back_wire=None
+    ):
+        self.box = _Box(exchange, send, recv, what, wire, back_wire)
         if beside is not None:
             self.box.partner, beside.box.partner = beside.box, self.box
         self.out = _Post.apply(x, self.box)
@@ -142,9 +147,11 @@ class _Box:
     recv: list[int]
     what: str
     wire: Wire | None
+    back_wire: Wire | None = None  # the gradient's form on the way back (None: the compute dtype)
     work: object = None
     arrived: torch.Tensor | None = None  # with a wire: the encoded rows received (the wait decodes them)
     row_shape: tuple = ()  # with a wire: (dim, dtype) of the rows sent, which the decoded rows take
+    back_shape: tuple = ()  # with a back_wire: (dim, dtype) of the gradient, which the decoded gradient takes
     back: torch.Tensor | None = None  # the reverse all-to-all's buffer (the backward)
     back_work: object = None
     back_input: torch.Tensor | None = None  # kept alive while it travels
@@ -171,6 +178,8 @@ class _Post(torch.autograd.Function):
         box = ctx.box
         box.back_work.wait()
         back, box.back, box.back_input, box.back_work = box.back, None, None, None
+        if box.back_wire is not None:
+            back = box.back_wire.decode(back, *box.back_shape)
         return back, None
 
 
@@ -189,7 +198,11 @@ class _Finish(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         box = ctx.box
         box.back_input = grad.contiguous()
+        what = ""  # the reverse sends the forward's bytes back: counted once, forward
+        if box.back_wire is not None:
+            box.back_shape, what = (grad.shape[1], grad.dtype), f"{box.what} gradient"
+            box.back_input = box.back_wire.encode(box.back_input)
         last = box.partner is None or box.partner.reversed  # the turn's second reverse post hands it over
-        box.back, box.back_work = box.exchange.post(box.back_input, box.recv, box.send, hand_over=last)
+        box.back, box.back_work = box.exchange.post(box.back_input, box.recv, box.send, what, hand_over=last)
         box.reversed = True
         return (grad if box.wire is None else grad.new_zeros(0)), None

@@ -28,7 +28,8 @@ from trillion.kernels.permute import fused
 
 class Wire(Protocol):
     """A payload's form on the wire: `encode(rows)` -> the tensor posted; `decode(tensor, dim, dtype)` -> the rows
-    (n, dim) in the compute dtype. The gradient travels back in the compute dtype (ep_exchange.py)."""
+    (n, dim) in the compute dtype. The gradient travels back in the compute dtype (ep_exchange.py), the combine's in
+    a wire form of its own where one is given (Payload.gradient_wire)."""
 
     def encode(self, rows: torch.Tensor) -> torch.Tensor: ...
 
@@ -47,6 +48,7 @@ class Payload:
 
     pack: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = gather_rows
     wire: Wire | None = None
+    gradient_wire: Wire | None = None  # the combine's gradient on its way back (float8.combine_gradient)
 
 
 @dataclass

@@ -177,7 +177,7 @@ class ExpertDispatch:
             chunk.post(self.exchange, self.payload)
         beside.upto(bounds[0][1])  # the first chunk's shared experts while the dispatch travels
         for chunk in chunks:
-            chunk.run_experts(self.experts, self.held, self.exchange)
+            chunk.run_experts(self.experts, self.held, self.exchange, self.payload.gradient_wire)
         beside.upto(tokens)  # the rest beside the last chunk's combine
         return torch.cat([chunk.combined(self.top_k if self.mode == "expert" else 0) for chunk in chunks])
 
@@ -234,8 +234,9 @@ class ExpertDispatch:
         expert_ids, expert_weights = unpack_routing(routing)
         out = run_experts(self.experts, rows, expert_ids, expert_weights, self.held, slots, sources)
         impl = self.experts.permute_impl
-        node_sums = combine(self.intra.rows(out, recv2, send2, "combine").wait(), placement2, impl)
-        return combine(self.inter.rows(node_sums, recv1, send1, "combine").wait(), placement1, impl)
+        back = self.payload.gradient_wire
+        node_sums = combine(self.intra.rows(out, recv2, send2, "combine", back_wire=back).wait(), placement2, impl)
+        return combine(self.inter.rows(node_sums, recv1, send1, "combine", back_wire=back).wait(), placement1, impl)
 
     def _travel(self, exchange, x, ids, weights, hop, placement, send, recv):
         """(rows received, their routing): the payload and its routing posted, then waited for."""
@@ -286,12 +287,14 @@ class _Chunk:
         routing = pack_routing(self.hop, self.placement, self.ids, self.weights)
         self.routing = exchange.rows(routing, self.send, self.recv, "routing", beside=self.payload)
 
-    def run_experts(self, experts, held: range, exchange: Exchange) -> None:
-        """The rows that arrived through this rank's experts, their weighted sums posted back."""
+    def run_experts(self, experts, held: range, exchange: Exchange, gradient_wire=None) -> None:
+        """The rows that arrived through this rank's experts, their weighted sums posted back (their gradient to
+        return in `gradient_wire`'s form, float8.combine_gradient)."""
         received = self.payload.wait()
         expert_ids, expert_weights = unpack_routing(self.routing.wait())
         out = run_experts(experts, received, expert_ids, expert_weights, held, self.slots, self.recv)
-        self.returning, self.impl = exchange.rows(out, self.recv, self.send, "combine"), experts.permute_impl
+        self.returning = exchange.rows(out, self.recv, self.send, "combine", back_wire=gradient_wire)
+        self.impl = experts.permute_impl
 
     def combined(self, choices: int) -> torch.Tensor:
         """Each token's sum of what came back (per-expert rows summed over the token's `choices`, if any)."""

@@ -142,6 +142,16 @@ def float8_cache(cache: bool, experts: str) -> None:
         )
 
 
+def float8_combine_gradient(combine_gradient: bool, dispatch: bool) -> None:
+    """Refuse float8.combine_gradient without the float8 dispatch whose wire form it uses."""
+    if combine_gradient and not dispatch:
+        raise ConfigError(
+            "float8.combine_gradient=true (plan: --float8-combine-gradient) sends the combine's gradient back in the "
+            "float8 wire form of float8.dispatch (DeepSeek-V3 quantises both), which is off here. Add "
+            "--float8.dispatch=true (plan: --float8-dispatch), or drop it."
+        )
+
+
 def float8_dispatch(dispatch: bool, enabled: bool, experts: str, ep: int | None = None) -> None:
     """Refuse float8.dispatch where it cannot work: the tokens go out in the float8 the experts' GEMMs would
     quantise them to anyway, so it needs float8 experts, and an expert all-to-all (parallel.ep > 1) to carry them.

@@ -12,7 +12,7 @@ for which degrees make a world of ranks. No torch here: the planner imports it a
 from dataclasses import asdict, dataclass
 
 from trillion.errors import ConfigError
-from trillion.parallel.float8_recipes import float8_cache, float8_recipe
+from trillion.parallel.float8_recipes import float8_cache, float8_combine_gradient, float8_recipe
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the mesh's axes, outermost first (dims.py)
 # parallel.ep_dispatch: a token travels to each expert it chose (as torchtitan's standard dispatcher), once to each
@@ -35,6 +35,7 @@ class Float8Training:
     dispatch: bool = False  # float8.dispatch: the expert all-to-all's tokens in float8 (float8_dispatch.py)
     linears: bool = True  # float8.linears: the blocks' linears convert (false: only the routed experts)
     cache_activations: bool = False  # float8.cache_activations: the experts keep their activations in float8
+    combine_gradient: bool = False  # float8.combine_gradient: the combine's gradient travels back in float8
 
     @property
     def float8_tp(self) -> bool:
@@ -52,17 +53,20 @@ def resolve_float8(
     dispatch: bool = False,
     linears: bool = True,
     cache_activations: bool = False,
+    combine_gradient: bool = False,
 ) -> Float8Training:
     """The Float8Training of a layout: float8 all-gather of the converted linears where asked for (or, with auto,
     supported) and FSDP on, a combination torchao lacks refused (float8_recipes.py); float8.experts=auto under a
     block-scaled recipe (mxfp8) takes that recipe (torchao's MX grouped GEMM, as torchtitan pairs them);
-    float8.cache_activations refused where the experts' products cannot keep their float8 (float8_recipes.py)."""
+    float8.cache_activations refused where the experts' products cannot keep their float8 (float8_recipes.py), and
+    float8.combine_gradient without the float8 dispatch whose wire it uses."""
     chosen = float8_recipe(recipe, fsdp_all_gather)
     supported = fsdp_all_gather == "on" or (fsdp_all_gather == "auto" and chosen.fsdp_float8_all_gather)
     experts = recipe if experts == "auto" and chosen.block else experts
     float8_cache(cache_activations, experts)
+    float8_combine_gradient(combine_gradient, dispatch)
     gather = fsdp_enabled and linears and supported
-    return Float8Training(recipe, emulate, gather, experts, dispatch, linears, cache_activations)
+    return Float8Training(recipe, emulate, gather, experts, dispatch, linears, cache_activations, combine_gradient)
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,7 @@ class Layout:
         flat |= {"float8": self.float8 is not None, "float8_recipe": f8.recipe, "float8_all_gather": f8.fsdp_all_gather}
         flat |= {"float8_experts": f8.experts, "float8_dispatch": f8.dispatch, "float8_linears": f8.linears}
         flat["float8_cache_activations"] = f8.cache_activations
+        flat["float8_combine_gradient"] = f8.combine_gradient
         s = self.stage_layers
         return flat | {
             "pp_layout": s.written,

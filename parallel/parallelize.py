@@ -75,7 +75,8 @@ def parallelize(
     if layout.folded:  # each tp rank routes its own positions of the sequences
         split_sequences(model, dims.routed_sequence_group, dims.cp * dims.tp)
     if ep_mesh is not None:
-        payload = Payload(wire=Float8Wire(float8.experts, float8.emulate)) if float8 and float8.dispatch else Payload()
+        wire = Float8Wire(float8.experts, float8.emulate) if float8 and float8.dispatch else None
+        payload = Payload(wire=wire, gradient_wire=wire if wire and float8.combine_gradient else None)
         mode, ranks_per_node = layout.ep_dispatch, layout.ranks_per_node
         apply_expert_parallel(model, ep_mesh, mode, ranks_per_node, dims.ep_node_mesh, payload, dims.expert_tp_mesh)
         pairs = pairs_across_stages(layout) or pairs_micro_batches(layout)

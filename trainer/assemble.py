@@ -228,6 +228,7 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
             dispatch=f.dispatch,
             linears=f.linears,
             cache_activations=f.cache_activations,
+            combine_gradient=f.combine_gradient,
         )
     return dataclasses.replace(
         spread,

@@ -128,6 +128,7 @@ def run_float8(spec: dict) -> Float8Training | None:
         dispatch=spec.get("float8_dispatch", False),
         linears=spec.get("float8_linears", True),
         cache_activations=spec.get("float8_cache_activations", False),
+        combine_gradient=spec.get("float8_combine_gradient", False),
     )
 
 

@@ -75,6 +75,7 @@ def _float8(spec: dict) -> str:
     gather = " (float8 all-gather)" if spec.get("float8_all_gather", True) else ""
     experts = f", {spec['float8_experts']} float8 experts" if spec.get("float8_experts", "auto") != "auto" else ""
     cache = ", float8 activation cache" if spec.get("float8_cache_activations") else ""
+    cache += ", float8 combine gradient" if spec.get("float8_combine_gradient") else ""
     return ", float8" + gather + experts + (", float8 dispatch" if spec.get("float8_dispatch") else "") + cache
 
 

@@ -35,7 +35,7 @@ the same; the shared experts are TP-split either way:
              forward and both gradients, at the recipe's float8 rate (float8_experts.py FLOAT8_EXPERT_SHARE, here in
              the planner), plus their casts (each GEMM casts both operands: FLOAT8_CAST_BYTES per element); with
              float8 dispatch the forward dispatch all-to-all carries float8 rows and their scales (dispatch_row_bytes),
-             the combine and both backward all-to-alls stay bf16.
+             with float8.combine_gradient the combine's reverse too; the combine and the rows' reverse stay bf16.
 Memory: expert parameters total / (ep x etp x efsdp), efsdp = dp_shard x cp (x tp folded) / ep
 (Layout.efsdp), so a rank's states are those of its E / ep experts split over etp and sharded over efsdp (the
 states per rank do not depend on ep; FSDP's gathered copies, its buffers and its traffic do: one layer's E / ep
@@ -281,45 +281,45 @@ def exposed_seconds(
     args, hw, tokens: int, layout, imbalance: float, float8, experts: float, routed: tuple, around
 ) -> list[float]:
     """Seconds of the all-to-alls left exposed in (the forward, the backward, a recomputed forward) of one MoE layer
-    under ep: the dispatch in float8 in the forwards with float8 dispatch (its backward and the combine in the compute
-    dtype); beside the shared experts and the routed `experts`, or with paired micro-batches beside the other's layer
-    (`routed`: this layer's routed forward and backward, both gradients, `around` its attention and shared experts)."""
+    under ep: the dispatch in float8 in the forwards with float8 dispatch, and the combine's reverse with its gradient
+    (the rest in the compute dtype); beside the shared and routed `experts`, or with paired micro-batches beside the
+    other's layer (`routed`: its routed forward and backward, both gradients, `around` its attention and shared)."""
     tp, ep, rows = layout.tp, layout.ep, routed_tokens(tokens, layout)
     hops, shared = dispatch_hops(args, hw, rows, layout, imbalance), shared_expert_seconds(args, hw, tokens, tp)
     wire = dispatch_row_bytes(args.dim, float8) if float8 and layout.float8.dispatch else 0
     sent = dispatch_hops(args, hw, rows, layout, imbalance, wire) if wire else hops  # the dispatch's, a hop each
-    one_way, dispatch = sum(hops), sum(sent)
+    back = sent if wire and layout.float8.combine_gradient else hops  # the combine's reverse
+    one_way, dispatch, returned = sum(hops), sum(sent), sum(back)
     counts = 0.0 if layout.ep_capacity else all_to_all_time(hw, 0.0, ep, ep_stride(layout)) + host_read_stall(hw)
     alone = [
         exposed_all_to_alls(layout, dispatch, one_way, counts, shared, experts),
-        exposed_all_to_alls(layout, one_way, one_way, 0.0, 2 * shared, 2 * experts),
+        exposed_all_to_alls(layout, returned, one_way, 0.0, 2 * shared, 2 * experts),
         exposed_all_to_alls(layout, dispatch, one_way, 0.0, shared, experts),
     ]
     share = paired_share(layout) if around is not None else 0.0
     if not share and not (around is not None and pairs(layout)):
         return alone
-    # the other micro-batch's layer computes beside each all-to-all, a segment of it between two of its posts
-    forward = around.forward - around.tp_forward - around.cp_forward + routed[0]
+    forward = around.forward - around.tp_forward - around.cp_forward + routed[0]  # the other side's layer, beside
     backward = around.input_grad + around.weight_grad - around.tp_forward - around.cp_forward + routed[1]
     turns = 3 if counts else 2  # a forward hands the turn over after the counts, the rows, the combine
     if not share:  # two forwards paired, then two backwards (one pipeline stage)
         return [
             exposed_paired(dispatch, one_way, counts, forward / turns),
-            exposed_paired(one_way, one_way, 0.0, backward / 2),
+            exposed_paired(returned, one_way, 0.0, backward / 2),
             exposed_paired(dispatch, one_way, 0.0, forward / 2),
         ]
     # across stages (DualPipeV, Interleaved1F1B): a forward beside a backward, which hands over as often a layer
     # (after the combine's reverse, the rows' and their routing's, and where the counts were: turn_in_backward);
     # each post beside the segment it meets (pairing.py), but for a replayed block's: the mean segment
     paired = [exposed_paired(dispatch, one_way, counts, backward / turns)]
-    paired.append(exposed_paired(one_way, one_way, 0.0, forward / turns))
+    paired.append(exposed_paired(returned, one_way, 0.0, forward / turns))
     if not checkpoint_mode(layout.activation_checkpoint).replays_blocks:
         mode, capacity = dispatch_mode(layout), bool(layout.ep_capacity)
         ahead = Segments(forward - shared - routed[0], shared, routed[0])
         behind = Segments(backward - 2 * shared - routed[1], 2 * shared, routed[1])
         turns_of = (
             forward_turns(mode, capacity, counts, sent, hops, ahead),
-            backward_turns(mode, capacity, hops, behind),
+            backward_turns(mode, capacity, back, hops, behind),
         )
         paired = list(exposed_at_phase(*turns_of, layout.ep_pairing_phase))
     paired.append(exposed_paired(dispatch, one_way, 0.0, forward / turns))

@@ -58,14 +58,15 @@ def forward_turns(mode: str, capacity: bool, counts: float, hops: list, back: li
     return Turns((a, s, e), (counts, hops[0], back[0]))
 
 
-def backward_turns(mode: str, capacity: bool, hops: list, work: Segments) -> Turns:
-    """The backward's layer: every reverse in the compute dtype, a hop's as long as its combine's (`hops`)."""
+def backward_turns(mode: str, capacity: bool, combine: list, rows: list, work: Segments) -> Turns:
+    """The backward's layer: the combine's reverse (`combine`, a hop each, in float8 with float8.combine_gradient),
+    then the rows' (`rows`, in the compute dtype)."""
     a, s, e = work.attention, work.shared, work.experts
     if mode == "node":
-        return Turns((a, 0.0, e, 0.0, s), (hops[0], hops[1], hops[1], hops[0], 0.0))
+        return Turns((a, 0.0, e, 0.0, s), (combine[0], combine[1], rows[1], rows[0], 0.0))
     if capacity:
-        return Turns((a + s, e), (hops[0], hops[0]))
-    return Turns((a, e, s), (hops[0], hops[0], 0.0))
+        return Turns((a + s, e), (combine[0], rows[0]))
+    return Turns((a, e, s), (combine[0], rows[0], 0.0))
 
 
 def exposed_at_phase(forward: Turns, backward: Turns, phase: int) -> tuple[float, float]:

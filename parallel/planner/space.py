@@ -35,29 +35,11 @@ MICRO_BATCH_SIZES = (1, 2, 4, 8)
 # model's parts have its up-projections (search.py trainer_refusal drops it for the others).
 SEARCHED_CHECKPOINT_MODES = tuple(name for name, mode in CHECKPOINT_MODES.items() if not mode.op_level)
 OPTIMIZERS = ("adamw", "muon")  # optimizer.name: not searched (it changes the training), costed as given
-LAYOUT_FIELDS = (
-    "tp",
-    "pp",
-    "dp_replicate",
-    "dp_shard",
-    "dp_shard_mode",
-    "pp_schedule",
-    "virtual_stages",
-    "micro_batch_size",
-    "activation_checkpoint",
-    "cp",
-    "compile",
-    "float8",
-    *(f"float8_{setting}" for setting in ("recipe", "linears", "experts", "dispatch", "cache_activations")),
-    "ep",
-    "etp",
-    "ep_dispatch",
-    "ep_capacity",
-    "ep_overlap",
-    "ep_pairing_phase",
-    "tp_overlap",
-    "async_tp",
-    "pp_layout",
+LAYOUT_FIELDS = tuple(  # the Layout's settings a plan may fix, as `trillion plan` flags name them
+    "tp pp dp_replicate dp_shard dp_shard_mode pp_schedule virtual_stages micro_batch_size activation_checkpoint cp "
+    "compile float8 float8_recipe float8_linears float8_experts float8_dispatch float8_cache_activations "
+    "float8_combine_gradient ep etp ep_dispatch ep_capacity ep_overlap ep_pairing_phase tp_overlap async_tp "
+    "pp_layout".split()
 )
 ASSUMPTION_FIELDS = ("moe_load_imbalance", "optimizer", "optimizer_state_dtype", "attention_share", "ema_decay")
 OPTIMIZER_STATE_DTYPES = ("float32", "bfloat16")  # optimizer.state_dtype: costed as given, never searched
@@ -380,6 +362,7 @@ def _float8(request: Request, fsdp_enabled: bool, ep: int) -> Float8Training | N
         dispatch=fixed.get("float8_dispatch", False) and ep > 1,
         linears=fixed.get("float8_linears", True),
         cache_activations=fixed.get("float8_cache_activations", False),
+        combine_gradient=fixed.get("float8_combine_gradient", False) and ep > 1,
     )
 
 

@@ -4,13 +4,17 @@ losses and gradient norms, and every gradient of the first step, within 1e-5, fo
 recipes (mxfp8's blocks of 32 along every reduction, its weight-gradient tiles of 32 tokens), with float8 dispatch too
 (per rank, the default; per expert; with a per-rank capacity, against one process dropping the same tokens; per node
 at ep 4 as 2 nodes of 2, under -m slow) and under full activation checkpointing, with the activations kept for backward
-in float8 (float8.cache_activations), and FSDP over 2 ranks without ep; and the plain run is far outside that
-tolerance.
+in float8 (float8.cache_activations), with the combine's gradient sent back in float8 too (float8.combine_gradient),
+and FSDP over 2 ranks without ep; and the plain run is far outside that tolerance.
 
 Why that tight: activations are quantised per token row (each rank quantises the rows one process does), the
 weights per expert (whole on a rank), and the weight gradient's token tiles restart at every source rank's
 rows (models/moe.py), so every tile holds the tokens it holds in one process; float8 dispatch quantises a row
-as the experts do, and power-of-two scales make the experts' second quantisation give back the same values.
+as the experts do, and power-of-two scales make the experts' second quantisation give back the same values. That
+holds across tilings too: a power-of-two scale only moves the exponent, so e4m3 rounds a value to the same 3
+mantissa bits under any such scale that keeps it in the normal range; the combine's gradient, quantised in 1 x 128
+row tiles on the wire, comes out of w2's 128-token tiles for its weight gradient as one process rounds it (an
+element below 2^-14 of its tile's largest would round differently: none in these runs).
 What remains is fp32 summation order (the data-parallel gradient reductions): the first step's gradients agree
 within 1e-5, every one of them. After the first update they cannot be held to it: Adam divides each gradient by its
 running RMS, so an element whose gradient is near zero turns an ulp of difference into a step of the learning
@@ -47,8 +51,10 @@ WIDE = dataclasses.replace(
 CAPACITY = {"variant": "capacity", "tolerance": {"rtol": 2e-5, "atol": 1e-6}}
 
 
-def emulated(experts: str, dispatch: bool = False, cache: bool = False) -> Float8Training:
-    return Float8Training(emulate=True, experts=experts, dispatch=dispatch, cache_activations=cache)
+def emulated(experts: str, dispatch: bool = False, cache: bool = False, gradient: bool = False) -> Float8Training:
+    return Float8Training(
+        emulate=True, experts=experts, dispatch=dispatch, cache_activations=cache, combine_gradient=gradient
+    )
 
 
 def differences(name: str, got: dict, want: dict, tolerance: dict = TOLERANCE) -> list[str]:
@@ -105,6 +111,8 @@ def test_ep2_emulated_float8_experts_and_dispatch_equal_one_process():
             {"name": "ep2-blockwise-ac-full", **ep2, "ac": "full", "float8": emulated("blockwise")},
             # float8.cache_activations: each rank keeps, and dequantises in backward, the float8 one process keeps
             {"name": "ep2-blockwise-dispatch-cache", **ep2, "float8": emulated("blockwise", True, cache=True)},
+            # float8.combine_gradient: the gradient back to the down-projections in the same wire form
+            {"name": "ep2-combine-gradient", **ep2, "float8": emulated("blockwise", True, gradient=True)},
         ],
     )
 
@@ -115,7 +123,14 @@ def test_ep4_as_two_nodes_of_two_per_node_dispatch_in_float8_equals_one_process(
     the same values), and its experts' weight-gradient tiles restart at each source rank's rows though they arrive
     through another rank of the node."""
     ep4 = {"dp_shard": 4, "ep": 4, "ep_dispatch": "node", "ranks_per_node": 2, "model": "wide", "steps": 2}
-    run_ranks(check_wide_model, 4, [{"name": "ep4-node-dispatch", **ep4, "float8": emulated("blockwise", True)}])
+    run_ranks(
+        check_wide_model,
+        4,
+        [
+            {"name": "ep4-node-dispatch", **ep4, "float8": emulated("blockwise", True)},
+            {"name": "ep4-node-combine-gradient", **ep4, "float8": emulated("blockwise", True, gradient=True)},
+        ],
+    )
 
 
 # Folded over tp, each tp rank routes half of every sequence's positions, and an expert's weight-gradient tiles

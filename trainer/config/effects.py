@@ -61,7 +61,7 @@ RULES = (
         "Add --float8.enabled=true",
     ),
     Needs(
-        ("float8.experts", "float8.cache_activations"),
+        ("float8.experts", "float8.cache_activations", "float8.combine_gradient"),
         "with float8.enabled=true on a model with routed experts",
         lambda c: c.float8.enabled and _has_experts(c),
         ("float8.enabled", "model.name"),

@@ -7,6 +7,7 @@ from trillion.parallel.float8_recipes import (
     FLOAT8_EXPERTS,
     FLOAT8_RECIPES,
     float8_cache,
+    float8_combine_gradient,
     float8_dispatch,
     trainable_recipe,
 )
@@ -191,6 +192,15 @@ class Float8:
         Flag(),
     )
 
+    combine_gradient: bool = doc(
+        False,
+        "With float8.dispatch: the combine's gradient, on its way back to the experts' down-projections, travels in "
+        "the same float8 wire form (1 x 128 tiles, power-of-two scales), as DeepSeek-V3 sends the activation "
+        "gradient before its MoE down-projections; half bf16's bytes on the backward's first all-to-all. Lossy in "
+        "the down-projections' weight gradient only: their input gradient quantises the same tiles again and "
+        "gets what one process with float8 experts computes.",
+        Flag(),
+    )
     cache_activations: bool = doc(
         False,
         "The routed experts keep their activations for backward in float8, as DeepSeek-V3 cached them: the rows "
@@ -207,3 +217,4 @@ class Float8:
             trainable_recipe(self.recipe, self.fsdp_all_gather)
             float8_dispatch(self.dispatch, self.enabled, self.experts)
             float8_cache(self.cache_activations, self.experts)
+            float8_combine_gradient(self.combine_gradient, self.dispatch)

@@ -114,6 +114,15 @@ def add_float8_arguments(fixed) -> None:
         "scales (the trainer's float8.dispatch, under ep > 1)",
     )
     fixed.add_argument(
+        "--float8-combine-gradient",
+        dest="float8_combine_gradient",
+        action="store_const",
+        const=True,
+        default=None,
+        help="with --float8-dispatch: the combine's gradient travels back to the experts in float8 too (DeepSeek-V3's "
+        "recipe; the trainer's float8.combine_gradient)",
+    )
+    fixed.add_argument(
         "--float8-cache-activations",
         dest="float8_cache_activations",
         action="store_const",

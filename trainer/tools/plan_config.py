@@ -57,6 +57,7 @@ def train_config_toml(request: Request, row: dict) -> str:
     config.float8.experts = row["float8_experts"]
     config.float8.dispatch = row["float8_dispatch"]  # only under ep > 1 (space.py), as the trainer allows it
     config.float8.cache_activations = row["float8_cache_activations"]
+    config.float8.combine_gradient = row["float8_combine_gradient"]
     header = [
         f"# trillion plan: {request.model} on {request.gpus} x {request.hardware.name} "
         f"({request.hardware.device.name})",
