@@ -251,13 +251,14 @@ def test_deepseek_v3_on_2048_h800_plans_with_mtp_and_its_own_layout_dry_runs(tmp
 
 
 DEEPSEEK_RECIPE = ["--pp-schedule", "DualPipeV", "--activation-checkpoint", "deepseek"]
-DEEPSEEK_RECIPE += ["--optimizer-state-dtype", "bfloat16", "--float8-cache-activations"]
+DEEPSEEK_RECIPE += ["--optimizer-state-dtype", "bfloat16", "--float8-combine-gradient", "--float8-cache-activations"]
 
 
 def test_deepseeks_recipe_fits_the_plans_memory_with_the_float8_activation_cache(tmp_path, capsys):
     """DeepSeek's layout as DeepSeek ran it, no full recompute: with the experts' activations cached in float8 (w2's
     input rebuilt from SwiGLU's cached inputs) its fullest rank fits the 72 GB a plan may fill, and the plan file
-    carries the cache and the pairing's phase; without the cache it does not fit the GPU and the plan is refused."""
+    carries the cache, the combine's float8 gradient and the pairing's phase; without the cache it does not fit the
+    GPU and the plan is refused."""
     import json
 
     from trillion.trainer.cli.main import main
@@ -270,6 +271,7 @@ def test_deepseeks_recipe_fits_the_plans_memory_with_the_float8_activation_cache
     config = load_config(str(tmp_path / "ds.toml"))
     assert config.float8.cache_activations and config.parallel.activation_checkpoint == "deepseek"
     assert row["ep_pairing_phase"] == config.parallel.ep_pairing_phase == 4  # the pairing's phase the plan timed
+    assert row["float8_combine_gradient"] and config.float8.combine_gradient
     uncached = [*DEEPSEEK_PLAN, *DEEPSEEK_LAYOUT, *DEEPSEEK_RECIPE[:-1], "--config-out", ""]
     assert main(uncached) != 0
     assert "fits in memory: of 2 valid layouts the smallest needs 98.1 GB" in capsys.readouterr().err

@@ -67,7 +67,8 @@ def test_the_trainers_auto_phase_is_the_models_best_for_either_heavier_segment(m
     backward = Segments(2 * forward.attention, 2 * forward.shared, 13.3)
     hops = [6.0, 2.9] if mode == "node" else [8.8]
     sent = [3.1, 1.5] if mode == "node" else [5.9]
-    ahead, behind = forward_turns(mode, False, 0.2, sent, hops, forward), backward_turns(mode, False, hops, hops, backward)
+    ahead = forward_turns(mode, False, 0.2, sent, hops, forward)
+    behind = backward_turns(mode, False, hops, hops, backward)
     exposed = [sum(exposed_at_phase(ahead, behind, p)) for p in range(len(ahead.posts))]
     assert min(range(len(exposed)), key=exposed.__getitem__) == AUTO_PAIRING_PHASE[mode, attention_outweighs], exposed
 
