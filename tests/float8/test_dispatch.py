@@ -7,8 +7,8 @@ one process in tests/float8/test_experts_parity.py."""
 import pytest
 import torch
 
+from tests.helpers.loopback import Loopback
 from trillion.kernels import float8_scaling as scaling
-from trillion.parallel.ep_exchange import Exchange, Traffic
 from trillion.parallel.float8_dispatch import Float8Wire, from_wire, to_wire, wire_bytes_per_row
 
 E4M3 = torch.float8_e4m3fn
@@ -37,28 +37,11 @@ def test_bytes_per_row():
     assert wire_bytes_per_row(200, "blockwise") == 200 + 4 * 2  # a short last tile has its own scale
 
 
-class _TwoNodes(Exchange):
-    """Member 0 of two, one a node, whose all-to-all hands back what it sends (no process group)."""
-
-    def __init__(self):
-        self.place(0, [0, 1], 1)
-        self.traffic = Traffic()
-
-    def _all_to_all(self, out, x, recv, send):
-        out.copy_(x)
-        return _Done()
-
-
-class _Done:
-    def wait(self) -> None:
-        pass
-
-
 def test_the_combines_gradient_travels_back_in_float8_and_is_counted_so():
     """float8.combine_gradient: the combine's reverse carries the gradient in the dispatch's wire form, so the
     experts get it as their own quantisation gives it, and its bytes, counted where it is posted, are the wire's:
     about half the forward combine's in bf16 (here a quarter of fp32's)."""
-    exchange, wire = _TwoNodes(), Float8Wire("blockwise", emulate=True)
+    exchange, wire = Loopback(members=2), Float8Wire("blockwise", emulate=True)  # member 1 on another node
     out = torch.randn(6, 256, requires_grad=True)
     back = exchange.rows(out, [3, 3], [3, 3], "combine", back_wire=wire).wait()
     grad = torch.randn(6, 256, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 256)

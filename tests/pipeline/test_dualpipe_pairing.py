@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from tests.float8.test_experts_parity import check_wide_model, emulated
+from tests.helpers.loopback import Loopback
 from tests.helpers.spawn import run_ranks
 from tests.moe.harness import check_cases
-from trillion.parallel.ep_exchange import Exchange
 from trillion.parallel.expert_overlap import Pair, after_post, paired, turn_in_backward
 
 PAIRED = {"pp": 2, "dp_shard": 2, "ep": 2, "ep_overlap": True, "schedule": "DualPipeV", "micro": 1, "paired": True}
@@ -39,9 +39,17 @@ class _Post(torch.autograd.Function):
         return grad, None, None
 
 
-def test_the_forward_and_the_backward_take_turns_at_each_post():
+@pytest.mark.parametrize(
+    "lead, order",
+    [(0, ["Fa", "B3", "Fb", "B2", "Fc", "B1"]), (1, ["Fa", "Fb", "B3", "Fc", "B2", "B1"])],
+    ids=["phase-0", "phase-1"],
+)
+def test_the_forward_and_the_backward_take_turns_at_each_post(lead, order):
     """The forward side hands the turn over after each post; the backward side after each post its graph task
-    makes (a checkpointed recompute's too: it runs inside the same graph task), so the log alternates."""
+    makes (a checkpointed recompute's too: it runs inside the same graph task), so the log alternates. With a phase
+    (parallel.ep_pairing_phase, the Pair's lead) the backward first hands the turn straight back that many times, so
+    each of its posts meets a later segment of the forward: the forward's first posts and the backward's last then
+    travel beside nothing (B1's turn: the forward is done, so 6 hand-overs either way)."""
     log = []
     x = torch.ones(3, requires_grad=True)
     y = x
@@ -58,54 +66,23 @@ def test_the_forward_and_the_backward_take_turns_at_each_post():
         assert paired()
         loss.backward()
 
-    pair = Pair(backward_side=True)
+    pair = Pair(backward_side=True, lead=lead)
     pair.run(forward, backward)
-    assert log == ["Fa", "B3", "Fb", "B2", "Fc", "B1"] and pair.handovers == 6
+    assert log == order and pair.handovers == 6
     assert not paired()
 
 
-def test_a_phase_starts_the_backward_that_many_turns_later():
-    """parallel.ep_pairing_phase: the backward hands the turn straight back that many times before it starts, so each
-    of its posts meets a later segment of the forward; the turns still alternate, and the forward's first posts and
-    the backward's last travel beside nothing."""
-    log = []
-    x = torch.ones(3, requires_grad=True)
-    y = x
-    for name in "123":
-        y = _Post.apply(y, log, name)
-    loss = y.sum()
-
-    def forward():
-        for name in "abc":
-            log.append(f"F{name}")
-            after_post()
-
-    pair = Pair(backward_side=True, lead=1)
-    pair.run(forward, loss.backward)
-    assert log == ["Fa", "Fb", "B3", "Fc", "B2", "B1"] and pair.handovers == 6  # B1: the forward is done
-
-
-class _Loopback(Exchange):
-    """One member whose rows come back to itself at once: an expert layer's posts and turns without a group; each
-    reverse post is logged by its rows' width."""
+class _Loopback(Loopback):
+    """An expert layer's posts and turns without a group; each reverse post is logged by its rows' width."""
 
     def __init__(self, log: list):
-        self.place(0, [0], 1)
+        super().__init__()
         self.log = log
 
     def post(self, x, send, recv, what="", hand_over=True):
         if not what:
             self.log.append(f"B{x.shape[1]}")
         return super().post(x, send, recv, what, hand_over)
-
-    def _all_to_all(self, out, x, recv, send):
-        out.copy_(x)
-        return _Arrived()
-
-
-class _Arrived:
-    def wait(self) -> None:
-        pass
 
 
 def test_a_backward_hands_over_as_often_a_layer_as_the_forward():
