@@ -34,12 +34,6 @@ def _trains_ahead(config) -> bool:
     return mtp.apply_settings(get_preset(config.model.name), given, config.model.name).mtp_modules > 0
 
 
-def _routed_presets() -> str:
-    from trillion.models.presets import expert_presets
-
-    return ", ".join(expert_presets())
-
-
 @dataclass(frozen=True)
 class Needs:
     """`settings` act only when `holds(config)`: `condition` says when in words, `reads` names the settings it
@@ -61,7 +55,14 @@ RULES = (
         "Add --float8.enabled=true",
     ),
     Needs(
-        ("float8.experts", "float8.cache_activations", "float8.combine_gradient"),
+        ("float8.combine_gradient",),
+        "with float8.dispatch=true, whose wire form it sends the gradient in",
+        lambda c: c.float8.enabled and c.float8.dispatch,
+        ("float8.enabled", "float8.dispatch"),
+        "Add --float8.enabled=true and --float8.dispatch=true",
+    ),
+    Needs(
+        ("float8.experts", "float8.cache_activations"),
         "with float8.enabled=true on a model with routed experts",
         lambda c: c.float8.enabled and _has_experts(c),
         ("float8.enabled", "model.name"),
@@ -348,14 +349,12 @@ ALWAYS_ACTS = {
 
 
 def _value(config, key: str):
-    section, _, name = key.partition(".")
-    return getattr(getattr(config, section), name)
+    return getattr(getattr(config, key.partition(".")[0]), key.partition(".")[2])
 
 
 def _default(config, key: str):
     section, _, name = key.partition(".")
-    field = {f.name: f for f in dataclasses.fields(getattr(config, section))}[name]
-    return field.default
+    return next(f.default for f in dataclasses.fields(getattr(config, section)) if f.name == name)
 
 
 def _changed(config, rule: Needs) -> list[str]:
@@ -379,7 +378,9 @@ def _message(config, rule: Needs, given: list[str]) -> str:
     one = len(given) == 1
     named = " and ".join(f"{key}={_shown(_value(config, key))}" for key in given)
     now = ", ".join(f"{key}={_shown(_value(config, key))}" for key in rule.reads)
-    fix = rule.fix.format(routed_presets=_routed_presets()) if "{routed_presets}" in rule.fix else rule.fix
+    from trillion.models.presets import expert_presets
+
+    fix = rule.fix.replace("{routed_presets}", ", ".join(expert_presets()))
     return (
         f"{named} {'does' if one else 'do'} nothing in this run: {'it acts' if one else 'they act'} only "
         f"{rule.condition}, and here {now}. {fix}, or drop {'it' if one else 'them'}."
