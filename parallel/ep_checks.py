@@ -43,8 +43,8 @@ def check_ep_dispatch(layout, nodes_and_members: tuple[int, int], model_args, wa
             f"the per-rank dispatch has; parallel.ep_dispatch={layout.ep_dispatch} has not. Use "
             "--parallel.ep_dispatch=rank, or --moe.rank_capacity_factor=0 (dropless)."
         )
-    turns = pairing_turns(layout)
-    if not -1 <= layout.ep_pairing_phase < turns:  # -1: auto, until the model is known (resolve_pairing_phase)
+    turns = pairing_turns(layout)  # -1: auto, until the model is known (resolve_pairing_phase)
+    if pairs_across_stages(layout) and not -1 <= layout.ep_pairing_phase < turns:
         raise ConfigError(
             f"parallel.ep_pairing_phase={layout.ep_pairing_phase}: each side of a paired forward and backward hands "
             f"the turn over {turns} times a MoE layer with parallel.ep_dispatch={layout.ep_dispatch}"
