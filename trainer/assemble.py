@@ -299,7 +299,7 @@ def check_batch_split(t: Training, dp_size: int) -> None:
 
 def build_parallel_dims(layout: Layout, model_args: ModelArgs, seq_len: int, env: LaunchEnv) -> ParallelDims:
     """The run's ParallelDims, built once: `layout` checked against the model (check_model_layout), its stage split
-    resolved (resolve_with_model), then its mesh over this world."""
+    and pairing phase resolved (resolve_with_model), then its mesh over this world."""
     check_model_layout(layout, model_args, seq_len)
     dims = ParallelDims(resolve_with_model(layout, model_args, seq_len), env.world_size)
     dims.build_mesh(env.device.type)

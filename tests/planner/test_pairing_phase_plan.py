@@ -8,7 +8,14 @@ import pytest
 
 from tests.planner.test_dualpipe_plan import ASSUMED, DEEPSEEK, H800, LAYOUT, _request
 from trillion.errors import ConfigError
-from trillion.parallel.ep_checks import AUTO_PAIRING_PHASE, check_ep_dispatch, ep_nodes, resolve_pairing_phase
+from trillion.models.presets import expert_presets, get_preset
+from trillion.parallel.ep_checks import (
+    AUTO_PAIRING_PHASE,
+    attention_outweighs_shared,
+    check_ep_dispatch,
+    ep_nodes,
+    resolve_pairing_phase,
+)
 from trillion.parallel.expert_overlap import Pair, after_post
 from trillion.parallel.planner.cost import step_time
 from trillion.parallel.planner.pairing import Segments, Turns, backward_turns, exposed_at_phase, forward_turns
@@ -71,6 +78,13 @@ def test_the_trainers_auto_phase_is_the_models_best_for_either_heavier_segment(m
     behind = backward_turns(mode, False, hops, hops, backward)
     exposed = [sum(exposed_at_phase(ahead, behind, p)) for p in range(len(ahead.posts))]
     assert min(range(len(exposed)), key=exposed.__getitem__) == AUTO_PAIRING_PHASE[mode, attention_outweighs], exposed
+
+
+def test_the_attention_outweighs_the_shared_experts_in_every_moe_preset_but_llama4_scout():
+    """docs/parallelism.md's claim: auto takes the attention-heavy phases for every MoE preset at 4096 tokens but
+    llama4-scout, whose shared expert is as wide as its routed ones beside a small GQA attention."""
+    heavier = {name: attention_outweighs_shared(get_preset(name), 4096) for name in expert_presets()}
+    assert [name for name, attention in heavier.items() if not attention] == ["llama4-scout"], heavier
 
 
 def test_deepseeks_layout_is_planned_at_the_phase_that_exposes_least():

@@ -78,10 +78,11 @@ class Parallel:
         "parallel.ep_overlap: it hands the turn straight back this many times first. The two sides then alternate, "
         "so this sets which segment of the other side's layer (its attention, shared experts or routed experts) each "
         "expert all-to-all travels beside. From 0 to one less than the turns a side takes a MoE layer: 3 per rank or "
-        "per expert dropless, 2 with a capacity, 5 per node. -1 = auto: the phase that puts the rows, the combine "
-        "and their reverses beside the other side's attention and routed experts (1 per rank or per expert, 4 per "
-        "node, 0 with a capacity; parallel/ep_checks.py). `trillion plan` writes the phase that leaves the fewest "
-        "all-to-alls exposed at the layout's shapes (planner/pairing.py).",
+        "per expert dropless, 2 with a capacity, 5 per node. -1 = auto, once the model is known: the phase that puts "
+        "the rows, the combine and their reverses beside the other side's routed experts and the heavier (in FLOPs a "
+        "token) of its attention and shared experts: per rank or per expert 1, or 0 where the shared experts are the "
+        "heavier; per node 4, or 2; 0 with a capacity (parallel/ep_checks.py). `trillion plan` writes the phase "
+        "that leaves the fewest all-to-alls exposed at the layout's shapes (planner/pairing.py).",
         Range(0, also={-1: "auto"}),
     )
     tp_overlap: int = doc(
