@@ -19,8 +19,8 @@ left out, as they do not compute), "-" nothing but a wait and a gather, and the 
 nothing (expert_overlap.turn_in_backward: the counts have no gradient). At phase p the forward's post i travels
 beside the backward's segment i - p, and the backward's post k beside the forward's segment k + p + 1 (indices a
 layer's turns apart, modulo its count), so the phase that puts each long all-to-all beside a long segment depends on
-the layer's shapes: at DeepSeek-V3's, where the shared experts are a small segment, phase 0 leaves the combine and
-its reverse beside them.
+the layer's shapes: at DeepSeek-V3's per rank, where the shared experts are a small segment, phase 0 leaves the
+combine and its reverse beside them.
 
 Not modelled: each chunk's ends, where one side has finished and the other's last posts (phase p: the forward's
 first p) travel beside nothing; two all-to-alls in flight at once sharing the links; the recomputed forward's posts
