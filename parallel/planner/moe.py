@@ -309,11 +309,11 @@ def exposed_seconds(
             exposed_paired(dispatch, one_way, 0.0, forward / 2),
         ]
     # across stages (DualPipeV, Interleaved1F1B): a forward beside a backward, which hands over as often a layer
-    # (after the combine's reverse, the rows' and their routing's, and where the counts were: turn_in_backward);
-    # each post beside the segment it meets (pairing.py), but for a replayed block's: the mean segment
-    paired = [exposed_paired(dispatch, one_way, counts, backward / turns)]
-    paired.append(exposed_paired(returned, one_way, 0.0, forward / turns))
-    if not checkpoint_mode(layout.activation_checkpoint).replays_blocks:
+    # (after the combine's reverse, the rows' and their routing's, and where the counts were: turn_in_backward)
+    if checkpoint_mode(layout.activation_checkpoint).replays_blocks:  # a recompute's posts too: the mean segment
+        paired = [exposed_paired(dispatch, one_way, counts, backward / turns)]
+        paired.append(exposed_paired(returned, one_way, 0.0, forward / turns))
+    else:  # each post beside the segment it meets (pairing.py)
         mode, capacity = dispatch_mode(layout), bool(layout.ep_capacity)
         ahead = Segments(forward - shared - routed[0], shared, routed[0])
         behind = Segments(backward - 2 * shared - routed[1], 2 * shared, routed[1])
