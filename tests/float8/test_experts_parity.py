@@ -77,6 +77,8 @@ def check_wide_model(rank: int, world_size: int, cases: list[dict]) -> None:
     problems, references = [], {}
     for case in cases:
         result = harness.train_case(case, world_size)
+        if case["float8"].combine_gradient:  # every combine's gradient went back in float8: a row per row dispatched
+            assert result["posted"]["combine gradient"] == result["posted"]["dispatch"] > 0, result["posted"]
         if rank == 0:
             key = case["float8"], case.get("variant", "plain")  # a capacity case: one process drops the same tokens
             if key not in references:
@@ -112,7 +114,12 @@ def test_ep2_emulated_float8_experts_and_dispatch_equal_one_process():
             # float8.cache_activations: each rank keeps, and dequantises in backward, the float8 one process keeps
             {"name": "ep2-blockwise-dispatch-cache", **ep2, "float8": emulated("blockwise", True, cache=True)},
             # float8.combine_gradient: the gradient back to the down-projections in the same wire form
-            {"name": "ep2-combine-gradient", **ep2, "float8": emulated("blockwise", True, gradient=True)},
+            {
+                "name": "ep2-combine-gradient",
+                **ep2,
+                "count_rows": True,
+                "float8": emulated("blockwise", True, gradient=True),
+            },
         ],
     )
 
@@ -128,7 +135,12 @@ def test_ep4_as_two_nodes_of_two_per_node_dispatch_in_float8_equals_one_process(
         4,
         [
             {"name": "ep4-node-dispatch", **ep4, "float8": emulated("blockwise", True)},
-            {"name": "ep4-node-combine-gradient", **ep4, "float8": emulated("blockwise", True, gradient=True)},
+            {
+                "name": "ep4-node-combine-gradient",
+                **ep4,
+                "count_rows": True,
+                "float8": emulated("blockwise", True, gradient=True),
+            },
         ],
     )
 

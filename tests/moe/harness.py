@@ -155,6 +155,7 @@ def train_case(case: dict, world_size: int) -> dict:
     if traffic is not None:  # every rank's (rows its dispatches posted, tokens they routed), in rank order
         result["rows"] = [None] * world_size
         dist.all_gather_object(result["rows"], (traffic.posted_rows.get("dispatch", 0), traffic.tokens))
+        result["posted"] = dict(traffic.posted_rows)  # this rank's, by what each post carried
     if dims.pp == 1 and dims.cp == 1:
         result["choices"] = router_choices(parts[0], args, dims)
     if dims.pp > 1:
