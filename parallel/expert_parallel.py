@@ -24,9 +24,10 @@ dropped as in one process): no host read at all.
 
 Activation checkpointing: in a recomputed block the routing is the first forward's (the same input
 and weights choose the same experts), so the split sizes are kept from the first forward of a
-checkpointed block (`recompute_from_cache`), keyed by the block's input, and replayed by its recompute, with no
-second exchange of counts and no host read (in any order of recomputes: micro-batches paired by the overlap
-recompute the other's blocks first); the token all-to-alls and the experts run again. Under
+checkpointed block (`recompute_from_cache`), keyed by the block's input, and replayed by its recompute with the
+number of chunks its tokens went in (which can differ from the recompute's moment: a forward alone, its backward
+paired), with no second exchange of counts and no host read (in any order of recomputes: micro-batches paired
+by the overlap recompute the other's blocks first); the token all-to-alls and the experts run again. Under
 selective:op the dispatch stays outside the op-level policy (as under full AC): torch 2.13's
 selective checkpointing requires the recompute to issue exactly the first forward's ops, and the
 cached route and the experts' own FSDP group (all-gathers inside the checkpointed block) do not;
@@ -58,7 +59,7 @@ from trillion.models.parts.moe import reach_share
 from trillion.parallel.activation_checkpoint import recompute_key
 from trillion.parallel.ep_exchange import Exchange
 from trillion.parallel.ep_routing import Hop, Payload, combine, pack_routing, place, unpack_routing
-from trillion.parallel.expert_overlap import turn_in_backward
+from trillion.parallel.expert_overlap import paired, turn_in_backward
 from trillion.parallel.expert_tensor_parallel import expert_placements
 
 
@@ -94,7 +95,7 @@ class ExpertDispatch:
         self.capacity_factor = moe.rank_capacity_factor  # 0: dropless
         self.exchange, self.inter, self.intra, self.payload = exchange, inter, intra, payload
         self.overlap = False  # parallel.ep_overlap: the module docstring's overlap
-        self.pairs = False  # the layout pairs micro-batches (expert_overlap.py): one chunk, always
+        self.pairs = False  # the layout pairs micro-batches (expert_overlap.py): a backward mirrors the counts' turn
         if mode == "node":
             self.nodes, self.members = inter.size, intra.size
         self.recompute_from_cache = False  # set for checkpointed blocks (parallelize.py)
@@ -154,21 +155,23 @@ class ExpertDispatch:
 
     def _one_hop(self, x, ids, weights, beside):
         """Rows to the ranks owning their experts and back (the expert and rank modes); with overlap in two chunks
-        of the tokens, the second's all-to-alls beside the first's experts and the first's beside the second's."""
-        # where micro-batches pair, the partner runs beside the all-to-alls instead; decided by the layout, never by
-        # the moment, so a checkpointed block's recompute chunks its tokens as its first forward did
-        tokens, parts = x.shape[0], 2 if self.overlap and not self.pairs and x.shape[0] > 1 else 1
+        of the tokens (`_parts`), the second's all-to-alls beside the first's experts and the first's beside the
+        second's."""
+        tokens, replayed = x.shape[0], self._replayed_route()
+        parts = replayed[0] if replayed else self._parts(tokens)
         bounds = [(tokens * c // parts, tokens * (c + 1) // parts) for c in range(parts)]
         chunks = [_Chunk(*self._rows(x[a:b], ids[a:b], weights[a:b]), self) for a, b in bounds]
         capacity = self.capacity(tokens)
         if capacity:  # each chunk's rows to a member are at most the whole layer's (models/moe.py dropped the rest)
+            if replayed is None:
+                self._remember(parts, None)
             for chunk in chunks:
                 size = min(capacity, chunk.x.shape[0])
                 chunk.placed(
                     [size] * self.ep, capacity=size, slots=size * self.ep * min(chunk.ids.shape[1], self.per_rank)
                 )
         else:
-            sizes = self._sizes(lambda: self._exchange_counts(chunks), beside, bounds[0][1], x, parts)
+            sizes = self._sizes(lambda: self._exchange_counts(chunks), beside, bounds[0][1], x, parts, replayed)
             half = len(sizes) // 2  # sent, then received: each member's (rows, slots) of chunk 0, chunk 1, ...
             for c, chunk in enumerate(chunks):
                 rows, received = sizes[2 * c : half : 2 * parts], sizes[half + 2 * c :: 2 * parts]
@@ -220,7 +223,7 @@ class ExpertDispatch:
 
             return arrived
 
-        sizes = self._sizes(exchange_counts, beside, x.shape[0], x)
+        sizes = self._sizes(exchange_counts, beside, x.shape[0], x, 1, self._replayed_route())
         send1, recv1, send2 = sizes[:n], sizes[n : 2 * n], sizes[2 * n : 2 * n + m]
         second_in = [sizes[2 * n + m + j * (n + 1) :][: n + 1] for j in range(m)]  # from each member
         sources = [rows for member in second_in for rows in member[:n]]  # arriving in (member, source node) order
@@ -244,16 +247,37 @@ class ExpertDispatch:
         routing = exchange.rows(pack_routing(hop, placement, ids, weights), send, recv, "routing", beside=payload)
         return payload.wait(), routing.wait()
 
-    def _sizes(self, start, beside, beside_rows: int, x: torch.Tensor, parts: int = 1) -> list[int]:
+    def _parts(self, tokens: int) -> int:
+        """The chunks a forward splits its tokens into: two with overlap where no other micro-batch is paired with
+        it now (expert_overlap.paired: a pairing layout's unpaired actions, DualPipeV's ends, chunk too), else one,
+        the partner's compute beside the all-to-alls instead. Every rank of an ep group runs the same actions, so
+        they agree; a recompute replays its first forward's count (`_replayed_route`)."""
+        return 2 if self.overlap and not paired() and tokens > 1 else 1
+
+    def _replayed_route(self) -> tuple | None:
+        """The (chunks, split sizes) a checkpointed block's first forward kept for its recompute, which must issue
+        the same ops, taken once the recompute reaches the layer (None elsewhere, or where none was kept)."""
+        key = recompute_key()
+        if torch._C._current_graph_task_id() != -1 and key is not None and self.routes.get(key):
+            return self.routes[key].popleft()
+        return None
+
+    def _remember(self, parts: int, sizes: list[int] | None) -> None:
+        """The route of a checkpointed block's first forward, for its recompute (`_replayed_route`)."""
+        key = recompute_key()
+        first_forward = torch._C._current_graph_task_id() == -1 and torch.is_grad_enabled()
+        if self.recompute_from_cache and first_forward and key is not None:
+            self.routes.setdefault(key, deque()).append((parts, sizes))
+
+    def _sizes(self, start, beside, beside_rows: int, x: torch.Tensor, parts: int, replayed) -> list[int]:
         """The split sizes on the host, read once: `start()` posts the counts and returns what gives them on the
         device once they arrive; the shared experts of the first `beside_rows` rows run meanwhile (on a GPU after the
         copy to the host is issued, the device keeping the order). A checkpointed block's recompute replays the
-        first forward's sizes. (`x`, in `parts` chunks: the rows routed; the dry run's meta tensors hold no counts:
-        even_sizes.)"""
-        recomputing, key = torch._C._current_graph_task_id() != -1, recompute_key()
-        if recomputing and key is not None and self.routes.get(key):
+        first forward's sizes (`replayed`). (`x`, in `parts` chunks: the rows routed; the dry run's meta tensors hold
+        no counts: even_sizes.)"""
+        if replayed is not None:
             beside.upto(beside_rows)  # where the first forward ran it: the recompute saves tensors in the same order
-            return self.routes[key].popleft()
+            return replayed[1]
         arrived = start()
         if x.device.type == "cuda":
             copy = _HostCopy(arrived())
@@ -263,8 +287,7 @@ class ExpertDispatch:
             copy = _HostCopy(arrived())
         sizes = copy.read()
         self.host_reads += 1
-        if self.recompute_from_cache and torch.is_grad_enabled() and not recomputing and key is not None:
-            self.routes.setdefault(key, deque()).append(sizes)
+        self._remember(parts, sizes)
         return sizes
 
 

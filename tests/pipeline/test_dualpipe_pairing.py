@@ -168,3 +168,38 @@ def test_dualpipev_pairing_with_float8_experts_and_dispatch():
             {"name": "dualpipev-paired-float8-cache", **wide, "float8": emulated("blockwise", True, cache=True)},
         ],
     )
+
+
+class _Posts(Loopback):
+    """Counts the rows' posts (each chunk of tokens posts its rows once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dispatches = 0
+
+    def post(self, x, send, recv, what="", hand_over=True):
+        self.dispatches += what == "dispatch"
+        return super().post(x, send, recv, what, hand_over)
+
+
+def test_a_forward_no_micro_batch_pairs_with_splits_its_tokens_in_two():
+    """Under a pairing layout the schedule's unpaired actions (DualPipeV's warm-up and cool-down) have no partner
+    beside their all-to-alls: with ep_overlap they run the in-layer overlap, two chunks of tokens (the planner prices
+    them so: planner/moe.py exposed_all_to_alls), while a paired forward sends its tokens in one."""
+    from trillion.models import PRESETS, Transformer
+    from trillion.models.moe import moe_layers
+    from trillion.parallel.expert_parallel import ExpertDispatch
+
+    torch.manual_seed(0)
+    layer = next(iter(moe_layers(Transformer(PRESETS["debug-moe"])).values()))
+    dispatch = ExpertDispatch(layer, "rank", _Posts())
+    dispatch.overlap = dispatch.pairs = True
+    x = torch.randn(6, layer.experts.w1.shape[-1])
+    ids = torch.randint(0, layer.moe.n_experts, (6, layer.moe.top_k))
+    weights = torch.rand(6, layer.moe.top_k)
+    alone, _ = dispatch(x, ids, weights)
+    assert dispatch.exchange.dispatches == 2
+    both = Pair().run(*[lambda: dispatch(x, ids, weights)[0]] * 2)
+    assert dispatch.exchange.dispatches == 4  # one each
+    for out in both:
+        torch.testing.assert_close(out, alone)

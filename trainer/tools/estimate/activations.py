@@ -226,9 +226,9 @@ def _moe_on_meta():
         bounds = [x.shape[0] * g // weight.shape[0] for g in range(weight.shape[0] + 1)]
         return torch.cat([x[a:b] @ weight[g] for g, (a, b) in enumerate(zip(bounds, bounds[1:]))])
 
-    def sizes_on_meta(self, start, beside, beside_rows, x, parts=1):
+    def sizes_on_meta(self, start, beside, beside_rows, x, parts, replayed):
         if x.device.type != "meta":
-            return sizes(self, start, beside, beside_rows, x, parts)
+            return sizes(self, start, beside, beside_rows, x, parts, replayed)
         beside.upto(beside_rows)
         return self.even_sizes(x.shape[0], parts)
 
