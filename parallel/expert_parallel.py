@@ -53,12 +53,12 @@ from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispat
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from trillion.models import parts
-from trillion.models.expert_rows import run_experts
 from trillion.models.moe import MoE, moe_layers, rank_capacity
 from trillion.models.parts.moe import reach_share
 from trillion.parallel.activation_checkpoint import recompute_key
+from trillion.parallel.ep_chunks import Beside, Chunk, NodeChunk
 from trillion.parallel.ep_exchange import Exchange
-from trillion.parallel.ep_routing import Hop, Payload, combine, pack_routing, place, unpack_routing
+from trillion.parallel.ep_routing import Payload
 from trillion.parallel.expert_overlap import paired, turn_in_backward
 from trillion.parallel.expert_tensor_parallel import expert_placements
 
@@ -127,7 +127,7 @@ class ExpertDispatch:
             [node] * 2 * self.nodes
             + [rank * self.nodes] * self.members
             + ([rank] * self.nodes + [slots * self.nodes]) * self.members
-        )
+        ) * parts
 
     def exchanges_counts(self, tokens: int) -> bool:
         """Whether the forward exchanges split sizes (dropless), handing the paired side its turn after them. The
@@ -140,7 +140,7 @@ class ExpertDispatch:
         if self.pairs and self.exchanges_counts(x.shape[0]):
             with _outside_selective_checkpoint():
                 x = turn_in_backward(x)  # the counts' turn, mirrored in a paired backward
-        beside = _Beside(beside, x)  # the shared experts, a function of rows
+        beside = Beside(beside, x)  # the shared experts, a function of rows
         if not self.overlap:
             beside.upto(x.shape[0])  # all of them first: nothing runs beside the all-to-alls
         with _outside_selective_checkpoint():
@@ -160,7 +160,7 @@ class ExpertDispatch:
         tokens, replayed = x.shape[0], self._replayed_route()
         parts = replayed[0] if replayed else self._parts(tokens)
         bounds = [(tokens * c // parts, tokens * (c + 1) // parts) for c in range(parts)]
-        chunks = [_Chunk(*self._rows(x[a:b], ids[a:b], weights[a:b]), self) for a, b in bounds]
+        chunks = [Chunk(*self._rows(x[a:b], ids[a:b], weights[a:b]), self) for a, b in bounds]
         capacity = self.capacity(tokens)
         if capacity:  # each chunk's rows to a member are at most the whole layer's (models/moe.py dropped the rest)
             if replayed is None:
@@ -203,49 +203,54 @@ class ExpertDispatch:
         return arrived
 
     def _by_node(self, x, ids, weights, beside):
-        """Once to each node over the network, then once to each rank of the node (the module docstring)."""
-        n, m = self.nodes, self.members
-        first = Hop.plan(ids, lambda e: e // (self.per_rank * m), n)
-        by_rank = Hop.plan(ids, lambda e: e // self.per_rank, self.ep)
+        """Once to each node over the network, then once to each rank of the node (the module docstring); with
+        overlap in two chunks of the tokens (`_parts`), each chunk's hop beside the other's, its experts beside the
+        other's hops in the node."""
+        tokens, replayed = x.shape[0], self._replayed_route()
+        parts = replayed[0] if replayed else self._parts(tokens)
+        bounds = [(tokens * c // parts, tokens * (c + 1) // parts) for c in range(parts)]
+        chunks = [NodeChunk(x[a:b], ids[a:b], weights[a:b], self) for a, b in bounds]
+        sizes = self._sizes(lambda: self._exchange_node_counts(chunks), beside, bounds[0][1], x, parts, replayed)
+        block = len(sizes) // parts
+        for c, chunk in enumerate(chunks):
+            chunk.placed(sizes[c * block : (c + 1) * block])
+        for step in (NodeChunk.post_to_nodes, NodeChunk.post_in_node, NodeChunk.run_experts):
+            for chunk in chunks:
+                step(chunk)
+        for chunk in chunks:
+            chunk.return_to_node()
+        beside.upto(tokens)  # the rest beside the last chunk's way back
+        return torch.cat([chunk.combined() for chunk in chunks])
 
-        def exchange_counts():  # each node's rows with its ranks' (rows, slots) inside them, then the second hop's
-            node_counts, inner = first.counts()[:, 0], by_rank.counts().view(n, m, 2)
-            table = torch.cat([node_counts.unsqueeze(1), inner[..., 0], inner[..., 1]], dim=1)  # (node, 1 + 2m)
-            arriving, work = self.inter.post(table.flatten(), [1 + 2 * m] * n, [1 + 2 * m] * n)
+    def _exchange_node_counts(self, chunks):
+        """Posts each chunk's rows to each node with its ranks' (rows, slots) inside them; returns what gives each
+        chunk's split sizes of both hops once they arrive (the second hop's exchanged among the node's ranks): its
+        rows to and from each node, to each member, then from each member by source node with the member's slots."""
+        n, m, parts = self.nodes, self.members, len(chunks)
+        tables = []
+        for chunk in chunks:
+            node_counts, inner = chunk.hop.counts()[:, 0], chunk.by_rank.counts().view(n, m, 2)
+            tables.append(torch.cat([node_counts.unsqueeze(1), inner[..., 0], inner[..., 1]], dim=1))  # (node, 1 + 2m)
+        table = torch.stack(tables, dim=1)  # (node, chunk, 1 + 2m): each node's share contiguous
+        width = [parts * (1 + 2 * m)] * n
+        arriving, work = self.inter.post(table.flatten(), width, width)
 
-            def arrived():
-                work.wait()
-                table = arriving.view(n, 1 + 2 * m)
-                rows_from = table[:, 1 : 1 + m]  # (source node, member): the rows this rank forwards
-                # to each member: the rows from each source node (its experts' tiles restart there), then the slots
-                onward = torch.cat([rows_from.t(), table[:, 1 + m :].sum(dim=0).unsqueeze(1)], dim=1).flatten()
-                return torch.cat([node_counts, table[:, 0], rows_from.sum(dim=0), self.intra.counts(onward)])
+        def arrived():
+            work.wait()
+            came = arriving.view(n, parts, 1 + 2 * m)
+            rows_from = came[:, :, 1 : 1 + m]  # (source node, chunk, member): the rows this rank forwards
+            # to each member: each chunk's rows from each source node (its experts' tiles restart there), its slots
+            slots = came[:, :, 1 + m :].sum(dim=0).t().unsqueeze(2)  # (member, chunk, 1)
+            onward = torch.cat([rows_from.permute(2, 1, 0), slots], dim=2)  # (member, chunk, n + 1)
+            second_in = self.intra.counts(onward.flatten()).view(m, parts, n + 1)
+            return torch.cat(
+                [
+                    torch.cat([table[:, c, 0], came[:, c, 0], rows_from[:, c].sum(dim=0), second_in[:, c].flatten()])
+                    for c in range(parts)
+                ]
+            )
 
-            return arrived
-
-        sizes = self._sizes(exchange_counts, beside, x.shape[0], x, 1, self._replayed_route())
-        send1, recv1, send2 = sizes[:n], sizes[n : 2 * n], sizes[2 * n : 2 * n + m]
-        second_in = [sizes[2 * n + m + j * (n + 1) :][: n + 1] for j in range(m)]  # from each member
-        sources = [rows for member in second_in for rows in member[:n]]  # arriving in (member, source node) order
-        recv2, slots = [sum(member[:n]) for member in second_in], sum(member[n] for member in second_in)
-        placement1 = place(first, send1)
-        received, routing = self._travel(self.inter, x, ids, weights, first, placement1, send1, recv1)
-        node_ids, node_weights = unpack_routing(routing)
-        second = Hop.plan(node_ids, lambda e: (e // self.per_rank) % m, m)
-        placement2 = place(second, send2)
-        rows, routing = self._travel(self.intra, received, node_ids, node_weights, second, placement2, send2, recv2)
-        expert_ids, expert_weights = unpack_routing(routing)
-        out = run_experts(self.experts, rows, expert_ids, expert_weights, self.held, slots, sources)
-        impl = self.experts.permute_impl
-        back = self.payload.gradient_wire
-        node_sums = combine(self.intra.rows(out, recv2, send2, "combine", back_wire=back).wait(), placement2, impl)
-        return combine(self.inter.rows(node_sums, recv1, send1, "combine", back_wire=back).wait(), placement1, impl)
-
-    def _travel(self, exchange, x, ids, weights, hop, placement, send, recv):
-        """(rows received, their routing): the payload and its routing posted, then waited for."""
-        payload = exchange.rows(self.payload.pack(x, placement.rows), send, recv, "dispatch", self.payload.wire)
-        routing = exchange.rows(pack_routing(hop, placement, ids, weights), send, recv, "routing", beside=payload)
-        return payload.wait(), routing.wait()
+        return arrived
 
     def _parts(self, tokens: int) -> int:
         """The chunks a forward splits its tokens into: two with overlap where no other micro-batch is paired with
@@ -289,57 +294,6 @@ class ExpertDispatch:
         self.host_reads += 1
         self._remember(parts, sizes)
         return sizes
-
-
-class _Chunk:
-    """Some of a layer's tokens on their way through one hop (ExpertDispatch._one_hop)."""
-
-    def __init__(self, x, ids, weights, dispatch: ExpertDispatch):
-        self.x, self.ids, self.weights = x, ids, weights
-        self.hop = Hop.plan(ids, lambda e: e // dispatch.per_rank, dispatch.ep)
-
-    def placed(self, send: list[int], slots: int, recv: list[int] | None = None, capacity: int = 0) -> None:
-        """Sizes known: rows to and from each member, the filled slots arriving in all (at most, with a capacity)."""
-        self.send, self.recv, self.slots = send, send if recv is None else recv, slots
-        self.placement = place(self.hop, send, capacity)
-
-    def post(self, exchange: Exchange, payload: Payload) -> None:
-        """The rows and their routing posted to the members owning their experts."""
-        packed = payload.pack(self.x, self.placement.rows)
-        self.payload = exchange.rows(packed, self.send, self.recv, "dispatch", payload.wire)
-        routing = pack_routing(self.hop, self.placement, self.ids, self.weights)
-        self.routing = exchange.rows(routing, self.send, self.recv, "routing", beside=self.payload)
-
-    def run_experts(self, experts, held: range, exchange: Exchange, gradient_wire=None) -> None:
-        """The rows that arrived through this rank's experts, their weighted sums posted back (their gradient to
-        return in `gradient_wire`'s form, float8.combine_gradient)."""
-        received = self.payload.wait()
-        expert_ids, expert_weights = unpack_routing(self.routing.wait())
-        out = run_experts(experts, received, expert_ids, expert_weights, held, self.slots, self.recv)
-        self.returning = exchange.rows(out, self.recv, self.send, "combine", back_wire=gradient_wire)
-        self.impl = experts.permute_impl
-
-    def combined(self, choices: int) -> torch.Tensor:
-        """Each token's sum of what came back (per-expert rows summed over the token's `choices`, if any)."""
-        out = combine(self.returning.wait(), self.placement, self.impl)
-        return out.view(-1, choices, out.shape[-1]).sum(dim=1) if choices else out
-
-
-class _Beside:
-    """Work on the layer's rows beside the dispatch (the shared experts: rows -> rows), run piece by piece in row
-    order where the dispatch has time (`upto`), its pieces joined (`result`; None without work)."""
-
-    def __init__(self, work, x: torch.Tensor):
-        self.work, self.x, self.done, self.pieces = work, x, 0, []
-
-    def upto(self, end: int) -> None:
-        if self.work is not None and end > self.done:
-            self.pieces.append(self.work(self.x[self.done : end]))
-            self.done = end
-
-    def result(self) -> torch.Tensor | None:
-        self.upto(self.x.shape[0])
-        return (self.pieces[0] if len(self.pieces) == 1 else torch.cat(self.pieces)) if self.pieces else None
 
 
 @contextlib.contextmanager

@@ -83,16 +83,16 @@ def test_the_experts_get_their_rows_per_source_rank(routing, mode, monkeypatch):
     node n) is rank n x PER_NODE + m's."""
     import threading
 
-    import trillion.parallel.expert_parallel as expert_parallel
+    import trillion.parallel.ep_chunks as ep_chunks
 
-    seen, lock, real = [], threading.Lock(), expert_parallel.run_experts
+    seen, lock, real = [], threading.Lock(), ep_chunks.run_experts
 
     def recording(experts, x, ids, weights, held=None, slots=None, sources=None):
         with lock:
             seen.append((held, ids.clone(), sources))
         return real(experts, x, ids, weights, held, slots, sources)
 
-    monkeypatch.setattr(expert_parallel, "run_experts", recording)
+    monkeypatch.setattr(ep_chunks, "run_experts", recording)
     simulate(routing, MOE, EP, PER_NODE, DIM, mode)
     assert len(seen) == EP
     nodes = EP // PER_NODE
@@ -115,7 +115,7 @@ def test_a_wrong_route_is_caught(routing, monkeypatch):
         placement.combine_index[0, 0] = placement.total  # token 0's first slot comes back as zeros
         return placement
 
-    monkeypatch.setattr("trillion.parallel.expert_parallel.place", losing_a_slot)
+    monkeypatch.setattr("trillion.parallel.ep_chunks.place", losing_a_slot)
     with pytest.raises(AssertionError):
         simulate(routing, MOE, EP, PER_NODE, DIM, "rank")
 

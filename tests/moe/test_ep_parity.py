@@ -69,8 +69,16 @@ def test_four_ranks_ep2_x_tp2_and_ep4_as_two_nodes_of_two():
             {"name": "ep2xtp2", "dp_shard": 2, "tp": 2, "ep": 2},
             {"name": "ep4-per-rank", **TWO_NODES, "ep_dispatch": "rank"},
             {"name": "ep4-per-node", **TWO_NODES, "ep_dispatch": "node", "host_reads": 8},
-            # debug-deepseek's kind (4 routing groups, 2 chosen: each node holds 2), recomputed under full AC
-            {"name": "ep4-per-node-mla-ac", **TWO_NODES, "ep_dispatch": "node", "model": "mla", "ac": "full"},
+            # debug-deepseek's kind (4 routing groups, 2 chosen: each node holds 2), recomputed under full AC; with
+            # the overlap (nothing pairs under zero3) in two chunks of tokens, which the recompute replays
+            {
+                "name": "ep4-per-node-mla-ac-chunks",
+                **TWO_NODES,
+                "ep_dispatch": "node",
+                "model": "mla",
+                "ac": "full",
+                "ep_overlap": True,
+            },
         ],
     )
 

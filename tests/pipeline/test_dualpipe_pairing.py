@@ -182,24 +182,28 @@ class _Posts(Loopback):
         return super().post(x, send, recv, what, hand_over)
 
 
-def test_a_forward_no_micro_batch_pairs_with_splits_its_tokens_in_two():
+@pytest.mark.parametrize("mode", ["rank", "node"])
+def test_a_forward_no_micro_batch_pairs_with_splits_its_tokens_in_two(mode):
     """Under a pairing layout the schedule's unpaired actions (DualPipeV's warm-up and cool-down) have no partner
     beside their all-to-alls: with ep_overlap they run the in-layer overlap, two chunks of tokens (the planner prices
-    them so: planner/moe.py exposed_all_to_alls), while a paired forward sends its tokens in one."""
+    them so: planner/moe.py exposed_all_to_alls), each chunk posting its rows once a hop (per node: to the node, then
+    in it), while a paired forward sends its tokens in one. What comes back is the same either way."""
     from trillion.models import PRESETS, Transformer
     from trillion.models.moe import moe_layers
     from trillion.parallel.expert_parallel import ExpertDispatch
 
     torch.manual_seed(0)
     layer = next(iter(moe_layers(Transformer(PRESETS["debug-moe"])).values()))
-    dispatch = ExpertDispatch(layer, "rank", _Posts())
+    exchanges = [_Posts() for _ in range(3 if mode == "node" else 1)]
+    dispatch = ExpertDispatch(layer, mode, *exchanges)
     dispatch.overlap = dispatch.pairs = True
     x = torch.randn(6, layer.experts.w1.shape[-1])
     ids = torch.randint(0, layer.moe.n_experts, (6, layer.moe.top_k))
     weights = torch.rand(6, layer.moe.top_k)
+    posted = lambda: [exchange.dispatches for exchange in dispatch.exchanges()]  # noqa: E731
     alone, _ = dispatch(x, ids, weights)
-    assert dispatch.exchange.dispatches == 2
+    assert posted() == [2] * len(dispatch.exchanges())
     both = Pair().run(*[lambda: dispatch(x, ids, weights)[0]] * 2)
-    assert dispatch.exchange.dispatches == 4  # one each
+    assert posted() == [4] * len(dispatch.exchanges())  # one each
     for out in both:
         torch.testing.assert_close(out, alone)
