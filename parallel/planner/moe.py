@@ -61,6 +61,7 @@ from trillion.parallel.planner.float8_experts import (
     float8_expert_recipe,
 )
 from trillion.parallel.planner.hardware import HardwareProfile
+from trillion.parallel.planner.in_layer_overlap import chunks_exposed, exposed_paired
 from trillion.parallel.planner.pairing import Segments, backward_turns, exposed_at_phase, forward_turns
 from trillion.parallel.planner.schedules import paired_share
 from trillion.parallel.planner.timing import Passes, _gemm, _memory_bound, all_to_all_time, collective_time
@@ -200,33 +201,21 @@ def dispatch_hops(
     return hops
 
 
-def exposed_all_to_alls(layout, dispatch: float, combine: float, counts: float, shared: float, experts: float) -> float:
-    """Seconds of one pass's all-to-alls left exposed: the `dispatch` and the `combine` and `counts` (the split sizes'
-    exchange and read; 0 where none: a capacity, a recompute, the backward), beside the pass's `shared` experts and
-    routed `experts`. Without overlap all of it. With it (parallel/expert_parallel.py) each all-to-all's wait sees the
-    compute run since its post: the counts the first chunk's shared experts; of two chunks (the expert and rank
-    modes) posted together, the first dispatch half the first shared experts with a capacity (dropless: nothing), the
-    second the first chunk's experts, the first combine half the second chunk's experts, the last the second shared
-    experts. The per-node mode runs in one chunk: only the counts hide, behind the shared experts."""
+def exposed_all_to_alls(layout, first: list, second: list, counts: float, shared: float, experts: float) -> float:
+    """Seconds of one pass's all-to-alls left exposed: `first` (the dispatch's hops; in a backward the combine's
+    reverse: per node over the network, then in the node), `second` (the way back: per node in the node, then over
+    the network) and `counts` (the split sizes' exchange and read; 0 where none: a capacity, a recompute, the
+    backward), beside the pass's `shared` experts and routed `experts`: all of it without overlap, else what the
+    layer's two chunks of tokens leave (in_layer_overlap.py)."""
     if not layout.ep_overlap:
-        return counts + dispatch + combine
-    if dispatch_mode(layout) == "node":
-        return max(0.0, counts - shared) + dispatch + combine
-    first = max(0.0, dispatch / 2 - (0.0 if counts else shared / 2))
-    beside_experts = max(0.0, dispatch / 2 - experts / 2) + max(0.0, combine / 2 - experts / 2)
-    return max(0.0, counts - shared / 2) + first + beside_experts + max(0.0, combine / 2 - shared / 2)
+        return counts + sum(first) + sum(second)
+    return chunks_exposed(dispatch_mode(layout), first, second, counts, shared, experts)
 
 
 def pairs(layout) -> bool:
     """parallel.ep_overlap pairs micro-batches here (parallel/expert_overlap.py pairs_micro_batches's rule)."""
     gathered = layout.dp_shard * layout.cp == 1 or layout.dp_shard_mode != "zero3"
     return layout.ep_overlap and layout.ep > 1 and layout.pp == 1 and layout.microbatches > 1 and gathered
-
-
-def exposed_paired(dispatch: float, combine: float, counts: float, segment: float) -> float:
-    """Seconds of one pass's all-to-alls left exposed with two micro-batches in flight: each waits beside one
-    segment of the other's compute, its pass between two of its posts (`segment`)."""
-    return sum(max(0.0, phase - segment) for phase in (counts, dispatch, combine) if phase)
 
 
 def permutation_rows(ep: int) -> dict:
@@ -291,10 +280,11 @@ def exposed_seconds(
     back = sent if wire and layout.float8.combine_gradient else hops  # the combine's reverse
     one_way, dispatch, returned = sum(hops), sum(sent), sum(back)
     counts = 0.0 if layout.ep_capacity else all_to_all_time(hw, 0.0, ep, ep_stride(layout)) + host_read_stall(hw)
+    way_back = hops[::-1]  # the combine's hops, in the order it sends them (per node: in the node first)
     alone = [
-        exposed_all_to_alls(layout, dispatch, one_way, counts, shared, experts),
-        exposed_all_to_alls(layout, returned, one_way, 0.0, 2 * shared, 2 * experts),
-        exposed_all_to_alls(layout, dispatch, one_way, 0.0, shared, experts),
+        exposed_all_to_alls(layout, sent, way_back, counts, shared, experts),
+        exposed_all_to_alls(layout, back, way_back, 0.0, 2 * shared, 2 * experts),
+        exposed_all_to_alls(layout, sent, way_back, 0.0, shared, experts),
     ]
     share = paired_share(layout) if around is not None else 0.0
     if not share and not (around is not None and pairs(layout)):

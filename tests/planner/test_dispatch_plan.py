@@ -65,16 +65,25 @@ def test_the_host_read_stall_counts_the_kernels_between_the_read_and_the_all_to_
 
 def test_overlap_hides_what_the_mechanism_puts_beside_each_all_to_all():
     off, on = Layout(ep=8, ep_dispatch="rank"), Layout(ep=8, ep_dispatch="rank", ep_overlap=True)
-    assert exposed_all_to_alls(off, 1.0, 1.0, 0.1, 5.0, 5.0) == pytest.approx(2.1)
+    assert exposed_all_to_alls(off, [1.0], [1.0], 0.1, 5.0, 5.0) == pytest.approx(2.1)
     # dropless: the counts hide behind the first chunk's shared experts, the first dispatch half is exposed
-    assert exposed_all_to_alls(on, 1.0, 1.0, 0.1, 5.0, 5.0) == pytest.approx(0.5)
+    assert exposed_all_to_alls(on, [1.0], [1.0], 0.1, 5.0, 5.0) == pytest.approx(0.5)
     # a float8 dispatch (half the combine's bytes): its own time where the dispatch's is taken, the combine's stays
-    assert exposed_all_to_alls(off, 0.5, 1.0, 0.1, 5.0, 5.0) == pytest.approx(1.6)
-    assert exposed_all_to_alls(on, 0.5, 1.0, 0.1, 5.0, 5.0) == pytest.approx(0.25)
+    assert exposed_all_to_alls(off, [0.5], [1.0], 0.1, 5.0, 5.0) == pytest.approx(1.6)
+    assert exposed_all_to_alls(on, [0.5], [1.0], 0.1, 5.0, 5.0) == pytest.approx(0.25)
     # with a capacity nothing is exposed once the compute beside each half is longer than it
-    assert exposed_all_to_alls(on, 1.0, 1.0, 0.0, 5.0, 5.0) == 0.0
+    assert exposed_all_to_alls(on, [1.0], [1.0], 0.0, 5.0, 5.0) == 0.0
     # no compute beside: all of it, as without overlap
-    assert exposed_all_to_alls(on, 1.0, 1.0, 0.0, 0.0, 0.0) == pytest.approx(2.0)
-    # the per-node dispatch (one chunk) hides the counts only
-    node = dataclasses.replace(on, ep=64, ep_dispatch="node")
-    assert exposed_all_to_alls(node, 1.0, 1.0, 0.1, 5.0, 5.0) == pytest.approx(2.0)
+    assert exposed_all_to_alls(on, [1.0], [1.0], 0.0, 0.0, 0.0) == pytest.approx(2.0)
+
+
+def test_the_per_node_dispatch_in_two_chunks_is_priced_in_the_order_it_runs():
+    """Two chunks in ExpertDispatch._by_node's order, hops of 1.0 over the network and 0.5 in the node each way,
+    the counts behind the first shared half: the host waits for both chunks' network hop before the first experts
+    (1.0), after the experts (1.0 to 3.0) for the second chunk's return in the node (to 3.25), and that chunk's
+    return over the network, queued behind the first's (to 3.5), ends at 4.0 with the second shared half beside it
+    (0.65). Without the overlap (one chunk) all 3.1."""
+    node = Layout(ep=64, ep_dispatch="node", ep_overlap=True)
+    hops = ([1.0, 0.5], [0.5, 1.0], 0.1, 0.2, 2.0)
+    assert exposed_all_to_alls(node, *hops) == pytest.approx(1.0 + 0.25 + 0.65)
+    assert exposed_all_to_alls(dataclasses.replace(node, ep_overlap=False), *hops) == pytest.approx(3.1)
