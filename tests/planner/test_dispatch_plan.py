@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from experiments.bench.ep_dispatch import random_routing, simulate
+from tests.helpers.loopback import Loopback
 from trillion.models.args import MoEArgs
 from trillion.models.presets import get_preset
 from trillion.parallel.ep_exchange import STAGES
@@ -87,3 +88,57 @@ def test_the_per_node_dispatch_in_two_chunks_is_priced_in_the_order_it_runs():
     hops = ([1.0, 0.5], [0.5, 1.0], 0.1, 0.2, 2.0)
     assert exposed_all_to_alls(node, *hops) == pytest.approx(1.0 + 0.25 + 0.65)
     assert exposed_all_to_alls(dataclasses.replace(node, ep_overlap=False), *hops) == pytest.approx(3.1)
+
+
+class _Logged(Loopback):
+    """A Loopback that logs each rows' post and its wait as (event, hop, what), `hop` its name."""
+
+    def __init__(self, log: list, hop: str):
+        super().__init__()
+        self.log, self.hop, self.what = log, hop, ""
+
+    def post(self, x, send, recv, what="", hand_over=True):
+        self.what = what
+        if what in ("dispatch", "combine"):
+            self.log.append(("post", self.hop, what))
+        return super().post(x, send, recv, what, hand_over)
+
+    def _all_to_all(self, out, x, recv, send):
+        out.copy_(x)
+        return _LoggedWait(self.log, self.hop, self.what)
+
+
+class _LoggedWait:
+    def __init__(self, log, hop, what):
+        self.log, self.hop, self.what = log, hop, what
+
+    def wait(self):
+        if self.what in ("dispatch", "combine"):
+            self.log.append(("wait", self.hop, self.what))
+
+
+def test_the_per_node_price_replays_the_order_the_dispatch_runs_its_chunks_in(monkeypatch):
+    """node_chunks_exposed assumes ExpertDispatch._by_node's order with two chunks: both to their nodes; each on in
+    its node once arrived; each through its experts and back in the node; each back over the network once returned
+    in the node; then the waits for both. The trainer's own posts and waits, logged, run in exactly that order."""
+    import trillion.parallel.ep_chunks as ep_chunks
+    from trillion.models import PRESETS, Transformer
+    from trillion.models.moe import moe_layers
+    from trillion.parallel.expert_parallel import ExpertDispatch
+
+    log, real = [], ep_chunks.run_experts
+    monkeypatch.setattr(ep_chunks, "run_experts", lambda *a, **k: log.append(("experts",)) or real(*a, **k))
+    torch.manual_seed(0)
+    layer = next(iter(moe_layers(Transformer(PRESETS["debug-moe"])).values()))
+    dispatch = ExpertDispatch(layer, "node", _Logged(log, "ep"), _Logged(log, "network"), _Logged(log, "node"))
+    dispatch.overlap = True
+    ids = torch.randint(0, layer.moe.n_experts, (6, layer.moe.top_k))
+    dispatch(torch.randn(6, layer.experts.w1.shape[-1]), ids, torch.rand(6, layer.moe.top_k))
+    to_node, in_node = ("network", "dispatch"), ("node", "dispatch")
+    back_in_node, back_to_node = ("node", "combine"), ("network", "combine")
+    expected = [("post", *to_node)] * 2
+    expected += [("wait", *to_node), ("post", *in_node)] * 2
+    expected += [("wait", *in_node), ("experts",), ("post", *back_in_node)] * 2
+    expected += [("wait", *back_in_node), ("post", *back_to_node)] * 2
+    expected += [("wait", *back_to_node)] * 2
+    assert log == expected
