@@ -10,6 +10,9 @@ planner's default `moe_load_imbalance` of 1.0. Under expert parallelism the disp
 (the split sizes, parallel/expert_parallel.py) is replaced by that balanced route, and the token
 all-to-alls run on meta (the fake group moves nothing); the grouped matmul takes the backend the
 target picks (torch._grouped_mm in bf16, as on sm90; the per-expert loop otherwise) with even groups.
+The micro-batch is measured as the run's steady state holds it (on real tensors too): where the layout pairs
+micro-batches, whole (its tokens in one chunk a layer, as a paired forward sends them), where it does not, in the
+in-layer overlap's chunks.
 """
 
 from __future__ import annotations
@@ -209,10 +212,11 @@ def _moe_on_meta():
     """MoE layers on meta tensors with balanced routing (the module docstring); real tensors as they are."""
     grouped = importlib.import_module("trillion.kernels.grouped_gemm")
     expert_parallel = importlib.import_module("trillion.parallel.expert_parallel")
-    unavailable, loop, sizes = (
+    unavailable, loop, sizes, parts = (
         grouped.grouped_mm_unavailable,
         grouped.loop_grouped_mm,
         expert_parallel.ExpertDispatch._sizes,
+        expert_parallel.ExpertDispatch._parts,
     )
 
     def unavailable_on_meta(x, weight):
@@ -232,13 +236,17 @@ def _moe_on_meta():
         beside.upto(beside_rows)
         return self.even_sizes(x.shape[0], parts)
 
+    def parts_in_steady_state(self, tokens):
+        return 1 if self.pairs else parts(self, tokens)  # outside a Pair here, where the run's paired forwards are
+
     grouped.grouped_mm_unavailable, grouped.loop_grouped_mm = unavailable_on_meta, loop_on_meta
-    expert_parallel.ExpertDispatch._sizes = sizes_on_meta
+    dispatch = expert_parallel.ExpertDispatch
+    dispatch._sizes, dispatch._parts = sizes_on_meta, parts_in_steady_state
     try:
         yield
     finally:
         grouped.grouped_mm_unavailable, grouped.loop_grouped_mm = unavailable, loop
-        expert_parallel.ExpertDispatch._sizes = sizes
+        dispatch._sizes, dispatch._parts = sizes, parts
 
 
 def _device_total(snapshot: dict, device: str) -> int:
