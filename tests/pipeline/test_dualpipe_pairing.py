@@ -193,7 +193,9 @@ def test_a_forward_no_micro_batch_pairs_with_splits_its_tokens_in_two(mode):
     from trillion.parallel.expert_parallel import ExpertDispatch
 
     torch.manual_seed(0)
-    layer = next(iter(moe_layers(Transformer(PRESETS["debug-moe"])).values()))
+    model = Transformer(PRESETS["debug-moe"])
+    model.init_weights(0)  # the constructor leaves the weights uninitialised
+    layer = next(iter(moe_layers(model).values()))
     exchanges = [_Posts() for _ in range(3 if mode == "node" else 1)]
     dispatch = ExpertDispatch(layer, mode, *exchanges)
     dispatch.overlap = dispatch.pairs = True

@@ -129,7 +129,9 @@ def test_the_per_node_price_replays_the_order_the_dispatch_runs_its_chunks_in(mo
     log, real = [], ep_chunks.run_experts
     monkeypatch.setattr(ep_chunks, "run_experts", lambda *a, **k: log.append(("experts",)) or real(*a, **k))
     torch.manual_seed(0)
-    layer = next(iter(moe_layers(Transformer(PRESETS["debug-moe"])).values()))
+    model = Transformer(PRESETS["debug-moe"])
+    model.init_weights(0)  # the constructor leaves the weights uninitialised
+    layer = next(iter(moe_layers(model).values()))
     dispatch = ExpertDispatch(layer, "node", _Logged(log, "ep"), _Logged(log, "network"), _Logged(log, "node"))
     dispatch.overlap = True
     ids = torch.randint(0, layer.moe.n_experts, (6, layer.moe.top_k))
