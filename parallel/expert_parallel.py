@@ -214,11 +214,9 @@ class ExpertDispatch:
         block = len(sizes) // parts
         for c, chunk in enumerate(chunks):
             chunk.placed(sizes[c * block : (c + 1) * block])
-        for step in (NodeChunk.post_to_nodes, NodeChunk.post_in_node, NodeChunk.run_experts):
+        for step in (NodeChunk.post_to_nodes, NodeChunk.post_in_node, NodeChunk.run_experts, NodeChunk.return_to_node):
             for chunk in chunks:
                 step(chunk)
-        for chunk in chunks:
-            chunk.return_to_node()
         beside.upto(tokens)  # the rest beside the last chunk's way back
         return torch.cat([chunk.combined() for chunk in chunks])
 
