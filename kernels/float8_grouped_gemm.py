@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -153,6 +154,9 @@ class Float8GroupedMM:
     # about half the bytes) instead of the high-precision input; lossy, the weight gradient quantising the
     # dequantised input again along its token tiles. torchao's products keep their own, so it runs the Triton one.
     keep_float8: bool = False
+    # defer(weight, gradient) -> the gradient now, or None where it queued it for later (parallel/
+    # deferred_weight_grads.py); the Triton and emulated products only, torchao's compute theirs with the input's
+    defer: Callable[[torch.Tensor, Callable[[], torch.Tensor]], None] | None = None
 
     def __call__(
         self, x, weight, offsets, segment_ends: torch.Tensor | None = None, quantized=None, rebuild=None
@@ -168,7 +172,7 @@ class Float8GroupedMM:
         if backend == "torchao_mx":
             return _torchao_mxfp8(x, weight, offsets)
         segments = offsets if segment_ends is None else segment_ends
-        product = _Product(recipe, backend, self.impl, float8_dtype(x.device), self.keep_float8)
+        product = _Product(recipe, backend, self.impl, float8_dtype(x.device), self.keep_float8, self.defer)
         return _Float8GroupedMM.apply(x, weight, offsets, segments, product, *(quantized or (None, None)), rebuild)
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,6 +191,7 @@ class _Product:
     impl: str
     dtype: torch.dtype
     keep_float8: bool = False
+    defer: Callable | None = None
 
 
 class _Float8GroupedMM(torch.autograd.Function):
@@ -199,6 +204,7 @@ class _Float8GroupedMM(torch.autograd.Function):
         kept = rebuild[1] if rebuild else (xq, x_scale) if product.keep_float8 else (x,)
         ctx.save_for_backward(weight, offsets, segment_ends, *kept)
         ctx.product, ctx.x_dtype, ctx.rebuild = product, x.dtype, rebuild[0] if rebuild else None
+        ctx.weight = weight if product.defer else None  # where a deferred gradient goes
         return _product(product, (xq, x_scale, x_blocks), (wq, w_scale, w_blocks), offsets, x.dtype)
 
     @staticmethod
@@ -213,14 +219,19 @@ class _Float8GroupedMM(torch.autograd.Function):
             wtq, wt_scale = scaling.quantize_blocks(weight.transpose(1, 2), *wt_blocks, product.dtype)
             dx = _product(product, (dyq, dy_scale, blocks), (wtq, wt_scale, wt_blocks), offsets, ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            if ctx.rebuild is not None:
-                x = ctx.rebuild(*kept)
-            else:
-                x = scaling.dequantize_blocks(*kept, *blocks, ctx.x_dtype) if product.keep_float8 else kept[0]
-            tiles = scaling.token_tiles(x.shape[0], offsets, segment_ends, scaling.token_tile(product.recipe))
-            xq, x_scale = scaling.quantize_token_tiles(x, tiles, product.dtype)
-            dyq, dy_scale = scaling.quantize_token_tiles(dy, tiles, product.dtype)
-            dw = _weight_grad(product, (xq, x_scale, x.dtype), (dyq, dy_scale), tiles, offsets, weight.dtype)
+            rebuild, x_dtype, w_dtype = ctx.rebuild, ctx.x_dtype, weight.dtype
+
+            def weight_grad() -> torch.Tensor:
+                if rebuild is not None:
+                    x = rebuild(*kept)
+                else:
+                    x = scaling.dequantize_blocks(*kept, *blocks, x_dtype) if product.keep_float8 else kept[0]
+                tiles = scaling.token_tiles(x.shape[0], offsets, segment_ends, scaling.token_tile(product.recipe))
+                xq, x_scale = scaling.quantize_token_tiles(x, tiles, product.dtype)
+                dyq, dy_scale = scaling.quantize_token_tiles(dy, tiles, product.dtype)
+                return _weight_grad(product, (xq, x_scale, x.dtype), (dyq, dy_scale), tiles, offsets, w_dtype)
+
+            dw = weight_grad() if product.defer is None else product.defer(ctx.weight, weight_grad)
         return dx, dw, None, None, None, None, None, None
 
 

@@ -80,6 +80,7 @@ class RoutedExperts(nn.Module):
         self.float8 = None  # a float8 grouped product (parallel/float8.py), in place of grouped_mm
         # keep w1's and w3's outputs, recompute SwiGLU's in backward (DeepSeek's: parallel/activation_checkpoint.py)
         self.recompute_swiglu = False
+        self.grouped_mm = grouped_mm  # one whose weight gradient waits (parallel/deferred_weight_grads.py)
         self.w1 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
         self.w3 = nn.Parameter(torch.empty(moe.n_experts, dim, moe.expert_ffn_dim))
         self.w2 = nn.Parameter(torch.empty(moe.n_experts, moe.expert_ffn_dim, dim))
@@ -121,7 +122,7 @@ class RoutedExperts(nn.Module):
         """The grouped GEMM; a float8 one bounds its weight gradient's token tiles by the segments (one source's
         rows of one expert: kernels/float8_scaling.py)."""
         if self.float8 is None:
-            return grouped_mm(x, weight, offsets, self.impl)
+            return self.grouped_mm(x, weight, offsets, self.impl)
         return self.float8(x, weight, offsets, segments)
 
 

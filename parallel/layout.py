@@ -145,6 +145,8 @@ class Layout:
     # turns a paired backward hands straight back before it starts (pipeline_pairing.py); -1 (auto) until the model is
     # known (trainer/assemble.py resolve_with_model)
     ep_pairing_phase: int = 0
+    # a pipeline stage's backward queues its products' weight gradients for the schedule's W (deferred_weight_grads.py)
+    defer_weight_grads: bool = False
     tp_overlap: int = 0  # chunks per rank of TP's all-gathers and reduce-scatters run beside their GEMMs (0: off)
     async_tp: bool = False  # torch's micro-pipelined TP: symmetric-memory collectives fused with the GEMMs (CUDA)
 

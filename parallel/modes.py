@@ -150,21 +150,38 @@ def check_schedule(
 
 
 def check_layout_schedule(layout, n_layers: int) -> tuple[Schedule, int]:
-    """check_schedule of a resolved layout (parallel/layout.py Layout): what the trainer (pipeline.py
-    validate_pipeline) and the planner (planner/search.py trainer_refusal) both ask of it."""
-    return check_schedule(
+    """check_schedule of a resolved layout (parallel/layout.py Layout), and parallel.defer_weight_grads against it:
+    what the trainer (pipeline.py validate_pipeline) and the planner (planner/search.py trainer_refusal) both ask."""
+    checked = check_schedule(
         layout.pp_schedule, layout.pp, layout.microbatches, layout.virtual_stages, layout.compile, n_layers=n_layers
     )
+    if layout.defer_weight_grads and not (layout.pp > 1 and checked[0].split_backward):
+        raise ConfigError(
+            "parallel.defer_weight_grads=true queues weight gradients for a pipeline schedule's weight-gradient "
+            f"action, but parallel.pp={layout.pp} with pp_schedule={layout.pp_schedule} has none. Use "
+            "--parallel.pp=2 or more with --parallel.pp_schedule=DualPipeV or ZBVZeroBubble, or drop "
+            "--parallel.defer_weight_grads."
+        )
+    if layout.defer_weight_grads and layout.tp > 1:
+        raise ConfigError(
+            f"parallel.defer_weight_grads=true defers the weight gradients of linears with whole weights, but "
+            f"parallel.tp={layout.tp} splits them (DTensor weights, whose gradients are not deferred here). Use "
+            "--parallel.tp=1 (more pipeline, expert or data parallelism instead), or drop "
+            "--parallel.defer_weight_grads."
+        )
+    return checked
 
 
 def joins_weight_passes(layout) -> bool:
     """Whether a split-backward schedule runs its weight passes with their input passes (pipeline_pairing.py
     join_weight_passes): under activation checkpointing a deferred weight pass would recompute its regions a second
     time, which selective checkpointing refuses and which would repeat the expert all-to-alls of replayed blocks.
-    Plain full or every-N-th checkpointing of a model without expert parallelism recomputes twice and stays split."""
+    Plain full or every-N-th checkpointing of a model without expert parallelism recomputes twice and stays split.
+    parallel.defer_weight_grads splits without a second pass (deferred_weight_grads.py): nothing is joined."""
     mode = checkpoint_mode(layout.activation_checkpoint)
     twice_refused = mode.op_level or mode.sublayers or (layout.ep > 1 and mode.replays_blocks)
-    return layout.pp > 1 and schedule(layout.pp_schedule).split_backward and twice_refused
+    split = layout.pp > 1 and schedule(layout.pp_schedule).split_backward
+    return split and twice_refused and not layout.defer_weight_grads
 
 
 PAIRED_SCHEDULES = ("DualPipeV", "Interleaved1F1B")  # their steady state pairs a forward with a backward

@@ -1,7 +1,7 @@
 """The one place a meta-device model becomes a parallel one, in a fixed order:
 
-    float8 swap -> context parallelism -> tensor parallelism -> expert parallelism -> activation
-    checkpointing -> torch.compile -> FSDP2
+    float8 swap -> context parallelism -> tensor parallelism -> expert parallelism -> deferred weight
+    gradients -> activation checkpointing -> torch.compile -> FSDP2
 
 The float8 swap first (float8.py): it replaces the blocks' nn.Linear modules by torchao's Float8Linear
 (and gives the routed experts their float8 grouped product, float8_experts.py; float8 dispatch,
@@ -12,7 +12,9 @@ token positions, so everything after wraps the same modules. TP next, because it
 is (a DTensor over the tp axis) and inserts the collectives the later wrappers must see (an MoE layer's by
 parallel.etp: folded over tp or its experts split over it, expert_tensor_parallel.py); expert parallelism next
 (expert_parallel.py: the routed experts become DTensors on the ep mesh, whole on their rank or split over etp, and
-the dispatch all-to-alls; the shared experts and attention keep TP's layout); AC next, so
+the dispatch all-to-alls; the shared experts and attention keep TP's layout); deferred weight gradients next
+(parallel.defer_weight_grads, deferred_weight_grads.py), once float8 and TP have decided which products are plain
+ones; AC next, so
 recomputation replays those collectives; compile then traces the parallel blocks (with async TP after symmetric
 memory and Inductor's pass that fuses TP's collectives with their GEMMs are on: async_tp.py); FSDP last, so it shards
 the TP shards again over dp and its hooks wrap everything (the routed experts under ep apart, over the
@@ -29,6 +31,7 @@ from trillion.parallel import async_tp
 from trillion.parallel.activation_checkpoint import apply_activation_checkpointing
 from trillion.parallel.compile import apply_compile
 from trillion.parallel.context_parallel import apply_context_parallel, split_sequences
+from trillion.parallel.deferred_weight_grads import defer_weight_grads
 from trillion.parallel.dims import ParallelDims
 from trillion.parallel.ep_routing import Payload
 from trillion.parallel.expert_overlap import apply_pairing_gates, pairs_micro_batches
@@ -84,6 +87,8 @@ def parallelize(
             dispatch.overlap, dispatch.pairs = layout.ep_overlap, pairs
     if dims.tp_enabled and layout.expert_tp > 1:  # the experts split over tp: their gradients are partial sums
         sum_expert_gradients(model, dims.tp_mesh)
+    if layout.defer_weight_grads:  # after float8 and tp, which decide what defers; the stage runs the queue
+        model.weight_grad_queue = defer_weight_grads(model)
     apply_activation_checkpointing(model, layout.activation_checkpoint)
     if ep_mesh is not None:
         blocks = list(model.layers.values())

@@ -84,6 +84,13 @@ def validate_pipeline(layout: Layout, n_layers: int, *, tie_embeddings: bool = F
         )
 
 
+def _queued(part: nn.Module):
+    """The stage's `dw_builder` under parallel.defer_weight_grads: what its backward queued (deferred_weight_grads.py),
+    run at the schedule's weight-gradient action; None (torch's own split) otherwise."""
+    queue = getattr(part, "weight_grad_queue", None)
+    return None if queue is None else queue.take
+
+
 def bubble_fraction(pp: int, n_microbatches: int, virtual: int = 1) -> float:
     """The idle share of a step for GPipe/1F1B-type schedules: (p-1) / (v m + p - 1)."""
     return (pp - 1) / (virtual * n_microbatches + pp - 1)
@@ -163,7 +170,7 @@ class Pipeline:
                 parallelize_fn(part)
             self.parts.append(part)
         self._make_stage = lambda part, index: InFlightReceiveStage(
-            part, index, dims.pp * v, device, group=self.pp_group, get_mesh=self._mesh
+            part, index, dims.pp * v, device, group=self.pp_group, get_mesh=self._mesh, dw_builder=_queued(part)
         )
         self._schedule_cls = get_schedule_class(name)
         self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)

@@ -103,6 +103,10 @@ class InFlightReceiveStage(PipelineStage):
     shapes) leaves no trace in a mixture-of-experts stage: its loads are not tallied (balancing and the
     statistics see only real tokens) and the routes it cached for a recompute are dropped; nor in the
     losses multi-token prediction records (pipeline_ahead.py).
+
+    Under parallel.defer_weight_grads the stage module's queue (deferred_weight_grads.py) takes weight gradients
+    only during an input-gradient pass (`full_backward=False`), whose W the schedule runs later: a full backward
+    computes them as it goes, as without deferral, holding nothing more.
     """
 
     def _forward_metadata_inference(self, *args, **kwargs):
@@ -139,7 +143,11 @@ class InFlightReceiveStage(PipelineStage):
         super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False) -> None:
-        super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        queue = getattr(self.submod, "weight_grad_queue", None)
+        with queue.deferring(not full_backward) if queue is not None else contextlib.nullcontext():
+            super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            )
         self._drop_buffers([bwd_chunk_id])
         if isinstance(loss, torch.Tensor) and not loss._is_view():
             # the schedule keeps every micro-batch's loss until the step ends, and its graph (saved

@@ -247,6 +247,7 @@ def resolve_layout(config: Config, world_size: int, hardware_node: int = 0) -> L
         ep_capacity=config.moe.rank_capacity_factor,
         ep_overlap=p.ep_overlap,
         ep_pairing_phase=p.ep_pairing_phase,  # auto (-1) once the model is known: resolve_with_model
+        defer_weight_grads=p.defer_weight_grads,
         tp_overlap=p.tp_overlap,
         async_tp=p.async_tp,
     )

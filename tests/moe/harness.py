@@ -63,7 +63,7 @@ VARIANTS = {  # MoE settings on top of BASE.moe
     "capacity-folded": {"rank_capacity_factor": 1.0, "capacity_ranks": 2, "capacity_shards": 2},
 }
 # Layout's; the capacity is the model's (variant)
-DISPATCH_KEYS = ("ep_dispatch", "ranks_per_node", "ep_overlap", "ep_pairing_phase")
+LAYOUT_KEYS = ("ep_dispatch", "ranks_per_node", "ep_overlap", "ep_pairing_phase", "defer_weight_grads")
 
 
 MTP = {"mtp_modules": 1, "mtp_loss_weight": 0.3}  # the "mtp" variant's model settings: an MoE block predicting ahead
@@ -78,7 +78,7 @@ def _dims(case: dict, world_size: int, args) -> ParallelDims:
     layout = case_layout(
         case,
         world_size,
-        **{k: case[k] for k in DISPATCH_KEYS if k in case},
+        **{k: case[k] for k in LAYOUT_KEYS if k in case},
         ep_capacity=args.moe.rank_capacity_factor,
         float8=case.get("float8"),  # a Float8Training (tests/float8/test_experts_parity.py)
     )
@@ -139,6 +139,8 @@ def train_case(case: dict, world_size: int) -> dict:
         if runner.ahead_loss is not None:  # multi-token prediction's, summed over the ranks by train_step
             ahead.append(runner.ahead_loss.item())
         loads.append({i: layer.last_step_tally.clone() for i, layer in layers.items()})
+    if case.get("defer_weight_grads"):  # the weight gradients came from the queue, after their backward
+        assert sum(part.weight_grad_queue.computed for part in parts) > 0, case["name"]
     if case.get("paired") and all(moe_layers(part) for part in parts):
         # DualPipeV's OVERLAP_F_B ran paired, its two stages' sides taking turns at the all-to-alls
         assert runner.handovers and min(runner.handovers) > 0, runner.handovers

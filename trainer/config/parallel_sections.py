@@ -85,6 +85,18 @@ class Parallel:
         "that leaves the fewest all-to-alls exposed at the layout's shapes (planner/pairing.py).",
         Range(0, also={-1: "auto"}),
     )
+    defer_weight_grads: bool = doc(
+        False,
+        "Under a pipeline schedule that splits each backward (ZBVZeroBubble, DualPipeV, the zero-bubble ones), a "
+        "stage's backward runs once and queues the weight gradients of its plain linears and bf16/fp32 routed "
+        "experts for the schedule's weight-gradient action (DeepSeek-V3's WeightGradStore, Megatron-Core's "
+        "--delay-wgrad-compute). Without it, under activation checkpointing that splits cannot run twice (selective "
+        "or sublayer modes; replayed MoE blocks) each weight pass runs with its input pass, and the schedule's "
+        "fill at the pipeline's ends is lost. Costs the memory of each queued product's input and output gradient "
+        "until its W. Float8 linears and experts and tensor-parallel linears compute theirs in the input pass "
+        "(parallel/deferred_weight_grads.py).",
+        Flag(),
+    )
     tp_overlap: int = doc(
         0,
         "Hide tensor parallelism's collectives on any backend (NCCL, RCCL, gloo), eager: each rank's slice of the "
