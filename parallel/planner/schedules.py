@@ -105,3 +105,13 @@ def held_receives(received: float, chunks: int, last: bool) -> float:
     for each micro-batch its stages hold in flight from the previous stage, and the gradient for its output during
     one backward (none where its only stage is the model's last)."""
     return received + (1 if chunks > last else 0)
+
+
+def leaf_actions(actions: list):
+    """The forwards and backwards of a rank's action list in order, overlapped pairs (DualPipeV's OVERLAP_F_B)
+    unpacked, the schedule's idle slots (None) skipped."""
+    for action in actions:
+        if action is not None and action.sub_actions:
+            yield from leaf_actions(list(action.sub_actions))
+        elif action is not None:
+            yield action

@@ -88,3 +88,18 @@ def test_deepseeks_layout_at_2048_ranks_and_the_planners_figure(cache):
     unmodelled = stage.peak - stage.held
     assert planned.total < rank.total and rank.total - planned.total == pytest.approx(unmodelled, rel=0.15)
     assert rank.planner["total"] == pytest.approx(rank.total, rel=0.05 if cache else 0.06)
+
+
+def test_deepseeks_layout_with_deferred_weight_gradients_fits_on_every_rank():
+    """parallel.defer_weight_grads at DeepSeek's layout (the float8 cache, its recompute): the input passes of
+    DualPipeV's ends leave their products' inputs and output gradients queued until their W, most on the last pipeline
+    rank (up to 16 chunks awaiting W): the dry run measures it above the run without deferral there and no lower
+    elsewhere, every rank under 80 GB, and the planner's fullest rank within 5% of the dry run's."""
+    config = load_config(None, [*DEEPSEEK, "--float8.cache_activations=true", "--parallel.defer_weight_grads=true"])
+    deferred = estimate(config, 2048, ranks="0,640,1920")
+    joined = estimate(load_config(None, [*DEEPSEEK, "--float8.cache_activations=true"]), 2048, ranks="0,640,1920")
+    totals = [rank.total for rank in deferred.ranks]
+    assert all(rank.activations_source == "measured" for rank in deferred.ranks) and max(totals) < 80e9
+    assert all(d.total >= j.total for d, j in zip(deferred.ranks, joined.ranks))
+    assert deferred.ranks[-1].total > joined.ranks[-1].total + 1e9
+    assert deferred.ranks[0].planner["total"] == pytest.approx(max(totals), rel=0.05)

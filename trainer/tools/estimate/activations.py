@@ -42,6 +42,9 @@ class MicroBatchMemory:
     forward_peak: int
     peak: int  # forward and backward
     grad_elements: int  # weight-gradient elements as autograd made them
+    # parallel.defer_weight_grads: what an input-gradient pass leaves queued for its weight pass (the products'
+    # inputs and output gradients); 0 without deferral
+    awaiting_weights: int = 0
 
     def scaled(self, other: "MicroBatchMemory", factor: float) -> "MicroBatchMemory":
         """self + factor x (other - self), field by field: extrapolation in depth."""
@@ -57,14 +60,15 @@ def measure_micro_batch(
     model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, tp_enabled: bool, last: bool, gpu: bool = True
 ) -> MicroBatchMemory:
     """Forward and backward of one micro-batch under MemTracker. `inputs`: tokens, or the hidden state a
-    later stage receives; `target`: the labels on the `last` stage (its loss is the trainer's), else
-    the gradient the next stage sends back for the output. Both exist before tracking starts, as the
-    pipeline's receive buffers do, and are left out of every figure. Weight gradients are dropped once
-    accumulated (FSDP reduce-scatters and frees them; the kept shards are counted as gradients), so the
-    figures are activations, their gradients and the temporaries of backward. Under TP alone a
-    vocabulary-parallel embedding gets a replicated, whole-table gradient (DTensor's embedding backward
-    does not keep the shard), which `grad_elements` reports. `gpu`: the run is for GPUs, whose fused norms meta
-    tensors then keep (`_norm_on_meta`); else torch's norms keep on meta what they keep on a CPU."""
+        later stage receives; `target`: the labels on the `last` stage (its loss is the trainer's), else
+        the gradient the next stage sends back for the output. Both exist before tracking starts, as the
+        pipeline's receive buffers do, and are left out of every figure. Weight gradients are dropped once
+        accumulated (FSDP reduce-scatters and frees them; the kept shards are counted as gradients), so the
+        figures are activations, their gradients and the temporaries of backward (under parallel.defer_weight_grads the
+    backward runs as an input-gradient pass, its peak holding what it queues: `awaiting_weights`). Under TP alone a
+        vocabulary-parallel embedding gets a replicated, whole-table gradient (DTensor's embedding backward
+        does not keep the shard), which `grad_elements` reports. `gpu`: the run is for GPUs, whose fused norms meta
+        tensors then keep (`_norm_on_meta`); else torch's norms keep on meta what they keep on a CPU."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from trillion.parallel.tensor_parallel import loss_context
@@ -72,11 +76,14 @@ def measure_micro_batch(
     grad_elements = {}
 
     def drop(param):
+        if param.grad is None:  # a deferred weight gradient's (parallel.defer_weight_grads): it comes with the W
+            return
         local = local_tensor(param.grad)
         grad_elements[id(param)] = local.untyped_storage().nbytes() // local.element_size()
         param.grad = None
 
     device = local_tensor(inputs).device.type
+    queue = getattr(model, "weight_grad_queue", None)  # parallel.defer_weight_grads (deferred_weight_grads.py)
     handles = [p.register_post_accumulate_grad_hook(drop) for p in model.parameters() if p.requires_grad]
     tracker = MemTracker()
     # the input and target too: MemTracker starts counting a storage made before it when an op returns a view of it,
@@ -97,13 +104,17 @@ def measure_micro_batch(
             output = _last_stage_loss(model, inputs, target) if last else model(inputs)
             held = _device_total(tracker.get_tracker_snapshot("current"), device) - base
             forward_peak = _device_total(tracker.get_tracker_snapshot("peak"), device) - base
-            output.backward(None if last else target)
+            with queue.deferring(True) if queue is not None else contextlib.nullcontext():
+                output.backward(None if last else target)  # as an input-gradient pass, under deferral
             del output
             peak = _device_total(tracker.get_tracker_snapshot("peak"), device) - base
+            awaiting = _device_total(tracker.get_tracker_snapshot("current"), device) - base if queue else 0
+            if queue is not None:
+                queue.take()()  # the weight pass: its gradients counted as autograd's are
     finally:
         for handle in handles:
             handle.remove()
-    return MicroBatchMemory(held, forward_peak, peak, sum(grad_elements.values()))
+    return MicroBatchMemory(held, forward_peak, peak, sum(grad_elements.values()), awaiting)
 
 
 def _last_stage_loss(model: nn.Module, inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

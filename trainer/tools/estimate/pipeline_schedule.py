@@ -26,6 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from trillion.parallel.pipeline import Pipeline
+from trillion.parallel.planner.schedules import leaf_actions
 from trillion.trainer.tools.estimate.activations import MicroBatchMemory
 from trillion.trainer.tools.estimate.rank import StagePlan
 
@@ -64,17 +65,21 @@ def with_receives(
     return {index: one(index, m) for index, m in memory.items()}
 
 
-def in_flight_peak(actions: list, memory: dict[int, MicroBatchMemory]) -> tuple[int, int]:
+def in_flight_peak(actions: list, memory: dict[int, MicroBatchMemory], deferred: bool = False) -> tuple[int, int]:
     """(activation peak, most micro-batch chunks held at once) of a rank following `actions`: a
     forward keeps its stage's `held` bytes until that stage's full backward (B) or, under the
     zero-bubble schedules, its weight pass (W: the input-gradient pass I leaves the weights' inputs
-    saved); a forward or backward peaks at its own measured peak above what the others hold.
-    Chunks of one stage are alike, so a backward frees "one of its stage's" rather than a numbered
-    one: the single-stage schedules' lists (1F1B, GPipe) are built for display and number the last
-    rank's micro-batches from 1, though their order of forwards and backwards is the runtime's."""
-    live, peak, most = dict.fromkeys(memory, 0), 0, 0
-    held = lambda: sum(count * memory[stage].held for stage, count in live.items())  # noqa: E731
-    for action in _compute_actions(actions):
+    saved); with `deferred` (parallel.defer_weight_grads) the input pass frees them and what it queued
+    (`awaiting_weights`) waits for the W instead. A forward or backward peaks at its own measured peak
+    above what the others hold. Chunks of one stage are alike, so a backward frees "one of its stage's"
+    rather than a numbered one: the single-stage schedules' lists (1F1B, GPipe) are built for display and
+    number the last rank's micro-batches from 1, though their order of forwards and backwards is the runtime's."""
+    live, waiting, peak, most = dict.fromkeys(memory, 0), dict.fromkeys(memory, 0), 0, 0
+
+    def held() -> int:
+        return sum(live[stage] * m.held + waiting[stage] * m.awaiting_weights for stage, m in memory.items())
+
+    for action in leaf_actions(actions):
         kind, stage = action.computation_type.value, action.stage_index
         if kind == "F":
             peak = max(peak, held() + memory[stage].forward_peak)
@@ -82,18 +87,13 @@ def in_flight_peak(actions: list, memory: dict[int, MicroBatchMemory]) -> tuple[
             most = max(most, sum(live.values()))
         elif kind in ("B", "I"):
             peak = max(peak, held() - memory[stage].held + memory[stage].peak)
-        if kind in ("B", "W"):
+        if kind == "B" or (kind == "I" and deferred):
             live[stage] -= 1
+            waiting[stage] += kind == "I"
+        elif kind == "W":
+            waiting[stage] -= deferred
+            live[stage] -= not deferred
     return peak, most
-
-
-def _compute_actions(actions: list):
-    """The forwards and backwards of a rank's list in order, overlapped pairs (DualPipeV) unpacked."""
-    for action in actions:
-        if action is not None and action.sub_actions:
-            yield from _compute_actions(list(action.sub_actions))
-        elif action is not None:
-            yield action
 
 
 def receive_bytes(plan: StagePlan, pp_rank: int, microbatches: int, hidden_bytes: int) -> int:

@@ -184,5 +184,5 @@ class Simulation:
             return memory[0].peak, "measured", 1
         if self.schedule.receives_in_flight:
             memory = with_receives(memory, self.plan.last_index, self.hidden_bytes)
-        peak, in_flight = in_flight_peak(self.schedule.order[pp_rank], memory)
+        peak, in_flight = in_flight_peak(self.schedule.order[pp_rank], memory, self.dims.layout.defer_weight_grads)
         return peak, "measured", in_flight
