@@ -85,6 +85,7 @@ from trillion.parallel.float8_recipes import FLOAT8_RECIPES
 from trillion.parallel.layout import Layout
 from trillion.parallel.planner.assumptions import Assumptions
 from trillion.parallel.planner.block_cost import block_passes, output_passes
+from trillion.parallel.planner.deferred_weights import deferred_share, defers
 from trillion.parallel.planner.hardware import HardwareProfile
 from trillion.parallel.planner.memory import (
     RankParams,
@@ -288,6 +289,9 @@ def step_time(args: ModelArgs, hw: HardwareProfile, layout: Layout, seq_len: int
         args, hw, pipeline_part(layout), seq_len, assumed
     )
     chunk = (passes.forward / v, recompute.forward / v, passes.input_grad / v, passes.weight_grad / v)
+    if defers(layout):  # the W holds the deferred products' share; the rest runs in the input pass
+        share = deferred_share(args, layout)
+        chunk = (*chunk[:2], chunk[2] + (1 - share) * chunk[3], share * chunk[3])
     slots = bubble_slots(schedule, p, joined=modes.joins_weight_passes(layout))
     bubble = max(0.0, sum(s * c for s, c in zip(slots, chunk))) if p > 1 else 0.0
 

@@ -9,17 +9,16 @@ replicated: parallel/tensor_parallel.py's plan):
   zero2  + 2 bytes: the gathered bf16 copy, kept through all micro-batches of the step
   zero1  + the bf16 copy, and gradients accumulate unsharded in fp32 until the last micro-batch
 (bytes per parameter), as parallel/fsdp.py does; with Muon (assumptions.optimizer) a hidden matrix keeps one 4-byte
-state instead of AdamW's 8, and its step's buffers count where they pass the activations (optimizer.py). The
-root (embeddings, final norm, output) is never resharded after forward, so under zero3 its bf16 copy is held
-through the step too. A
-pipeline schedule turns gradient sync off until the last micro-batch and keeps its stages
-gathered from their first backward on, whatever the mode, so with pp > 1 every mode costs zero1's
-bytes (measured in gloo runs by `trillion estimate`, trainer/tools/estimate/dry_run.py). Its stages hold a received
-hidden state for every micro-batch in flight (parallel/pipeline_stage.py), counted with the buffers.
-Activations per layer are activations.py's, by checkpointing mode.
-Context parallelism (cp): a rank holds s / cp of every sequence, so its activations are those of
-s / cp tokens, plus the whole sequence's K and V that attention gathers per block: kept for backward
-by every block that is not checkpointed, held once while one block runs. FSDP shards the states over
+state instead of AdamW's 8, and its step's buffers count where they pass the activations (optimizer.py). The root
+(embeddings, final norm, output) is never resharded after forward, so under zero3 its bf16 copy is held through the
+step too. A pipeline schedule turns gradient sync off until the last micro-batch and keeps its stages gathered from
+their first backward on, whatever the mode, so with pp > 1 every mode costs zero1's bytes (measured in gloo runs by
+`trillion estimate`, trainer/tools/estimate/dry_run.py). Its stages hold a received hidden state for every
+micro-batch in flight (parallel/pipeline_stage.py), counted with the buffers. Activations per layer are
+activations.py's, by checkpointing mode; under parallel.defer_weight_grads a chunk's input pass leaves what it queued
+until its W (deferred_weights.py). Context parallelism (cp): a rank holds s / cp of every sequence, so its
+activations are those of s / cp tokens, plus the whole sequence's K and V that attention gathers per block: kept for
+backward by every block that is not checkpointed, held once while one block runs. FSDP shards the states over
 dp_shard x cp (the cp ranks hold the same weights).
 """
 
@@ -42,6 +41,7 @@ from trillion.parallel.planner.activations import (
     output_activation_bytes,
 )
 from trillion.parallel.planner.assumptions import Assumptions
+from trillion.parallel.planner.deferred_weights import chunk_deferred_bytes, defers, queued_in_flight
 from trillion.parallel.planner.moe import expert_numel, expert_shards, pairs, routed_tokens
 from trillion.parallel.planner.optimizer import state_bytes, step_buffer_bytes
 from trillion.parallel.planner.shards import ParamSpec, local_numel
@@ -221,14 +221,8 @@ def _pipeline_ranks(
 
 def layers_from(args: ModelArgs, layout: Layout, first: int) -> list[int]:
     """Each pipeline rank's layers at index `first` or later (a 4-bit recipe's bf16 tail: cost.py)."""
-    held = _rank_units(
-        args.n_layers,
-        layout.pp,
-        layout.virtual_stages,
-        layout.pp_schedule,
-        layout.stage_layers.written,
-        parts.ahead_modules(args)[0],
-    )
+    shape = (layout.pp, layout.virtual_stages, layout.pp_schedule, layout.stage_layers.written)
+    held = _rank_units(args.n_layers, *shape, parts.ahead_modules(args)[0])
     return [sum(1 for units in ranges for unit in units if first < unit <= args.n_layers) for ranges in held]
 
 
@@ -298,12 +292,10 @@ def rank_memory(
     parameters, gradients, _ = states_bytes(tp_numel, shard_numel, mode)
     dtype = assumed.optimizer_state_dtype
     optimizer = state_bytes(args, layout, assumed.optimizer, rank, shard_numel, dtype)  # AdamW's or Muon's
-
     n_ckpt = rank.checkpointed(layout.activation_checkpoint)
     dense_layer, moe_layer, kept = _layer_kinds(args, layout, seq_len, assumed, kept=True)
-    full_layer = (dense_layer * (rank.layers - rank.routed_layers) + moe_layer * rank.routed_layers) / max(
-        rank.layers, 1
-    )
+    dense_layers = rank.layers - rank.routed_layers
+    full_layer = (dense_layer * dense_layers + moe_layer * rank.routed_layers) / max(rank.layers, 1)
     gathered_kv = ms * seq_len * parts.block(args).heads.kv_width / tp * ACTIVATION_BYTES if cp > 1 else 0
     per_microbatch = n_ckpt * kept + (rank.layers - n_ckpt) * (full_layer + gathered_kv)
     per_microbatch += rank.ahead_modules * (ahead_module_bytes(args, tokens, dense_layer, moe_layer) + gathered_kv)
@@ -367,13 +359,17 @@ def layout_memory(args: ModelArgs, layout: Layout, seq_len: int, assumed: Assump
     """Memory of the fullest GPU under what the plan assumes (`assumed`): each kind's earliest rank (DualPipeV's
     chunks trade counts across the ranks: every rank), in flight falling from the first rank's to the last's."""
     schedule, candidates = modes.schedule(layout.pp_schedule, "--pp-schedule"), []
-    if schedule.in_flight in ("pipeline+1", "interleaved") and layout.pp > 1:  # a rank's chunks hold unequal counts
+    if layout.pp > 1 and (schedule.in_flight in ("pipeline+1", "interleaved") or defers(layout)):  # unequal chunks
         extra = modes.INTERLEAVED_EXTRA_WARMUP if modes.pairs_interleaved(layout) else 0
         layers = _layer_kinds(args, layout, seq_len, assumed, kept=True)
         kinds = enumerate(pipeline_ranks(args, layout)) if schedule.v_shape else _earliest_of_each_kind(args, layout)
         for index, rank in kinds:
             held = _chunk_bytes(args, layout, seq_len, layers, rank)
-            if schedule.v_shape:  # DualPipeV
+            if defers(layout):  # what the input passes leave queued too, in the schedule's order
+                in_flight, counts = queued_in_flight(
+                    layout, index, held, chunk_deferred_bytes(args, layout, seq_len, rank)
+                )
+            elif schedule.v_shape:  # DualPipeV
                 in_flight = schedules.dualpipe_in_flight(layout.pp, layout.microbatches, index, held)
                 counts = schedules.dualpipe_chunks_in_flight(layout.pp, layout.microbatches, index)
             else:

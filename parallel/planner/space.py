@@ -38,7 +38,8 @@ OPTIMIZERS = ("adamw", "muon")  # optimizer.name: not searched (it changes the t
 LAYOUT_FIELDS = tuple(  # the Layout's settings a plan may fix, as `trillion plan` flags name them
     "tp pp dp_replicate dp_shard dp_shard_mode pp_schedule virtual_stages micro_batch_size activation_checkpoint cp "
     "compile float8 float8_recipe float8_linears float8_experts float8_dispatch float8_cache_activations "
-    "float8_combine_gradient ep etp ep_dispatch ep_capacity ep_overlap ep_pairing_phase tp_overlap async_tp "
+    "float8_combine_gradient ep etp ep_dispatch ep_capacity ep_overlap ep_pairing_phase defer_weight_grads tp_overlap "
+    "async_tp "
     "pp_layout".split()
 )
 ASSUMPTION_FIELDS = ("moe_load_imbalance", "optimizer", "optimizer_state_dtype", "attention_share", "ema_decay")
@@ -295,25 +296,37 @@ def _schedules_for(
                     zero_modes,
                     _hiding_options(request, tp, cp, mb),
                 ):
-                    yield Layout(
-                        tp=tp,
-                        pp=pp,
-                        dp_replicate=dp // dp_shard,
-                        dp_shard=dp_shard,
-                        dp_shard_mode=mode,
-                        pp_schedule=name,
-                        virtual_stages=v,
-                        micro_batch_size=mb,
-                        microbatches=m,
-                        activation_checkpoint=ac,
-                        compile=request.fixed.get("compile", False),
-                        cp=cp,
-                        float8=_float8(request, dp * cp > 1, ep),
-                        stage_layers=_written_stages(request, pp),
-                        **experts,
-                        **dispatch,
-                        **hiding,
-                    )
+                    for deferred in _deferral(request, tp, pp, name, ac, ep):
+                        yield Layout(
+                            tp=tp,
+                            pp=pp,
+                            dp_replicate=dp // dp_shard,
+                            dp_shard=dp_shard,
+                            dp_shard_mode=mode,
+                            pp_schedule=name,
+                            virtual_stages=v,
+                            micro_batch_size=mb,
+                            microbatches=m,
+                            activation_checkpoint=ac,
+                            compile=request.fixed.get("compile", False),
+                            cp=cp,
+                            float8=_float8(request, dp * cp > 1, ep),
+                            stage_layers=_written_stages(request, pp),
+                            defer_weight_grads=deferred,
+                            **experts,
+                            **dispatch,
+                            **hiding,
+                        )
+
+
+def _deferral(request: Request, tp: int, pp: int, schedule: str, checkpoint: str, ep: int) -> list[bool]:
+    """parallel.defer_weight_grads as fixed, else both where it changes the step (a split-backward schedule whose
+    weight passes the checkpointing would otherwise join, modes.joins_weight_passes, with whole linears: tp 1): the
+    filled bubble against the memory of the queues; off elsewhere."""
+    if "defer_weight_grads" in request.fixed:
+        return [request.fixed["defer_weight_grads"]]
+    joined = modes.joins_weight_passes(Layout(pp=pp, pp_schedule=schedule, ep=ep, activation_checkpoint=checkpoint))
+    return [True, False] if tp == 1 and joined else [False]
 
 
 def _written_stages(request: Request, pp: int) -> StageLayers:

@@ -272,6 +272,8 @@ def test_deepseeks_recipe_fits_the_plans_memory_with_the_float8_activation_cache
     assert config.float8.cache_activations and config.parallel.activation_checkpoint == "deepseek"
     assert row["ep_pairing_phase"] == config.parallel.ep_pairing_phase == 4  # the pairing's phase the plan timed
     assert row["float8_combine_gradient"] and config.float8.combine_gradient
+    # its weight gradients deferred, as DeepSeek's WeightGradStore defers them (searched on and off: on is faster)
+    assert row["defer_weight_grads"] and config.parallel.defer_weight_grads
     uncached = [*DEEPSEEK_PLAN, *DEEPSEEK_LAYOUT, *DEEPSEEK_RECIPE[:-1], "--config-out", ""]
     assert main(uncached) != 0
-    assert "fits in memory: of 2 valid layouts the smallest needs 98.1 GB" in capsys.readouterr().err
+    assert "fits in memory: of 4 valid layouts the smallest needs 98.1 GB" in capsys.readouterr().err

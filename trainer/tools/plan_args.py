@@ -23,6 +23,13 @@ def add_dispatch_arguments(fixed) -> None:
         help="MoE models: overlap the expert all-to-alls with compute (default on with ep > 1; parallel.ep_overlap)",
     )
     fixed.add_argument(
+        "--defer-weight-grads",
+        choices=("on", "off"),
+        default=None,
+        help="Split-backward schedules: queue the weight gradients for the schedule's weight passes (default on where "
+        "checkpointing would otherwise run them with the input passes, tp 1; parallel.defer_weight_grads)",
+    )
+    fixed.add_argument(
         "--ep-pairing-phase",
         type=int,
         default=None,

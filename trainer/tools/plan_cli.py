@@ -205,7 +205,7 @@ def request_from(ns: argparse.Namespace) -> Request:
     settings = PartSettings(ns.model, mtp=MTPSettings(modules=given.get("mtp_modules", -1)))
     args = parts.apply_settings(get_preset(ns.model), settings)
     fixed = {k: value for k in (*LAYOUT_FIELDS, *ASSUMPTION_FIELDS) if (value := getattr(ns, k, None)) is not None}
-    for switch in ("ep_overlap", "async_tp", "float8_linears"):  # on | off
+    for switch in ("ep_overlap", "defer_weight_grads", "async_tp", "float8_linears"):  # on | off
         if switch in fixed:
             fixed[switch] = fixed[switch] == "on"
     seq_len = ns.seq_len or args.max_seq_len

@@ -43,6 +43,7 @@ def train_config_toml(request: Request, row: dict) -> str:
     config.parallel.ep_dispatch = request.fixed.get("ep_dispatch", "auto")  # auto: as the plan resolved it
     config.parallel.ep_overlap = row["ep_overlap"] and row["ep"] > 1
     config.parallel.ep_pairing_phase = row["ep_pairing_phase"]  # the plan's (0 where nothing pairs across stages)
+    config.parallel.defer_weight_grads = row["defer_weight_grads"]
     config.parallel.tp_overlap, config.parallel.async_tp = row["tp_overlap"], row["async_tp"]
     config.moe.rank_capacity_factor = row["ep_capacity"]
     config.optimizer.name = row["optimizer"]
