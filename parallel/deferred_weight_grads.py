@@ -14,9 +14,9 @@ during an input-gradient pass (pipeline_stage.py opens it): a full backward (1F1
 W after it and computes its weight gradients as it goes, holding nothing more.
 
 What defers, in the blocks and the multi-token prediction modules (not the output head: BLOCK_CONTAINERS): the
-linears whose weight is a plain tensor (nn.Linear, and torchao's Float8Linear, whose product's
-backward is split here with torchao's own casts: a queued float8 weight gradient holds its operands in float8), and
-the routed experts' grouped products, high precision or float8 by the project's own blockwise product
+linears whose weight is a plain tensor (nn.Linear, and torchao's Float8Linear, whose product's backward is split
+here with torchao's own casts: a queued float8 weight gradient holds its operands in float8), and the routed
+experts' grouped products, high precision or float8 by the project's own blockwise product
 (kernels/float8_grouped_gemm.py; torchao's rowwise and MXFP8 grouped products own their backward). Not the
 tensor-parallel linears (DTensor weights), the norms, the embeddings: they compute their weight gradients in the
 input pass, as without deferral; the result is the same, the W action just holds less.

@@ -102,6 +102,7 @@ def run_layout(run: dict, gpus: int) -> Layout:
         etp=spec.get("etp") or resolve_etp(0, tp=spec["tp"], ep=spec.get("ep", 1), dp_shard=dp_shard)[0],
         ep_dispatch=spec.get("ep_dispatch", Layout.ep_dispatch),
         ep_overlap=spec.get("ep_overlap", False),
+        defer_weight_grads=spec.get("defer_weight_grads", False),
         tp_overlap=spec.get("tp_overlap", 0),
         async_tp=spec.get("async_tp", False),
         stage_layers=StageLayers(written=spec["pp_layout"])
