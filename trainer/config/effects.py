@@ -2,11 +2,11 @@
 where it does nothing (float8.emulate without float8.enabled, a Muon setting under AdamW, moe.* on a dense model)
 is refused with one paragraph naming it, what it needs and the flag that gives it, instead of being ignored.
 
-`RULES` lists each such setting with the condition it needs; `ALWAYS_ACTS` names every other setting, with why
-it acts whatever the rest says (or why the config alone cannot tell). tests/test_config_effects.py walks every
-field of every section and fails for one in neither, so a new setting forces the decision. A default is never
-refused, and `without_idle` lets code that derives a config from another leave such settings out.
-Each condition reads the setting's own users: the code that reads it does so only where the condition holds.
+`RULES` lists each such setting with the condition it needs; `ALWAYS_ACTS` names every other setting, with why it
+acts whatever the rest says (or why the config alone cannot tell). tests/test_config_effects.py walks every field of
+every section and fails for one in neither, so a new setting forces the decision. A default is never refused, and
+`without_idle` lets code that derives a config from another leave such settings out. Each condition reads the
+setting's own users: the code that reads it does so only where the condition holds.
 """
 
 import copy
@@ -105,8 +105,7 @@ RULES = (
         "pp_schedule DualPipeV or Interleaved1F1B at parallel.pp > 1)",
         lambda c: pairs_across_stages(c.parallel),  # its fields are the Layout's names
         ("parallel.ep_overlap", "parallel.ep", "parallel.pp", "parallel.pp_schedule"),
-        "Add --parallel.ep_overlap=true, --parallel.ep=2, --parallel.pp=2 and --parallel.pp_schedule=DualPipeV (an MoE "
-        "model)",
+        "Add --parallel.ep_overlap=true, --parallel.ep=2, --parallel.pp=2 and --parallel.pp_schedule=DualPipeV (MoE)",
     ),
     Needs(
         ("parallel.etp",),
@@ -330,6 +329,7 @@ ALWAYS_ACTS = {
     "parallel.tp": "the layout",
     "parallel.tp_overlap": "how TP's collectives run; refused without tp > 1 by the layout's checks (tp_checks.py)",
     "parallel.async_tp": "how TP's collectives run; refused without tp > 1 or compile by the layout's checks",
+    "parallel.defer_weight_grads": "refused without a schedule's weight passes, or with tp > 1, by the layout's checks",
     "parallel.ep": "the layout; refused on a dense model by the layout's checks",
     "parallel.ranks_per_node": "the expert dispatch's nodes, and trillion estimate's placement of ranks",
     "parallel.pp": "the layout",
