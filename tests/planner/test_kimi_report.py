@@ -1,6 +1,8 @@
 """experiments/frontier/kimi_k2_report.py, which writes KIMI_K2.md, run on a small setting: it plans every machine,
 keeps the Frontier plan inside the MI250X GCD's 64 GB and records that float8 is refused there."""
 
+import pytest
+
 from experiments.frontier.kimi_k2_report import HARDWARE, main
 from tests.helpers.documentation import documentation_text
 
@@ -42,6 +44,7 @@ def test_the_guides_kimi_k2_on_frontier_is_the_planners_prediction():
         assert text in docs, text
 
 
+@pytest.mark.slow  # about 100 s: two 4096-GPU searches (the Frontier plan's quotes stay in the default suite)
 def test_the_guides_kimi_k2_days_on_h100_and_mi300x_are_the_planners():
     from experiments.frontier.kimi_k2_report import plan
     from trillion.models.presets import get_preset
