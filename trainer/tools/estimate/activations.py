@@ -60,15 +60,15 @@ def measure_micro_batch(
     model: nn.Module, inputs: torch.Tensor, target: torch.Tensor, tp_enabled: bool, last: bool, gpu: bool = True
 ) -> MicroBatchMemory:
     """Forward and backward of one micro-batch under MemTracker. `inputs`: tokens, or the hidden state a
-        later stage receives; `target`: the labels on the `last` stage (its loss is the trainer's), else
-        the gradient the next stage sends back for the output. Both exist before tracking starts, as the
-        pipeline's receive buffers do, and are left out of every figure. Weight gradients are dropped once
-        accumulated (FSDP reduce-scatters and frees them; the kept shards are counted as gradients), so the
-        figures are activations, their gradients and the temporaries of backward (under parallel.defer_weight_grads the
-    backward runs as an input-gradient pass, its peak holding what it queues: `awaiting_weights`). Under TP alone a
-        vocabulary-parallel embedding gets a replicated, whole-table gradient (DTensor's embedding backward
-        does not keep the shard), which `grad_elements` reports. `gpu`: the run is for GPUs, whose fused norms meta
-        tensors then keep (`_norm_on_meta`); else torch's norms keep on meta what they keep on a CPU."""
+    later stage receives; `target`: the labels on the `last` stage (its loss is the trainer's), else
+    the gradient the next stage sends back for the output. Both exist before tracking starts, as the
+    pipeline's receive buffers do, and are left out of every figure. Weight gradients are dropped once
+    accumulated (FSDP reduce-scatters and frees them; the kept shards are counted as gradients), so the
+    figures are activations, their gradients and the temporaries of backward (under parallel.defer_weight_grads
+    the backward runs as an input-gradient pass, its peak holding what it queues: `awaiting_weights`). Under TP
+    alone a vocabulary-parallel embedding gets a replicated, whole-table gradient (DTensor's embedding backward
+    does not keep the shard), which `grad_elements` reports. `gpu`: the run is for GPUs, whose fused norms meta
+    tensors then keep (`_norm_on_meta`); else torch's norms keep on meta what they keep on a CPU."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from trillion.parallel.tensor_parallel import loss_context
@@ -108,8 +108,9 @@ def measure_micro_batch(
                 output.backward(None if last else target)  # as an input-gradient pass, under deferral
             del output
             peak = _device_total(tracker.get_tracker_snapshot("peak"), device) - base
-            awaiting = _device_total(tracker.get_tracker_snapshot("current"), device) - base if queue else 0
+            awaiting = 0
             if queue is not None:
+                awaiting = _device_total(tracker.get_tracker_snapshot("current"), device) - base
                 queue.take()()  # the weight pass: its gradients counted as autograd's are
     finally:
         for handle in handles:
